@@ -1,0 +1,167 @@
+"""Tiny, deterministic Hugging Face checkpoints (model + tokenizer) for tests of any layer.
+
+`build_tiny_checkpoint(tmp_path, arch, **config_overrides)` writes an ordinary checkpoint
+directory (config.json, model.safetensors, tokenizer files, generation_config.json) that both
+transformers and tokenwise can load, and returns its path.
+
+Why the weights are not HF's defaults: HF initialises matrices with std 0.02, norms to one and
+biases to zero. Attention over such weights is nearly uniform and a bias or norm weight that is
+never loaded changes nothing, so a comparison against HF would pass even with those bugs. Here
+matrices use std 0.2 (peaked attention, decisive greedy choices) and every norm weight and bias
+gets noise, so each parameter affects the logits.
+
+Builds are cached per process and copied into `tmp_path`, so tests may modify their copy.
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+EOS_TOKEN = "<|endoftext|>"
+BOS_TOKEN = "<|begin_of_text|>"
+TOKENIZER_VOCAB_SIZE = 300
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+_TEXT = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world! Hello tokenwise, a small inference engine.",
+    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)",
+    "import os\nimport sys\nprint(os.path.join('a', 'b'))",
+    "Once upon a time there was a tiny model that predicted the next token.",
+    "The cat sat on the mat. The dog sat on the log. The bird sat on the tree.",
+    "Paged attention stores keys and values in fixed-size blocks of memory.",
+    "Continuous batching adds new requests to the running batch at every step.",
+] * 4
+
+_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "MistralForCausalLM": {"sliding_window": None},
+    # head_dim != hidden_size // num_heads, to exercise the explicit head_dim path.
+    "Qwen3ForCausalLM": {"head_dim": 32},
+}
+_CACHE_DIR: str | None = None
+
+
+@lru_cache(maxsize=1)
+def tiny_tokenizer() -> Any:
+    """A byte-level BPE (every string encodes; no <unk>) with BOS/EOS special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=[EOS_TOKEN, BOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_TEXT, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        model_max_length=512,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def tiny_config(arch: str = "LlamaForCausalLM", **overrides: Any) -> Any:
+    """The HF config of a tiny model: hidden 64, 2 layers, 4 heads (2 KV), fp32."""
+    from transformers import AutoConfig
+
+    if arch not in _MODEL_TYPES:
+        raise ValueError(f"no tiny checkpoint recipe for {arch!r}; known: {sorted(_MODEL_TYPES)}")
+    tokenizer = tiny_tokenizer()
+    kwargs: dict[str, Any] = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "vocab_size": len(tokenizer),
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.2,
+        "rms_norm_eps": 1e-6,
+        "architectures": [arch],
+        **_ARCH_DEFAULTS.get(arch, {}),
+        **overrides,
+    }
+    config = AutoConfig.for_model(_MODEL_TYPES[arch], **kwargs)
+    config.dtype = torch.float32
+    return config
+
+
+@torch.no_grad()
+def _perturb(model: torch.nn.Module, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed + 1)
+    for name, param in model.named_parameters():
+        if param.dim() == 1:
+            noise = torch.randn(param.shape, generator=generator) * 0.1
+            param.copy_(noise + (0.0 if name.endswith("bias") else 1.0))
+
+
+def _build(out_dir: str, arch: str, seed: int, overrides: dict[str, Any]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(arch, **copy.deepcopy(overrides))  # HF edits rope dicts in place
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _perturb(model, seed)
+    model.save_pretrained(out_dir)
+    tiny_tokenizer().save_pretrained(out_dir)
+
+
+def _cache_dir() -> str:
+    global _CACHE_DIR
+    if _CACHE_DIR is None:
+        _CACHE_DIR = tempfile.mkdtemp(prefix="tokenwise-tiny-")
+        atexit.register(shutil.rmtree, _CACHE_DIR, True)
+    return _CACHE_DIR
+
+
+def build_tiny_checkpoint(
+    tmp_path: str | os.PathLike[str],
+    arch: str = "LlamaForCausalLM",
+    *,
+    seed: int = 0,
+    **config_overrides: Any,
+) -> str:
+    """Write a tiny random `arch` checkpoint with a tokenizer under `tmp_path`; return its dir.
+
+    `config_overrides` go to the HF config (e.g. `tie_word_embeddings=True`,
+    `sliding_window=8`, `rope_scaling={...}`, `num_hidden_layers=1`). Same arguments, same
+    bytes: the weights depend only on `seed` and the config.
+    """
+    key = json.dumps([arch, seed, config_overrides], sort_keys=True, default=str)
+    digest = hashlib.sha1(key.encode()).hexdigest()[:10]
+    cached = os.path.join(_cache_dir(), digest)
+    if not os.path.isdir(cached):
+        staging = tempfile.mkdtemp(dir=_cache_dir())
+        _build(staging, arch, seed, config_overrides)
+        os.replace(staging, cached)
+    out = os.path.join(os.fspath(tmp_path), f"{arch}-{digest}")
+    shutil.copytree(cached, out, dirs_exist_ok=True)
+    return out

@@ -1,0 +1,28 @@
+"""tokenwise: a readable LLM inference engine.
+
+The heavy entry points (``LLM``, ``SamplingParams``) are imported lazily so that
+``import tokenwise.forward_context`` stays cheap and free of model code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from tokenwise.entrypoints.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from tokenwise.sampling.params import SamplingParams
+
+        return SamplingParams
+    if name in ("RequestOutput", "CompletionOutput"):
+        from tokenwise import outputs
+
+        return getattr(outputs, name)
+    raise AttributeError(f"module 'tokenwise' has no attribute {name!r}")

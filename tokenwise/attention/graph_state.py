@@ -1,0 +1,142 @@
+"""Persistent attention buffers for CUDA-graph capture and replay.
+
+A captured graph reads fixed addresses, so the metadata tensors a graph uses (slot mapping,
+sequence lengths, block tables) must live in buffers allocated once; before each replay the real
+batch is copied into them. Padding rows hold PAD slots and length-1 sequences so that they never
+write or read a real KV block. Nothing here needs a GPU: capture itself happens in the runner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tokenwise.attention.utils import PAD_SLOT_ID
+
+if TYPE_CHECKING:
+    from tokenwise.attention.metadata import AttentionMetadata
+
+
+class CommonAttentionState:
+    """Owns the graph input buffers for one attention spec."""
+
+    def __init__(
+        self, max_batch_size: int, max_blocks_per_seq: int, block_size: int, device: Any = "cpu"
+    ) -> None:
+        self.max_batch_size = max_batch_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.block_size = block_size
+        self.device = torch.device(device)
+        # Host staging buffer for block tables: written row by row, copied to device once.
+        self.graph_block_tables = torch.zeros(
+            (max_batch_size, max_blocks_per_seq), dtype=torch.int32
+        )
+        self._is_graph_capturing = False
+        self._graph_slot_mapping: torch.Tensor | None = None
+        self._graph_seq_lens: torch.Tensor | None = None
+        self._graph_block_tables: torch.Tensor | None = None
+
+    @contextmanager
+    def graph_capture(self, max_batch_size: int) -> Iterator[None]:
+        """Allocate the device buffers for the duration of capture (and replay afterwards)."""
+        if max_batch_size > self.max_batch_size:
+            raise ValueError(
+                f"graph capture batch size {max_batch_size} exceeds max_batch_size "
+                f"{self.max_batch_size}"
+            )
+        self._is_graph_capturing = True
+        self._graph_slot_mapping = torch.full(
+            (max_batch_size,), PAD_SLOT_ID, dtype=torch.int64, device=self.device
+        )
+        self._graph_seq_lens = torch.ones(max_batch_size, dtype=torch.int32, device=self.device)
+        self._graph_block_tables = self.graph_block_tables[:max_batch_size].to(self.device)
+        try:
+            yield
+        finally:
+            self._is_graph_capturing = False
+
+    def graph_clone(self, batch_size: int) -> CommonAttentionState:
+        """A state with fresh buffers of the same shape (for capturing another graph family)."""
+        if not self._is_graph_capturing:
+            raise RuntimeError("graph_clone() is only valid inside graph_capture()")
+        return CommonAttentionState(
+            batch_size, self.max_blocks_per_seq, self.block_size, self.device
+        )
+
+    def graph_capture_get_metadata_for_batch(self, batch_size: int) -> AttentionMetadata:
+        """Metadata for capturing a decode batch of `batch_size` padding-only rows."""
+        from tokenwise.attention.metadata import AttentionMetadata
+
+        if self._graph_slot_mapping is None or not self._is_graph_capturing:
+            raise RuntimeError("call graph_capture_get_metadata_for_batch inside graph_capture()")
+        assert self._graph_seq_lens is not None and self._graph_block_tables is not None
+        return AttentionMetadata(
+            num_prefills=0,
+            num_prefill_tokens=0,
+            num_decode_tokens=batch_size,
+            slot_mapping=self._graph_slot_mapping[:batch_size],
+            seq_lens=None,
+            seq_lens_tensor=self._graph_seq_lens[:batch_size],
+            max_query_len=1,
+            max_prefill_seq_len=0,
+            max_decode_seq_len=self.max_blocks_per_seq * self.block_size,
+            query_start_loc=None,
+            seq_start_loc=None,
+            context_lens_tensor=None,
+            block_tables=self._graph_block_tables[:batch_size],
+            use_cuda_graph=True,
+            query_lens=[1] * batch_size,
+            context_lens=[0] * batch_size,
+            block_table_first_block=[0] * batch_size,
+            block_size=self.block_size,
+        )
+
+    def get_graph_input_buffers(self, attn_metadata: AttentionMetadata) -> dict[str, torch.Tensor]:
+        """The tensors a captured graph reads, keyed by name."""
+        decode = attn_metadata.decode_metadata
+        if decode is None:
+            raise ValueError("graph input buffers exist only for decode batches")
+        assert decode.seq_lens_tensor is not None
+        return {
+            "slot_mapping": attn_metadata.slot_mapping,
+            "seq_lens_tensor": decode.seq_lens_tensor,
+            "block_tables": decode.block_tables,
+        }
+
+    def prepare_graph_input_buffers(
+        self, input_buffers: dict[str, torch.Tensor], attn_metadata: AttentionMetadata
+    ) -> None:
+        """Copy the real batch into the captured buffers before replay (padding rows stay)."""
+        decode = attn_metadata.decode_metadata
+        if decode is None or decode.seq_lens_tensor is None:
+            raise ValueError("only decode batches replay a full graph")
+        n = decode.seq_lens_tensor.shape[0]
+        input_buffers["slot_mapping"][: attn_metadata.slot_mapping.shape[0]].copy_(
+            attn_metadata.slot_mapping, non_blocking=True
+        )
+        input_buffers["seq_lens_tensor"][:n].copy_(decode.seq_lens_tensor, non_blocking=True)
+        cols = decode.block_tables.shape[1]
+        input_buffers["block_tables"][:n, :cols].copy_(decode.block_tables, non_blocking=True)
+
+    def begin_forward(self, model_input: Any) -> None:
+        """Hook before each forward pass; the torch backends need no per-step preparation."""
+
+    def write_block_tables(self, block_tables: list[list[int]], batch_size: int) -> torch.Tensor:
+        """Fill the host buffer's first rows with the real tables (padding rows zeroed)."""
+        if batch_size > self.max_batch_size:
+            raise ValueError(
+                f"batch_size {batch_size} exceeds max_batch_size {self.max_batch_size}"
+            )
+        buf = self.graph_block_tables[:batch_size]
+        buf.zero_()
+        for i, table in enumerate(block_tables):
+            if len(table) > self.max_blocks_per_seq:
+                raise ValueError(
+                    f"block table of {len(table)} blocks exceeds max_blocks_per_seq "
+                    f"{self.max_blocks_per_seq}"
+                )
+            buf[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        return buf

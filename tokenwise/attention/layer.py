@@ -1,0 +1,131 @@
+"""The attention layer and its one opaque custom op (SPEC §5).
+
+Model code calls `Attention.forward(q, k, v)` on a flat token stream and never sees batch
+structure. The layer hands its tensors and *its name* to `tokenwise::unified_attention`; the
+op's body looks the layer, its KV cache and this step's metadata up in the forward context.
+Because the op takes only tensors and a string, `torch.compile` treats it as one opaque node and
+cuts the graph there (piecewise compilation), while everything between attention calls compiles.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenwise.attention.backends.selector import get_attn_backend
+from tokenwise.attention.utils import AttentionType
+from tokenwise.config import EngineConfig
+from tokenwise.forward_context import get_forward_context, is_forward_context_available
+from tokenwise.layer_registry import register_static_layer
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query attention over a paged KV cache.
+
+    q is `[num_tokens, num_heads * head_size]`, k and v `[num_tokens, num_kv_heads * head_size]`.
+    The KV cache is not a module buffer: the engine allocates it after measuring memory and binds
+    it by layer name (`kv_cache[virtual_engine]`).
+
+    Without a forward context (a model used on its own, outside the engine) the tokens are
+    treated as one causal sequence with no cache, which makes the model usable like a plain
+    PyTorch module in tests and notebooks.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        prefix: str = "",
+        config: EngineConfig | None = None,
+        sliding_window: int | None = None,
+        attn_type: str = AttentionType.DECODER,
+    ) -> None:
+        super().__init__()
+        num_kv_heads = num_kv_heads or num_heads
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError(f"only decoder attention is supported, got {attn_type}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.layer_name = prefix
+        self.attn_type = attn_type
+        self.kv_cache: list[torch.Tensor] = [torch.tensor([])]
+        self.impl = get_attn_backend(config).get_impl_cls()(
+            num_heads=num_heads,
+            head_size=head_size,
+            scale=scale,
+            num_kv_heads=num_kv_heads,
+            sliding_window=sliding_window,
+        )
+        if config is not None:
+            register_static_layer(config, prefix, self)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        if not is_forward_context_available():
+            return self._single_sequence_attention(query, key, value)
+        return torch.ops.tokenwise.unified_attention(query, key, value, self.layer_name)
+
+    def _single_sequence_attention(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> torch.Tensor:
+        num_tokens = query.shape[0]
+        q = query.view(num_tokens, self.num_heads, self.head_size).transpose(0, 1)
+        k = key.view(num_tokens, self.num_kv_heads, self.head_size).transpose(0, 1)
+        v = value.view(num_tokens, self.num_kv_heads, self.head_size).transpose(0, 1)
+        mask = None
+        if self.sliding_window is not None:
+            pos = torch.arange(num_tokens, device=query.device)
+            diff = pos[:, None] - pos[None, :]
+            mask = (diff >= 0) & (diff < self.sliding_window)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=self.scale,
+            enable_gqa=self.num_kv_heads != self.num_heads,
+        )
+        return out.transpose(0, 1).reshape(num_tokens, self.num_heads * self.head_size)
+
+    def extra_repr(self) -> str:
+        return (
+            f"name={self.layer_name!r}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
+            f"head_size={self.head_size}, sliding_window={self.sliding_window}"
+        )
+
+
+def _metadata_for(layer_name: str, attn_metadata: Any) -> Any:
+    if isinstance(attn_metadata, dict):
+        return attn_metadata[layer_name]
+    return attn_metadata
+
+
+@torch.library.custom_op("tokenwise::unified_attention", mutates_args=())
+def unified_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_name: str
+) -> torch.Tensor:
+    """Write this step's K/V into the paged cache and attend, for the layer named `layer_name`."""
+    ctx = get_forward_context()
+    layer: Attention = ctx.no_compile_layers[layer_name]
+    attn_metadata = _metadata_for(layer_name, ctx.attn_metadata)
+    kv_cache = layer.kv_cache[ctx.virtual_engine]
+    return layer.impl.forward(layer, query, key, value, kv_cache, attn_metadata)
+
+
+@unified_attention.register_fake
+def _unified_attention_fake(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_name: str
+) -> torch.Tensor:
+    return torch.empty_like(query)

@@ -1,0 +1,238 @@
+"""Attention metadata for one forward pass, and the builder that makes it once per step.
+
+Sequences are laid out prefills first, then decodes, so that a backend can split the flat token
+stream at `num_prefill_tokens` and run each half with the kernel suited to it. A decode is a
+sequence with query length 1; a chunk of a prompt (context > 0, query > 1) is a prefill.
+
+All layers that share an attention spec (block size, sliding window) share one metadata object;
+the runner builds one per distinct spec per step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+from tokenwise.attention.graph_state import CommonAttentionState
+from tokenwise.attention.utils import PAD_SLOT_ID, compute_slot_mapping
+
+__all__ = ["AttentionMetadata", "CommonAttentionState", "CommonMetadataBuilder"]
+
+
+@dataclass
+class AttentionMetadata:
+    """Batch structure as attention needs it. Tensors live on the model's device."""
+
+    num_prefills: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    slot_mapping: torch.Tensor  # [num_tokens] int64, PAD_SLOT_ID = do not write
+    seq_lens: list[int] | None  # total length of each sequence after this step
+    seq_lens_tensor: torch.Tensor | None  # [num_seqs] int32
+    max_query_len: int
+    max_prefill_seq_len: int
+    max_decode_seq_len: int
+    query_start_loc: torch.Tensor | None  # [num_seqs + 1] int32, cumulative query lengths
+    seq_start_loc: torch.Tensor | None  # [num_seqs + 1] int32, cumulative sequence lengths
+    context_lens_tensor: torch.Tensor | None  # [num_seqs] int32, tokens already in the cache
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32 (rows padded with 0)
+    use_cuda_graph: bool = False
+    # Beyond the reference fields: host-side copies so CPU backends never read device tensors,
+    # and the first block each (possibly window-trimmed) block table row starts at.
+    query_lens: list[int] = field(default_factory=list)
+    context_lens: list[int] = field(default_factory=list)
+    block_table_first_block: list[int] = field(default_factory=list)
+    block_size: int = 16
+    sliding_window: int | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_decodes(self) -> int:
+        return self.num_seqs - self.num_prefills
+
+    @cached_property
+    def prefill_metadata(self) -> AttentionMetadata | None:
+        """A view of the prefill sequences only (None when the batch has none)."""
+        if self.num_prefills == 0:
+            return None
+        return self._slice(0, self.num_prefills, 0, self.num_prefill_tokens, decode=False)
+
+    @cached_property
+    def decode_metadata(self) -> AttentionMetadata | None:
+        """A view of the decode sequences only (None when the batch has none)."""
+        if self.num_decode_tokens == 0:
+            return None
+        n = self.num_prefill_tokens
+        return self._slice(self.num_prefills, None, n, n + self.num_decode_tokens, decode=True)
+
+    def _slice(
+        self, seq_lo: int, seq_hi: int | None, tok_lo: int, tok_hi: int, decode: bool
+    ) -> AttentionMetadata:
+        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[seq_lo:seq_hi]
+
+        def rebase(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            part = t[seq_lo : None if seq_hi is None else seq_hi + 1]
+            return part - part[0]
+
+        query_lens = self.query_lens[seq_lo:seq_hi]
+        return AttentionMetadata(
+            num_prefills=0 if decode else self.num_prefills,
+            num_prefill_tokens=0 if decode else self.num_prefill_tokens,
+            num_decode_tokens=self.num_decode_tokens if decode else 0,
+            slot_mapping=self.slot_mapping[tok_lo:tok_hi],
+            seq_lens=None if self.seq_lens is None else self.seq_lens[seq_lo:seq_hi],
+            seq_lens_tensor=cut(self.seq_lens_tensor),
+            max_query_len=max(query_lens, default=0),
+            max_prefill_seq_len=0 if decode else self.max_prefill_seq_len,
+            max_decode_seq_len=self.max_decode_seq_len if decode else 0,
+            query_start_loc=rebase(self.query_start_loc),
+            seq_start_loc=rebase(self.seq_start_loc),
+            context_lens_tensor=cut(self.context_lens_tensor),
+            block_tables=self.block_tables[seq_lo:seq_hi],
+            use_cuda_graph=self.use_cuda_graph,
+            query_lens=query_lens,
+            context_lens=self.context_lens[seq_lo:seq_hi],
+            block_table_first_block=self.block_table_first_block[seq_lo:seq_hi],
+            block_size=self.block_size,
+            sliding_window=self.sliding_window,
+        )
+
+
+class CommonMetadataBuilder:
+    """Accumulates one step's sequences, then builds `AttentionMetadata` in one go.
+
+    Usage per step: `prepare()`, one `add_sequence(...)` per scheduled sequence (prefills
+    first), then `build(...)`. Every token's K/V is written to the cache, also under a sliding
+    window: blocks are never recycled inside a request and prefix caching shares full blocks,
+    so a cached block must hold all of its tokens.
+    """
+
+    def __init__(
+        self,
+        block_size: int,
+        sliding_window: int | None = None,
+        device: torch.device | str = "cpu",
+        attn_state: CommonAttentionState | None = None,
+    ) -> None:
+        self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.device = torch.device(device)
+        self.attn_state = attn_state
+        self.prepare()
+
+    def prepare(self) -> None:
+        self.slot_mapping: list[int] = []
+        self.block_tables: list[list[int]] = []
+        self.first_blocks: list[int] = []
+        self.context_lens: list[int] = []
+        self.query_lens: list[int] = []
+        self.num_prefills = 0
+        self.num_prefill_tokens = 0
+        self.num_decode_tokens = 0
+
+    def add_sequence(
+        self, seq_id: int, context_len: int, query_len: int, block_table: list[int]
+    ) -> None:
+        """Add a sequence computing `query_len` new tokens after `context_len` cached ones."""
+        if query_len < 1:
+            raise ValueError(f"query_len must be >= 1, got {query_len} (sequence {seq_id})")
+        is_prefill = query_len > 1
+        if is_prefill and self.num_decode_tokens:
+            raise ValueError("prefill sequences must be added before decode sequences")
+        seq_len = context_len + query_len
+        compute_slot_mapping(
+            False,
+            self.slot_mapping,
+            seq_id,
+            seq_len,
+            context_len,
+            0,
+            self.block_size,
+            {seq_id: block_table},
+        )
+        first = 0
+        if self.sliding_window is not None:
+            # The earliest query (position context_len) sees keys > context_len - window.
+            first = max(0, context_len - self.sliding_window + 1) // self.block_size
+        self.block_tables.append(block_table[first : math.ceil(seq_len / self.block_size)])
+        self.first_blocks.append(first)
+        self.context_lens.append(context_len)
+        self.query_lens.append(query_len)
+        if is_prefill:
+            self.num_prefills += 1
+            self.num_prefill_tokens += query_len
+        else:
+            self.num_decode_tokens += 1
+
+    def build(
+        self,
+        seq_lens: list[int],
+        query_lens: list[int],
+        cuda_graph_pad_size: int = -1,
+        batch_size: int = -1,
+    ) -> AttentionMetadata:
+        """Tensors for the step. With a graph (`cuda_graph_pad_size != -1`) the decode batch is
+        padded to `batch_size` with PAD slots and block tables go to the persistent buffer."""
+        if list(query_lens) != self.query_lens:
+            raise ValueError("query_lens passed to build() differ from the added sequences")
+        use_graph = cuda_graph_pad_size != -1
+        slot_mapping = list(self.slot_mapping)
+        seq_lens = list(seq_lens)
+        query_lens = list(query_lens)
+        block_tables = self.block_tables
+        num_decode_tokens = self.num_decode_tokens
+        first_blocks = list(self.first_blocks)
+        context_lens = list(self.context_lens)
+        if use_graph:
+            slot_mapping.extend([PAD_SLOT_ID] * cuda_graph_pad_size)
+            seq_lens.extend([1] * cuda_graph_pad_size)
+            query_lens.extend([1] * cuda_graph_pad_size)
+            context_lens.extend([0] * cuda_graph_pad_size)
+            first_blocks.extend([0] * cuda_graph_pad_size)
+            num_decode_tokens = batch_size
+        max_blocks = max((len(t) for t in block_tables), default=0)
+        if use_graph and self.attn_state is not None:
+            table_tensor = self.attn_state.write_block_tables(block_tables, batch_size)
+        else:
+            rows = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+            rows += [[0] * max_blocks] * (len(seq_lens) - len(rows))
+            table_tensor = torch.tensor(rows, dtype=torch.int32).reshape(len(seq_lens), max_blocks)
+        dev = self.device
+        query_start = [0]
+        for q in query_lens:
+            query_start.append(query_start[-1] + q)
+        seq_start = [0]
+        for s in seq_lens:
+            seq_start.append(seq_start[-1] + s)
+        prefill_seq_lens = seq_lens[: self.num_prefills]
+        decode_seq_lens = seq_lens[self.num_prefills :]
+        return AttentionMetadata(
+            num_prefills=self.num_prefills,
+            num_prefill_tokens=self.num_prefill_tokens,
+            num_decode_tokens=num_decode_tokens,
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
+            seq_lens=seq_lens,
+            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            max_query_len=max(query_lens, default=0),
+            max_prefill_seq_len=max(prefill_seq_lens, default=0),
+            max_decode_seq_len=max(decode_seq_lens, default=0),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            seq_start_loc=torch.tensor(seq_start, dtype=torch.int32, device=dev),
+            context_lens_tensor=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            block_tables=table_tensor.to(dev, non_blocking=True),
+            use_cuda_graph=use_graph,
+            query_lens=query_lens,
+            context_lens=context_lens,
+            block_table_first_block=first_blocks,
+            block_size=self.block_size,
+            sliding_window=self.sliding_window,
+        )

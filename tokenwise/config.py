@@ -1,0 +1,202 @@
+"""Engine configuration: plain dataclasses that validate themselves.
+
+`EngineConfig` is the one object the forward context receives. It groups the sub-configs that
+per-step code reads (parallelism, compilation / CUDA graphs) plus the model, cache and scheduler
+settings that the engine needs. `EngineConfig()` with no arguments is valid: the forward context
+can be used (and tested) without any model.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class CUDAGraphMode(enum.Enum):
+    """How a forward pass is replayed from captured graphs.
+
+    The two tuple modes name a (decode, mixed) pair: uniform-decode batches and mixed batches
+    are dispatched through separate routines. Only the three plain modes are valid at run time.
+    """
+
+    NONE = 0
+    PIECEWISE = 1
+    FULL = 2
+    FULL_DECODE_ONLY = (FULL, NONE)
+    FULL_AND_PIECEWISE = (FULL, PIECEWISE)
+
+    def separate_routine(self) -> bool:
+        return isinstance(self.value, tuple)
+
+    def decode_mode(self) -> CUDAGraphMode:
+        return CUDAGraphMode(self.value[0]) if self.separate_routine() else self
+
+    def mixed_mode(self) -> CUDAGraphMode:
+        return CUDAGraphMode(self.value[1]) if self.separate_routine() else self
+
+    def has_mode(self, mode: CUDAGraphMode) -> bool:
+        return mode in (self.decode_mode(), self.mixed_mode())
+
+    def has_full_cudagraphs(self) -> bool:
+        return self.has_mode(CUDAGraphMode.FULL)
+
+    def requires_piecewise_compilation(self) -> bool:
+        return self.has_mode(CUDAGraphMode.PIECEWISE)
+
+    def valid_runtime_modes(self) -> bool:
+        """True for the modes a single forward pass can run in (NONE, PIECEWISE, FULL)."""
+        return self in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL)
+
+    @classmethod
+    def parse(cls, value: str | int | CUDAGraphMode) -> CUDAGraphMode:
+        """Accept an enum member, its name in any case (as typed on a command line) or an int."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            key = value.strip().upper()
+            if key in cls.__members__:
+                return cls[key]
+            raise ValueError(
+                f"cudagraph_mode must be one of {', '.join(cls.__members__)} "
+                f"(case-insensitive), got {value!r}"
+            )
+        if isinstance(value, int) and not isinstance(value, bool):
+            return cls(value)
+        raise ValueError(f"cudagraph_mode must be a CUDAGraphMode or its name, got {value!r}")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclass
+class ParallelConfig:
+    """Data and tensor parallelism. `is_moe_model=None` means unknown (treated like MoE)."""
+
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    tensor_parallel_size: int = 1
+    is_moe_model: bool | None = None
+    # Micro-batching ("dual batch overlap") thresholds: below these a batch is not split.
+    enable_microbatching: bool = False
+    microbatching_decode_token_threshold: int = 32
+    microbatching_prefill_token_threshold: int = 512
+
+    def __post_init__(self) -> None:
+        _check_int("data_parallel_size", self.data_parallel_size, 1)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_int("data_parallel_rank", self.data_parallel_rank, 0)
+        if self.data_parallel_rank >= self.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_rank must be in [0, data_parallel_size={self.data_parallel_size}),"
+                f" got {self.data_parallel_rank}"
+            )
+
+
+@dataclass
+class CompilationConfig:
+    """torch.compile and CUDA-graph settings, plus the static registry of no-compile layers.
+
+    `static_forward_context` maps a layer's module path to the layer itself. Attention layers
+    fill it at construction; the forward context hands the *same dict* to the custom op, which
+    is how an opaque op finds its layer (and KV cache) from a name.
+    """
+
+    static_forward_context: dict[str, Any] = field(default_factory=dict)
+    cudagraph_mode: CUDAGraphMode = CUDAGraphMode.NONE
+    cudagraph_capture_sizes: list[int] | None = None
+    use_compile: bool = False
+    splitting_ops: list[str] = field(default_factory=lambda: ["tokenwise::unified_attention"])
+
+    def __post_init__(self) -> None:
+        self.cudagraph_mode = CUDAGraphMode.parse(self.cudagraph_mode)
+        if self.cudagraph_capture_sizes is not None:
+            sizes = list(self.cudagraph_capture_sizes)
+            for size in sizes:
+                _check_int("cudagraph_capture_sizes entries", size, 1)
+            self.cudagraph_capture_sizes = sorted(set(sizes))
+        self._padded_size_table: list[int] | None = None
+        self._padded_size_table_for: list[int] | None = None
+
+    @property
+    def max_capture_size(self) -> int:
+        return self.cudagraph_capture_sizes[-1] if self.cudagraph_capture_sizes else 0
+
+    def pad_for_cudagraph(self, num_tokens: int) -> int | None:
+        """Smallest capture size >= num_tokens, or None when the batch is too large for any graph.
+
+        A lookup table makes this O(1) on the per-step path. It is rebuilt when the capture
+        sizes were reassigned after construction (the engine may fill them in later), so a
+        stale table never answers for a different list. Reassigned lists must stay ascending.
+        """
+        if num_tokens < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        if num_tokens > self.max_capture_size:
+            return None
+        if (
+            self._padded_size_table is None
+            or self._padded_size_table_for != self.cudagraph_capture_sizes
+        ):
+            table = [0] * (self.max_capture_size + 1)
+            sizes = self.cudagraph_capture_sizes or []
+            idx = 0
+            for b in range(1, self.max_capture_size + 1):
+                while sizes[idx] < b:
+                    idx += 1
+                table[b] = sizes[idx]
+            self._padded_size_table = table
+            self._padded_size_table_for = list(sizes)
+        return self._padded_size_table[num_tokens]
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache: block size and how much memory (or how many blocks) it gets."""
+
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None = engine default
+    num_gpu_blocks: int | None = None  # explicit block count overrides the memory budget
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        _check_int("block_size", self.block_size, 1)
+        if self.kv_cache_memory is not None:
+            _check_int("kv_cache_memory", self.kv_cache_memory, 1)
+        if self.num_gpu_blocks is not None:
+            _check_int("num_gpu_blocks", self.num_gpu_blocks, 1)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+
+@dataclass
+class SchedulerConfig:
+    """Per-step limits of the continuous-batching scheduler."""
+
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+
+
+@dataclass
+class EngineConfig:
+    """Everything one engine instance is configured with.
+
+    `model` holds the resolved model settings (a `tokenwise.model_config.ModelConfig`) once an
+    engine is built; it is None when the forward context is used on its own.
+    """
+
+    model: Any | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    compilation: CompilationConfig = field(default_factory=CompilationConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "cpu"

@@ -1,0 +1,308 @@
+"""The engine loop: requests in, incremental outputs out, one scheduled forward pass per step.
+
+`add_request` tokenizes and validates (bad input fails there, with a message naming the
+problem, before anything is queued); `step` schedules, runs the model, appends sampled tokens,
+detokenizes, applies stop conditions, frees finished requests' blocks and returns the new text
+and tokens of every request that changed. `n > 1` becomes n sibling sequences that share the
+prompt's KV blocks through the prefix cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenwise.config import EngineConfig
+from tokenwise.engine.block_manager import BlockManager
+from tokenwise.engine.detokenizer import IncrementalDetokenizer
+from tokenwise.engine.model_runner import ModelRunner, ModelRunnerOutput
+from tokenwise.engine.prompts import (
+    PromptInput,
+    load_tokenizer,
+    resolve_eos_token_ids,
+    to_token_ids,
+)
+from tokenwise.engine.request import Request, RequestStatus
+from tokenwise.engine.scheduler import Scheduler
+from tokenwise.engine.stats import EngineStats, StatLogger
+from tokenwise.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenwise.sampling.params import SamplingParams
+
+logger = logging.getLogger("tokenwise.engine")
+
+
+@dataclass(eq=False)
+class _Sample:
+    request: Request
+    index: int
+    detokenizer: IncrementalDetokenizer | None
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    reported_finish: bool = False
+
+
+@dataclass(eq=False)
+class _RequestGroup:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[_Sample]
+    arrival_time: float
+    first_token_time: float | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.is_finished for s in self.samples)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, device: str = "cpu") -> None:
+        if config.model is None:
+            raise ValueError("LLMEngine needs EngineConfig.model")
+        self.config = config
+        self.model_config = config.model
+        self.tokenizer = None if config.model.skip_tokenizer_init else load_tokenizer(config.model)
+        self.eos_token_ids = resolve_eos_token_ids(config.model, self.tokenizer)
+        self.runner = ModelRunner(config, device)
+        num_blocks = self.runner.determine_num_blocks()
+        self.runner.initialize_kv_cache(num_blocks)
+        self.block_manager = BlockManager(num_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len)
+        self.groups: dict[str, _RequestGroup] = {}
+        self._by_request: dict[str, tuple[_RequestGroup, _Sample]] = {}
+        self._stats = EngineStats(num_total_blocks=num_blocks)
+        self._stat_logger = StatLogger()
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = to_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
+        if len(token_ids) >= self.model_config.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens, but max_model_len is "
+                f"{self.model_config.max_model_len} (the prompt plus at least one generated "
+                "token must fit)"
+            )
+        if not self.config.cache.enable_prefix_caching:
+            # Siblings of one request still share their prompt blocks; nobody else can hit them.
+            cache_salt = f"{cache_salt or ''}/{uuid.uuid4().hex}"
+        samples = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                child_params = params.clone()
+                child_params.seed = params.seed + i
+            sub_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(
+                request_id=sub_id,
+                prompt_token_ids=token_ids,
+                sampling_params=child_params,
+                eos_token_ids=self.eos_token_ids,
+                cache_salt=cache_salt,
+            )
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(
+                    self.tokenizer,
+                    token_ids,
+                    params.stop,
+                    params.include_stop_str_in_output,
+                    params.skip_special_tokens,
+                )
+            samples.append(_Sample(req, i, detok))
+        group = _RequestGroup(request_id, text, token_ids, samples, time.monotonic())
+        for sample in samples:
+            self.scheduler.add_request(sample.request)
+        self.groups[request_id] = group
+        for sample in samples:
+            self._by_request[sample.request.request_id] = (group, sample)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Abort requests (unknown ids are ignored); their blocks are freed at once and the next
+        `step()` reports them with finish_reason "abort"."""
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        for rid in ids:
+            group = self.groups.get(rid)
+            if group is None:
+                continue
+            self.scheduler.finish_requests(
+                [s.request for s in group.samples], RequestStatus.FINISHED_ABORTED
+            )
+
+    abort = abort_request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.groups)
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        touched: dict[str, _RequestGroup] = {}
+        if not sched.is_empty:
+            try:
+                result = self.runner.execute_model(sched.scheduled)
+            except Exception as exc:  # keep serving: fail only the requests of this step
+                logger.exception(
+                    "model execution failed; failing %d requests", len(sched.scheduled)
+                )
+                reqs = [s.request for s in sched.scheduled]
+                self.scheduler.finish_requests(reqs, RequestStatus.FINISHED_ERROR)
+                for req in reqs:
+                    group, _ = self._by_request[req.request_id]
+                    touched[group.request_id] = group
+                    group.error = f"{type(exc).__name__}: {exc}"
+            else:
+                for item in sched.scheduled:
+                    item.request.num_computed_tokens += item.num_new_tokens
+                    if item.num_new_tokens > 1 or item.request.num_output_tokens == 0:
+                        self._stats.prompt_tokens_total += item.num_new_tokens
+                self._process_samples(result, touched)
+        self._stats.num_steps_total += 1
+        self._stats.num_preemptions_total += sched.num_preempted
+        # Aborted or errored groups surface here even if nothing was scheduled for them.
+        for group in self.groups.values():
+            if any(s.request.is_finished and not s.reported_finish for s in group.samples):
+                touched[group.request_id] = group
+        outputs = [self._make_output(g) for g in touched.values()]
+        self._stat_logger.maybe_log(self.get_stats())
+        return outputs
+
+    def _process_samples(
+        self, result: ModelRunnerOutput, touched: dict[str, _RequestGroup]
+    ) -> None:
+        now = time.monotonic()
+        lp = result.logprobs
+        lp_ids = lp.token_ids.tolist() if lp is not None else None
+        lp_vals = lp.logprobs.tolist() if lp is not None else None
+        lp_ranks = lp.ranks.tolist() if lp is not None else None
+        finished_stop: list[Request] = []
+        finished_length: list[Request] = []
+        for row, (item, token) in enumerate(
+            zip(result.sampled_requests, result.sampled_token_ids, strict=True)
+        ):
+            req = item.request
+            group, sample = self._by_request[req.request_id]
+            touched[group.request_id] = group
+            if group.first_token_time is None:
+                group.first_token_time = now
+            req.append_output_token(token)
+            sample.new_token_ids.append(token)
+            self._stats.generation_tokens_total += 1
+            params = req.sampling_params
+            if params.logprobs is not None and lp_ids is not None:
+                entry = {token: Logprob(lp_vals[row][0], lp_ranks[row])}
+                for j in range(1, params.logprobs + 1):
+                    entry.setdefault(lp_ids[row][j], Logprob(lp_vals[row][j], j))
+                if self.tokenizer is not None:
+                    for tid, value in entry.items():
+                        value.decoded_token = self.tokenizer.decode([tid])
+                sample.new_logprobs.append(entry)
+                sample.cumulative_logprob += lp_vals[row][0]
+            stop_str = sample.detokenizer.add_token(token) if sample.detokenizer else None
+            status = self._check_stop(req, token, stop_str)
+            if status is RequestStatus.FINISHED_STOPPED:
+                finished_stop.append(req)
+            elif status is RequestStatus.FINISHED_LENGTH:
+                finished_length.append(req)
+        self.scheduler.finish_requests(finished_stop, RequestStatus.FINISHED_STOPPED)
+        self.scheduler.finish_requests(finished_length, RequestStatus.FINISHED_LENGTH)
+
+    def _check_stop(self, req: Request, token: int, stop_str: str | None) -> RequestStatus | None:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if token in (params.stop_token_ids or ()):
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if stop_str is not None:
+                req.stop_reason = stop_str
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.model_config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _make_output(self, group: _RequestGroup) -> RequestOutput:
+        completions = []
+        for sample in group.samples:
+            req = sample.request
+            finished_now = req.is_finished and not sample.reported_finish
+            if not sample.new_token_ids and not finished_now:
+                continue
+            text = sample.detokenizer.take_new_text(req.is_finished) if sample.detokenizer else ""
+            want_lp = req.sampling_params.logprobs is not None
+            completions.append(
+                CompletionOutput(
+                    index=sample.index,
+                    text=text,
+                    token_ids=sample.new_token_ids,
+                    cumulative_logprob=sample.cumulative_logprob if want_lp else None,
+                    logprobs=sample.new_logprobs if want_lp else None,
+                    finish_reason=req.status.finish_reason,
+                    stop_reason=req.stop_reason,
+                )
+            )
+            sample.new_token_ids = []
+            sample.new_logprobs = []
+            if req.is_finished:
+                sample.reported_finish = True
+        finished = group.finished
+        out = RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=max(0, group.samples[0].request.num_cached_tokens),
+            error=group.error,
+        )
+        if group.first_token_time is not None:
+            out.metrics["time_to_first_token"] = group.first_token_time - group.arrival_time
+        if finished:
+            out.metrics["e2e_latency"] = time.monotonic() - group.arrival_time
+            for sample in group.samples:
+                reason = sample.request.status.finish_reason or "unknown"
+                self._stats.finished_reasons[reason] = (
+                    self._stats.finished_reasons.get(reason, 0) + 1
+                )
+                self._by_request.pop(sample.request.request_id, None)
+            del self.groups[group.request_id]
+        return out
+
+    # ---- observability ------------------------------------------------------------------------
+
+    def get_stats(self) -> EngineStats:
+        s = self._stats
+        bm = self.block_manager
+        s.num_running = self.scheduler.num_running
+        s.num_waiting = self.scheduler.num_waiting
+        s.kv_cache_usage = bm.usage
+        s.num_free_blocks = bm.get_num_free_blocks()
+        s.prefix_cache_queries = bm.prefix_cache_queries
+        s.prefix_cache_hits = bm.prefix_cache_hits
+        return s
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer

@@ -1,0 +1,183 @@
+"""Turns one scheduled step into a forward pass and sampled tokens.
+
+Input: a list of (request, number of new tokens). The runner lays the tokens out prefills first,
+builds attention metadata once per attention spec, runs the model inside `set_forward_context`,
+computes logits only for the rows that sample (the last token of each sequence that this step
+completes), and samples them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tokenwise.attention.backends.selector import get_attn_backend
+from tokenwise.attention.layer import Attention
+from tokenwise.attention.metadata import AttentionMetadata, CommonMetadataBuilder
+from tokenwise.config import EngineConfig
+from tokenwise.engine.scheduler import ScheduledRequest
+from tokenwise.forward_context import set_forward_context
+from tokenwise.layer_registry import get_layers_from_config
+from tokenwise.loader import load_model
+from tokenwise.sampling.metadata import SamplingMetadata
+from tokenwise.sampling.sampler import LogprobsTensors, Sampler
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when nothing else is said
+
+
+@dataclass
+class ModelRunnerOutput:
+    """One entry per sampled request, in the order of `sampled_requests`."""
+
+    sampled_requests: list[ScheduledRequest]
+    sampled_token_ids: list[int]
+    logprobs: LogprobsTensors | None
+    num_tokens: int
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: str | torch.device = "cpu") -> None:
+        if config.model is None:
+            raise ValueError("ModelRunner needs EngineConfig.model (a ModelConfig)")
+        self.config = config
+        self.device = torch.device(device)
+        self.model_config = config.model
+        self.block_size = config.cache.block_size
+        self.model = load_model(config, self.device)
+        self.attn_layers = get_layers_from_config(config, Attention)
+        if not self.attn_layers:
+            raise RuntimeError("the model registered no attention layers")
+        self.sampler = Sampler()
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        self.num_blocks = 0
+        # Layers with the same spec share one metadata object per step.
+        self._spec_of: dict[str, int | None] = {
+            name: layer.sliding_window for name, layer in self.attn_layers.items()
+        }
+        self._builders = {
+            spec: CommonMetadataBuilder(self.block_size, spec, self.device)
+            for spec in set(self._spec_of.values())
+        }
+
+    # ---- KV cache -------------------------------------------------------------------------
+
+    def kv_cache_bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.model_config.dtype).element_size()
+        per_layer = [
+            2 * self.block_size * layer.num_kv_heads * layer.head_size * elem
+            for layer in self.attn_layers.values()
+        ]
+        return sum(per_layer)
+
+    def determine_num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_gpu_blocks is not None:
+            return cache.num_gpu_blocks
+        budget = cache.kv_cache_memory
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _total = torch.cuda.mem_get_info(self.device)
+                budget = int(free * cache.gpu_memory_utilization)
+            else:
+                budget = DEFAULT_CPU_KV_CACHE_MEMORY
+        num_blocks = budget // self.kv_cache_bytes_per_block()
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory={budget} bytes is less than one KV block "
+                f"({self.kv_cache_bytes_per_block()} bytes); raise it"
+            )
+        return int(num_blocks)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate one cache tensor per layer and bind it to the layer by name."""
+        backend = get_attn_backend(self.config)
+        for name, layer in self.attn_layers.items():
+            shape = backend.get_kv_cache_shape(
+                num_blocks, self.block_size, layer.num_kv_heads, layer.head_size
+            )
+            cache = torch.zeros(shape, dtype=self.model_config.dtype, device=self.device)
+            self.kv_caches[name] = cache
+            layer.kv_cache = [cache]
+        self.num_blocks = num_blocks
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            num_blocks,
+            self.block_size,
+            num_blocks * self.kv_cache_bytes_per_block() / 2**20,
+        )
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, scheduled: list[ScheduledRequest]) -> ModelRunnerOutput:
+        # Prefills (query > 1) first, then decodes; stable, so admission order is kept.
+        ordered = sorted(scheduled, key=lambda s: s.num_new_tokens == 1)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        logits_indices: list[int] = []
+        sampled: list[ScheduledRequest] = []
+        for builder in self._builders.values():
+            builder.prepare()
+        for i, item in enumerate(ordered):
+            req, n = item.request, item.num_new_tokens
+            start = req.num_computed_tokens
+            input_ids.extend(req.all_token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            seq_lens.append(start + n)
+            query_lens.append(n)
+            for builder in self._builders.values():
+                builder.add_sequence(i, start, n, req.block_table)
+            if item.completes_sequence:
+                logits_indices.append(len(input_ids) - 1)
+                sampled.append(item)
+
+        metadata_by_spec = {
+            spec: builder.build(seq_lens, query_lens) for spec, builder in self._builders.items()
+        }
+        attn_metadata: dict[str, AttentionMetadata] = {
+            name: metadata_by_spec[spec] for name, spec in self._spec_of.items()
+        }
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        with set_forward_context(attn_metadata, self.config, num_tokens=len(input_ids)):
+            hidden = self.model(ids, pos)
+
+        if not sampled:
+            return ModelRunnerOutput([], [], None, len(input_ids))
+        rows = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        _suppress_stop_tokens_before_min_tokens(logits, sampled)
+        sampling_md = SamplingMetadata.from_params(
+            [s.request.sampling_params for s in sampled],
+            [s.request.generator for s in sampled],
+            output_token_ids=[s.request.output_token_ids for s in sampled],
+            prompt_token_ids=[s.request.prompt_token_ids for s in sampled],
+            vocab_size=logits.shape[-1],
+            device=self.device,
+        )
+        out = self.sampler(logits, sampling_md)
+        return ModelRunnerOutput(
+            sampled, out.sampled_token_ids.tolist(), out.logprobs, len(input_ids)
+        )
+
+
+def _suppress_stop_tokens_before_min_tokens(
+    logits: torch.Tensor, sampled: list[ScheduledRequest]
+) -> None:
+    """`min_tokens`: until a request has that many outputs, EOS and its stop tokens are banned."""
+    for row, item in enumerate(sampled):
+        req = item.request
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            continue
+        banned = list(params.stop_token_ids or [])
+        if not params.ignore_eos:
+            banned.extend(req.eos_token_ids)
+        if banned:
+            logits[row, banned] = float("-inf")

@@ -1,0 +1,87 @@
+"""Prompt inputs, the tokenizer, and end-of-sequence ids: validated before anything is queued."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from tokenwise.model_config import ModelConfig
+
+# A string, a list of token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."} as in vLLM.
+PromptInput = str | list[int] | dict[str, Any]
+
+
+def load_tokenizer(model_config: ModelConfig) -> Any:
+    """The checkpoint's tokenizer through transformers' AutoTokenizer, offline."""
+    from transformers import AutoTokenizer
+
+    path = model_config.tokenizer or model_config.model
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(
+            f"could not load a tokenizer from {path!r} ({exc}); pass skip_tokenizer_init=True "
+            "and give prompts as token ids to run without one"
+        ) from exc
+
+
+def resolve_eos_token_ids(model_config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
+    """EOS ids from the tokenizer, config.json and generation_config.json (Llama 3 has several)."""
+    ids: list[int] = []
+
+    def add(value: Any) -> None:
+        values = value if isinstance(value, (list, tuple)) else [value]
+        for v in values:
+            if isinstance(v, int) and v >= 0 and v not in ids:
+                ids.append(v)
+
+    if tokenizer is not None:
+        add(getattr(tokenizer, "eos_token_id", None))
+    add(getattr(model_config.hf_config, "eos_token_id", None))
+    gen_path = os.path.join(model_config.model, "generation_config.json")
+    if os.path.isfile(gen_path):
+        with open(gen_path) as f:
+            add(json.load(f).get("eos_token_id"))
+    return tuple(ids)
+
+
+def to_token_ids(
+    prompt: PromptInput, tokenizer: Any, vocab_size: int
+) -> tuple[str | None, list[int]]:
+    """(prompt text or None, token ids), with clear errors for every malformed input."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), _check_ids(prompt["prompt_token_ids"], vocab_size)
+        if "prompt" in prompt:
+            prompt = prompt["prompt"]
+        else:
+            raise ValueError("a dict prompt needs a 'prompt_token_ids' or 'prompt' key")
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError(
+                "text prompts need a tokenizer, but the engine was started with "
+                "skip_tokenizer_init=True; pass token ids instead"
+            )
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        return prompt, _check_ids(tokenizer.encode(prompt), vocab_size)
+    if isinstance(prompt, (list, tuple)):
+        return None, _check_ids(prompt, vocab_size)
+    raise TypeError(
+        "prompt must be a string, a list of token ids or a dict with 'prompt_token_ids', "
+        f"got {type(prompt).__name__}"
+    )
+
+
+def _check_ids(ids: Any, vocab_size: int) -> list[int]:
+    if not isinstance(ids, (list, tuple)) or not ids:
+        raise ValueError("prompt_token_ids must be a non-empty list of integers")
+    out = []
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise ValueError(f"prompt_token_ids must hold integers, got {t!r}")
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"prompt token id {t} is out of range [0, {vocab_size})")
+        out.append(t)
+    return out

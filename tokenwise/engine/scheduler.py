@@ -1,0 +1,178 @@
+"""Continuous-batching scheduler: which requests run this step, and how many tokens each.
+
+Each step has a token budget (`max_num_batched_tokens`) and a request limit (`max_num_seqs`).
+Running requests are served first, in admission order (decodes take one token, unfinished
+prompts take the next chunk); then waiting requests are admitted in arrival order while budget
+and KV blocks remain. A prompt longer than the remaining budget is chunked across steps, so one
+forward pass mixes prefills and decodes and long prompts never stall running decodes.
+
+When a running request needs a block and none is free, the most recently admitted running
+request is preempted: its blocks are freed and it goes back to the head of the waiting queue,
+to be recomputed later (its output so far is kept).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from tokenwise.config import SchedulerConfig
+from tokenwise.engine.block_manager import BlockManager
+from tokenwise.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def completes_sequence(self) -> bool:
+        """True when this step computes the sequence's last known token (so it samples)."""
+        req = self.request
+        return req.num_computed_tokens + self.num_new_tokens == req.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int
+    ) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; one that can never fit is rejected here, not left waiting forever."""
+        n = request.num_tokens
+        if n > self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens, more than max_model_len={self.max_model_len}")
+        blocks_needed = -(-min(self.max_model_len, n + 1) // self.block_manager.block_size)
+        if blocks_needed > self.block_manager.num_blocks:
+            raise ValueError(
+                f"prompt of {n} tokens needs {blocks_needed} KV blocks but the cache has only "
+                f"{self.block_manager.num_blocks}; raise kv_cache_memory or shorten the prompt"
+            )
+        if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"prompt has {n} tokens, more than max_num_batched_tokens="
+                f"{self.config.max_num_batched_tokens} with chunked prefill disabled"
+            )
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        bm = self.block_manager
+
+        # 1. Running requests, oldest first: decodes and continuing prompt chunks.
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            req = self.running[idx]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                idx += 1
+                continue
+            while True:
+                table = bm.allocate_slots(
+                    req.request_id,
+                    req.all_token_ids,
+                    req.num_computed_tokens,
+                    num_new,
+                    cache_salt=req.cache_salt,
+                )
+                if table is not None:
+                    req.block_table = table
+                    out.scheduled.append(ScheduledRequest(req, num_new))
+                    budget -= num_new
+                    idx += 1
+                    break
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is req:
+                    break
+
+        # 2. Waiting requests in arrival order, unless this step already had to preempt.
+        while (
+            self.waiting
+            and budget > 0
+            and not out.num_preempted
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            req = self.waiting[0]
+            hits, num_hit = bm.get_computed_blocks(
+                req.request_id, req.all_token_ids, req.cache_salt
+            )
+            num_new = req.num_tokens - num_hit
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            table = bm.allocate_slots(
+                req.request_id, req.all_token_ids, 0, num_new, hits, cache_salt=req.cache_salt
+            )
+            if table is None:
+                break
+            self.waiting.popleft()
+            req.block_table = table
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.block_manager.free(req.request_id)
+        req.block_table = []
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish_requests(self, requests: Iterable[Request], status: RequestStatus) -> None:
+        """Remove finished (or aborted) requests and free their blocks at once."""
+        done = set()
+        for req in requests:
+            if req.is_finished:
+                continue
+            req.status = status
+            self.block_manager.free(req.request_id)
+            req.block_table = []
+            done.add(id(req))
+        if done:
+            self.running = [r for r in self.running if id(r) not in done]
+            self.waiting = deque(r for r in self.waiting if id(r) not in done)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)

@@ -1,0 +1,63 @@
+"""Engine statistics: a snapshot per step, cumulative counters, and a periodic log line.
+
+The snapshot is plain data so the server's `/metrics` can read it; the log line gives the same
+numbers to someone watching a terminal, at most once per `log_interval_s` while busy.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+logger = logging.getLogger("tokenwise.engine")
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    prefix_cache_queries: int = 0  # cumulative prompt tokens looked up
+    prefix_cache_hits: int = 0  # cumulative prompt tokens found cached
+    prompt_tokens_total: int = 0  # cumulative prompt tokens computed (hits excluded)
+    generation_tokens_total: int = 0
+    num_preemptions_total: int = 0
+    num_steps_total: int = 0
+    finished_reasons: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )
+
+
+class StatLogger:
+    def __init__(self, log_interval_s: float = 10.0) -> None:
+        self.log_interval_s = log_interval_s
+        self._last_time = time.monotonic()
+        self._last_prompt = 0
+        self._last_generation = 0
+
+    def maybe_log(self, stats: EngineStats, now: float | None = None) -> str | None:
+        now = time.monotonic() if now is None else now
+        elapsed = now - self._last_time
+        if elapsed < self.log_interval_s:
+            return None
+        prompt_tps = (stats.prompt_tokens_total - self._last_prompt) / elapsed
+        gen_tps = (stats.generation_tokens_total - self._last_generation) / elapsed
+        self._last_time = now
+        self._last_prompt = stats.prompt_tokens_total
+        self._last_generation = stats.generation_tokens_total
+        line = (
+            f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, "
+            f"Avg generation throughput: {gen_tps:.1f} tokens/s, "
+            f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
+            f"KV cache usage: {stats.kv_cache_usage * 100:.1f}%, "
+            f"Prefix cache hit rate: {stats.prefix_cache_hit_rate * 100:.1f}%"
+        )
+        logger.info(line)
+        return line

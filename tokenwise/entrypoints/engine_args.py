@@ -1,0 +1,136 @@
+"""Engine flags shared by every CLI subcommand (generate, chat, serve, bench)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+
+
+def parse_memory_size(text: str) -> int:
+    """Bytes from '1073741824', '512MiB', '2GB' or '1.5g' (binary units for the 'i' forms)."""
+    match = _SIZE.match(str(text))
+    if not match:
+        raise argparse.ArgumentTypeError(
+            f"invalid size {text!r}: use bytes or a unit such as 512MiB or 2GiB"
+        )
+    number = float(match.group(1))
+    unit = (match.group(2) or "").lower().rstrip("b")  # "mib" -> "mi", "gb" -> "g"
+    scale = 1
+    if unit:
+        power = "kmgt".index(unit[0]) + 1
+        scale = 1024**power if unit.endswith("i") else 1000**power
+    value = int(number * scale)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="local Hugging Face checkpoint directory (default: the built-in model)",
+    )
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weight/activation dtype; auto = bf16 on CPUs that support it, else fp32; "
+        "the checkpoint's dtype on GPU",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        default=None,
+        help="longest prompt + output in tokens (default: the model's limit)",
+    )
+    g.add_argument(
+        "--max-num-seqs",
+        type=positive_int,
+        default=128,
+        help="most requests in one step (default: 128)",
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=2048,
+        help="token budget of one step; longer prompts are chunked (default: 2048)",
+    )
+    g.add_argument(
+        "--block-size",
+        type=positive_int,
+        default=16,
+        help="tokens per KV-cache block (default: 16)",
+    )
+    g.add_argument(
+        "--kv-cache-memory",
+        type=parse_memory_size,
+        default=None,
+        help="KV cache size, e.g. 512MiB or 2GiB (default: 1GiB on CPU, "
+        "gpu-memory-utilization of free memory on GPU)",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of free GPU memory for the KV cache (default: 0.9)",
+    )
+    g.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "safetensors", "dummy"],
+        help="dummy = random weights from --seed, for benchmarks (default: auto)",
+    )
+    g.add_argument(
+        "--enforce-eager", action="store_true", help="never use torch.compile or CUDA graphs"
+    )
+    g.add_argument(
+        "--no-enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="do not reuse KV blocks across requests",
+    )
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="random seed of the engine and of dummy weights (default: 0)",
+    )
+    g.add_argument(
+        "--device",
+        default=None,
+        choices=["cpu", "cuda"],
+        help="device (default: cuda when available, else cpu)",
+    )
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments `LLM(...)` / `build_engine_config(...)` take, from parsed flags."""
+    return {
+        "dtype": args.dtype,
+        "seed": args.seed,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "block_size": args.block_size,
+        "kv_cache_memory": args.kv_cache_memory,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "load_format": args.load_format,
+        "enforce_eager": args.enforce_eager,
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "device": args.device,
+    }

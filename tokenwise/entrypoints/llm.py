@@ -1,0 +1,155 @@
+"""The offline API, as in vLLM: `LLM(model).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from tokenwise.config import CacheConfig, CompilationConfig, EngineConfig, SchedulerConfig
+from tokenwise.engine.llm_engine import LLMEngine
+from tokenwise.engine.prompts import PromptInput
+from tokenwise.model_config import ModelConfig
+from tokenwise.outputs import RequestOutput
+from tokenwise.sampling.params import SamplingParams
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build_engine_config(
+    model: str | None = None,
+    dtype: str | torch.dtype = "auto",
+    seed: int = 0,
+    max_model_len: int | None = None,
+    max_num_seqs: int = 128,
+    max_num_batched_tokens: int = 2048,
+    block_size: int = 16,
+    kv_cache_memory: int | None = None,
+    num_gpu_blocks: int | None = None,
+    load_format: str = "auto",
+    enforce_eager: bool = True,
+    skip_tokenizer_init: bool = False,
+    enable_prefix_caching: bool = True,
+    enable_chunked_prefill: bool = True,
+    gpu_memory_utilization: float = 0.9,
+    tokenizer: str | None = None,
+    device: str | None = None,
+) -> EngineConfig:
+    """One place that turns user-facing arguments (LLM, CLI, server) into an EngineConfig."""
+    from tokenwise.default_model import resolve_model_path
+
+    device = device or default_device()
+    model_config = ModelConfig.from_pretrained(
+        resolve_model_path(model),
+        dtype=dtype,
+        max_model_len=max_model_len,
+        device=device,
+        seed=seed,
+        load_format=load_format,
+        tokenizer=tokenizer,
+        skip_tokenizer_init=skip_tokenizer_init,
+    )
+    return EngineConfig(
+        model=model_config,
+        cache=CacheConfig(
+            block_size=block_size,
+            kv_cache_memory=kv_cache_memory,
+            num_gpu_blocks=num_gpu_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+            gpu_memory_utilization=gpu_memory_utilization,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=enable_chunked_prefill,
+        ),
+        compilation=CompilationConfig(use_compile=not enforce_eager),
+        device=device,
+    )
+
+
+class LLM:
+    """Generate completions for a batch of prompts with continuous batching.
+
+    `model` is a local Hugging Face checkpoint directory; None means the built-in model.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.engine_config = build_engine_config(model, **kwargs)
+        torch.manual_seed(self.engine_config.model.seed)
+        self.llm_engine = LLMEngine(self.engine_config, self.engine_config.device)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of `prompts`. A single prompt may be passed without a list."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} sampling_params for {len(prompts)} prompts; pass "
+                    "one SamplingParams or one per prompt"
+                )
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for prompt, params in zip(prompts, params_list, strict=True):
+                rid = str(next(self._counter))
+                engine.add_request(rid, prompt, params)
+                ids.append(rid)
+        except Exception:
+            engine.abort_request(ids)
+            self._drain(set(ids))
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        pending = set(ids)
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm)
+        try:
+            while pending:
+                for delta in engine.step():
+                    if delta.request_id not in pending:
+                        continue
+                    if delta.request_id in results:
+                        results[delta.request_id].merge(delta)
+                    else:
+                        results[delta.request_id] = delta
+                    if delta.finished:
+                        pending.discard(delta.request_id)
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request(list(pending))
+            self._drain(pending)
+            raise
+        finally:
+            bar.close()
+        return [results[rid] for rid in ids]
+
+    def _drain(self, ids: set[str]) -> None:
+        """Step until aborted requests have been reported, so no block stays allocated."""
+        while any(rid in self.llm_engine.groups for rid in ids):
+            self.llm_engine.step()

@@ -1,0 +1,37 @@
+"""RMSNorm with the residual add folded in.
+
+Every pre-norm decoder layer does `residual = residual + x; x = norm(residual)`. Doing both in one
+call keeps the decoder layer short and gives a compiler one fusion region. The arithmetic follows
+Hugging Face exactly (add in the model dtype, normalise in float32, cast back, *then* multiply
+by the weight), so in bf16 the rounding happens at the same points as in HF.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`norm(x)`, or with a residual `(norm(x + residual), x + residual)`."""
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"

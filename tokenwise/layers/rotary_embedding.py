@@ -1,0 +1,138 @@
+"""Rotary position embeddings looked up by position, for a flat stream of tokens.
+
+Because the engine concatenates many sequences into one step, "position" is not the index in
+the batch: every token brings its own position. The cos/sin values are therefore precomputed
+for every position up to the model length (in float32, as Hugging Face computes them) and
+gathered with `positions`, which costs one small index per layer instead of trigonometry.
+
+The rotation is the neox / HF "rotate_half" convention: a head vector is split into halves
+(x1, x2) and rotated as (x1 cos - x2 sin, x2 cos + x1 sin).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def get_rope_config(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
+    """`(rope_theta, rope_scaling)` from a transformers 4.x or 5.x config.
+
+    4.x keeps `rope_theta` and `rope_scaling` (keyed `type` in older files, `rope_type` later)
+    as attributes; 5.x folds both into one `rope_parameters` dict. The scaling dict returned
+    always has `rope_type` and is None for plain (unscaled) RoPE.
+    """
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and params:
+        if all(isinstance(v, dict) for v in params.values()):
+            raise NotImplementedError(
+                f"per-layer-type rope parameters are not supported: {sorted(params)}"
+            )
+        theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+        scaling: dict[str, Any] | None = dict(params)
+    else:
+        theta = getattr(hf_config, "rope_theta", None)
+        legacy = getattr(hf_config, "rope_scaling", None)
+        scaling = dict(legacy) if legacy else None
+    theta = 10000.0 if theta is None else float(theta)
+    if scaling is not None:
+        scaling.pop("rope_theta", None)
+        rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+        scaling.pop("type", None)
+        scaling = None if rope_type == "default" else {"rope_type": rope_type, **scaling}
+    return theta, scaling
+
+
+def llama3_inv_freq(
+    inv_freq: torch.Tensor,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max_position_embeddings: int,
+) -> torch.Tensor:
+    """Llama 3.1 context extension: slow down only the frequencies that were too slow to wrap.
+
+    A frequency whose wavelength fits many times into the original context (short wavelength)
+    already generalises and is kept. One whose wavelength is longer than the original context was
+    never seen through a full period, so it is divided by `factor`. Wavelengths in between are
+    interpolated linearly in `original_len / wavelength` so that there is no discontinuity.
+    """
+    old_len = float(original_max_position_embeddings)
+    wavelen = 2 * math.pi / inv_freq
+    # 0 at the long-wavelength edge (fully scaled), 1 at the short one (kept as is).
+    smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smooth = smooth.clamp(0.0, 1.0)
+    return (1.0 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float = 10000.0,
+        rope_scaling: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary head_dim must be even, got {head_dim}")
+        self.head_dim = head_dim
+        self.max_position = max_position
+        self.base = base
+        self.rope_type = (rope_scaling or {}).get("rope_type", "default")
+        inv_freq = self._inv_freq(rope_scaling or {})
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        # Not persistent: derived from the config, so it must not appear in state dicts.
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def _inv_freq(self, scaling: dict[str, Any]) -> torch.Tensor:
+        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim
+        inv_freq = 1.0 / (self.base**exponent)
+        if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+            raise NotImplementedError("partial rotary embeddings are not supported")
+        if self.rope_type == "default":
+            return inv_freq
+        if self.rope_type == "linear":
+            return inv_freq / float(scaling["factor"])
+        if self.rope_type == "llama3":
+            return llama3_inv_freq(
+                inv_freq,
+                factor=float(scaling["factor"]),
+                low_freq_factor=float(scaling["low_freq_factor"]),
+                high_freq_factor=float(scaling["high_freq_factor"]),
+                original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+            )
+        raise NotImplementedError(
+            f"rope type {self.rope_type!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(shape[0], -1, self.head_dim)
+        x1, x2 = x.chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return out.view(shape)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q `[T, heads*head_dim]` and k `[T, kv_heads*head_dim]` (or `[T, h, d]`)."""
+        cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
+        # Like HF, the table is fp32 but the rotation runs in the activations' dtype.
+        cos = cos.unsqueeze(1).to(query.dtype)
+        sin = sin.unsqueeze(1).to(query.dtype)
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+    def extra_repr(self) -> str:
+        return (
+            f"head_dim={self.head_dim}, max_position={self.max_position}, base={self.base}, "
+            f"rope_type={self.rope_type!r}"
+        )

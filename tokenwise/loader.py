@@ -1,0 +1,178 @@
+"""Build a model for an `EngineConfig` and fill its weights from safetensors (or dummy values).
+
+Parameters are created directly in the target dtype and device (by making those the defaults
+while the model is constructed), so a bf16 model on a GPU never exists as an fp32 CPU copy.
+Checkpoint tensors are then streamed one at a time from `safe_open`, which memory-maps the
+files: peak extra memory is one tensor, not one checkpoint.
+
+Loading is strict. A checkpoint tensor the model does not know, a parameter the checkpoint does
+not provide and a shape mismatch are all errors that name the tensors involved, because a
+silently half-loaded model produces plausible-looking garbage that is far harder to debug.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from tokenwise.config import EngineConfig
+from tokenwise.layers.linear import default_weight_loader
+
+# (fused parameter component, checkpoint component, shard id), e.g. ("qkv_proj", "q_proj", "q").
+StackedMapping = Sequence[tuple[str, str, str | int]]
+
+SAFETENSORS_SINGLE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def _map_name(name: str, mapping: StackedMapping) -> tuple[str, str | int | None]:
+    parts = name.split(".")
+    for fused, ckpt, shard in mapping:
+        if ckpt in parts:
+            return ".".join(fused if p == ckpt else p for p in parts), shard
+    return name, None
+
+
+def checkpoint_names(param_name: str, mapping: StackedMapping) -> dict[str | int | None, str]:
+    """The checkpoint tensor behind each shard of a parameter (itself when not fused)."""
+    parts = param_name.split(".")
+    names = {
+        shard: ".".join(ckpt if p == fused else p for p in parts)
+        for fused, ckpt, shard in mapping
+        if fused in parts
+    }
+    return names or {None: param_name}
+
+
+def load_stacked_weights(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], mapping: StackedMapping
+) -> set[str]:
+    """Copy checkpoint tensors into `model`, routing the ones in `mapping` to fused shards.
+
+    Returns the parameters that were filled completely: a fused one only when all its shards
+    arrived, so a checkpoint lacking just `k_proj` is caught as a missing tensor.
+    """
+    params = dict(model.named_parameters())
+    shards_seen: dict[str, set[str | int | None]] = {}
+    for name, tensor in weights:
+        target, shard = _map_name(name, mapping)
+        param = params.get(target)
+        if param is None:
+            raise ValueError(
+                f"checkpoint tensor {name!r} does not match any parameter of {type(model).__name__}"
+            )
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            loader(param, tensor, shard)
+        except ValueError as e:
+            raise ValueError(f"cannot load checkpoint tensor {name!r} into {target!r}: {e}") from e
+        shards_seen.setdefault(target, set()).add(shard)
+    loaded: set[str] = set()
+    partial: list[str] = []
+    for target, seen in shards_seen.items():
+        needed = checkpoint_names(target, mapping)
+        partial += [ckpt for shard, ckpt in needed.items() if shard not in seen]
+        if seen >= needed.keys():
+            loaded.add(target)
+    if partial:
+        raise ValueError(
+            f"checkpoint for {type(model).__name__} is missing tensors: {', '.join(sorted(partial))}"
+        )
+    return loaded
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    """The checkpoint's safetensors files: the shards named by the index, or the single file."""
+    index_path = os.path.join(model_dir, SAFETENSORS_INDEX)
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        files = [os.path.join(model_dir, shard) for shard in sorted(set(weight_map.values()))]
+        absent = [path for path in files if not os.path.isfile(path)]
+        if absent:
+            raise FileNotFoundError(f"{SAFETENSORS_INDEX} names shards that do not exist: {absent}")
+        return files
+    single = os.path.join(model_dir, SAFETENSORS_SINGLE)
+    if os.path.isfile(single):
+        return [single]
+    raise FileNotFoundError(
+        f"no {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX} in {model_dir!r} (tokenwise reads "
+        "safetensors checkpoints only; use load_format='dummy' for random weights)"
+    )
+
+
+def iterate_safetensors(files: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(name, tensor)` one tensor at a time, so only one is ever resident."""
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Deterministic stand-in weights: N(0, 0.02) matrices, unit norm weights, zero biases.
+
+    Values are drawn on the CPU in fp32 from one generator, in parameter order, so they are the
+    same for any device and dtype; no file is read.
+    """
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("bias"):
+            param.zero_()
+        elif param.dim() == 1:
+            param.fill_(1.0)
+        else:
+            values = torch.empty(param.shape, dtype=torch.float32)
+            param.copy_(values.normal_(0.0, 0.02, generator=generator))
+
+
+@contextmanager
+def _build_in(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
+    """Make `torch.empty` & co. create tensors in `dtype` on `device` for the duration."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(config: EngineConfig, device: str | torch.device = "cpu") -> nn.Module:
+    """Instantiate `config.model`'s architecture and load its weights; eval mode, no grads."""
+    from tokenwise.models.registry import resolve_model_class  # models import this module
+
+    model_config = config.model
+    if model_config is None:
+        raise ValueError("load_model needs config.model (a tokenwise.model_config.ModelConfig)")
+    model_cls = resolve_model_class(model_config.architectures)
+    with _build_in(model_config.dtype, torch.device(device)):
+        model = model_cls(config)
+    if model_config.load_format == "dummy":
+        init_dummy_weights(model, model_config.seed)
+    elif model_config.load_format in ("auto", "safetensors"):
+        weights = iterate_safetensors(safetensors_files(model_config.model))
+        loaded = model.load_weights(weights)
+        _check_complete(model, loaded)
+    else:
+        raise ValueError(f"unknown load_format {model_config.load_format!r}")
+    return model.eval().requires_grad_(False)
+
+
+def _check_complete(model: nn.Module, loaded: set[str]) -> None:
+    mapping: StackedMapping = getattr(model, "stacked_params_mapping", ())
+    missing: set[str] = set()
+    for name, _ in model.named_parameters():
+        if name not in loaded:
+            missing.update(checkpoint_names(name, mapping).values())
+    if missing:
+        raise ValueError(
+            f"checkpoint for {type(model).__name__} is missing tensors: {', '.join(sorted(missing))}"
+        )

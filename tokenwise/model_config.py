@@ -1,0 +1,159 @@
+"""Model settings resolved from a local Hugging Face checkpoint directory.
+
+transformers 4.x and 5.x write `config.json` differently (`torch_dtype` vs `dtype`,
+`rope_theta`/`rope_scaling` vs `rope_parameters`); the accessors here accept both so that model
+code never has to care which version saved the checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def cpu_supports_bf16() -> bool:
+    """True when oneDNN has native bf16 kernels on this CPU (AVX512_BF16 or AMX)."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    try:
+        return bool(check()) if check is not None else False
+    except RuntimeError:
+        return False
+
+
+def checkpoint_dtype(hf_config: Any) -> torch.dtype | None:
+    """The dtype the checkpoint was saved in (`dtype` in 5.x, `torch_dtype` in 4.x)."""
+    for name in ("dtype", "torch_dtype"):
+        value = getattr(hf_config, name, None)
+        if value is None:
+            continue
+        if isinstance(value, torch.dtype):
+            return value
+        if isinstance(value, str) and value.replace("torch.", "") in _DTYPES:
+            return _DTYPES[value.replace("torch.", "")]
+    return None
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device: str) -> torch.dtype:
+    """ "auto": the checkpoint's dtype on GPU; on CPU bf16 where supported, else fp32."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+        return dtype
+    key = str(dtype).lower().replace("torch.", "")
+    if key == "auto":
+        if device.startswith("cuda"):
+            saved = checkpoint_dtype(hf_config)
+            return saved if saved in (torch.float16, torch.bfloat16) else torch.bfloat16
+        return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+    if key not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16, got {dtype!r}")
+    return _DTYPES[key]
+
+
+def max_position_embeddings(hf_config: Any) -> int | None:
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(hf_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+@dataclass
+class ModelConfig:
+    """What the engine needs to know about the model it serves."""
+
+    model: str
+    hf_config: Any
+    dtype: torch.dtype
+    max_model_len: int
+    seed: int = 0
+    load_format: str = "auto"
+    tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
+    architectures: list[str] = field(default_factory=list)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config.num_hidden_layers)
+
+    @property
+    def num_kv_heads(self) -> int:
+        cfg = self.hf_config
+        return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+
+    @property
+    def head_dim(self) -> int:
+        cfg = self.hf_config
+        explicit = getattr(cfg, "head_dim", None)
+        return int(explicit) if explicit else cfg.hidden_size // cfg.num_attention_heads
+
+    @property
+    def sliding_window(self) -> int | None:
+        window = getattr(self.hf_config, "sliding_window", None)
+        if window is None or getattr(self.hf_config, "use_sliding_window", True) is False:
+            return None
+        return int(window)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str,
+        dtype: str | torch.dtype = "auto",
+        max_model_len: int | None = None,
+        device: str = "cpu",
+        seed: int = 0,
+        load_format: str = "auto",
+        tokenizer: str | None = None,
+        skip_tokenizer_init: bool = False,
+    ) -> ModelConfig:
+        """Read `config.json` from a local directory (never from the network)."""
+        from transformers import AutoConfig
+
+        if not os.path.isdir(model):
+            raise FileNotFoundError(
+                f"model directory {model!r} does not exist (tokenwise loads local Hugging Face "
+                "checkpoint directories only)"
+            )
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise FileNotFoundError(f"model directory {model!r} has no config.json")
+        if load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format must be auto, safetensors or dummy, got {load_format!r}")
+        hf_config = AutoConfig.from_pretrained(model, local_files_only=True)
+        limit = max_position_embeddings(hf_config)
+        if max_model_len is None:
+            max_model_len = limit or 2048
+        elif not isinstance(max_model_len, int) or max_model_len < 1:
+            raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}")
+        elif limit is not None and max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}"
+            )
+        return cls(
+            model=model,
+            hf_config=hf_config,
+            dtype=resolve_dtype(dtype, hf_config, device),
+            max_model_len=max_model_len,
+            seed=seed,
+            load_format=load_format,
+            tokenizer=tokenizer or model,
+            skip_tokenizer_init=skip_tokenizer_init,
+            architectures=list(getattr(hf_config, "architectures", None) or []),
+        )

@@ -1,0 +1,213 @@
+"""The Llama decoder, written token-wise; Mistral, Qwen2 and Qwen3 are small variations of it.
+
+The model sees one flat stream of tokens (every sequence of the step, concatenated) plus each
+token's position. It never learns where one sequence ends: the attention layer gets that from
+the forward context. That is what keeps this file free of batching and cache bookkeeping.
+
+What differs between the Llama-family architectures is captured by `DecoderVariant` (biases,
+per-head q/k norms); a subclass only overrides `decoder_variant`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenwise.attention.layer import Attention
+from tokenwise.config import EngineConfig
+from tokenwise.layers import (
+    LMHead,
+    MergedLinear,
+    QKVLinear,
+    ReplicatedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabEmbedding,
+    get_act_and_mul,
+    get_rope_config,
+)
+from tokenwise.loader import load_stacked_weights
+
+
+@dataclass(frozen=True)
+class DecoderVariant:
+    qkv_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each q/k head before RoPE
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def layer_sliding_window(config: EngineConfig, layer_idx: int) -> int | None:
+    """The window of one layer: configs with `layer_types` (Qwen2/3) slide only on some layers."""
+    window = config.model.sliding_window
+    layer_types = getattr(config.model.hf_config, "layer_types", None)
+    if window is not None and layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    return window
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        config: EngineConfig,
+        variant: DecoderVariant,
+        rotary_emb: RotaryEmbedding,
+        layer_idx: int,
+        prefix: str,
+    ) -> None:
+        super().__init__()
+        hf = config.model.hf_config
+        self.num_heads = int(hf.num_attention_heads)
+        self.num_kv_heads = config.model.num_kv_heads
+        self.head_dim = config.model.head_dim
+        self.qkv_proj = QKVLinear(
+            hf.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, variant.qkv_bias
+        )
+        self.o_proj = ReplicatedLinear(
+            self.num_heads * self.head_dim, hf.hidden_size, variant.o_proj_bias
+        )
+        self.q_norm = RMSNorm(self.head_dim, hf.rms_norm_eps) if variant.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, hf.rms_norm_eps) if variant.qk_norm else None
+        self.rotary_emb = rotary_emb  # shared by all layers: one cos/sin table per model
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            num_kv_heads=self.num_kv_heads,
+            prefix=_join(prefix, "attn"),
+            config=config,
+            sliding_window=layer_sliding_window(config, layer_idx),
+        )
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        q, k, v = self.qkv_proj(hidden_states).split(self.qkv_proj.output_sizes, dim=-1)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU with gate and up fused into one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias)
+        self.down_proj = ReplicatedLinear(intermediate_size, hidden_size, bias)
+        self.act_fn = get_act_and_mul(hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: EngineConfig,
+        variant: DecoderVariant,
+        rotary_emb: RotaryEmbedding,
+        layer_idx: int,
+        prefix: str,
+    ) -> None:
+        super().__init__()
+        hf = config.model.hf_config
+        self.self_attn = LlamaAttention(
+            config, variant, rotary_emb, layer_idx, _join(prefix, "self_attn")
+        )
+        self.mlp = LlamaMLP(hf.hidden_size, hf.intermediate_size, hf.hidden_act, variant.mlp_bias)
+        self.input_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns the layer's output *before* its residual add, plus the running residual.
+
+        Deferring each add into the next norm is what lets `RMSNorm` fuse it.
+        """
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: EngineConfig, variant: DecoderVariant, prefix: str = "model"):
+        super().__init__()
+        mc = config.model
+        hf = mc.hf_config
+        self.embed_tokens = VocabEmbedding(hf.vocab_size, hf.hidden_size)
+        rope_theta, rope_scaling = get_rope_config(hf)
+        # Positions never reach max_model_len, so the table need not cover the full
+        # max_position_embeddings (128k rows for Llama 3.1).
+        self.rotary_emb = RotaryEmbedding(mc.head_dim, mc.max_model_len, rope_theta, rope_scaling)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, variant, self.rotary_emb, i, _join(prefix, f"layers.{i}"))
+            for i in range(hf.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    # HF keeps q/k/v and gate/up apart; here they are row shards of one fused weight.
+    stacked_params_mapping: tuple[tuple[str, str, str | int], ...] = (
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    )
+
+    def __init__(self, config: EngineConfig, prefix: str = "") -> None:
+        super().__init__()
+        hf = config.model.hf_config
+        self.model = LlamaModel(config, self.decoder_variant(hf), _join(prefix, "model"))
+        self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
+        tie_to = self.model.embed_tokens if self.tie_word_embeddings else None
+        self.lm_head = LMHead(hf.vocab_size, hf.hidden_size, tie_to=tie_to)
+
+    @classmethod
+    def decoder_variant(cls, hf_config: Any) -> DecoderVariant:
+        bias = bool(getattr(hf_config, "attention_bias", False))
+        mlp_bias = bool(getattr(hf_config, "mlp_bias", False))
+        return DecoderVariant(qkv_bias=bias, o_proj_bias=bias, mlp_bias=mlp_bias)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """float32 logits for the rows the runner chose to sample (not every token)."""
+        return self.lm_head(hidden_states)
+
+    def _ignored(self, name: str) -> bool:
+        if name.endswith(("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")):
+            return True
+        return self.tie_word_embeddings and name == "lm_head.weight"
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors in; returns the names of the parameters fully filled."""
+        kept = ((name, tensor) for name, tensor in weights if not self._ignored(name))
+        return load_stacked_weights(self, kept, self.stacked_params_mapping)

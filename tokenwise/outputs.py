@@ -1,0 +1,76 @@
+"""What the engine returns, with vLLM's names: `RequestOutput` holding `CompletionOutput`s."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One dict per generated token: token id -> Logprob (the sampled token plus the top-N).
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    stop_reason: int | str | None = None  # the stop string or stop token that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """Engine steps return *deltas* (text and tokens new since the last step); `LLM.generate`
+    and the server merge them with `merge()` when they need the whole completion."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def merge(self, delta: RequestOutput) -> None:
+        """Fold a later delta for the same request into this (cumulative) output."""
+        by_index = {o.index: o for o in self.outputs}
+        for new in delta.outputs:
+            old = by_index.get(new.index)
+            if old is None:
+                copy = CompletionOutput(
+                    new.index,
+                    new.text,
+                    list(new.token_ids),
+                    new.cumulative_logprob,
+                    None if new.logprobs is None else list(new.logprobs),
+                    new.finish_reason,
+                    new.stop_reason,
+                )
+                self.outputs.append(copy)
+                by_index[new.index] = copy
+                continue
+            old.text += new.text
+            old.token_ids.extend(new.token_ids)
+            if new.logprobs is not None:
+                old.logprobs = (old.logprobs or []) + new.logprobs
+            old.cumulative_logprob = new.cumulative_logprob
+            old.finish_reason = new.finish_reason
+            old.stop_reason = new.stop_reason
+        self.outputs.sort(key=lambda o: o.index)
+        self.finished = delta.finished
+        self.num_cached_tokens = delta.num_cached_tokens
+        self.error = delta.error or self.error
+        self.metrics.update(delta.metrics)
