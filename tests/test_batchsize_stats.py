@@ -36,7 +36,7 @@ def restore_global(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def _fill(stats: BatchSizeForwardStats, samples: dict[int, list[float]], now: float) -> None:
-    """Record in the order given (sizes interleaved round-robin would change first-seen order)."""
+    """Record every sample at one fixed time, sizes in the dict's order (= first-seen order)."""
     for size, times in samples.items():
         for t in times:
             stats.record(size, t, now=now)
@@ -97,8 +97,17 @@ def test_ties_in_count_keep_first_seen_order() -> None:
     stats = BatchSizeForwardStats(interval_s=1e9)
     stats.reset(interval_s=1e9, now=0.0)
     # Seen first: 64, then 2, then 16, then 8; counts 2, 3, 2, 2.
-    for size, t in [(64, 1.0), (2, 1.0), (16, 1.0), (8, 1.0), (2, 1.0), (8, 3.0),
-                    (16, 3.0), (64, 3.0), (2, 1.0)]:
+    for size, t in [
+        (64, 1.0),
+        (2, 1.0),
+        (16, 1.0),
+        (8, 1.0),
+        (2, 1.0),
+        (8, 3.0),
+        (16, 3.0),
+        (64, 3.0),
+        (2, 1.0),
+    ]:
         stats.record(size, t, now=1.0)
     assert stats.table() == [(2, 3, 1.0), (64, 2, 2.0), (16, 2, 2.0), (8, 2, 2.0)]
 

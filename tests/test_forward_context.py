@@ -51,7 +51,9 @@ def _ctx(tag: Any = None, config: EngineConfig | None = None) -> ForwardContext:
 
 def _dp_config(size: int = 2, rank: int = 0, is_moe: bool | None = True) -> EngineConfig:
     return EngineConfig(
-        parallel=ParallelConfig(data_parallel_size=size, data_parallel_rank=rank, is_moe_model=is_moe)
+        parallel=ParallelConfig(
+            data_parallel_size=size, data_parallel_rank=rank, is_moe_model=is_moe
+        )
     )
 
 
@@ -230,22 +232,24 @@ def test_cu_tokens_across_sp_spec_example() -> None:
 )
 def test_invalid_runtime_graph_modes_are_rejected_at_construction(mode: Any) -> None:
     with pytest.raises(ValueError, match="cudagraph_runtime_mode"):
-        ForwardContext(no_compile_layers={}, attn_metadata=None, virtual_engine=0,
-                       cudagraph_runtime_mode=mode)
+        ForwardContext(
+            no_compile_layers={}, attn_metadata=None, virtual_engine=0, cudagraph_runtime_mode=mode
+        )
     with pytest.raises(ValueError, match="cudagraph_runtime_mode"):
         create_forward_context(None, EngineConfig(), cudagraph_runtime_mode=mode)
 
 
-@pytest.mark.parametrize(
-    "mode", [CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL]
-)
+@pytest.mark.parametrize("mode", [CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL])
 def test_valid_runtime_graph_modes_are_accepted(mode: CUDAGraphMode) -> None:
     assert create_forward_context(None, EngineConfig(), cudagraph_runtime_mode=mode)
 
 
 def test_set_forward_context_with_invalid_mode_installs_nothing() -> None:
-    with pytest.raises(ValueError), set_forward_context(
-        None, EngineConfig(), cudagraph_runtime_mode=CUDAGraphMode.FULL_AND_PIECEWISE
+    with (
+        pytest.raises(ValueError),
+        set_forward_context(
+            None, EngineConfig(), cudagraph_runtime_mode=CUDAGraphMode.FULL_AND_PIECEWISE
+        ),
     ):
         pass
     assert not is_forward_context_available()
@@ -374,7 +378,10 @@ def test_graph_mode_descriptor_uses_tokens_derived_from_metadata() -> None:
 def test_explicit_descriptor_is_kept() -> None:
     desc = BatchDescriptor(16, 16, uniform=True)
     with set_forward_context(
-        None, EngineConfig(), num_tokens=12, cudagraph_runtime_mode=CUDAGraphMode.FULL,
+        None,
+        EngineConfig(),
+        num_tokens=12,
+        cudagraph_runtime_mode=CUDAGraphMode.FULL,
         batch_descriptor=desc,
     ) as ctx:
         assert ctx.batch_descriptor is desc
@@ -548,8 +555,9 @@ def test_stats_enabled_records_one_sample_per_pass(stats_env: pytest.MonkeyPatch
     with set_forward_context(None, EngineConfig(), num_tokens=4):
         pass
     # A failed pass: not timed either.
-    with pytest.raises(RuntimeError), set_forward_context(
-        FakeMetadata(4, 0), EngineConfig(), num_tokens=4
+    with (
+        pytest.raises(RuntimeError),
+        set_forward_context(FakeMetadata(4, 0), EngineConfig(), num_tokens=4),
     ):
         raise RuntimeError("forward failed")
     assert {k: len(v) for k, v in get_batchsize_forward_time_samples().items()} == {4: 1}

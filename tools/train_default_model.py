@@ -26,8 +26,10 @@ Example::
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import platform
 import random
 import sys
 import sysconfig
@@ -250,6 +252,19 @@ def benchmark_bf16(model, windows: RandomWindows, batch_size: int, steps: int = 
     return timings[True] < 0.9 * timings[False]
 
 
+def describe_cpu() -> str:
+    """CPU model and core count for the card: training speed depends on it entirely."""
+    name = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name} ({os.cpu_count()} cores)"
+
+
 # --------------------------------------------------------------------------------------------
 # Output
 # --------------------------------------------------------------------------------------------
@@ -259,6 +274,12 @@ def write_model_card(out: Path, info: dict) -> None:
     """A short model card so that the committed checkpoint explains itself."""
     samples = "\n\n".join(
         f"Prompt `{p!r}`:\n\n```python\n{text}\n```" for p, text in info["samples"].items()
+    )
+    early = (
+        f" The run was stopped by the time guard after {info['steps']} of "
+        f"{info['planned_steps']} planned steps, so the command below does not replay it exactly."
+        if info["stopped_early"]
+        else ""
     )
     card = f"""# tokenwise default model
 
@@ -302,7 +323,7 @@ Seed {info["seed"]}. AdamW (betas 0.9/0.95, weight decay {info["weight_decay"]})
 {info["steps"]} steps of {info["batch_size"]} x {info["seq_len"]} tokens
 ({info["tokens_seen"]:,} tokens, {info["epochs"]:.2f} epochs), {info["precision"]}, on
 {info["machine"]}. Training loop: {info["train_minutes"]:.1f} min; whole script:
-{info["total_minutes"]:.1f} min.
+{info["total_minutes"]:.1f} min.{early}
 
 - final train loss (mean of the last 20 steps): {info["train_loss"]:.3f}
 - validation loss (held-out files): {info["val_loss"]:.3f}
@@ -336,6 +357,12 @@ def save_checkpoint(model, tokenizer, out: Path, bos_id: int, eos_id: int) -> No
     model.generation_config = GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    # transformers 5 records its new "TokenizersBackend" class, which 4.x cannot import; the
+    # older name loads the same tokenizer.json in both, and the project supports both.
+    config_path = out / "tokenizer_config.json"
+    tok_config = json.loads(config_path.read_text(encoding="utf-8"))
+    tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(tok_config, indent=2) + "\n", encoding="utf-8")
 
 
 # --------------------------------------------------------------------------------------------
@@ -351,24 +378,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--hidden-size", type=int, default=256)
-    p.add_argument("--intermediate-size", type=int, default=768)
-    p.add_argument("--num-layers", type=int, default=6)
+    p.add_argument("--intermediate-size", type=int, default=688)
+    p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--num-kv-heads", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--val-fraction", type=float, default=0.02)
     p.add_argument("--val-tokens", type=int, default=65536, help="max held-out tokens scored")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="torch intra-op threads; on a busy machine 1 can be much faster (no spin-waiting)",
+    )
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument(
         "--precision",
         choices=["auto", "fp32", "bf16-autocast"],
-        default="auto",
-        help="auto measures both and keeps the faster; weights are always saved in fp32",
+        default="fp32",
+        help="auto times both and keeps the faster (bf16 autocast only pays off on CPUs with "
+        "native bf16); weights are always saved in fp32",
     )
     args = p.parse_args(argv)
     if args.num_heads % args.num_kv_heads or args.hidden_size % args.num_heads:
@@ -447,7 +480,14 @@ def main(argv: list[str] | None = None) -> None:
     t_calib = t_train
     recent: list[float] = []
     step = 0
+    stopped_early = False
     while step < schedule.total:
+        # A guard for shared machines: if others' load slows us far beyond what was measured,
+        # stop rather than run for hours. The card records it, since `--steps` would then differ.
+        if args.steps is None and time.perf_counter() - t_train > 1.5 * budget_s:
+            log(f"stopping early at step {step}: 1.5x the time budget has passed")
+            stopped_early = True
+            break
         if args.steps is None and step == calib_start:
             t_calib = time.perf_counter()
         if args.steps is None and step == calib_end:
@@ -493,7 +533,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     defaults = vars(parse_args([]))
     for key, value in vars(args).items():
-        if key not in ("out", "minutes", "steps", "seed") and value != defaults[key]:
+        skip = ("out", "minutes", "steps", "seed", "log_every")
+        if key not in skip and value != defaults[key]:
             command += f" --{key.replace('_', '-')} {value}"
     info = {
         "params": n_params,
@@ -517,12 +558,14 @@ def main(argv: list[str] | None = None) -> None:
         "weight_decay": args.weight_decay,
         "lr": args.lr,
         "warmup": args.warmup,
-        "steps": schedule.total,
+        "steps": step,
+        "planned_steps": schedule.total,
+        "stopped_early": stopped_early,
         "batch_size": args.batch_size,
-        "tokens_seen": schedule.total * args.batch_size * args.seq_len,
-        "epochs": schedule.total * args.batch_size * args.seq_len / len(train_stream),
+        "tokens_seen": step * args.batch_size * args.seq_len,
+        "epochs": step * args.batch_size * args.seq_len / len(train_stream),
         "precision": precision,
-        "machine": f"{args.threads} CPU threads (torch {torch.__version__})",
+        "machine": f"{describe_cpu()}, {args.threads} torch thread(s), torch {torch.__version__}",
         "train_minutes": train_s / 60,
         "total_minutes": (time.perf_counter() - t_script) / 60,
         "minutes": f"{args.minutes:g}",

@@ -122,8 +122,7 @@ def test_top_p_yields_only_nucleus() -> None:
     got = draws(ROW, SamplingParams(top_p=0.6), 2000)
     expected = _nucleus(np_softmax(ROW.numpy().astype(np.float64)), 0.6)
     assert 1 < len(expected) < 30
-    assert got <= expected
-    assert len(got) >= len(expected) - 1  # all but perhaps the rarest member appear
+    assert got == expected  # every member has >= 4% mass, so 2000 draws reach all of them
 
 
 def test_min_p_yields_only_tokens_above_threshold() -> None:
@@ -147,8 +146,7 @@ def test_top_k_top_p_min_p_combined() -> None:
     renormalised = np.where(keep, probs, 0.0) / probs[keep].sum()
     expected = _nucleus(renormalised, top_p)
     assert 1 < len(expected) < keep.sum()  # every filter actually bites
-    assert got <= expected
-    assert len(got) >= len(expected) - 1
+    assert got == expected  # every member has >= 10% mass after renormalising
 
 
 def test_filters_are_per_row() -> None:

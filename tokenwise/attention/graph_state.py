@@ -73,6 +73,11 @@ class CommonAttentionState:
         if self._graph_slot_mapping is None or not self._is_graph_capturing:
             raise RuntimeError("call graph_capture_get_metadata_for_batch inside graph_capture()")
         assert self._graph_seq_lens is not None and self._graph_block_tables is not None
+        capacity = self._graph_slot_mapping.shape[0]
+        if batch_size > capacity:
+            raise ValueError(
+                f"batch size {batch_size} exceeds the {capacity} rows allocated by graph_capture()"
+            )
         return AttentionMetadata(
             num_prefills=0,
             num_prefill_tokens=0,

@@ -72,7 +72,8 @@ class Attention(nn.Module):
             register_static_layer(config, prefix, self)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        if not is_forward_context_available():
+        # A ContextVar read cannot be traced, so compiled code assumes the engine's context.
+        if not torch.compiler.is_compiling() and not is_forward_context_available():
             return self._single_sequence_attention(query, key, value)
         return torch.ops.tokenwise.unified_attention(query, key, value, self.layer_name)
 

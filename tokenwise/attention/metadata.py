@@ -132,6 +132,7 @@ class CommonMetadataBuilder:
     def prepare(self) -> None:
         self.slot_mapping: list[int] = []
         self.block_tables: list[list[int]] = []
+        self.full_block_tables: list[list[int]] = []  # untrimmed, for graph batches
         self.first_blocks: list[int] = []
         self.context_lens: list[int] = []
         self.query_lens: list[int] = []
@@ -163,7 +164,9 @@ class CommonMetadataBuilder:
         if self.sliding_window is not None:
             # The earliest query (position context_len) sees keys > context_len - window.
             first = max(0, context_len - self.sliding_window + 1) // self.block_size
-        self.block_tables.append(block_table[first : math.ceil(seq_len / self.block_size)])
+        num_blocks = math.ceil(seq_len / self.block_size)
+        self.block_tables.append(block_table[first:num_blocks])
+        self.full_block_tables.append(block_table[:num_blocks])
         self.first_blocks.append(first)
         self.context_lens.append(context_len)
         self.query_lens.append(query_len)
@@ -193,6 +196,11 @@ class CommonMetadataBuilder:
         first_blocks = list(self.first_blocks)
         context_lens = list(self.context_lens)
         if use_graph:
+            # A captured graph keeps the host-side fields of its capture metadata, where every
+            # row starts at block 0; so graph batches use untrimmed tables (the window mask
+            # still applies).
+            block_tables = self.full_block_tables
+            first_blocks = [0] * len(first_blocks)
             slot_mapping.extend([PAD_SLOT_ID] * cuda_graph_pad_size)
             seq_lens.extend([1] * cuda_graph_pad_size)
             query_lens.extend([1] * cuda_graph_pad_size)

@@ -92,6 +92,7 @@ class LLMEngine:
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_params_for_model(params)
         text, token_ids = to_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
         if len(token_ids) >= self.model_config.max_model_len:
             raise ValueError(
@@ -132,6 +133,21 @@ class LLMEngine:
         self.groups[request_id] = group
         for sample in samples:
             self._by_request[sample.request.request_id] = (group, sample)
+
+    def _check_params_for_model(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: limits set by this model and tokenizer.
+        Without these checks a bad value would only fail inside a batched step."""
+        vocab = self.model_config.vocab_size
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab}")
+        bad = [t for t in params.stop_token_ids or () if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad} are out of range [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                "stop strings need a tokenizer, but the engine was started with "
+                "skip_tokenizer_init=True; use stop_token_ids instead"
+            )
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Abort requests (unknown ids are ignored); their blocks are freed at once and the next
@@ -210,15 +226,19 @@ class LLMEngine:
             self._stats.generation_tokens_total += 1
             params = req.sampling_params
             if params.logprobs is not None and lp_ids is not None:
-                entry = {token: Logprob(lp_vals[row][0], lp_ranks[row])}
-                for j in range(1, params.logprobs + 1):
-                    entry.setdefault(lp_ids[row][j], Logprob(lp_vals[row][j], j))
-                if self.tokenizer is not None:
-                    for tid, value in entry.items():
-                        value.decoded_token = self.tokenizer.decode([tid])
+                entry = self._logprob_entry(token, params.logprobs, lp_ids[row], lp_vals[row])
+                entry[token].rank = lp_ranks[row]
                 sample.new_logprobs.append(entry)
                 sample.cumulative_logprob += lp_vals[row][0]
-            stop_str = sample.detokenizer.add_token(token) if sample.detokenizer else None
+            # As in vLLM, a stop token ends the text without appearing in it.
+            hides_token = (
+                token in params.stop_token_ids
+                and req.num_output_tokens >= params.min_tokens
+                and not params.include_stop_str_in_output
+            )
+            stop_str = None
+            if sample.detokenizer is not None and not hides_token:
+                stop_str = sample.detokenizer.add_token(token)
             status = self._check_stop(req, token, stop_str)
             if status is RequestStatus.FINISHED_STOPPED:
                 finished_stop.append(req)
@@ -226,6 +246,18 @@ class LLMEngine:
                 finished_length.append(req)
         self.scheduler.finish_requests(finished_stop, RequestStatus.FINISHED_STOPPED)
         self.scheduler.finish_requests(finished_length, RequestStatus.FINISHED_LENGTH)
+
+    def _logprob_entry(
+        self, token: int, num: int, ids: list[int], values: list[float]
+    ) -> dict[int, Logprob]:
+        """The sampled token (column 0) plus the top-`num` tokens, decoded when possible."""
+        entry = {token: Logprob(values[0])}
+        for j in range(1, num + 1):
+            entry.setdefault(ids[j], Logprob(values[j], j))
+        if self.tokenizer is not None:
+            for tid, value in entry.items():
+                value.decoded_token = self.tokenizer.decode([tid])
+        return entry
 
     def _check_stop(self, req: Request, token: int, stop_str: str | None) -> RequestStatus | None:
         params = req.sampling_params

@@ -7,3 +7,21 @@ import argparse
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the optional subcommands; each imports its heavy dependencies lazily."""
+    from tokenwise.entrypoints.engine_args import add_engine_args
+    from tokenwise.entrypoints.openai.cli_args import add_server_args
+
+    serve = subparsers.add_parser(
+        "serve",
+        help="run an OpenAI-compatible HTTP server",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
+        "/metrics for one model.",
+    )
+    add_server_args(serve)
+    add_engine_args(serve)
+    serve.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from tokenwise.entrypoints.openai.api_server import run_server
+
+    return run_server(args)

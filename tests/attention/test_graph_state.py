@@ -1,0 +1,162 @@
+"""`CommonAttentionState`: the persistent buffers behind graph capture and replay (SPEC §3).
+
+No GPU is needed: capture itself happens in the runner; these are the buffers' contents and
+the rules for when they may be used. Expected slots are hand-computed with block size 4.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenwise.attention.graph_state import CommonAttentionState
+from tokenwise.attention.metadata import CommonMetadataBuilder
+from tokenwise.attention.utils import PAD_SLOT_ID
+
+B = 4
+
+
+def _state(max_bs: int = 8, max_blocks: int = 5) -> CommonAttentionState:
+    return CommonAttentionState(max_batch_size=max_bs, max_blocks_per_seq=max_blocks, block_size=B)
+
+
+def test_capture_metadata_is_all_padding() -> None:
+    state = _state()
+    with state.graph_capture(4):
+        md = state.graph_capture_get_metadata_for_batch(4)
+        small = state.graph_capture_get_metadata_for_batch(2)
+    assert md.use_cuda_graph is True
+    assert (md.num_prefills, md.num_prefill_tokens, md.num_decode_tokens) == (0, 0, 4)
+    assert md.slot_mapping.tolist() == [PAD_SLOT_ID] * 4
+    assert md.slot_mapping.dtype == torch.int64
+    assert md.seq_lens_tensor is not None
+    assert md.seq_lens_tensor.tolist() == [1, 1, 1, 1]
+    assert md.block_tables.shape == (4, 5) and not md.block_tables.any()
+    assert md.max_query_len == 1
+    assert md.max_decode_seq_len == 5 * B  # the longest sequence a replay may hold
+    assert md.prefill_metadata is None and md.decode_metadata is not None
+    # Smaller batches are views of the same buffers (a graph per size, one set of buffers).
+    assert small.num_decode_tokens == 2 and small.slot_mapping.shape == (2,)
+    assert small.slot_mapping.data_ptr() == md.slot_mapping.data_ptr()
+    assert small.block_tables.data_ptr() == md.block_tables.data_ptr()
+
+
+def test_capture_size_limits() -> None:
+    state = _state(max_bs=4)
+    with pytest.raises(ValueError), state.graph_capture(5):
+        pass
+    with state.graph_capture(2), pytest.raises(ValueError):
+        state.graph_capture_get_metadata_for_batch(3)  # buffers only hold 2 rows
+
+
+def test_calls_outside_capture_are_errors() -> None:
+    state = _state()
+    with pytest.raises(RuntimeError):
+        state.graph_capture_get_metadata_for_batch(2)
+    with pytest.raises(RuntimeError):
+        state.graph_clone(2)
+    with state.graph_capture(4):
+        pass
+    with pytest.raises(RuntimeError):  # capture is over
+        state.graph_capture_get_metadata_for_batch(2)
+
+
+def test_capture_flag_cleared_on_error() -> None:
+    state = _state()
+    with pytest.raises(KeyError), state.graph_capture(4):
+        raise KeyError("capture failed")
+    with pytest.raises(RuntimeError):
+        state.graph_capture_get_metadata_for_batch(1)
+
+
+def test_graph_clone_has_fresh_buffers() -> None:
+    state = _state()
+    with state.graph_capture(4):
+        clone = state.graph_clone(3)
+    assert clone is not state
+    assert clone.max_batch_size == 3
+    assert clone.max_blocks_per_seq == 5 and clone.block_size == B
+    assert clone.graph_block_tables.shape == (3, 5)
+    assert clone.graph_block_tables.data_ptr() != state.graph_block_tables.data_ptr()
+
+
+def test_input_buffers_alias_the_capture_metadata() -> None:
+    state = _state()
+    with state.graph_capture(4):
+        md = state.graph_capture_get_metadata_for_batch(4)
+        buffers = state.get_graph_input_buffers(md)
+    assert set(buffers) == {"slot_mapping", "seq_lens_tensor", "block_tables"}
+    assert md.seq_lens_tensor is not None
+    assert buffers["slot_mapping"].data_ptr() == md.slot_mapping.data_ptr()
+    assert buffers["seq_lens_tensor"].data_ptr() == md.seq_lens_tensor.data_ptr()
+    assert buffers["block_tables"].data_ptr() == md.block_tables.data_ptr()
+
+
+def test_input_buffers_need_a_decode_batch() -> None:
+    b = CommonMetadataBuilder(B)
+    b.add_sequence(0, 0, 3, [1])
+    prefill_md = b.build([3], [3])
+    state = _state()
+    with pytest.raises(ValueError):
+        state.get_graph_input_buffers(prefill_md)
+    with state.graph_capture(2):
+        buffers = state.get_graph_input_buffers(state.graph_capture_get_metadata_for_batch(2))
+    with pytest.raises(ValueError):
+        state.prepare_graph_input_buffers(buffers, prefill_md)
+
+
+def test_prepare_copies_real_batch_into_first_rows() -> None:
+    state = _state()
+    with state.graph_capture(4):
+        md = state.graph_capture_get_metadata_for_batch(4)
+        buffers = state.get_graph_input_buffers(md)
+    b = CommonMetadataBuilder(B)
+    b.add_sequence(0, 4, 1, [5, 1])  # position 4 -> block 1 -> slot 4
+    b.add_sequence(1, 9, 1, [0, 6, 8])  # position 9 -> block 8, offset 1 -> slot 33
+    real = b.build([5, 10], [1, 1])
+    state.prepare_graph_input_buffers(buffers, real)
+    # The capture metadata sees the new contents through the same storage.
+    assert md.seq_lens_tensor is not None
+    assert md.slot_mapping.tolist() == [4, 33, PAD_SLOT_ID, PAD_SLOT_ID]
+    assert md.seq_lens_tensor.tolist() == [5, 10, 1, 1]
+    assert md.block_tables.tolist() == [
+        [5, 1, 0, 0, 0],
+        [0, 6, 8, 0, 0],
+        [0, 0, 0, 0, 0],
+        [0, 0, 0, 0, 0],
+    ]
+
+
+def test_prepare_with_padded_batch_from_builder() -> None:
+    state = _state(max_bs=4, max_blocks=3)
+    with state.graph_capture(4):
+        md = state.graph_capture_get_metadata_for_batch(4)
+        buffers = state.get_graph_input_buffers(md)
+    b = CommonMetadataBuilder(B, attn_state=state)
+    b.add_sequence(0, 2, 1, [7])  # slot 7*4 + 2 = 30
+    b.add_sequence(1, 6, 1, [3, 9])  # slot 9*4 + 2 = 38
+    b.add_sequence(2, 8, 1, [2, 4, 11])  # slot 11*4 + 0 = 44
+    real = b.build([3, 7, 9], [1, 1, 1], cuda_graph_pad_size=1, batch_size=4)
+    state.prepare_graph_input_buffers(buffers, real)
+    assert md.seq_lens_tensor is not None
+    assert md.slot_mapping.tolist() == [30, 38, 44, PAD_SLOT_ID]
+    assert md.seq_lens_tensor.tolist() == [3, 7, 9, 1]
+    assert md.block_tables.tolist() == [[7, 0, 0], [3, 9, 0], [2, 4, 11], [0, 0, 0]]
+
+
+def test_begin_forward_is_a_no_op() -> None:
+    state = _state()
+    before = state.graph_block_tables.clone()
+    assert state.begin_forward(object()) is None
+    assert torch.equal(state.graph_block_tables, before)
+
+
+def test_write_block_tables_checks_sizes() -> None:
+    state = _state(max_bs=2, max_blocks=2)
+    out = state.write_block_tables([[4, 5], [6]], 2)
+    assert out.tolist() == [[4, 5], [6, 0]]
+    assert out.data_ptr() == state.graph_block_tables.data_ptr()
+    with pytest.raises(ValueError):
+        state.write_block_tables([[1]], 3)
+    with pytest.raises(ValueError):
+        state.write_block_tables([[1, 2, 3]], 1)

@@ -1,0 +1,139 @@
+"""The FastAPI app of `tokenwise serve`, and the function that runs it on uvicorn.
+
+`build_app` only wires parts together (so tests can build an app around any engine); the
+work is in `AsyncEngine` (the engine thread), the `serving_*` modules (request -> engine ->
+response), `errors` (OpenAI error bodies) and `metrics` (Prometheus).
+
+Open routes: `/health` and `/metrics`, so probes and scrapers need no secret. Everything under
+`/v1` requires `Authorization: Bearer <key>` when a key is configured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from tokenwise.entrypoints.openai.async_engine import AsyncEngine
+from tokenwise.entrypoints.openai.body_limit import BodySizeLimitMiddleware
+from tokenwise.entrypoints.openai.errors import OpenAIError, install_error_handlers
+from tokenwise.entrypoints.openai.metrics import ServerMetrics
+from tokenwise.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from tokenwise.entrypoints.openai.server_config import ServerConfig
+from tokenwise.entrypoints.openai.serving_chat import ChatServing
+from tokenwise.entrypoints.openai.serving_common import json_response
+from tokenwise.entrypoints.openai.serving_completions import CompletionServing
+
+logger = logging.getLogger("tokenwise.server")
+
+
+def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="tokenwise", lifespan=lifespan)
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=config.max_request_body_bytes)
+    install_error_handlers(app)
+    completions = CompletionServing(engine, config)
+    chat = ChatServing(engine, config)
+    bearer = HTTPBearer(auto_error=False)
+
+    async def require_api_key(
+        credentials: HTTPAuthorizationCredentials | None = Depends(bearer),
+    ) -> None:
+        if not config.key_matches(credentials.credentials if credentials else None):
+            raise OpenAIError(
+                401,
+                "invalid or missing API key; send it as 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
+
+    api = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+
+    @api.get("/models")
+    async def list_models() -> Response:
+        card = ModelCard(id=config.served_model_name, max_model_len=config.max_model_len)
+        return json_response(ModelList(data=[card]))
+
+    @api.post("/completions")
+    async def create_completion(body: CompletionRequest, raw: Request) -> Response:
+        return await completions.create(body, raw)
+
+    @api.post("/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await chat.create(body, raw)
+
+    app.include_router(api)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.is_healthy else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """`tokenwise serve`: load the model, start the engine thread, serve until interrupted."""
+    import uvicorn
+
+    from tokenwise.batchsize_stats import ENV_INTERVAL, reset_batchsize_forward_time_stats
+    from tokenwise.engine.llm_engine import LLMEngine
+    from tokenwise.entrypoints.engine_args import engine_kwargs
+    from tokenwise.entrypoints.llm import build_engine_config
+    from tokenwise.entrypoints.openai.cli_args import server_config_kwargs
+
+    # /metrics reports forward time per batch size, so collect it (the table is also logged,
+    # at INFO, once a minute while busy).
+    os.environ.setdefault(ENV_INTERVAL, "60")
+    reset_batchsize_forward_time_stats()
+    engine_config = build_engine_config(args.model, **engine_kwargs(args))
+    if engine_config.model.skip_tokenizer_init:
+        raise ValueError("the server needs a tokenizer")
+    import torch
+
+    torch.manual_seed(engine_config.model.seed)
+    engine = LLMEngine(engine_config, engine_config.device)
+    config = ServerConfig(
+        served_model_name=args.served_model_name or args.model or "default",
+        max_model_len=engine.model_config.max_model_len,
+        **server_config_kwargs(args),
+    )
+    metrics = ServerMetrics(config.served_model_name)
+    async_engine = AsyncEngine(engine, observer=metrics.observe)
+    metrics.attach_engine(lambda: async_engine.stats)
+    app = build_app(async_engine, config, metrics)
+    auth = "API key required" if config.api_key else "no API key"
+    print(
+        f"tokenwise: serving {config.served_model_name!r} on http://{args.host}:{args.port}/v1 "
+        f"({auth})",
+        file=sys.stderr,
+        flush=True,
+    )
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        timeout_graceful_shutdown=5,
+    )
+    return 0

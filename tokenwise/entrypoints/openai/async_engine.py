@@ -1,0 +1,244 @@
+"""An asyncio front end over the synchronous `LLMEngine`.
+
+The engine is not thread-safe and its `step()` blocks for a whole forward pass, so it lives in
+one dedicated thread that owns it exclusively. HTTP handlers never touch it: they post commands
+(add, abort) to a queue that the thread applies between steps, and receive each request's
+outputs through an `asyncio.Queue` fed with `loop.call_soon_threadsafe`. Every step serves all
+running requests at once (continuous batching); when nothing is queued or running the thread
+sleeps on a condition variable instead of spinning.
+
+If the thread dies (a bug, not a model error: those fail only their step's requests inside the
+engine), every waiting request receives `EngineDeadError`, new requests are refused with it, and
+`is_healthy` turns false so `/health` can report 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tokenwise.engine.stats import EngineStats
+from tokenwise.entrypoints.openai.errors import EngineDeadError
+from tokenwise.outputs import RequestOutput
+from tokenwise.sampling.params import SamplingParams
+
+if TYPE_CHECKING:  # the engine (and torch) load only where an engine is built
+    from tokenwise.engine.llm_engine import LLMEngine
+    from tokenwise.engine.prompts import PromptInput
+
+logger = logging.getLogger("tokenwise.server")
+
+OutputObserver = Callable[[RequestOutput], None]
+
+
+class RequestStream:
+    """The outputs of one HTTP request's engine requests, as (prompt index, delta) pairs.
+
+    Iterate it on the event loop that created it; `close()` aborts whatever has not finished
+    (call it in a `finally`: a consumer that stops early must not leave requests generating).
+    """
+
+    def __init__(self, engine: AsyncEngine, loop: asyncio.AbstractEventLoop) -> None:
+        self._engine = engine
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.pending: set[str] = set()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        if not self.pending:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.pending.clear()
+            raise item
+        index, output = item
+        if output.finished:
+            self.pending.discard(output.request_id)
+        return index, output
+
+    def close(self) -> None:
+        if self.pending:
+            self._engine.abort(sorted(self.pending))
+            self.pending.clear()
+
+
+@dataclass
+class _Sink:
+    """Where one engine request's outputs go (used on the engine thread)."""
+
+    stream: RequestStream
+    index: int
+
+    def put(self, item: object) -> None:
+        try:
+            self.stream.loop.call_soon_threadsafe(self.stream.queue.put_nowait, item)
+        except RuntimeError:  # the consumer's loop has closed; nobody is listening
+            pass
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: PromptInput
+    params: SamplingParams
+    sink: _Sink
+    accepted: concurrent.futures.Future
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, observer: OutputObserver | None = None) -> None:
+        self.engine = engine
+        self._observer = observer
+        self._commands: deque[_Add | _Abort] = deque()
+        self._wakeup = threading.Condition()
+        self._sinks: dict[str, _Sink] = {}  # engine thread only
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._stats = copy.deepcopy(engine.get_stats())
+        self._thread = threading.Thread(target=self._run, name="tokenwise-engine", daemon=True)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if not self._thread.is_alive() and self._error is None and not self._stopping:
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._thread.is_alive() and self._error is None and not self._stopping
+
+    @property
+    def stats(self) -> EngineStats:
+        """The statistics as of the end of the last loop iteration (a private copy)."""
+        return self._stats
+
+    # ---- the API handlers use -----------------------------------------------------------------
+
+    async def submit(
+        self, request_id: str, prompts: Sequence[PromptInput], params: SamplingParams
+    ) -> RequestStream:
+        """Queue one engine request per prompt; return the stream of their outputs.
+
+        Returns only once the engine has accepted every prompt, so invalid input raises here
+        (ValueError/TypeError from `LLMEngine.add_request`), before a response has started.
+        """
+        stream = RequestStream(self, asyncio.get_running_loop())
+        accepted: list[concurrent.futures.Future] = []
+        try:
+            # Post every prompt before waiting, so a batch enters the engine in one iteration.
+            for index, prompt in enumerate(prompts):
+                rid = f"{request_id}-{index}"
+                accepted.append(concurrent.futures.Future())
+                stream.pending.add(rid)
+                self._post(_Add(rid, prompt, params, _Sink(stream, index), accepted[-1]))
+            for future in accepted:
+                await asyncio.wrap_future(future)
+        except BaseException:
+            stream.close()  # aborts whatever was accepted; unknown ids are ignored
+            raise
+        return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._post(_Abort(list(request_ids)), check_alive=False)
+
+    def _post(self, command: _Add | _Abort, check_alive: bool = True) -> None:
+        with self._wakeup:
+            if check_alive and not self.is_healthy:
+                raise EngineDeadError(self._death_reason())
+            self._commands.append(command)
+            self._wakeup.notify()
+
+    def _death_reason(self) -> str:
+        if self._error is not None:
+            return f"{type(self._error).__name__}: {self._error}"
+        return "the engine loop is not running"
+
+    # ---- the engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        batch: deque[_Add | _Abort] = deque()  # taken from the queue, not yet applied
+        try:
+            while True:
+                with self._wakeup:
+                    while not (
+                        self._commands or self._stopping or self.engine.has_unfinished_requests()
+                    ):
+                        self._wakeup.wait()
+                    if self._stopping:
+                        break
+                    batch.extend(self._commands)
+                    self._commands.clear()
+                while batch:
+                    self._apply(batch.popleft())
+                if self.engine.has_unfinished_requests():
+                    self._publish(self.engine.step())
+                self._stats = copy.deepcopy(self.engine.get_stats())
+        except BaseException as exc:
+            logger.exception("the engine loop died")
+            self._fail_everything(exc, list(batch))
+            return
+        # Shutting down: whoever still waits gets an error instead of waiting forever.
+        self._fail_everything(EngineDeadError("the server is shutting down"), list(batch))
+
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Abort):
+            self.engine.abort_request(command.request_ids)
+            return
+        if not command.accepted.set_running_or_notify_cancel():
+            return  # the handler was cancelled while waiting: don't start the request
+        try:
+            self.engine.add_request(command.request_id, command.prompt, command.params)
+        except Exception as exc:  # invalid input: the handler turns it into a 400
+            command.accepted.set_exception(exc)
+            return
+        self._sinks[command.request_id] = command.sink
+        command.accepted.set_result(None)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            if self._observer is not None:
+                try:
+                    self._observer(output)
+                except Exception:  # metrics must never take the engine down
+                    logger.exception("output observer failed")
+            sink = self._sinks.get(output.request_id)
+            if output.finished:
+                self._sinks.pop(output.request_id, None)
+            if sink is not None:
+                sink.put((sink.index, output))
+
+    def _fail_everything(self, exc: BaseException, unapplied: list[_Add | _Abort]) -> None:
+        with self._wakeup:
+            self._error = exc
+            commands = unapplied + list(self._commands)
+            self._commands.clear()
+        dead = EngineDeadError(self._death_reason())
+        for command in commands:
+            if isinstance(command, _Add) and command.accepted.set_running_or_notify_cancel():
+                command.accepted.set_exception(dead)
+        for sink in self._sinks.values():
+            sink.put(dead)
+        self._sinks.clear()

@@ -1,0 +1,107 @@
+"""The flags of `tokenwise serve` beyond the shared engine flags.
+
+Kept apart from the server so that building the CLI's parser imports neither FastAPI nor the
+engine: `tokenwise --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from tokenwise.entrypoints.engine_args import parse_memory_size, positive_int
+from tokenwise.entrypoints.openai.server_config import (
+    DEFAULT_HOST,
+    DEFAULT_MAX_LOGPROBS,
+    DEFAULT_MAX_N,
+    DEFAULT_MAX_PROMPTS,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    DEFAULT_PORT,
+)
+
+API_KEY_ENV = "TOKENWISE_API_KEY"
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"port must be in 1..65535, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument(
+        "--host",
+        default=DEFAULT_HOST,
+        help=f"address to bind (default: {DEFAULT_HOST}; use 0.0.0.0 to accept other hosts)",
+    )
+    g.add_argument("--port", type=_port, default=DEFAULT_PORT, help=f"default: {DEFAULT_PORT}")
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, "
+        "else no auth); the environment variable keeps the key out of the process list",
+    )
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients send and /v1/models lists (default: the --model value)",
+    )
+    g.add_argument(
+        "--max-n",
+        type=positive_int,
+        default=DEFAULT_MAX_N,
+        help=f"largest n (choices per request) accepted (default: {DEFAULT_MAX_N})",
+    )
+    g.add_argument(
+        "--max-prompts",
+        type=positive_int,
+        default=DEFAULT_MAX_PROMPTS,
+        help=f"most prompts in one batched completions request (default: {DEFAULT_MAX_PROMPTS})",
+    )
+    g.add_argument(
+        "--max-logprobs",
+        type=_non_negative_int,
+        default=DEFAULT_MAX_LOGPROBS,
+        help=f"largest logprobs / top_logprobs accepted (default: {DEFAULT_MAX_LOGPROBS})",
+    )
+    g.add_argument(
+        "--max-tokens-cap",
+        type=positive_int,
+        default=None,
+        help="largest max_tokens accepted, and the limit when a request sets none "
+        "(default: max_model_len)",
+    )
+    g.add_argument(
+        "--max-request-body-bytes",
+        type=parse_memory_size,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="larger request bodies get 413, e.g. 65536 or 4MiB (default: 1MiB)",
+    )
+
+
+def server_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """ServerConfig's keyword arguments from the parsed flags (name and length come later)."""
+    return {
+        "api_key": args.api_key,
+        "max_n": args.max_n,
+        "max_prompts": args.max_prompts,
+        "max_logprobs": args.max_logprobs,
+        "max_tokens_cap": args.max_tokens_cap,
+        "max_request_body_bytes": args.max_request_body_bytes,
+    }

@@ -1,0 +1,126 @@
+"""OpenAI-shaped errors: one exception type, one body shape, handlers for every failure path.
+
+Clients built for OpenAI (the official SDKs included) read `{"error": {"message", "type",
+"param", "code"}}` and raise typed exceptions from the status code, so every failure the server
+can produce (validation, limits, auth, unknown routes, a dead engine) goes through here rather
+than FastAPI's default `{"detail": ...}` bodies.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import fields
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tokenwise.sampling.params import SamplingParams
+
+logger = logging.getLogger("tokenwise.server")
+
+_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+_LEADING_NAME = re.compile(r"^(\w+)[ =]")
+
+# The `type` OpenAI reports for each status; anything else 4xx is an invalid request.
+_TYPES = {
+    401: "authentication_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    503: "server_error",
+}
+
+
+class OpenAIError(Exception):
+    """An error the client should see as-is: status code plus the fields of OpenAI's body."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type_ or _TYPES.get(status_code, "invalid_request_error")
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; no request can be served until a restart."""
+
+
+def invalid_request(exc: Exception, default_param: str | None = None) -> OpenAIError:
+    """A ValueError from SamplingParams or the engine as a 400. `param` is the sampling
+    parameter the message starts with (as in "temperature must be >= 0, got -1.0" or
+    "logprobs=30 exceeds ..."), else `default_param` (the prompt, for "prompt has 900 tokens")."""
+    message = str(exc)
+    match = _LEADING_NAME.match(message)
+    param = match.group(1) if match and match.group(1) in _SAMPLING_FIELDS else default_param
+    return OpenAIError(400, message, param=param)
+
+
+def _validation_error(exc: RequestValidationError) -> OpenAIError:
+    """Pydantic's first error as a 400; `param` is the top-level field it concerns."""
+    errors = exc.errors()
+    if not errors:
+        return OpenAIError(400, "invalid request body")
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "malformed JSON")
+        return OpenAIError(400, f"request body is not valid JSON: {detail}", code="json_invalid")
+    where = ".".join(loc) if loc else "body"
+    param = loc[0] if loc and not loc[0].isdigit() else None
+    return OpenAIError(400, f"{where}: {first.get('msg', 'invalid value')}", param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every error to OpenAI's body shape; unexpected ones become a logged 500."""
+
+    @app.exception_handler(OpenAIError)
+    async def _openai(_: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Routing (404/405) and the body-size limit (413) raise these.
+        message = str(exc.detail) if exc.detail else HTTPStatus(exc.status_code).phrase
+        code = "request_too_large" if exc.status_code == 413 else None
+        error = OpenAIError(exc.status_code, message, code=code)
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return OpenAIError(500, f"the engine has stopped: {exc}", code="engine_dead").response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error while serving a request")
+        message = f"internal server error ({type(exc).__name__})"
+        return OpenAIError(500, message, code="internal_error").response()

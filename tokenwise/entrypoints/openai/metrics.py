@@ -1,0 +1,165 @@
+"""Prometheus metrics for `/metrics`, named like vLLM's with a `tokenwise:` prefix.
+
+Two sources feed them:
+- the engine's own cumulative statistics (queue sizes, KV-cache use, token and prefix-cache
+  counters, finish reasons) and the forward-time-per-batch-size table, read at scrape time by a
+  custom collector, so the exposition never drifts from what the engine counted;
+- per-request latencies (time to first token, inter-token latency, end-to-end), observed into
+  histograms from every engine output as the engine thread publishes it.
+
+Each app gets a private `CollectorRegistry`, so several servers (or tests) can coexist in one
+process without "duplicated timeseries" errors from the global registry.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tokenwise.batchsize_stats import get_batchsize_forward_time_samples
+from tokenwise.engine.stats import EngineStats
+from tokenwise.outputs import RequestOutput
+
+PREFIX = "tokenwise:"
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's statistics snapshot at scrape time."""
+
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+        self.model_name = model_name
+        self.stats = stats
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        family.add_metric([self.model_name], value)
+        return family
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        family.add_metric([self.model_name], value)
+        return family
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats()
+        used = s.num_total_blocks - s.num_free_blocks
+        yield self._gauge("num_requests_running", "Requests in the running batch.", s.num_running)
+        yield self._gauge(
+            "num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting
+        )
+        yield self._gauge(
+            "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", s.kv_cache_usage
+        )
+        yield self._gauge("num_used_kv_blocks", "KV blocks held by requests.", used)
+        yield self._gauge("num_total_kv_blocks", "KV blocks in the cache.", s.num_total_blocks)
+        yield self._counter(
+            "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            s.prefix_cache_queries,
+        )
+        yield self._counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits
+        )
+        yield self._counter(
+            "prompt_tokens",
+            "Prompt tokens computed (prefix-cache hits excluded).",
+            s.prompt_tokens_total,
+        )
+        yield self._counter("generation_tokens", "Tokens generated.", s.generation_tokens_total)
+        yield self._counter("num_preemptions", "Requests preempted.", s.num_preemptions_total)
+        success = CounterMetricFamily(
+            PREFIX + "request_success",
+            "Finished sequences by finish reason.",
+            labels=["model_name", "finished_reason"],
+        )
+        for reason, count in sorted(s.finished_reasons.items()):
+            success.add_metric([self.model_name, reason], count)
+        yield success
+        yield from self._forward_times()
+
+    def _forward_times(self) -> Iterator[Metric]:
+        labels = ["model_name", "batch_size"]
+        median = GaugeMetricFamily(
+            PREFIX + "forward_time_per_batch_size_milliseconds",
+            "Median forward-pass time per batch size (tokens in the pass).",
+            labels=labels,
+        )
+        count = CounterMetricFamily(
+            PREFIX + "forward_passes", "Forward passes per batch size.", labels=labels
+        )
+        for size, samples in sorted(get_batchsize_forward_time_samples().items()):
+            if samples:
+                median.add_metric([self.model_name, str(size)], statistics.median(samples))
+                count.add_metric([self.model_name, str(size)], len(samples))
+        yield median
+        yield count
+
+
+class ServerMetrics:
+    """The registry of one app plus the latency bookkeeping fed by `observe`."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        kwargs = {"labelnames": ["model_name"], "registry": self.registry}
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time from arrival to the first generated token.",
+            buckets=TTFT_BUCKETS,
+            **kwargs,
+        ).labels(model_name)
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between consecutive tokens of a sequence.",
+            buckets=ITL_BUCKETS,
+            **kwargs,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Time from arrival to the end of the request.",
+            buckets=E2E_BUCKETS,
+            **kwargs,
+        ).labels(model_name)
+        self._lock = threading.Lock()
+        self._first_seen: set[str] = set()
+        self._last_token: dict[str, dict[int, float]] = {}  # request -> sample -> time
+
+    def attach_engine(self, stats: Callable[[], EngineStats]) -> None:
+        self.registry.register(_EngineCollector(self.model_name, stats))
+
+    def observe(self, output: RequestOutput, now: float | None = None) -> None:
+        """Record the latencies one engine delta reveals (called on the engine thread)."""
+        now = time.monotonic() if now is None else now
+        rid = output.request_id
+        with self._lock:
+            ttft = output.metrics.get("time_to_first_token")
+            if ttft is not None and rid not in self._first_seen:
+                self._first_seen.add(rid)
+                self.ttft.observe(ttft)
+            last_times = self._last_token.setdefault(rid, {})
+            for completion in output.outputs:
+                num_tokens = len(completion.token_ids)
+                if not num_tokens:
+                    continue
+                last = last_times.get(completion.index)
+                if last is not None:
+                    for _ in range(num_tokens):
+                        self.itl.observe((now - last) / num_tokens)
+                last_times[completion.index] = now
+            if output.finished:
+                if "e2e_latency" in output.metrics:
+                    self.e2e.observe(output.metrics["e2e_latency"])
+                self._first_seen.discard(rid)
+                self._last_token.pop(rid, None)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

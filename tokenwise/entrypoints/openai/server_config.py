@@ -1,0 +1,55 @@
+"""What the server needs besides the engine: its name, its key, and the caps on a request.
+
+The caps exist because one request must not be able to monopolise (or crash) a shared server:
+`n`, `logprobs` and the number of prompts in a batch multiply the work and the response size
+of a single request, `max_tokens`
+bounds how long it holds KV blocks, and the body limit bounds what is read into memory before
+any validation runs. Each is a documented default, overridable by a `tokenwise serve` flag.
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+
+DEFAULT_HOST = "127.0.0.1"  # loopback unless the operator explicitly exposes the server
+DEFAULT_PORT = 8000
+DEFAULT_MAX_N = 16  # completions per request (--max-n)
+DEFAULT_MAX_PROMPTS = 64  # prompts in one batched /v1/completions request (--max-prompts)
+DEFAULT_MAX_LOGPROBS = 20  # top logprobs per token (--max-logprobs); OpenAI's own cap
+DEFAULT_MAX_REQUEST_BODY_BYTES = 1 << 20  # 1 MiB (--max-request-body-bytes) -> 413 above
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str
+    max_model_len: int
+    api_key: str | None = None
+    max_n: int = DEFAULT_MAX_N
+    max_prompts: int = DEFAULT_MAX_PROMPTS
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    max_tokens_cap: int | None = None  # None: max_model_len (--max-tokens-cap)
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_n", "max_prompts", "max_request_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
+            raise ValueError(f"max_tokens_cap must be >= 1, got {self.max_tokens_cap}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (omit --api-key to disable auth)")
+
+    @property
+    def effective_max_tokens_cap(self) -> int:
+        return self.max_tokens_cap if self.max_tokens_cap is not None else self.max_model_len
+
+    def key_matches(self, presented: str | None) -> bool:
+        """Constant-time comparison, so response timing does not leak the key's prefix."""
+        if self.api_key is None:
+            return True
+        if presented is None:
+            return False
+        return hmac.compare_digest(presented.encode(), self.api_key.encode())
