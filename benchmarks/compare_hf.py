@@ -22,11 +22,12 @@ uniform in `--output-len` (seeded), greedy, EOS ignored. With `--repeats N` the 
 alternately (tokenwise, hf, hf_batch, tokenwise, ...) so that machine noise hits all of them,
 and the table shows each engine's median run. Each engine has one untimed warm-up first.
 
-Roofline: the workload's useful FLOPs (`tokenwise.benchmarks.common.request_flops`: 2 x
+Roofline: the workload's useful FLOPs (`tokenwise.benchmarks.roofline.request_flops`: 2 x
 non-embedding matmul params per processed token, 2 x hidden x vocab per output token for the
-lm_head, 4 x layers x heads x head_dim x context per token for attention) divided by (the bf16
-matmul rate of a 2048^3 matmul measured in this run x elapsed): the fraction of the machine's
-matmul ceiling the engine turned into useful work.
+lm_head, 4 x layers x heads x head_dim x context per token for attention) divided by (the
+matmul rate in `--dtype` of a 2048^3 product measured in this run x elapsed): the fraction of
+the machine's matmul ceiling the engine turned into useful work. HF generate's padding work is
+not credited, so every engine is measured against the same useful FLOPs.
 
 The allocator variables (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`) only act when set
 before the process starts, so the script re-executes itself once with them when they are
@@ -37,23 +38,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from tokenwise.benchmarks.common import (
-    BenchRequest,
-    ModelShape,
-    make_workload,
-    measure_matmul_flops,
-    parse_len_range,
-    workload_flops,
-    write_json,
+from tokenwise.benchmarks.common import BenchRequest, make_workload, parse_len_range, write_json
+from tokenwise.benchmarks.hf_baselines import (
+    EngineRun,
+    hf_num_blocks,
+    run_hf_batch,
+    run_hf_generate,
 )
+from tokenwise.benchmarks.roofline import ModelShape, measure_matmul_flops, workload_flops
 from tokenwise.entrypoints.engine_args import parse_memory_size, positive_int
 
 ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
@@ -92,39 +92,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     p.add_argument("--kv-cache-memory", type=parse_memory_size, default=parse_memory_size("2GiB"))
     p.add_argument("--compile", action="store_true", help="tokenwise with torch.compile")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (all cores)")
     p.add_argument("--plot", default=None, metavar="PNG")
     p.add_argument("--output-json", default=None, metavar="PATH")
     return p.parse_args(argv)
-
-
-@dataclass
-class EngineRun:
-    engine: str
-    elapsed: float = 0.0
-    output_tokens: int = 0
-    prompt_tokens: int = 0
-    error: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def hf_batches(
-    workload: list[BenchRequest], batch_size: int, pad_id: int = 0
-) -> list[tuple[list[list[int]], list[list[int]], int]]:
-    """(left-padded ids, attention mask, batch's longest output) per batch, in workload order."""
-    batches = []
-    for i in range(0, len(workload), batch_size):
-        chunk = workload[i : i + batch_size]
-        width = max(r.prompt_len for r in chunk)
-        ids = [[pad_id] * (width - r.prompt_len) + r.prompt_token_ids for r in chunk]
-        mask = [[0] * (width - r.prompt_len) + [1] * r.prompt_len for r in chunk]
-        batches.append((ids, mask, max(r.output_len for r in chunk)))
-    return batches
-
-
-def hf_num_blocks(shape: ModelShape, kv_bytes: int, page_size: int, itemsize: int) -> int:
-    """HF continuous-batching blocks (page_size tokens of K and V, every layer) in kv_bytes."""
-    per_block = 2 * shape.layers * shape.kv_heads * shape.head_dim * page_size * itemsize
-    return max(1, kv_bytes // per_block)
 
 
 def run_tokenwise(llm: Any, workload: list[BenchRequest]) -> EngineRun:
@@ -147,63 +118,6 @@ def run_tokenwise(llm: Any, workload: list[BenchRequest]) -> EngineRun:
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     return EngineRun("tokenwise", elapsed, out_tokens, prompt_tokens, extra={"samples": samples})
-
-
-def run_hf_generate(model: Any, workload: list[BenchRequest], batch_size: int) -> EngineRun:
-    import torch
-    from transformers import GenerationConfig
-
-    generated = 0
-    start = time.perf_counter()
-    for ids, mask, max_new in hf_batches(workload, batch_size):
-        config = GenerationConfig(
-            do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new,
-            eos_token_id=None, pad_token_id=0,
-        )  # fmt: skip
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
-                generation_config=config,
-            )  # fmt: skip
-        generated += (out.shape[1] - len(ids[0])) * out.shape[0]
-    elapsed = time.perf_counter() - start
-    useful = sum(r.output_len for r in workload)
-    prompt_tokens = sum(r.prompt_len for r in workload)
-    return EngineRun("hf", elapsed, useful, prompt_tokens, extra={"generated_tokens": generated})
-
-
-def run_hf_batch(model: Any, workload: list[BenchRequest], cb_config: Any) -> EngineRun:
-    """transformers' continuous batching, driven like `generate_batch` but with one
-    `max_new_tokens` per request (generate_batch takes a single one for all)."""
-    import torch
-    from transformers import GenerationConfig
-
-    gen = GenerationConfig(do_sample=False, max_new_tokens=max(r.output_len for r in workload))
-    gen.eos_token_id = -1  # -1 = no EOS in continuous batching
-    try:
-        with torch.no_grad(), model.continuous_batching_context_manager(
-            generation_config=gen, continuous_batching_config=cb_config, block=True, warmup=False
-        ) as manager:  # fmt: skip
-            start = time.perf_counter()
-            for i, r in enumerate(workload):
-                manager.add_request(
-                    r.prompt_token_ids, request_id=f"r{i}", max_new_tokens=r.output_len,
-                    eos_token_id=-1,
-                )  # fmt: skip
-            results: dict[str, Any] = {}
-            while len(results) < len(workload):
-                result = manager.get_result(timeout=1)
-                if result is not None and result.is_finished():
-                    if result.error is not None:
-                        raise RuntimeError(f"request {result.request_id}: {result.error}")
-                    results[result.request_id] = result
-                elif result is None and not manager.is_running():
-                    raise RuntimeError("the continuous batching thread stopped")
-            elapsed = time.perf_counter() - start
-    except Exception as exc:  # reported in the table: HF's API changes between releases
-        return EngineRun("hf_batch", error=f"{type(exc).__name__}: {exc}"[:200])
-    out_tokens = sum(len(r.generated_tokens) for r in results.values())
-    return EngineRun("hf_batch", elapsed, out_tokens, sum(r.prompt_len for r in workload))
 
 
 def summarize_runs(
@@ -304,21 +218,14 @@ def build_engines(args: argparse.Namespace, tmp: str) -> tuple[Any, Any, ModelSh
     return hf_model, llm, ModelShape.from_config(config)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run_rounds(
+    args: argparse.Namespace, workload: list[BenchRequest], vocab_size: int
+) -> tuple[dict[str, list[EngineRun]], ModelShape]:
+    """One untimed warm-up per engine, then `--repeats` rounds of alternating timed runs."""
     import torch
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.set_verbosity_error()
-    with open(os.path.join(args.config, "config.json")) as f:
-        vocab_size = int(json.load(f)["vocab_size"])
-    workload = make_workload(
-        args.num_prompts, args.input_len, args.output_len, vocab_size, args.seed
-    )
     warmup = make_workload(2, (16, 16), (4, 4), vocab_size, args.seed + 1)
-    print(f"measuring the {args.dtype} matmul rate...", file=sys.stderr)
-    matmul_rate = measure_matmul_flops(2048, 5, args.dtype)
     with tempfile.TemporaryDirectory(prefix="tokenwise-compare-") as tmp:
         print("building the models...", file=sys.stderr)
         hf_model, llm, shape = build_engines(args, tmp)
@@ -342,6 +249,39 @@ def main(argv: list[str] | None = None) -> int:
                 runs[engine].append(run)
                 status = run.error or f"{run.output_tokens / max(run.elapsed, 1e-9):.1f} out tok/s"
                 print(f"[{repeat + 1}/{args.repeats}] {engine}: {status}", file=sys.stderr)
+    return runs, shape
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from tokenwise.model_config import cpu_supports_bf16
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    hf_logging.set_verbosity_error()
+    # Without psutil, transformers' continuous batching logs an ERROR about it on every start;
+    # we size its cache ourselves, so drop only that message and keep real errors visible.
+    logging.getLogger("ContinuousBatchingLogger").addFilter(
+        lambda record: "psutil" not in record.getMessage()
+    )
+    if args.dtype == "bfloat16" and not cpu_supports_bf16():
+        print(
+            "warning: this CPU has no native bf16 matmul (AVX512_BF16 or AMX); bf16 takes a "
+            "fallback path far slower than fp32 here; consider --dtype float32",
+            file=sys.stderr,
+        )
+    with open(os.path.join(args.config, "config.json")) as f:
+        vocab_size = int(json.load(f)["vocab_size"])
+    workload = make_workload(
+        args.num_prompts, args.input_len, args.output_len, vocab_size, args.seed
+    )
+    print(f"measuring the {args.dtype} matmul rate...", file=sys.stderr)
+    matmul_rate = measure_matmul_flops(2048, 5, args.dtype)
+    runs, shape = run_rounds(args, workload, vocab_size)
+
     flops = workload_flops(shape, workload)
     rows = summarize_runs(runs, flops, matmul_rate)
     prompt_tokens = sum(r.prompt_len for r in workload)
@@ -356,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     samples = tokenwise_runs[-1].extra.get("samples", {}) if tokenwise_runs else {}
     if args.plot:
         plot(args.plot, rows, samples)
+    forward_ms = {str(n): statistics.median(t) for n, t in sorted(samples.items())}
     write_json(
         args.output_json,
         {
@@ -365,9 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             "prompt_tokens": prompt_tokens,
             "output_tokens": output_tokens,
             "engines": rows,
-            "tokenwise_forward_ms": {
-                str(n): statistics.median(t) for n, t in sorted(samples.items())
-            },
+            "tokenwise_forward_median_ms": forward_ms,
         },
     )
     return 0
@@ -375,4 +314,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     ensure_allocator_env()
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except (ValueError, FileNotFoundError) as exc:  # bad flags, config or lengths: one line
+        sys.exit(f"compare_hf: error: {exc}")

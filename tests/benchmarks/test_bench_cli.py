@@ -19,15 +19,9 @@ import sys
 import pytest
 
 from tests.tiny_checkpoints import build_tiny_checkpoint
-from tokenwise.benchmarks.common import (
-    BenchRequest,
-    ModelShape,
-    make_workload,
-    parse_len_range,
-    percentile,
-    request_flops,
-    workload_flops,
-)
+from tokenwise.benchmarks.common import BenchRequest, make_workload, parse_len_range, percentile
+from tokenwise.benchmarks.hf_baselines import EngineRun, hf_batches, hf_num_blocks
+from tokenwise.benchmarks.roofline import ModelShape, request_flops, workload_flops
 from tokenwise.benchmarks.serve import RequestRecord, aggregate, request_metrics, run_benchmark
 from tokenwise.entrypoints.cli import build_parser
 
@@ -154,7 +148,7 @@ def test_flop_model_on_a_hand_computed_shape() -> None:
     assert qwen.layer_matmul_params == 8 * (16 + 16) + 16 * 8 + 3 * 8 * 16
 
 
-# ---- compare_hf.py's helpers -------------------------------------------------------------------
+# ---- compare_hf.py and its HF baselines -------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -166,15 +160,15 @@ def compare_hf():
     return module
 
 
-def test_hf_batches_left_pad_and_take_the_longest_output(compare_hf) -> None:
+def test_hf_batches_left_pad_and_take_the_longest_output() -> None:
     work = [BenchRequest([7, 8], 3), BenchRequest([9], 5), BenchRequest([1, 2, 3], 2)]
-    batches = compare_hf.hf_batches(work, batch_size=2, pad_id=0)
+    batches = hf_batches(work, batch_size=2, pad_id=0)
     assert batches[0] == ([[7, 8], [0, 9]], [[1, 1], [0, 1]], 5)
     assert batches[1] == ([[1, 2, 3]], [[1, 1, 1]], 2)
 
 
 def test_compare_summary_ratio_and_roofline(compare_hf) -> None:
-    run = compare_hf.EngineRun
+    run = EngineRun
     runs = {
         "tokenwise": [run("tokenwise", 2.0, 100, 300), run("tokenwise", 4.0, 100, 300),
                       run("tokenwise", 1.0, 100, 300)],  # median run: 2 s
@@ -191,7 +185,7 @@ def test_compare_summary_ratio_and_roofline(compare_hf) -> None:
     assert "boom" in table and "5.00x" in table
     # 2 (K,V) x 2 layers x 1 kv head x 4 dims x 8 tokens x 2 bytes = 256 bytes per block
     shape = ModelShape(4, 2, 2, 1, 4, 8, 10)
-    assert compare_hf.hf_num_blocks(shape, 1000, page_size=8, itemsize=2) == 3
+    assert hf_num_blocks(shape, 1000, page_size=8, itemsize=2) == 3
     with pytest.raises(SystemExit):
         compare_hf.parse_args(["--engines", "tokenwise,vllm"])
 
@@ -257,9 +251,9 @@ def test_serve_against_a_fake_streaming_server() -> None:
             for i in range(body["max_tokens"]):
                 await asyncio.sleep(0.001)
                 yield f"data: {json.dumps({'choices': [{'index': 0, 'text': f't{i}'}]})}\n\n"
+            in_flight[0] -= 1  # before the last chunk: the client stops reading at [DONE]
             usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"]}
             yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n"
-            in_flight[0] -= 1
 
         return httpx.Response(200, content=(s.encode() async for s in stream()))
 

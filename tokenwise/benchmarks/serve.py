@@ -125,6 +125,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--base-url", type=_base_url, default="http://127.0.0.1:8000", help="server address"
     )
     parser.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
+    parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     parser.add_argument("--num-prompts", type=positive_int, default=64, help="requests (64)")
     parser.add_argument(
         "--max-concurrency", type=positive_int, default=None, help="most requests in flight"
@@ -199,8 +200,9 @@ async def run_benchmark(args: argparse.Namespace, transport: Any = None) -> dict
     rng = random.Random(args.seed)
     limit = asyncio.Semaphore(args.max_concurrency or args.num_prompts)
     timeout = httpx.Timeout(args.timeout)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     async with httpx.AsyncClient(
-        base_url=args.base_url, timeout=timeout, transport=transport
+        base_url=args.base_url, timeout=timeout, transport=transport, headers=headers
     ) as client:
         model = args.model or await _served_model(client)
 

@@ -29,6 +29,7 @@ from tokenwise.engine.request import Request, RequestStatus
 from tokenwise.engine.scheduler import Scheduler
 from tokenwise.engine.stats import EngineStats, StatLogger
 from tokenwise.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenwise.platform import configure_cpu_allocator
 from tokenwise.sampling.params import SamplingParams
 
 logger = logging.getLogger("tokenwise.engine")
@@ -66,6 +67,8 @@ class LLMEngine:
             raise ValueError("LLMEngine needs EngineConfig.model")
         self.config = config
         self.model_config = config.model
+        if not str(device).startswith("cuda"):
+            configure_cpu_allocator()
         self.tokenizer = None if config.model.skip_tokenizer_init else load_tokenizer(config.model)
         self.eos_token_ids = resolve_eos_token_ids(config.model, self.tokenizer)
         self.runner = ModelRunner(config, device)

@@ -16,6 +16,7 @@ import torch
 from tokenwise.attention.backends.selector import get_attn_backend
 from tokenwise.attention.layer import Attention
 from tokenwise.attention.metadata import AttentionMetadata, CommonMetadataBuilder
+from tokenwise.compilation.compile import compile_model
 from tokenwise.config import EngineConfig
 from tokenwise.engine.scheduler import ScheduledRequest
 from tokenwise.forward_context import set_forward_context
@@ -48,6 +49,8 @@ class ModelRunner:
         self.model_config = config.model
         self.block_size = config.cache.block_size
         self.model = load_model(config, self.device)
+        if config.compilation.use_compile:
+            self.model = compile_model(self.model)
         self.attn_layers = get_layers_from_config(config, Attention)
         if not self.attn_layers:
             raise RuntimeError("the model registered no attention layers")

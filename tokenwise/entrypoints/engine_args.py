@@ -96,7 +96,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="dummy = random weights from --seed, for benchmarks (default: auto)",
     )
     g.add_argument(
-        "--enforce-eager", action="store_true", help="never use torch.compile or CUDA graphs"
+        "--enforce-eager",
+        action="store_const",
+        const=True,
+        default=None,
+        help="never use torch.compile or CUDA graphs (default on CPU, where compiling costs "
+        "more than it gains for short runs)",
+    )
+    g.add_argument(
+        "--compile",
+        dest="enforce_eager",
+        action="store_const",
+        const=False,
+        help="torch.compile the model (default on GPU)",
     )
     g.add_argument(
         "--no-enable-prefix-caching",

@@ -20,6 +20,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_engine_args(serve)
     serve.set_defaults(func=_run_serve)
 
+    from tokenwise.benchmarks import register_bench
+
+    register_bench(subparsers)
+
 
 def _run_serve(args: argparse.Namespace) -> int:
     from tokenwise.entrypoints.openai.api_server import run_server
