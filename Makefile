@@ -5,8 +5,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tokenwise-installed
 PIP := $(PY) -m pip --disable-pip-version-check -q
-# pip warns about every local index entry it skips; keep that noise out of the output.
-QUIET := 2>&1 | grep -v "is neither a file nor a directory" || true
+# Installer output goes to a log that is shown only when a step fails.
+LOG := $(VENV)/install.log
+QUIET = >>$(LOG) 2>&1 || (cat $(LOG); exit 1)
 
 .PHONY: setup run test lint format clean
 
@@ -14,14 +15,15 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo "Setting up $(VENV) (first run takes a few minutes)..."
+	@echo "Setting up $(VENV) (first run takes a few minutes; log in $(LOG))..."
+	@: > $(LOG)
 	@$(PIP) install torch==2.13.0 $(QUIET)
 	@$(PIP) install -e '.[dev]' $(QUIET)
-	@$(PY) -c "import torch, transformers, tokenwise" 
+	@$(PY) -c "import torch, transformers, tokenwise" $(QUIET)
 	@touch $(STAMP)
 
 run: setup
-	@$(VENV)/bin/tokenwise generate "def fibonacci(n):" "import os" --max-tokens 48
+	@$(VENV)/bin/tokenwise generate "def fibonacci(n):" "def read_config(path):" --max-tokens 40
 
 test: setup
 	@$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)

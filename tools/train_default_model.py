@@ -127,21 +127,54 @@ def encode_stream(tok, docs: list[str], bos_id: int, eos_id: int) -> np.ndarray:
     return np.concatenate(parts)
 
 
-class RandomWindows:
-    """Samples random contiguous windows of the token stream, seeded for reproducibility.
+def line_start_positions(tok, stream: np.ndarray) -> np.ndarray:
+    """Stream positions whose token begins a top-level (column-0) line.
 
-    Random offsets (rather than a fixed chunking) mean the model sees code starting at every
-    indentation level, which is what an arbitrary user prompt looks like.
+    Those are tokens that follow a token ending in a newline and do not themselves start with
+    whitespace (the byte-level pre-tokenizer keeps indentation with the newline run).
+    """
+    vocab_size = tok.get_vocab_size()
+    pieces = [tok.decode([i]) for i in range(vocab_size)]
+    ends_line = np.array([p.endswith("\n") for p in pieces])
+    starts_flush = np.array([bool(p) and not p[0].isspace() for p in pieces])
+    prev_ok = ends_line[stream[:-1]]
+    this_ok = starts_flush[stream[1:]]
+    return np.nonzero(prev_ok & this_ok)[0] + 1
+
+
+class RandomWindows:
+    """Samples contiguous training windows from the token stream, seeded for reproducibility.
+
+    A fraction of windows starts at a random offset, so the model copes with prompts that begin
+    mid-code at any indentation. The rest start exactly at a top-level line, because that is
+    what a typed prompt such as ``def fibonacci(n):`` looks like: without such windows the
+    model never sees a context that starts at column 0 and, e.g., indents a top-level ``def``
+    body as if it were a method.
     """
 
-    def __init__(self, stream: np.ndarray, seq_len: int, seed: int):
+    def __init__(
+        self,
+        stream: np.ndarray,
+        seq_len: int,
+        seed: int,
+        line_starts: np.ndarray | None = None,
+        line_start_fraction: float = 0.0,
+    ):
         self.stream = torch.from_numpy(stream)
         self.seq_len = seq_len
         self.gen = torch.Generator().manual_seed(seed)
+        hi = len(stream) - seq_len - 1
+        ls = np.empty(0, dtype=np.int64) if line_starts is None else line_starts
+        self.line_starts = torch.from_numpy(ls[ls < hi].astype(np.int64))
+        self.fraction = line_start_fraction if len(self.line_starts) else 0.0
 
     def batch(self, batch_size: int) -> torch.Tensor:
         hi = len(self.stream) - self.seq_len - 1
         starts = torch.randint(0, hi, (batch_size,), generator=self.gen)
+        if self.fraction > 0:
+            use_line = torch.rand(batch_size, generator=self.gen) < self.fraction
+            picks = torch.randint(0, len(self.line_starts), (batch_size,), generator=self.gen)
+            starts = torch.where(use_line, self.line_starts[picks], starts)
         idx = starts[:, None] + torch.arange(self.seq_len + 1)[None, :]
         return self.stream[idx]
 
@@ -367,20 +400,22 @@ emits EOS when it thinks a file has ended.
 
 The `*.py` files of the Python {info["python_version"]} standard library
 (`sysconfig.get_paths()["stdlib"]`), excluding the directories {info["excluded"]}
-(tests, and `encodings`/`pydoc_data`, which are data tables and prose rather than code): {info["n_train_files"]} training files ({info["train_tokens"]:,} tokens)
-and {info["n_val_files"]} held-out validation files ({info["val_tokens"]:,} tokens), split by a
-seeded shuffle of the sorted file list.
+(tests, plus data tables and prose rather than code).
+{info["n_train_files"]} training files ({info["train_tokens"]:,} tokens) and {info["n_val_files"]}
+held-out validation files ({info["val_tokens"]:,} tokens), split by a seeded shuffle of the
+sorted file list.
 
 ## Training
 
-Seed {info["seed"]}. AdamW (betas 0.9/0.95, weight decay {info["weight_decay"]}), peak LR
-{info["lr"]}, {info["warmup"]} warmup steps then cosine decay to 10% {info["decay_over"]},
-gradient clipping 1.0;
-{info["steps"]} steps of {info["batch_size"]} x {info["seq_len"]} tokens
-({info["tokens_seen"]:,} tokens, {info["epochs"]:.2f} epochs), {info["precision"]}, on
-{info["machine"]}. Training loop: {info["train_minutes"]:.1f} min; whole script:
-{info["total_minutes"]:.1f} min. {info["threads_note"]}
-
+- seed {info["seed"]}; {info["precision"]}; {info["machine"]}
+- AdamW (betas 0.9/0.95, weight decay {info["weight_decay"]}), peak LR {info["lr"]},
+  {info["warmup"]} warmup steps then cosine decay to 10% {info["decay_over"]},
+  gradient clipping 1.0
+- {info["steps"]} steps of {info["batch_size"]} x {info["seq_len"]} tokens
+  ({info["tokens_seen"]:,} tokens, {info["epochs"]:.2f} epochs); {info["line_start_pct"]:.0%} of
+  windows start at a top-level line (as typed prompts do), the rest at random offsets
+- time: training loop {info["train_minutes"]:.1f} min, whole script
+  {info["total_minutes"]:.1f} min. {info["threads_note"]}
 - final train loss (mean of the last 20 steps): {info["train_loss"]:.3f}
 - validation loss (held-out files): {info["val_loss"]:.3f}
 
@@ -440,6 +475,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-kv-heads", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument(
+        "--line-start-fraction",
+        type=float,
+        default=0.5,
+        help="share of training windows that start at a top-level line (rest: random offsets)",
+    )
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -505,7 +546,11 @@ def main(argv: list[str] | None = None) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model: {n_params:,} parameters")
     model.train()
-    windows = RandomWindows(train_stream, args.seq_len, args.seed)
+    line_starts = line_start_positions(tok, train_stream)
+    windows = RandomWindows(
+        train_stream, args.seq_len, args.seed, line_starts, args.line_start_fraction
+    )
+    log(f"{len(line_starts):,} top-level line starts; {args.line_start_fraction:.0%} of windows")
 
     if args.precision == "auto":
         use_bf16 = benchmark_bf16(model, windows, args.batch_size)
@@ -601,12 +646,9 @@ def main(argv: list[str] | None = None) -> None:
             "(same Python standard library, library versions and CPU kernels)."
         )
     else:
+        counts = [f"{n} steps on {t} thread(s)" for t, n in sorted(tuner.steps_at.items()) if n]
         threads_note = (
-            "Steps run with "
-            + " and ".join(
-                f"{t} thread(s) {n} times" for t, n in sorted(tuner.steps_at.items()) if n
-            )
-            + " (the faster option was re-measured every 100 steps; the machine was shared)."
+            " and ".join(counts) + " (whichever was faster, re-measured every 100 steps)."
         )
         decay_over = "over the remaining time budget"
         reproduce_note = (
@@ -638,6 +680,7 @@ def main(argv: list[str] | None = None) -> None:
         "warmup": args.warmup,
         "steps": step,
         "threads_note": threads_note,
+        "line_start_pct": args.line_start_fraction,
         "decay_over": decay_over,
         "reproduce_note": reproduce_note,
         "excluded": ", ".join(f"`{d}`" for d in sorted(EXCLUDED_DIRS - {"__pycache__"})),

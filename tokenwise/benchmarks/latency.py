@@ -20,7 +20,12 @@ from tokenwise.benchmarks.common import (
     summarize,
     write_json,
 )
-from tokenwise.entrypoints.engine_args import add_engine_args, engine_kwargs, positive_int
+from tokenwise.entrypoints.engine_args import (
+    add_engine_args,
+    engine_kwargs,
+    non_negative_int,
+    positive_int,
+)
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 
@@ -32,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", type=positive_int, default=128, help="output tokens (128)")
     g.add_argument(
         "--num-iters-warmup",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=2,
         help="untimed iterations first (default: 2)",
     )
@@ -41,16 +46,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--output-json", default=None, metavar="PATH", help="write results here")
     add_engine_args(parser)
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
 
 
 def run(args: argparse.Namespace) -> int:

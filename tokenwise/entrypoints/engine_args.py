@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Callable
 from typing import Any
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -28,14 +29,24 @@ def parse_memory_size(text: str) -> int:
     return value
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def bounded_int(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse `type` accepting integers in [minimum, maximum] with a one-line error."""
+    span = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer {span}, got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"expected an integer {span}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = bounded_int(1)
+non_negative_int = bounded_int(0)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -10,7 +10,12 @@ import argparse
 import os
 from typing import Any
 
-from tokenwise.entrypoints.engine_args import parse_memory_size, positive_int
+from tokenwise.entrypoints.engine_args import (
+    bounded_int,
+    non_negative_int,
+    parse_memory_size,
+    positive_int,
+)
 from tokenwise.entrypoints.openai.server_config import (
     DEFAULT_HOST,
     DEFAULT_MAX_LOGPROBS,
@@ -23,26 +28,6 @@ from tokenwise.entrypoints.openai.server_config import (
 API_KEY_ENV = "TOKENWISE_API_KEY"
 
 
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 < value < 65536:
-        raise argparse.ArgumentTypeError(f"port must be in 1..65535, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument(
@@ -50,7 +35,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_HOST,
         help=f"address to bind (default: {DEFAULT_HOST}; use 0.0.0.0 to accept other hosts)",
     )
-    g.add_argument("--port", type=_port, default=DEFAULT_PORT, help=f"default: {DEFAULT_PORT}")
+    g.add_argument(
+        "--port", type=bounded_int(1, 65535), default=DEFAULT_PORT, help=f"default: {DEFAULT_PORT}"
+    )
     g.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV) or None,
@@ -76,7 +63,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-logprobs",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=DEFAULT_MAX_LOGPROBS,
         help=f"largest logprobs / top_logprobs accepted (default: {DEFAULT_MAX_LOGPROBS})",
     )
