@@ -10,8 +10,6 @@ from __future__ import annotations
 import atexit
 import shutil
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import cache, lru_cache
 from typing import Any
 
@@ -27,19 +25,6 @@ SHARED_PREFIX_LEN = 40
 NUM_BLOCKS = 256
 
 _TMP_DIR: str | None = None
-
-
-@contextmanager
-def one_torch_thread() -> Iterator[None]:
-    """Run with one intra-op thread. The tiny model's matmuls are far too small to gain from
-    threads, and on a shared 2-core CI box OpenMP threads that spin-wait for each other make
-    every step about 10x slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def _tmp_dir() -> str:

@@ -23,7 +23,6 @@ from tests.engine._fixtures import (
     hf_greedy,
     hf_greedy_until,
     mixed_prompts,
-    one_torch_thread,
     random_ids,
     tokenizer,
 )
@@ -31,12 +30,6 @@ from tokenwise import LLM, SamplingParams
 from tokenwise.outputs import RequestOutput
 
 EOS = 0  # the tiny tokenizer's <|endoftext|>
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    with one_torch_thread():
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ configuration must give the same tokens, and leave the block pool exactly as it 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,7 +22,6 @@ from tests.engine._fixtures import (
     hf_greedy,
     hf_step_logprobs,
     mixed_prompts,
-    one_torch_thread,
 )
 from tokenwise import LLM, SamplingParams
 
@@ -45,12 +43,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "max-num-seqs-64": {"max_num_seqs": 64},
     "block-size-4": {"block_size": 4, "num_gpu_blocks": 4 * NUM_BLOCKS},
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    with one_torch_thread():
-        yield
 
 
 @pytest.fixture(scope="module")

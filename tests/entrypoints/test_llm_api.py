@@ -22,7 +22,6 @@ from tests.engine._fixtures import (
     hf_greedy,
     hf_step_logprobs,
     mixed_prompts,
-    one_torch_thread,
     tokenizer,
 )
 from tests.tiny_checkpoints import build_tiny_checkpoint
@@ -35,12 +34,6 @@ SUPPORTED = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen
 
 def greedy(max_tokens: int = 6, **kwargs: Any) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    with one_torch_thread():
-        yield
 
 
 @pytest.fixture(scope="module")
