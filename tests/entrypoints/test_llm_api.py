@@ -72,6 +72,13 @@ def test_kv_cache_memory_sets_the_block_count(llm: LLM) -> None:
     assert llm.llm_engine.block_manager.num_blocks == 128
 
 
+def test_default_cpu_cache_holds_max_num_seqs_full_sequences(path: str) -> None:
+    """Without a budget, the CPU cache is no larger than max_num_seqs full-length sequences
+    need (8 KiB blocks here, far below the 1 GiB default cap)."""
+    small = LLM(path, dtype="float32", max_model_len=64, max_num_seqs=3, device="cpu")
+    assert small.llm_engine.block_manager.num_blocks == 3 * (64 // 16)
+
+
 def test_single_string(llm: LLM, path: str) -> None:
     text = "Hello world!"
     outputs = llm.generate(text, greedy(), use_tqdm=False)

@@ -86,7 +86,7 @@ class ModelRunner:
                 free, _total = torch.cuda.mem_get_info(self.device)
                 budget = int(free * cache.gpu_memory_utilization)
             else:
-                budget = DEFAULT_CPU_KV_CACHE_MEMORY
+                budget = min(DEFAULT_CPU_KV_CACHE_MEMORY, self._bytes_for_full_batch())
         num_blocks = budget // self.kv_cache_bytes_per_block()
         if num_blocks < 1:
             raise ValueError(
@@ -94,6 +94,12 @@ class ModelRunner:
                 f"({self.kv_cache_bytes_per_block()} bytes); raise it"
             )
         return int(num_blocks)
+
+    def _bytes_for_full_batch(self) -> int:
+        """Enough blocks for max_num_seqs sequences at max_model_len: more is never used."""
+        blocks_per_seq = -(-self.model_config.max_model_len // self.block_size)
+        max_seqs = self.config.scheduler.max_num_seqs
+        return max_seqs * blocks_per_seq * self.kv_cache_bytes_per_block()
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate one cache tensor per layer and bind it to the layer by name."""

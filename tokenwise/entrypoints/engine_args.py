@@ -91,7 +91,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-memory",
         type=parse_memory_size,
         default=None,
-        help="KV cache size, e.g. 512MiB or 2GiB (default: 1GiB on CPU, "
+        help="KV cache size, e.g. 512MiB or 2GiB (default: on CPU 1GiB or what max-num-seqs "
+        "full-length sequences need, if less; "
         "gpu-memory-utilization of free memory on GPU)",
     )
     g.add_argument(

@@ -79,7 +79,11 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
     """
     q = torch.empty_like(probs).exponential_()
     for row, gen in generators.items():
-        q[row].exponential_(generator=gen)
+        if gen.device == probs.device:
+            q[row].exponential_(generator=gen)
+        else:  # a request's CPU generator with GPU logits: draw where the generator lives
+            noise = torch.empty(probs.shape[1], device=gen.device, dtype=probs.dtype)
+            q[row].copy_(noise.exponential_(generator=gen))
     return (probs / q).argmax(dim=-1)
 
 
