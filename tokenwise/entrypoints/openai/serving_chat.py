@@ -36,13 +36,12 @@ from tokenwise.entrypoints.openai.serving_common import (
     check_cap,
     check_model,
     event_stream,
-    json_response,
+    merge_by_prompt,
+    respond,
     sse,
     stream_error,
     submit,
-    unless_disconnected,
 )
-from tokenwise.outputs import RequestOutput
 
 
 def render_chat(tokenizer: Any, body: ChatCompletionRequest) -> dict[str, Any]:
@@ -94,26 +93,12 @@ class ChatServing:
         stream = await submit(self.engine, request_id, [prompt], params, "messages")
         if body.stream:
             return event_stream(self._stream(body, request_id, stream))
-        try:
-            response = await unless_disconnected(raw, self._collect(body, request_id, stream))
-        finally:
-            stream.close()
-        if response is None:  # the client left; nobody will read this
-            return Response(status_code=499)
-        return json_response(response)
+        return await respond(raw, stream, self._collect(body, request_id, stream))
 
     async def _collect(
         self, body: ChatCompletionRequest, request_id: str, stream: RequestStream
     ) -> ChatCompletionResponse:
-        merged: RequestOutput | None = None
-        async for _, delta in stream:
-            if merged is None:
-                merged = delta
-            else:
-                merged.merge(delta)
-        assert merged is not None
-        if merged.error is not None:
-            raise OpenAIError(500, f"generation failed: {merged.error}", code="generation_error")
+        merged = (await merge_by_prompt(stream))[0]
         usage = UsageCounter()
         choices = []
         for c in merged.outputs:

@@ -17,6 +17,7 @@ from tokenwise.entrypoints.openai.async_engine import AsyncEngine, RequestStream
 from tokenwise.entrypoints.openai.errors import EngineDeadError, OpenAIError, invalid_request
 from tokenwise.entrypoints.openai.protocol import GenerationRequest, UsageInfo
 from tokenwise.entrypoints.openai.server_config import ServerConfig
+from tokenwise.outputs import RequestOutput
 from tokenwise.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -168,3 +169,32 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     with contextlib.suppress(asyncio.CancelledError):
         await task
     return None
+
+
+async def respond(
+    request: Request, stream: RequestStream, collect: Awaitable[BaseModel]
+) -> Response:
+    """Send the collected (non-streaming) response. A client that leaves first gets its
+    requests aborted and a 499 that nobody reads."""
+    try:
+        response = await unless_disconnected(request, collect)
+    finally:
+        stream.close()
+    if response is None:
+        return Response(status_code=499)
+    return json_response(response)
+
+
+async def merge_by_prompt(stream: RequestStream) -> dict[int, RequestOutput]:
+    """Fold every delta of the stream into one cumulative output per prompt index; a failed
+    generation is a 500."""
+    merged: dict[int, RequestOutput] = {}
+    async for index, delta in stream:
+        if index in merged:
+            merged[index].merge(delta)
+        else:
+            merged[index] = delta
+    for out in merged.values():
+        if out.error is not None:
+            raise OpenAIError(500, f"generation failed: {out.error}", code="generation_error")
+    return merged

@@ -29,13 +29,12 @@ from tokenwise.entrypoints.openai.serving_common import (
     check_cap,
     check_model,
     event_stream,
-    json_response,
+    merge_by_prompt,
+    respond,
     sse,
     stream_error,
     submit,
-    unless_disconnected,
 )
-from tokenwise.outputs import RequestOutput
 
 if TYPE_CHECKING:
     from tokenwise.engine.prompts import PromptInput
@@ -76,29 +75,16 @@ class CompletionServing:
         stream = await submit(self.engine, request_id, prompts, params, "prompt")
         if body.stream:
             return event_stream(self._stream(body, request_id, stream))
-        try:
-            response = await unless_disconnected(raw, self._collect(body, request_id, stream))
-        finally:
-            stream.close()
-        if response is None:  # the client left; nobody will read this
-            return Response(status_code=499)
-        return json_response(response)
+        return await respond(raw, stream, self._collect(body, request_id, stream))
 
     async def _collect(
         self, body: CompletionRequest, request_id: str, stream: RequestStream
     ) -> CompletionResponse:
-        merged: dict[int, RequestOutput] = {}
-        async for index, delta in stream:
-            if index in merged:
-                merged[index].merge(delta)
-            else:
-                merged[index] = delta
+        merged = await merge_by_prompt(stream)
         usage = UsageCounter()
         choices = []
         for index in sorted(merged):
             out = merged[index]
-            if out.error is not None:
-                raise OpenAIError(500, f"generation failed: {out.error}", code="generation_error")
             for c in out.outputs:
                 usage.add(index, len(out.prompt_token_ids), len(c.token_ids))
                 logprobs = None
