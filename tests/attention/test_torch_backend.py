@@ -5,6 +5,7 @@ cache) and computes softmax(q k^T * scale + mask) v in float64 with an explicit 
 position p sees key j iff j <= p (and j > p - window under a sliding window). Blocks are handed
 out from a shuffled permutation so tables are non-contiguous, and the cache starts filled with
 finite garbage so that reading any slot that was not written (or should be masked) shows up.
+Every test runs twice on CPU decode: through the C kernel and through the PyTorch fallback.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tokenwise.attention.backends import cpu_kernels
 from tokenwise.attention.backends.torch_backend import (
     TorchAttentionBackend,
     TorchAttentionImpl,
@@ -26,6 +28,16 @@ from tokenwise.attention.utils import PAD_SLOT_ID
 H, KVH, D, B = 8, 2, 16, 4  # GQA: 4 query heads per KV head
 SCALE = D**-0.5
 NUM_BLOCKS = 40
+
+
+@pytest.fixture(autouse=True, params=["c_kernel", "torch_fallback"])
+def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs with the C decode kernel and again with the pure-PyTorch fallback."""
+    if request.param == "torch_fallback":
+        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    elif cpu_kernels.load() is None:
+        pytest.skip("no C compiler: the kernel cannot be built here")
+    return request.param
 
 
 @dataclass

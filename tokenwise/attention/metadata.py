@@ -48,6 +48,11 @@ class AttentionMetadata:
     block_size: int = 16
     sliding_window: int | None = None
 
+    @cached_property
+    def first_block_tensor(self) -> torch.Tensor:
+        """`block_table_first_block` as an int32 tensor, built once per step for all layers."""
+        return torch.tensor(self.block_table_first_block, dtype=torch.int32)
+
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)

@@ -1,0 +1,148 @@
+"""The C paged-decode kernel against an independent reference, and its build/fallback rules."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenwise.attention.backends import cpu_kernels
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.load() is None, reason="no C compiler: the kernel cannot be built here"
+)
+
+
+def _paged_case(
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    window: int | None = None,
+    seed: int = 0,
+) -> dict:
+    """Random K/V per sequence, scattered over shuffled blocks of a token-major paged cache."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_size, generator=gen)
+    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_size, generator=gen)
+    tables, firsts, refs = [], [], []
+    query = torch.randn(len(seq_lens), num_heads, head_size, generator=gen)
+    for i, n in enumerate(seq_lens):
+        blocks = order[: blocks_per_seq[i]]
+        order = order[blocks_per_seq[i] :]
+        keys = key_cache[blocks].flatten(0, 1)[:n]
+        values = value_cache[blocks].flatten(0, 1)[:n]
+        start = 0 if window is None else max(0, n - window)
+        # Reference: plain softmax attention of the last token over its visible keys.
+        group = num_heads // num_kv_heads
+        k = keys[start:].repeat_interleave(group, dim=1).transpose(0, 1)
+        v = values[start:].repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = (query[i][:, None, :] @ k.transpose(1, 2)).squeeze(1) / math.sqrt(head_size)
+        refs.append((F.softmax(scores, -1)[:, None, :] @ v).squeeze(1))
+        # Like the metadata builder: a windowed table may skip blocks no key is visible in.
+        first = start // block_size if window is not None else 0
+        tables.append(blocks[first:])
+        firsts.append(first)
+    width = max(len(t) for t in tables) + 2  # rows wider than needed, as in a mixed batch
+    table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    return {
+        "query": query,
+        "key_cache": key_cache,
+        "value_cache": value_cache,
+        "block_tables": table,
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
+        "first_block": torch.tensor(firsts, dtype=torch.int32),
+        "sliding_window": window,
+        "scale": 1 / math.sqrt(head_size),
+        "expected": torch.stack(refs),
+    }
+
+
+def _run(case: dict) -> torch.Tensor:
+    out = torch.full_like(case["query"], float("nan"))
+    args = {k: v for k, v in case.items() if k != "expected"}
+    cpu_kernels.paged_decode(cpu_kernels.load(), out=out, **args)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_size", "block_size"),
+    [(4, 4, 16, 16), (8, 2, 32, 16), (6, 3, 8, 5), (2, 1, 64, 1)],
+)
+def test_kernel_matches_reference_attention(
+    heads: int, kv_heads: int, head_size: int, block_size: int
+) -> None:
+    case = _paged_case([1, 2, 17, 40, 129, 5], heads, kv_heads, head_size, block_size)
+    torch.testing.assert_close(_run(case), case["expected"], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 33, 500])
+def test_kernel_sliding_window_with_trimmed_tables(window: int) -> None:
+    case = _paged_case([3, 16, 50, 97, 200], 4, 2, 16, 8, window=window, seed=window)
+    assert case["first_block"].max() > 0 or window >= 200  # trimmed rows are exercised
+    torch.testing.assert_close(_run(case), case["expected"], atol=1e-5, rtol=1e-4)
+
+
+def test_thread_split_gives_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    case = _paged_case([300, 2, 150, 77, 1, 64, 260], 4, 2, 16, 16, seed=3)
+    single = _run(case)
+    monkeypatch.setattr(cpu_kernels, "MIN_KEYS_PER_THREAD", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    torch.testing.assert_close(_run(case), single, atol=0, rtol=0)
+    torch.testing.assert_close(single, case["expected"], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 8])
+def test_split_covers_every_sequence_once_with_balanced_keys(parts: int) -> None:
+    lens = torch.tensor([500, 3, 3, 3, 250, 250, 1, 700, 20], dtype=torch.int32)
+    ranges = cpu_kernels._split(lens, parts)
+    flat = [i for a, b in ranges for i in range(a, b)]
+    assert flat == list(range(len(lens)))
+    assert len(ranges) <= parts
+    if parts == 2:
+        loads = [int(lens[a:b].sum()) for a, b in ranges]
+        assert max(loads) <= 0.5 * int(lens.sum()) + 700  # off by at most one sequence
+
+
+def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOKENWISE_CPU_KERNELS", "0")
+    cpu_kernels.load.cache_clear()
+    try:
+        assert cpu_kernels.load() is None
+    finally:
+        monkeypatch.delenv("TOKENWISE_CPU_KERNELS")
+        cpu_kernels.load.cache_clear()
+    assert cpu_kernels.load() is not None
+
+
+def test_no_compiler_falls_back_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
+    cpu_kernels.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert cpu_kernels.load() is None
+        assert "no C compiler" in caplog.text
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.load.cache_clear()
+
+
+def test_build_is_cached_per_source(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOKENWISE_KERNEL_CACHE", str(tmp_path))
+    compiler = cpu_kernels.shutil.which("cc") or cpu_kernels.shutil.which("gcc")
+    first = cpu_kernels._build(compiler)
+    stamp = first.stat().st_mtime_ns
+    assert cpu_kernels._build(compiler) == first
+    assert first.stat().st_mtime_ns == stamp  # reused, not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temp files left behind

@@ -1,0 +1,171 @@
+"""Build, load and call the C paged-decode kernel of the CPU backend.
+
+The kernel (`cpu_paged_decode.c`) is compiled on first use with the machine's C compiler for
+this very CPU (`-march=native`) and cached under `~/.cache/tokenwise/kernels` (or
+`$TOKENWISE_KERNEL_CACHE`), keyed by the source, the flags and the CPU's feature flags, so a
+shared home directory never hands one machine another's binary. It needs no PyTorch headers
+(plain C through ctypes), so the build takes about a second.
+
+Where no compiler is found, the build fails, or `TOKENWISE_CPU_KERNELS=0` is set, `load()`
+returns None and the backend keeps its pure-PyTorch decode; the engine works either way.
+
+Threads: ctypes releases the GIL during the call, so the sequences are split into
+`torch.get_num_threads()` ranges of about equal key counts and run from a small thread pool.
+No OpenMP runtime is linked into the kernel: torch already has one, and two would fight.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from functools import cache
+from itertools import pairwise
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC"]
+# Below this many keys in a batch, one thread is cheaper than handing work to the pool.
+MIN_KEYS_PER_THREAD = 4096
+
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("TOKENWISE_KERNEL_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "tokenwise" / "kernels"
+
+
+def _build(compiler: str) -> Path:
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + " ".join(CFLAGS).encode() + _cpu_flags().encode()
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"paged_decode_{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent builders never load a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None when it cannot be used on this machine."""
+    if os.environ.get("TOKENWISE_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler found: CPU decode attention uses the PyTorch fallback")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        logger.warning("CPU attention kernel build failed, using the PyTorch fallback: %s", detail)
+        return None
+    fn = lib.paged_decode_f32
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64]
+    fn.argtypes += [_I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR]
+    return lib
+
+
+@cache
+def _pool(num_threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(num_threads, thread_name_prefix="tokenwise-attn")
+
+
+def _split(seq_lens: torch.Tensor, parts: int) -> list[tuple[int, int]]:
+    """Contiguous sequence ranges with about equal numbers of keys each."""
+    cum = seq_lens.to(torch.int64).cumsum(0)
+    total = int(cum[-1])
+    cuts = torch.searchsorted(cum, torch.arange(1, parts) * (total / parts)).tolist()
+    bounds = [0, *[min(c + 1, len(seq_lens)) for c in cuts], len(seq_lens)]
+    return [(a, b) for a, b in pairwise(bounds) if b > a]
+
+
+def paged_decode(
+    lib: ctypes.CDLL,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    first_block: torch.Tensor,
+    sliding_window: int | None,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Decode attention of `query` [n, heads, head] over the paged cache, into `out`.
+
+    Every tensor must be contiguous float32 / int32 on the CPU (the caller checks); block
+    table rows may be longer than needed.
+    """
+    n, num_heads, head_size = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    window = sliding_window or 0
+
+    def run(begin: int, end: int) -> None:
+        status = lib.paged_decode_f32(
+            query.data_ptr(),
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            seq_lens.data_ptr(),
+            first_block.data_ptr(),
+            begin,
+            end,
+            num_heads,
+            num_kv_heads,
+            head_size,
+            block_size,
+            window,
+            scale,
+            out.data_ptr(),
+        )
+        if status != 0:
+            raise MemoryError("paged decode kernel could not allocate its score buffer")
+
+    threads = min(torch.get_num_threads(), n)
+    total_keys = int(seq_lens.sum()) if threads > 1 else 0
+    if threads <= 1 or total_keys < MIN_KEYS_PER_THREAD * 2:
+        run(0, n)
+        return
+    ranges = _split(seq_lens, threads)
+    for future in [_pool(threads).submit(run, a, b) for a, b in ranges]:
+        future.result()

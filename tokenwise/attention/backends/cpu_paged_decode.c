@@ -1,0 +1,107 @@
+/* Paged decode attention for the CPU backend (float32).
+ *
+ * Why C: in plain PyTorch a decode step must first gather each sequence's scattered KV blocks
+ * into a contiguous copy before a matmul can read them, so every key and value crosses memory
+ * three times (read, write, read again) and the op count grows with the number of sequences.
+ * Decode attention is memory-bound, so reading each block exactly once, where it lies, is the
+ * whole game. This kernel streams every sequence's blocks once, in token order, computing all
+ * heads of a token row at a time (rows are [num_kv_heads, head_size] contiguous in the
+ * token-major cache), then does an exact softmax and a second streaming pass over the values.
+ *
+ * It is built at first use by tokenwise/attention/backends/cpu_kernels.py with the machine's C
+ * compiler (-O3 -march=native) and called through ctypes, which releases the GIL: the caller
+ * splits the sequences over threads. No OpenMP runtime is linked (torch has its own), only
+ * `omp simd` vectorisation hints.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+static inline float dot(const float *a, const float *b, int n) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int i = 0; i < n; ++i) acc += a[i] * b[i];
+    return acc;
+}
+
+/* Attend sequences [seq_begin, seq_end) of a decode batch.
+ *
+ * query:        [num_seqs, num_heads, head_size]
+ * key_cache:    [num_blocks, block_size, num_kv_heads, head_size] (value_cache alike)
+ * block_tables: [num_seqs, table_stride]; entry j holds absolute block first_block[s] + j
+ * seq_lens:     keys per sequence (the new token included)
+ * first_block:  absolute index of each table's first block (sliding-window tables skip some)
+ * window:       sliding window in tokens, 0 for none
+ * out:          [num_seqs, num_heads, head_size]
+ * Returns 0, or -1 when scratch memory could not be allocated.
+ */
+int paged_decode_f32(const float *query, const float *key_cache, const float *value_cache,
+                     const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                     const int32_t *first_block, int64_t seq_begin, int64_t seq_end,
+                     int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
+                     int64_t block_size, int64_t window, float scale, float *out) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t row = num_kv_heads * head_size; /* floats per token in the cache */
+    int64_t max_len = 0;
+    for (int64_t s = seq_begin; s < seq_end; ++s)
+        if (seq_lens[s] > max_len) max_len = seq_lens[s];
+    /* scores[h][t] for all query heads, t relative to the first visible key */
+    float *scores = malloc(sizeof(float) * (size_t)(num_heads * (max_len > 0 ? max_len : 1)));
+    if (!scores) return -1;
+
+    for (int64_t s = seq_begin; s < seq_end; ++s) {
+        const int64_t len = seq_lens[s];
+        const int64_t start = (window > 0 && len > window) ? len - window : 0;
+        const int64_t n_keys = len - start;
+        const int64_t base_block = (int64_t)first_block[s];
+        const int32_t *table = block_tables + s * table_stride;
+        const float *q = query + s * num_heads * head_size;
+        float *o = out + s * num_heads * head_size;
+
+        for (int64_t t = 0; t < n_keys;) {
+            /* one run of consecutive slots inside a block: no division per token */
+            const int64_t pos = start + t;
+            const int64_t block = table[pos / block_size - base_block];
+            const int64_t run = min64(block_size - pos % block_size, n_keys - t);
+            const float *k = key_cache + (block * block_size + pos % block_size) * row;
+            for (int64_t r = 0; r < run; ++r, ++t, k += row)
+                for (int64_t h = 0; h < num_heads; ++h)
+                    scores[h * n_keys + t] =
+                        dot(q + h * head_size, k + (h / group) * head_size, (int)head_size) * scale;
+        }
+        for (int64_t h = 0; h < num_heads; ++h) {
+            float *sc = scores + h * n_keys;
+            float m = -INFINITY;
+            for (int64_t t = 0; t < n_keys; ++t) m = sc[t] > m ? sc[t] : m;
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = 0; t < n_keys; ++t) {
+                sc[t] = expf(sc[t] - m);
+                sum += sc[t];
+            }
+            const float inv = 1.0f / sum;
+#pragma omp simd
+            for (int64_t t = 0; t < n_keys; ++t) sc[t] *= inv;
+        }
+        memset(o, 0, sizeof(float) * (size_t)(num_heads * head_size));
+        for (int64_t t = 0; t < n_keys;) {
+            const int64_t pos = start + t;
+            const int64_t block = table[pos / block_size - base_block];
+            const int64_t run = min64(block_size - pos % block_size, n_keys - t);
+            const float *v = value_cache + (block * block_size + pos % block_size) * row;
+            for (int64_t r = 0; r < run; ++r, ++t, v += row)
+                for (int64_t h = 0; h < num_heads; ++h) {
+                    const float p = scores[h * n_keys + t];
+                    const float *vh = v + (h / group) * head_size;
+                    float *oh = o + h * head_size;
+#pragma omp simd
+                    for (int64_t d = 0; d < head_size; ++d) oh[d] += p * vh[d];
+                }
+        }
+    }
+    free(scores);
+    return 0;
+}
