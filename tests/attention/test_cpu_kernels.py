@@ -24,21 +24,24 @@ def _paged_case(
     block_size: int,
     window: int | None = None,
     seed: int = 0,
+    dtype: torch.dtype = torch.float32,
 ) -> dict:
     """Random K/V per sequence, scattered over shuffled blocks of a token-major paged cache."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 3
     order = torch.randperm(num_blocks, generator=gen).tolist()
-    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_size, generator=gen)
-    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_size, generator=gen)
+    shape = (num_blocks, block_size, num_kv_heads, head_size)
+    # The reference reads the values the cache really holds (rounded when the cache is bf16).
+    key_cache = torch.randn(shape, generator=gen).to(dtype)
+    value_cache = torch.randn(shape, generator=gen).to(dtype)
     tables, firsts, refs = [], [], []
     query = torch.randn(len(seq_lens), num_heads, head_size, generator=gen)
     for i, n in enumerate(seq_lens):
         blocks = order[: blocks_per_seq[i]]
         order = order[blocks_per_seq[i] :]
-        keys = key_cache[blocks].flatten(0, 1)[:n]
-        values = value_cache[blocks].flatten(0, 1)[:n]
+        keys = key_cache[blocks].flatten(0, 1)[:n].float()
+        values = value_cache[blocks].flatten(0, 1)[:n].float()
         start = 0 if window is None else max(0, n - window)
         # Reference: plain softmax attention of the last token over its visible keys.
         group = num_heads // num_kv_heads
@@ -82,6 +85,13 @@ def test_kernel_matches_reference_attention(
     heads: int, kv_heads: int, head_size: int, block_size: int
 ) -> None:
     case = _paged_case([1, 2, 17, 40, 129, 5], heads, kv_heads, head_size, block_size)
+    torch.testing.assert_close(_run(case), case["expected"], atol=1e-5, rtol=1e-4)
+
+
+def test_bf16_cache_is_widened_exactly() -> None:
+    """A bf16 cache gives the fp32 result of its own (rounded) values: widening loses nothing."""
+    case = _paged_case([1, 9, 33, 120], 8, 2, 32, 16, seed=5, dtype=torch.bfloat16)
+    assert case["key_cache"].dtype == torch.bfloat16
     torch.testing.assert_close(_run(case), case["expected"], atol=1e-5, rtol=1e-4)
 
 

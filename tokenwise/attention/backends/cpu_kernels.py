@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC"]
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
 # Below this many keys in a batch, one thread is cheaper than handing work to the pool.
 MIN_KEYS_PER_THREAD = 4096
 
@@ -97,9 +98,9 @@ def load() -> ctypes.CDLL | None:
         detail = getattr(exc, "stderr", "") or exc
         logger.warning("CPU attention kernel build failed, using the PyTorch fallback: %s", detail)
         return None
-    fn = lib.paged_decode_f32
+    fn = lib.paged_decode
     fn.restype = ctypes.c_int
-    fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64]
+    fn.argtypes = [_PTR, _PTR, _PTR, ctypes.c_int, _PTR, _I64, _PTR, _PTR, _I64, _I64]
     fn.argtypes += [_I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR]
     return lib
 
@@ -132,18 +133,20 @@ def paged_decode(
 ) -> None:
     """Decode attention of `query` [n, heads, head] over the paged cache, into `out`.
 
-    Every tensor must be contiguous float32 / int32 on the CPU (the caller checks); block
-    table rows may be longer than needed.
+    `query` and `out` are contiguous float32, the caches contiguous float32 or bfloat16, the
+    index tensors contiguous int32, all on the CPU (the caller checks); block-table rows may be
+    longer than needed.
     """
     n, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     window = sliding_window or 0
 
     def run(begin: int, end: int) -> None:
-        status = lib.paged_decode_f32(
+        status = lib.paged_decode(
             query.data_ptr(),
             key_cache.data_ptr(),
             value_cache.data_ptr(),
+            int(key_cache.dtype == torch.bfloat16),
             block_tables.data_ptr(),
             block_tables.stride(0),
             seq_lens.data_ptr(),

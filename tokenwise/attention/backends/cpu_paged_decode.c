@@ -1,4 +1,4 @@
-/* Paged decode attention for the CPU backend (float32).
+/* Paged decode attention for the CPU backend (float32 or bfloat16 caches, float32 math).
  *
  * Why C: in plain PyTorch a decode step must first gather each sequence's scattered KV blocks
  * into a contiguous copy before a matmul can read them, so every key and value crosses memory
@@ -11,7 +11,8 @@
  * It is built at first use by tokenwise/attention/backends/cpu_kernels.py with the machine's C
  * compiler (-O3 -march=native) and called through ctypes, which releases the GIL: the caller
  * splits the sequences over threads. No OpenMP runtime is linked (torch has its own), only
- * `omp simd` vectorisation hints.
+ * `omp simd` vectorisation hints. A bfloat16 cache is widened to float32 row by row as it is
+ * read, which needs no native bf16 instructions.
  */
 #include <math.h>
 #include <stdint.h>
@@ -20,37 +21,57 @@
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-static inline float dot(const float *a, const float *b, int n) {
+/* Token row `at` of a cache as float32: a float32 cache is read in place; a bf16 row is widened
+ * into `buf` (a bf16 value is the top half of a float32, so widening is a shift). */
+static inline const float *row_f32(const void *cache, int is_bf16, int64_t at, int64_t n,
+                                   float *buf) {
+    if (!is_bf16) return (const float *)cache + at;
+    const uint16_t *src = (const uint16_t *)cache + at;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+        uint32_t bits = (uint32_t)src[i] << 16;
+        memcpy(buf + i, &bits, sizeof(float));
+    }
+    return buf;
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
     float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
-    for (int i = 0; i < n; ++i) acc += a[i] * b[i];
+    for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
     return acc;
 }
 
 /* Attend sequences [seq_begin, seq_end) of a decode batch.
  *
- * query:        [num_seqs, num_heads, head_size]
- * key_cache:    [num_blocks, block_size, num_kv_heads, head_size] (value_cache alike)
+ * query:        [num_seqs, num_heads, head_size] float32
+ * key_cache:    [num_blocks, block_size, num_kv_heads, head_size], float32 or bf16 (is_bf16)
+ * value_cache:  same as key_cache
  * block_tables: [num_seqs, table_stride]; entry j holds absolute block first_block[s] + j
  * seq_lens:     keys per sequence (the new token included)
  * first_block:  absolute index of each table's first block (sliding-window tables skip some)
  * window:       sliding window in tokens, 0 for none
- * out:          [num_seqs, num_heads, head_size]
+ * out:          [num_seqs, num_heads, head_size] float32
  * Returns 0, or -1 when scratch memory could not be allocated.
  */
-int paged_decode_f32(const float *query, const float *key_cache, const float *value_cache,
-                     const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
-                     const int32_t *first_block, int64_t seq_begin, int64_t seq_end,
-                     int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
-                     int64_t block_size, int64_t window, float scale, float *out) {
+int paged_decode(const float *query, const void *key_cache, const void *value_cache,
+                 int is_bf16, const int32_t *block_tables, int64_t table_stride,
+                 const int32_t *seq_lens, const int32_t *first_block, int64_t seq_begin,
+                 int64_t seq_end, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
+                 int64_t block_size, int64_t window, float scale, float *out) {
     const int64_t group = num_heads / num_kv_heads;
-    const int64_t row = num_kv_heads * head_size; /* floats per token in the cache */
-    int64_t max_len = 0;
+    const int64_t row = num_kv_heads * head_size; /* values per token in the cache */
+    int64_t max_len = 1;
     for (int64_t s = seq_begin; s < seq_end; ++s)
         if (seq_lens[s] > max_len) max_len = seq_lens[s];
-    /* scores[h][t] for all query heads, t relative to the first visible key */
-    float *scores = malloc(sizeof(float) * (size_t)(num_heads * (max_len > 0 ? max_len : 1)));
-    if (!scores) return -1;
+    /* scores[h * n_keys + t] for all query heads, t counted from the first visible key */
+    float *scores = malloc(sizeof(float) * (size_t)(num_heads * max_len));
+    float *line = malloc(sizeof(float) * (size_t)row); /* one bf16 token row, widened */
+    if (!scores || !line) {
+        free(scores);
+        free(line);
+        return -1;
+    }
 
     for (int64_t s = seq_begin; s < seq_end; ++s) {
         const int64_t len = seq_lens[s];
@@ -61,17 +82,21 @@ int paged_decode_f32(const float *query, const float *key_cache, const float *va
         const float *q = query + s * num_heads * head_size;
         float *o = out + s * num_heads * head_size;
 
+        /* Pass 1, keys: runs of consecutive slots inside one block (no division per token);
+         * each token row is read once for all heads. */
         for (int64_t t = 0; t < n_keys;) {
-            /* one run of consecutive slots inside a block: no division per token */
             const int64_t pos = start + t;
             const int64_t block = table[pos / block_size - base_block];
             const int64_t run = min64(block_size - pos % block_size, n_keys - t);
-            const float *k = key_cache + (block * block_size + pos % block_size) * row;
-            for (int64_t r = 0; r < run; ++r, ++t, k += row)
+            int64_t at = (block * block_size + pos % block_size) * row;
+            for (int64_t r = 0; r < run; ++r, ++t, at += row) {
+                const float *k = row_f32(key_cache, is_bf16, at, row, line);
                 for (int64_t h = 0; h < num_heads; ++h)
                     scores[h * n_keys + t] =
-                        dot(q + h * head_size, k + (h / group) * head_size, (int)head_size) * scale;
+                        dot(q + h * head_size, k + (h / group) * head_size, head_size) * scale;
+            }
         }
+        /* Exact softmax per head. */
         for (int64_t h = 0; h < num_heads; ++h) {
             float *sc = scores + h * n_keys;
             float m = -INFINITY;
@@ -86,13 +111,15 @@ int paged_decode_f32(const float *query, const float *key_cache, const float *va
 #pragma omp simd
             for (int64_t t = 0; t < n_keys; ++t) sc[t] *= inv;
         }
+        /* Pass 2, values: the same runs, accumulated into the output rows. */
         memset(o, 0, sizeof(float) * (size_t)(num_heads * head_size));
         for (int64_t t = 0; t < n_keys;) {
             const int64_t pos = start + t;
             const int64_t block = table[pos / block_size - base_block];
             const int64_t run = min64(block_size - pos % block_size, n_keys - t);
-            const float *v = value_cache + (block * block_size + pos % block_size) * row;
-            for (int64_t r = 0; r < run; ++r, ++t, v += row)
+            int64_t at = (block * block_size + pos % block_size) * row;
+            for (int64_t r = 0; r < run; ++r, ++t, at += row) {
+                const float *v = row_f32(value_cache, is_bf16, at, row, line);
                 for (int64_t h = 0; h < num_heads; ++h) {
                     const float p = scores[h * n_keys + t];
                     const float *vh = v + (h / group) * head_size;
@@ -100,8 +127,10 @@ int paged_decode_f32(const float *query, const float *key_cache, const float *va
 #pragma omp simd
                     for (int64_t d = 0; d < head_size; ++d) oh[d] += p * vh[d];
                 }
+            }
         }
     }
+    free(line);
     free(scores);
     return 0;
 }

@@ -125,23 +125,19 @@ class TorchAttentionImpl:
         md: AttentionMetadata,
         output: torch.Tensor,
     ) -> None:
-        """CPU decode: the C kernel reads each block once where it lies (float32 caches).
-
-        Other dtypes, or a machine where the kernel cannot be built, take the PyTorch path.
+        """CPU decode: the C kernel reads each block once where it lies (fp32 or bf16 caches,
+        fp32 math). Other dtypes, or a machine where it cannot be built, take the PyTorch path.
         """
         lib = cpu_kernels.load()
-        if lib is None or key_cache.dtype != torch.float32 or q.dtype != torch.float32:
+        if lib is None or key_cache.dtype not in cpu_kernels.CACHE_DTYPES:
             self._decode_per_sequence(q, key_cache, value_cache, md, output)
             return
         first = md.num_prefills
-        out = (
-            output
-            if output.is_contiguous()
-            else torch.empty_like(output, memory_format=torch.contiguous_format)
-        )
+        direct = output.dtype == torch.float32 and output.is_contiguous()
+        out = output if direct else torch.empty(output.shape, dtype=torch.float32)
         cpu_kernels.paged_decode(
             lib,
-            q.contiguous(),
+            q.to(torch.float32).contiguous(),
             key_cache,
             value_cache,
             md.block_tables[first:],
@@ -151,7 +147,7 @@ class TorchAttentionImpl:
             self.scale,
             out,
         )
-        if out is not output:
+        if not direct:
             output.copy_(out)
 
     def _decode_per_sequence(
