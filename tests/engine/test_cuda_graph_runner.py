@@ -171,11 +171,13 @@ def test_piecewise_only_with_the_torch_backend(
 ) -> None:
     monkeypatch.setenv(selector.ENV_VAR, "torch")
     _, eager = run(None)
-    _, outs = run(M.PIECEWISE, [1, 2, 4], fake_graphs)
+    llm, outs = run(M.PIECEWISE, [1, 2, 4], fake_graphs)
     assert_same_outputs(outs, eager)
     decodes = [(n, mode, desc) for n, u, mode, desc in fake_graphs.steps if u]
     assert (3, M.PIECEWISE, BatchDescriptor(4)) in decodes
     assert (6, M.NONE, BatchDescriptor(6)) in decodes
+    # Captured (persistent buffers) and eager (fresh tensors) steps share one compilation.
+    assert llm.llm_engine.runner.model.backend.num_compiles == 1
 
 
 def test_default_capture_sizes() -> None:

@@ -212,8 +212,11 @@ class CudaGraphRunner:
         self.layer_names = list(layer_specs)
         self.dispatcher = CudagraphDispatcher(compilation, scheduler.max_num_seqs)
         self.dispatcher.initialize_cudagraph_keys(mode)
-        self.input_ids = torch.zeros(max_size, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_size, dtype=torch.int64, device=device)
+        # Inference tensors, like the inputs `execute_model` makes under inference_mode: a
+        # compiled model guards on the dispatch keys, and normal tensors would recompile it.
+        with torch.inference_mode():
+            self.input_ids = torch.zeros(max_size, dtype=torch.int64, device=device)
+            self.positions = torch.zeros(max_size, dtype=torch.int64, device=device)
         block_size = config.cache.block_size
         self.attn_state = CommonAttentionState(
             max_size, -(-max_model_len // block_size), block_size, device
