@@ -21,7 +21,7 @@ from tokenwise.attention.backends import selector
 from tokenwise.attention.utils import PAD_SLOT_ID
 from tokenwise.compilation.cuda_graph import EagerReplayCapturer
 from tokenwise.config import CUDAGraphMode
-from tokenwise.engine import cuda_graph_runner
+from tokenwise.engine import cuda_graph_runner, graph_setup
 from tokenwise.entrypoints.llm import build_engine_config
 from tokenwise.forward_context import BatchDescriptor
 
@@ -110,7 +110,7 @@ def assert_same_outputs(got: list[Any], want: list[Any]) -> None:
 @pytest.fixture
 def fake_graphs(monkeypatch: pytest.MonkeyPatch) -> Recorder:
     recorder = Recorder()
-    monkeypatch.setattr(cuda_graph_runner, "new_capturer_factory", recorder.factory)
+    monkeypatch.setattr(graph_setup, "new_capturer_factory", recorder.factory)
     monkeypatch.setenv(selector.ENV_VAR, "triton")
     torch._dynamo.reset()
     return recorder
@@ -181,10 +181,32 @@ def test_piecewise_only_with_the_torch_backend(
 
 
 def test_default_capture_sizes() -> None:
-    assert cuda_graph_runner.default_capture_sizes(1) == [1]
-    assert cuda_graph_runner.default_capture_sizes(3) == [1, 2, 3]
-    assert cuda_graph_runner.default_capture_sizes(20) == [1, 2, 4, 8, 16, 20]
-    assert cuda_graph_runner.default_capture_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
-    assert cuda_graph_runner.default_capture_sizes(256, 12) == [1, 2, 4, 8, 12]
+    assert graph_setup.default_capture_sizes(1) == [1]
+    assert graph_setup.default_capture_sizes(3) == [1, 2, 3]
+    assert graph_setup.default_capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert graph_setup.default_capture_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert graph_setup.default_capture_sizes(256, 12) == [1, 2, 4, 8, 12]
     with pytest.raises(ValueError, match="max_num_seqs"):
-        cuda_graph_runner.default_capture_sizes(0)
+        graph_setup.default_capture_sizes(0)
+
+
+def test_padding_rows_are_one_token_decodes_on_pad_slots() -> None:
+    from tokenwise.attention.metadata import CommonMetadataBuilder
+
+    builder = CommonMetadataBuilder(block_size=4)
+    builder.add_sequence(0, 0, 5, [3, 7])  # a prefill of 5 tokens
+    builder.add_sequence(1, 6, 1, [2, 9])  # a decode at position 6
+    md = builder.build([5, 7], [5, 1])
+    padded = cuda_graph_runner.pad_attention_metadata(md, 2)
+    assert cuda_graph_runner.pad_attention_metadata(md, 0) is md
+    assert padded.slot_mapping.tolist() == [12, 13, 14, 15, 28, 38, PAD_SLOT_ID, PAD_SLOT_ID]
+    assert (padded.num_prefills, padded.num_prefill_tokens, padded.num_decode_tokens) == (1, 5, 3)
+    assert padded.seq_lens_tensor.tolist() == [5, 7, 1, 1]
+    assert padded.context_lens_tensor.tolist() == [0, 6, 0, 0]
+    assert padded.query_start_loc.tolist() == [0, 5, 6, 7, 8]
+    assert padded.seq_start_loc.tolist() == [0, 5, 12, 13, 14]
+    assert padded.block_tables.tolist() == [[3, 7], [2, 9], [0, 0], [0, 0]]
+    assert padded.query_lens == [5, 1, 1, 1] and padded.context_lens == [0, 6, 0, 0]
+    assert padded.decode_metadata.num_decodes == 3
+    with pytest.raises(ValueError, match="pad"):
+        cuda_graph_runner.pad_attention_metadata(md, -1)

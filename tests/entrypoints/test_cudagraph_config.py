@@ -11,7 +11,7 @@ from tokenwise.attention.backends import selector
 from tokenwise.attention.backends.torch_backend import TorchAttentionBackend
 from tokenwise.attention.backends.triton_backend import TritonAttentionBackend
 from tokenwise.config import CompilationConfig, CUDAGraphMode, EngineConfig
-from tokenwise.engine.cuda_graph_runner import check_cudagraph_config, new_capturer_factory
+from tokenwise.engine.graph_setup import check_cudagraph_config, new_capturer_factory
 from tokenwise.entrypoints.engine_args import (
     add_engine_args,
     engine_kwargs,

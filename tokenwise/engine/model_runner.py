@@ -18,7 +18,8 @@ from tokenwise.attention.layer import Attention
 from tokenwise.attention.metadata import AttentionMetadata, CommonMetadataBuilder
 from tokenwise.compilation.compile import compile_model
 from tokenwise.config import EngineConfig
-from tokenwise.engine.cuda_graph_runner import CudaGraphRunner, graph_setup
+from tokenwise.engine.cuda_graph_runner import CudaGraphRunner
+from tokenwise.engine.graph_setup import graph_setup
 from tokenwise.engine.memory_profiling import cuda_kv_cache_budget
 from tokenwise.engine.scheduler import ScheduledRequest
 from tokenwise.forward_context import set_forward_context
