@@ -17,8 +17,12 @@ Needs a CUDA device (and Triton for the full-graph modes). Steps:
    same process.
 3. Where the time goes: median forward time per step size (the forward context's batch-size
    statistics) and the top CUDA kernels (`torch.profiler`) on a smaller run.
-4. The figures as markdown on stdout and in `--output`, between markers, so the rest of the
-   file is kept.
+4. Each step's figures as markdown on stdout and in `--output`, between that step's markers,
+   so the rest of the file is kept. Under a time limit per command, run the steps separately:
+   `--steps correctness`, then `--steps throughput`, then `--steps breakdown`.
+
+A failing step is reported in its section and the others still run; the exit status is 1 when a
+step failed or the fp32 tokens differ.
 """
 
 from __future__ import annotations
@@ -38,7 +42,14 @@ sys.path.insert(0, os.path.dirname(HERE))  # the repository root, for tests.tiny
 
 QWEN = os.path.join(HERE, "configs", "qwen3-0.6b")
 MODES = {"eager": None, "piecewise": "PIECEWISE", "full_and_piecewise": "FULL_AND_PIECEWISE"}
-BEGIN, END = "<!-- gpu_check:begin -->", "<!-- gpu_check:end -->"
+STEPS = ("correctness", "throughput", "breakdown")
+
+
+def _steps(text: str) -> list[str]:
+    steps = [t.strip() for t in text.split(",") if t.strip()]
+    if not steps or set(steps) - set(STEPS):
+        raise argparse.ArgumentTypeError(f"steps are {', '.join(STEPS)}; got {text!r}")
+    return steps
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,6 +60,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--hf-kv-cache-gib", type=float, default=None, help="default: what fits")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument(
+        "--steps",
+        type=_steps,
+        default=list(STEPS),
+        help=f"comma-separated subset of {','.join(STEPS)} (default: all); each step "
+        "rewrites only its own section of --output",
+    )
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -114,7 +132,8 @@ def correctness(device: str, seed: int) -> tuple[list[str], bool]:
     params = [
         SamplingParams(temperature=0, max_tokens=8 + 2 * i, ignore_eos=True) for i in range(12)
     ]
-    cases = [("tiny Qwen3 (test model)", "float32", tiny, prompts, params, {"num_gpu_blocks": 256})]
+    tiny_kw = {"num_gpu_blocks": 256, "max_num_seqs": 16}
+    cases = [("tiny Qwen3 (test model)", "float32", tiny, prompts, params, tiny_kw)]
     work = make_workload(32, (64, 512), (64, 192), vocab_size(QWEN), seed)
     cases.append(
         (
@@ -124,7 +143,7 @@ def correctness(device: str, seed: int) -> tuple[list[str], bool]:
             [{"prompt_token_ids": r.prompt_token_ids} for r in work],
             [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in work],
             {"load_format": "dummy", "skip_tokenizer_init": True, "max_model_len": 1024,
-             "kv_cache_memory": 8 << 30},
+             "kv_cache_memory": 8 << 30, "max_num_seqs": 32},
         )
     )  # fmt: skip
     for name, dtype, model, ps, sp, kw in cases:
@@ -245,45 +264,81 @@ def breakdown(args: argparse.Namespace, device: str) -> tuple[list[str], str]:
     return rows, table
 
 
-def markdown(env: str, rows: list[str], tw: dict[str, Any], startup: float, hf: Any,
-             steps: list[str], kernels: str, n: int) -> str:  # fmt: skip
-    lines = [BEGIN, f"## GPU check ({env})", "", "Produced by `python benchmarks/gpu_check.py`.",
-             "", "### Greedy outputs against eager", "",
-             "| model | dtype | mode | sequences equal to eager | first divergence (min / median) | engine start s |",
-             "|---|---|---|---|---|---|", *rows, "",
-             f"### Throughput: nano-vllm workload ({n} requests, input and output uniform in "
-             "100..1024, Qwen3-0.6B shape, dummy weights, EOS ignored)", "",
-             "| engine | output tok/s | total tok/s | elapsed s |", "|---|---|---|---|",
-             f"| tokenwise (FULL_AND_PIECEWISE; start-up {startup:.0f} s not timed) | "
-             f"{tw['output_tokens_per_second']:.0f} | {tw['tokens_per_second']:.0f} | "
-             f"{tw['elapsed_time']:.1f} |"]  # fmt: skip
-    if hf is None:
-        lines.append("| HF generate_batch | skipped | | |")
-    elif hf.error:
+def correctness_section(device: str, seed: int) -> tuple[list[str], bool]:
+    rows, ok = correctness(device, seed)
+    head = "| model | dtype | mode | sequences equal to eager | first divergence (min / median) | engine start s |"  # fmt: skip
+    return ["### Greedy outputs against eager", "", head, "|---|---|---|---|---|---|", *rows], ok
+
+
+def throughput_section(args: argparse.Namespace, device: str) -> list[str]:
+    lines = [
+        f"### Throughput: nano-vllm workload ({args.num_prompts} requests, input and output "
+        "lengths uniform in 100..1024, Qwen3-0.6B shape, dummy weights, bf16, EOS ignored)",
+        "",
+        "| engine | output tok/s | total tok/s | elapsed s |",
+        "|---|---|---|---|",
+    ]
+    try:
+        tw, startup = throughput(args, device)
+        lines.append(
+            f"| tokenwise `bench throughput` (default GPU settings: compiled, "
+            f"FULL_AND_PIECEWISE graphs; start-up {startup:.0f} s not timed) | "
+            f"{tw['output_tokens_per_second']:.0f} | {tw['tokens_per_second']:.0f} | "
+            f"{tw['elapsed_time']:.1f} |"
+        )
+    except Exception as exc:
+        lines.append(f"| tokenwise | error: {type(exc).__name__}: {str(exc)[:200]} | | |")
+        release()
+    if args.skip_hf:
+        return lines + ["| HF generate_batch | skipped (--skip-hf) | | |"]
+    try:
+        hf = hf_throughput(args, device)
+    except Exception as exc:  # e.g. out of memory while loading: keep tokenwise's figures
+        hf = None
+        lines.append(f"| HF generate_batch | error: {type(exc).__name__}: {str(exc)[:200]} | | |")
+        release()
+    if hf is not None and hf.error:
         lines.append(f"| HF generate_batch | error: {hf.error} | | |")
-    else:
+    elif hf is not None:
         total = (hf.output_tokens + hf.prompt_tokens) / hf.elapsed
-        lines.append(f"| HF generate_batch (continuous batching) | "
-                     f"{hf.output_tokens / hf.elapsed:.0f} | {total:.0f} | {hf.elapsed:.1f} |")  # fmt: skip
-    lines += ["", "### Forward time per step (64 requests)", "",
-              "| step size | steps | median ms | share of forward time |", "|---|---|---|---|",
-              *steps, "", "### Top CUDA kernels (16 requests, 32 tokens each)", "", "```",
-              kernels, "```", END]  # fmt: skip
-    return "\n".join(lines) + "\n"
+        lines.append(
+            f"| HF `generate_batch` engine (continuous batching, same requests) | "
+            f"{hf.output_tokens / hf.elapsed:.0f} | {total:.0f} | {hf.elapsed:.1f} |"
+        )
+    return lines
 
 
-def write_section(path: str, section: str) -> None:
-    """Replace the marked section of `path` (or append it), keeping everything else."""
+def breakdown_section(args: argparse.Namespace, device: str) -> list[str]:
+    rows, kernels = breakdown(args, device)
+    return [
+        "### Forward time per step (64 requests, FULL_AND_PIECEWISE)",
+        "",
+        "| step size | steps | median ms | share of forward time |",
+        "|---|---|---|---|",
+        *rows,
+        "",
+        "### Top kernels (16 requests, 32 tokens each, `torch.profiler`)",
+        "",
+        "```",
+        kernels.rstrip(),
+        "```",
+    ]
+
+
+def write_section(path: str, key: str, lines: list[str]) -> None:
+    """Replace the section between this key's markers in `path` (or append it)."""
+    begin, end = f"<!-- gpu_check:{key}:begin -->", f"<!-- gpu_check:{key}:end -->"
+    section = "\n".join([begin, *lines, end])
     text = open(path).read() if os.path.exists(path) else ""
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END) + 1 :]
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + section + text[text.index(end) + len(end) :]
     else:
-        text = text + ("\n" if text and not text.endswith("\n") else "") + section
+        text = text.rstrip("\n") + ("\n\n" if text else "") + section + "\n"
     with open(path, "w") as f:
         f.write(text)
 
 
-def run_all(args: argparse.Namespace, device: str) -> int:
+def environment(device: str) -> str:
     import datetime
 
     import torch
@@ -297,24 +352,39 @@ def run_all(args: argparse.Namespace, device: str) -> int:
     except ImportError:
         triton_version = "not installed"
     name = torch.cuda.get_device_name() if device == "cuda" else device
-    env = (
+    return (
         f"{name}, torch {torch.__version__}, triton {triton_version}, attention backend "
         f"{backend_name_for(device)}, {datetime.date.today().isoformat()}"
     )
+
+
+def run_all(args: argparse.Namespace, device: str) -> int:
+    env = environment(device)
     print(f"gpu_check: {env}", file=sys.stderr)
-    rows, ok = correctness(device, args.seed)
-    print("\n".join(rows), file=sys.stderr)
-    results, startup = throughput(args, device)
-    hf = None if args.skip_hf else hf_throughput(args, device)
-    steps, kernels = breakdown(args, device)
-    text = markdown(env, rows, results, startup, hf, steps, kernels, args.num_prompts)
-    print(text)
-    write_section(args.output, text)
+    note = f"Measured on {env} by `python benchmarks/gpu_check.py --steps {','.join(args.steps)}`."
+    ok = True
+    for step in args.steps:
+        start = time.perf_counter()
+        try:
+            if step == "correctness":
+                lines, ok = correctness_section(device, args.seed)
+            elif step == "throughput":
+                lines = throughput_section(args, device)
+            else:
+                lines = breakdown_section(args, device)
+        except Exception as exc:  # report and go on: GPU time is too scarce to lose the rest
+            lines = [f"### {step}", "", f"error: {type(exc).__name__}: {str(exc)[:500]}"]
+            ok = False
+            release()
+        lines = [*lines, "", note, f"({time.perf_counter() - start:.0f} s)"]
+        print("\n".join(lines) + "\n")
+        write_section(args.output, step, lines)
+    write_section(args.output, "status", ["Figures below come from a GPU run.", "", note])
     print(f"gpu_check: wrote {args.output}", file=sys.stderr)
     if not ok:
         print(
-            "gpu_check: FAILED: a graph mode changed the greedy tokens of the fp32 test model "
-            "(see the table)",
+            "gpu_check: FAILED: a step failed, or a graph mode changed the greedy tokens of "
+            "the fp32 test model (see the output)",
             file=sys.stderr,
         )
         return 1
