@@ -148,6 +148,18 @@ def test_full_decode_graphs_replay_fresh_metadata_and_pad_into_the_trash(
     assert state._graph_slot_mapping[1] == PAD_SLOT_ID and state._graph_seq_lens[1] == 1
 
 
+def test_plain_full_mode_runs_steps_with_prefills_eagerly(fake_graphs: Recorder) -> None:
+    """Plain FULL keys graphs by token count alone, so a 4-token prompt chunk would match the
+    4-token decode graph; its prefill would then replay decode-only attention. It must not."""
+    _, eager = run(None, max_num_batched_tokens=4)
+    _, outs = run(M.FULL, [2, 4], fake_graphs, max_num_batched_tokens=4)
+    assert_same_outputs(outs, eager)
+    small_mixed = [s for s in fake_graphs.steps if not s[1] and s[0] <= 4]
+    assert small_mixed and all(s[2:] == (M.NONE, BatchDescriptor(s[0])) for s in small_mixed)
+    decodes = [s for s in fake_graphs.steps if s[1]]
+    assert decodes and all(s[2] == M.FULL and s[3].num_reqs is None for s in decodes)
+
+
 def test_full_and_piecewise_graphs_for_mixed_and_decode_steps(fake_graphs: Recorder) -> None:
     _, eager = run(None, max_num_batched_tokens=8)
     llm, outs = run(M.FULL_AND_PIECEWISE, [4, 8], fake_graphs, max_num_batched_tokens=8)

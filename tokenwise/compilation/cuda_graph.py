@@ -70,7 +70,9 @@ class CUDAGraphCapturer:
         # capture_begin/end rather than `torch.cuda.graph(...)`, which would run gc.collect()
         # and empty_cache() for each of the hundreds of graphs a model captures.
         with torch.cuda.stream(self.stream):
-            self.graph.capture_begin(pool=self.pool)
+            # thread_local: a server's other threads may touch CUDA meanwhile; only this
+            # thread's unsafe calls (syncs, fresh host copies) must fail the capture.
+            self.graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             try:
                 output = fn()
             finally:

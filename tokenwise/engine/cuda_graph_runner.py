@@ -3,7 +3,8 @@
 The model runner hands each step's flat inputs and attention metadata to `CudaGraphRunner.run`,
 which asks the `CudagraphDispatcher` for a runtime mode and padded `BatchDescriptor`:
 
-- FULL (uniform decode batches): the whole model was captured, attention included, against the
+- FULL (uniform decode batches; also in plain FULL mode, whose mixed batches run eagerly): the
+  whole model was captured, attention included, against the
   persistent buffers of `CommonAttentionState`. The real batch, padded with PAD slots and
   length-1 sequences, is copied into those buffers; the forward context carries the capture's
   metadata (which points at them), and the graph replays.
@@ -206,8 +207,11 @@ class CudaGraphRunner:
         """Hidden states of the `num_tokens` real rows (valid until the next step)."""
         first = next(iter(attn_metadata.values()))
         uniform = first.num_prefills == 0 and first.num_decode_tokens == num_tokens
+        # Whole-model graphs are captured on decode-only metadata; a batch with prefills (which
+        # plain FULL mode would also dispatch to them) needs eager attention, so it never
+        # replays one.
         mode, desc = self.dispatcher.dispatch(
-            num_tokens, uniform_decode=uniform, disable_full=self.disable_full
+            num_tokens, uniform_decode=uniform, disable_full=self.disable_full or not uniform
         )
         if mode == CUDAGraphMode.NONE:
             with set_forward_context(attn_metadata, self.config, num_tokens=num_tokens):

@@ -150,7 +150,7 @@ def paged_decode(
         HEAD_SIZE=head_size,
         HEAD_PAD=triton.next_power_of_2(head_size),
         GROUP=group,
-        GROUP_PAD=triton.next_power_of_2(group),
+        GROUP_PAD=max(2, triton.next_power_of_2(group)),  # no size-1 tiles in compiled code
         num_warps=4,
     )
     return out
