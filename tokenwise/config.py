@@ -95,6 +95,9 @@ class ParallelConfig:
             )
 
 
+PIECE_BACKENDS = ("inductor", "eager")
+
+
 @dataclass
 class CompilationConfig:
     """torch.compile and CUDA-graph settings, plus the static registry of no-compile layers.
@@ -109,9 +112,20 @@ class CompilationConfig:
     cudagraph_capture_sizes: list[int] | None = None
     use_compile: bool = False
     splitting_ops: list[str] = field(default_factory=lambda: ["tokenwise::unified_attention"])
+    # None: split the graph at `splitting_ops` exactly when the CUDA-graph mode has piecewise
+    # graphs; True / False force piecewise / one full graph.
+    piecewise_compile: bool | None = None
+    # How the pieces between attention calls are compiled: "inductor", or "eager" (traced and
+    # split but run as plain FX code: a debugging aid that isolates Inductor from the rest).
+    piece_backend: str = "inductor"
 
     def __post_init__(self) -> None:
         self.cudagraph_mode = CUDAGraphMode.parse(self.cudagraph_mode)
+        if self.piece_backend not in PIECE_BACKENDS:
+            raise ValueError(
+                f"piece_backend must be one of {', '.join(PIECE_BACKENDS)}, "
+                f"got {self.piece_backend!r}"
+            )
         if self.cudagraph_capture_sizes is not None:
             sizes = list(self.cudagraph_capture_sizes)
             for size in sizes:
@@ -119,6 +133,13 @@ class CompilationConfig:
             self.cudagraph_capture_sizes = sorted(set(sizes))
         self._padded_size_table: list[int] | None = None
         self._padded_size_table_for: list[int] | None = None
+
+    @property
+    def use_piecewise_compile(self) -> bool:
+        """Whether `torch.compile` splits the graph at the splitting ops."""
+        if self.piecewise_compile is not None:
+            return self.piecewise_compile
+        return self.cudagraph_mode.requires_piecewise_compilation()
 
     @property
     def max_capture_size(self) -> int:

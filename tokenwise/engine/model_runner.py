@@ -18,6 +18,9 @@ from tokenwise.attention.layer import Attention
 from tokenwise.attention.metadata import AttentionMetadata, CommonMetadataBuilder
 from tokenwise.compilation.compile import compile_model
 from tokenwise.config import EngineConfig
+from tokenwise.engine.cuda_graph_runner import CudaGraphRunner
+from tokenwise.engine.graph_setup import graph_setup
+from tokenwise.engine.memory_profiling import cuda_kv_cache_budget
 from tokenwise.engine.scheduler import ScheduledRequest
 from tokenwise.forward_context import set_forward_context
 from tokenwise.layer_registry import get_layers_from_config
@@ -49,8 +52,10 @@ class ModelRunner:
         self.model_config = config.model
         self.block_size = config.cache.block_size
         self.model = load_model(config, self.device)
+        self.graph_runner: CudaGraphRunner | None = None
+        self._capturer_factory, wrap_piece = graph_setup(config, self.device)
         if config.compilation.use_compile:
-            self.model = compile_model(self.model)
+            self.model = compile_model(self.model, config.compilation, wrap_piece)
         self.attn_layers = get_layers_from_config(config, Attention)
         if not self.attn_layers:
             raise RuntimeError("the model registered no attention layers")
@@ -83,8 +88,7 @@ class ModelRunner:
         budget = cache.kv_cache_memory
         if budget is None:
             if self.device.type == "cuda":
-                free, _total = torch.cuda.mem_get_info(self.device)
-                budget = int(free * cache.gpu_memory_utilization)
+                budget = cuda_kv_cache_budget(self.model, self.config, self.device)
             else:
                 budget = min(DEFAULT_CPU_KV_CACHE_MEMORY, self._bytes_for_full_batch())
         num_blocks = budget // self.kv_cache_bytes_per_block()
@@ -118,6 +122,9 @@ class ModelRunner:
             self.block_size,
             num_blocks * self.kv_cache_bytes_per_block() / 2**20,
         )
+        if self._capturer_factory is not None:
+            self.graph_runner = CudaGraphRunner.for_model_runner(self, self._capturer_factory)
+            self.graph_runner.capture_model()
 
     # ---- one step ---------------------------------------------------------------------------
 
@@ -154,8 +161,11 @@ class ModelRunner:
         }
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        with set_forward_context(attn_metadata, self.config, num_tokens=len(input_ids)):
-            hidden = self.model(ids, pos)
+        if self.graph_runner is not None:
+            hidden = self.graph_runner.run(ids, pos, attn_metadata, len(input_ids))
+        else:
+            with set_forward_context(attn_metadata, self.config, num_tokens=len(input_ids)):
+                hidden = self.model(ids, pos)
 
         if not sampled:
             return ModelRunnerOutput([], [], None, len(input_ids))

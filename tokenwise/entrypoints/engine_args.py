@@ -49,6 +49,30 @@ positive_int = bounded_int(1)
 non_negative_int = bounded_int(0)
 
 
+def parse_cudagraph_mode(text: str) -> str:
+    """A `CUDAGraphMode` name, any case; the error lists the valid names."""
+    from tokenwise.config import CUDAGraphMode
+
+    try:
+        return CUDAGraphMode.parse(text).name
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parse_capture_sizes(text: str) -> list[int]:
+    """Comma-separated token counts >= 1, e.g. '1,2,4,8,16'."""
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    try:
+        sizes = [int(p) for p in parts]
+    except ValueError:
+        sizes = []
+    if not sizes or any(s < 1 for s in sizes):
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers >= 1 such as 1,2,4,8, got {text!r}"
+        )
+    return sorted(set(sizes))
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument(
@@ -93,13 +117,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="KV cache size, e.g. 512MiB or 2GiB (default: on CPU 1GiB or what max-num-seqs "
         "full-length sequences need, if less; "
-        "gpu-memory-utilization of free memory on GPU)",
+        "on GPU what --gpu-memory-utilization leaves after a profiling run)",
     )
     g.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=0.9,
-        help="fraction of free GPU memory for the KV cache (default: 0.9)",
+        help="fraction of total GPU memory the engine may use: the KV cache gets what a "
+        "profiling run leaves of it (default: 0.9)",
     )
     g.add_argument(
         "--load-format",
@@ -121,6 +146,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_const",
         const=False,
         help="torch.compile the model (default on GPU)",
+    )
+    g.add_argument(
+        "--cudagraph-mode",
+        type=parse_cudagraph_mode,
+        default=None,
+        help="CUDA graphs: NONE, PIECEWISE, FULL, FULL_DECODE_ONLY or FULL_AND_PIECEWISE "
+        "(default: FULL_AND_PIECEWISE on GPU when compiling, NONE otherwise)",
+    )
+    g.add_argument(
+        "--cudagraph-capture-sizes",
+        type=parse_capture_sizes,
+        default=None,
+        metavar="N,N,...",
+        help="token counts to capture graphs for (default: 1, 2, 4, then multiples of 8 up "
+        "to --max-num-seqs)",
     )
     g.add_argument(
         "--no-enable-prefix-caching",
@@ -157,4 +197,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enforce_eager": args.enforce_eager,
         "enable_prefix_caching": args.enable_prefix_caching,
         "device": args.device,
+        "cudagraph_mode": args.cudagraph_mode,
+        "cudagraph_capture_sizes": args.cudagraph_capture_sizes,
     }

@@ -9,7 +9,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from tokenwise.config import CacheConfig, CompilationConfig, EngineConfig, SchedulerConfig
+from tokenwise.config import (
+    CacheConfig,
+    CompilationConfig,
+    CUDAGraphMode,
+    EngineConfig,
+    SchedulerConfig,
+)
 from tokenwise.engine.llm_engine import LLMEngine
 from tokenwise.engine.prompts import PromptInput
 from tokenwise.model_config import ModelConfig
@@ -19,6 +25,40 @@ from tokenwise.sampling.params import SamplingParams
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_cudagraph_mode(
+    cudagraph_mode: str | CUDAGraphMode | None, device: str, enforce_eager: bool
+) -> CUDAGraphMode:
+    """The CUDA-graph mode: as asked (checked against device and eagerness), or the default.
+
+    Default: NONE on CPU and with enforce_eager; on CUDA, FULL_AND_PIECEWISE (whole decode steps
+    and compiled pieces of mixed steps are replayed) when the attention backend's decode can be
+    captured, else PIECEWISE.
+    """
+    if cudagraph_mode is None:
+        if enforce_eager or not device.startswith("cuda"):
+            return CUDAGraphMode.NONE
+        from tokenwise.attention.backends.selector import BACKENDS, backend_name_for
+
+        backend = BACKENDS[backend_name_for(device)]
+        if getattr(backend, "supports_full_cudagraph", False):
+            return CUDAGraphMode.FULL_AND_PIECEWISE
+        return CUDAGraphMode.PIECEWISE
+    mode = CUDAGraphMode.parse(cudagraph_mode)
+    if mode == CUDAGraphMode.NONE:
+        return mode
+    if not device.startswith("cuda"):
+        raise ValueError(
+            f"cudagraph_mode={mode.name} needs a CUDA device, but device is {device!r}; "
+            "use cudagraph_mode=NONE"
+        )
+    if enforce_eager:
+        raise ValueError(
+            f"cudagraph_mode={mode.name} cannot be combined with enforce_eager=True (eager "
+            "means no compilation and no CUDA graphs); drop one of them"
+        )
+    return mode
 
 
 def build_engine_config(
@@ -39,6 +79,8 @@ def build_engine_config(
     gpu_memory_utilization: float = 0.9,
     tokenizer: str | None = None,
     device: str | None = None,
+    cudagraph_mode: str | CUDAGraphMode | None = None,
+    cudagraph_capture_sizes: list[int] | None = None,
 ) -> EngineConfig:
     """One place that turns user-facing arguments (LLM, CLI, server) into an EngineConfig."""
     from tokenwise.default_model import resolve_model_path
@@ -48,6 +90,7 @@ def build_engine_config(
         # On CPU compiling costs 15+ s and gained only 3-16% in decode (PERF_NOTES), so eager
         # is the default there; on GPU compilation is what makes the small kernels cheap.
         enforce_eager = not device.startswith("cuda")
+    mode = resolve_cudagraph_mode(cudagraph_mode, device, enforce_eager)
     model_config = ModelConfig.from_pretrained(
         resolve_model_path(model),
         dtype=dtype,
@@ -72,7 +115,11 @@ def build_engine_config(
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill,
         ),
-        compilation=CompilationConfig(use_compile=not enforce_eager),
+        compilation=CompilationConfig(
+            use_compile=not enforce_eager,
+            cudagraph_mode=mode,
+            cudagraph_capture_sizes=cudagraph_capture_sizes,
+        ),
         device=device,
     )
 
@@ -84,9 +131,19 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.engine_config = build_engine_config(model, **kwargs)
-        torch.manual_seed(self.engine_config.model.seed)
-        self.llm_engine = LLMEngine(self.engine_config, self.engine_config.device)
+        self._start(build_engine_config(model, **kwargs))
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> LLM:
+        """An LLM over a ready `EngineConfig` (for settings the keyword arguments lack)."""
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
+        self.engine_config = config
+        torch.manual_seed(config.model.seed)
+        self.llm_engine = LLMEngine(config, config.device)
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Any:

@@ -1,0 +1,82 @@
+"""CUDA-graph settings from the user: CLI flags, defaults per device, and refused combinations."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from tokenwise.attention.backends import selector
+from tokenwise.attention.backends.torch_backend import TorchAttentionBackend
+from tokenwise.attention.backends.triton_backend import TritonAttentionBackend
+from tokenwise.config import CompilationConfig, CUDAGraphMode, EngineConfig
+from tokenwise.engine.graph_setup import check_cudagraph_config, new_capturer_factory
+from tokenwise.entrypoints.engine_args import (
+    add_engine_args,
+    engine_kwargs,
+    parse_capture_sizes,
+    parse_cudagraph_mode,
+)
+from tokenwise.entrypoints.llm import resolve_cudagraph_mode
+
+M = CUDAGraphMode
+
+
+def test_cli_flags() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(
+        ["--cudagraph-mode", "full_and_piecewise", "--cudagraph-capture-sizes", "8, 1,4,4"]
+    )
+    kwargs = engine_kwargs(args)
+    assert kwargs["cudagraph_mode"] == "FULL_AND_PIECEWISE"
+    assert kwargs["cudagraph_capture_sizes"] == [1, 4, 8]
+    defaults = engine_kwargs(parser.parse_args([]))
+    assert defaults["cudagraph_mode"] is None and defaults["cudagraph_capture_sizes"] is None
+
+
+@pytest.mark.parametrize("text", ["0,1", "1,a", "", "-4"])
+def test_bad_capture_sizes_are_rejected(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="integers >= 1"):
+        parse_capture_sizes(text)
+
+
+def test_bad_mode_lists_the_valid_ones() -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="NONE, PIECEWISE, FULL, FULL_DECODE_ONLY"):
+        parse_cudagraph_mode("fullgraph")
+
+
+def test_default_mode_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve_cudagraph_mode(None, "cpu", enforce_eager=False) is M.NONE
+    assert resolve_cudagraph_mode(None, "cuda", enforce_eager=True) is M.NONE
+    monkeypatch.setenv(selector.ENV_VAR, "triton")
+    assert resolve_cudagraph_mode(None, "cuda", enforce_eager=False) is M.FULL_AND_PIECEWISE
+    # Without a graph-safe decode only the pieces between attention calls are captured.
+    monkeypatch.setenv(selector.ENV_VAR, "torch")
+    assert resolve_cudagraph_mode(None, "cuda:0", enforce_eager=False) is M.PIECEWISE
+    assert resolve_cudagraph_mode("full_decode_only", "cuda", False) is M.FULL_DECODE_ONLY
+    assert resolve_cudagraph_mode("none", "cpu", True) is M.NONE
+
+
+def test_refused_combinations() -> None:
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        resolve_cudagraph_mode("piecewise", "cpu", enforce_eager=False)
+    with pytest.raises(ValueError, match="enforce_eager"):
+        resolve_cudagraph_mode("piecewise", "cuda", enforce_eager=True)
+    with pytest.raises(ValueError, match="CUDA device"):
+        new_capturer_factory(torch.device("cpu"))
+    full = EngineConfig(
+        compilation=CompilationConfig(cudagraph_mode=M.FULL_AND_PIECEWISE, use_compile=True)
+    )
+    check_cudagraph_config(full, TritonAttentionBackend)
+    with pytest.raises(ValueError, match="'torch' attention backend.*cudagraph_mode=PIECEWISE"):
+        check_cudagraph_config(full, TorchAttentionBackend)
+    piecewise = EngineConfig(compilation=CompilationConfig(cudagraph_mode=M.PIECEWISE))
+    with pytest.raises(ValueError, match="use_compile=True"):
+        check_cudagraph_config(piecewise, TorchAttentionBackend)
+    # Whole-model graphs of an eager model need no compilation.
+    check_cudagraph_config(
+        EngineConfig(compilation=CompilationConfig(cudagraph_mode=M.FULL_DECODE_ONLY)),
+        TritonAttentionBackend,
+    )

@@ -1,0 +1,156 @@
+"""Triton paged-attention decode: one query token per sequence over its KV blocks.
+
+One program per (sequence, KV head). It loads the queries of all heads that share that KV head
+(grouped-query attention reads each K/V block once for the whole group), walks the sequence's
+block table, and keeps an online softmax (running max, running sum, rescaled accumulator) in
+fp32, so nothing of size `seq_len` is ever materialised. A sliding window starts the walk at the
+first block the window reaches and masks the keys before it.
+
+Everything the kernel reads is on the device (`block_tables`, `seq_lens`, optional
+`first_block`), and the launch depends only on shapes, so a decode step that calls it can be
+captured in a CUDA graph and replayed on new metadata written into the same buffers.
+
+Imported only when Triton is available (never a tokenwise dependency); the PyTorch reference
+with the same signature is `triton_backend.paged_decode_reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_decode_kernel(
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    first_block_ptr,
+    scale,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_c_block,
+    stride_c_tok,
+    stride_c_head,
+    stride_bt_seq,
+    sliding_window,
+    HAS_WINDOW: tl.constexpr,
+    HAS_FIRST_BLOCK: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_PAD: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_PAD)
+    t = tl.arange(0, BLOCK_PAD)
+    g_mask = g < GROUP
+    d_mask = d < HEAD_SIZE
+    t_mask = t < BLOCK_SIZE
+    heads = kv_head * GROUP + g
+    q_offsets = seq * stride_q_tok + heads[:, None] * stride_q_head + d[None, :]
+    q_mask = g_mask[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0).to(tl.float32) * scale
+
+    first = 0
+    if HAS_FIRST_BLOCK:
+        first = tl.load(first_block_ptr + seq).to(tl.int32)
+    lo = first
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, tl.maximum(seq_len - sliding_window, 0) // BLOCK_SIZE)
+    hi = tl.cdiv(seq_len, BLOCK_SIZE)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
+    kv_offsets = kv_head * stride_c_head + t[:, None] * stride_c_tok + d[None, :]
+    kv_mask = t_mask[:, None] & d_mask[None, :]
+    for b in range(lo, hi):
+        block = tl.load(block_tables_ptr + seq * stride_bt_seq + (b - first)).to(tl.int64)
+        base = block * stride_c_block + kv_offsets
+        k = tl.load(k_cache_ptr + base, mask=kv_mask, other=0.0).to(tl.float32)
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_PAD, BLOCK_PAD]
+        pos = b * BLOCK_SIZE + t
+        valid = t_mask & (pos < seq_len)
+        if HAS_WINDOW:
+            valid = valid & (pos >= seq_len - sliding_window)
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + base, mask=kv_mask, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m_i = m_new
+
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)  # a row without keys (never in practice) gives 0
+    out = acc / l_i[:, None]
+    o_offsets = seq * stride_o_tok + heads[:, None] * stride_o_head + d[None, :]
+    tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def paged_decode(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    first_block: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same contract as `triton_backend.paged_decode_reference`; returns `[n, heads, head]`."""
+    n, num_heads, head_size = q.shape
+    _, block_size, num_kv_heads, cache_head_size = key_cache.shape
+    if cache_head_size != head_size or num_heads % num_kv_heads:
+        raise ValueError(
+            f"query {tuple(q.shape)} does not fit a cache of {num_kv_heads} KV heads of size "
+            f"{cache_head_size}"
+        )
+    if q.stride(-1) != 1 or key_cache.stride(-1) != 1 or key_cache.stride() != value_cache.stride():
+        raise ValueError("paged_decode needs contiguous head dims and K/V caches of one layout")
+    out = torch.empty_like(q)
+    if n == 0:
+        return out
+    group = num_heads // num_kv_heads
+    _paged_decode_kernel[(n, num_kv_heads)](
+        out,
+        q,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        seq_lens if first_block is None else first_block,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_tables.stride(0),
+        sliding_window or 0,
+        HAS_WINDOW=sliding_window is not None,
+        HAS_FIRST_BLOCK=first_block is not None,
+        BLOCK_SIZE=block_size,
+        BLOCK_PAD=triton.next_power_of_2(block_size),
+        HEAD_SIZE=head_size,
+        HEAD_PAD=triton.next_power_of_2(head_size),
+        GROUP=group,
+        GROUP_PAD=max(2, triton.next_power_of_2(group)),  # no size-1 tiles in compiled code
+        num_warps=4,
+    )
+    return out

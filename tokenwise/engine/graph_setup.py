@@ -1,0 +1,94 @@
+"""Which CUDA graphs an engine captures, checked before anything slow happens.
+
+`graph_setup` is what the model runner calls at construction: it rejects graph modes the engine
+cannot run (with the parameter and the way out in the message), creates the capturer factory
+that every graph of the engine shares (one memory pool), and the wrapper that the piecewise
+backend puts around each compiled piece. `default_capture_sizes` derives the padded token counts
+that get graphs from `max_num_seqs`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tokenwise.attention.backends.selector import get_attn_backend
+from tokenwise.compilation.cuda_graph import (
+    CapturerFactory,
+    CUDAGraphWrapper,
+    cuda_capturer_factory,
+)
+from tokenwise.compilation.piecewise import PieceWrapper
+from tokenwise.config import CUDAGraphMode, EngineConfig
+
+
+def new_capturer_factory(device: torch.device) -> CapturerFactory:
+    """Graph capturers for `device`; CUDA graphs need a CUDA device."""
+    if device.type != "cuda":
+        raise ValueError(
+            f"CUDA graphs need a CUDA device, but the engine runs on {device}; use "
+            "cudagraph_mode=NONE there"
+        )
+    return cuda_capturer_factory(device)
+
+
+def check_cudagraph_config(config: EngineConfig, backend: Any) -> None:
+    """Reject graph modes this engine cannot run, before anything slow happens."""
+    mode = config.compilation.cudagraph_mode
+    if mode.requires_piecewise_compilation() and not config.compilation.use_compile:
+        raise ValueError(
+            f"cudagraph_mode={mode.name} captures the compiled pieces between attention calls, "
+            "which needs compilation (use_compile=True, i.e. not enforce_eager)"
+        )
+    if mode.has_full_cudagraphs() and not getattr(backend, "supports_full_cudagraph", False):
+        raise ValueError(
+            f"cudagraph_mode={mode.name} captures whole decode steps, but the "
+            f"{getattr(backend, 'name', backend)!r} attention backend's decode reads host-side "
+            "metadata and cannot be captured; use cudagraph_mode=PIECEWISE, or the 'triton' "
+            "backend (Triton on a CUDA device)"
+        )
+
+
+def graph_setup(
+    config: EngineConfig, device: torch.device
+) -> tuple[CapturerFactory | None, PieceWrapper | None]:
+    """The capturer factory shared by all graphs, and the wrapper for compiled pieces.
+
+    (None, None) when `cudagraph_mode` is NONE. Pieces are wrapped only when the mode has
+    piecewise graphs; FULL-only modes capture the whole model in `CudaGraphRunner`.
+    """
+    mode = config.compilation.cudagraph_mode
+    if mode == CUDAGraphMode.NONE:
+        return None, None
+    check_cudagraph_config(config, get_attn_backend(config))
+    factory = new_capturer_factory(device)
+    if not mode.requires_piecewise_compilation():
+        return factory, None
+
+    def wrap_piece(index: int, compiled: Any, static_args: list[bool]) -> CUDAGraphWrapper:
+        return CUDAGraphWrapper(
+            compiled, CUDAGraphMode.PIECEWISE, factory, static_args, f"piece {index}"
+        )
+
+    return factory, wrap_piece
+
+
+def default_capture_sizes(
+    max_num_seqs: int, max_num_batched_tokens: int | None = None
+) -> list[int]:
+    """1, 2, 4, then every multiple of 8, up to `max_num_seqs` (itself included).
+
+    Small sizes are where padding waste is relatively largest, so they get their own graphs;
+    above 8 a step of 8 wastes at most 7 rows. A graph above the per-step token budget could
+    never be used, so the sizes stop there.
+    """
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    top = (
+        max_num_seqs
+        if max_num_batched_tokens is None
+        else min(max_num_seqs, max_num_batched_tokens)
+    )
+    sizes = {s for s in (1, 2, 4) if s <= top} | set(range(8, top + 1, 8)) | {top}
+    return sorted(sizes)

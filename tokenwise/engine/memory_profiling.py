@@ -1,0 +1,81 @@
+"""How much GPU memory the KV cache may take (vLLM's `gpu_memory_utilization` semantics).
+
+The engine may use `gpu_memory_utilization` of the device's *total* memory. Everything else it
+needs is measured by a profiling run before the cache exists: one forward pass over the largest
+batch a step can hold (`max_num_batched_tokens` tokens, with no KV cache: attention then runs
+as one causal sequence), plus the logits and softmax of the most rows a step samples. The peak
+PyTorch allocation during that run covers the weights and the activations; memory held outside
+PyTorch's allocator (the CUDA context, other processes) is counted too. What remains of the
+budget is the KV cache.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from tokenwise.config import EngineConfig
+from tokenwise.forward_context import set_forward_context
+
+logger = logging.getLogger(__name__)
+
+GiB = float(1 << 30)
+
+
+def kv_cache_budget_bytes(
+    total_bytes: int, gpu_memory_utilization: float, peak_bytes: int, non_torch_bytes: int = 0
+) -> int:
+    """`total * utilization - peak - non_torch`; an error naming the setting when <= 0."""
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    allowed = int(total_bytes * gpu_memory_utilization)
+    budget = allowed - peak_bytes - non_torch_bytes
+    if budget <= 0:
+        raise ValueError(
+            f"no memory left for the KV cache: gpu_memory_utilization={gpu_memory_utilization} "
+            f"allows {allowed / GiB:.2f} GiB of {total_bytes / GiB:.2f} GiB, but the model's "
+            f"weights and peak activations take {peak_bytes / GiB:.2f} GiB and "
+            f"{non_torch_bytes / GiB:.2f} GiB are used outside PyTorch; raise "
+            "gpu_memory_utilization (at most 1.0) or lower max_num_batched_tokens"
+        )
+    return budget
+
+
+@torch.inference_mode()
+def profile_run(model: Any, config: EngineConfig, device: torch.device) -> None:
+    """One forward at the step token budget without a KV cache, then the sampling logits."""
+    assert config.model is not None
+    num_tokens = config.scheduler.max_num_batched_tokens
+    max_len = config.model.max_model_len
+    input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    positions = torch.arange(num_tokens, dtype=torch.int64, device=device) % max_len
+    with set_forward_context(None, config, num_tokens=num_tokens):
+        hidden = model(input_ids, positions)
+    rows = min(config.scheduler.max_num_seqs, num_tokens)
+    logits = model.compute_logits(hidden[:rows])
+    torch.softmax(logits.float(), dim=-1)
+
+
+def cuda_kv_cache_budget(model: Any, config: EngineConfig, device: torch.device) -> int:
+    """Bytes for the KV cache on `device`, measured with a profiling run."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    profile_run(model, config, device)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    free, total = torch.cuda.mem_get_info(device)
+    non_torch = max(0, total - free - torch.cuda.memory_reserved(device))
+    budget = kv_cache_budget_bytes(total, config.cache.gpu_memory_utilization, peak, non_torch)
+    logger.info(
+        "memory profile: peak %.2f GiB in PyTorch, %.2f GiB outside it; KV cache gets %.2f GiB "
+        "(gpu_memory_utilization=%s of %.2f GiB)",
+        peak / GiB,
+        non_torch / GiB,
+        budget / GiB,
+        config.cache.gpu_memory_utilization,
+        total / GiB,
+    )
+    return budget
