@@ -11,9 +11,10 @@ from tokenwise import LLM, SamplingParams
 PROMPTS = ["The quick brown fox", "Hello", "def fibonacci(n):\n    return", "import os\nimport"]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "Qwen3ForCausalLM")
+@pytest.fixture(scope="module", params=["Qwen3ForCausalLM", "LlamaForCausalLM"])
+def checkpoint(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> str:
+    """Qwen3 reshapes q/k per head before rotary; Llama rotates the flat [T, H*D] rows."""
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), request.param)
 
 
 def _run(path: str, enforce_eager: bool) -> tuple[list[list[int]], list[float]]:

@@ -116,7 +116,8 @@ class RotaryEmbedding(nn.Module):
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x = x.reshape(shape[0], -1, self.head_dim)
+        if x.dim() == 2:  # [T, heads * head_dim]; no -1, so a symbolic T needs no guard
+            x = x.unflatten(-1, (shape[-1] // self.head_dim, self.head_dim))
         x1, x2 = x.chunk(2, dim=-1)
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         return out.view(shape)

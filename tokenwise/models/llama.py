@@ -94,7 +94,7 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
         q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v)
+        out = self.attn(q.flatten(1), k.flatten(1), v)
         return self.o_proj(out)
 
 
