@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from tokenwise.attention.backends import selector
+from tokenwise.attention.backends.torch_backend import write_kv_cache
 from tokenwise.attention.backends.triton_backend import (
     TritonAttentionBackend,
     TritonAttentionImpl,
     paged_decode_reference,
-    write_kv,
 )
 from tokenwise.attention.graph_state import CommonAttentionState
 from tokenwise.attention.metadata import AttentionMetadata, CommonMetadataBuilder
@@ -125,7 +125,7 @@ def test_write_kv_sends_pad_slots_to_the_trash_block_only() -> None:
     cache = new_cache(gen)
     before = cache.clone()
     k, v = torch.randn(4, KVH, D, generator=gen), torch.randn(4, KVH, D, generator=gen)
-    write_kv(k, v, cache[0], cache[1], torch.tensor([6, PAD_SLOT_ID, 9 * B + 2, PAD_SLOT_ID]))
+    write_kv_cache(k, v, cache[0], cache[1], torch.tensor([6, PAD_SLOT_ID, 9 * B + 2, PAD_SLOT_ID]))
     assert torch.equal(cache[0, 1, 2], k[0]) and torch.equal(cache[1, 9, 2], v[2])
     keep = torch.ones(NUM_BLOCKS + 1, B, dtype=torch.bool)
     keep[1, 2] = keep[9, 2] = False
@@ -147,7 +147,7 @@ def test_reference_decode_against_dense_attention(
     seqs = make_seqs(lengths, gen, block)
     for s in seqs:
         slots = torch.tensor([s.table[i // block] * block + i % block for i in range(len(s.k))])
-        write_kv(s.k, s.v, cache[0], cache[1], slots)
+        write_kv_cache(s.k, s.v, cache[0], cache[1], slots)
     width = max(len(s.table) for s in seqs)
     tables = torch.tensor([s.table + [0] * (width - len(s.table)) for s in seqs], dtype=torch.int32)
     lens = torch.tensor(lengths, dtype=torch.int32)

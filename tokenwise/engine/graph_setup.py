@@ -44,8 +44,8 @@ def check_cudagraph_config(config: EngineConfig, backend: Any) -> None:
     if mode.has_full_cudagraphs() and not getattr(backend, "supports_full_cudagraph", False):
         raise ValueError(
             f"cudagraph_mode={mode.name} captures whole decode steps, but the "
-            f"{getattr(backend, 'name', backend)!r} attention backend's decode reads host-side "
-            "metadata and cannot be captured; use cudagraph_mode=PIECEWISE, or the 'triton' "
+            f"{getattr(backend, 'name', backend)!r} attention backend is not marked as "
+            "capturable for whole steps; use cudagraph_mode=PIECEWISE, or the 'triton' "
             "backend (Triton on a CUDA device)"
         )
 

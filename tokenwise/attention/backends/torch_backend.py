@@ -15,16 +15,56 @@ one padded batched gather. KV heads are never repeated.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from tokenwise.attention.backends import cpu_kernels
 
 if TYPE_CHECKING:
     from tokenwise.attention.layer import Attention
     from tokenwise.attention.metadata import AttentionMetadata
+
+
+def paged_decode_reference(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    first_block: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged keys, in plain PyTorch.
+
+    q `[n, heads, head]`; caches `[blocks, block_size, kv_heads, head]`; `block_tables[i, j]` is
+    the cache block of the sequence's logical block `first_block[i] + j` (0 when not given);
+    `seq_lens[i]` counts the keys of sequence i, this step's included. No host reads.
+    """
+    n, num_heads, head_size = q.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    width = block_tables.shape[1] * block_size
+    flat = block_tables.reshape(-1).to(torch.int64)
+    keys = key_cache.index_select(0, flat).view(n, width, num_kv_heads, head_size)
+    values = value_cache.index_select(0, flat).view(n, width, num_kv_heads, head_size)
+    qg = q.view(n, num_kv_heads, group, head_size)
+    scores = torch.matmul(qg.float(), keys.permute(0, 2, 3, 1).float()) * scale
+    key_pos = torch.arange(width, device=q.device)[None, :]
+    if first_block is not None:
+        key_pos = key_pos + first_block.to(torch.int64)[:, None] * block_size
+    lens = seq_lens.to(torch.int64)[:, None]
+    visible = key_pos < lens
+    if sliding_window is not None:
+        visible = visible & (key_pos >= lens - sliding_window)
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, values.permute(0, 2, 1, 3).float())
+    return out.reshape(n, num_heads, head_size).to(q.dtype)
 
 
 class TorchAttentionImpl:
@@ -66,15 +106,9 @@ class TorchAttentionImpl:
         if attn_metadata.num_prefills:
             self._prefill(q[:n_prefill], k, v, key_cache, value_cache, attn_metadata, output)
         if attn_metadata.num_decode_tokens:
-            n_dec = num_tokens - n_prefill
-            if attn_metadata.use_cuda_graph or q.device.type != "cpu":
-                output[n_prefill:] = self._decode(
-                    q[n_prefill:], key_cache, value_cache, attn_metadata, n_dec
-                )
-            else:
-                self._decode_cpu(
-                    q[n_prefill:], key_cache, value_cache, attn_metadata, output[n_prefill:]
-                )
+            self._decode_into(
+                q[n_prefill:], key_cache, value_cache, attn_metadata, output[n_prefill:]
+            )
         return output.view(num_tokens, self.num_heads * self.head_size)
 
     def _prefill(
@@ -100,22 +134,48 @@ class TorchAttentionImpl:
                 n_keys = ctx_len + q_len - key_offset
                 keys = key_cache.index_select(0, table).flatten(0, 1)[:n_keys]
                 values = value_cache.index_select(0, table).flatten(0, 1)[:n_keys]
-            mask = None
-            if ctx_len > 0 or self.sliding_window is not None:
-                mask = _causal_mask(
-                    ctx_len, q_len, key_offset, keys.shape[0], self.sliding_window, q.device
-                )
-            out = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1),
-                keys.transpose(0, 1),
-                values.transpose(0, 1),
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=self.scale,
-                enable_gqa=self.group > 1,
-            )
-            output[start:end] = out.transpose(0, 1)
+            output[start:end] = self._attend(q[start:end], keys, values, ctx_len, key_offset)
             start = end
+
+    def _attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ctx_len: int, offset: int
+    ) -> torch.Tensor:
+        """Causal attention of queries at positions ctx_len.. over keys at offset.."""
+        q_len, n_keys = q.shape[0], keys.shape[0]
+        mask: torch.Tensor | None = None
+        is_causal = False
+        if self.sliding_window is not None:
+            q_pos = torch.arange(ctx_len, ctx_len + q_len, device=q.device)[:, None]
+            k_pos = torch.arange(offset, offset + n_keys, device=q.device)[None, :]
+            mask = (k_pos <= q_pos) & (k_pos > q_pos - self.sliding_window)
+        elif n_keys == q_len:
+            is_causal = True
+        else:
+            mask = causal_lower_right(q_len, n_keys)  # type: ignore[assignment]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            attn_mask=mask,
+            is_causal=is_causal,
+            scale=self.scale,
+            enable_gqa=self.group > 1,
+        )
+        return out.transpose(0, 1)
+
+    def _decode_into(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        md: AttentionMetadata,
+        output: torch.Tensor,
+    ) -> None:
+        """CPU eager steps take the C kernel; GPU and graph steps the batched reference."""
+        if md.use_cuda_graph or q.device.type != "cpu":
+            output.copy_(self._decode(q, key_cache, value_cache, md))
+        else:
+            self._decode_cpu(q, key_cache, value_cache, md, output)
 
     def _decode_cpu(
         self,
@@ -188,37 +248,31 @@ class TorchAttentionImpl:
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         md: AttentionMetadata,
-        n_dec: int,
     ) -> torch.Tensor:
-        first_seq = md.num_prefills
-        tables = md.block_tables[first_seq : first_seq + n_dec]
-        n_blocks = tables.shape[1]
-        block_size = md.block_size
-        flat = tables.reshape(-1)
-        # [n_dec, n_blocks * block_size, kv_heads, head] ; strided views below, no copies.
-        keys = key_cache.index_select(0, flat).view(
-            n_dec, n_blocks * block_size, self.num_kv_heads, self.head_size
+        """All decode rows at once over tables padded to the longest: `paged_decode_reference`."""
+        lo, hi = md.num_prefills, md.num_prefills + q.shape[0]
+        assert md.seq_lens_tensor is not None
+        first_block = None
+        if self.sliding_window is not None and not md.use_cuda_graph:
+            # Eager steps trim windowed tables (graph steps keep them whole): say where each
+            # row starts. A host-to-device copy, which is why it is not done under a graph.
+            starts = md.block_table_first_block[lo:hi]
+            if any(starts):
+                first_block = torch.tensor(starts, dtype=torch.int32).to(q.device)
+        return self._paged_decode_fn(q)(
+            q,
+            key_cache,
+            value_cache,
+            md.block_tables[lo:hi],
+            md.seq_lens_tensor[lo:hi],
+            self.scale,
+            self.sliding_window,
+            first_block,
         )
-        values = value_cache.index_select(0, flat).view(
-            n_dec, n_blocks * block_size, self.num_kv_heads, self.head_size
-        )
-        qg = q.view(n_dec, self.num_kv_heads, self.group, self.head_size)
-        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float() * self.scale
-        seq_lens = md.seq_lens_tensor[first_seq : first_seq + n_dec].to(torch.int64)
-        offsets = (
-            torch.tensor(
-                md.block_table_first_block[first_seq : first_seq + n_dec], dtype=torch.int64
-            ).to(q.device)
-            * block_size
-        )
-        key_pos = torch.arange(n_blocks * block_size, device=q.device)[None, :] + offsets[:, None]
-        visible = key_pos < seq_lens[:, None]
-        if self.sliding_window is not None:
-            visible &= key_pos > (seq_lens[:, None] - 1 - self.sliding_window)
-        scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        out = torch.matmul(probs, values.permute(0, 2, 1, 3))
-        return out.reshape(n_dec, self.num_heads, self.head_size)
+
+    def _paged_decode_fn(self, q: torch.Tensor) -> Callable[..., torch.Tensor]:
+        """The batched decode function (the GPU backend swaps in its Triton kernel)."""
+        return paged_decode_reference
 
 
 def len_blocks(md: AttentionMetadata, i: int) -> int:
@@ -226,23 +280,6 @@ def len_blocks(md: AttentionMetadata, i: int) -> int:
     seq_len = md.context_lens[i] + md.query_lens[i]
     first = md.block_table_first_block[i]
     return -(-seq_len // md.block_size) - first
-
-
-def _causal_mask(
-    ctx_len: int,
-    q_len: int,
-    key_offset: int,
-    n_keys: int,
-    sliding_window: int | None,
-    device: torch.device,
-) -> torch.Tensor:
-    """Bottom-right aligned causal mask: query j (position ctx+j) sees keys at <= ctx+j."""
-    q_pos = torch.arange(ctx_len, ctx_len + q_len, device=device)[:, None]
-    k_pos = torch.arange(key_offset, key_offset + n_keys, device=device)[None, :]
-    mask = k_pos <= q_pos
-    if sliding_window is not None:
-        mask &= k_pos > q_pos - sliding_window
-    return mask
 
 
 def write_kv_cache(
