@@ -236,10 +236,15 @@ def test_num_prefill_decode_query_kv_tokens(
 
 
 @pytest.mark.parametrize("attn_type", [AttentionType.ENCODER, AttentionType.ENCODER_DECODER])
-def test_num_tokens_requires_encoder_metadata(attn_type: AttentionType) -> None:
-    md = _metadata(max_encoder_seq_len=None)
-    with pytest.raises(ValueError, match="encoder"):
-        get_num_prefill_decode_query_kv_tokens(md, attn_type)
+def test_num_tokens_requires_only_num_encoder_tokens(attn_type: AttentionType) -> None:
+    # The per-sequence encoder lengths are the stricter checks' business, not this getter's.
+    sparse = _metadata(
+        encoder_seq_lens=None, encoder_seq_lens_tensor=None, max_encoder_seq_len=None
+    )
+    assert not is_all_encoder_attn_metadata_set(sparse)
+    assert get_num_prefill_decode_query_kv_tokens(sparse, attn_type)[1] == 11
+    with pytest.raises(ValueError, match="num_encoder_tokens"):
+        get_num_prefill_decode_query_kv_tokens(_metadata(num_encoder_tokens=None), attn_type)
 
 
 def test_num_tokens_rejects_unknown_type() -> None:

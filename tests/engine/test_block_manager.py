@@ -31,6 +31,23 @@ def snapshot(bm: BlockManager, rids: Sequence[str]) -> tuple[int, list[list[int]
 # ------------------------------------------------------------------------ basics
 
 
+def test_free_with_discard_uncaches_only_blocks_nobody_else_holds() -> None:
+    """After a failed forward pass the failed request's blocks are dropped from the prefix
+    cache, except those another live request still holds (computed by an earlier step)."""
+    bm = BlockManager(num_blocks=10, block_size=BS)
+    prefix = list(range(8))
+    assert admit(bm, "old", prefix + [50]) is not None  # registers the 2 prefix blocks
+    assert admit(bm, "failed", prefix + [60, 61, 62, 63, 64]) is not None  # hits both
+    bm.free("failed", discard_cached=True)
+    hits, num_hit = bm.get_computed_blocks("probe", prefix + [60, 61, 62, 63, 64])
+    assert num_hit == 8  # the shared prefix survives; the failed request's own block does not
+    bm.free("probe")
+    bm.free("old", discard_cached=True)
+    assert bm.get_computed_blocks("probe2", prefix + [50])[1] == 0
+    assert bm.get_num_free_blocks() == 10
+    bm.check_invariants()
+
+
 @pytest.mark.parametrize("num_tokens", [1, 3, 4, 5, 8, 9, 17])
 def test_allocation_covers_ceil_tokens(num_tokens: int) -> None:
     bm = BlockManager(num_blocks=10, block_size=BS)

@@ -212,7 +212,9 @@ def test_abort_before_scheduling(llm: LLM) -> None:
 def test_every_accepted_request_finishes(path: str) -> None:
     """A crowded engine (8 blocks, 16-token budget, 4 sequences) with mixed requests and a
     few aborts: each request reports exactly one final output, last; nothing leaks."""
-    llm = make_llm(path, num_gpu_blocks=8, max_num_batched_tokens=16, max_num_seqs=4)
+    llm = make_llm(
+        path, num_gpu_blocks=8, max_model_len=128, max_num_batched_tokens=16, max_num_seqs=4
+    )
     engine = llm.llm_engine
     g = torch.Generator().manual_seed(7)
     expected_n: dict[str, int] = {}

@@ -35,9 +35,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "chunked-8": {"max_num_batched_tokens": 8},
     "chunked-8-no-prefix-cache": {"max_num_batched_tokens": 8, "enable_prefix_caching": False},
     # 12 blocks of 16 tokens: the longest request (95 + 10 tokens) needs 7, so only a couple
-    # of requests fit at once and decodes that need a new block preempt others.
-    "preempt": {"num_gpu_blocks": 12},
-    "preempt-chunked-16": {"num_gpu_blocks": 12, "max_num_batched_tokens": 16},
+    # of requests fit at once and decodes that need a new block preempt others. The pool
+    # holds exactly one sequence of max_model_len (the engine refuses to start with less).
+    "preempt": {"num_gpu_blocks": 12, "max_model_len": 192},
+    "preempt-chunked-16": {
+        "num_gpu_blocks": 12,
+        "max_model_len": 192,
+        "max_num_batched_tokens": 16,
+    },
     "no-prefix-cache": {"enable_prefix_caching": False},
     "max-num-seqs-1": {"max_num_seqs": 1},
     "max-num-seqs-64": {"max_num_seqs": 64},

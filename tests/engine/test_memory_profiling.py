@@ -28,7 +28,13 @@ def test_no_room_names_the_setting() -> None:
 
 
 def test_profile_run_never_touches_the_kv_cache() -> None:
-    llm = LLM(checkpoint(), dtype="float32", num_gpu_blocks=8, max_num_batched_tokens=64)
+    llm = LLM(
+        checkpoint(),
+        dtype="float32",
+        num_gpu_blocks=8,
+        max_model_len=128,
+        max_num_batched_tokens=64,
+    )
     runner = llm.llm_engine.runner
     for cache in runner.kv_caches.values():
         cache.fill_(3.0)

@@ -29,7 +29,10 @@ def free_port() -> int:
 
 
 class RemoteServer:
-    """`with RemoteServer(model_dir, "--api-key", "k") as server: server.url("/health")`."""
+    """`with RemoteServer(model_dir, "--api-key", "k") as server: server.url("/health")`.
+
+    `launcher` is what runs `serve ...` after the interpreter: the real CLI by default, or a
+    test module that wraps it (to plant a fault, say)."""
 
     def __init__(
         self,
@@ -37,14 +40,14 @@ class RemoteServer:
         *args: str,
         env: dict[str, str] | None = None,
         wait: bool = True,
+        launcher: tuple[str, ...] = ("-m", "tokenwise.entrypoints.cli"),
     ) -> None:
         self.port = free_port()
         self.base_url = f"http://{HOST}:{self.port}"
         self._log = tempfile.NamedTemporaryFile(prefix="tokenwise-serve-", suffix=".log")
         cmd = [
             sys.executable,
-            "-m",
-            "tokenwise.entrypoints.cli",
+            *launcher,
             "serve",
             "--model",
             model_dir,

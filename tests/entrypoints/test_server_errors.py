@@ -188,10 +188,12 @@ class _BuggyEngine:
         raise RuntimeError("simulated engine bug")
 
 
-def in_process_app(tokenizer=None):
+def in_process_app(tokenizer=None, engine=None):
+    """An app around `engine` (default: one whose first step raises), without a subprocess."""
     config = ServerConfig(served_model_name=NAME, max_model_len=MAX_MODEL_LEN)
     metrics = ServerMetrics(NAME)
-    engine = AsyncEngine(_BuggyEngine(tokenizer), observer=metrics.observe)  # type: ignore[arg-type]
+    inner = engine if engine is not None else _BuggyEngine(tokenizer)
+    engine = AsyncEngine(inner, observer=metrics.observe)  # type: ignore[arg-type]
     metrics.attach_engine(lambda: engine.stats)
     return build_app(engine, config, metrics)
 

@@ -144,14 +144,6 @@ def _as_attention_type(attn_type: AttentionType | str) -> AttentionType:
         raise ValueError(f"unknown attention type {attn_type!r}") from None
 
 
-def _require_encoder_metadata(attn_metadata: Any, attn_type: AttentionType) -> None:
-    if not is_all_encoder_attn_metadata_set(attn_metadata):
-        raise ValueError(
-            f"{attn_type.name} attention needs encoder_seq_lens, encoder_seq_lens_tensor "
-            "and max_encoder_seq_len set in the attention metadata"
-        )
-
-
 def get_num_prefill_decode_query_kv_tokens(
     attn_metadata: Any, attn_type: AttentionType | str
 ) -> tuple[int, int, int]:
@@ -159,12 +151,17 @@ def get_num_prefill_decode_query_kv_tokens(
 
     They differ from the plain batch counts whenever keys come from the encoder: encoder
     attention runs over encoder tokens only, and cross-attention's keys are encoder tokens
-    while its queries are decoder tokens.
+    while its queries are decoder tokens. Only `num_encoder_tokens` is read, so only it is
+    required; `is_all_encoder_attn_metadata_set` is the stricter check for kernels that need
+    the per-sequence encoder lengths too.
     """
     kind = _as_attention_type(attn_type)
     if kind in (AttentionType.ENCODER, AttentionType.ENCODER_DECODER):
-        _require_encoder_metadata(attn_metadata, kind)
-        num_encoder_tokens = attn_metadata.num_encoder_tokens
+        num_encoder_tokens = getattr(attn_metadata, "num_encoder_tokens", None)
+        if num_encoder_tokens is None:
+            raise ValueError(
+                f"{kind.name} attention needs num_encoder_tokens set in the attention metadata"
+            )
         if kind is AttentionType.ENCODER:
             return num_encoder_tokens, num_encoder_tokens, 0
         return (

@@ -165,18 +165,22 @@ class BlockManager:
             state.num_registered = max(state.num_registered, num_full)
         return table
 
-    def free(self, request_id: str) -> None:
+    def free(self, request_id: str, discard_cached: bool = False) -> None:
         """Drop all of a request's references.
 
         Tail first, so in the LRU queue a chain's head is the most recently freed block and
         the tail is evicted before it: evicting a head would orphan its whole chain.  Also
         call this for requests that only did a lookup, to drop their cached hashes.
+        ``discard_cached`` also unregisters every block this leaves unreferenced, for when
+        their contents cannot be trusted (a forward pass that failed half-way).
         """
         state = self._requests.pop(request_id, None)
         if state is None:
             return
         for block_id in reversed(state.table):
             self.pool.release(block_id)
+            if discard_cached and self.pool.blocks[block_id].ref_cnt == 0:
+                self.pool.uncache(block_id)
 
     def reset_prefix_cache(self) -> bool:
         """Unregister every cached block; refused (False) while any block is in use."""

@@ -107,6 +107,18 @@ class BlockPool:
         block.block_hash = block_hash
         self._hash_to_block[block_hash] = block_id
 
+    def uncache(self, block_id: int) -> None:
+        """Unregister one free block (its contents are not to be trusted); no-op if uncached."""
+        block = self.blocks[block_id]
+        if block.ref_cnt != 0:
+            raise ValueError(f"block {block_id} is in use; only a free block can be uncached")
+        if block.block_hash is None:
+            return
+        del self._hash_to_block[block.block_hash]
+        block.block_hash = None
+        del self._free_cached[block_id]
+        self._free_uncached.append(block_id)
+
     def reset(self) -> bool:
         """Forget every cached hash; refused while any block is in use (its table needs it)."""
         if self.num_used:

@@ -18,6 +18,7 @@ from typing import Any
 from tokenwise.config import EngineConfig
 from tokenwise.engine.block_manager import BlockManager
 from tokenwise.engine.detokenizer import IncrementalDetokenizer
+from tokenwise.engine.memory_profiling import check_kv_cache_holds_one_sequence
 from tokenwise.engine.model_runner import ModelRunner, ModelRunnerOutput
 from tokenwise.engine.prompts import (
     PromptInput,
@@ -33,6 +34,11 @@ from tokenwise.platform import configure_cpu_allocator
 from tokenwise.sampling.params import SamplingParams
 
 logger = logging.getLogger("tokenwise.engine")
+
+# A failed forward pass fails only its own requests and the engine serves on (a transient out
+# of memory on one large batch). This many failures in a row mean the engine itself is broken:
+# `step` then raises, so a server exits instead of failing every request it ever receives.
+MAX_CONSECUTIVE_FAILED_STEPS = 3
 
 
 @dataclass(eq=False)
@@ -73,12 +79,16 @@ class LLMEngine:
         self.eos_token_ids = resolve_eos_token_ids(config.model, self.tokenizer)
         self.runner = ModelRunner(config, device)
         num_blocks = self.runner.determine_num_blocks()
+        check_kv_cache_holds_one_sequence(
+            num_blocks, config.cache.block_size, config.model.max_model_len
+        )
         self.runner.initialize_kv_cache(num_blocks)
         self.block_manager = BlockManager(num_blocks, config.cache.block_size)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len)
         self.groups: dict[str, _RequestGroup] = {}
         self._by_request: dict[str, tuple[_RequestGroup, _Sample]] = {}
         self._stats = EngineStats(num_total_blocks=num_blocks)
+        self._consecutive_failed_steps = 0
         self._stat_logger = StatLogger()
 
     # ---- requests -----------------------------------------------------------------------------
@@ -177,6 +187,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         touched: dict[str, _RequestGroup] = {}
+        for req, reason in sched.aborted:
+            logger.warning("aborting request %s: %s", req.request_id, reason)
         if not sched.is_empty:
             try:
                 result = self.runner.execute_model(sched.scheduled)
@@ -185,12 +197,21 @@ class LLMEngine:
                     "model execution failed; failing %d requests", len(sched.scheduled)
                 )
                 reqs = [s.request for s in sched.scheduled]
-                self.scheduler.finish_requests(reqs, RequestStatus.FINISHED_ERROR)
+                self.scheduler.finish_requests(
+                    reqs, RequestStatus.FINISHED_ERROR, discard_cached=True
+                )
                 for req in reqs:
                     group, _ = self._by_request[req.request_id]
                     touched[group.request_id] = group
                     group.error = f"{type(exc).__name__}: {exc}"
+                self._consecutive_failed_steps += 1
+                if self._consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
+                    raise RuntimeError(
+                        f"{self._consecutive_failed_steps} forward passes failed in a row; the "
+                        f"engine is unusable (last error: {type(exc).__name__}: {exc})"
+                    ) from exc
             else:
+                self._consecutive_failed_steps = 0
                 for item in sched.scheduled:
                     item.request.num_computed_tokens += item.num_new_tokens
                     if item.num_new_tokens > 1 or item.request.num_output_tokens == 0:

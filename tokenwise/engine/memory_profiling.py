@@ -79,3 +79,23 @@ def cuda_kv_cache_budget(model: Any, config: EngineConfig, device: torch.device)
         total / GiB,
     )
     return budget
+
+
+def check_kv_cache_holds_one_sequence(num_blocks: int, block_size: int, max_model_len: int) -> None:
+    """Refuse to start when one sequence of `max_model_len` tokens cannot fit in the pool.
+
+    Such an engine would accept a request that can never be placed: the scheduler would
+    preempt and re-admit it forever. As in vLLM, the fix is the user's choice (a bigger pool or
+    a shorter `max_model_len`), so both numbers and every setting that moves them are named;
+    `max_model_len` is never shrunk silently.
+    """
+    capacity = num_blocks * block_size
+    if capacity >= max_model_len:
+        return
+    blocks_needed = -(-max_model_len // block_size)
+    raise ValueError(
+        f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {block_size}), fewer "
+        f"than one sequence of max_model_len={max_model_len} tokens; give it at least "
+        f"{blocks_needed} blocks (num_gpu_blocks, or more kv_cache_memory / "
+        "gpu_memory_utilization) or lower max_model_len"
+    )

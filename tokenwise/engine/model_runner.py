@@ -90,7 +90,10 @@ class ModelRunner:
             if self.device.type == "cuda":
                 budget = cuda_kv_cache_budget(self.model, self.config, self.device)
             else:
-                budget = min(DEFAULT_CPU_KV_CACHE_MEMORY, self._bytes_for_full_batch())
+                # Never below one full sequence: the default must not fail the start-up check.
+                one_seq = self._bytes_for_seqs(1)
+                full = self._bytes_for_seqs(self.config.scheduler.max_num_seqs)
+                budget = max(one_seq, min(DEFAULT_CPU_KV_CACHE_MEMORY, full))
         num_blocks = budget // self.kv_cache_bytes_per_block()
         if num_blocks < 1:
             raise ValueError(
@@ -99,11 +102,11 @@ class ModelRunner:
             )
         return int(num_blocks)
 
-    def _bytes_for_full_batch(self) -> int:
-        """Enough blocks for max_num_seqs sequences at max_model_len: more is never used."""
+    def _bytes_for_seqs(self, num_seqs: int) -> int:
+        """Blocks for `num_seqs` sequences at max_model_len (max_num_seqs of them is the most
+        a step can ever use)."""
         blocks_per_seq = -(-self.model_config.max_model_len // self.block_size)
-        max_seqs = self.config.scheduler.max_num_seqs
-        return max_seqs * blocks_per_seq * self.kv_cache_bytes_per_block()
+        return num_seqs * blocks_per_seq * self.kv_cache_bytes_per_block()
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate one cache tensor per layer and bind it to the layer by name."""

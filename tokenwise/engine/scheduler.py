@@ -9,6 +9,11 @@ forward pass mixes prefills and decodes and long prompts never stall running dec
 When a running request needs a block and none is free, the most recently admitted running
 request is preempted: its blocks are freed and it goes back to the head of the waiting queue,
 to be recomputed later (its output so far is kept).
+
+No livelock, by construction: a step that schedules nothing while nothing runs and requests
+wait means the head of the queue cannot be placed even with the whole pool and the whole token
+budget to itself, and its needs only grow. It is aborted (reported in `SchedulerOutput.aborted`
+with the reason) instead of being retried forever, and the queue moves on.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_preempted: int = 0
+    # Requests aborted because they can never be placed, each with the reason why.
+    aborted: list[tuple[Request, str]] = field(default_factory=list)
 
     @property
     def total_num_tokens(self) -> int:
@@ -144,7 +151,28 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
+
+        # 3. Nothing scheduled, nothing running, yet requests wait: the head can never run.
+        if out.is_empty and not self.running and self.waiting:
+            req = self.waiting[0]
+            reason = self._unplaceable_reason(req)
+            self.finish_requests([req], RequestStatus.FINISHED_ABORTED)
+            out.aborted.append((req, reason))
         return out
+
+    def _unplaceable_reason(self, req: Request) -> str:
+        bm = self.block_manager
+        tokens = max(req.num_tokens, 1)
+        if not self.config.enable_chunked_prefill and tokens > self.config.max_num_batched_tokens:
+            return (
+                f"request needs {tokens} tokens in one step, more than max_num_batched_tokens="
+                f"{self.config.max_num_batched_tokens} with chunked prefill disabled"
+            )
+        blocks = -(-tokens // bm.block_size)
+        return (
+            f"request needs {blocks} KV blocks for {tokens} tokens but the whole pool has "
+            f"{bm.num_blocks} blocks of {bm.block_size} tokens"
+        )
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req.request_id)
@@ -155,14 +183,20 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def finish_requests(self, requests: Iterable[Request], status: RequestStatus) -> None:
-        """Remove finished (or aborted) requests and free their blocks at once."""
+    def finish_requests(
+        self, requests: Iterable[Request], status: RequestStatus, discard_cached: bool = False
+    ) -> None:
+        """Remove finished (or aborted) requests and free their blocks at once.
+
+        `discard_cached` drops the freed blocks from the prefix cache: after a failed forward
+        pass their contents are unknown, and no later request may hit them.
+        """
         done = set()
         for req in requests:
             if req.is_finished:
                 continue
             req.status = status
-            self.block_manager.free(req.request_id)
+            self.block_manager.free(req.request_id, discard_cached=discard_cached)
             req.block_table = []
             done.add(id(req))
         if done:

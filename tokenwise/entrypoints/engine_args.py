@@ -117,7 +117,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="KV cache size, e.g. 512MiB or 2GiB (default: on CPU 1GiB or what max-num-seqs "
         "full-length sequences need, if less; "
-        "on GPU what --gpu-memory-utilization leaves after a profiling run)",
+        "on GPU what --gpu-memory-utilization leaves after a profiling run; at least one "
+        "max-model-len sequence)",
+    )
+    g.add_argument(
+        "--num-gpu-blocks",
+        type=positive_int,
+        default=None,
+        help="exact number of KV cache blocks (overrides --kv-cache-memory); the pool must "
+        "hold one max-model-len sequence",
     )
     g.add_argument(
         "--gpu-memory-utilization",
@@ -192,6 +200,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "block_size": args.block_size,
         "kv_cache_memory": args.kv_cache_memory,
+        "num_gpu_blocks": args.num_gpu_blocks,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "load_format": args.load_format,
         "enforce_eager": args.enforce_eager,

@@ -119,7 +119,15 @@ def run_server(args: argparse.Namespace) -> int:
         **server_config_kwargs(args),
     )
     metrics = ServerMetrics(config.served_model_name)
-    async_engine = AsyncEngine(engine, observer=metrics.observe)
+    server: uvicorn.Server | None = None
+
+    def exit_when_dead(exc: BaseException) -> None:
+        # In-flight requests already got their errors; stop accepting and let the process end
+        # non-zero, so a supervisor restarts it instead of routing traffic to a dead engine.
+        if server is not None:
+            server.should_exit = True
+
+    async_engine = AsyncEngine(engine, observer=metrics.observe, on_dead=exit_when_dead)
     metrics.attach_engine(lambda: async_engine.stats)
     app = build_app(async_engine, config, metrics)
     auth = "API key required" if config.api_key else "no API key"
@@ -129,11 +137,22 @@ def run_server(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level.lower(),
-        timeout_graceful_shutdown=5,
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level.lower(),
+            timeout_graceful_shutdown=5,
+        )
     )
+    server.run()
+    if async_engine.died_of is not None:
+        exc = async_engine.died_of
+        print(
+            f"tokenwise: error: the engine loop died ({type(exc).__name__}: {exc}); exiting",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     return 0

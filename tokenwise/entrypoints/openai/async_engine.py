@@ -8,8 +8,9 @@ running requests at once (continuous batching); when nothing is queued or runnin
 sleeps on a condition variable instead of spinning.
 
 If the thread dies (a bug, not a model error: those fail only their step's requests inside the
-engine), every waiting request receives `EngineDeadError`, new requests are refused with it, and
-`is_healthy` turns false so `/health` can report 503.
+engine, which then serves on), every waiting request receives `EngineDeadError`, new requests
+are refused with it, `is_healthy` turns false so `/health` reports 503, and `on_dead` is called
+so the server can exit non-zero instead of lingering unusable.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ if TYPE_CHECKING:  # the engine (and torch) load only where an engine is built
 logger = logging.getLogger("tokenwise.server")
 
 OutputObserver = Callable[[RequestOutput], None]
+DeathCallback = Callable[[BaseException], None]
 
 
 class RequestStream:
@@ -101,9 +103,16 @@ class _Abort:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, observer: OutputObserver | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        observer: OutputObserver | None = None,
+        on_dead: DeathCallback | None = None,
+    ) -> None:
         self.engine = engine
         self._observer = observer
+        self._on_dead = on_dead
+        self.died_of: BaseException | None = None  # set only when the loop crashed
         self._commands: deque[_Add | _Abort] = deque()
         self._wakeup = threading.Condition()
         self._sinks: dict[str, _Sink] = {}  # engine thread only
@@ -198,7 +207,10 @@ class AsyncEngine:
                 self._stats = copy.deepcopy(self.engine.get_stats())
         except BaseException as exc:
             logger.exception("the engine loop died")
+            self.died_of = exc
             self._fail_everything(exc, list(batch))
+            if self._on_dead is not None:
+                self._on_dead(exc)
             return
         # Shutting down: whoever still waits gets an error instead of waiting forever.
         self._fail_everything(EngineDeadError("the server is shutting down"), list(batch))

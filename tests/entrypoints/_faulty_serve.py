@@ -1,0 +1,24 @@
+"""`tokenwise serve` with a bug planted in the engine loop, outside the model call.
+
+A model error fails only its step's requests; a bug anywhere else in the loop kills it. This
+launcher lets a test see what a real server process does then: `python -m
+tests.entrypoints._faulty_serve serve <args>`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from tokenwise.engine import llm_engine
+from tokenwise.entrypoints.cli import main
+
+PLANTED = "planted bug in output processing"
+
+
+def _broken_process_samples(*_: object) -> None:
+    raise RuntimeError(PLANTED)
+
+
+if __name__ == "__main__":
+    llm_engine.LLMEngine._process_samples = _broken_process_samples  # type: ignore[method-assign]
+    sys.exit(main(sys.argv[1:]))
