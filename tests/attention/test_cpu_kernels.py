@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -156,3 +159,22 @@ def test_build_is_cached_per_source(tmp_path, monkeypatch: pytest.MonkeyPatch) -
     assert cpu_kernels._build(compiler) == first
     assert first.stat().st_mtime_ns == stamp  # reused, not rebuilt
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temp files left behind
+
+
+def test_loading_the_kernel_keeps_subnormal_floats(tmp_path) -> None:
+    """Loading the .so must not switch its thread to flush-to-zero (what -ffast-math's
+    crtfastmath.o does): a fresh process loads it, then multiplies a subnormal."""
+
+    code = (
+        "from tokenwise.attention.backends import cpu_kernels\n"
+        "assert cpu_kernels.load() is not None, 'kernel did not build'\n"
+        "import torch\n"
+        "tiny = torch.tensor([1e-40], dtype=torch.float32)\n"
+        "print(float((tiny * 1.0)[0]) != 0.0 and 5e-324 * 1.0 != 0.0)\n"
+    )
+    env = {**os.environ, "TOKENWISE_KERNEL_CACHE": str(tmp_path)}
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "True"

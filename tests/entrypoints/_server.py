@@ -138,3 +138,23 @@ def metric_value(text: str, name: str, **labels: str) -> float:
         if all(found.get(k) == v for k, v in labels.items()):
             return float(match.group(3))
     return 0.0
+
+
+def wait_for_idle(server: RemoteServer, timeout: float = 30.0) -> str:
+    """/metrics once nothing runs, waits or holds a KV block (fails after `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = server.metrics()
+        busy = [
+            metric_value(text, name)
+            for name in (
+                "tokenwise:num_requests_running",
+                "tokenwise:num_requests_waiting",
+                "tokenwise:num_used_kv_blocks",
+                "tokenwise:kv_cache_usage_perc",
+            )
+        ]
+        if not any(busy):
+            return text
+        assert time.monotonic() < deadline, f"server still busy: {busy}"
+        time.sleep(0.2)

@@ -202,6 +202,19 @@ def test_bad_token_ids_are_rejected(llm: LLM, bad: list[Any]) -> None:
     assert not llm.llm_engine.has_unfinished_requests()
 
 
+@pytest.mark.parametrize(
+    "prompt", ["a\ud800b", {"prompt": "\udfff"}, ["ok", "\udc00"]], ids=["str", "dict", "batch"]
+)
+def test_text_that_is_not_unicode_is_rejected(llm: LLM, prompt: Any) -> None:
+    """A lone surrogate (JSON's unpaired "\\ud800" escape) is named, not left to the
+    tokenizer's TypeError about "TextEncodeInput"."""
+    with pytest.raises(
+        ValueError, match=r"^prompt must be valid Unicode text.*'\\u(d800|dfff|dc00)'"
+    ):
+        llm.generate(prompt, greedy(), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
 def test_unknown_architecture_lists_the_supported_ones(tmp_path: Any) -> None:
     model = build_tiny_checkpoint(tmp_path)
     config_path = os.path.join(model, "config.json")

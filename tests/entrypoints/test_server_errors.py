@@ -84,6 +84,8 @@ CHAT = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tok
         ("/v1/completions", {"stream": "yes"}, "stream"),
         ("/v1/completions", {"stop_token_ids": [-1]}, "stop_token_ids"),
         ("/v1/completions", {"stop_token_ids": [10**6]}, "stop_token_ids"),  # beyond the vocab
+        ("/v1/completions", {"seed": 2**64}, "seed"),  # beyond torch's generator seeds
+        ("/v1/chat/completions", {"n": 2, "seed": 2**64 - 1}, "seed"),  # sample 1: seed + 1
         ("/v1/completions", {"max_token": 5}, "max_token"),  # unknown field: a typo
         ("/v1/completions", {"prompt": 123}, "prompt"),
         ("/v1/completions", {"prompt": []}, "prompt"),
@@ -207,6 +209,23 @@ def test_chat_template_error_is_400() -> None:
         error = error_of(response, 400, param="messages")
         assert "only one message, please" in error["message"]
         assert client.get("/openapi.json").status_code == 200
+
+
+@pytest.mark.timeout(60)
+def test_chat_text_that_is_not_unicode_is_400() -> None:
+    """JSON may escape a lone UTF-16 surrogate; the tokenizer's TypeError on the rendered chat
+    was a 500. The reply names the character escaped, so the body itself stays valid UTF-8."""
+    json_headers = {"Content-Type": "application/json"}
+    with TestClient(in_process_app(tiny_tokenizer())) as client:
+        for message in (
+            rb'{"role": "user", "content": "hi \ud800"}',
+            rb'{"role": "\udc00", "content": "hi"}',
+            rb'{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}',
+        ):
+            body = b'{"max_tokens": 4, "messages": [' + message + b"]}"
+            response = client.post("/v1/chat/completions", content=body, headers=json_headers)
+            error = error_of(response, 400, param="messages")
+            assert "lone surrogate '\\u" in error["message"], error
 
 
 @pytest.mark.timeout(60)

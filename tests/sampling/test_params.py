@@ -43,6 +43,10 @@ def test_defaults_match_vllm() -> None:
         ({"stop": ["ok", ""]}, "stop"),
         ({"stop_token_ids": [3, -1]}, "stop_token_ids"),
         ({"seed": 1.5}, "seed"),
+        # Beyond what torch.Generator.manual_seed takes (sample i of n is seeded with seed + i).
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"n": 3, "seed": 2**64 - 2}, "seed"),
         # Wrong types must be rejected, not silently coerced.
         ({"temperature": "hot"}, "temperature"),
         ({"top_p": float("nan")}, "top_p"),
@@ -80,12 +84,25 @@ def test_top_p_message_states_range_and_value() -> None:
         {"repetition_penalty": 0.5},
         {"stop_token_ids": [0, 7]},
         {"temperature": 2},
+        {"seed": 2**64 - 1},
+        {"seed": -(2**63)},
+        {"n": 3, "seed": 2**64 - 3},
     ],
 )
 def test_boundary_values_are_accepted(kwargs: dict[str, Any]) -> None:
     p = SamplingParams(**kwargs)
     for key, value in kwargs.items():
         assert getattr(p, key) == value
+
+
+@pytest.mark.parametrize(("n", "seed"), [(1, -(2**63)), (1, 2**64 - 1), (4, 2**64 - 4)])
+def test_every_accepted_seed_seeds_a_generator(n: int, seed: int) -> None:
+    """The range checked is torch's: each sample's seed (seed + i) must seed a generator, which
+    fails on an out-of-range seed with "Overflow when unpacking long long" (what a request with
+    seed=2**64 got back, as a 400 about its prompt, before the check)."""
+    params = SamplingParams(n=n, seed=seed)
+    for i in range(params.n):
+        make_generator(seed + i)
 
 
 def test_top_k_minus_one_normalised_to_off() -> None:

@@ -53,13 +53,19 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.tokens)
         search_from = max(0, len(self.output_text) - self.hold_back)
         self.output_text += delta
-        for stop in self.stop:
-            at = self.output_text.find(stop, search_from)
-            if at >= 0:
-                end = at + len(stop) if self.include_stop else at
-                self.output_text = self.output_text[:end]
-                return stop
-        return None
+        # The earliest match wins, whatever the order of the stop list ("the" with stops
+        # ["e", "h"] stops at "t"); among matches at one position, the longer one.
+        found = [
+            (at, -len(stop), stop)
+            for stop in self.stop
+            if (at := self.output_text.find(stop, search_from)) >= 0
+        ]
+        if not found:
+            return None
+        at, _, stop = min(found)
+        end = at + len(stop) if self.include_stop else at
+        self.output_text = self.output_text[:end]
+        return stop
 
     def take_new_text(self, finished: bool) -> str:
         """Text not yet returned; while running, keep back what could begin a stop string."""

@@ -65,6 +65,7 @@ def to_token_ids(
             )
         if not prompt:
             raise ValueError("prompt must not be empty")
+        check_text(prompt, "prompt")
         return prompt, _check_ids(tokenizer.encode(prompt), vocab_size)
     if isinstance(prompt, (list, tuple)):
         return None, _check_ids(prompt, vocab_size)
@@ -72,6 +73,19 @@ def to_token_ids(
         "prompt must be a string, a list of token ids or a dict with 'prompt_token_ids', "
         f"got {type(prompt).__name__}"
     )
+
+
+def check_text(text: str, what: str) -> None:
+    """Refuse a str that UTF-8 cannot encode: one holding a lone UTF-16 surrogate, which JSON
+    lets a client send as an unpaired escape ("\\ud800"). Tokenizers fail on it with a TypeError
+    that names neither the input nor the character."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        # repr() escapes the surrogate, so the message itself stays encodable.
+        raise ValueError(
+            f"{what} must be valid Unicode text, but holds the lone surrogate {text[exc.start]!r}"
+        ) from None
 
 
 def _check_ids(ids: Any, vocab_size: int) -> list[int]:

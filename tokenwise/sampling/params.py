@@ -16,6 +16,10 @@ from typing import Any
 # Temperatures below this are treated as greedy: dividing logits by ~0 would
 # overflow, and argmax is what such a temperature means anyway.
 _SAMPLING_EPS = 1e-5
+# What torch.Generator.manual_seed accepts. Sample i of a request with n > 1 is seeded with
+# seed + i, so the largest valid seed shrinks by n - 1.
+_SEED_MIN = -(2**63)
+_SEED_MAX = 2**64 - 1
 
 
 class SamplingType(enum.IntEnum):
@@ -117,6 +121,11 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             _require_int("seed", self.seed)
+            top = _SEED_MAX - (self.n - 1)
+            if not _SEED_MIN <= self.seed <= top:
+                raise ValueError(
+                    f"seed must be in [{_SEED_MIN}, {top}] (n={self.n}), got {self.seed}"
+                )
         self._validate_lengths()
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)

@@ -33,7 +33,18 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC"]
+# -ffast-math's parts, but not the flag itself: given it, GCC links crtfastmath.o into the .so,
+# whose constructor turns on flush-to-zero for the loading thread, changing every later float
+# operation of that thread (torch's included) on subnormal values.
+FAST_MATH = [
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-ffinite-math-only",
+    "-fno-signed-zeros",
+    "-fassociative-math",
+    "-freciprocal-math",
+]
+CFLAGS = ["-O3", "-march=native", *FAST_MATH, "-fopenmp-simd", "-shared", "-fPIC"]
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
 # Below this many keys in a batch, one thread is cheaper than handing work to the pool.
 MIN_KEYS_PER_THREAD = 4096

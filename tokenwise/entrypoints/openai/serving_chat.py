@@ -2,8 +2,9 @@
 
 The rendered text is tokenized here without special tokens, because chat templates write
 their own BOS; letting the tokenizer add another would give the model a doubled BOS it never
-saw in training. A tokenizer without a template, or a template that fails on the messages,
-is the client's problem to fix (400), not a server error.
+saw in training. A tokenizer without a template, a template that fails on the messages, or
+messages that are not valid Unicode (a lone surrogate, which JSON can escape) are the client's
+problem to fix (400), not a server error.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import jinja2
 from fastapi import Request
 from fastapi.responses import Response
 
+from tokenwise.engine.prompts import check_text
 from tokenwise.entrypoints.openai.async_engine import AsyncEngine, RequestStream
 from tokenwise.entrypoints.openai.errors import OpenAIError
 from tokenwise.entrypoints.openai.logprobs import chat_logprobs
@@ -67,6 +69,10 @@ def render_chat(tokenizer: Any, body: ChatCompletionRequest) -> dict[str, Any]:
         raise OpenAIError(
             400, f"the chat template failed on these messages: {exc}", param="messages"
         ) from exc
+    try:
+        check_text(text, "messages")
+    except ValueError as exc:  # else the tokenizer's TypeError would be a 500
+        raise OpenAIError(400, str(exc), param="messages") from exc
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
 
