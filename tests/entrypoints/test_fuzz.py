@@ -109,17 +109,6 @@ def api_schema(server: RemoteServer) -> schemathesis.BaseSchema:
 
 
 @pytest.fixture(autouse=True)
-def _subnormal_floats() -> None:
-    """Hypothesis refuses to generate floats (FloatingPointError) while the thread flushes
-    subnormals to zero, and loading the CPU decode kernel turns that on for the whole process
-    (GCC links -ffast-math's crtfastmath.o into the .so). In-process engine tests that ran
-    earlier in the session leave it on; turn it off again for this thread."""
-    import torch  # already imported wherever the kernel was loaded
-
-    torch.set_flush_denormal(False)
-
-
-@pytest.fixture(autouse=True)
 def _node_id_for_schemathesis(request: pytest.FixtureRequest) -> None:
     """schemathesis 4.32's lazy loader reads and rewrites `node._nodeid`, which pytest 9.2 no
     longer has (a node keeps a NodeId in `_id`); without it every lazy test fails with an

@@ -252,7 +252,9 @@ async def run_one(client: httpx.AsyncClient, plan: Plan, slots: asyncio.Semaphor
 
 
 async def run_mix(base_url: str, plans: list[Plan]) -> list[Outcome]:
-    limits = httpx.Limits(max_connections=CONCURRENCY + 8)
+    # No keep-alive: a pooled connection that uvicorn closes as idle just as a client reuses
+    # it fails with a ReadError on the client's side, a race of the test, not of the server.
+    limits = httpx.Limits(max_connections=CONCURRENCY + 8, max_keepalive_connections=0)
     slots = asyncio.Semaphore(CONCURRENCY)
     async with httpx.AsyncClient(base_url=base_url, limits=limits) as client:
         work = asyncio.gather(*(run_one(client, plan, slots) for plan in plans))
