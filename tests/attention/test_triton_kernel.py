@@ -9,8 +9,10 @@ Skipped where Triton is not installed, which includes CI: Triton is not a tokenw
     /tmp/tvenv/bin/python -m pytest tests/attention/test_triton_kernel.py
 
 `TRITON_INTERPRET=1` makes `@triton.jit` kernels run in NumPy on CPU tensors, so the kernel's
-indexing, masking and online softmax are checked here; its speed, and its compiled behaviour on
-a GPU, are not (`benchmarks/gpu_check.py` covers that on a GPU).
+indexing, masking and online softmax are checked here. On a GPU machine,
+`TRITON_INTERPRET=0 python -m pytest tests/attention/test_triton_kernel.py` runs the same cases
+through the compiled kernel on CUDA tensors (passed on an H100; its speed is in
+`benchmarks/triton_decode_bench.py`).
 
 Each backend fills its own cache through its own forward (a prefill), so the comparison holds
 whatever layout each one picks; then one decode step per sequence is compared.
@@ -48,10 +50,15 @@ CASES = [
 ]
 
 
-def _kernel():
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("set TRITON_INTERPRET=1 (this test runs the kernel on CPU tensors)")
-    return importlib.import_module("tokenwise.attention.backends.triton_paged_decode")
+def _kernel_and_device():
+    """Interpreted on CPU tensors, or compiled on a GPU when run with TRITON_INTERPRET=0."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        device = "cpu"
+    elif torch.cuda.is_available():
+        device = "cuda"
+    else:
+        pytest.skip("no GPU: set TRITON_INTERPRET=1 to run the kernel on CPU tensors")
+    return importlib.import_module("tokenwise.attention.backends.triton_paged_decode"), device
 
 
 @pytest.mark.parametrize(
@@ -66,7 +73,7 @@ def test_kernel_matches_the_torch_backend_decode(
     window: int | None,
     dtype: torch.dtype,
 ) -> None:
-    kernel = _kernel()
+    kernel, device = _kernel_and_device()
     gen = torch.Generator().manual_seed(sum(lengths) + block)
     num_blocks = sum(-(-(n + 1) // block) for n in lengths) + 4
     tables, perm = [], torch.randperm(num_blocks, generator=gen).tolist()
@@ -76,7 +83,10 @@ def test_kernel_matches_the_torch_backend_decode(
         perm = perm[nb:]
     scale = head**-0.5
     seqs = [
-        [torch.randn(n + 1, h * head, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads)]
+        [
+            torch.randn(n + 1, h * head, generator=gen).to(device, dtype)
+            for h in (heads, kv_heads, kv_heads)
+        ]
         for n in lengths
     ]
     outputs = {}
@@ -85,9 +95,10 @@ def test_kernel_matches_the_torch_backend_decode(
         ("triton", TritonAttentionBackend, TritonAttentionImpl),
     ):
         shape = backend.get_kv_cache_shape(num_blocks, block, kv_heads, head)
-        cache = (torch.randn(shape, generator=torch.Generator().manual_seed(9)) * 10).to(dtype)
+        cache = torch.randn(shape, generator=torch.Generator().manual_seed(9)) * 10
+        cache = cache.to(device, dtype)
         impl = impl_cls(heads, head, scale, kv_heads, sliding_window=window)
-        prefill = CommonMetadataBuilder(block, window)
+        prefill = CommonMetadataBuilder(block, window, device=device)
         for i, n in enumerate(lengths):
             prefill.add_sequence(i, 0, n, tables[i]) if n > 1 else None
         prompts = [i for i, n in enumerate(lengths) if n > 1]
@@ -95,7 +106,7 @@ def test_kernel_matches_the_torch_backend_decode(
             md = prefill.build([lengths[i] for i in prompts], [lengths[i] for i in prompts])
             q, k, v = (torch.cat([seqs[i][j][: lengths[i]] for i in prompts]) for j in range(3))
             impl.forward(None, q, k, v, cache, md)  # type: ignore[arg-type]
-        decode = CommonMetadataBuilder(block, window)
+        decode = CommonMetadataBuilder(block, window, device=device)
         for i, n in enumerate(lengths):
             ctx = n if n > 1 else 0
             decode.add_sequence(i, ctx, 1, tables[i])
@@ -111,7 +122,7 @@ def test_kernel_matches_the_torch_backend_decode(
         impl.forward(None, q, k, v, cache, md)  # type: ignore[arg-type]
         first = None
         if window is not None and any(md.block_table_first_block):
-            first = torch.tensor(md.block_table_first_block, dtype=torch.int32)
+            first = torch.tensor(md.block_table_first_block, dtype=torch.int32, device=device)
         args = (q.view(-1, heads, head), cache[0], cache[1], md.block_tables, md.seq_lens_tensor)
         outputs[name] = kernel.paged_decode(*args, scale, window, first)
         outputs["reference"] = paged_decode_reference(*args, scale, window, first)

@@ -104,3 +104,35 @@ def test_piecewise_is_chosen_by_the_graph_mode_unless_forced() -> None:
     ).use_piecewise_compile
     with pytest.raises(ValueError, match="piece_backend must be one of inductor, eager"):
         CompilationConfig(piece_backend="aot_eager")
+
+
+def test_many_compiled_engines_in_one_process_never_hit_the_recompile_limit(
+    checkpoint: str,
+) -> None:
+    """Each engine's model keeps its own Dynamo cache, so the limit never counts other engines.
+
+    With one shared `forward` code object every new model failed the earlier models' guards and
+    recompiled into the same cache: under a limit of 2 the third engine raised (on a GPU the
+    eighth did, at Dynamo's default limit). The engines here stay alive, the worst case.
+    """
+    engines, first_tokens = [], None
+    with torch._dynamo.config.patch(recompile_limit=2, accumulated_recompile_limit=64):
+        for _ in range(3):
+            llm = piecewise_llm(checkpoint, "eager")
+            tokens, _, _ = generate(llm)
+            first_tokens = first_tokens or tokens
+            assert tokens == first_tokens
+            engines.append(llm)
+
+
+def test_piecewise_split_without_tuple_returns(
+    checkpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch releases before `split_module(tuple_return=...)` (the GPU image's 2.11) split too."""
+    from tokenwise.compilation import piecewise
+
+    expected, _, _ = generate(piecewise_llm(checkpoint, "eager"))
+    monkeypatch.setattr(piecewise, "_SPLIT_KWARGS", {})
+    llm = piecewise_llm(checkpoint, "inductor")
+    assert generate(llm)[0] == expected
+    assert llm.llm_engine.runner.model.backend.num_compiles == 1

@@ -178,6 +178,37 @@ def test_full_and_piecewise_graphs_for_mixed_and_decode_steps(fake_graphs: Recor
     assert all(c.num_replays > 0 for c in pieces[: num_layers + 1])  # the 8-token graphs ran
 
 
+def test_graphs_measured_on_a_placeholder_cache_are_recaptured_on_the_real_one(
+    fake_graphs: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU start-up path: graphs captured once on a one-block cache to measure them.
+
+    A real full graph holds the address of the cache it was captured on, so the placeholder's
+    must not survive. The fake capturer re-runs Python on replay and cannot see a stale address,
+    so the capture count is what shows the full graphs were captured again on the real cache
+    (keeping the placeholder's runner fails it); piecewise graphs never read the cache and are
+    captured once. The tokens must still equal eager's.
+    """
+    from tokenwise.engine.model_runner import ModelRunner
+
+    determine = ModelRunner.determine_num_blocks
+
+    def measuring(self: ModelRunner) -> int:
+        assert self._measure_graph_memory() == 0  # no device memory to read on CPU
+        assert not self.kv_caches  # the placeholder is gone before the real cache exists
+        return determine(self)
+
+    _, eager = run(None)
+    run(M.FULL_AND_PIECEWISE, [2, 4], fake_graphs)
+    plain = len(fake_graphs.capturers)
+    torch._dynamo.reset()
+    monkeypatch.setattr(ModelRunner, "determine_num_blocks", measuring)
+    _, outs = run(M.FULL_AND_PIECEWISE, [2, 4], fake_graphs)
+    assert_same_outputs(outs, eager)
+    # The full graphs twice (placeholder, then real cache: 2 sizes), the pieces once.
+    assert len(fake_graphs.capturers) - plain == plain + 2
+
+
 def test_piecewise_only_with_the_torch_backend(
     fake_graphs: Recorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:

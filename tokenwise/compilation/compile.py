@@ -19,12 +19,21 @@ therefore marked *unbacked*: the compiled code makes no assumption about its val
 guard on it, so any count, 1 included, reuses it. `specialize_float` bakes float attributes (norm
 epsilons, scales) in as constants, which avoids Inductor restarting Dynamo's analysis to
 specialise them later; it applies only while this model is traced.
+
+One Dynamo cache per engine: Dynamo keeps compiled code on the code object of the function it
+compiled, and `Model.forward` is one code object for every instance of a model class. Each new
+engine's model fails the previous engines' guards (another module, maybe another dtype) and
+adds an entry, until the eighth engine in one process hits Dynamo's recompile limit and
+`fullgraph=True` turns that into an error (found on a GPU, where tests and `gpu_check` build
+many compiled engines). So each model is compiled through a private copy of its class's
+`forward` code: its cache lives and dies with that model.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import types
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -88,6 +97,17 @@ class CompiledModel(nn.Module):
             return getattr(self._modules["model"], name)
 
 
+def own_forward(model: nn.Module) -> Callable[..., Any]:
+    """`model.forward` bound to a private copy of its code object (see the module docstring)."""
+    function = type(model).forward
+    code = function.__code__.replace()  # a distinct object: Dynamo's cache is per code object
+    private = types.FunctionType(
+        code, function.__globals__, function.__name__, function.__defaults__, function.__closure__
+    )
+    private.__kwdefaults__ = function.__kwdefaults__
+    return types.MethodType(private, model)
+
+
 def compile_model(
     model: nn.Module,
     compilation: CompilationConfig | None = None,
@@ -102,7 +122,8 @@ def compile_model(
     compilation = compilation or CompilationConfig()
     if not compilation.use_piecewise_compile:
         logger.info("compiling the model with torch.compile (one graph, dynamic token dimension)")
-        return CompiledModel(model, torch.compile(model, dynamic=True, fullgraph=True))
+        compiled = torch.compile(own_forward(model), dynamic=True, fullgraph=True)
+        return CompiledModel(model, compiled)
     compile_piece = (
         inductor_compile_piece if compilation.piece_backend == "inductor" else eager_compile_piece
     )
@@ -114,5 +135,5 @@ def compile_model(
         ", ".join(compilation.splitting_ops),
         compilation.piece_backend,
     )
-    compiled = torch.compile(model, backend=backend, dynamic=True, fullgraph=True)
+    compiled = torch.compile(own_forward(model), backend=backend, dynamic=True, fullgraph=True)
     return CompiledModel(model, compiled, backend)

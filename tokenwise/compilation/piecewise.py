@@ -17,6 +17,7 @@ wrapped by a `wrap_piece` hook: on CUDA that is the graph capture/replay wrapper
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,12 @@ from torch import fx
 from torch.fx.passes.split_module import split_module
 
 logger = logging.getLogger(__name__)
+
+# Newer torch can make every piece return a tuple; older releases (the GPU image has 2.11)
+# return a lone output bare, which the split graph and Inductor handle just as well.
+_SPLIT_KWARGS = (
+    {"tuple_return": True} if "tuple_return" in inspect.signature(split_module).parameters else {}
+)
 
 # (piece index, compiled callable, which args are static) -> the callable the graph calls.
 PieceWrapper = Callable[[int, Callable[..., Any], list[bool]], Callable[..., Any]]
@@ -73,7 +80,7 @@ def split_graph(
         else:
             partition_of[node] = current
     split_gm = split_module(
-        gm, None, lambda node: partition_of[node], keep_original_order=True, tuple_return=True
+        gm, None, lambda node: partition_of[node], keep_original_order=True, **_SPLIT_KWARGS
     )
     pieces: list[PieceInfo] = []
     for node in split_gm.graph.nodes:
