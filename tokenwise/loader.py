@@ -8,13 +8,16 @@ files: peak extra memory is one tensor, not one checkpoint.
 Loading is strict. A checkpoint tensor the model does not know, a parameter the checkpoint does
 not provide and a shape mismatch are all errors that name the tensors involved, because a
 silently half-loaded model produces plausible-looking garbage that is far harder to debug.
+
+This module sits above the models (it picks the class from the registry); the copy helpers the
+models themselves call are in `tokenwise.layers.weight_utils`, below them.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -22,69 +25,11 @@ from safetensors import safe_open
 from torch import nn
 
 from tokenwise.config import EngineConfig
-from tokenwise.layers.linear import default_weight_loader
-
-# (fused parameter component, checkpoint component, shard id), e.g. ("qkv_proj", "q_proj", "q").
-StackedMapping = Sequence[tuple[str, str, str | int]]
+from tokenwise.layers.weight_utils import StackedMapping, checkpoint_names
+from tokenwise.models.registry import resolve_model_class
 
 SAFETENSORS_SINGLE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
-
-
-def _map_name(name: str, mapping: StackedMapping) -> tuple[str, str | int | None]:
-    parts = name.split(".")
-    for fused, ckpt, shard in mapping:
-        if ckpt in parts:
-            return ".".join(fused if p == ckpt else p for p in parts), shard
-    return name, None
-
-
-def checkpoint_names(param_name: str, mapping: StackedMapping) -> dict[str | int | None, str]:
-    """The checkpoint tensor behind each shard of a parameter (itself when not fused)."""
-    parts = param_name.split(".")
-    names = {
-        shard: ".".join(ckpt if p == fused else p for p in parts)
-        for fused, ckpt, shard in mapping
-        if fused in parts
-    }
-    return names or {None: param_name}
-
-
-def load_stacked_weights(
-    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], mapping: StackedMapping
-) -> set[str]:
-    """Copy checkpoint tensors into `model`, routing the ones in `mapping` to fused shards.
-
-    Returns the parameters that were filled completely: a fused one only when all its shards
-    arrived, so a checkpoint lacking just `k_proj` is caught as a missing tensor.
-    """
-    params = dict(model.named_parameters())
-    shards_seen: dict[str, set[str | int | None]] = {}
-    for name, tensor in weights:
-        target, shard = _map_name(name, mapping)
-        param = params.get(target)
-        if param is None:
-            raise ValueError(
-                f"checkpoint tensor {name!r} does not match any parameter of {type(model).__name__}"
-            )
-        loader = getattr(param, "weight_loader", default_weight_loader)
-        try:
-            loader(param, tensor, shard)
-        except ValueError as e:
-            raise ValueError(f"cannot load checkpoint tensor {name!r} into {target!r}: {e}") from e
-        shards_seen.setdefault(target, set()).add(shard)
-    loaded: set[str] = set()
-    partial: list[str] = []
-    for target, seen in shards_seen.items():
-        needed = checkpoint_names(target, mapping)
-        partial += [ckpt for shard, ckpt in needed.items() if shard not in seen]
-        if seen >= needed.keys():
-            loaded.add(target)
-    if partial:
-        raise ValueError(
-            f"checkpoint for {type(model).__name__} is missing tensors: {', '.join(sorted(partial))}"
-        )
-    return loaded
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -147,8 +92,6 @@ def _build_in(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
 
 def load_model(config: EngineConfig, device: str | torch.device = "cpu") -> nn.Module:
     """Instantiate `config.model`'s architecture and load its weights; eval mode, no grads."""
-    from tokenwise.models.registry import resolve_model_class  # models import this module
-
     model_config = config.model
     if model_config is None:
         raise ValueError("load_model needs config.model (a tokenwise.model_config.ModelConfig)")

@@ -105,7 +105,7 @@ def run_step(
         parts = [getattr(s, name)[c : c + q] for s, c, q in items]
         return torch.cat(parts).reshape(-1, width).to(dtype)
 
-    out = impl.forward(None, cat("q", H * D), cat("k", KVH * D), cat("v", KVH * D), cache, md)  # type: ignore[arg-type]
+    out = impl.forward(cat("q", H * D), cat("k", KVH * D), cat("v", KVH * D), cache, md)
     assert out.shape == (sum(q for _, _, q in items), H * D) and out.dtype == dtype
     per_seq = list(out.view(-1, H, D).split([q for _, _, q in items]))
     return per_seq, md
@@ -254,7 +254,6 @@ def test_pad_slots_only_touch_the_trash_block() -> None:
     k = torch.cat([seqs[0].k[5:6], seqs[1].k[8:9], pad_k])
     v = torch.cat([seqs[0].v[5:6], seqs[1].v[8:9], pad_v])
     out = impl.forward(
-        None,  # type: ignore[arg-type]
         q.reshape(4, -1),
         k.reshape(4, -1),
         v.reshape(4, -1),
@@ -321,7 +320,6 @@ def test_graph_replay_reads_the_persistent_buffers(window: int | None) -> None:
     k = torch.cat([seqs[0].k[13:14], seqs[1].k[5:6], torch.randn(2, KVH, D, generator=gen)])
     v = torch.cat([seqs[0].v[13:14], seqs[1].v[5:6], torch.randn(2, KVH, D, generator=gen)])
     out = impl.forward(
-        None,  # type: ignore[arg-type]
         q.reshape(4, -1),
         k.reshape(4, -1),
         v.reshape(4, -1),

@@ -85,7 +85,7 @@ def step(
     def cat(name: str) -> torch.Tensor:
         return torch.cat([getattr(s, name)[c : c + q] for s, c, q in items]).flatten(1)
 
-    out = impl.forward(None, cat("q"), cat("k"), cat("v"), cache, md)  # type: ignore[arg-type]
+    out = impl.forward(cat("q"), cat("k"), cat("v"), cache, md)
     return list(out.view(-1, H, D).split([q for _, _, q in items])), md
 
 
@@ -190,7 +190,7 @@ def test_graph_decode_reads_only_device_tensors() -> None:
     q = torch.cat([seqs[0].q[13:14], seqs[1].q[5:6], seqs[2].q[8:9], pad])
     k = torch.cat([seqs[0].k[13:14], seqs[1].k[5:6], seqs[2].k[8:9], torch.randn(1, KVH, D)])
     v = torch.cat([seqs[0].v[13:14], seqs[1].v[5:6], seqs[2].v[8:9], torch.randn(1, KVH, D)])
-    out = impl.forward(None, q.flatten(1), k.flatten(1), v.flatten(1), cache, capture_md)  # type: ignore[arg-type]
+    out = impl.forward(q.flatten(1), k.flatten(1), v.flatten(1), cache, capture_md)
     out = out.view(4, H, D)
     check([out[0:1], out[1:2], out[2:3]], [(seqs[0], 13, 1), (seqs[1], 5, 1), (seqs[2], 8, 1)])
 

@@ -105,7 +105,7 @@ def test_kernel_matches_the_torch_backend_decode(
         if prompts:
             md = prefill.build([lengths[i] for i in prompts], [lengths[i] for i in prompts])
             q, k, v = (torch.cat([seqs[i][j][: lengths[i]] for i in prompts]) for j in range(3))
-            impl.forward(None, q, k, v, cache, md)  # type: ignore[arg-type]
+            impl.forward(q, k, v, cache, md)
         decode = CommonMetadataBuilder(block, window, device=device)
         for i, n in enumerate(lengths):
             ctx = n if n > 1 else 0
@@ -116,10 +116,10 @@ def test_kernel_matches_the_torch_backend_decode(
             torch.stack([s[j][c] for s, c in zip(seqs, ctx_lens, strict=True)]) for j in range(3)
         )
         if name == "torch":
-            outputs[name] = impl.forward(None, q, k, v, cache, md).view(-1, heads, head)  # type: ignore[arg-type]
+            outputs[name] = impl.forward(q, k, v, cache, md).view(-1, heads, head)
             continue
         # The triton backend's own cache write, then the kernel on its cache.
-        impl.forward(None, q, k, v, cache, md)  # type: ignore[arg-type]
+        impl.forward(q, k, v, cache, md)
         first = None
         if window is not None and any(md.block_table_first_block):
             first = torch.tensor(md.block_table_first_block, dtype=torch.int32, device=device)

@@ -21,7 +21,7 @@ from tokenwise.attention.backends import selector
 from tokenwise.attention.utils import PAD_SLOT_ID
 from tokenwise.compilation.cuda_graph import EagerReplayCapturer
 from tokenwise.config import CUDAGraphMode
-from tokenwise.engine import cuda_graph_runner, graph_setup
+from tokenwise.engine import graph_setup
 from tokenwise.entrypoints.llm import build_engine_config
 from tokenwise.forward_context import BatchDescriptor
 
@@ -235,21 +235,35 @@ def test_default_capture_sizes() -> None:
 
 def test_padding_rows_are_one_token_decodes_on_pad_slots() -> None:
     from tokenwise.attention.metadata import CommonMetadataBuilder
+    from tokenwise.engine.input_batch import InputBatch
+    from tokenwise.engine.request import Request
+    from tokenwise.engine.step_outputs import ScheduledRequest
 
-    builder = CommonMetadataBuilder(block_size=4)
-    builder.add_sequence(0, 0, 5, [3, 7])  # a prefill of 5 tokens
-    builder.add_sequence(1, 6, 1, [2, 9])  # a decode at position 6
-    md = builder.build([5, 7], [5, 1])
-    padded = cuda_graph_runner.pad_attention_metadata(md, 2)
-    assert cuda_graph_runner.pad_attention_metadata(md, 0) is md
-    assert padded.slot_mapping.tolist() == [12, 13, 14, 15, 28, 38, PAD_SLOT_ID, PAD_SLOT_ID]
-    assert (padded.num_prefills, padded.num_prefill_tokens, padded.num_decode_tokens) == (1, 5, 3)
-    assert padded.seq_lens_tensor.tolist() == [5, 7, 1, 1]
-    assert padded.context_lens_tensor.tolist() == [0, 6, 0, 0]
-    assert padded.query_start_loc.tolist() == [0, 5, 6, 7, 8]
-    assert padded.seq_start_loc.tolist() == [0, 5, 12, 13, 14]
-    assert padded.block_tables.tolist() == [[3, 7], [2, 9], [0, 0], [0, 0]]
-    assert padded.query_lens == [5, 1, 1, 1] and padded.context_lens == [0, 6, 0, 0]
-    assert padded.decode_metadata.num_decodes == 3
+    prefill = Request("a", [5, 6, 7, 8, 9], SamplingParams())  # a prefill of 5 tokens
+    prefill.block_table = [3, 7]
+    decode = Request("b", list(range(7)), SamplingParams())  # a decode at position 6
+    decode.block_table, decode.num_computed_tokens = [2, 9], 6
+    batch = InputBatch(8, 16, 32, 4, torch.device("cpu"))
+    step = batch.prepare([ScheduledRequest(prefill, 5), ScheduledRequest(decode, 1)])
+    padded = batch.pad(step, 8)
+    assert batch.pad(step, step.num_tokens) is step
+    md = CommonMetadataBuilder(block_size=4).build_from_buffers(
+        padded.slot_mapping,
+        padded.seq_lens,
+        padded.query_start_loc,
+        padded.block_tables,
+        padded.query_lens_np,
+        padded.context_lens_np,
+    )
+    assert padded.input_ids.tolist() == [5, 6, 7, 8, 9, 6, 0, 0]
+    assert md.slot_mapping.tolist() == [12, 13, 14, 15, 28, 38, PAD_SLOT_ID, PAD_SLOT_ID]
+    assert (md.num_prefills, md.num_prefill_tokens, md.num_decode_tokens) == (1, 5, 3)
+    assert md.seq_lens_tensor.tolist() == [5, 7, 1, 1]
+    assert md.context_lens_tensor.tolist() == [0, 6, 0, 0]
+    assert md.query_start_loc.tolist() == [0, 5, 6, 7, 8]
+    assert md.seq_start_loc.tolist() == [0, 5, 12, 13, 14]
+    assert md.block_tables.tolist() == [[3, 7], [2, 9], [0, 0], [0, 0]]
+    assert md.query_lens == [5, 1, 1, 1] and md.context_lens == [0, 6, 0, 0]
+    assert md.decode_metadata.num_decodes == 3
     with pytest.raises(ValueError, match="pad"):
-        cuda_graph_runner.pad_attention_metadata(md, -1)
+        batch.pad(step, step.num_tokens - 1)

@@ -15,10 +15,10 @@ from tokenwise.entrypoints.cli import main
 PLANTED = "planted bug in output processing"
 
 
-def _broken_process_samples(*_: object) -> None:
+def _broken_route_samples(*_: object) -> None:
     raise RuntimeError(PLANTED)
 
 
 if __name__ == "__main__":
-    llm_engine.LLMEngine._process_samples = _broken_process_samples  # type: ignore[method-assign]
+    llm_engine.LLMEngine._route_samples = _broken_route_samples  # type: ignore[method-assign]
     sys.exit(main(sys.argv[1:]))

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from tokenwise.attention.attn_metadata import AttentionMetadata
 from tokenwise.attention.utils import PAD_SLOT_ID
-
-if TYPE_CHECKING:
-    from tokenwise.attention.metadata import AttentionMetadata
 
 
 class CommonAttentionState:
@@ -38,6 +36,27 @@ class CommonAttentionState:
         self._graph_slot_mapping: torch.Tensor | None = None
         self._graph_seq_lens: torch.Tensor | None = None
         self._graph_block_tables: torch.Tensor | None = None
+        self._bound: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def bind_buffers(
+        self, slot_mapping: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor
+    ) -> None:
+        """Capture on these persistent buffers instead of allocating new ones.
+
+        The engine binds its input batch's device buffers, into which every step's inputs are
+        already written: a replayed graph then reads them where they are, with no copy into
+        buffers of its own (`prepare_graph_input_buffers` is for unbound states).
+        """
+        if block_tables.shape[1] != self.max_blocks_per_seq:
+            raise ValueError(
+                f"bound block tables have {block_tables.shape[1]} columns, the state "
+                f"{self.max_blocks_per_seq}"
+            )
+        if min(slot_mapping.shape[0], seq_lens.shape[0], block_tables.shape[0]) < (
+            self.max_batch_size
+        ):
+            raise ValueError(f"bound buffers hold fewer than {self.max_batch_size} rows")
+        self._bound = (slot_mapping, seq_lens, block_tables)
 
     @contextmanager
     def graph_capture(self, max_batch_size: int) -> Iterator[None]:
@@ -48,11 +67,18 @@ class CommonAttentionState:
                 f"{self.max_batch_size}"
             )
         self._is_graph_capturing = True
-        self._graph_slot_mapping = torch.full(
-            (max_batch_size,), PAD_SLOT_ID, dtype=torch.int64, device=self.device
-        )
-        self._graph_seq_lens = torch.ones(max_batch_size, dtype=torch.int32, device=self.device)
-        self._graph_block_tables = self.graph_block_tables[:max_batch_size].to(self.device)
+        if self._bound is not None:
+            slots, lens, tables = self._bound
+            with torch.inference_mode():  # the engine's buffers are inference tensors
+                self._graph_slot_mapping = slots[:max_batch_size].fill_(PAD_SLOT_ID)
+                self._graph_seq_lens = lens[:max_batch_size].fill_(1)
+                self._graph_block_tables = tables[:max_batch_size].zero_()
+        else:
+            self._graph_slot_mapping = torch.full(
+                (max_batch_size,), PAD_SLOT_ID, dtype=torch.int64, device=self.device
+            )
+            self._graph_seq_lens = torch.ones(max_batch_size, dtype=torch.int32, device=self.device)
+            self._graph_block_tables = self.graph_block_tables[:max_batch_size].to(self.device)
         try:
             yield
         finally:
@@ -68,8 +94,6 @@ class CommonAttentionState:
 
     def graph_capture_get_metadata_for_batch(self, batch_size: int) -> AttentionMetadata:
         """Metadata for capturing a decode batch of `batch_size` padding-only rows."""
-        from tokenwise.attention.metadata import AttentionMetadata
-
         if self._graph_slot_mapping is None or not self._is_graph_capturing:
             raise RuntimeError("call graph_capture_get_metadata_for_batch inside graph_capture()")
         assert self._graph_seq_lens is not None and self._graph_block_tables is not None

@@ -5,6 +5,10 @@ structure. The layer hands its tensors and *its name* to `tokenwise::unified_att
 op's body looks the layer, its KV cache and this step's metadata up in the forward context.
 Because the op takes only tensors and a string, `torch.compile` treats it as one opaque node and
 cuts the graph there (piecewise compilation), while everything between attention calls compiles.
+
+The op hands the backend's impl tensors (q, k, v, the layer's cache) and the step's metadata,
+never the layer itself: the impl got its settings when it was built, so `attention.backends`
+sits below this module and never imports it.
 """
 
 from __future__ import annotations
@@ -12,10 +16,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenwise.attention.backends.selector import get_attn_backend
+from tokenwise.attention.backends.single_sequence import single_sequence_attention
 from tokenwise.attention.utils import AttentionType
 from tokenwise.config import EngineConfig
 from tokenwise.forward_context import get_forward_context, is_forward_context_available
@@ -74,31 +78,17 @@ class Attention(nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         # A ContextVar read cannot be traced, so compiled code assumes the engine's context.
         if not torch.compiler.is_compiling() and not is_forward_context_available():
-            return self._single_sequence_attention(query, key, value)
+            return single_sequence_attention(
+                query,
+                key,
+                value,
+                num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads,
+                head_size=self.head_size,
+                scale=self.scale,
+                sliding_window=self.sliding_window,
+            )
         return torch.ops.tokenwise.unified_attention(query, key, value, self.layer_name)
-
-    def _single_sequence_attention(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-    ) -> torch.Tensor:
-        num_tokens = query.shape[0]
-        q = query.view(num_tokens, self.num_heads, self.head_size).transpose(0, 1)
-        k = key.view(num_tokens, self.num_kv_heads, self.head_size).transpose(0, 1)
-        v = value.view(num_tokens, self.num_kv_heads, self.head_size).transpose(0, 1)
-        mask = None
-        if self.sliding_window is not None:
-            pos = torch.arange(num_tokens, device=query.device)
-            diff = pos[:, None] - pos[None, :]
-            mask = (diff >= 0) & (diff < self.sliding_window)
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=self.scale,
-            enable_gqa=self.num_kv_heads != self.num_heads,
-        )
-        return out.transpose(0, 1).reshape(num_tokens, self.num_heads * self.head_size)
 
     def extra_repr(self) -> str:
         return (
@@ -122,7 +112,7 @@ def unified_attention(
     layer: Attention = ctx.no_compile_layers[layer_name]
     attn_metadata = _metadata_for(layer_name, ctx.attn_metadata)
     kv_cache = layer.kv_cache[ctx.virtual_engine]
-    return layer.impl.forward(layer, query, key, value, kv_cache, attn_metadata)
+    return layer.impl.forward(query, key, value, kv_cache, attn_metadata)
 
 
 @unified_attention.register_fake

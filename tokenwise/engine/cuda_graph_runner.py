@@ -1,22 +1,21 @@
-"""Per-step CUDA-graph dispatch: pad the batch, pick a graph, run it (SPEC §2).
+"""Per-step CUDA-graph dispatch: pick a graph for the step, run it (SPEC §2).
 
-The model runner hands each step's flat inputs and attention metadata to `CudaGraphRunner.run`,
-which asks the `CudagraphDispatcher` for a runtime mode and padded `BatchDescriptor`:
+The model runner asks `plan` for a runtime mode and padded `BatchDescriptor` (the
+`CudagraphDispatcher` decides), pads the step in its input batch, and calls `execute`:
 
 - FULL (uniform decode batches; also in plain FULL mode, whose mixed batches run eagerly): the
-  whole model was captured, attention included, against the
-  persistent buffers of `CommonAttentionState`. The real batch, padded with PAD slots and
-  length-1 sequences, is copied into those buffers; the forward context carries the capture's
-  metadata (which points at them), and the graph replays.
+  whole model was captured, attention included, on the input batch's own persistent buffers
+  (bound into `CommonAttentionState`). The step is already written there, padded with PAD
+  slots and length-1 sequences; the forward context carries the capture's metadata (which
+  views those buffers), and the graph replays. Nothing is copied for it.
 - PIECEWISE (mixed batches): the compiled pieces between attention calls replay their graphs;
-  attention runs eagerly on metadata padded the same way.
+  attention runs eagerly on metadata built over the same padded buffers.
 - NONE (batches above the largest capture size, or no graph captured for this shape): the
   model runs eagerly on the unpadded batch.
 
 Padding rows are extra one-token "decode" sequences whose slot is PAD_SLOT_ID, so their K/V go
 to the backend's trash block and never into a block the block manager hands out; they read block
-0 (harmlessly) and their outputs are dropped. Inputs go into persistent buffers because a
-captured graph reads fixed addresses.
+0 (harmlessly) and their outputs are dropped.
 """
 
 from __future__ import annotations
@@ -29,62 +28,14 @@ import torch
 from tokenwise.attention.backends.selector import get_attn_backend
 from tokenwise.attention.graph_state import CommonAttentionState
 from tokenwise.attention.metadata import AttentionMetadata
-from tokenwise.attention.utils import PAD_SLOT_ID
 from tokenwise.compilation.cuda_graph import CapturerFactory, CUDAGraphWrapper
 from tokenwise.compilation.cudagraph_dispatcher import CudagraphDispatcher
 from tokenwise.config import CUDAGraphMode, EngineConfig
 from tokenwise.engine.graph_setup import check_cudagraph_config, default_capture_sizes
+from tokenwise.engine.input_batch import InputBatch
 from tokenwise.forward_context import BatchDescriptor, set_forward_context
 
 logger = logging.getLogger(__name__)
-
-
-def pad_attention_metadata(md: AttentionMetadata, pad: int) -> AttentionMetadata:
-    """`md` with `pad` one-token decode sequences appended (PAD slot, length 1, block 0)."""
-    if pad == 0:
-        return md
-    if pad < 0:
-        raise ValueError(f"pad must be >= 0, got {pad}")
-    dev = md.slot_mapping.device
-
-    def extend(t: torch.Tensor | None, value: int) -> torch.Tensor | None:
-        if t is None:
-            return None
-        return torch.cat([t, torch.full((pad,), value, dtype=t.dtype, device=t.device)])
-
-    def extend_cumulative(t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None:
-            return None
-        steps = torch.arange(1, pad + 1, dtype=t.dtype, device=t.device)
-        return torch.cat([t, t[-1:] + steps])
-
-    tables = md.block_tables
-    padded_tables = torch.cat(
-        [tables, torch.zeros((pad, tables.shape[1]), dtype=tables.dtype, device=tables.device)]
-    )
-    return AttentionMetadata(
-        num_prefills=md.num_prefills,
-        num_prefill_tokens=md.num_prefill_tokens,
-        num_decode_tokens=md.num_decode_tokens + pad,
-        slot_mapping=torch.cat(
-            [md.slot_mapping, torch.full((pad,), PAD_SLOT_ID, dtype=torch.int64, device=dev)]
-        ),
-        seq_lens=None if md.seq_lens is None else md.seq_lens + [1] * pad,
-        seq_lens_tensor=extend(md.seq_lens_tensor, 1),
-        max_query_len=max(md.max_query_len, 1),
-        max_prefill_seq_len=md.max_prefill_seq_len,
-        max_decode_seq_len=max(md.max_decode_seq_len, 1),
-        query_start_loc=extend_cumulative(md.query_start_loc),
-        seq_start_loc=extend_cumulative(md.seq_start_loc),
-        context_lens_tensor=extend(md.context_lens_tensor, 0),
-        block_tables=padded_tables,
-        use_cuda_graph=md.use_cuda_graph,
-        query_lens=md.query_lens + [1] * pad,
-        context_lens=md.context_lens + [0] * pad,
-        block_table_first_block=md.block_table_first_block + [0] * pad,
-        block_size=md.block_size,
-        sliding_window=md.sliding_window,
-    )
 
 
 class CudaGraphRunner:
@@ -106,7 +57,7 @@ class CudaGraphRunner:
         capturer_factory: CapturerFactory,
         layer_specs: dict[str, int | None],
         backend: Any,
-        max_model_len: int,
+        input_batch: InputBatch,
     ) -> None:
         compilation = config.compilation
         mode = compilation.cudagraph_mode
@@ -138,20 +89,28 @@ class CudaGraphRunner:
         self.layer_names = list(layer_specs)
         self.dispatcher = CudagraphDispatcher(compilation, scheduler.max_num_seqs)
         self.dispatcher.initialize_cudagraph_keys(mode)
-        # Inference tensors, like the inputs `execute_model` makes under inference_mode: a
-        # compiled model guards on the dispatch keys, and normal tensors would recompile it.
-        with torch.inference_mode():
-            self.input_ids = torch.zeros(max_size, dtype=torch.int64, device=device)
-            self.positions = torch.zeros(max_size, dtype=torch.int64, device=device)
-        block_size = config.cache.block_size
+        # Graphs read the input batch's own device buffers: a step's inputs are written there
+        # once, and replay needs no copy into buffers of the graph's own.
+        if max_size > min(input_batch.max_num_reqs, input_batch.max_num_tokens):
+            raise ValueError(
+                f"capture size {max_size} exceeds the input batch ({input_batch.max_num_reqs} "
+                f"sequences, {input_batch.max_num_tokens} tokens)"
+            )
+        self.input_batch = input_batch
+        self.input_ids = input_batch.input_ids.device
+        self.positions = input_batch.positions.device
         self.attn_state = CommonAttentionState(
-            max_size, -(-max_model_len // block_size), block_size, device
+            max_size, input_batch.max_blocks, config.cache.block_size, device
+        )
+        self.attn_state.bind_buffers(
+            input_batch.slot_mapping.device,
+            input_batch.seq_lens.device,
+            input_batch.block_tables.device,
         )
         self.full_model = CUDAGraphWrapper(
             model, CUDAGraphMode.FULL, capturer_factory, [True, True], "model", True
         )
         self._graph_metadata: dict[int, AttentionMetadata] = {}
-        self._graph_buffers: dict[int, dict[str, torch.Tensor]] = {}
 
     @classmethod
     def for_model_runner(cls, runner: Any, capturer_factory: CapturerFactory) -> CudaGraphRunner:
@@ -163,7 +122,7 @@ class CudaGraphRunner:
             capturer_factory,
             runner._spec_of,
             get_attn_backend(runner.config),
-            runner.model_config.max_model_len,
+            runner.input_batch,
         )
 
     # ---- capture --------------------------------------------------------------------------
@@ -192,46 +151,42 @@ class CudaGraphRunner:
         if md is None:
             md = self.attn_state.graph_capture_get_metadata_for_batch(size)
             self._graph_metadata[size] = md
-            self._graph_buffers[size] = self.attn_state.get_graph_input_buffers(md)
         return md
 
     # ---- one step -------------------------------------------------------------------------
 
-    def run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_metadata: dict[str, AttentionMetadata],
-        num_tokens: int,
-    ) -> torch.Tensor:
-        """Hidden states of the `num_tokens` real rows (valid until the next step)."""
-        first = next(iter(attn_metadata.values()))
-        uniform = first.num_prefills == 0 and first.num_decode_tokens == num_tokens
+    def plan(self, num_tokens: int, uniform_decode: bool) -> tuple[CUDAGraphMode, BatchDescriptor]:
+        """How this step runs: which graph (if any) and the token count it is padded to."""
         # Whole-model graphs are captured on decode-only metadata; a batch with prefills (which
         # plain FULL mode would also dispatch to them) needs eager attention, so it never
         # replays one.
-        mode, desc = self.dispatcher.dispatch(
-            num_tokens, uniform_decode=uniform, disable_full=self.disable_full or not uniform
+        return self.dispatcher.dispatch(
+            num_tokens,
+            uniform_decode=uniform_decode,
+            disable_full=self.disable_full or not uniform_decode,
         )
+
+    def execute(
+        self,
+        mode: CUDAGraphMode,
+        desc: BatchDescriptor,
+        attn_metadata: dict[str, AttentionMetadata] | None,
+        num_tokens: int,
+    ) -> torch.Tensor:
+        """Hidden states of the `num_tokens` real rows (valid until the next step).
+
+        The step's inputs are already in the input batch's buffers, padded to
+        `desc.num_tokens` when a graph runs. FULL graphs replay on their capture metadata,
+        which views those same buffers (`attn_metadata` is not needed then).
+        """
         if mode == CUDAGraphMode.NONE:
             with set_forward_context(attn_metadata, self.config, num_tokens=num_tokens):
-                return self.model(input_ids, positions)
-        padded_size = desc.num_tokens
-        self.input_ids[:num_tokens].copy_(input_ids)
-        self.input_ids[num_tokens:padded_size].zero_()
-        self.positions[:num_tokens].copy_(positions)
-        self.positions[num_tokens:padded_size].zero_()
-        pad = padded_size - num_tokens
-        padded = {id(md): pad_attention_metadata(md, pad) for md in attn_metadata.values()}
+                return self.model(self.input_ids[:num_tokens], self.positions[:num_tokens])
+        size = desc.num_tokens
+        step_md: Any = attn_metadata
         if mode == CUDAGraphMode.FULL:
-            (md,) = padded.values()  # FULL graphs exist only when all layers share one spec
-            self.attn_state.prepare_graph_input_buffers(self._graph_buffers[padded_size], md)
-            graph_md = self._graph_metadata[padded_size]
-            step_md: Any = {name: graph_md for name in attn_metadata}
-        else:
-            step_md = {name: padded[id(md)] for name, md in attn_metadata.items()}
-        hidden = self._forward(padded_size, step_md, mode, desc)
-        return hidden[:num_tokens]
+            step_md = self._graph_metadata[size]
+        return self._forward(size, step_md, mode, desc)[:num_tokens]
 
     def _forward(
         self,

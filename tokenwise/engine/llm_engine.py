@@ -19,7 +19,7 @@ from tokenwise.config import EngineConfig
 from tokenwise.engine.block_manager import BlockManager
 from tokenwise.engine.detokenizer import IncrementalDetokenizer
 from tokenwise.engine.memory_profiling import check_kv_cache_holds_one_sequence
-from tokenwise.engine.model_runner import ModelRunner, ModelRunnerOutput
+from tokenwise.engine.model_runner import ModelRunner
 from tokenwise.engine.prompts import (
     PromptInput,
     load_tokenizer,
@@ -29,6 +29,7 @@ from tokenwise.engine.prompts import (
 from tokenwise.engine.request import Request, RequestStatus
 from tokenwise.engine.scheduler import Scheduler
 from tokenwise.engine.stats import EngineStats, StatLogger
+from tokenwise.engine.step_outputs import ModelRunnerOutput
 from tokenwise.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenwise.platform import configure_cpu_allocator
 from tokenwise.sampling.params import SamplingParams
@@ -191,7 +192,7 @@ class LLMEngine:
             logger.warning("aborting request %s: %s", req.request_id, reason)
         if not sched.is_empty:
             try:
-                result = self.runner.execute_model(sched.scheduled)
+                result = self.runner.execute_model(sched)
             except Exception as exc:  # keep serving: fail only the requests of this step
                 logger.exception(
                     "model execution failed; failing %d requests", len(sched.scheduled)
@@ -213,10 +214,10 @@ class LLMEngine:
             else:
                 self._consecutive_failed_steps = 0
                 for item in sched.scheduled:
-                    item.request.num_computed_tokens += item.num_new_tokens
                     if item.num_new_tokens > 1 or item.request.num_output_tokens == 0:
                         self._stats.prompt_tokens_total += item.num_new_tokens
-                self._process_samples(result, touched)
+                sampled = self.scheduler.update_from_output(sched, result, self._stop_string)
+                self._route_samples(sampled, result, touched)
         self._stats.num_steps_total += 1
         self._stats.num_preemptions_total += sched.num_preempted
         # Aborted or errored groups surface here even if nothing was scheduled for them.
@@ -227,49 +228,45 @@ class LLMEngine:
         self._stat_logger.maybe_log(self.get_stats())
         return outputs
 
-    def _process_samples(
-        self, result: ModelRunnerOutput, touched: dict[str, _RequestGroup]
+    def _stop_string(self, req: Request, token: int) -> str | None:
+        """Feed the new token to the request's detokenizer; the stop string it completes.
+
+        As in vLLM, a stop token ends the text without appearing in it, so such a token is not
+        detokenized (unless `include_stop_str_in_output`).
+        """
+        _, sample = self._by_request[req.request_id]
+        params = req.sampling_params
+        hides_token = (
+            token in params.stop_token_ids
+            and req.num_output_tokens >= params.min_tokens
+            and not params.include_stop_str_in_output
+        )
+        if sample.detokenizer is None or hides_token:
+            return None
+        return sample.detokenizer.add_token(token)
+
+    def _route_samples(
+        self, sampled: list[Request], result: ModelRunnerOutput, touched: dict[str, _RequestGroup]
     ) -> None:
+        """Hand each new token (and its logprobs) to the output of the request it belongs to."""
         now = time.monotonic()
         lp = result.logprobs
         lp_ids = lp.token_ids.tolist() if lp is not None else None
         lp_vals = lp.logprobs.tolist() if lp is not None else None
         lp_ranks = lp.ranks.tolist() if lp is not None else None
-        finished_stop: list[Request] = []
-        finished_length: list[Request] = []
-        for row, (item, token) in enumerate(
-            zip(result.sampled_requests, result.sampled_token_ids, strict=True)
-        ):
-            req = item.request
+        for row, (req, token) in enumerate(zip(sampled, result.sampled_token_ids, strict=True)):
             group, sample = self._by_request[req.request_id]
             touched[group.request_id] = group
             if group.first_token_time is None:
                 group.first_token_time = now
-            req.append_output_token(token)
             sample.new_token_ids.append(token)
             self._stats.generation_tokens_total += 1
-            params = req.sampling_params
-            if params.logprobs is not None and lp_ids is not None:
-                entry = self._logprob_entry(token, params.logprobs, lp_ids[row], lp_vals[row])
+            num_logprobs = req.sampling_params.logprobs
+            if num_logprobs is not None and lp_ids is not None:
+                entry = self._logprob_entry(token, num_logprobs, lp_ids[row], lp_vals[row])
                 entry[token].rank = lp_ranks[row]
                 sample.new_logprobs.append(entry)
                 sample.cumulative_logprob += lp_vals[row][0]
-            # As in vLLM, a stop token ends the text without appearing in it.
-            hides_token = (
-                token in params.stop_token_ids
-                and req.num_output_tokens >= params.min_tokens
-                and not params.include_stop_str_in_output
-            )
-            stop_str = None
-            if sample.detokenizer is not None and not hides_token:
-                stop_str = sample.detokenizer.add_token(token)
-            status = self._check_stop(req, token, stop_str)
-            if status is RequestStatus.FINISHED_STOPPED:
-                finished_stop.append(req)
-            elif status is RequestStatus.FINISHED_LENGTH:
-                finished_length.append(req)
-        self.scheduler.finish_requests(finished_stop, RequestStatus.FINISHED_STOPPED)
-        self.scheduler.finish_requests(finished_length, RequestStatus.FINISHED_LENGTH)
 
     def _logprob_entry(
         self, token: int, num: int, ids: list[int], values: list[float]
@@ -282,23 +279,6 @@ class LLMEngine:
             for tid, value in entry.items():
                 value.decoded_token = self.tokenizer.decode([tid])
         return entry
-
-    def _check_stop(self, req: Request, token: int, stop_str: str | None) -> RequestStatus | None:
-        params = req.sampling_params
-        if req.num_output_tokens >= params.min_tokens:
-            if token in (params.stop_token_ids or ()):
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-            if not params.ignore_eos and token in req.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if stop_str is not None:
-                req.stop_reason = stop_str
-                return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if req.num_tokens >= self.model_config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def _make_output(self, group: _RequestGroup) -> RequestOutput:
         completions = []

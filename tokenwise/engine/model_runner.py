@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import logging
-from dataclasses import dataclass
 
 import torch
 
@@ -18,30 +17,21 @@ from tokenwise.attention.backends.selector import get_attn_backend
 from tokenwise.attention.layer import Attention
 from tokenwise.attention.metadata import AttentionMetadata, CommonMetadataBuilder
 from tokenwise.compilation.compile import compile_model
-from tokenwise.config import EngineConfig
+from tokenwise.config import CUDAGraphMode, EngineConfig
 from tokenwise.engine.cuda_graph_runner import CudaGraphRunner
-from tokenwise.engine.graph_setup import graph_setup
+from tokenwise.engine.graph_setup import default_capture_sizes, graph_setup
+from tokenwise.engine.input_batch import InputBatch, StepInputs
 from tokenwise.engine.memory_profiling import cuda_kv_cache_budget
-from tokenwise.engine.scheduler import ScheduledRequest
+from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenwise.forward_context import set_forward_context
 from tokenwise.layer_registry import get_layers_from_config
 from tokenwise.loader import load_model
 from tokenwise.sampling.metadata import SamplingMetadata
-from tokenwise.sampling.sampler import LogprobsTensors, Sampler
+from tokenwise.sampling.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when nothing else is said
-
-
-@dataclass
-class ModelRunnerOutput:
-    """One entry per sampled request, in the order of `sampled_requests`."""
-
-    sampled_requests: list[ScheduledRequest]
-    sampled_token_ids: list[int]
-    logprobs: LogprobsTensors | None
-    num_tokens: int
 
 
 class ModelRunner:
@@ -71,6 +61,20 @@ class ModelRunner:
             spec: CommonMetadataBuilder(self.block_size, spec, self.device)
             for spec in set(self._spec_of.values())
         }
+        scheduler = config.scheduler
+        compilation = config.compilation
+        if self._capturer_factory is not None and compilation.cudagraph_capture_sizes is None:
+            compilation.cudagraph_capture_sizes = default_capture_sizes(
+                scheduler.max_num_seqs, scheduler.max_num_batched_tokens
+            )
+        max_capture = compilation.max_capture_size if self._capturer_factory else 0
+        self.input_batch = InputBatch(
+            max_num_reqs=max(scheduler.max_num_seqs, max_capture),
+            max_num_tokens=max(scheduler.max_num_batched_tokens, max_capture),
+            max_model_len=self.model_config.max_model_len,
+            block_size=self.block_size,
+            device=self.device,
+        )
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -172,48 +176,49 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------
 
+    def _attn_metadata(self, step: StepInputs) -> dict[str, AttentionMetadata]:
+        """One metadata object per attention spec over the step's buffers, keyed by layer."""
+        metadata_by_spec = {}
+        for spec, builder in self._builders.items():
+            tables, first_blocks = step.block_tables, None
+            if spec is not None:
+                tables, first_blocks = self.input_batch.windowed_block_tables(step, spec)
+            metadata_by_spec[spec] = builder.build_from_buffers(
+                step.slot_mapping,
+                step.seq_lens,
+                step.query_start_loc,
+                tables,
+                step.query_lens_np,
+                step.context_lens_np,
+                first_blocks,
+            )
+        return {name: metadata_by_spec[spec] for name, spec in self._spec_of.items()}
+
     @torch.inference_mode()
-    def execute_model(self, scheduled: list[ScheduledRequest]) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: the scheduler's output is the only input."""
+        self.input_batch.remove_requests(scheduler_output.finished_req_ids)
         # Prefills (query > 1) first, then decodes; stable, so admission order is kept.
-        ordered = sorted(scheduled, key=lambda s: s.num_new_tokens == 1)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        seq_lens: list[int] = []
-        query_lens: list[int] = []
-        logits_indices: list[int] = []
-        sampled: list[ScheduledRequest] = []
-        for builder in self._builders.values():
-            builder.prepare()
-        for i, item in enumerate(ordered):
-            req, n = item.request, item.num_new_tokens
-            start = req.num_computed_tokens
-            input_ids.extend(req.all_token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            seq_lens.append(start + n)
-            query_lens.append(n)
-            for builder in self._builders.values():
-                builder.add_sequence(i, start, n, req.block_table)
-            if item.completes_sequence:
-                logits_indices.append(len(input_ids) - 1)
-                sampled.append(item)
-
-        metadata_by_spec = {
-            spec: builder.build(seq_lens, query_lens) for spec, builder in self._builders.items()
-        }
-        attn_metadata: dict[str, AttentionMetadata] = {
-            name: metadata_by_spec[spec] for name, spec in self._spec_of.items()
-        }
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        ordered = sorted(scheduler_output.scheduled, key=lambda s: s.num_new_tokens == 1)
+        step = self.input_batch.prepare(ordered)
+        num_tokens = step.num_tokens
+        mode, desc = CUDAGraphMode.NONE, None
         if self.graph_runner is not None:
-            hidden = self.graph_runner.run(ids, pos, attn_metadata, len(input_ids))
+            uniform = bool(step.num_reqs) and int(step.query_lens_np.max()) == 1
+            mode, desc = self.graph_runner.plan(num_tokens, uniform)
+            if mode != CUDAGraphMode.NONE:
+                step = self.input_batch.pad(step, desc.num_tokens)
+        attn_metadata = None if mode == CUDAGraphMode.FULL else self._attn_metadata(step)
+        if self.graph_runner is not None:
+            hidden = self.graph_runner.execute(mode, desc, attn_metadata, num_tokens)
         else:
-            with set_forward_context(attn_metadata, self.config, num_tokens=len(input_ids)):
-                hidden = self.model(ids, pos)
+            with set_forward_context(attn_metadata, self.config, num_tokens=num_tokens):
+                hidden = self.model(step.input_ids, step.positions)
 
+        sampled = step.sampled
         if not sampled:
-            return ModelRunnerOutput([], [], None, len(input_ids))
-        rows = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
+            return ModelRunnerOutput([], [], None, num_tokens)
+        rows = torch.tensor(step.logits_indices, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         _suppress_stop_tokens_before_min_tokens(logits, sampled)
         sampling_md = SamplingMetadata.from_params(
@@ -225,9 +230,7 @@ class ModelRunner:
             device=self.device,
         )
         out = self.sampler(logits, sampling_md)
-        return ModelRunnerOutput(
-            sampled, out.sampled_token_ids.tolist(), out.logprobs, len(input_ids)
-        )
+        return ModelRunnerOutput(sampled, out.sampled_token_ids.tolist(), out.logprobs, num_tokens)
 
 
 def _suppress_stop_tokens_before_min_tokens(

@@ -14,45 +14,28 @@ No livelock, by construction: a step that schedules nothing while nothing runs a
 wait means the head of the queue cannot be placed even with the whole pool and the whole token
 budget to itself, and its needs only grow. It is aborted (reported in `SchedulerOutput.aborted`
 with the reason) instead of being retried forever, and the queue moves on.
+
+The scheduler is the one owner of request state: it places requests (block tables, admission,
+preemption) and, in `update_from_output`, applies what the forward pass did to them (computed
+tokens, sampled tokens, stop and length conditions, freeing finished requests). The runner only
+reads requests; the engine routes outputs to callers.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
 
 from tokenwise.config import SchedulerConfig
 from tokenwise.engine.block_manager import BlockManager
 from tokenwise.engine.request import Request, RequestStatus
+from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
+__all__ = ["Scheduler", "ScheduledRequest", "SchedulerOutput"]
 
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-
-    @property
-    def completes_sequence(self) -> bool:
-        """True when this step computes the sequence's last known token (so it samples)."""
-        req = self.request
-        return req.num_computed_tokens + self.num_new_tokens == req.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    num_preempted: int = 0
-    # Requests aborted because they can never be placed, each with the reason why.
-    aborted: list[tuple[Request, str]] = field(default_factory=list)
-
-    @property
-    def total_num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+# Text-level stop detection (stop strings), which needs the detokenizer the engine owns: given
+# a request and its newly appended token, the stop string that now ends its text, or None.
+StopStringCheck = Callable[[Request, int], "str | None"]
 
 
 class Scheduler:
@@ -65,6 +48,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._left_since_last_step: list[str] = []
 
     def add_request(self, request: Request) -> None:
         """Queue a request; one that can never fit is rejected here, not left waiting forever."""
@@ -158,7 +142,57 @@ class Scheduler:
             reason = self._unplaceable_reason(req)
             self.finish_requests([req], RequestStatus.FINISHED_ABORTED)
             out.aborted.append((req, reason))
+        if not out.is_empty:  # an empty step reaches no runner: keep the ids for the next
+            out.finished_req_ids, self._left_since_last_step = self._left_since_last_step, []
         return out
+
+    def update_from_output(
+        self,
+        scheduler_output: SchedulerOutput,
+        runner_output: ModelRunnerOutput,
+        stop_string: StopStringCheck | None = None,
+    ) -> list[Request]:
+        """Apply one forward pass: computed tokens, sampled tokens, stops; free what finished.
+
+        Returns the requests that received a token, in the runner's sampling order (row `i` of
+        `runner_output.logprobs` belongs to the i-th). `stop_string` is asked about each new
+        token after it is appended (before the length checks, so a stop string reached on the
+        last allowed token still reports "stop").
+        """
+        for item in scheduler_output.scheduled:
+            item.request.num_computed_tokens += item.num_new_tokens
+        sampled: list[Request] = []
+        finished: dict[RequestStatus, list[Request]] = {}
+        for item, token in zip(
+            runner_output.sampled_requests, runner_output.sampled_token_ids, strict=True
+        ):
+            req = item.request
+            req.append_output_token(token)
+            sampled.append(req)
+            text_stop = stop_string(req, token) if stop_string is not None else None
+            status = self._check_stop(req, token, text_stop)
+            if status is not None:
+                finished.setdefault(status, []).append(req)
+        for status, reqs in finished.items():
+            self.finish_requests(reqs, status)
+        return sampled
+
+    def _check_stop(self, req: Request, token: int, stop_str: str | None) -> RequestStatus | None:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if token in (params.stop_token_ids or ()):
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if stop_str is not None:
+                req.stop_reason = stop_str
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
 
     def _unplaceable_reason(self, req: Request) -> str:
         bm = self.block_manager
@@ -176,6 +210,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req.request_id)
+        self._left_since_last_step.append(req.request_id)
         req.block_table = []
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -197,6 +232,7 @@ class Scheduler:
                 continue
             req.status = status
             self.block_manager.free(req.request_id, discard_cached=discard_cached)
+            self._left_since_last_step.append(req.request_id)
             req.block_table = []
             done.add(id(req))
         if done:

@@ -3,13 +3,9 @@
 from tokenwise.layers.activation import SiluAndMul, get_act_and_mul
 from tokenwise.layers.embedding import LMHead, VocabEmbedding
 from tokenwise.layers.layernorm import RMSNorm
-from tokenwise.layers.linear import (
-    MergedLinear,
-    QKVLinear,
-    ReplicatedLinear,
-    default_weight_loader,
-)
+from tokenwise.layers.linear import MergedLinear, QKVLinear, ReplicatedLinear
 from tokenwise.layers.rotary_embedding import RotaryEmbedding, get_rope_config
+from tokenwise.layers.weight_utils import default_weight_loader, load_stacked_weights
 
 __all__ = [
     "LMHead",
@@ -23,4 +19,5 @@ __all__ = [
     "default_weight_loader",
     "get_act_and_mul",
     "get_rope_config",
+    "load_stacked_weights",
 ]

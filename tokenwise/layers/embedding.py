@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenwise.layers.linear import default_weight_loader
+from tokenwise.layers.weight_utils import default_weight_loader
 
 
 class VocabEmbedding(nn.Module):

@@ -6,7 +6,8 @@ checkpoint tensor a row range ("shard") to be copied into; `weight_loader` does 
 model's `load_weights` only has to say *which* shard a checkpoint tensor is.
 
 Parameters are created with `torch.empty` so that they land in whatever default dtype and
-device the loader set up: no fp32 copy is ever materialised for a bf16 model.
+device the loader set up: no fp32 copy is ever materialised for a bf16 model. The checked copy
+itself (`copy_checked`, `default_weight_loader`) lives in `weight_utils`, shared with the models.
 """
 
 from __future__ import annotations
@@ -17,28 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
-    """Copy `loaded` into `param` (casting dtype and device), refusing to broadcast.
-
-    `Tensor.copy_` would happily broadcast a `[1, n]` tensor into `[m, n]`, hiding a wrong
-    checkpoint, so shapes are compared explicitly.
-    """
-    if tuple(param.shape) != tuple(loaded.shape):
-        raise ValueError(
-            f"shape mismatch: the model expects {tuple(param.shape)}, "
-            f"the checkpoint has {tuple(loaded.shape)}"
-        )
-    with torch.no_grad():
-        param.copy_(loaded)
-
-
-def default_weight_loader(
-    param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None
-) -> None:
-    if shard_id is not None:
-        raise ValueError(f"this parameter is not fused; got shard id {shard_id!r}")
-    copy_checked(param, loaded_weight)
+from tokenwise.layers.weight_utils import copy_checked, default_weight_loader
 
 
 class ReplicatedLinear(nn.Module):

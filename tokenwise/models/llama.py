@@ -30,7 +30,7 @@ from tokenwise.layers import (
     get_act_and_mul,
     get_rope_config,
 )
-from tokenwise.loader import load_stacked_weights
+from tokenwise.layers.weight_utils import load_stacked_weights
 
 
 @dataclass(frozen=True)

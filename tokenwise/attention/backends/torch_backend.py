@@ -11,6 +11,10 @@ Decode on CPU: a small C kernel (`cpu_kernels.py`) streams each sequence's block
 place, for all sequences in one call; without it (no compiler, non-fp32 cache) each sequence's
 blocks are gathered and attended with a grouped-query matmul. Decode on GPU / under CUDA graphs:
 one padded batched gather. KV heads are never repeated.
+
+The interface is tensor-only: an impl holds its plain settings (heads, head size, scale,
+window) from construction, and `forward` gets tensors, the cache and the step's metadata, never
+the attention layer, so this package sits below `attention.layer` and never imports it.
 """
 
 from __future__ import annotations
@@ -23,9 +27,9 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from tokenwise.attention.backends import cpu_kernels
+from tokenwise.attention.backends.single_sequence import single_sequence_attention
 
 if TYPE_CHECKING:
-    from tokenwise.attention.layer import Attention
     from tokenwise.attention.metadata import AttentionMetadata
 
 
@@ -68,6 +72,8 @@ def paged_decode_reference(
 
 
 class TorchAttentionImpl:
+    """One layer's attention: its settings are fixed at construction, its inputs are tensors."""
+
     def __init__(
         self,
         num_heads: int,
@@ -85,15 +91,24 @@ class TorchAttentionImpl:
 
     def forward(
         self,
-        layer: Attention,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata | None,
     ) -> torch.Tensor:
+        """Write this step's K/V into `kv_cache` and attend; `[num_tokens, heads * head]`."""
         if attn_metadata is None:  # profiling / warm-up pass: no cache, one sequence
-            return layer._single_sequence_attention(query, key, value)
+            return single_sequence_attention(
+                query,
+                key,
+                value,
+                num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads,
+                head_size=self.head_size,
+                scale=self.scale,
+                sliding_window=self.sliding_window,
+            )
         num_tokens = query.shape[0]
         q = query.view(num_tokens, self.num_heads, self.head_size)
         k = key.view(num_tokens, self.num_kv_heads, self.head_size)

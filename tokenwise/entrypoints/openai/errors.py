@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 from dataclasses import fields
 from http import HTTPStatus
 
@@ -63,12 +64,23 @@ class OpenAIError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code)
+    def response(self, headers: Mapping[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code, headers=headers)
 
 
 class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can be served until a restart."""
+
+
+def engine_dead(exc: EngineDeadError) -> OpenAIError:
+    """The 500 for a dead engine, the same whether it is a response or a stream event."""
+    return OpenAIError(500, f"the engine has stopped: {exc}", code="engine_dead")
+
+
+def generation_failed(error: object, code: str | None = "generation_error") -> OpenAIError:
+    """The 500 for a request the engine failed (a stream's event for a failed delta has
+    always been sent with `code=None`)."""
+    return OpenAIError(500, f"generation failed: {error}", code=code)
 
 
 def invalid_request(exc: Exception, default_param: str | None = None) -> OpenAIError:
@@ -112,12 +124,11 @@ def install_error_handlers(app: FastAPI) -> None:
         # Routing (404/405) and the body-size limit (413) raise these.
         message = str(exc.detail) if exc.detail else HTTPStatus(exc.status_code).phrase
         code = "request_too_large" if exc.status_code == 413 else None
-        error = OpenAIError(exc.status_code, message, code=code)
-        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+        return OpenAIError(exc.status_code, message, code=code).response(exc.headers)
 
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return OpenAIError(500, f"the engine has stopped: {exc}", code="engine_dead").response()
+        return engine_dead(exc).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

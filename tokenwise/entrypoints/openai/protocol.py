@@ -89,6 +89,19 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
 
 
+class OpenAIResponse(BaseModel):
+    """The envelope of every completion response and stream chunk. Subclasses narrow `object`
+    and `choices`; pydantic keeps an overridden field where the base declared it, so the JSON
+    key order stays id, object, created, model, choices, usage."""
+
+    id: str
+    object: str
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list
+    usage: UsageInfo | None = None
+
+
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -104,13 +117,9 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(OpenAIResponse):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
     choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
 
 
 class TopLogprob(BaseModel):
@@ -140,13 +149,9 @@ class ChatChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(OpenAIResponse):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
     choices: list[ChatChoice]
-    usage: UsageInfo | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -161,13 +166,9 @@ class ChatStreamChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(OpenAIResponse):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
     choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
 
 
 class ModelCard(BaseModel):

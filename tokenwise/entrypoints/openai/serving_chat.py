@@ -9,16 +9,11 @@ problem to fix (400), not a server error.
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
-from fastapi import Request
-from fastapi.responses import Response
 
 from tokenwise.engine.prompts import check_text
-from tokenwise.entrypoints.openai.async_engine import AsyncEngine, RequestStream
 from tokenwise.entrypoints.openai.errors import OpenAIError
 from tokenwise.entrypoints.openai.logprobs import chat_logprobs
 from tokenwise.entrypoints.openai.protocol import (
@@ -27,23 +22,20 @@ from tokenwise.entrypoints.openai.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     ChatStreamChoice,
     DeltaMessage,
 )
-from tokenwise.entrypoints.openai.server_config import ServerConfig
 from tokenwise.entrypoints.openai.serving_common import (
-    SSE_DONE,
-    UsageCounter,
+    OpenAIServing,
     build_sampling_params,
     check_cap,
-    check_model,
-    event_stream,
-    merge_by_prompt,
-    respond,
-    sse,
-    stream_error,
-    submit,
 )
+from tokenwise.outputs import CompletionOutput
+from tokenwise.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenwise.engine.prompts import PromptInput
 
 
 def render_chat(tokenizer: Any, body: ChatCompletionRequest) -> dict[str, Any]:
@@ -76,13 +68,15 @@ def render_chat(tokenizer: Any, body: ChatCompletionRequest) -> dict[str, Any]:
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
 
-class ChatServing:
-    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
-        self.engine = engine
-        self.config = config
+class ChatServing(OpenAIServing[ChatCompletionRequest, ChatLogprobs]):
+    """One rendered prompt; a stream opens with the assistant role and then sends deltas."""
 
-    async def create(self, body: ChatCompletionRequest, raw: Request) -> Response:
-        check_model(body.model, self.config)
+    request_id_prefix = "chatcmpl"
+    prompt_param = "messages"
+    response_cls = ChatCompletionResponse
+    chunk_cls = ChatCompletionChunk
+
+    def _prepare(self, body: ChatCompletionRequest) -> tuple[list[PromptInput], SamplingParams]:
         cap = self.config.effective_max_tokens_cap
         check_cap("max_tokens", body.max_tokens, cap, "--max-tokens-cap")
         check_cap("max_completion_tokens", body.max_completion_tokens, cap, "--max-tokens-cap")
@@ -94,87 +88,39 @@ class ChatServing:
             max_tokens = body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = build_sampling_params(body, self.config, max_tokens, logprobs)
-        prompt = render_chat(self.engine.engine.tokenizer, body)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await submit(self.engine, request_id, [prompt], params, "messages")
-        if body.stream:
-            return event_stream(self._stream(body, request_id, stream))
-        return await respond(raw, stream, self._collect(body, request_id, stream))
+        return [render_chat(self.engine.engine.tokenizer, body)], params
 
-    async def _collect(
-        self, body: ChatCompletionRequest, request_id: str, stream: RequestStream
-    ) -> ChatCompletionResponse:
-        merged = (await merge_by_prompt(stream))[0]
-        usage = UsageCounter()
-        choices = []
-        for c in merged.outputs:
-            usage.add(0, len(merged.prompt_token_ids), len(c.token_ids))
-            logprobs = None
-            if body.logprobs:
-                logprobs = chat_logprobs(c.token_ids, c.logprobs or [], body.top_logprobs or 0)
-            choices.append(
-                ChatChoice(
-                    index=c.index,
-                    message=AssistantMessage(content=c.text),
-                    logprobs=logprobs,
-                    finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
-                )
-            )
-        return ChatCompletionResponse(
-            id=request_id,
-            model=self.config.served_model_name,
-            choices=choices,
-            usage=usage.usage(),
+    def _logprobs(
+        self, body: ChatCompletionRequest, output: CompletionOutput, offset: int
+    ) -> tuple[ChatLogprobs | None, int]:
+        if not body.logprobs:
+            return None, offset
+        top_n = body.top_logprobs or 0
+        return chat_logprobs(output.token_ids, output.logprobs or [], top_n), offset
+
+    def _choice(
+        self, index: int, output: CompletionOutput, logprobs: ChatLogprobs | None
+    ) -> ChatChoice:
+        return ChatChoice(
+            index=index,
+            message=AssistantMessage(content=output.text),
+            logprobs=logprobs,
+            finish_reason=output.finish_reason,
+            stop_reason=output.stop_reason,
         )
 
-    async def _stream(
-        self, body: ChatCompletionRequest, request_id: str, stream: RequestStream
-    ) -> AsyncIterator[str]:
-        def chunk(choices: list[ChatStreamChoice]) -> str:
-            model = self.config.served_model_name
-            return sse(ChatCompletionChunk(id=request_id, model=model, choices=choices))
+    def _stream_choice(
+        self, index: int, output: CompletionOutput, logprobs: ChatLogprobs | None
+    ) -> ChatStreamChoice:
+        # A delta without tokens (the final one, say) carries no logprobs, not an empty list.
+        return ChatStreamChoice(
+            index=index,
+            delta=DeltaMessage(content=output.text or None),
+            logprobs=logprobs if output.token_ids else None,
+            finish_reason=output.finish_reason,
+        )
 
-        usage = UsageCounter()
-        try:
-            # OpenAI opens every choice with the assistant role and empty content.
-            role = DeltaMessage(role="assistant", content="")
-            yield chunk([ChatStreamChoice(index=i, delta=role) for i in range(body.n)])
-            async for _, delta in stream:
-                if delta.error is not None:
-                    yield stream_error(OpenAIError(500, f"generation failed: {delta.error}"))
-                    break
-                for c in delta.outputs:
-                    usage.add(0, len(delta.prompt_token_ids), len(c.token_ids))
-                    logprobs = None
-                    if body.logprobs and c.token_ids:
-                        top_n = body.top_logprobs or 0
-                        logprobs = chat_logprobs(c.token_ids, c.logprobs or [], top_n)
-                    if not c.text and c.finish_reason is None and logprobs is None:
-                        continue  # nothing to say yet (e.g. text waiting for more UTF-8 bytes)
-                    content = DeltaMessage(content=c.text or None)
-                    yield chunk(
-                        [
-                            ChatStreamChoice(
-                                index=c.index,
-                                delta=content,
-                                logprobs=logprobs,
-                                finish_reason=c.finish_reason,
-                            )
-                        ]
-                    )
-            else:
-                if body.stream_options is not None and body.stream_options.include_usage:
-                    yield sse(
-                        ChatCompletionChunk(
-                            id=request_id,
-                            model=self.config.served_model_name,
-                            choices=[],
-                            usage=usage.usage(),
-                        )
-                    )
-        except Exception as exc:
-            yield stream_error(exc)
-        finally:
-            stream.close()
-        yield SSE_DONE
+    def _stream_opening(self, body: ChatCompletionRequest) -> list[ChatStreamChoice]:
+        # OpenAI opens every choice with the assistant role and empty content.
+        role = DeltaMessage(role="assistant", content="")
+        return [ChatStreamChoice(index=i, delta=role) for i in range(body.n)]

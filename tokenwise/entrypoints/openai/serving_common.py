@@ -1,29 +1,42 @@
 """What completions and chat completions share: checks, sampling parameters, submission,
-usage accounting, server-sent events and cancellation on disconnect."""
+usage accounting, server-sent events, cancellation on disconnect, and `OpenAIServing`, the
+request -> engine -> response flow of both endpoints. The endpoints differ only in how a
+request becomes prompts and how an engine output becomes a choice, so everything else lives
+here once and the two cannot drift apart (framing, usage, error events, aborts)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import uuid
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from tokenwise.entrypoints.openai.async_engine import AsyncEngine, RequestStream
-from tokenwise.entrypoints.openai.errors import EngineDeadError, OpenAIError, invalid_request
-from tokenwise.entrypoints.openai.protocol import GenerationRequest, UsageInfo
+from tokenwise.entrypoints.openai.errors import (
+    EngineDeadError,
+    OpenAIError,
+    engine_dead,
+    generation_failed,
+    invalid_request,
+)
+from tokenwise.entrypoints.openai.protocol import GenerationRequest, OpenAIResponse, UsageInfo
 from tokenwise.entrypoints.openai.server_config import ServerConfig
-from tokenwise.outputs import RequestOutput
+from tokenwise.outputs import CompletionOutput, RequestOutput
 from tokenwise.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from tokenwise.engine.prompts import PromptInput
 
 T = TypeVar("T")
+RequestT = TypeVar("RequestT", bound=GenerationRequest)
+LogprobsT = TypeVar("LogprobsT", bound=BaseModel)
 SSE_DONE = "data: [DONE]\n\n"
 _OPTIONAL_SAMPLING = (
     "temperature",
@@ -79,22 +92,6 @@ def build_sampling_params(
         raise invalid_request(exc) from exc
 
 
-async def submit(
-    engine: AsyncEngine,
-    request_id: str,
-    prompts: list[PromptInput],
-    params: SamplingParams,
-    prompt_param: str,
-) -> RequestStream:
-    """Queue the prompts; the engine's complaints (prompt too long or empty, bad token ids,
-    parameters this model cannot honour) become 400s, about `prompt_param` unless the message
-    names a sampling parameter."""
-    try:
-        return await engine.submit(request_id, prompts, params)
-    except (ValueError, TypeError) as exc:
-        raise invalid_request(exc, prompt_param) from exc
-
-
 class UsageCounter:
     """Prompt tokens count once per prompt (not per choice); completion tokens per choice."""
 
@@ -131,9 +128,9 @@ def stream_error(exc: BaseException) -> str:
     if isinstance(exc, OpenAIError):
         error = exc
     elif isinstance(exc, EngineDeadError):
-        error = OpenAIError(500, f"the engine has stopped: {exc}", code="engine_dead")
+        error = engine_dead(exc)
     else:
-        error = OpenAIError(500, f"generation failed: {exc}", code="generation_error")
+        error = generation_failed(exc)
     return sse(error.body())
 
 
@@ -185,16 +182,123 @@ async def respond(
     return json_response(response)
 
 
-async def merge_by_prompt(stream: RequestStream) -> dict[int, RequestOutput]:
-    """Fold every delta of the stream into one cumulative output per prompt index; a failed
-    generation is a 500."""
-    merged: dict[int, RequestOutput] = {}
-    async for index, delta in stream:
-        if index in merged:
-            merged[index].merge(delta)
-        else:
-            merged[index] = delta
-    for out in merged.values():
-        if out.error is not None:
-            raise OpenAIError(500, f"generation failed: {out.error}", code="generation_error")
-    return merged
+class OpenAIServing(ABC, Generic[RequestT, LogprobsT]):
+    """One endpoint's flow: validate, submit, then collect one response or stream chunks.
+
+    Subclasses supply the endpoint's checks, prompts and sampling parameters (`_prepare`, in
+    the order their errors should be reported) and the shapes of its logprobs and choices.
+    Choice `i * n + j` is sample `j` of prompt `i` (chat has one prompt, so it is just `j`).
+    """
+
+    request_id_prefix: ClassVar[str]
+    prompt_param: ClassVar[str]  # the field a 400 about the prompt names
+    response_cls: ClassVar[type[OpenAIResponse]]
+    chunk_cls: ClassVar[type[OpenAIResponse]]
+
+    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+
+    async def create(self, body: RequestT, raw: Request) -> Response:
+        check_model(body.model, self.config)
+        prompts, params = self._prepare(body)
+        request_id = f"{self.request_id_prefix}-{uuid.uuid4().hex}"
+        try:
+            stream = await self.engine.submit(request_id, prompts, params)
+        except (ValueError, TypeError) as exc:
+            # The engine's complaints (prompt too long or empty, bad token ids, parameters this
+            # model cannot honour) are 400s about the prompt unless they name a parameter.
+            raise invalid_request(exc, self.prompt_param) from exc
+        if body.stream:
+            return event_stream(self._stream(body, request_id, stream))
+        return await respond(raw, stream, self._collect(body, request_id, stream))
+
+    @abstractmethod
+    def _prepare(self, body: RequestT) -> tuple[list[PromptInput], SamplingParams]:
+        """Check the request (raising OpenAIError) and turn it into engine prompts."""
+
+    @abstractmethod
+    def _logprobs(
+        self, body: RequestT, output: CompletionOutput, offset: int
+    ) -> tuple[LogprobsT | None, int]:
+        """The logprobs of `output`'s tokens (None when not requested), whose text starts at
+        character `offset` of the choice, and the offset after them."""
+
+    @abstractmethod
+    def _choice(
+        self, index: int, output: CompletionOutput, logprobs: LogprobsT | None
+    ) -> BaseModel:
+        """The choice of a collected (non-streaming) response."""
+
+    def _stream_choice(
+        self, index: int, output: CompletionOutput, logprobs: LogprobsT | None
+    ) -> BaseModel:
+        """The choice of a stream chunk; the collected shape unless the endpoint streams
+        deltas of another shape."""
+        return self._choice(index, output, logprobs)
+
+    def _stream_opening(self, body: RequestT) -> list[BaseModel]:
+        """Choices of a chunk sent before any token (none unless the endpoint wants one)."""
+        return []
+
+    async def _collect(
+        self, body: RequestT, request_id: str, stream: RequestStream
+    ) -> OpenAIResponse:
+        # Fold the deltas into one cumulative output per prompt; a failed generation is a 500.
+        merged: dict[int, RequestOutput] = {}
+        async for index, delta in stream:
+            if index in merged:
+                merged[index].merge(delta)
+            else:
+                merged[index] = delta
+        for out in merged.values():
+            if out.error is not None:
+                raise generation_failed(out.error)
+        usage = UsageCounter()
+        choices = []
+        for index in sorted(merged):
+            out = merged[index]
+            for c in out.outputs:
+                usage.add(index, len(out.prompt_token_ids), len(c.token_ids))
+                logprobs, _ = self._logprobs(body, c, 0)
+                choices.append(self._choice(index * body.n + c.index, c, logprobs))
+        return self.response_cls(
+            id=request_id,
+            model=self.config.served_model_name,
+            choices=choices,
+            usage=usage.usage(),
+        )
+
+    async def _stream(
+        self, body: RequestT, request_id: str, stream: RequestStream
+    ) -> AsyncIterator[str]:
+        def chunk(choices: list[BaseModel], usage: UsageInfo | None = None) -> str:
+            model = self.config.served_model_name
+            return sse(self.chunk_cls(id=request_id, model=model, choices=choices, usage=usage))
+
+        usage = UsageCounter()
+        offsets: dict[int, int] = {}  # choice -> text offset of its next token
+        try:
+            opening = self._stream_opening(body)
+            if opening:
+                yield chunk(opening)
+            async for index, delta in stream:
+                if delta.error is not None:
+                    yield stream_error(generation_failed(delta.error, code=None))
+                    break
+                for c in delta.outputs:
+                    usage.add(index, len(delta.prompt_token_ids), len(c.token_ids))
+                    choice = index * body.n + c.index
+                    logprobs, offsets[choice] = self._logprobs(body, c, offsets.get(choice, 0))
+                    if not c.text and c.finish_reason is None:
+                        if logprobs is None or not c.token_ids:
+                            continue  # nothing to say yet (e.g. text awaiting more UTF-8 bytes)
+                    yield chunk([self._stream_choice(choice, c, logprobs)])
+            else:
+                if body.stream_options is not None and body.stream_options.include_usage:
+                    yield chunk([], usage.usage())
+        except Exception as exc:
+            yield stream_error(exc)
+        finally:
+            stream.close()
+        yield SSE_DONE

@@ -1,4 +1,12 @@
-"""Engine flags shared by every CLI subcommand (generate, chat, serve, bench)."""
+"""Engine flags and argparse validators shared by every CLI subcommand (generate, chat, serve,
+bench).
+
+They live here, in the engine package, rather than in `tokenwise.entrypoints`: the benchmarks
+need the same flags, and the CLI registers the benchmarks, so a home under `entrypoints` would
+make benchmarks and entrypoints import each other. Both now import this module from above.
+Only the standard library is imported at module level (`tokenwise.config` lazily, when a flag
+is parsed), so building a parser stays instant: no torch, no engine.
+"""
 
 from __future__ import annotations
 

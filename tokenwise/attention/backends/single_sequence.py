@@ -1,0 +1,49 @@
+"""Causal attention over one sequence with no KV cache, in plain PyTorch.
+
+Two callers need exactly this and nothing more: the `Attention` layer when there is no forward
+context (a model used on its own, like a plain PyTorch module), and a backend on a pass without
+metadata (the engine's profiling and warm-up passes). It lives in its own module below both, so
+that the backend takes its settings as plain values and never imports the layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def single_sequence_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """All tokens are one causal sequence: q `[n, heads * head]`, k/v `[n, kv_heads * head]`.
+
+    Returns `[n, heads * head]`. Grouped-query attention is SDPA's `enable_gqa`, so KV heads
+    are never repeated; a sliding window becomes an explicit band mask.
+    """
+    num_tokens = query.shape[0]
+    q = query.view(num_tokens, num_heads, head_size).transpose(0, 1)
+    k = key.view(num_tokens, num_kv_heads, head_size).transpose(0, 1)
+    v = value.view(num_tokens, num_kv_heads, head_size).transpose(0, 1)
+    mask = None
+    if sliding_window is not None:
+        pos = torch.arange(num_tokens, device=query.device)
+        diff = pos[:, None] - pos[None, :]
+        mask = (diff >= 0) & (diff < sliding_window)
+    out = F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=num_kv_heads != num_heads,
+    )
+    return out.transpose(0, 1).reshape(num_tokens, num_heads * head_size)

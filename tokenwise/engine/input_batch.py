@@ -1,0 +1,253 @@
+"""The runner's persistent input batch: buffers allocated once, rows updated incrementally.
+
+Each running request owns a row holding all of its token ids and its block table. A step only
+writes what changed: the rows of new or resumed requests, the tokens sampled since the last
+step, blocks appended since then. The flat per-step inputs (token ids, positions, slot mapping,
+query start locations, sequence lengths, block tables) are then gathered with a few vectorised
+NumPy operations into pinned host buffers and moved to the device with one non-blocking copy
+each. On CPU the device twin is the host buffer itself: no copy at all.
+
+Before this, every step rebuilt those inputs as Python lists and turned them into about eight
+fresh tensors per attention spec (`benchmarks/input_prep_bench.py` measures both).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from tokenwise.attention.utils import PAD_SLOT_ID
+from tokenwise.engine.step_outputs import ScheduledRequest
+
+
+class CpuGpuBuffer:
+    """A host buffer (pinned when the device is a GPU) and its device twin."""
+
+    def __init__(self, *shape: int, dtype: torch.dtype, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        # Inference tensors, like everything `execute_model` makes under inference_mode: a
+        # compiled model guards on the dispatch keys, and normal tensors would recompile it.
+        with torch.inference_mode():
+            self.cpu = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+            self.device = (
+                self.cpu if device.type == "cpu" else torch.zeros_like(self.cpu, device=device)
+            )
+        self.np = self.cpu.numpy()
+
+    def copy_to_device(self, n: int, start: int = 0, width: int | None = None) -> torch.Tensor:
+        """Rows `start:n` (first `width` columns) on the device; one non-blocking copy, or
+        none on CPU. Returns the device view of rows `:n`."""
+        part = (slice(start, n),) if width is None else (slice(start, n), slice(0, width))
+        if self.device is not self.cpu:
+            self.device[part].copy_(self.cpu[part], non_blocking=True)
+        return self.device[:n] if width is None else self.device[:n, :width]
+
+
+@dataclass
+class StepInputs:
+    """One step's flat inputs: device views of the batch buffers, plus host copies."""
+
+    num_reqs: int
+    num_tokens: int
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor  # [num_reqs, max_blocks of this step]
+    rows: np.ndarray  # the batch row of each scheduled request, in step order (real ones)
+    query_lens_np: np.ndarray
+    context_lens_np: np.ndarray
+    logits_indices: list[int]  # flat index of each sampling request's last token
+    sampled: list[ScheduledRequest]
+
+
+class InputBatch:
+    """Rows for up to `max_num_reqs` requests; flat buffers for `max_num_tokens` tokens."""
+
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_num_tokens: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_num_tokens = max_num_tokens
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.device = device
+        self.max_blocks = -(-max_model_len // block_size)
+        # Per-request rows (host only: the runner gathers from them).
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.row_block_tables = np.zeros((max_num_reqs, self.max_blocks), dtype=np.int32)
+        # How much of each row is written (plain lists: NumPy scalar access is slow per row).
+        self.num_tokens = [0] * max_num_reqs
+        self.num_blocks = [0] * max_num_reqs
+        self.req_index: dict[str, int] = {}
+        self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+        # Flat per-step buffers, host and device.
+        self.input_ids = CpuGpuBuffer(max_num_tokens, dtype=torch.int64, device=device)
+        self.positions = CpuGpuBuffer(max_num_tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = CpuGpuBuffer(max_num_tokens, dtype=torch.int64, device=device)
+        self.query_start_loc = CpuGpuBuffer(max_num_reqs + 1, dtype=torch.int32, device=device)
+        self.seq_lens = CpuGpuBuffer(max_num_reqs, dtype=torch.int32, device=device)
+        # Fixed width, so a captured graph reads the same address and stride every step; a
+        # step copies only its [num_reqs, width] corner.
+        self.block_tables = CpuGpuBuffer(
+            max_num_reqs, self.max_blocks, dtype=torch.int32, device=device
+        )
+
+    # ---- rows -----------------------------------------------------------------------------
+
+    def remove_requests(self, request_ids: list[str]) -> None:
+        """Free the rows of finished or preempted requests (unknown ids are ignored)."""
+        for rid in request_ids:
+            row = self.req_index.pop(rid, None)
+            if row is not None:
+                self._free_rows.append(row)
+
+    def _sync_row(self, item: ScheduledRequest) -> int:
+        """The request's row, with tokens and blocks brought up to date (only what changed)."""
+        req = item.request
+        row = self.req_index.get(req.request_id)
+        if row is None:
+            if not self._free_rows:
+                raise RuntimeError(
+                    f"input batch has no free row for request {req.request_id} "
+                    f"(max_num_reqs={self.max_num_reqs}); finished requests were not removed"
+                )
+            row = self._free_rows.pop()
+            self.req_index[req.request_id] = row
+            self.num_tokens[row] = 0
+            self.num_blocks[row] = 0
+        have, total = self.num_tokens[row], len(req.all_token_ids)
+        if total > have:
+            self.token_ids[row, have:total] = req.all_token_ids[have:total]
+            self.num_tokens[row] = total
+        table = req.block_table
+        have = self.num_blocks[row]
+        if len(table) != have:
+            # Blocks are only appended while a request runs; a preempted one gets a new row.
+            self.row_block_tables[row, have : len(table)] = table[have:]
+            self.num_blocks[row] = len(table)
+        return row
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def prepare(self, ordered: list[ScheduledRequest]) -> StepInputs:
+        """Gather the step's flat inputs for `ordered` (prefills first) and move them."""
+        n = len(ordered)
+        row_list, q_list, ctx_list, sample_at = [], [], [], []
+        for i, item in enumerate(ordered):
+            req = item.request
+            row_list.append(self._sync_row(item))
+            q_list.append(item.num_new_tokens)
+            ctx_list.append(req.num_computed_tokens)
+            if req.num_computed_tokens + item.num_new_tokens == len(req.all_token_ids):
+                sample_at.append(i)
+        rows = np.array(row_list, dtype=np.int64)
+        query_lens = np.array(q_list, dtype=np.int64)
+        context_lens = np.array(ctx_list, dtype=np.int64)
+        cu = np.cumsum(query_lens)
+        num_tokens = int(cu[-1]) if n else 0
+        if num_tokens > self.max_num_tokens:
+            raise ValueError(
+                f"step has {num_tokens} tokens, more than the input batch holds "
+                f"({self.max_num_tokens})"
+            )
+        owner = np.repeat(np.arange(n), query_lens)
+        positions = np.arange(num_tokens) - np.repeat(cu - query_lens, query_lens)
+        positions += context_lens[owner]
+        token_rows = rows[owner]
+        self.input_ids.np[:num_tokens] = self.token_ids[token_rows, positions]
+        self.positions.np[:num_tokens] = positions
+        blocks = self.row_block_tables[token_rows, positions // self.block_size]
+        self.slot_mapping.np[:num_tokens] = blocks * self.block_size + positions % self.block_size
+        self.query_start_loc.np[0] = 0
+        self.query_start_loc.np[1 : n + 1] = cu
+        seq_lens = context_lens + query_lens
+        self.seq_lens.np[:n] = seq_lens
+        width = int(-(-seq_lens.max() // self.block_size)) if n else 0
+        # Columns past a sequence's last block are zero, never a stale block id.
+        used = np.arange(width)[None, :] < -(-seq_lens[:, None] // self.block_size)
+        np.multiply(self.row_block_tables[rows, :width], used, out=self.block_tables.np[:n, :width])
+        sampled = [ordered[i] for i in sample_at]  # each completes its sequence: it samples
+        logits_indices = (cu[sample_at] - 1).tolist()
+        return StepInputs(
+            num_reqs=n,
+            num_tokens=num_tokens,
+            input_ids=self.input_ids.copy_to_device(num_tokens),
+            positions=self.positions.copy_to_device(num_tokens),
+            slot_mapping=self.slot_mapping.copy_to_device(num_tokens),
+            query_start_loc=self.query_start_loc.copy_to_device(n + 1),
+            seq_lens=self.seq_lens.copy_to_device(n),
+            block_tables=self.block_tables.copy_to_device(n, width=width),
+            rows=rows,
+            query_lens_np=query_lens,
+            context_lens_np=context_lens,
+            logits_indices=logits_indices,
+            sampled=sampled,
+        )
+
+    def pad(self, step: StepInputs, num_tokens: int) -> StepInputs:
+        """`step` grown to `num_tokens` tokens with one-token decode rows, for a graph.
+
+        Padding rows write their K/V to PAD_SLOT_ID (the backend's trash block), have length 1
+        and read block 0: they never touch a block the block manager hands out. They are written
+        into the tails of the same buffers, so the step's real part is not copied again.
+        """
+        pad = num_tokens - step.num_tokens
+        if pad < 0:
+            raise ValueError(f"cannot pad a step of {step.num_tokens} tokens to {num_tokens}")
+        if pad == 0:
+            return step
+        n, t = step.num_reqs, step.num_tokens
+        if n + pad > self.max_num_reqs or num_tokens > self.max_num_tokens:
+            raise ValueError(f"cannot pad a step of {n} sequences to {num_tokens} tokens")
+        self.input_ids.np[t:num_tokens] = 0
+        self.positions.np[t:num_tokens] = 0
+        self.slot_mapping.np[t:num_tokens] = PAD_SLOT_ID
+        self.seq_lens.np[n : n + pad] = 1
+        self.query_start_loc.np[n + 1 : n + pad + 1] = t + np.arange(1, pad + 1)
+        width = step.block_tables.shape[1] or 1
+        self.block_tables.np[n : n + pad, :width] = 0
+        return replace(
+            step,
+            num_reqs=n + pad,
+            num_tokens=num_tokens,
+            input_ids=self.input_ids.copy_to_device(num_tokens, start=t),
+            positions=self.positions.copy_to_device(num_tokens, start=t),
+            slot_mapping=self.slot_mapping.copy_to_device(num_tokens, start=t),
+            query_start_loc=self.query_start_loc.copy_to_device(n + pad + 1, start=n + 1),
+            seq_lens=self.seq_lens.copy_to_device(n + pad, start=n),
+            block_tables=self.block_tables.copy_to_device(n + pad, start=n, width=width),
+            query_lens_np=np.concatenate([step.query_lens_np, np.ones(pad, dtype=np.int64)]),
+            context_lens_np=np.concatenate([step.context_lens_np, np.zeros(pad, dtype=np.int64)]),
+        )
+
+    def windowed_block_tables(
+        self, step: StepInputs, sliding_window: int
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Block tables trimmed to what a sliding window can see, and each row's first block.
+
+        The earliest query of a sequence (position `context_len`) sees keys after
+        `context_len - window`, so blocks before that one are never read this step.
+        """
+        first = np.maximum(step.context_lens_np - sliding_window + 1, 0) // self.block_size
+        seq_lens = step.context_lens_np + step.query_lens_np
+        last = -(-seq_lens // self.block_size)
+        width = int((last - first).max()) if step.num_reqs else 0
+        cols = first[:, None] + np.arange(width)[None, :]
+        real = len(step.rows)  # padding rows (beyond the real ones) read block 0
+        valid = (cols < last[:, None]) & (np.arange(step.num_reqs) < real)[:, None]
+        rows = np.concatenate([step.rows, np.zeros(step.num_reqs - real, dtype=np.int64)])
+        gathered = self.row_block_tables[rows[:, None], np.minimum(cols, self.max_blocks - 1)]
+        table = torch.from_numpy(np.where(valid, gathered, 0).astype(np.int32))
+        return table.to(self.device, non_blocking=True), first.tolist()
+
+
+__all__ = ["CpuGpuBuffer", "InputBatch", "StepInputs"]

@@ -1,0 +1,54 @@
+"""What one step hands from the scheduler to the runner, and from the runner back.
+
+Its own module so that the scheduler (which consumes the runner's output in
+`update_from_output`) and the runner (which consumes the scheduler's output) import neither
+each other nor the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenwise.engine.request import Request
+from tokenwise.sampling.sampler import LogprobsTensors
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def completes_sequence(self) -> bool:
+        """True when this step computes the sequence's last known token (so it samples)."""
+        req = self.request
+        return req.num_computed_tokens + self.num_new_tokens == req.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_preempted: int = 0
+    # Requests aborted because they can never be placed, each with the reason why.
+    aborted: list[tuple[Request, str]] = field(default_factory=list)
+    # Requests that left the running set (finished, aborted or preempted) since the last
+    # step: the runner frees their input-batch rows.
+    finished_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    """One entry per sampled request, in the order of `sampled_requests`."""
+
+    sampled_requests: list[ScheduledRequest]
+    sampled_token_ids: list[int]
+    logprobs: LogprobsTensors | None
+    num_tokens: int
