@@ -347,3 +347,21 @@ def test_bf16_close_to_fp32_reference(window: int | None) -> None:
     outs, _ = run_step(impl, cache, items, builder, torch.bfloat16)
     assert all(o.dtype == torch.bfloat16 for o in outs)
     check(outs, items, window=window, atol=4e-2, rtol=4e-2)
+
+
+@pytest.mark.parametrize("window", [None, 3, 6])
+def test_packed_prefill_equals_the_dense_reference(
+    window: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU's one-call prefill (forced here on CPU): fresh prompts, then chunks after a
+    cached context of different lengths, beside a decode, with and without a window."""
+    impl, cache, seqs, builder = setup(7, [9, 14, 6, 11, 2], window)
+    monkeypatch.setattr(impl, "_prefill", impl._prefill_packed)
+    first = [(seqs[0], 0, 4), (seqs[1], 0, 9), (seqs[2], 0, 6), (seqs[3], 0, 2), (seqs[4], 0, 1)]
+    outs, md = run_step(impl, cache, first, builder)
+    assert md.num_prefills == 4
+    check(outs, first, window)
+    second = [(seqs[0], 4, 5), (seqs[1], 9, 5), (seqs[3], 2, 9), (seqs[4], 1, 1)]
+    outs, md = run_step(impl, cache, second, builder)
+    assert md.num_prefills == 3 and md.num_decode_tokens == 1
+    check(outs, second, window)

@@ -219,3 +219,20 @@ def test_prefix_cached_prompt_gives_hf_logprobs(llama: str, hf_refs: list[list[i
         for tid, value in out.outputs[0].logprobs[0].items():
             assert value.logprob == pytest.approx(ref[tid].item(), abs=1e-4)
     assert_pool_clean(llm.llm_engine)
+
+
+@pytest.mark.parametrize("arch", [LLAMA, "Qwen3ForCausalLM"])
+def test_packed_prefill_gives_hf_tokens(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU's one-call prefill, forced on CPU: chunked prompts, prefix-cache hits (a
+    second pass) and preemption all give HF's greedy tokens."""
+    from tokenwise.attention.backends.torch_backend import TorchAttentionImpl
+
+    monkeypatch.setattr(TorchAttentionImpl, "_prefill", TorchAttentionImpl._prefill_packed)
+    path = checkpoint(arch)
+    refs = [hf_greedy(path, p, MAX_TOKENS) for p in mixed_prompts()]
+    llm = make_llm(path, max_num_batched_tokens=16, num_gpu_blocks=12, max_model_len=192)
+    for _ in range(2):
+        outputs = llm.generate(mixed_prompts(), GREEDY, use_tqdm=False)
+        assert token_ids(outputs) == refs
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert_pool_clean(llm.llm_engine)

@@ -39,6 +39,61 @@ class AttentionMetadata:
     block_size: int = 16
     sliding_window: int | None = None
 
+    @classmethod
+    def for_sequences(
+        cls,
+        query_lens: list[int],
+        context_lens: list[int],
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        *,
+        num_prefills: int | None = None,
+        seq_lens_tensor: torch.Tensor | None = None,
+        query_start_loc: torch.Tensor | None = None,
+        seq_start_loc: torch.Tensor | None = None,
+        context_lens_tensor: torch.Tensor | None = None,
+        block_table_first_block: list[int] | None = None,
+        block_size: int = 16,
+        sliding_window: int | None = None,
+        use_cuda_graph: bool = False,
+        host_seq_lens: bool = True,
+        max_decode_seq_len: int | None = None,
+    ) -> AttentionMetadata:
+        """The one constructor: counts and maxima derived from the host-side lengths.
+
+        Sequences come prefills first, then decodes; unless `num_prefills` says how many lead,
+        a prefill is a sequence whose query is longer than one token. Graph-capture metadata has
+        no host sequence lengths (`host_seq_lens=False`: a replay never runs Python) and
+        declares the longest decode a graph may see (`max_decode_seq_len`).
+        """
+        seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
+        if num_prefills is None:
+            num_prefills = sum(1 for q in query_lens if q > 1)
+        num_prefill_tokens = sum(query_lens[:num_prefills])
+        if max_decode_seq_len is None:
+            max_decode_seq_len = max(seq_lens[num_prefills:], default=0)
+        return cls(
+            num_prefills=num_prefills,
+            num_prefill_tokens=num_prefill_tokens,
+            num_decode_tokens=sum(query_lens) - num_prefill_tokens,
+            slot_mapping=slot_mapping,
+            seq_lens=seq_lens if host_seq_lens else None,
+            seq_lens_tensor=seq_lens_tensor,
+            max_query_len=max(query_lens, default=0),
+            max_prefill_seq_len=max(seq_lens[:num_prefills], default=0),
+            max_decode_seq_len=max_decode_seq_len,
+            query_start_loc=query_start_loc,
+            seq_start_loc=seq_start_loc,
+            context_lens_tensor=context_lens_tensor,
+            block_tables=block_tables,
+            use_cuda_graph=use_cuda_graph,
+            query_lens=list(query_lens),
+            context_lens=list(context_lens),
+            block_table_first_block=block_table_first_block or [0] * len(query_lens),
+            block_size=block_size,
+            sliding_window=sliding_window,
+        )
+
     @cached_property
     def first_block_tensor(self) -> torch.Tensor:
         """`block_table_first_block` as an int32 tensor, built once per step for all layers."""
@@ -79,25 +134,20 @@ class AttentionMetadata:
             part = t[seq_lo : None if seq_hi is None else seq_hi + 1]
             return part - part[0]
 
-        query_lens = self.query_lens[seq_lo:seq_hi]
-        return AttentionMetadata(
+        return AttentionMetadata.for_sequences(
+            self.query_lens[seq_lo:seq_hi],
+            self.context_lens[seq_lo:seq_hi],
+            self.slot_mapping[tok_lo:tok_hi],
+            self.block_tables[seq_lo:seq_hi],
             num_prefills=0 if decode else self.num_prefills,
-            num_prefill_tokens=0 if decode else self.num_prefill_tokens,
-            num_decode_tokens=self.num_decode_tokens if decode else 0,
-            slot_mapping=self.slot_mapping[tok_lo:tok_hi],
-            seq_lens=None if self.seq_lens is None else self.seq_lens[seq_lo:seq_hi],
             seq_lens_tensor=cut(self.seq_lens_tensor),
-            max_query_len=max(query_lens, default=0),
-            max_prefill_seq_len=0 if decode else self.max_prefill_seq_len,
-            max_decode_seq_len=self.max_decode_seq_len if decode else 0,
             query_start_loc=rebase(self.query_start_loc),
             seq_start_loc=rebase(self.seq_start_loc),
             context_lens_tensor=cut(self.context_lens_tensor),
-            block_tables=self.block_tables[seq_lo:seq_hi],
-            use_cuda_graph=self.use_cuda_graph,
-            query_lens=query_lens,
-            context_lens=self.context_lens[seq_lo:seq_hi],
             block_table_first_block=self.block_table_first_block[seq_lo:seq_hi],
             block_size=self.block_size,
             sliding_window=self.sliding_window,
+            use_cuda_graph=self.use_cuda_graph,
+            host_seq_lens=self.seq_lens is not None,
+            max_decode_seq_len=self.max_decode_seq_len if decode else 0,
         )

@@ -102,25 +102,16 @@ class CommonAttentionState:
             raise ValueError(
                 f"batch size {batch_size} exceeds the {capacity} rows allocated by graph_capture()"
             )
-        return AttentionMetadata(
-            num_prefills=0,
-            num_prefill_tokens=0,
-            num_decode_tokens=batch_size,
-            slot_mapping=self._graph_slot_mapping[:batch_size],
-            seq_lens=None,
+        return AttentionMetadata.for_sequences(
+            [1] * batch_size,
+            [0] * batch_size,
+            self._graph_slot_mapping[:batch_size],
+            self._graph_block_tables[:batch_size],
             seq_lens_tensor=self._graph_seq_lens[:batch_size],
-            max_query_len=1,
-            max_prefill_seq_len=0,
-            max_decode_seq_len=self.max_blocks_per_seq * self.block_size,
-            query_start_loc=None,
-            seq_start_loc=None,
-            context_lens_tensor=None,
-            block_tables=self._graph_block_tables[:batch_size],
-            use_cuda_graph=True,
-            query_lens=[1] * batch_size,
-            context_lens=[0] * batch_size,
-            block_table_first_block=[0] * batch_size,
             block_size=self.block_size,
+            use_cuda_graph=True,
+            host_seq_lens=False,
+            max_decode_seq_len=self.max_blocks_per_seq * self.block_size,
         )
 
     def get_graph_input_buffers(self, attn_metadata: AttentionMetadata) -> dict[str, torch.Tensor]:

@@ -107,7 +107,6 @@ class CommonMetadataBuilder:
         seq_lens = list(seq_lens)
         query_lens = list(query_lens)
         block_tables = self.block_tables
-        num_decode_tokens = self.num_decode_tokens
         first_blocks = list(self.first_blocks)
         context_lens = list(self.context_lens)
         if use_graph:
@@ -121,7 +120,6 @@ class CommonMetadataBuilder:
             query_lens.extend([1] * cuda_graph_pad_size)
             context_lens.extend([0] * cuda_graph_pad_size)
             first_blocks.extend([0] * cuda_graph_pad_size)
-            num_decode_tokens = batch_size
         max_blocks = max((len(t) for t in block_tables), default=0)
         if use_graph and self.attn_state is not None:
             table_tensor = self.attn_state.write_block_tables(block_tables, batch_size)
@@ -136,28 +134,20 @@ class CommonMetadataBuilder:
         seq_start = [0]
         for s in seq_lens:
             seq_start.append(seq_start[-1] + s)
-        prefill_seq_lens = seq_lens[: self.num_prefills]
-        decode_seq_lens = seq_lens[self.num_prefills :]
-        return AttentionMetadata(
+        return AttentionMetadata.for_sequences(
+            query_lens,
+            context_lens,
+            torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
+            table_tensor.to(dev, non_blocking=True),
             num_prefills=self.num_prefills,
-            num_prefill_tokens=self.num_prefill_tokens,
-            num_decode_tokens=num_decode_tokens,
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
-            seq_lens=seq_lens,
             seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            max_query_len=max(query_lens, default=0),
-            max_prefill_seq_len=max(prefill_seq_lens, default=0),
-            max_decode_seq_len=max(decode_seq_lens, default=0),
             query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
             seq_start_loc=torch.tensor(seq_start, dtype=torch.int32, device=dev),
             context_lens_tensor=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            block_tables=table_tensor.to(dev, non_blocking=True),
-            use_cuda_graph=use_graph,
-            query_lens=query_lens,
-            context_lens=context_lens,
             block_table_first_block=first_blocks,
             block_size=self.block_size,
             sliding_window=self.sliding_window,
+            use_cuda_graph=use_graph,
         )
 
     def build_from_buffers(
@@ -176,32 +166,21 @@ class CommonMetadataBuilder:
         Python lists. Sequences must come prefills first. `block_table_first_block` is given
         for window-trimmed tables (rows then start at that logical block).
         """
-        n = len(query_lens)
-        seq_lens = context_lens + query_lens
-        num_prefills = int(np.count_nonzero(query_lens > 1))
-        num_prefill_tokens = int(query_lens[:num_prefills].sum())
-        seq_start = np.zeros(n + 1, dtype=np.int32)
-        np.cumsum(seq_lens, out=seq_start[1:])
+        seq_start = np.zeros(len(query_lens) + 1, dtype=np.int32)
+        np.cumsum(context_lens + query_lens, out=seq_start[1:])
         dev = slot_mapping.device
-        return AttentionMetadata(
-            num_prefills=num_prefills,
-            num_prefill_tokens=num_prefill_tokens,
-            num_decode_tokens=int(query_lens.sum()) - num_prefill_tokens,
-            slot_mapping=slot_mapping,
-            seq_lens=seq_lens.tolist(),
+        return AttentionMetadata.for_sequences(
+            query_lens.tolist(),
+            context_lens.tolist(),
+            slot_mapping,
+            block_tables,
             seq_lens_tensor=seq_lens_tensor,
-            max_query_len=int(query_lens.max()) if n else 0,
-            max_prefill_seq_len=int(seq_lens[:num_prefills].max()) if num_prefills else 0,
-            max_decode_seq_len=int(seq_lens[num_prefills:].max()) if n > num_prefills else 0,
             query_start_loc=query_start_loc,
             seq_start_loc=torch.from_numpy(seq_start).to(dev, non_blocking=True),
             context_lens_tensor=torch.from_numpy(context_lens.astype(np.int32)).to(
                 dev, non_blocking=True
             ),
-            block_tables=block_tables,
-            query_lens=query_lens.tolist(),
-            context_lens=context_lens.tolist(),
-            block_table_first_block=block_table_first_block or [0] * n,
+            block_table_first_block=block_table_first_block,
             block_size=self.block_size,
             sliding_window=self.sliding_window,
         )

@@ -119,7 +119,8 @@ class TorchAttentionImpl:
         output = torch.empty_like(q)
         n_prefill = attn_metadata.num_prefill_tokens
         if attn_metadata.num_prefills:
-            self._prefill(q[:n_prefill], k, v, key_cache, value_cache, attn_metadata, output)
+            prefill = self._prefill if q.device.type == "cpu" else self._prefill_packed
+            prefill(q[:n_prefill], k, v, key_cache, value_cache, attn_metadata, output)
         if attn_metadata.num_decode_tokens:
             self._decode_into(
                 q[n_prefill:], key_cache, value_cache, attn_metadata, output[n_prefill:]
@@ -151,6 +152,63 @@ class TorchAttentionImpl:
                 values = value_cache.index_select(0, table).flatten(0, 1)[:n_keys]
             output[start:end] = self._attend(q[start:end], keys, values, ctx_len, key_offset)
             start = end
+
+    def _prefill_packed(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        md: AttentionMetadata,
+        output: torch.Tensor,
+    ) -> None:
+        """Every prefill of the step in one SDPA call (the GPU path; `_prefill` on CPU).
+
+        Per-sequence calls cost ~10 kernel launches each, per layer: on an H100 a step with
+        16 prefills spent 436 ms of CPU in attention for 28 layers. Here queries are padded into
+        `[prefills, longest query]`, keys gathered from the cache (this step's were written
+        there first) through the block tables, and one mask per sequence says which keys each
+        query sees: causal from its position, inside the sliding window, within the sequence.
+        Padded query rows see key 0 only (never an empty row) and are dropped.
+        """
+        num, block_size, dev = md.num_prefills, md.block_size, q.device
+        q_lens = torch.tensor(md.query_lens[:num], device=dev)
+        ctx = torch.tensor(md.context_lens[:num], device=dev)
+        key_offset = torch.tensor(md.block_table_first_block[:num], device=dev) * block_size
+        n_keys = ctx + q_lens - key_offset
+        max_q = max(md.query_lens[:num])
+        tables = md.block_tables[:num].to(torch.int64)
+        width = tables.shape[1] * block_size
+        flat = tables.reshape(-1)
+        shape = (num, width, self.num_kv_heads, self.head_size)
+        keys = key_cache.index_select(0, flat).view(shape).transpose(1, 2)
+        values = value_cache.index_select(0, flat).view(shape).transpose(1, 2)
+        # Query token t of sequence s goes to row s * max_q + (t - start of s).
+        starts = torch.cumsum(q_lens, 0) - q_lens
+        owner = torch.repeat_interleave(torch.arange(num, device=dev), q_lens)
+        local = torch.arange(q.shape[0], device=dev) - starts[owner]
+        rows = owner * max_q + local
+        padded = q.new_zeros(num * max_q, self.num_heads, self.head_size)
+        padded.index_copy_(0, rows, q)
+        i = torch.arange(max_q, device=dev)[None, :, None]
+        j = torch.arange(width, device=dev)[None, None, :]
+        q_pos = ctx[:, None, None] + i
+        k_pos = key_offset[:, None, None] + j
+        mask = (j < n_keys[:, None, None]) & (k_pos <= q_pos)
+        if self.sliding_window is not None:
+            mask &= k_pos > q_pos - self.sliding_window
+        mask |= (i >= q_lens[:, None, None]) & (j == 0)
+        out = F.scaled_dot_product_attention(
+            padded.view(num, max_q, self.num_heads, self.head_size).transpose(1, 2),
+            keys,
+            values,
+            attn_mask=mask[:, None],
+            scale=self.scale,
+            enable_gqa=self.group > 1,
+        )
+        out = out.transpose(1, 2).reshape(num * max_q, self.num_heads, self.head_size)
+        output[: q.shape[0]] = out.index_select(0, rows)
 
     def _attend(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ctx_len: int, offset: int
