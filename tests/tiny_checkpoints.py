@@ -50,11 +50,36 @@ _MODEL_TYPES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "MistralForCausalLM": {"sliding_window": None},
     # head_dim != hidden_size // num_heads, to exercise the explicit head_dim path.
     "Qwen3ForCausalLM": {"head_dim": 32},
+    # MoE: 4-8 small experts, top-2. The router and experts get std 0.2 like every matrix, so
+    # routing is decisive and varies from token to token (every expert sees some tokens).
+    "MixtralForCausalLM": {
+        "sliding_window": None,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 64,
+    },
+    "Qwen2MoeForCausalLM": {
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 96,
+        "norm_topk_prob": False,
+    },
+    "Qwen3MoeForCausalLM": {
+        "head_dim": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+    },
 }
 _CACHE_DIR: str | None = None
 

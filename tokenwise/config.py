@@ -79,6 +79,12 @@ class ParallelConfig:
     data_parallel_rank: int = 0
     tensor_parallel_size: int = 1
     is_moe_model: bool | None = None
+    # MoE layers under DP > 1: True gives each rank whole experts (num_experts / dp_size of
+    # them); False shards every expert's intermediate dimension over the DP ranks instead.
+    enable_expert_parallel: bool = False
+    # Where DP ranks rendezvous (torch.distributed TCP store); port None = a free one.
+    data_parallel_master_ip: str = "127.0.0.1"
+    data_parallel_master_port: int | None = None
     # Micro-batching ("dual batch overlap") thresholds: below these a batch is not split.
     enable_microbatching: bool = False
     microbatching_decode_token_threshold: int = 32
@@ -111,7 +117,11 @@ class CompilationConfig:
     cudagraph_mode: CUDAGraphMode = CUDAGraphMode.NONE
     cudagraph_capture_sizes: list[int] | None = None
     use_compile: bool = False
-    splitting_ops: list[str] = field(default_factory=lambda: ["tokenwise::unified_attention"])
+    # Opaque ops the compiled graph is cut at (piecewise graphs never hold them): attention,
+    # and the MoE experts, whose per-expert token counts are read on the host.
+    splitting_ops: list[str] = field(
+        default_factory=lambda: ["tokenwise::unified_attention", "tokenwise::moe_experts"]
+    )
     # None: split the graph at `splitting_ops` exactly when the CUDA-graph mode has piecewise
     # graphs; True / False force piecewise / one full graph.
     piecewise_compile: bool | None = None

@@ -84,6 +84,35 @@ def test_piecewise_inductor_matches_eager_and_compiles_once(checkpoint: str) -> 
         assert len(calls) == (1 if piece.is_splitting_op else 0)
 
 
+def test_moe_model_is_cut_at_the_expert_op_too(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The expert op reads per-expert token counts on the host, so, like attention, it must sit
+    between pieces (never inside a piece a CUDA graph would capture)."""
+    path = build_tiny_checkpoint(tmp_path_factory.mktemp("moe"), "Qwen3MoeForCausalLM")
+    torch._dynamo.reset()
+    eager_tokens, eager_lp, _ = generate(
+        LLM(path, dtype="float32", num_gpu_blocks=64, enforce_eager=True)
+    )
+    llm = piecewise_llm(path, "eager")
+    tokens, logprobs, _ = generate(llm)
+    assert tokens == eager_tokens
+    for got, want in zip(logprobs, eager_lp, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    pieces = llm.llm_engine.runner.model.backend.pieces
+    ops = [
+        str(n.target)
+        for p in pieces
+        if p.is_splitting_op
+        for n in p.graph.graph.nodes
+        if n.op == "call_function"
+    ]
+    num_layers = llm.llm_engine.model_config.num_layers
+    assert sum("unified_attention" in op for op in ops) == num_layers
+    assert sum("moe_experts" in op for op in ops) == num_layers  # every layer is sparse here
+    for piece in pieces:
+        if not piece.is_splitting_op:
+            assert not any("moe_experts" in str(n.target) for n in piece.graph.graph.nodes)
+
+
 def test_without_splitting_ops_the_graph_stays_whole(checkpoint: str) -> None:
     torch._dynamo.reset()
     llm = piecewise_llm(checkpoint, "eager", splitting_ops=[])

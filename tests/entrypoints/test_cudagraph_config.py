@@ -59,6 +59,17 @@ def test_default_mode_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_cudagraph_mode("none", "cpu", True) is M.NONE
 
 
+def test_moe_models_get_piecewise_graphs_at_most(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(selector.ENV_VAR, "triton")  # a backend whose decode could be captured
+    assert resolve_cudagraph_mode(None, "cuda", False, is_moe=True) is M.PIECEWISE
+    assert resolve_cudagraph_mode("piecewise", "cuda", False, is_moe=True) is M.PIECEWISE
+    for full in ("full", "full_decode_only", "full_and_piecewise"):
+        with pytest.raises(ValueError, match="MoE model.*cudagraph_mode=PIECEWISE"):
+            resolve_cudagraph_mode(full, "cuda", False, is_moe=True)
+    # Piecewise graphs are cut at the expert op, as at attention.
+    assert "tokenwise::moe_experts" in CompilationConfig().splitting_ops
+
+
 def test_refused_combinations() -> None:
     with pytest.raises(ValueError, match="needs a CUDA device"):
         resolve_cudagraph_mode("piecewise", "cpu", enforce_eager=False)

@@ -34,24 +34,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_model_dir(args.model)  # before the slow imports
-    from tokenwise.entrypoints.llm import LLM
-    from tokenwise.sampling.params import SamplingParams
-
     input_range, output_range = length_ranges(args)
-    llm = LLM(args.model, skip_tokenizer_init=True, **engine_kwargs(args))
-    model_config = llm.engine_config.model
-    check_fits(input_range, output_range[1], model_config.max_model_len)
-    requests = make_workload(
-        args.num_prompts, input_range, output_range, model_config.vocab_size, args.seed
-    )
-    prompts: list[Any] = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests
-    ]
-
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    kwargs = engine_kwargs(args)
+    baseline = None
+    if args.data_parallel_size > 1:
+        # The same workload on one rank first, so the DP figure comes with its own baseline.
+        baseline, _, _ = _timed_run(
+            args, {**kwargs, "data_parallel_size": 1}, input_range, output_range
+        )
+    elapsed, outputs, model_config = _timed_run(args, kwargs, input_range, output_range)
 
     num_prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     num_output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
@@ -73,8 +64,45 @@ def run(args: argparse.Namespace) -> int:
         "output_len": list(output_range),
         "seed": args.seed,
     }
+    if baseline is not None:
+        ratio = baseline / max(elapsed, 1e-9)
+        print(
+            f"Data parallel: {args.data_parallel_size} ranks {ratio:.2f}x the throughput of 1 "
+            f"rank ({elapsed:.2f} s vs {baseline:.2f} s, same workload, this run)"
+        )
+        results["dp1_elapsed_time"] = baseline
+        results["speedup_vs_dp1"] = ratio
     write_json(args.output_json, results)
     return 0
+
+
+def _timed_run(
+    args: argparse.Namespace,
+    kwargs: dict[str, Any],
+    input_range: tuple[int, int],
+    output_range: tuple[int, int],
+) -> tuple[float, list[Any], Any]:
+    """Build an engine, run the workload once (loading not timed), shut the engine down."""
+    from tokenwise.entrypoints.llm import LLM
+    from tokenwise.sampling.params import SamplingParams
+
+    llm = LLM(args.model, skip_tokenizer_init=True, **kwargs)
+    model_config = llm.engine_config.model
+    check_fits(input_range, output_range[1], model_config.max_model_len)
+    requests = make_workload(
+        args.num_prompts, input_range, output_range, model_config.vocab_size, args.seed
+    )
+    prompts: list[Any] = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests
+    ]
+    try:
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+    finally:
+        llm.shutdown()
+    return elapsed, outputs, model_config
 
 
 def throughput_results(

@@ -15,9 +15,18 @@ from torch.distributed import ProcessGroup
 
 from tokenwise.config import ParallelConfig
 
-__all__ = ["destroy_dp_group", "get_dp_group", "init_dp_group", "is_dp_group_initialized"]
+__all__ = [
+    "destroy_dp_group",
+    "get_dp_device_group",
+    "get_dp_group",
+    "init_dp_group",
+    "is_dp_group_initialized",
+]
 
 _dp_group: ProcessGroup | None = None
+# The group MoE layers exchange activations over: the gloo group itself on CPU, an NCCL group
+# over the same ranks when the model runs on CUDA (gloo cannot move device tensors).
+_dp_device_group: ProcessGroup | None = None
 # (data_parallel_size, data_parallel_rank) the group was built for: a second init with a
 # different layout is a bug in the caller, not something to silently ignore.
 _dp_layout: tuple[int, int] | None = None
@@ -30,6 +39,7 @@ def init_dp_group(
     master_addr: str = "127.0.0.1",
     master_port: int | None = None,
     timeout_s: float = 60.0,
+    device: str = "cpu",
 ) -> None:
     """Create the DP gloo group once; later calls with the same layout are no-ops.
 
@@ -41,7 +51,7 @@ def init_dp_group(
     `master_port` has no default because a fixed port collides between concurrent jobs; it is
     only needed when this call creates the default group.
     """
-    global _dp_group, _dp_layout, _owns_default_group
+    global _dp_group, _dp_layout, _owns_default_group, _dp_device_group
     dp_size = parallel_config.data_parallel_size
     dp_rank = parallel_config.data_parallel_rank
     if _dp_group is not None:
@@ -70,6 +80,10 @@ def init_dp_group(
     else:
         _dp_group = _new_dp_subgroup(parallel_config, timeout)
         _owns_default_group = False
+    _dp_device_group = _dp_group
+    if str(device).startswith("cuda"):
+        ranks = dist.get_process_group_ranks(_dp_group)
+        _dp_device_group = dist.new_group(ranks=ranks, backend="nccl", timeout=timeout)
     _dp_layout = (dp_size, dp_rank)
 
 
@@ -112,14 +126,25 @@ def get_dp_group() -> ProcessGroup:
     return _dp_group
 
 
+def get_dp_device_group() -> ProcessGroup:
+    """The DP group for activations (on the model's device); see `init_dp_group(device=...)`."""
+    if _dp_device_group is None:
+        get_dp_group()  # raises the explanatory error
+    assert _dp_device_group is not None
+    return _dp_device_group
+
+
 def destroy_dp_group() -> None:
     """Tear down the DP group (and the default group if this module created it)."""
-    global _dp_group, _dp_layout, _owns_default_group
+    global _dp_group, _dp_layout, _owns_default_group, _dp_device_group
     if _dp_group is None:
         return
     if dist.is_initialized():
+        if _dp_device_group is not None and _dp_device_group is not _dp_group:
+            dist.destroy_process_group(_dp_device_group)
         if _owns_default_group:
             dist.destroy_process_group()
         else:
             dist.destroy_process_group(_dp_group)
     _dp_group, _dp_layout, _owns_default_group = None, None, False
+    _dp_device_group = None

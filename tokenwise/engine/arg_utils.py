@@ -196,6 +196,35 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=["cpu", "cuda"],
         help="device (default: cuda when available, else cpu)",
     )
+    p = parser.add_argument_group("data parallelism (one engine process per rank)")
+    p.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=bounded_int(1),
+        default=1,
+        help="number of engine ranks; requests go to the least loaded (default: 1)",
+    )
+    p.add_argument(
+        "--data-parallel-address",
+        default="127.0.0.1",
+        help="address the ranks rendezvous on (torch.distributed TCP store; default 127.0.0.1)",
+    )
+    p.add_argument(
+        "--data-parallel-port",
+        type=bounded_int(1, 65535),
+        default=None,
+        help="rendezvous port (default: a free port)",
+    )
+    p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="MoE under DP: each rank holds whole experts instead of a slice of every expert",
+    )
+    p.add_argument(
+        "--enable-microbatching",
+        action="store_true",
+        help="MoE under DP: run large steps as two micro-batches",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -216,4 +245,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "cudagraph_mode": args.cudagraph_mode,
         "cudagraph_capture_sizes": args.cudagraph_capture_sizes,
+        "data_parallel_size": args.data_parallel_size,
+        "data_parallel_address": args.data_parallel_address,
+        "data_parallel_port": args.data_parallel_port,
+        "enable_expert_parallel": args.enable_expert_parallel,
+        "enable_microbatching": args.enable_microbatching,
     }

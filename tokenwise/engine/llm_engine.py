@@ -30,6 +30,7 @@ from tokenwise.engine.request import Request, RequestStatus
 from tokenwise.engine.scheduler import Scheduler
 from tokenwise.engine.stats import EngineStats, StatLogger
 from tokenwise.engine.step_outputs import ModelRunnerOutput
+from tokenwise.models.registry import is_moe_architecture
 from tokenwise.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenwise.platform import configure_cpu_allocator
 from tokenwise.sampling.params import SamplingParams
@@ -78,7 +79,13 @@ class LLMEngine:
             configure_cpu_allocator()
         self.tokenizer = None if config.model.skip_tokenizer_init else load_tokenizer(config.model)
         self.eos_token_ids = resolve_eos_token_ids(config.model, self.tokenizer)
+        parallel = config.parallel
+        if parallel.is_moe_model is None:
+            parallel.is_moe_model = is_moe_architecture(config.model.architectures)
+        # Under DP an MoE model's layers are collectives: every rank must run one forward pass
+        # per step, a dummy one when it has nothing scheduled (see tokenwise.engine.dp_rank).
         self.runner = ModelRunner(config, device)
+        self.dp_lockstep = self.runner.dp_lockstep
         num_blocks = self.runner.determine_num_blocks()
         check_kv_cache_holds_one_sequence(
             num_blocks, config.cache.block_size, config.model.max_model_len
@@ -102,18 +109,9 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> None:
         params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self._check_params_for_model(params)
-        text, token_ids = to_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
-        if len(token_ids) >= self.model_config.max_model_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens, but max_model_len is "
-                f"{self.model_config.max_model_len} (the prompt plus at least one generated "
-                "token must fit)"
-            )
+        text, token_ids = validate_request(self.model_config, self.tokenizer, prompt, params)
         if not self.config.cache.enable_prefix_caching:
             # Siblings of one request still share their prompt blocks; nobody else can hit them.
             cache_salt = f"{cache_salt or ''}/{uuid.uuid4().hex}"
@@ -148,21 +146,6 @@ class LLMEngine:
         for sample in samples:
             self._by_request[sample.request.request_id] = (group, sample)
 
-    def _check_params_for_model(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: limits set by this model and tokenizer.
-        Without these checks a bad value would only fail inside a batched step."""
-        vocab = self.model_config.vocab_size
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab}")
-        bad = [t for t in params.stop_token_ids or () if t >= vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad} are out of range [0, {vocab})")
-        if params.stop and self.tokenizer is None:
-            raise ValueError(
-                "stop strings need a tokenizer, but the engine was started with "
-                "skip_tokenizer_init=True; use stop_token_ids instead"
-            )
-
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Abort requests (unknown ids are ignored); their blocks are freed at once and the next
         `step()` reports them with finish_reason "abort"."""
@@ -180,6 +163,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 
+    def execute_dummy_batch(self) -> None:
+        """One forward pass of a single dummy token: a DP rank with no work joins its peers'."""
+        self.runner.execute_dummy_batch()
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.groups)
 
@@ -194,6 +181,10 @@ class LLMEngine:
             try:
                 result = self.runner.execute_model(sched)
             except Exception as exc:  # keep serving: fail only the requests of this step
+                if self.dp_lockstep:
+                    # Other ranks may be inside a collective this rank left half-way: the
+                    # step sequence cannot be resumed, so the rank fails (the client says so).
+                    raise
                 logger.exception(
                     "model execution failed; failing %d requests", len(sched.scheduled)
                 )
@@ -218,6 +209,8 @@ class LLMEngine:
                         self._stats.prompt_tokens_total += item.num_new_tokens
                 sampled = self.scheduler.update_from_output(sched, result, self._stop_string)
                 self._route_samples(sampled, result, touched)
+        elif self.dp_lockstep:
+            self.runner.execute_dummy_batch()
         self._stats.num_steps_total += 1
         self._stats.num_preemptions_total += sched.num_preempted
         # Aborted or errored groups surface here even if nothing was scheduled for them.
@@ -338,7 +331,41 @@ class LLMEngine:
         s.num_free_blocks = bm.get_num_free_blocks()
         s.prefix_cache_queries = bm.prefix_cache_queries
         s.prefix_cache_hits = bm.prefix_cache_hits
+        s.num_ubatched_steps_total = self.runner.num_ubatched_steps
         return s
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+
+def validate_request(
+    model_config: Any, tokenizer: Any, prompt: PromptInput, params: SamplingParams
+) -> tuple[str | None, list[int]]:
+    """Tokenize and check a request against this model; `(prompt text, token ids)`.
+
+    A function rather than an engine method so that a front end without a model (the
+    data-parallel client) refuses bad input exactly as an engine would, before choosing a rank.
+    What SamplingParams cannot check alone is checked here: limits set by this model and
+    tokenizer. Without these checks a bad value would only fail inside a batched step.
+    """
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+    vocab = model_config.vocab_size
+    if params.logprobs is not None and params.logprobs > vocab:
+        raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab}")
+    bad = [t for t in params.stop_token_ids or () if t >= vocab]
+    if bad:
+        raise ValueError(f"stop_token_ids {bad} are out of range [0, {vocab})")
+    if params.stop and tokenizer is None:
+        raise ValueError(
+            "stop strings need a tokenizer, but the engine was started with "
+            "skip_tokenizer_init=True; use stop_token_ids instead"
+        )
+    text, token_ids = to_token_ids(prompt, tokenizer, vocab)
+    if len(token_ids) >= model_config.max_model_len:
+        raise ValueError(
+            f"prompt has {len(token_ids)} tokens, but max_model_len is "
+            f"{model_config.max_model_len} (the prompt plus at least one generated "
+            "token must fit)"
+        )
+    return text, token_ids

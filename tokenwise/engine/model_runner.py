@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import gc
 import logging
+from typing import Any
 
 import torch
 
 from tokenwise.attention.backends.selector import get_attn_backend
 from tokenwise.attention.layer import Attention
 from tokenwise.attention.metadata import AttentionMetadata, CommonMetadataBuilder
+from tokenwise.attention.ubatch_metadata import split_metadata_by_layer
 from tokenwise.compilation.compile import compile_model
 from tokenwise.config import CUDAGraphMode, EngineConfig
+from tokenwise.distributed.dp_coordination import coordinate_batch_across_dp
+from tokenwise.distributed.ubatching import create_ubatch_slices
 from tokenwise.engine.cuda_graph_runner import CudaGraphRunner
 from tokenwise.engine.graph_setup import default_capture_sizes, graph_setup
 from tokenwise.engine.input_batch import InputBatch, StepInputs
@@ -51,6 +55,10 @@ class ModelRunner:
         if not self.attn_layers:
             raise RuntimeError("the model registered no attention layers")
         self.sampler = Sampler()
+        parallel = config.parallel
+        # MoE under DP: every forward pass is a collective (see tokenwise.engine.dp_rank).
+        self.dp_lockstep = parallel.data_parallel_size > 1 and bool(parallel.is_moe_model)
+        self.num_ubatched_steps = 0
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.num_blocks = 0
         # Layers with the same spec share one metadata object per step.
@@ -212,8 +220,7 @@ class ModelRunner:
         if self.graph_runner is not None:
             hidden = self.graph_runner.execute(mode, desc, attn_metadata, num_tokens)
         else:
-            with set_forward_context(attn_metadata, self.config, num_tokens=num_tokens):
-                hidden = self.model(step.input_ids, step.positions)
+            hidden = self._run_eager(step, attn_metadata)
 
         sampled = step.sampled
         if not sampled:
@@ -231,6 +238,67 @@ class ModelRunner:
         )
         out = self.sampler(logits, sampling_md)
         return ModelRunnerOutput(sampled, out.sampled_token_ids.tolist(), out.logprobs, num_tokens)
+
+    def _run_eager(self, step: StepInputs, attn_metadata: dict[str, AttentionMetadata]) -> Any:
+        """The forward pass without graphs: one batch, or two micro-batches under DP.
+
+        With micro-batching on, this rank's vote goes into the step's one DP coordination;
+        when all ranks agree to split, each cuts its token stream at half the largest rank's
+        count (so the first micro-batches line up across ranks) and runs the model twice.
+        """
+        parallel = self.config.parallel
+        num_tokens = step.num_tokens
+        across = None
+        if self.dp_lockstep and parallel.enable_microbatching:
+            uniform = int(step.query_lens_np.max()) == 1
+            should_ubatch, across, _ = coordinate_batch_across_dp(
+                num_tokens, True, False, parallel, uniform_decode=uniform
+            )
+            if should_ubatch:
+                return self._run_ubatches(step, attn_metadata, int(across.max()) // 2)
+        with set_forward_context(
+            attn_metadata, self.config, num_tokens=num_tokens, num_tokens_across_dp=across
+        ):
+            return self.model(step.input_ids, step.positions)
+
+    def _run_ubatches(
+        self, step: StepInputs, attn_metadata: dict[str, AttentionMetadata], split: int
+    ) -> torch.Tensor:
+        """Run the step as two micro-batches cut at token `split`; outputs as for one batch.
+
+        The first micro-batch has `split` tokens on every rank, so its DP counts are known;
+        the second's differ per rank and are coordinated when its context is set.
+        """
+        slices = create_ubatch_slices(step.query_lens_np.tolist(), split)
+        dp_size = self.config.parallel.data_parallel_size
+        outputs = []
+        for i, ubatch in enumerate(slices):
+            across = torch.full((dp_size,), split, dtype=torch.int32) if i == 0 else None
+            with set_forward_context(
+                split_metadata_by_layer(attn_metadata, ubatch),
+                self.config,
+                num_tokens=ubatch.num_tokens,
+                num_tokens_across_dp=across,
+                ubatch_slices=slices,
+            ):
+                tokens = ubatch.token_slice
+                outputs.append(self.model(step.input_ids[tokens], step.positions[tokens]))
+        self.num_ubatched_steps += 1
+        return torch.cat(outputs)
+
+    @torch.inference_mode()
+    def execute_dummy_batch(self, num_tokens: int = 1) -> None:
+        """A forward pass over `num_tokens` pad tokens with no KV cache: nothing is written.
+
+        A data-parallel rank with nothing scheduled still runs one so that its MoE layers join
+        the other ranks' collectives (with no attention metadata, attention treats the tokens
+        as one uncached sequence). `num_tokens` goes into the forward context, so the DP
+        coordination sees this rank's (dummy) count.
+        """
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.arange(num_tokens, dtype=torch.int64, device=self.device)
+        with set_forward_context(None, self.config, num_tokens=num_tokens):
+            self.model(ids, positions)
 
 
 def _suppress_stop_tokens_before_min_tokens(

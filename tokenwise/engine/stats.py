@@ -26,6 +26,7 @@ class EngineStats:
     generation_tokens_total: int = 0
     num_preemptions_total: int = 0
     num_steps_total: int = 0
+    num_ubatched_steps_total: int = 0  # steps run as two micro-batches (DP + MoE only)
     finished_reasons: dict[str, int] = field(default_factory=dict)
 
     @property

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,13 +15,17 @@ from tokenwise.config import (
     CompilationConfig,
     CUDAGraphMode,
     EngineConfig,
+    ParallelConfig,
     SchedulerConfig,
 )
-from tokenwise.engine.llm_engine import LLMEngine
+from tokenwise.engine.dp_client import create_engine
 from tokenwise.engine.prompts import PromptInput
 from tokenwise.model_config import ModelConfig
+from tokenwise.models.registry import is_moe_architecture
 from tokenwise.outputs import RequestOutput
 from tokenwise.sampling.params import SamplingParams
+
+logger = logging.getLogger("tokenwise")
 
 
 def default_device() -> str:
@@ -28,17 +33,24 @@ def default_device() -> str:
 
 
 def resolve_cudagraph_mode(
-    cudagraph_mode: str | CUDAGraphMode | None, device: str, enforce_eager: bool
+    cudagraph_mode: str | CUDAGraphMode | None,
+    device: str,
+    enforce_eager: bool,
+    is_moe: bool = False,
 ) -> CUDAGraphMode:
     """The CUDA-graph mode: as asked (checked against device and eagerness), or the default.
 
     Default: NONE on CPU and with enforce_eager; on CUDA, FULL_AND_PIECEWISE (whole decode steps
     and compiled pieces of mixed steps are replayed) when the attention backend's decode can be
-    captured, else PIECEWISE.
+    captured, else PIECEWISE. MoE models get PIECEWISE at most: their expert op reads
+    per-expert token counts on the host, which no captured graph can hold, so the graph is cut
+    there like at attention.
     """
     if cudagraph_mode is None:
         if enforce_eager or not device.startswith("cuda"):
             return CUDAGraphMode.NONE
+        if is_moe:
+            return CUDAGraphMode.PIECEWISE
         from tokenwise.attention.backends.selector import BACKENDS, backend_name_for
 
         backend = BACKENDS[backend_name_for(device)]
@@ -48,6 +60,12 @@ def resolve_cudagraph_mode(
     mode = CUDAGraphMode.parse(cudagraph_mode)
     if mode == CUDAGraphMode.NONE:
         return mode
+    if is_moe and mode.has_full_cudagraphs():
+        raise ValueError(
+            f"cudagraph_mode={mode.name} captures whole forward passes, which an MoE model's "
+            "expert layers cannot be part of (their token counts per expert are read on the "
+            "host); use cudagraph_mode=PIECEWISE"
+        )
     if not device.startswith("cuda"):
         raise ValueError(
             f"cudagraph_mode={mode.name} needs a CUDA device, but device is {device!r}; "
@@ -81,6 +99,12 @@ def build_engine_config(
     device: str | None = None,
     cudagraph_mode: str | CUDAGraphMode | None = None,
     cudagraph_capture_sizes: list[int] | None = None,
+    data_parallel_size: int = 1,
+    data_parallel_address: str = "127.0.0.1",
+    data_parallel_port: int | None = None,
+    enable_expert_parallel: bool = False,
+    enable_microbatching: bool = False,
+    microbatching_token_threshold: int | None = None,
 ) -> EngineConfig:
     """One place that turns user-facing arguments (LLM, CLI, server) into an EngineConfig."""
     from tokenwise.default_model import resolve_model_path
@@ -90,7 +114,6 @@ def build_engine_config(
         # On CPU compiling costs 15+ s and gained only 3-16% in decode (PERF_NOTES), so eager
         # is the default there; on GPU compilation is what makes the small kernels cheap.
         enforce_eager = not device.startswith("cuda")
-    mode = resolve_cudagraph_mode(cudagraph_mode, device, enforce_eager)
     model_config = ModelConfig.from_pretrained(
         resolve_model_path(model),
         dtype=dtype,
@@ -101,6 +124,23 @@ def build_engine_config(
         tokenizer=tokenizer,
         skip_tokenizer_init=skip_tokenizer_init,
     )
+    is_moe = is_moe_architecture(model_config.architectures)
+    if data_parallel_size > 1 and is_moe and not enforce_eager:
+        # Each MoE layer is a collective between ranks: no graph may hold one.
+        logger.info("data parallelism with an MoE model runs eagerly (no compile, no graphs)")
+        enforce_eager, cudagraph_mode = True, None
+    mode = resolve_cudagraph_mode(cudagraph_mode, device, enforce_eager, is_moe)
+    parallel = ParallelConfig(
+        data_parallel_size=data_parallel_size,
+        is_moe_model=is_moe,
+        enable_expert_parallel=enable_expert_parallel,
+        enable_microbatching=enable_microbatching,
+        data_parallel_master_ip=data_parallel_address,
+        data_parallel_master_port=data_parallel_port,
+    )
+    if microbatching_token_threshold is not None:
+        parallel.microbatching_decode_token_threshold = microbatching_token_threshold
+        parallel.microbatching_prefill_token_threshold = microbatching_token_threshold
     return EngineConfig(
         model=model_config,
         cache=CacheConfig(
@@ -120,6 +160,7 @@ def build_engine_config(
             cudagraph_mode=mode,
             cudagraph_capture_sizes=cudagraph_capture_sizes,
         ),
+        parallel=parallel,
         device=device,
     )
 
@@ -143,11 +184,17 @@ class LLM:
     def _start(self, config: EngineConfig) -> None:
         self.engine_config = config
         torch.manual_seed(config.model.seed)
-        self.llm_engine = LLMEngine(config, config.device)
+        self.llm_engine = create_engine(config)
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the engine's rank processes (data parallelism); a no-op for one engine."""
+        stop = getattr(self.llm_engine, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def generate(
         self,

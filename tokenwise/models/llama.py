@@ -5,12 +5,13 @@ token's position. It never learns where one sequence ends: the attention layer g
 the forward context. That is what keeps this file free of batching and cache bookkeeping.
 
 What differs between the Llama-family architectures is captured by `DecoderVariant` (biases,
-per-head q/k norms); a subclass only overrides `decoder_variant`.
+per-head q/k norms); a subclass only overrides `decoder_variant`, and an MoE model also
+`make_mlp` (which layers get experts instead of the dense MLP).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,11 @@ class DecoderVariant:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each q/k head before RoPE
+
+
+# (config, layer index, module path of the block) -> the layer's feed-forward block, or None for
+# the dense LlamaMLP. MoE models use it to put experts in some or all layers.
+MlpFactory = Callable[[EngineConfig, int, str], "nn.Module | None"]
 
 
 def _join(prefix: str, name: str) -> str:
@@ -119,13 +125,17 @@ class LlamaDecoderLayer(nn.Module):
         rotary_emb: RotaryEmbedding,
         layer_idx: int,
         prefix: str,
+        make_mlp: MlpFactory | None = None,
     ) -> None:
         super().__init__()
         hf = config.model.hf_config
         self.self_attn = LlamaAttention(
             config, variant, rotary_emb, layer_idx, _join(prefix, "self_attn")
         )
-        self.mlp = LlamaMLP(hf.hidden_size, hf.intermediate_size, hf.hidden_act, variant.mlp_bias)
+        mlp = make_mlp(config, layer_idx, _join(prefix, "mlp")) if make_mlp else None
+        if mlp is None:
+            mlp = LlamaMLP(hf.hidden_size, hf.intermediate_size, hf.hidden_act, variant.mlp_bias)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
 
@@ -147,7 +157,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: EngineConfig, variant: DecoderVariant, prefix: str = "model"):
+    def __init__(
+        self,
+        config: EngineConfig,
+        variant: DecoderVariant,
+        prefix: str = "model",
+        make_mlp: MlpFactory | None = None,
+    ) -> None:
         super().__init__()
         mc = config.model
         hf = mc.hf_config
@@ -157,7 +173,9 @@ class LlamaModel(nn.Module):
         # max_position_embeddings (128k rows for Llama 3.1).
         self.rotary_emb = RotaryEmbedding(mc.head_dim, mc.max_model_len, rope_theta, rope_scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, variant, self.rotary_emb, i, _join(prefix, f"layers.{i}"))
+            LlamaDecoderLayer(
+                config, variant, self.rotary_emb, i, _join(prefix, f"layers.{i}"), make_mlp
+            )
             for i in range(hf.num_hidden_layers)
         )
         self.norm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
@@ -184,7 +202,8 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: EngineConfig, prefix: str = "") -> None:
         super().__init__()
         hf = config.model.hf_config
-        self.model = LlamaModel(config, self.decoder_variant(hf), _join(prefix, "model"))
+        variant = self.decoder_variant(hf)
+        self.model = LlamaModel(config, variant, _join(prefix, "model"), self.make_mlp)
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
         tie_to = self.model.embed_tokens if self.tie_word_embeddings else None
         self.lm_head = LMHead(hf.vocab_size, hf.hidden_size, tie_to=tie_to)
@@ -194,6 +213,10 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(hf_config, "attention_bias", False))
         mlp_bias = bool(getattr(hf_config, "mlp_bias", False))
         return DecoderVariant(qkv_bias=bias, o_proj_bias=bias, mlp_bias=mlp_bias)
+
+    def make_mlp(self, config: EngineConfig, layer_idx: int, prefix: str) -> nn.Module | None:
+        """The feed-forward block of layer `layer_idx`; None means the dense LlamaMLP."""
+        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

@@ -6,14 +6,20 @@ from torch import nn
 
 from tokenwise.models.llama import LlamaForCausalLM
 from tokenwise.models.mistral import MistralForCausalLM
+from tokenwise.models.mixtral import MixtralForCausalLM
 from tokenwise.models.qwen2 import Qwen2ForCausalLM
+from tokenwise.models.qwen2_moe import Qwen2MoeForCausalLM
 from tokenwise.models.qwen3 import Qwen3ForCausalLM
+from tokenwise.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 
@@ -30,3 +36,13 @@ def resolve_model_class(architectures: list[str]) -> type[nn.Module]:
         f"unsupported model architecture(s) {list(architectures or [])}; "
         f"tokenwise supports: {', '.join(supported_architectures())}"
     )
+
+
+def is_moe_architecture(architectures: list[str]) -> bool:
+    """Whether the model has MoE layers (class attribute `is_moe`): under data parallelism
+    those layers exchange tokens between ranks, so the ranks must step together."""
+    try:
+        model_cls = resolve_model_class(architectures)
+    except ValueError:
+        return False
+    return bool(getattr(model_cls, "is_moe", False))

@@ -72,6 +72,10 @@ LAYERS: tuple[Layer, ...] = (
     Layer("distributed", ("tokenwise.distributed.*",)),
     # Per-pass context and the static layer registry the attention layers enter themselves in.
     Layer("forward context", ("tokenwise.forward_context", "tokenwise.layer_registry")),
+    # The MoE layer: under DP it reads the step's token counts from the forward context and
+    # exchanges tokens through `distributed`, so it sits above both (the rest of `layers` not).
+    # Its dispatch/combine lives in `distributed` by topic but reads DPMetadata, so it is here.
+    Layer("MoE layer", ("tokenwise.layers.fused_moe.*", "tokenwise.distributed.moe_dispatch")),
     Layer("attention utils", ("tokenwise.attention", "tokenwise.attention.utils")),
     # Batch structure for attention and the persistent graph buffers: what backends consume.
     Layer(
@@ -80,6 +84,7 @@ LAYERS: tuple[Layer, ...] = (
             "tokenwise.attention.attn_metadata",
             "tokenwise.attention.metadata",
             "tokenwise.attention.graph_state",
+            "tokenwise.attention.ubatch_metadata",
         ),
     ),
     # Tensor-only kernels: they receive tensors, metadata and plain settings, never the layer.

@@ -98,7 +98,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     from tokenwise.batchsize_stats import ENV_INTERVAL, reset_batchsize_forward_time_stats
     from tokenwise.engine.arg_utils import engine_kwargs
-    from tokenwise.engine.llm_engine import LLMEngine
+    from tokenwise.engine.dp_client import create_engine
     from tokenwise.entrypoints.llm import build_engine_config
     from tokenwise.entrypoints.openai.cli_args import server_config_kwargs
 
@@ -112,7 +112,7 @@ def run_server(args: argparse.Namespace) -> int:
     import torch
 
     torch.manual_seed(engine_config.model.seed)
-    engine = LLMEngine(engine_config, engine_config.device)
+    engine = create_engine(engine_config)
     config = ServerConfig(
         served_model_name=args.served_model_name or args.model or "default",
         max_model_len=engine.model_config.max_model_len,
