@@ -76,7 +76,9 @@ def test_expert_parallel_with_chunked_exchange_and_chunked_prefill(
     ]
 
 
-def test_microbatching_gives_hf_tokens(dp_llm: Any) -> None:
+def test_microbatching_gives_hf_tokens(dp_llm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Forward times per batch size are collected by every rank (and logged by each).
+    monkeypatch.setenv("TOKENWISE_LOG_BATCHSIZE_INTERVAL", "1000")
     llm, path = dp_llm(
         "MixtralForCausalLM",
         enable_microbatching=True,
@@ -90,6 +92,10 @@ def test_microbatching_gives_hf_tokens(dp_llm: Any) -> None:
     stats = llm.llm_engine.get_stats()
     assert stats.num_ubatched_steps_total > 0  # the split really ran
     assert stats.num_ubatched_steps_total <= stats.num_steps_total
+    tables = llm.llm_engine.batchsize_stats
+    assert len(tables) == 2 and all(tables), tables  # one table per rank, both filled
+    for table in tables:
+        assert all(count > 1 and median_ms > 0 for _, count, median_ms in table)
 
 
 def test_preemption_under_dp(dp_llm: Any) -> None:
