@@ -16,7 +16,12 @@ from torch import nn
 from tokenwise.config import EngineConfig
 from tokenwise.layers import ReplicatedLinear
 from tokenwise.models.llama import DecoderVariant, LlamaMLP
-from tokenwise.models.sparse_moe import MoeForCausalLM, SparseMoeBlock, is_sparse_layer
+from tokenwise.models.sparse_moe import (
+    MoeForCausalLM,
+    SparseMoeBlock,
+    is_sparse_layer,
+    qwen_moe_routing,
+)
 
 
 class Qwen2MoeSparseMoeBlock(SparseMoeBlock):
@@ -24,12 +29,8 @@ class Qwen2MoeSparseMoeBlock(SparseMoeBlock):
         hf = config.model.hf_config
         super().__init__(
             config,
-            num_experts=int(hf.num_experts),
-            top_k=int(hf.num_experts_per_tok),
-            intermediate_size=int(hf.moe_intermediate_size),
-            renormalize=bool(hf.norm_topk_prob),
-            weights_in_fp32=False,
             prefix=prefix,
+            **qwen_moe_routing(hf),
         )
         self.shared_expert = LlamaMLP(
             hf.hidden_size, int(hf.shared_expert_intermediate_size), hf.hidden_act, bias=False

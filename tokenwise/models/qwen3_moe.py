@@ -14,7 +14,12 @@ from torch import nn
 
 from tokenwise.config import EngineConfig
 from tokenwise.models.llama import DecoderVariant
-from tokenwise.models.sparse_moe import MoeForCausalLM, SparseMoeBlock, is_sparse_layer
+from tokenwise.models.sparse_moe import (
+    MoeForCausalLM,
+    SparseMoeBlock,
+    is_sparse_layer,
+    qwen_moe_routing,
+)
 
 
 class Qwen3MoeForCausalLM(MoeForCausalLM):
@@ -30,10 +35,6 @@ class Qwen3MoeForCausalLM(MoeForCausalLM):
             return None
         return SparseMoeBlock(
             config,
-            num_experts=int(hf.num_experts),
-            top_k=int(hf.num_experts_per_tok),
-            intermediate_size=int(hf.moe_intermediate_size),
-            renormalize=bool(hf.norm_topk_prob),
-            weights_in_fp32=False,
             prefix=prefix,
+            **qwen_moe_routing(hf),
         )

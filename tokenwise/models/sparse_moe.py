@@ -57,6 +57,18 @@ class SparseMoeBlock(nn.Module):
         return self.experts(hidden_states, self.gate(hidden_states))
 
 
+def qwen_moe_routing(hf_config: Any) -> dict[str, Any]:
+    """The `SparseMoeBlock` arguments Qwen2-MoE and Qwen3-MoE configs spell alike: routing
+    weights renormalised only with `norm_topk_prob`, and rounded to the activation dtype."""
+    return {
+        "num_experts": int(hf_config.num_experts),
+        "top_k": int(hf_config.num_experts_per_tok),
+        "intermediate_size": int(hf_config.moe_intermediate_size),
+        "renormalize": bool(hf_config.norm_topk_prob),
+        "weights_in_fp32": False,
+    }
+
+
 def is_sparse_layer(hf_config: Any, layer_idx: int) -> bool:
     """Qwen-MoE's rule: every `decoder_sparse_step`-th layer, except `mlp_only_layers`."""
     if layer_idx in (getattr(hf_config, "mlp_only_layers", None) or []):
