@@ -17,7 +17,7 @@ import pytest
 
 from tests.distributed import _moe_dispatch_worker as worker
 from tokenwise.distributed.moe_dispatch import DEFAULT_MOE_DP_CHUNK_SIZE, moe_dp_chunk_size
-from tokenwise.engine.dp_client import free_port
+from tokenwise.distributed.tp_state import free_port
 
 DEADLINE_S = 60.0
 

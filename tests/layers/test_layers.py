@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from tokenwise.layers import (
-    LMHead,
-    MergedLinear,
-    QKVLinear,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
     RMSNorm,
     RotaryEmbedding,
     SiluAndMul,
-    VocabEmbedding,
+    VocabParallelEmbedding,
     get_rope_config,
 )
 
@@ -176,7 +176,7 @@ def test_get_rope_config_on_a_real_transformers_config() -> None:
 
 
 def test_qkv_weight_loader_puts_shards_in_their_rows() -> None:
-    layer = QKVLinear(hidden_size=4, head_dim=2, num_heads=2, num_kv_heads=1, bias=True)
+    layer = QKVParallelLinear(hidden_size=4, head_dim=2, num_heads=2, num_kv_heads=1, bias=True)
     assert layer.weight.shape == (8, 4) and layer.output_sizes == [4, 2, 2]
     shards = {"q": _randn(4, 4), "k": _randn(2, 4, seed=1), "v": _randn(2, 4, seed=2)}
     biases = {"q": _randn(4, seed=3), "k": _randn(2, seed=4), "v": _randn(2, seed=5)}
@@ -196,7 +196,7 @@ def test_qkv_weight_loader_puts_shards_in_their_rows() -> None:
 
 
 def test_gate_up_loader_and_silu_and_mul() -> None:
-    layer = MergedLinear(4, [3, 3])
+    layer = MergedColumnParallelLinear(4, [3, 3])
     gate, up = _randn(3, 4), _randn(3, 4, seed=1)
     layer.weight.weight_loader(layer.weight, up, 1)
     layer.weight.weight_loader(layer.weight, gate, 0)
@@ -206,10 +206,10 @@ def test_gate_up_loader_and_silu_and_mul() -> None:
 
 
 def test_tied_lm_head_shares_the_embedding_and_returns_fp32() -> None:
-    embed = VocabEmbedding(10, 4).to(torch.bfloat16)
+    embed = VocabParallelEmbedding(10, 4).to(torch.bfloat16)
     with torch.no_grad():
         embed.weight.copy_(_randn(10, 4))
-    head = LMHead(10, 4, tie_to=embed)
+    head = ParallelLMHead(10, 4, tie_to=embed)
     assert head.weight is embed.weight
     hidden = embed(torch.tensor([1, 7]))
     logits = head(hidden)

@@ -37,11 +37,15 @@ def run(args: argparse.Namespace) -> int:
     input_range, output_range = length_ranges(args)
     kwargs = engine_kwargs(args)
     baseline = None
-    if args.data_parallel_size > 1:
-        # The same workload on one rank first, so the DP figure comes with its own baseline.
-        baseline, _, _ = _timed_run(
-            args, {**kwargs, "data_parallel_size": 1}, input_range, output_range
-        )
+    ranks = {
+        "data_parallel_size": args.data_parallel_size,
+        "tensor_parallel_size": args.tensor_parallel_size,
+    }
+    parallel = {name: size for name, size in ranks.items() if size > 1}
+    if parallel:
+        # The same workload on one process first, so the figure comes with its own baseline.
+        one = {**kwargs, "data_parallel_size": 1, "tensor_parallel_size": 1}
+        baseline, _, _ = _timed_run(args, one, input_range, output_range)
     elapsed, outputs, model_config = _timed_run(args, kwargs, input_range, output_range)
 
     num_prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
@@ -66,12 +70,13 @@ def run(args: argparse.Namespace) -> int:
     }
     if baseline is not None:
         ratio = baseline / max(elapsed, 1e-9)
+        what = ", ".join(f"{name}={size}" for name, size in parallel.items())
         print(
-            f"Data parallel: {args.data_parallel_size} ranks {ratio:.2f}x the throughput of 1 "
-            f"rank ({elapsed:.2f} s vs {baseline:.2f} s, same workload, this run)"
+            f"Parallel ({what}): {ratio:.2f}x the throughput of one process "
+            f"({elapsed:.2f} s vs {baseline:.2f} s, same workload, this run)"
         )
-        results["dp1_elapsed_time"] = baseline
-        results["speedup_vs_dp1"] = ratio
+        results["single_process_elapsed_time"] = baseline
+        results["speedup_vs_single_process"] = ratio
     write_json(args.output_json, results)
     return 0
 

@@ -196,7 +196,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=["cpu", "cuda"],
         help="device (default: cuda when available, else cpu)",
     )
-    p = parser.add_argument_group("data parallelism (one engine process per rank)")
+    p = parser.add_argument_group("parallelism (one process per rank)")
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=bounded_int(1),
+        default=1,
+        help="split each layer over this many processes; with torchrun, the number of "
+        "processes torchrun starts (default: 1)",
+    )
     p.add_argument(
         "--data-parallel-size",
         "-dp",
@@ -246,6 +254,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "cudagraph_mode": args.cudagraph_mode,
         "cudagraph_capture_sizes": args.cudagraph_capture_sizes,
         "data_parallel_size": args.data_parallel_size,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "data_parallel_address": args.data_parallel_address,
         "data_parallel_port": args.data_parallel_port,
         "enable_expert_parallel": args.enable_expert_parallel,

@@ -17,12 +17,12 @@ import copy
 import logging
 import multiprocessing as mp
 import queue
-import socket
 import time
 import weakref
 from typing import Any
 
 from tokenwise.config import EngineConfig
+from tokenwise.distributed.tp_state import free_port
 from tokenwise.engine.dp_rank import run_dp_rank
 from tokenwise.engine.llm_engine import LLMEngine, validate_request
 from tokenwise.engine.prompts import PromptInput, load_tokenizer
@@ -36,12 +36,6 @@ logger = logging.getLogger("tokenwise.engine")
 START_TIMEOUT_S = 600.0  # every rank loads the model; big checkpoints take minutes
 STEP_WAIT_S = 0.05  # one step() waits at most this long for outputs
 STOP_TIMEOUT_S = 10.0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def create_engine(config: EngineConfig) -> LLMEngine | DPEngineClient:

@@ -91,6 +91,11 @@ class LLMEngine:
             num_blocks, config.cache.block_size, config.model.max_model_len
         )
         self.runner.initialize_kv_cache(num_blocks)
+        if not self.runner.tp.is_driver:
+            # A torchrun-launched TP rank other than 0: it serves the driver's steps and
+            # leaves with it; only rank 0 goes on to be the engine the caller asked for.
+            self.runner.serve_tp_steps()
+            raise SystemExit(0)
         self.block_manager = BlockManager(num_blocks, config.cache.block_size)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len)
         self.groups: dict[str, _RequestGroup] = {}
@@ -160,6 +165,10 @@ class LLMEngine:
 
     abort = abort_request
 
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers (if any); the engine cannot step afterwards."""
+        self.runner.shutdown()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 
@@ -181,7 +190,7 @@ class LLMEngine:
             try:
                 result = self.runner.execute_model(sched)
             except Exception as exc:  # keep serving: fail only the requests of this step
-                if self.dp_lockstep:
+                if self.dp_lockstep or self.runner.tp.active:
                     # Other ranks may be inside a collective this rank left half-way: the
                     # step sequence cannot be resumed, so the rank fails (the client says so).
                     raise

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import gc
 import logging
+import traceback
+import weakref
 from typing import Any
 
 import torch
@@ -21,12 +23,15 @@ from tokenwise.attention.ubatch_metadata import split_metadata_by_layer
 from tokenwise.compilation.compile import compile_model
 from tokenwise.config import CUDAGraphMode, EngineConfig
 from tokenwise.distributed.dp_coordination import coordinate_batch_across_dp
+from tokenwise.distributed.tp_state import destroy_tp_group, get_tp_size, init_tp_group
 from tokenwise.distributed.ubatching import create_ubatch_slices
 from tokenwise.engine.cuda_graph_runner import CudaGraphRunner
 from tokenwise.engine.graph_setup import default_capture_sizes, graph_setup
 from tokenwise.engine.input_batch import InputBatch, StepInputs
 from tokenwise.engine.memory_profiling import cuda_kv_cache_budget
 from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenwise.engine.tp_executor import start_tensor_parallel
+from tokenwise.engine.tp_steps import SpecTables, TPDriver, step_from_payload, step_payload
 from tokenwise.forward_context import set_forward_context
 from tokenwise.layer_registry import get_layers_from_config
 from tokenwise.loader import load_model
@@ -46,7 +51,16 @@ class ModelRunner:
         self.device = torch.device(device)
         self.model_config = config.model
         self.block_size = config.cache.block_size
-        self.model = load_model(config, self.device)
+        # Before the model: parallel layers read their TP rank when they are built.
+        self.tp = TPDriver(start_tensor_parallel(config, run_tp_worker))
+        self.tp_size = get_tp_size()
+        if self.tp.active and self.tp.is_driver:
+            weakref.finalize(self, self.tp.stop)  # workers leave their loop with the driver
+        try:
+            self.model = load_model(config, self.device)
+        except BaseException:
+            self.tp.abandon()  # the workers fail the same way; do not leave them waiting
+            raise
         self.graph_runner: CudaGraphRunner | None = None
         self._capturer_factory, wrap_piece = graph_setup(config, self.device)
         if config.compilation.use_compile:
@@ -97,7 +111,7 @@ class ModelRunner:
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
         if cache.num_gpu_blocks is not None:
-            return cache.num_gpu_blocks
+            return cache.num_gpu_blocks  # the same on every TP rank
         budget = cache.kv_cache_memory
         if budget is None:
             if self.device.type == "cuda":
@@ -108,7 +122,7 @@ class ModelRunner:
                 one_seq = self._bytes_for_seqs(1)
                 full = self._bytes_for_seqs(self.config.scheduler.max_num_seqs)
                 budget = max(one_seq, min(DEFAULT_CPU_KV_CACHE_MEMORY, full))
-        num_blocks = budget // self.kv_cache_bytes_per_block()
+        num_blocks = self.tp.agree_on_min(int(budget // self.kv_cache_bytes_per_block()))
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory={budget} bytes is less than one KV block "
@@ -184,22 +198,30 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------
 
-    def _attn_metadata(self, step: StepInputs) -> dict[str, AttentionMetadata]:
+    def _metadata_tables(self, step: StepInputs) -> SpecTables:
+        """Each attention spec's block tables (window-trimmed where the spec slides)."""
+        tables: SpecTables = {}
+        for spec in self._builders:
+            if spec is None:
+                tables[spec] = (step.block_tables, None)
+            else:
+                tables[spec] = self.input_batch.windowed_block_tables(step, spec)
+        return tables
+
+    def _attn_metadata(self, step: StepInputs, tables: SpecTables) -> dict[str, AttentionMetadata]:
         """One metadata object per attention spec over the step's buffers, keyed by layer."""
-        metadata_by_spec = {}
-        for spec, builder in self._builders.items():
-            tables, first_blocks = step.block_tables, None
-            if spec is not None:
-                tables, first_blocks = self.input_batch.windowed_block_tables(step, spec)
-            metadata_by_spec[spec] = builder.build_from_buffers(
+        metadata_by_spec = {
+            spec: builder.build_from_buffers(
                 step.slot_mapping,
                 step.seq_lens,
                 step.query_start_loc,
-                tables,
+                tables[spec][0],
                 step.query_lens_np,
                 step.context_lens_np,
-                first_blocks,
+                tables[spec][1],
             )
+            for spec, builder in self._builders.items()
+        }
         return {name: metadata_by_spec[spec] for name, spec in self._spec_of.items()}
 
     @torch.inference_mode()
@@ -216,17 +238,22 @@ class ModelRunner:
             mode, desc = self.graph_runner.plan(num_tokens, uniform)
             if mode != CUDAGraphMode.NONE:
                 step = self.input_batch.pad(step, desc.num_tokens)
-        attn_metadata = None if mode == CUDAGraphMode.FULL else self._attn_metadata(step)
-        if self.graph_runner is not None:
-            hidden = self.graph_runner.execute(mode, desc, attn_metadata, num_tokens)
-        else:
-            hidden = self._run_eager(step, attn_metadata)
-
-        sampled = step.sampled
-        if not sampled:
-            return ModelRunnerOutput([], [], None, num_tokens)
-        rows = torch.tensor(step.logits_indices, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        attn_metadata, tables = None, {}
+        if mode != CUDAGraphMode.FULL:
+            tables = self._metadata_tables(step)
+            attn_metadata = self._attn_metadata(step, tables)
+        if self.tp_size > 1:
+            self.tp.check_workers()
+            self.tp.broadcast(("step", step_payload(step, tables)))
+        with self.tp.failures_named():
+            if self.graph_runner is not None:
+                hidden = self.graph_runner.execute(mode, desc, attn_metadata, num_tokens)
+            else:
+                hidden = self._run_eager(step, attn_metadata)
+            sampled = step.sampled
+            if not sampled:
+                return ModelRunnerOutput([], [], None, num_tokens)
+            logits = self._logits(hidden, step.logits_indices)
         _suppress_stop_tokens_before_min_tokens(logits, sampled)
         sampling_md = SamplingMetadata.from_params(
             [s.request.sampling_params for s in sampled],
@@ -238,6 +265,29 @@ class ModelRunner:
         )
         out = self.sampler(logits, sampling_md)
         return ModelRunnerOutput(sampled, out.sampled_token_ids.tolist(), out.logprobs, num_tokens)
+
+    def _logits(self, hidden: torch.Tensor, logits_indices: list[int]) -> torch.Tensor:
+        rows = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, rows))
+
+    @torch.inference_mode()
+    def serve_tp_steps(self) -> None:
+        """A TP worker's loop: run each step the driver broadcasts, until it says stop."""
+        while True:
+            message = self.tp.receive()
+            if message[0] == "stop":
+                return
+            if message[0] == "dummy":
+                self.execute_dummy_batch(message[1])
+                continue
+            step, tables = step_from_payload(message[1], self.device)
+            hidden = self._run_eager(step, self._attn_metadata(step, tables))
+            if step.logits_indices:
+                self._logits(hidden, step.logits_indices)  # joins the vocab all-gather
+
+    def shutdown(self) -> None:
+        """Release the TP workers (they exit their loop); a no-op without TP."""
+        self.tp.stop()
 
     def _run_eager(self, step: StepInputs, attn_metadata: dict[str, AttentionMetadata]) -> Any:
         """The forward pass without graphs: one batch, or two micro-batches under DP.
@@ -295,6 +345,8 @@ class ModelRunner:
         as one uncached sequence). `num_tokens` goes into the forward context, so the DP
         coordination sees this rank's (dummy) count.
         """
+        if self.tp.is_driver and self.tp_size > 1:
+            self.tp.broadcast(("dummy", num_tokens))
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(num_tokens, dtype=torch.int64, device=self.device)
         with set_forward_context(None, self.config, num_tokens=num_tokens):
@@ -315,3 +367,22 @@ def _suppress_stop_tokens_before_min_tokens(
             banned.extend(req.eos_token_ids)
         if banned:
             logits[row, banned] = float("-inf")
+
+
+def run_tp_worker(config: EngineConfig, rank: int, init_method: str | None) -> None:
+    """A spawned TP worker: join the group, build the shard and its cache, run steps until told.
+
+    The same order of collectives as the driver's `LLMEngine.__init__`: group, model, agreed
+    block count, cache; then the step loop.
+    """
+    logging.basicConfig(level=logging.INFO, format=f"[TP rank {rank}] %(levelname)s %(message)s")
+    try:
+        init_tp_group(config.parallel.tensor_parallel_size, rank, init_method, config.device)
+        runner = ModelRunner(config, config.device)
+        runner.initialize_kv_cache(runner.determine_num_blocks())
+        runner.serve_tp_steps()
+    except BaseException:
+        logger.error("tensor-parallel worker %d failed:\n%s", rank, traceback.format_exc())
+        raise SystemExit(1) from None
+    finally:
+        destroy_tp_group()

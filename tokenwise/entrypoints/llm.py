@@ -100,6 +100,7 @@ def build_engine_config(
     cudagraph_mode: str | CUDAGraphMode | None = None,
     cudagraph_capture_sizes: list[int] | None = None,
     data_parallel_size: int = 1,
+    tensor_parallel_size: int = 1,
     data_parallel_address: str = "127.0.0.1",
     data_parallel_port: int | None = None,
     enable_expert_parallel: bool = False,
@@ -124,14 +125,22 @@ def build_engine_config(
         tokenizer=tokenizer,
         skip_tokenizer_init=skip_tokenizer_init,
     )
+    if data_parallel_size > 1 and tensor_parallel_size > 1:
+        raise ValueError(
+            f"data_parallel_size={data_parallel_size} with tensor_parallel_size="
+            f"{tensor_parallel_size} is not supported yet; use one of them"
+        )
     is_moe = is_moe_architecture(model_config.architectures)
-    if data_parallel_size > 1 and is_moe and not enforce_eager:
-        # Each MoE layer is a collective between ranks: no graph may hold one.
-        logger.info("data parallelism with an MoE model runs eagerly (no compile, no graphs)")
+    collectives = (data_parallel_size > 1 and is_moe) or tensor_parallel_size > 1
+    if collectives and not enforce_eager:
+        # Layers that talk to other ranks run eagerly for now: captured collectives are
+        # not verified yet (no GPU was at hand when this was built).
+        logger.info("tensor parallelism, or DP with an MoE model, runs eagerly (no graphs)")
         enforce_eager, cudagraph_mode = True, None
     mode = resolve_cudagraph_mode(cudagraph_mode, device, enforce_eager, is_moe)
     parallel = ParallelConfig(
         data_parallel_size=data_parallel_size,
+        tensor_parallel_size=tensor_parallel_size,
         is_moe_model=is_moe,
         enable_expert_parallel=enable_expert_parallel,
         enable_microbatching=enable_microbatching,

@@ -8,6 +8,12 @@ model's `load_weights` only has to say *which* shard a checkpoint tensor is.
 Parameters are created with `torch.empty` so that they land in whatever default dtype and
 device the loader set up: no fp32 copy is ever materialised for a bf16 model. The checked copy
 itself (`copy_checked`, `default_weight_loader`) lives in `weight_utils`, shared with the models.
+
+Under tensor parallelism (vLLM's layout) each layer holds a slice: column-parallel layers some
+output rows (each part of a fused layer sliced separately, so rank r holds [q_r | k_r | v_r]
+or [gate_r | up_r]), row-parallel layers some input columns, whose partial products are
+all-reduced. Loaders take the full checkpoint tensor and copy this rank's slice. With one rank
+every layer is an ordinary linear and no collective runs.
 """
 
 from __future__ import annotations
@@ -18,7 +24,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenwise.distributed.tp_state import get_tp_rank, get_tp_size, tp_all_reduce
 from tokenwise.layers.weight_utils import copy_checked, default_weight_loader
+
+
+def divide(count: int, what: str) -> int:
+    """`count / tensor_parallel_size`, refusing a count that does not split evenly."""
+    size = get_tp_size()
+    if count % size:
+        raise ValueError(
+            f"{what} ({count}) is not divisible by tensor_parallel_size ({size}); choose a "
+            "tensor_parallel_size that divides it"
+        )
+    return count // size
 
 
 class ReplicatedLinear(nn.Module):
@@ -48,15 +66,18 @@ class ReplicatedLinear(nn.Module):
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
 
 
-class MergedLinear(ReplicatedLinear):
-    """Several linears over the same input stacked along the output rows (e.g. gate_up_proj).
+class MergedColumnParallelLinear(ReplicatedLinear):
+    """Several linears over the same input stacked along the output rows (e.g. gate_up_proj),
+    each sliced over the TP ranks. `output_sizes` are this rank's part sizes.
 
     Shard ids are the positions in `output_sizes`: for gate_up, 0 is gate and 1 is up.
     """
 
     def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = False) -> None:
-        super().__init__(input_size, sum(output_sizes), bias)
-        self.output_sizes = list(output_sizes)
+        local = [divide(size, "output size") for size in output_sizes]
+        super().__init__(input_size, sum(local), bias)
+        self.output_sizes = local
+        self.full_output_sizes = list(output_sizes)
 
     def shard_rows(self, shard_id: int) -> tuple[int, int]:
         """(offset, size) of one shard's rows in the fused weight."""
@@ -66,21 +87,43 @@ class MergedLinear(ReplicatedLinear):
             )
         return sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id]
 
+    def source_rows(self, shard_id: int) -> tuple[int, int]:
+        """(offset, size) of this rank's rows in the checkpoint tensor of shard `shard_id`."""
+        size = self.output_sizes[shard_id]
+        return get_tp_rank() * size, size
+
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
     ) -> None:
-        if shard_id is None:  # an already-fused checkpoint tensor
-            copy_checked(param, loaded_weight)
+        if shard_id is None:  # an already-fused checkpoint tensor: split it into its parts
+            if get_tp_size() == 1:
+                copy_checked(param, loaded_weight)
+                return
+            if loaded_weight.shape[0] != sum(self.full_output_sizes):
+                copy_checked(param, loaded_weight)  # raises the shape mismatch
+            start = 0
+            for index, full in enumerate(self.full_output_sizes):
+                self.weight_loader(param, loaded_weight.narrow(0, start, full), index)
+                start += full
             return
         offset, size = self.shard_rows(shard_id)  # type: ignore[arg-type]
-        copy_checked(param.data.narrow(0, offset, size), loaded_weight)
+        source_offset, _ = self.source_rows(shard_id)  # type: ignore[arg-type]
+        full = self.full_output_sizes[shard_id]  # type: ignore[index]
+        if loaded_weight.shape[0] != full:
+            copy_checked(param.data.narrow(0, offset, size), loaded_weight)  # names the shapes
+        copy_checked(
+            param.data.narrow(0, offset, size), loaded_weight.narrow(0, source_offset, size)
+        )
 
 
-class QKVLinear(MergedLinear):
+class QKVParallelLinear(MergedColumnParallelLinear):
     """The q, k and v projections as one matmul; with GQA k and v have fewer rows than q.
 
-    Output columns are `[q (num_heads*head_dim) | k (num_kv_heads*head_dim) | v (same)]`, which
-    is what `split(self.output_sizes, dim=-1)` undoes in the attention module.
+    Output columns are `[q (num_heads*head_dim) | k (num_kv_heads*head_dim) | v (same)]` for
+    this rank's heads, which `split(self.output_sizes, dim=-1)` undoes in the attention module.
+    Query heads are split over the TP ranks; KV heads too while there are at least as many as
+    ranks, and beyond that replicated: each rank holds the one KV head its query heads use
+    (rank r reads KV head r // (tp / num_kv_heads)).
     """
 
     _SHARDS = {"q": 0, "k": 1, "v": 2}
@@ -93,17 +136,78 @@ class QKVLinear(MergedLinear):
         num_kv_heads: int,
         bias: bool = False,
     ) -> None:
-        q_size = num_heads * head_dim
-        kv_size = num_kv_heads * head_dim
-        super().__init__(hidden_size, [q_size, kv_size, kv_size], bias)
+        tp, rank = get_tp_size(), get_tp_rank()
+        self.num_heads = divide(num_heads, "num_attention_heads")
+        if tp <= num_kv_heads:
+            self.num_kv_heads = divide(num_kv_heads, "num_key_value_heads")
+            self.kv_head_start = rank * self.num_kv_heads
+        else:
+            if tp % num_kv_heads:
+                raise ValueError(
+                    f"tensor_parallel_size ({tp}) exceeds num_key_value_heads ({num_kv_heads}) "
+                    "and is not a multiple of it, so KV heads cannot be replicated evenly"
+                )
+            self.num_kv_heads = 1
+            self.kv_head_start = rank // (tp // num_kv_heads)
         self.head_dim = head_dim
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
+        local_q, local_kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        # Not MergedColumnParallelLinear.__init__: replicated KV heads do not divide evenly.
+        ReplicatedLinear.__init__(self, hidden_size, local_q + 2 * local_kv, bias)
+        self.output_sizes = [local_q, local_kv, local_kv]
+        kv_size = num_kv_heads * head_dim
+        self.full_output_sizes = [num_heads * head_dim, kv_size, kv_size]
+
+    def source_rows(self, shard_id: int) -> tuple[int, int]:
+        if shard_id == 0:
+            size = self.output_sizes[0]
+            return get_tp_rank() * size, size
+        return self.kv_head_start * self.head_dim, self.output_sizes[shard_id]
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
     ) -> None:
-        if shard_id is not None and shard_id not in self._SHARDS:
-            raise ValueError(f"QKV shard id must be 'q', 'k' or 'v', got {shard_id!r}")
-        index = None if shard_id is None else self._SHARDS[shard_id]  # type: ignore[index]
+        index = shard_id
+        if isinstance(shard_id, str) or (shard_id is not None and not isinstance(shard_id, int)):
+            if shard_id not in self._SHARDS:
+                raise ValueError(f"QKV shard id must be 'q', 'k' or 'v', got {shard_id!r}")
+            index = self._SHARDS[shard_id]  # type: ignore[index]
         super().weight_loader(param, loaded_weight, index)
+
+
+class ColumnParallelLinear(MergedColumnParallelLinear):
+    """One linear whose output rows are split over the TP ranks."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(input_size, [output_size], bias)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        if shard_id is not None:
+            raise ValueError(f"this parameter is not fused; got shard id {shard_id!r}")
+        super().weight_loader(param, loaded_weight, 0)
+
+
+class RowParallelLinear(ReplicatedLinear):
+    """A linear whose input columns are split over the TP ranks (o_proj, down_proj): each rank
+    multiplies its slice of the activations, and an all-reduce sums the partial products. The
+    bias is added once, after the sum."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(divide(input_size, "input size"), output_size, bias)
+        self.full_input_size = input_size
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        if param is self.weight and get_tp_size() > 1 and loaded_weight.dim() == 2:
+            if loaded_weight.shape[1] == self.full_input_size:
+                width = self.input_size
+                loaded_weight = loaded_weight.narrow(1, get_tp_rank() * width, width)
+        default_weight_loader(param, loaded_weight, shard_id)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if get_tp_size() == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = tp_all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias

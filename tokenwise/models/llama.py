@@ -21,13 +21,13 @@ from torch import nn
 from tokenwise.attention.layer import Attention
 from tokenwise.config import EngineConfig
 from tokenwise.layers import (
-    LMHead,
-    MergedLinear,
-    QKVLinear,
-    ReplicatedLinear,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
     RMSNorm,
     RotaryEmbedding,
-    VocabEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
     get_act_and_mul,
     get_rope_config,
 )
@@ -74,12 +74,14 @@ class LlamaAttention(nn.Module):
         self.num_heads = int(hf.num_attention_heads)
         self.num_kv_heads = config.model.num_kv_heads
         self.head_dim = config.model.head_dim
-        self.qkv_proj = QKVLinear(
+        self.qkv_proj = QKVParallelLinear(
             hf.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, variant.qkv_bias
         )
-        self.o_proj = ReplicatedLinear(
+        self.o_proj = RowParallelLinear(
             self.num_heads * self.head_dim, hf.hidden_size, variant.o_proj_bias
         )
+        # This rank's heads (all of them without tensor parallelism).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_norm = RMSNorm(self.head_dim, hf.rms_norm_eps) if variant.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, hf.rms_norm_eps) if variant.qk_norm else None
         self.rotary_emb = rotary_emb  # shared by all layers: one cos/sin table per model
@@ -109,8 +111,8 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool):
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias)
-        self.down_proj = ReplicatedLinear(intermediate_size, hidden_size, bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
         self.act_fn = get_act_and_mul(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,7 +169,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         mc = config.model
         hf = mc.hf_config
-        self.embed_tokens = VocabEmbedding(hf.vocab_size, hf.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size)
         rope_theta, rope_scaling = get_rope_config(hf)
         # Positions never reach max_model_len, so the table need not cover the full
         # max_position_embeddings (128k rows for Llama 3.1).
@@ -206,7 +208,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, variant, _join(prefix, "model"), self.make_mlp)
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
         tie_to = self.model.embed_tokens if self.tie_word_embeddings else None
-        self.lm_head = LMHead(hf.vocab_size, hf.hidden_size, tie_to=tie_to)
+        self.lm_head = ParallelLMHead(hf.vocab_size, hf.hidden_size, tie_to=tie_to)
 
     @classmethod
     def decoder_variant(cls, hf_config: Any) -> DecoderVariant:

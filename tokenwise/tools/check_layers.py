@@ -66,6 +66,8 @@ LAYERS: tuple[Layer, ...] = (
             "tokenwise.tools.*",
         ),
     ),
+    # Tensor-parallel rank, size and collectives: what parallel layers read at construction.
+    Layer("process groups", ("tokenwise.distributed.tp_state",)),
     # Plain PyTorch building blocks and weight-copy helpers: no engine state, no context.
     Layer("layers", ("tokenwise.layers.*",)),
     # The DP group and batch coordination, which the forward context calls into.

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from tokenwise.config import EngineConfig
+from tokenwise.distributed.tp_state import get_tp_size, tp_all_reduce
 from tokenwise.forward_context import get_forward_context, is_forward_context_available
 from tokenwise.layers.activation import get_act_and_mul
 from tokenwise.layers.fused_moe.experts import moe_experts
@@ -72,6 +73,10 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """The full MoE output for this rank's tokens, exchanging with other DP ranks if sharded."""
+        if get_tp_size() > 1:
+            # Tensor parallelism: every TP rank has the same tokens and a slice of every
+            # expert, so the partial outputs only need summing.
+            return tp_all_reduce(self.forward_local(hidden_states, router_logits))
         if torch.compiler.is_compiling():
             # A ContextVar read cannot be traced; compiled code assumes no DP, like attention.
             if self.shard.is_sharded:

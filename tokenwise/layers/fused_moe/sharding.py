@@ -11,6 +11,8 @@ split over the DP ranks, in one of two ways:
   dimension, so the down projection of a slice is an exact partial sum of the full output.
 
 Either way a rank's output is a partial sum, which the DP dispatch/combine adds up over ranks.
+Under tensor parallelism (no DP) every TP rank holds its slice of every expert's intermediate
+dimension, and the layer all-reduces the partial sums (every TP rank has the same tokens).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenwise.config import ParallelConfig
+from tokenwise.distributed.tp_state import get_tp_rank, get_tp_size
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,21 @@ class ExpertShard:
         cls, parallel: ParallelConfig, num_experts: int, intermediate_size: int
     ) -> ExpertShard:
         ranks, rank = parallel.data_parallel_size, parallel.data_parallel_rank
+        tp_size = get_tp_size()
+        if tp_size > 1:
+            if ranks > 1:
+                raise NotImplementedError(
+                    "MoE layers under data and tensor parallelism together (DP x TP) are not "
+                    "supported yet"
+                )
+            if intermediate_size % tp_size:
+                raise ValueError(
+                    f"the expert intermediate size ({intermediate_size}) is not divisible by "
+                    f"tensor_parallel_size ({tp_size})"
+                )
+            per_rank = intermediate_size // tp_size
+            start = get_tp_rank() * per_rank
+            return cls(num_experts, intermediate_size, 0, num_experts, start, per_rank)
         if ranks == 1:
             return cls(num_experts, intermediate_size, 0, num_experts, 0, intermediate_size)
         if parallel.enable_expert_parallel:

@@ -1,0 +1,121 @@
+"""Tensor parallelism: the worker processes beside the driver, and how a run joins its group.
+
+With `tensor_parallel_size=N` one engine's model is split over N processes. The driver (TP rank
+0) is the ordinary engine: it schedules, prepares each step's inputs and samples. Workers hold
+only their shards and a KV cache for their heads; every step the driver broadcasts the step's
+flat inputs (`ModelRunner._broadcast`), each worker builds the same attention metadata from
+them and runs the same forward pass, and the layers' all-reduces / all-gathers combine the
+shards. Two ways to start:
+
+- spawned (default): the driver starts N-1 worker processes itself and rendezvouses with them
+  over TCP on 127.0.0.1;
+- `torchrun --nproc-per-node N [--nnodes M ...]`: every process runs the same command, the
+  group comes from torchrun's environment, rank 0 becomes the driver and the other ranks turn
+  into workers inside `LLM(...)` / `LLMEngine(...)` and exit when the driver shuts down.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tokenwise.config import EngineConfig
+from tokenwise.distributed.tp_state import free_port, init_tp_group, is_tp_initialized
+
+logger = logging.getLogger("tokenwise.engine")
+
+WorkerMain = Callable[[EngineConfig, int, "str | None"], None]
+
+STOP_TIMEOUT_S = 10.0
+
+
+def launched_by_torchrun() -> bool:
+    """torchrun (and other launchers using its environment) set these for every process."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    )
+
+
+class TPWorkers:
+    """The N-1 spawned worker processes of one engine; the driver checks on them every step."""
+
+    def __init__(self, config: EngineConfig, init_method: str, worker_main: WorkerMain) -> None:
+        size = config.parallel.tensor_parallel_size
+        ctx = mp.get_context("spawn")  # fork would copy torch's threads and locks
+        self.procs = [
+            ctx.Process(
+                target=worker_main,
+                args=(config, rank, init_method),
+                name=f"tokenwise-tp-{rank}",
+                daemon=True,
+            )
+            for rank in range(1, size)
+        ]
+        for proc in self.procs:
+            proc.start()
+        self._finalizer = weakref.finalize(self, _reap, self.procs)
+
+    def dead_worker(self) -> str | None:
+        """A sentence naming the first worker that has exited, if any has."""
+        for rank, proc in enumerate(self.procs, start=1):
+            if proc.exitcode is not None:
+                return (
+                    f"tensor-parallel worker {rank} (pid {proc.pid}) exited with code "
+                    f"{proc.exitcode}"
+                )
+        return None
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+
+    def join(self) -> None:
+        self._finalizer()
+
+
+def _reap(procs: list[Any]) -> None:
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=STOP_TIMEOUT_S)
+
+
+def start_tensor_parallel(config: EngineConfig, worker_main: WorkerMain) -> TPWorkers | None:
+    """Join (and, unless torchrun did, start) this engine's TP group; None with TP size 1.
+
+    Called before the model is built, since the layers read their TP rank at construction.
+    `worker_main(config, rank, init_method)` is what each spawned worker runs (the model
+    runner's worker loop, passed in because the runner sits above this module).
+    Returns the spawned workers on the driver of a spawned group, None otherwise.
+    """
+    size = config.parallel.tensor_parallel_size
+    if size == 1:
+        return None
+    if not str(config.device).startswith("cuda") and "OMP_NUM_THREADS" not in os.environ:
+        # N ranks on one CPU: share its cores instead of each claiming all of them.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    if is_tp_initialized():  # a spawned worker joined before building its runner
+        return None
+    if launched_by_torchrun():
+        rank = int(os.environ["RANK"])
+        init_tp_group(size, rank, None, config.device)
+        logger.info("tensor-parallel rank %d of %d (torchrun)", rank, size)
+        return None
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    workers = TPWorkers(config, init_method, worker_main)
+    try:
+        init_tp_group(size, 0, init_method, config.device)
+    except BaseException:
+        workers.kill()
+        raise
+    return workers
