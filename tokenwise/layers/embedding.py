@@ -11,6 +11,8 @@ the padding dropped) before sampling.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,14 +28,21 @@ def vocab_range(num_embeddings: int) -> tuple[int, int, int]:
     return start, min(start + per_rank, num_embeddings), per_rank
 
 
-def _load_vocab_rows(param: torch.Tensor, loaded: torch.Tensor, num_embeddings: int) -> None:
-    if get_tp_size() == 1 or loaded.shape[0] != num_embeddings:
-        default_weight_loader(param, loaded)  # also names a shape mismatch
-        return
-    start, end, _ = vocab_range(num_embeddings)
-    with torch.no_grad():
-        param.zero_()  # padding rows (past the vocabulary) stay zero
-    copy_checked(param.data.narrow(0, 0, end - start), loaded.narrow(0, start, end - start))
+def vocab_weight_loader(num_embeddings: int) -> Callable[..., None]:
+    """A loader copying this rank's rows of a full `[vocab, dim]` checkpoint tensor."""
+
+    def load(param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"this parameter is not fused; got shard id {shard_id!r}")
+        if get_tp_size() == 1 or loaded.shape[0] != num_embeddings:
+            default_weight_loader(param, loaded)  # also names a shape mismatch
+            return
+        start, end, _ = vocab_range(num_embeddings)
+        with torch.no_grad():
+            param.zero_()  # padding rows (past the vocabulary) stay zero
+        copy_checked(param.data.narrow(0, 0, end - start), loaded.narrow(0, start, end - start))
+
+    return load
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -43,14 +52,7 @@ class VocabParallelEmbedding(nn.Module):
         self.embedding_dim = embedding_dim
         self.vocab_start, self.vocab_end, rows = vocab_range(num_embeddings)
         self.weight = nn.Parameter(torch.empty(rows, embedding_dim), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-
-    def weight_loader(
-        self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None
-    ) -> None:
-        if shard_id is not None:
-            raise ValueError(f"this parameter is not fused; got shard id {shard_id!r}")
-        _load_vocab_rows(param, loaded, self.num_embeddings)
+        self.weight.weight_loader = vocab_weight_loader(num_embeddings)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if get_tp_size() == 1:
@@ -91,14 +93,7 @@ class ParallelLMHead(nn.Module):
             self.weight = tie_to.weight
         else:
             self.weight = nn.Parameter(torch.empty(rows, embedding_dim), requires_grad=False)
-            self.weight.weight_loader = self.weight_loader
-
-    def weight_loader(
-        self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None
-    ) -> None:
-        if shard_id is not None:
-            raise ValueError(f"this parameter is not fused; got shard id {shard_id!r}")
-        _load_vocab_rows(param, loaded, self.num_embeddings)
+            self.weight.weight_loader = vocab_weight_loader(num_embeddings)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden_states, self.weight).float()
