@@ -102,3 +102,21 @@ def test_profiled_kv_cache_keeps_the_process_within_gpu_memory_utilization(
     runner = llm.llm_engine.runner
     kv = runner.num_blocks * runner.kv_cache_bytes_per_block()
     assert kv >= 0.5 * utilization * total
+
+
+MOE_ARCHS = ["Qwen2MoeForCausalLM", "MixtralForCausalLM"]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("mode", ["eager", "piecewise"])
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_moe_greedy_tokens_equal_hf(arch: str, mode: str, schedule: str) -> None:
+    """MoE layers on CUDA (router, grouped experts behind the opaque op, Qwen2-MoE's gated
+    shared expert): HF's tokens eagerly and with the graph cut at the expert op."""
+    path = checkpoint(arch)
+    refs = [hf_greedy(path, p, MAX_TOKENS) for p in mixed_prompts()]
+    llm = LLM(path, dtype="float32", device="cuda", seed=0, **MODES[mode], **SCHEDULES[schedule])
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in mixed_prompts()], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == refs
+    assert_pool_clean(llm.llm_engine)

@@ -3,7 +3,8 @@
 Parameters are created directly in the target dtype and device (by making those the defaults
 while the model is constructed), so a bf16 model on a GPU never exists as an fp32 CPU copy.
 Checkpoint tensors are then streamed one at a time from `safe_open`, which memory-maps the
-files: peak extra memory is one tensor, not one checkpoint.
+files: peak extra memory is one tensor, not one checkpoint. Under tensor parallelism the tensors
+are handed over unread (`LazyTensor`), and each rank reads only the slices it holds.
 
 Loading is strict. A checkpoint tensor the model does not know, a parameter the checkpoint does
 not provide and a shape mismatch are all errors that name the tensors involved, because a
@@ -15,6 +16,7 @@ models themselves call are in `tokenwise.layers.weight_utils`, below them.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterable, Iterator
@@ -25,7 +27,13 @@ from safetensors import safe_open
 from torch import nn
 
 from tokenwise.config import EngineConfig
-from tokenwise.layers.weight_utils import StackedMapping, checkpoint_names
+from tokenwise.distributed.tp_state import get_tp_size
+from tokenwise.layers.weight_utils import (
+    CheckpointTensor,
+    LazyTensor,
+    StackedMapping,
+    checkpoint_names,
+)
 from tokenwise.models.registry import resolve_model_class
 
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -52,12 +60,23 @@ def safetensors_files(model_dir: str) -> list[str]:
     )
 
 
-def iterate_safetensors(files: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(name, tensor)` one tensor at a time, so only one is ever resident."""
+def iterate_safetensors(
+    files: Iterable[str], lazy: bool = False
+) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Yield `(name, tensor)` one tensor at a time, so only one is ever resident.
+
+    `lazy=True` (tensor parallelism) yields `LazyTensor`s instead: each weight loader reads
+    only this rank's slice, so no rank materialises a whole sharded tensor. A lazy tensor must
+    be used before the iteration moves on (its file is closed after the last one).
+    """
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if lazy:
+                    read_full = functools.partial(f.get_tensor, name)
+                    yield name, LazyTensor(f.get_slice(name), read_full)
+                else:
+                    yield name, f.get_tensor(name)
 
 
 @torch.no_grad()
@@ -101,7 +120,9 @@ def load_model(config: EngineConfig, device: str | torch.device = "cpu") -> nn.M
     if model_config.load_format == "dummy":
         init_dummy_weights(model, model_config.seed)
     elif model_config.load_format in ("auto", "safetensors"):
-        weights = iterate_safetensors(safetensors_files(model_config.model))
+        # Under TP every rank reads only its slices of the checkpoint tensors.
+        lazy = get_tp_size() > 1
+        weights = iterate_safetensors(safetensors_files(model_config.model), lazy=lazy)
         loaded = model.load_weights(weights)
         _check_complete(model, loaded)
     else:

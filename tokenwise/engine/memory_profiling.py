@@ -23,6 +23,11 @@ from tokenwise.forward_context import set_forward_context
 logger = logging.getLogger(__name__)
 
 GiB = float(1 << 30)
+# Kernels the first real steps load lazily (CUDA_MODULE_LOADING=LAZY: sampling, Triton decode
+# variants, cuBLAS heuristics) sit outside PyTorch's allocator and after the profile: on an
+# H100 (Qwen3-0.6B shape, FULL_AND_PIECEWISE) they added 0.12 GiB after the KV cache had taken
+# the rest of the budget, leaving the process 0.02 GiB over `gpu_memory_utilization`.
+LAZY_KERNEL_HEADROOM_BYTES = 256 << 20
 
 
 def kv_cache_budget_bytes(
@@ -71,12 +76,14 @@ def cuda_kv_cache_budget(model: Any, config: EngineConfig, device: torch.device)
     peak = torch.cuda.max_memory_reserved(device)
     free, total = torch.cuda.mem_get_info(device)
     non_torch = max(0, total - free - torch.cuda.memory_reserved(device))
+    non_torch += LAZY_KERNEL_HEADROOM_BYTES
     budget = kv_cache_budget_bytes(total, config.cache.gpu_memory_utilization, peak, non_torch)
     logger.info(
-        "memory profile: peak %.2f GiB in PyTorch, %.2f GiB outside it; KV cache gets %.2f GiB "
-        "(gpu_memory_utilization=%s of %.2f GiB)",
+        "memory profile: peak %.2f GiB in PyTorch, %.2f GiB outside it (%d MiB of it kept for "
+        "kernels loaded later); KV cache gets %.2f GiB (gpu_memory_utilization=%s of %.2f GiB)",
         peak / GiB,
         non_torch / GiB,
+        LAZY_KERNEL_HEADROOM_BYTES >> 20,
         budget / GiB,
         config.cache.gpu_memory_utilization,
         total / GiB,

@@ -18,59 +18,78 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenwise.distributed.tp_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
-from tokenwise.layers.weight_utils import copy_checked, default_weight_loader
+from tokenwise.layers.weight_utils import (
+    CheckpointTensor,
+    check_full_shape,
+    copy_checked,
+    default_weight_loader,
+)
 
 
-def vocab_range(num_embeddings: int) -> tuple[int, int, int]:
-    """(first id, end id, rows per rank) of this rank's slice of the vocabulary."""
-    per_rank = -(-num_embeddings // get_tp_size())
-    start = min(get_tp_rank() * per_rank, num_embeddings)
+def vocab_range(num_embeddings: int, tp_rank: int, tp_size: int) -> tuple[int, int, int]:
+    """(first id, end id, rows per rank) of rank `tp_rank`'s slice of the vocabulary.
+
+    Every rank holds `ceil(vocab / tp)` rows; the last rank(s) fewer real ones (the rest is
+    zero padding), so the all-gathered logits are `tp * rows` wide and trimmed to the vocab.
+    """
+    per_rank = -(-num_embeddings // tp_size)
+    start = min(tp_rank * per_rank, num_embeddings)
     return start, min(start + per_rank, num_embeddings), per_rank
 
 
-def vocab_weight_loader(num_embeddings: int) -> Callable[..., None]:
-    """A loader copying this rank's rows of a full `[vocab, dim]` checkpoint tensor."""
+def vocab_weight_loader(num_embeddings: int, tp_rank: int, tp_size: int) -> Callable[..., None]:
+    """A loader copying rank `tp_rank`'s rows of a full `[vocab, dim]` checkpoint tensor."""
 
-    def load(param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def load(param: torch.Tensor, loaded: CheckpointTensor, shard_id: object = None) -> None:
         if shard_id is not None:
             raise ValueError(f"this parameter is not fused; got shard id {shard_id!r}")
-        if get_tp_size() == 1 or loaded.shape[0] != num_embeddings:
-            default_weight_loader(param, loaded)  # also names a shape mismatch
+        if tp_size == 1:
+            default_weight_loader(param, loaded)
             return
-        start, end, _ = vocab_range(num_embeddings)
+        check_full_shape(loaded, (num_embeddings, *param.shape[1:]))
+        start, end, _ = vocab_range(num_embeddings, tp_rank, tp_size)
         with torch.no_grad():
-            param.zero_()  # padding rows (past the vocabulary) stay zero
+            param[end - start :].zero_()  # padding rows (past the vocabulary) stay zero
         copy_checked(param.data.narrow(0, 0, end - start), loaded.narrow(0, start, end - start))
 
     return load
 
 
 class VocabParallelEmbedding(nn.Module):
+    """Token embedding; under TP each rank holds a contiguous, padded range of vocab rows."""
+
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.vocab_start, self.vocab_end, rows = vocab_range(num_embeddings)
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.vocab_start, self.vocab_end, rows = vocab_range(
+            num_embeddings, self.tp_rank, self.tp_size
+        )
+        self.num_embeddings_per_partition = rows
         self.weight = nn.Parameter(torch.empty(rows, embedding_dim), requires_grad=False)
-        self.weight.weight_loader = vocab_weight_loader(num_embeddings)
+        self.weight.weight_loader = vocab_weight_loader(num_embeddings, self.tp_rank, self.tp_size)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if get_tp_size() == 1:
+        if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
+        # Ids of other ranks look up row 0 and are zeroed; the all-reduce fills them in.
         mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
-        local = torch.where(mine, input_ids - self.vocab_start, 0)
-        out = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
-        return tp_all_reduce(out)
+        out = F.embedding(torch.where(mine, input_ids - self.vocab_start, 0), self.weight)
+        return tp_all_reduce(out.masked_fill_(~mine.unsqueeze(-1), 0))
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}"
+        shard = f", rows={self.vocab_start}..{self.vocab_end}" if self.tp_size > 1 else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}{shard}"
 
 
 class ParallelLMHead(nn.Module):
     """Projects hidden states to vocabulary logits; `tie_to` reuses an embedding's weight.
 
     With tying the head registers the *same* Parameter object, so `named_parameters()` lists it
-    once (under the embedding) and the loader never expects an `lm_head.weight` tensor.
+    once (under the embedding) and the loader never expects an `lm_head.weight` tensor. Under
+    TP each rank computes the logits of its vocab rows; they are all-gathered (float32) and the
+    padding columns dropped, so every rank returns the full `[tokens, vocab]` logits.
     """
 
     def __init__(
@@ -83,21 +102,28 @@ class ParallelLMHead(nn.Module):
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.tied = tie_to is not None
-        _, _, rows = vocab_range(num_embeddings)
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.vocab_start, self.vocab_end, rows = vocab_range(
+            num_embeddings, self.tp_rank, self.tp_size
+        )
         if tie_to is not None:
             if tie_to.num_embeddings != num_embeddings or tie_to.embedding_dim != embedding_dim:
                 raise ValueError(
                     f"cannot tie an LM head of {(num_embeddings, embedding_dim)} to an "
                     f"embedding of {(tie_to.num_embeddings, tie_to.embedding_dim)}"
                 )
+            if (tie_to.tp_rank, tie_to.tp_size) != (self.tp_rank, self.tp_size):
+                raise ValueError("a tied LM head must be built under the embedding's TP group")
             self.weight = tie_to.weight
         else:
             self.weight = nn.Parameter(torch.empty(rows, embedding_dim), requires_grad=False)
-            self.weight.weight_loader = vocab_weight_loader(num_embeddings)
+            self.weight.weight_loader = vocab_weight_loader(
+                num_embeddings, self.tp_rank, self.tp_size
+            )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden_states, self.weight).float()
-        if get_tp_size() == 1:
+        if self.tp_size == 1:
             return logits
         return tp_all_gather(logits, dim=-1)[..., : self.num_embeddings]
 

@@ -9,11 +9,17 @@ a model importing it would close an import circle.
 Loading is strict. A checkpoint tensor the model does not know, a parameter the checkpoint does
 not provide and a shape mismatch are all errors that name the tensors involved, because a
 silently half-loaded model produces plausible-looking garbage that is far harder to debug.
+
+Under tensor parallelism a loader receives the *full* checkpoint tensor and copies this rank's
+slice. The tensor may be a `LazyTensor` (a safetensors slice not read yet): `narrow` and
+indexing on it read only the rows / columns asked for, so a rank never materialises the tensors
+it holds a slice of. `copy_checked` reads whatever is left, after checking the shape.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -22,23 +28,116 @@ from torch import nn
 StackedMapping = Sequence[tuple[str, str, str | int]]
 
 
-def copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
+class _Sliceable(Protocol):
+    """What `safe_open(...).get_slice(name)` returns: a shape, and reads of index ranges."""
+
+    def get_shape(self) -> list[int]: ...
+
+    def __getitem__(self, index: Any) -> torch.Tensor: ...
+
+
+class LazyTensor:
+    """A checkpoint tensor (or a box of it, after `narrow`) that is read only when needed.
+
+    It offers the few tensor operations weight loaders use on checkpoint tensors: `shape`,
+    `dim()`, `narrow()` (lazy) and basic indexing with ints and step-1 slices (reads that part).
+    `materialize()` reads the whole box; an unnarrowed tensor is read with `read_full`, exactly
+    as a plain load would read it. Valid only while the file it comes from is open.
+    """
+
+    def __init__(
+        self,
+        source: _Sliceable,
+        read_full: Callable[[], torch.Tensor],
+        box: tuple[slice, ...] | None = None,
+    ) -> None:
+        self._source = source
+        self._read_full = read_full
+        self._full_shape = tuple(int(n) for n in source.get_shape())
+        self._box = box if box is not None else tuple(slice(0, n) for n in self._full_shape)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(s.stop - s.start for s in self._box)
+
+    def dim(self) -> int:
+        return len(self._box)
+
+    def narrow(self, dim: int, start: int, length: int) -> LazyTensor:
+        dim = dim % self.dim() if self.dim() else dim
+        size = self.shape[dim]
+        if not (0 <= start and 0 <= length and start + length <= size):
+            raise IndexError(f"narrow({dim}, {start}, {length}) is out of range for size {size}")
+        box = list(self._box)
+        first = box[dim].start + start
+        box[dim] = slice(first, first + length)
+        return LazyTensor(self._source, self._read_full, tuple(box))
+
+    def materialize(self) -> torch.Tensor:
+        if all(
+            s.start == 0 and s.stop == n for s, n in zip(self._box, self._full_shape, strict=True)
+        ):
+            return self._read_full()
+        return self._source[self._box]
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        """Read `self[index]` for ints and step-1 slices (anything else reads the whole box)."""
+        items = index if isinstance(index, tuple) else (index,)
+        if len(items) > self.dim() or not all(
+            isinstance(i, int) or (isinstance(i, slice) and i.step in (None, 1)) for i in items
+        ):
+            return self.materialize()[index]
+        box, drop = list(self._box), []
+        for dim, item in enumerate(items):
+            lo, hi = box[dim].start, box[dim].stop
+            if isinstance(item, int):
+                pos = item + (hi - lo) if item < 0 else item
+                if not 0 <= pos < hi - lo:
+                    raise IndexError(f"index {item} is out of range for size {hi - lo}")
+                box[dim], drop = slice(lo + pos, lo + pos + 1), [*drop, dim]
+            else:
+                start, stop, _ = item.indices(hi - lo)
+                box[dim] = slice(lo + start, lo + max(start, stop))
+        part = LazyTensor(self._source, self._read_full, tuple(box)).materialize()
+        for dim in reversed(drop):
+            part = part.squeeze(dim)
+        return part
+
+    def __repr__(self) -> str:
+        return f"LazyTensor(shape={tuple(self.shape)})"
+
+
+# A checkpoint tensor as weight loaders receive it: read already, or on demand.
+CheckpointTensor = torch.Tensor | LazyTensor
+
+
+def materialize(loaded: CheckpointTensor) -> torch.Tensor:
+    return loaded.materialize() if isinstance(loaded, LazyTensor) else loaded
+
+
+def check_full_shape(loaded: CheckpointTensor, expected: Sequence[int]) -> None:
+    """Refuse a checkpoint tensor whose full shape is not `expected` (before slicing it: a slice
+    of a wrongly sized tensor could still fit the shard)."""
+    if tuple(loaded.shape) != tuple(expected):
+        raise ValueError(
+            f"shape mismatch: the model expects {tuple(expected)}, "
+            f"the checkpoint has {tuple(loaded.shape)}"
+        )
+
+
+def copy_checked(param: torch.Tensor, loaded: CheckpointTensor) -> None:
     """Copy `loaded` into `param` (casting dtype and device), refusing to broadcast.
 
     `Tensor.copy_` would happily broadcast a `[1, n]` tensor into `[m, n]`, hiding a wrong
-    checkpoint, so shapes are compared explicitly.
+    checkpoint, so shapes are compared explicitly (before a lazy tensor is read).
     """
-    if tuple(param.shape) != tuple(loaded.shape):
-        raise ValueError(
-            f"shape mismatch: the model expects {tuple(param.shape)}, "
-            f"the checkpoint has {tuple(loaded.shape)}"
-        )
+    check_full_shape(loaded, param.shape)
     with torch.no_grad():
-        param.copy_(loaded)
+        param.copy_(materialize(loaded))
 
 
 def default_weight_loader(
-    param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None
+    param: torch.Tensor, loaded_weight: CheckpointTensor, shard_id: object = None
 ) -> None:
     """The loader of a parameter that is not fused: a checked whole-tensor copy."""
     if shard_id is not None:
@@ -66,7 +165,7 @@ def checkpoint_names(param_name: str, mapping: StackedMapping) -> dict[str | int
 
 
 def load_stacked_weights(
-    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], mapping: StackedMapping
+    model: nn.Module, weights: Iterable[tuple[str, CheckpointTensor]], mapping: StackedMapping
 ) -> set[str]:
     """Copy checkpoint tensors into `model`, routing the ones in `mapping` to fused shards.
 

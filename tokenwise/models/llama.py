@@ -107,12 +107,30 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU with gate and up fused into one matmul."""
+    """SwiGLU with gate and up fused into one matmul.
 
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool):
+    Under TP each rank holds `intermediate_size / tp` of the gate/up rows and down columns; the
+    down projection all-reduces unless `reduce_results=False` (then the output is this rank's
+    partial sum, for a caller that reduces it together with something else).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str,
+        bias: bool,
+        *,
+        reduce_results: bool = True,
+        size_name: str = "intermediate_size",
+    ):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias, what=size_name
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias, what=size_name, reduce_results=reduce_results
+        )
         self.act_fn = get_act_and_mul(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -19,16 +19,7 @@ from tokenwise.layers.activation import get_act_and_mul
 from tokenwise.layers.fused_moe.experts import moe_experts
 from tokenwise.layers.fused_moe.router import select_experts
 from tokenwise.layers.fused_moe.sharding import ExpertShard
-from tokenwise.layers.weight_utils import copy_checked
-
-
-def _check_shape(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
-    # Checked on the whole tensor: a slice of a wrong-sized tensor could still fit the shard.
-    if tuple(loaded.shape) != expected:
-        raise ValueError(
-            f"shape mismatch: the model expects {expected}, the checkpoint has "
-            f"{tuple(loaded.shape)}"
-        )
+from tokenwise.layers.weight_utils import CheckpointTensor, check_full_shape, copy_checked
 
 
 class FusedMoE(nn.Module):
@@ -61,6 +52,7 @@ class FusedMoE(nn.Module):
         self.weights_in_fp32 = weights_in_fp32
         self.layer_name = prefix
         self.parallel = config.parallel
+        self.tp_size = get_tp_size()
         self.shard = ExpertShard.for_rank(config.parallel, num_experts, intermediate_size)
         get_act_and_mul(hidden_act)  # raises for anything but SiLU, the one the experts use
         local_e, local_i = self.shard.num_local_experts, self.shard.local_intermediate_size
@@ -73,7 +65,7 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """The full MoE output for this rank's tokens, exchanging with other DP ranks if sharded."""
-        if get_tp_size() > 1:
+        if self.tp_size > 1:
             # Tensor parallelism: every TP rank has the same tokens and a slice of every
             # expert, so the partial outputs only need summing.
             return tp_all_reduce(self.forward_local(hidden_states, router_logits))
@@ -120,7 +112,7 @@ class FusedMoE(nn.Module):
     def weight_loader(
         self,
         param: nn.Parameter,
-        loaded_weight: torch.Tensor,
+        loaded_weight: CheckpointTensor,
         shard_id: str,
         expert_id: int | None,
     ) -> bool:
@@ -128,7 +120,8 @@ class FusedMoE(nn.Module):
 
         Per-expert tensors (`expert_id` set): `w1` (gate) and `w3` (up) are `[I, H]`, `w2`
         (down) is `[H, I]`. Stacked tensors of all experts (`expert_id=None`, transformers 5):
-        `w13` is `[E, 2*I, H]` (gate rows, then up rows) and `w2` is `[E, H, I]`.
+        `w13` is `[E, 2*I, H]` (gate rows, then up rows) and `w2` is `[E, H, I]`. Only this
+        rank's experts and intermediate slice are read (from a `LazyTensor`, only those bytes).
         """
         expected = self.w2_weight if shard_id == "w2" else self.w13_weight
         if shard_id not in ("w1", "w3", "w2", "w13") or param is not expected:
@@ -139,18 +132,19 @@ class FusedMoE(nn.Module):
         if expert_id is None:
             experts = slice(s.first_expert, s.first_expert + s.num_local_experts)
             if shard_id == "w13":
-                _check_shape(loaded_weight, (s.num_experts, 2 * size, hidden))
-                gate, up = loaded_weight[experts].split(size, dim=1)
-                copy_checked(param, torch.cat([gate[:, cols], up[:, cols]], dim=1))
+                check_full_shape(loaded_weight, (s.num_experts, 2 * size, hidden))
+                up_cols = slice(size + cols.start, size + cols.stop)
+                gate, up = loaded_weight[experts, cols], loaded_weight[experts, up_cols]
+                copy_checked(param, torch.cat([gate, up], dim=1))
             elif shard_id == "w2":
-                _check_shape(loaded_weight, (s.num_experts, hidden, size))
-                copy_checked(param, loaded_weight[experts][:, :, cols])
+                check_full_shape(loaded_weight, (s.num_experts, hidden, size))
+                copy_checked(param, loaded_weight[experts, :, cols])
             else:
                 raise ValueError(f"a stacked expert tensor cannot be shard {shard_id!r}")
             return True
         if shard_id == "w13":
             raise ValueError("a per-expert tensor cannot be shard 'w13'")
-        _check_shape(loaded_weight, (hidden, size) if shard_id == "w2" else (size, hidden))
+        check_full_shape(loaded_weight, (hidden, size) if shard_id == "w2" else (size, hidden))
         local = s.local_expert(expert_id)
         if local is None:
             return False

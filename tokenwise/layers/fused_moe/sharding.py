@@ -41,8 +41,8 @@ class ExpertShard:
         if tp_size > 1:
             if ranks > 1:
                 raise NotImplementedError(
-                    "MoE layers under data and tensor parallelism together (DP x TP) are not "
-                    "supported yet"
+                    f"DP x TP for MoE layers is not yet supported (data_parallel_size={ranks}, "
+                    f"tensor_parallel_size={tp_size}): use one of the two"
                 )
             if intermediate_size % tp_size:
                 raise ValueError(
