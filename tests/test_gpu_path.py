@@ -120,3 +120,64 @@ def test_moe_greedy_tokens_equal_hf(arch: str, mode: str, schedule: str) -> None
     outs = llm.generate([{"prompt_token_ids": p} for p in mixed_prompts()], params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == refs
     assert_pool_clean(llm.llm_engine)
+
+
+def test_moe_grouped_matmul_on_cuda_equals_the_loop_and_needs_no_host_sync() -> None:
+    """bf16 experts on a Hopper GPU take the grouped-matmul path: the loop's result, and
+    capturable in a CUDA graph (a host sync would make capture fail), replaying new inputs."""
+    from tokenwise.layers.activation import SiluAndMul
+    from tokenwise.layers.fused_moe.experts import fused_experts, grouped_mm_supported
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n, e, k, h, inter = 64, 16, 2, 256, 128
+
+    def inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = torch.randn(n, h, device="cuda", generator=gen).bfloat16()
+        scores = torch.rand(n, e, device="cuda", generator=gen)
+        weights, ids = scores.topk(k, dim=-1)
+        return x, weights, ids
+
+    w13 = (0.1 * torch.randn(e, 2 * inter, h, device="cuda", generator=gen)).bfloat16()
+    w2 = (0.1 * torch.randn(e, h, inter, device="cuda", generator=gen)).bfloat16()
+    act = SiluAndMul()
+    x, weights, ids = inputs()
+    if not grouped_mm_supported(x):
+        pytest.skip("torch._grouped_mm has no bf16 kernel on this GPU (needs sm90+)")
+
+    def run(grouped: bool) -> torch.Tensor:
+        return fused_experts(x, w13, w2, weights, ids, act, use_grouped_mm=grouped)
+
+    torch.testing.assert_close(run(True), run(False), atol=2e-2, rtol=0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run(True)  # warm-up outside the capture, as CUDA graphs require
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run(True)
+    new_x, new_weights, new_ids = inputs()
+    x.copy_(new_x), weights.copy_(new_weights), ids.copy_(new_ids)
+    graph.replay()
+    torch.testing.assert_close(captured, run(False), atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_bf16_moe_gets_full_graphs_that_equal_piecewise(arch: str) -> None:
+    """With the grouped matmul (bf16, sm90+) an MoE model is graphed like a dense one: decode
+    steps replayed whole give the tokens of piecewise graphs (same compiled pieces, with the
+    attention and expert ops run eagerly between them)."""
+    path = checkpoint(arch)
+    prompts = [{"prompt_token_ids": p} for p in mixed_prompts()]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    tokens = {}
+    for mode in ("piecewise", None):
+        kw = {"cudagraph_mode": "PIECEWISE"} if mode else {}
+        llm = LLM(path, dtype="bfloat16", device="cuda", seed=0, num_gpu_blocks=256, **kw)
+        resolved = llm.llm_engine.config.compilation.cudagraph_mode.name
+        tokens[resolved] = [
+            list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)
+        ]
+        assert_pool_clean(llm.llm_engine)
+    assert set(tokens) == {"PIECEWISE", "FULL_AND_PIECEWISE"}  # the default is full graphs
+    assert tokens["FULL_AND_PIECEWISE"] == tokens["PIECEWISE"]

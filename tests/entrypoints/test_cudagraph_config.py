@@ -59,15 +59,34 @@ def test_default_mode_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_cudagraph_mode("none", "cpu", True) is M.NONE
 
 
-def test_moe_models_get_piecewise_graphs_at_most(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_moe_models_whose_experts_read_the_host_get_piecewise_graphs_at_most(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv(selector.ENV_VAR, "triton")  # a backend whose decode could be captured
-    assert resolve_cudagraph_mode(None, "cuda", False, is_moe=True) is M.PIECEWISE
-    assert resolve_cudagraph_mode("piecewise", "cuda", False, is_moe=True) is M.PIECEWISE
+    assert resolve_cudagraph_mode(None, "cuda", False, moe_needs_host=True) is M.PIECEWISE
+    assert resolve_cudagraph_mode("piecewise", "cuda", False, moe_needs_host=True) is M.PIECEWISE
     for full in ("full", "full_decode_only", "full_and_piecewise"):
         with pytest.raises(ValueError, match="MoE model.*cudagraph_mode=PIECEWISE"):
-            resolve_cudagraph_mode(full, "cuda", False, is_moe=True)
+            resolve_cudagraph_mode(full, "cuda", False, moe_needs_host=True)
+    # With a grouped matmul (no host read) an MoE model is graphed like a dense one.
+    default = resolve_cudagraph_mode(None, "cuda", False, moe_needs_host=False)
+    assert default is M.FULL_AND_PIECEWISE
     # Piecewise graphs are cut at the expert op, as at attention.
     assert "tokenwise::moe_experts" in CompilationConfig().splitting_ops
+
+
+def test_which_devices_and_dtypes_have_a_grouped_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tokenwise.layers.fused_moe.experts import grouped_mm_available
+
+    assert grouped_mm_available("cpu", torch.float32)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for capability, dtype, expected in [
+        ((9, 0), torch.bfloat16, True),
+        ((9, 0), torch.float32, False),  # fp32 / fp16 experts loop on the host
+        ((8, 0), torch.bfloat16, False),  # no grouped kernel before Hopper
+    ]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, c=capability: c)
+        assert grouped_mm_available("cuda", dtype) is expected
 
 
 def test_refused_combinations() -> None:

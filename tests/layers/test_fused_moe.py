@@ -16,12 +16,15 @@ from torch import nn
 
 from tokenwise.config import EngineConfig, ParallelConfig
 from tokenwise.forward_context import DPMetadata, create_forward_context, override_forward_context
+from tokenwise.layers.activation import SiluAndMul
 from tokenwise.layers.fused_moe import (
     FusedMoE,
+    fused_experts,
     load_weights_with_experts,
     make_expert_params_mapping,
     select_experts,
 )
+from tokenwise.layers.fused_moe.experts import grouped_mm_supported
 
 E, K, H, INTER = 8, 2, 32, 16  # experts, top-k, hidden, expert intermediate size
 
@@ -353,3 +356,31 @@ def test_unknown_expert_tensor_is_an_error() -> None:
     weights[f"experts.{E}.w1.weight"] = torch.zeros(INTER, H)  # one expert too many
     with pytest.raises(ValueError, match=rf"experts\.{E}\.w1\.weight"):
         _load(Block(_config()), weights)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("first_expert,num_local", [(0, E), (2, 3)])
+def test_grouped_matmul_path_equals_the_per_expert_loop(
+    dtype: torch.dtype, first_expert: int, num_local: int
+) -> None:
+    """The device-side grouped matmul (no host sync) gives the loop's result: with every expert
+    held, and with a rank holding experts 2..4 only (pairs routed elsewhere count as zero, even
+    though the grouped matmul leaves their rows undefined). Some experts get no token."""
+    n = 29
+    x = _randn(n, H, seed=11).to(dtype)
+    w13 = _randn(num_local, 2 * INTER, H, seed=12, std=0.2).to(dtype)
+    w2 = _randn(num_local, H, INTER, seed=13, std=0.2).to(dtype)
+    ids = torch.randint(0, E - 1, (n, K), generator=torch.Generator().manual_seed(14))
+    ids[:, 1] = torch.where(ids[:, 1] == ids[:, 0], E - 1, ids[:, 1])  # distinct per token
+    weights = torch.rand(n, K, generator=torch.Generator().manual_seed(15))
+    common = dict(first_expert=first_expert, weights_in_fp32=dtype == torch.float32)
+    act = SiluAndMul()
+    loop = fused_experts(x, w13, w2, weights, ids, act, use_grouped_mm=False, **common)
+    grouped = fused_experts(x, w13, w2, weights, ids, act, use_grouped_mm=True, **common)
+    assert grouped.dtype == dtype
+    # Same products; only the order of the fp32 sum over a token's k experts may differ.
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(grouped, loop, atol=tol, rtol=0)
+    held = (ids >= first_expert) & (ids < first_expert + num_local)
+    assert torch.all(grouped[~held.any(1)] == 0)  # tokens with no local expert get nothing
+    assert grouped_mm_supported(x)  # CPU: the grouped path is the default here

@@ -20,6 +20,7 @@ from tokenwise.config import (
 )
 from tokenwise.engine.dp_client import create_engine
 from tokenwise.engine.prompts import PromptInput
+from tokenwise.layers.fused_moe.experts import grouped_mm_available
 from tokenwise.model_config import ModelConfig
 from tokenwise.models.registry import is_moe_architecture
 from tokenwise.outputs import RequestOutput
@@ -36,20 +37,20 @@ def resolve_cudagraph_mode(
     cudagraph_mode: str | CUDAGraphMode | None,
     device: str,
     enforce_eager: bool,
-    is_moe: bool = False,
+    moe_needs_host: bool = False,
 ) -> CUDAGraphMode:
     """The CUDA-graph mode: as asked (checked against device and eagerness), or the default.
 
     Default: NONE on CPU and with enforce_eager; on CUDA, FULL_AND_PIECEWISE (whole decode steps
     and compiled pieces of mixed steps are replayed) when the attention backend's decode can be
-    captured, else PIECEWISE. MoE models get PIECEWISE at most: their expert op reads
-    per-expert token counts on the host, which no captured graph can hold, so the graph is cut
-    there like at attention.
+    captured, else PIECEWISE. MoE models whose expert op reads per-expert token counts on the
+    host (`moe_needs_host`: no grouped matmul for the device and dtype) get PIECEWISE at most,
+    since no captured graph can hold a host read; the graph is cut there like at attention.
     """
     if cudagraph_mode is None:
         if enforce_eager or not device.startswith("cuda"):
             return CUDAGraphMode.NONE
-        if is_moe:
+        if moe_needs_host:
             return CUDAGraphMode.PIECEWISE
         from tokenwise.attention.backends.selector import BACKENDS, backend_name_for
 
@@ -60,11 +61,12 @@ def resolve_cudagraph_mode(
     mode = CUDAGraphMode.parse(cudagraph_mode)
     if mode == CUDAGraphMode.NONE:
         return mode
-    if is_moe and mode.has_full_cudagraphs():
+    if moe_needs_host and mode.has_full_cudagraphs():
         raise ValueError(
-            f"cudagraph_mode={mode.name} captures whole forward passes, which an MoE model's "
-            "expert layers cannot be part of (their token counts per expert are read on the "
-            "host); use cudagraph_mode=PIECEWISE"
+            f"cudagraph_mode={mode.name} captures whole forward passes, which this MoE model's "
+            "expert layers cannot be part of (without a grouped matmul for this GPU and dtype, "
+            "their token counts per expert are read on the host; bf16 on sm90+ has one); use "
+            "cudagraph_mode=PIECEWISE"
         )
     if not device.startswith("cuda"):
         raise ValueError(
@@ -137,7 +139,8 @@ def build_engine_config(
         # not verified yet (no GPU was at hand when this was built).
         logger.info("tensor parallelism, or DP with an MoE model, runs eagerly (no graphs)")
         enforce_eager, cudagraph_mode = True, None
-    mode = resolve_cudagraph_mode(cudagraph_mode, device, enforce_eager, is_moe)
+    moe_needs_host = is_moe and not grouped_mm_available(device, model_config.dtype)
+    mode = resolve_cudagraph_mode(cudagraph_mode, device, enforce_eager, moe_needs_host)
     parallel = ParallelConfig(
         data_parallel_size=data_parallel_size,
         tensor_parallel_size=tensor_parallel_size,
