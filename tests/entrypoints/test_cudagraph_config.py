@@ -87,6 +87,10 @@ def test_which_devices_and_dtypes_have_a_grouped_matmul(monkeypatch: pytest.Monk
     ]:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, c=capability: c)
         assert grouped_mm_available("cuda", dtype) is expected
+    # Row strides must be 16-byte multiples: an expert intermediate size of 36 bf16 is not.
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: (9, 0))
+    assert grouped_mm_available("cuda", torch.bfloat16, (2048, 768))
+    assert not grouped_mm_available("cuda", torch.bfloat16, (2048, 36))
 
 
 def test_refused_combinations() -> None:

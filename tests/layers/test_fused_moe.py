@@ -18,6 +18,7 @@ from tokenwise.config import EngineConfig, ParallelConfig
 from tokenwise.forward_context import DPMetadata, create_forward_context, override_forward_context
 from tokenwise.layers.activation import SiluAndMul
 from tokenwise.layers.fused_moe import (
+    ExpertShard,
     FusedMoE,
     fused_experts,
     load_weights_with_experts,
@@ -274,6 +275,30 @@ def test_shard_sizes_must_divide() -> None:
     with pytest.raises(ValueError, match=r"data_parallel_size \(4\).*intermediate size \(30\)"):
         FusedMoE(E, K, H, 30, _config(dp=4, rank=1, ep=False), renormalize=True)
     FusedMoE(6, K, H, 32, _config(dp=2, rank=1, ep=False), renormalize=True)  # I divides: fine
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_dp_times_tp_shards_tile_the_experts_exactly_once(
+    ep: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under DP=2 x TP=2 the four processes' shards are disjoint and cover every expert's whole
+    intermediate dimension (ordered dp_rank * tp + tp_rank), so the DP and TP sums add up."""
+    import tokenwise.layers.fused_moe.sharding as sharding
+
+    monkeypatch.setattr(sharding, "get_tp_size", lambda: 2)
+    covered = torch.zeros(E, INTER, dtype=torch.int64)
+    order = []
+    for dp_rank in range(2):
+        for tp_rank in range(2):
+            monkeypatch.setattr(sharding, "get_tp_rank", lambda r=tp_rank: r)
+            shard = ExpertShard.for_rank(_config(dp=2, rank=dp_rank, ep=ep).parallel, E, INTER)
+            experts = slice(shard.first_expert, shard.first_expert + shard.num_local_experts)
+            covered[experts, shard.intermediate_slice()] += 1
+            order.append(shard.first_expert if ep else shard.intermediate_start)
+    assert torch.all(covered == 1)
+    assert order == sorted(order)
+    with pytest.raises(ValueError, match=r"num_experts \(6\).*tensor_parallel_size \(2\)"):
+        ExpertShard.for_rank(_config(dp=2, rank=0, ep=True).parallel, 6, INTER)
 
 
 def test_sharded_layer_needs_the_dp_forward_context(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -198,7 +198,7 @@ def test_more_divisibility_errors_name_the_count_and_the_tp_size() -> None:
         ):
             LlamaMLP(8, 6, "silu", bias=False)
         with pytest.raises(
-            ValueError, match=r"expert intermediate size \(30\).*tensor_parallel_size \(4\)"
+            ValueError, match=r"tensor_parallel_size \(4\).*expert intermediate size \(30\)"
         ):
             FusedMoE(4, 2, 8, 30, EngineConfig(), renormalize=True)
     with (
@@ -209,8 +209,8 @@ def test_more_divisibility_errors_name_the_count_and_the_tp_size() -> None:
     ):
         QKVParallelLinear(8, 2, 6, 2)
     dp2 = EngineConfig(parallel=ParallelConfig(data_parallel_size=2, data_parallel_rank=1))
-    with as_rank(0, 2), pytest.raises(NotImplementedError, match=r"DP x TP for MoE.*not yet"):
-        FusedMoE(4, 2, 8, 16, dp2, renormalize=True)
+    with as_rank(0, 2), pytest.raises(ValueError, match=r"4 ways.*\* tensor_parallel_size"):
+        FusedMoE(4, 2, 8, 18, dp2, renormalize=True)  # 18 splits 2 ways, not 4
 
 
 def test_vocab_smaller_than_the_rank_count_leaves_a_rank_only_padding() -> None:

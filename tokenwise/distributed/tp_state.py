@@ -52,34 +52,49 @@ def init_tp_group(
     tp_rank: int,
     init_method: str | None = None,
     device: str = "cpu",
+    dp_size: int = 1,
+    dp_rank: int = 0,
 ) -> None:
     """Join the TP group as `tp_rank` of `tp_size` (every rank calls this; it is collective).
 
     `init_method` is a `tcp://host:port` rendezvous for processes the engine spawned; None means
     torch.distributed's environment (`torchrun` sets MASTER_ADDR, RANK, WORLD_SIZE, ...).
+    Under data parallelism (`dp_size > 1`) the world holds `dp_size * tp_size` processes, global
+    rank `dp_rank * tp_size + tp_rank`, and each DP rank's TP ranks form their own group.
     """
     global _tp_group, _tp_cpu_group, _tp_rank, _tp_size, _owns_default_group
     if _tp_group is not None:
         raise RuntimeError("the tensor-parallel group is already initialised")
     cuda = str(device).startswith("cuda")
+    world = dp_size * tp_size
     if not dist.is_initialized():
         dist.init_process_group(
             backend="cpu:gloo,cuda:nccl" if cuda else "gloo",
             init_method=init_method or "env://",
-            world_size=tp_size,
-            rank=tp_rank,
+            world_size=world,
+            rank=dp_rank * tp_size + tp_rank,
             timeout=timedelta(seconds=ACTIVATION_TIMEOUT_S),
         )
         _owns_default_group = True
-    if dist.get_world_size() != tp_size:
+    if dist.get_world_size() != world:
         raise ValueError(
             f"torch.distributed has {dist.get_world_size()} processes, but tensor_parallel_size "
             f"is {tp_size} (launch one process per TP rank: torchrun --nproc-per-node {tp_size})"
         )
-    ranks = list(range(tp_size))
-    _tp_group = dist.group.WORLD
-    _tp_cpu_group = dist.new_group(ranks=ranks, backend="gloo", timeout=IDLE_TIMEOUT)
-    _tp_rank, _tp_size = dist.get_rank(), tp_size
+    if dp_size == 1:
+        _tp_group = dist.group.WORLD
+        _tp_cpu_group = dist.new_group(
+            ranks=list(range(tp_size)), backend="gloo", timeout=IDLE_TIMEOUT
+        )
+    else:
+        # new_group is collective over the world: every process creates every DP rank's groups.
+        for d in range(dp_size):
+            ranks = [d * tp_size + t for t in range(tp_size)]
+            group = dist.new_group(ranks=ranks, timeout=timedelta(seconds=ACTIVATION_TIMEOUT_S))
+            cpu_group = dist.new_group(ranks=ranks, backend="gloo", timeout=IDLE_TIMEOUT)
+            if d == dp_rank:
+                _tp_group, _tp_cpu_group = group, cpu_group
+    _tp_rank, _tp_size = tp_rank, tp_size
 
 
 def is_tp_initialized() -> bool:
@@ -112,6 +127,8 @@ def destroy_tp_group() -> None:
         return
     if dist.is_initialized():
         dist.destroy_process_group(_tp_cpu_group)
+        if _tp_group is not dist.group.WORLD:
+            dist.destroy_process_group(_tp_group)
         if _owns_default_group:
             dist.destroy_process_group()
     _tp_group = _tp_cpu_group = None

@@ -72,7 +72,9 @@ class DPEngineClient:
                 target=run_dp_rank,
                 args=(config, rank, parallel.data_parallel_master_ip, port, inbox, self._outbox),
                 name=f"tokenwise-dp-{rank}",
-                daemon=True,
+                # A daemon may not start processes, and under TP each rank starts its workers;
+                # ranks also stop by themselves when this process is gone (`dp_rank`).
+                daemon=parallel.tensor_parallel_size == 1,
             )
             for rank, inbox in enumerate(self._inboxes)
         ]

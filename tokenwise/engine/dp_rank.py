@@ -58,9 +58,14 @@ def run_dp_rank(
             # N ranks on one CPU: share the cores instead of each claiming all of them.
             cores = os.cpu_count() or 1
             torch.set_num_threads(max(1, cores // config.parallel.data_parallel_size))
-        init_dp_group(
-            config.parallel, master_addr, master_port, COLLECTIVE_TIMEOUT_S, config.device
-        )
+        config.parallel.data_parallel_master_ip = master_addr
+        config.parallel.data_parallel_master_port = master_port
+        if config.parallel.tensor_parallel_size == 1:
+            init_dp_group(
+                config.parallel, master_addr, master_port, COLLECTIVE_TIMEOUT_S, config.device
+            )
+        # else: this rank drives a TP group; its runner starts the TP workers, and all
+        # dp * tp processes build the TP and DP groups together (`join_parallel_groups`).
         engine = LLMEngine(config, config.device)
         outbox.put(("ready", rank, engine.runner.num_blocks))
         _RankLoop(engine, rank, inbox, outbox).run()

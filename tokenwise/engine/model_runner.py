@@ -23,14 +23,15 @@ from tokenwise.attention.ubatch_metadata import split_metadata_by_layer
 from tokenwise.compilation.compile import compile_model
 from tokenwise.config import CUDAGraphMode, EngineConfig
 from tokenwise.distributed.dp_coordination import coordinate_batch_across_dp
-from tokenwise.distributed.tp_state import destroy_tp_group, get_tp_size, init_tp_group
+from tokenwise.distributed.parallel_state import destroy_dp_group
+from tokenwise.distributed.tp_state import destroy_tp_group, get_tp_size
 from tokenwise.distributed.ubatching import create_ubatch_slices
 from tokenwise.engine.cuda_graph_runner import CudaGraphRunner
 from tokenwise.engine.graph_setup import default_capture_sizes, graph_setup
 from tokenwise.engine.input_batch import InputBatch, StepInputs
 from tokenwise.engine.memory_profiling import cuda_kv_cache_budget
 from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from tokenwise.engine.tp_executor import start_tensor_parallel
+from tokenwise.engine.tp_executor import join_parallel_groups, start_tensor_parallel
 from tokenwise.engine.tp_steps import SpecTables, TPDriver, step_from_payload, step_payload
 from tokenwise.forward_context import set_forward_context
 from tokenwise.layer_registry import get_layers_from_config
@@ -375,9 +376,12 @@ def run_tp_worker(config: EngineConfig, rank: int, init_method: str | None) -> N
     The same order of collectives as the driver's `LLMEngine.__init__`: group, model, agreed
     block count, cache; then the step loop.
     """
-    logging.basicConfig(level=logging.INFO, format=f"[TP rank {rank}] %(levelname)s %(message)s")
+    name = f"TP rank {rank}"
+    if config.parallel.data_parallel_size > 1:
+        name = f"DP rank {config.parallel.data_parallel_rank} {name}"
+    logging.basicConfig(level=logging.INFO, format=f"[{name}] %(levelname)s %(message)s")
     try:
-        init_tp_group(config.parallel.tensor_parallel_size, rank, init_method, config.device)
+        join_parallel_groups(config, rank, init_method)
         runner = ModelRunner(config, config.device)
         runner.initialize_kv_cache(runner.determine_num_blocks())
         runner.serve_tp_steps()
@@ -385,4 +389,5 @@ def run_tp_worker(config: EngineConfig, rank: int, init_method: str | None) -> N
         logger.error("tensor-parallel worker %d failed:\n%s", rank, traceback.format_exc())
         raise SystemExit(1) from None
     finally:
+        destroy_dp_group()
         destroy_tp_group()

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from tokenwise.config import EngineConfig
+from tokenwise.distributed.parallel_state import init_dp_group
 from tokenwise.distributed.tp_state import free_port, init_tp_group, is_tp_initialized
 
 logger = logging.getLogger("tokenwise.engine")
@@ -34,6 +35,9 @@ logger = logging.getLogger("tokenwise.engine")
 WorkerMain = Callable[[EngineConfig, int, "str | None"], None]
 
 STOP_TIMEOUT_S = 10.0
+# As the DP ranks' own collectives (`dp_rank.COLLECTIVE_TIMEOUT_S`): a long prefill on one rank
+# keeps the others waiting in the next exchange.
+DP_COLLECTIVE_TIMEOUT_S = 300.0
 
 
 def launched_by_torchrun() -> bool:
@@ -90,6 +94,19 @@ def _reap(procs: list[Any]) -> None:
             proc.join(timeout=STOP_TIMEOUT_S)
 
 
+def join_parallel_groups(config: EngineConfig, tp_rank: int, init_method: str | None) -> None:
+    """Join this engine's TP group and, under DP x TP, the DP group of the ranks sharing this
+    TP rank (the one MoE layers exchange tokens over). Both are collective: the driver and
+    every worker of every DP rank make the same calls in the same order."""
+    parallel = config.parallel
+    dp_size, dp_rank = parallel.data_parallel_size, parallel.data_parallel_rank
+    init_tp_group(
+        parallel.tensor_parallel_size, tp_rank, init_method, config.device, dp_size, dp_rank
+    )
+    if dp_size > 1:
+        init_dp_group(parallel, timeout_s=DP_COLLECTIVE_TIMEOUT_S, device=config.device)
+
+
 def start_tensor_parallel(config: EngineConfig, worker_main: WorkerMain) -> TPWorkers | None:
     """Join (and, unless torchrun did, start) this engine's TP group; None with TP size 1.
 
@@ -97,24 +114,40 @@ def start_tensor_parallel(config: EngineConfig, worker_main: WorkerMain) -> TPWo
     `worker_main(config, rank, init_method)` is what each spawned worker runs (the model
     runner's worker loop, passed in because the runner sits above this module).
     Returns the spawned workers on the driver of a spawned group, None otherwise.
+    Under DP x TP every DP rank is the driver of its own TP group, and all `dp * tp` processes
+    rendezvous at the DP address and port.
     """
-    size = config.parallel.tensor_parallel_size
+    parallel = config.parallel
+    size = parallel.tensor_parallel_size
     if size == 1:
         return None
+    processes = size * parallel.data_parallel_size
     if not str(config.device).startswith("cuda") and "OMP_NUM_THREADS" not in os.environ:
         # N ranks on one CPU: share its cores instead of each claiming all of them.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
     if is_tp_initialized():  # a spawned worker joined before building its runner
         return None
     if launched_by_torchrun():
+        if parallel.data_parallel_size > 1:
+            raise ValueError(
+                "data_parallel_size > 1 under torchrun is not supported: the engine starts its "
+                "DP ranks itself; launch with tensor parallelism only"
+            )
         rank = int(os.environ["RANK"])
         init_tp_group(size, rank, None, config.device)
         logger.info("tensor-parallel rank %d of %d (torchrun)", rank, size)
         return None
-    init_method = f"tcp://127.0.0.1:{free_port()}"
+    if parallel.data_parallel_size > 1:
+        if parallel.data_parallel_master_port is None:
+            raise ValueError("DP x TP needs the DP rendezvous port (data_parallel_master_port)")
+        init_method = (
+            f"tcp://{parallel.data_parallel_master_ip}:{parallel.data_parallel_master_port}"
+        )
+    else:
+        init_method = f"tcp://127.0.0.1:{free_port()}"
     workers = TPWorkers(config, init_method, worker_main)
     try:
-        init_tp_group(size, 0, init_method, config.device)
+        join_parallel_groups(config, 0, init_method)
     except BaseException:
         workers.kill()
         raise

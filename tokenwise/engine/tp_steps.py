@@ -86,11 +86,11 @@ class TPDriver:
 
     def broadcast(self, message: tuple) -> None:
         box = [message]
-        dist.broadcast_object_list(box, src=0, group=get_tp_cpu_group())
+        dist.broadcast_object_list(box, group=get_tp_cpu_group(), group_src=0)
 
     def receive(self) -> tuple:
         box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0, group=get_tp_cpu_group())
+        dist.broadcast_object_list(box, group=get_tp_cpu_group(), group_src=0)
         return box[0]
 
     def agree_on_min(self, value: int) -> int:

@@ -127,11 +127,6 @@ def build_engine_config(
         tokenizer=tokenizer,
         skip_tokenizer_init=skip_tokenizer_init,
     )
-    if data_parallel_size > 1 and tensor_parallel_size > 1:
-        raise ValueError(
-            f"data_parallel_size={data_parallel_size} with tensor_parallel_size="
-            f"{tensor_parallel_size} is not supported yet; use one of them"
-        )
     is_moe = is_moe_architecture(model_config.architectures)
     collectives = (data_parallel_size > 1 and is_moe) or tensor_parallel_size > 1
     if collectives and not enforce_eager:
@@ -139,7 +134,9 @@ def build_engine_config(
         # not verified yet (no GPU was at hand when this was built).
         logger.info("tensor parallelism, or DP with an MoE model, runs eagerly (no graphs)")
         enforce_eager, cudagraph_mode = True, None
-    moe_needs_host = is_moe and not grouped_mm_available(device, model_config.dtype)
+    hf = model_config.hf_config
+    expert_dims = (hf.hidden_size, getattr(hf, "moe_intermediate_size", 0) or hf.intermediate_size)
+    moe_needs_host = is_moe and not grouped_mm_available(device, model_config.dtype, expert_dims)
     mode = resolve_cudagraph_mode(cudagraph_mode, device, enforce_eager, moe_needs_host)
     parallel = ParallelConfig(
         data_parallel_size=data_parallel_size,

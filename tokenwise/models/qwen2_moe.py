@@ -51,7 +51,7 @@ class Qwen2MoeSparseMoeBlock(SparseMoeBlock):
         shared = self.shared_expert(hidden_states)
         gate = torch.sigmoid(self.shared_expert_gate(hidden_states))
         if self.tp_size > 1:
-            routed = self.experts.forward_local(hidden_states, self.gate(hidden_states))
+            routed = self.experts.forward_partial(hidden_states, self.gate(hidden_states))
             return tp_all_reduce(routed + gate * shared)
         routed = super().forward(hidden_states)
         return routed + gate * shared

@@ -70,7 +70,7 @@ def fused_experts(
     # Stable, so each expert sees its tokens in token order (deterministic sums).
     order = torch.argsort(local_ids, stable=True)
     if use_grouped_mm is None:
-        use_grouped_mm = grouped_mm_supported(hidden_states)
+        use_grouped_mm = grouped_mm_supported(hidden_states) and _grouped_mm_fits(hidden_states, w2)
     if use_grouped_mm:
         pair_out = _grouped_pairs(hidden_states, w13, w2, local_ids, held, order, act_and_mul)
         pair_out = pair_out * weights[:, None]
@@ -96,12 +96,17 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
     return grouped_mm_available(x.device, x.dtype)
 
 
-def grouped_mm_available(device: torch.device | str, dtype: torch.dtype) -> bool:
+def grouped_mm_available(
+    device: torch.device | str, dtype: torch.dtype, dims: tuple[int, ...] = ()
+) -> bool:
     """CPU: any float dtype; CUDA: bf16 on compute capability 9.0 or newer (its only kernels
-    in torch 2.11). Where this holds the expert op never waits on the host, so a CUDA graph
-    may hold it."""
+    in torch 2.11); and `dims` (hidden size, expert intermediate size) in 16-byte multiples.
+    Where this holds the expert op never waits on the host, so a CUDA graph may hold it."""
     device = torch.device(device)
     if not hasattr(torch, "_grouped_mm"):
+        return False
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if any(dim * itemsize % 16 for dim in dims):
         return False
     if device.type == "cpu":
         return True
@@ -111,6 +116,13 @@ def grouped_mm_available(device: torch.device | str, dtype: torch.dtype) -> bool
         and torch.cuda.is_available()
         and torch.cuda.get_device_capability(device) >= (9, 0)
     )
+
+
+def _grouped_mm_fits(hidden_states: torch.Tensor, w2: torch.Tensor) -> bool:
+    """`torch._grouped_mm` needs every row stride in 16-byte multiples: the hidden size and
+    this rank's expert intermediate size (small slices under TP/DP sharding may miss it)."""
+    size = hidden_states.element_size()
+    return all(dim * size % 16 == 0 for dim in (hidden_states.shape[-1], w2.shape[-1]))
 
 
 def _grouped_pairs(

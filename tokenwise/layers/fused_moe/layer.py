@@ -64,14 +64,20 @@ class FusedMoE(nn.Module):
         )
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """The full MoE output for this rank's tokens, exchanging with other DP ranks if sharded."""
-        if self.tp_size > 1:
-            # Tensor parallelism: every TP rank has the same tokens and a slice of every
-            # expert, so the partial outputs only need summing.
-            return tp_all_reduce(self.forward_local(hidden_states, router_logits))
+        """The full MoE output for this rank's tokens: the DP exchange, then the TP sum."""
+        partial = self.forward_partial(hidden_states, router_logits)
+        # Every TP rank has the same tokens and another slice of the experts: add them up.
+        return tp_all_reduce(partial) if self.tp_size > 1 else partial
+
+    def forward_partial(
+        self, hidden_states: torch.Tensor, router_logits: torch.Tensor
+    ) -> torch.Tensor:
+        """This TP rank's share of the output for this DP rank's tokens (the whole output
+        without TP): the experts' partial sums, exchanged with the other DP ranks if sharded
+        over them. A model that adds more TP-partial terms (a shared expert) all-reduces once."""
         if torch.compiler.is_compiling():
             # A ContextVar read cannot be traced; compiled code assumes no DP, like attention.
-            if self.shard.is_sharded:
+            if self.parallel.data_parallel_size > 1:
                 raise RuntimeError(
                     f"MoE layer {self.layer_name!r} is sharded over DP ranks and cannot be "
                     "compiled: its token exchange reads the forward context"

@@ -11,8 +11,9 @@ split over the DP ranks, in one of two ways:
   dimension, so the down projection of a slice is an exact partial sum of the full output.
 
 Either way a rank's output is a partial sum, which the DP dispatch/combine adds up over ranks.
-Under tensor parallelism (no DP) every TP rank holds its slice of every expert's intermediate
-dimension, and the layer all-reduces the partial sums (every TP rank has the same tokens).
+Tensor parallelism splits the same way one level further: with DP x TP there are `dp * tp`
+shards (process `dp_rank * tp + tp_rank` holds one); the DP exchange sums over the DP ranks
+sharing a TP rank, and the TP all-reduce then sums over the TP ranks (which share tokens).
 """
 
 from __future__ import annotations
@@ -36,29 +37,19 @@ class ExpertShard:
     def for_rank(
         cls, parallel: ParallelConfig, num_experts: int, intermediate_size: int
     ) -> ExpertShard:
-        ranks, rank = parallel.data_parallel_size, parallel.data_parallel_rank
-        tp_size = get_tp_size()
-        if tp_size > 1:
-            if ranks > 1:
-                raise NotImplementedError(
-                    f"DP x TP for MoE layers is not yet supported (data_parallel_size={ranks}, "
-                    f"tensor_parallel_size={tp_size}): use one of the two"
-                )
-            if intermediate_size % tp_size:
-                raise ValueError(
-                    f"the expert intermediate size ({intermediate_size}) is not divisible by "
-                    f"tensor_parallel_size ({tp_size})"
-                )
-            per_rank = intermediate_size // tp_size
-            start = get_tp_rank() * per_rank
-            return cls(num_experts, intermediate_size, 0, num_experts, start, per_rank)
+        """This process's part: one of `dp * tp` shards, number `dp_rank * tp + tp_rank`."""
+        dp, tp = parallel.data_parallel_size, get_tp_size()
+        ranks, rank = dp * tp, parallel.data_parallel_rank * tp + get_tp_rank()
+        sizes = [f"data_parallel_size ({dp})"] * (dp > 1) + [f"tensor_parallel_size ({tp})"] * (
+            tp > 1
+        )
+        layout = " * ".join(sizes)
         if ranks == 1:
             return cls(num_experts, intermediate_size, 0, num_experts, 0, intermediate_size)
         if parallel.enable_expert_parallel:
             if num_experts % ranks:
                 raise ValueError(
-                    f"expert parallelism needs num_experts ({num_experts}) divisible by "
-                    f"data_parallel_size ({ranks})"
+                    f"expert parallelism needs num_experts ({num_experts}) divisible by {layout}"
                 )
             per_rank = num_experts // ranks
             return cls(
@@ -66,9 +57,9 @@ class ExpertShard:
             )
         if intermediate_size % ranks:
             raise ValueError(
-                f"sharding MoE experts over data_parallel_size ({ranks}) without expert "
-                f"parallelism needs the expert intermediate size ({intermediate_size}) divisible "
-                f"by it (num_experts={num_experts}); set enable_expert_parallel=True instead?"
+                f"sharding MoE experts {ranks} ways ({layout}) without expert parallelism needs the "
+                f"expert intermediate size ({intermediate_size}) divisible by {ranks} "
+                f"(num_experts={num_experts}); set enable_expert_parallel=True instead?"
             )
         per_rank = intermediate_size // ranks
         return cls(num_experts, intermediate_size, 0, num_experts, rank * per_rank, per_rank)
