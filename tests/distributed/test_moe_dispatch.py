@@ -8,49 +8,19 @@ tokens, whatever the token counts, and chunking must bound how many rows one exc
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
-import queue
-import time
 from typing import Any
 
 import pytest
 
 from tests.distributed import _moe_dispatch_worker as worker
+from tests.distributed._spawn import run_ranks
 from tokenwise.distributed.moe_dispatch import DEFAULT_MOE_DP_CHUNK_SIZE, moe_dp_chunk_size
-from tokenwise.distributed.tp_state import free_port
 
 DEADLINE_S = 60.0
 
 
 def _run_two_ranks() -> dict[int, dict[Any, Any]]:
-    ctx = mp.get_context("spawn")
-    results: Any = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=worker.run_rank, args=(r, port, results), daemon=True) for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    got: dict[int, dict[Any, Any]] = {}
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while len(got) < 2:
-            if time.monotonic() > deadline:
-                pytest.fail(f"ranks timed out after {DEADLINE_S}s; got {got}")
-            try:
-                rank, report = results.get(timeout=1.0)
-                got[rank] = report
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    pytest.fail(f"a rank died; got {got}")
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-    for rank, report in got.items():
-        assert "error" not in report, f"rank {rank}:\n{report['error']}"
-    return got
+    return run_ranks(worker.run_rank, 2, deadline_s=DEADLINE_S)
 
 
 def test_dispatch_combine_sums_every_ranks_partials_for_own_tokens() -> None:

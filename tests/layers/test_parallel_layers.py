@@ -82,16 +82,17 @@ def test_qkv_slices_heads_and_replicates_kv_heads_when_ranks_outnumber_them(
         torch.testing.assert_close(got_v, v[rows])
 
 
+def _swiglu_case(hidden: int, inter: int) -> tuple[torch.Tensor, ...]:
+    """Gate, up and down weights, a down bias, an input and the unsharded SwiGLU MLP's output."""
+    gate, up = _randn(inter, hidden), _randn(inter, hidden, seed=1)
+    down, bias = _randn(hidden, inter, seed=2), _randn(hidden, seed=3)
+    x = _randn(3, hidden, seed=4)
+    return gate, up, down, bias, x, F.linear(F.silu(x @ gate.T) * (x @ up.T), down, bias)
+
+
 def test_column_and_row_parallel_products_add_up_to_the_full_layer() -> None:
     hidden, inter = 6, 8
-    gate, up, down = (
-        _randn(inter, hidden),
-        _randn(inter, hidden, seed=1),
-        _randn(hidden, inter, seed=2),
-    )
-    bias = _randn(hidden, seed=3)
-    x = _randn(3, hidden, seed=4)
-    full = F.linear(F.silu(x @ gate.T) * (x @ up.T), down, bias)
+    gate, up, down, bias, x, full = _swiglu_case(hidden, inter)
     partials = []
     for rank in range(2):
         with as_rank(rank, 2):
@@ -288,14 +289,7 @@ def test_row_parallel_forward_all_reduces_and_adds_the_bias_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     hidden, inter = 6, 8
-    gate, up, down = (
-        _randn(inter, hidden),
-        _randn(inter, hidden, seed=1),
-        _randn(hidden, inter, seed=2),
-    )
-    bias = _randn(hidden, seed=3)
-    x = _randn(3, hidden, seed=4)
-    full = F.linear(F.silu(x @ gate.T) * (x @ up.T), down, bias)
+    gate, up, down, bias, x, full = _swiglu_case(hidden, inter)
     mlps = []
     for rank in range(2):
         with as_rank(rank, 2):

@@ -14,9 +14,6 @@ Single-process tests below check that nothing distributed runs with one rank.
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +22,10 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+from tests.distributed._spawn import run_ranks
 from tests.models import _tp_worker as worker
 from tests.tiny_checkpoints import build_tiny_checkpoint, tiny_config
 from tokenwise.config import EngineConfig
-from tokenwise.distributed.tp_state import free_port
 from tokenwise.loader import load_model
 from tokenwise.model_config import ModelConfig
 
@@ -56,36 +53,7 @@ NAMES_AS_IN_CHECKPOINT = set(CASES) - {"mixtral"}
 
 
 def _run_two_ranks(cases: dict[str, str]) -> dict[int, dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    results: Any = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=worker.run_rank, args=(r, port, cases, results), daemon=True)
-        for r in range(TP)
-    ]
-    for p in procs:
-        p.start()
-    got: dict[int, dict[str, Any]] = {}
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while len(got) < TP:
-            if time.monotonic() > deadline:
-                pytest.fail(f"TP ranks timed out after {DEADLINE_S}s; reported: {sorted(got)}")
-            try:
-                rank, report = results.get(timeout=1.0)
-                got[rank] = report
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead and len(got) < TP:
-                    pytest.fail(f"TP rank(s) {dead} died; reported: {sorted(got)}")
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-    for rank, report in got.items():
-        assert "error" not in report, f"rank {rank}:\n{report['error']}"
-    return got
+    return run_ranks(worker.run_rank, TP, cases, deadline_s=DEADLINE_S)
 
 
 def _hf_logits(path: str, ids: torch.Tensor) -> torch.Tensor:
