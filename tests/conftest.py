@@ -3,14 +3,22 @@
 Every model in the suite is tiny, so torch's intra-op threads only add synchronisation: one
 thread is faster, and it keeps timings sane on a CI machine whose other core is busy (with 2
 threads and a busy core, small matmuls were measured ~10x slower).
+
+Triton (installed with xgrammar) reads `TRITON_INTERPRET` when it is first imported, and any
+module may import it first; without a GPU its kernels can only run interpreted, so the switch
+is set here, before every test module.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -53,6 +53,8 @@ _MODEL_TYPES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "MistralForCausalLM": {"sliding_window": None},
@@ -79,6 +81,36 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 2,
         "moe_intermediate_size": 32,
         "norm_topk_prob": True,
+    },
+    # Gemma: caps small enough to bend these scores and logits (HF's defaults, 50 and 30, would
+    # leave a tiny model's values untouched and a missing cap unnoticed); a query scale that is
+    # not head_dim; 4 layers so sliding and global layers alternate twice.
+    "Gemma2ForCausalLM": {
+        "head_dim": 16,
+        "num_hidden_layers": 4,
+        "query_pre_attn_scalar": 24,
+        "attn_logit_softcapping": 4.0,
+        "final_logit_softcapping": 8.0,
+        "sliding_window": 8,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True,
+    },
+    "Gemma3ForCausalLM": {
+        "head_dim": 16,
+        "num_hidden_layers": 4,
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 8,
+        "layer_types": [
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+        ],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 4.0},
+        },
+        "tie_word_embeddings": True,
     },
 }
 _CACHE_DIR: str | None = None

@@ -49,13 +49,17 @@ class Seq:
     table: list[int]
 
 
-def reference(seq: Seq, ctx: int, q_len: int, window: int | None = None) -> torch.Tensor:
+def reference(
+    seq: Seq, ctx: int, q_len: int, window: int | None = None, softcap: float | None = None
+) -> torch.Tensor:
     """Dense attention of positions ctx .. ctx+q_len-1 over keys 0 .. ctx+q_len-1."""
     n = ctx + q_len
     q = seq.q[ctx:n].double()
     k = seq.k[:n].double().repeat_interleave(H // KVH, dim=1)  # query head h -> kv head h//4
     v = seq.v[:n].double().repeat_interleave(H // KVH, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * SCALE
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     q_pos = torch.arange(ctx, n)[:, None]
     k_pos = torch.arange(n)[None, :]
     allowed = k_pos <= q_pos
@@ -117,18 +121,19 @@ def check(
     window: int | None = None,
     atol: float = 1e-5,
     rtol: float = 1e-5,
+    softcap: float | None = None,
 ) -> None:
     for out, (seq, ctx, ql) in zip(outs, items, strict=True):
         torch.testing.assert_close(
-            out.double(), reference(seq, ctx, ql, window), atol=atol, rtol=rtol
+            out.double(), reference(seq, ctx, ql, window, softcap), atol=atol, rtol=rtol
         )
 
 
 def setup(
-    seed: int, lengths: list[int], window: int | None = None
+    seed: int, lengths: list[int], window: int | None = None, softcap: float | None = None
 ) -> tuple[TorchAttentionImpl, torch.Tensor, list[Seq], CommonMetadataBuilder]:
     gen = torch.Generator().manual_seed(seed)
-    impl = TorchAttentionImpl(H, D, SCALE, KVH, sliding_window=window)
+    impl = TorchAttentionImpl(H, D, SCALE, KVH, sliding_window=window, logits_soft_cap=softcap)
     return impl, new_cache(gen), make_seqs(lengths, gen), CommonMetadataBuilder(B, window)
 
 
@@ -365,3 +370,37 @@ def test_packed_prefill_equals_the_dense_reference(
     outs, md = run_step(impl, cache, second, builder)
     assert md.num_prefills == 3 and md.num_decode_tokens == 1
     check(outs, second, window)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("prefill", ["per_sequence", "packed"])
+def test_soft_capped_scores_in_every_path(
+    window: int | None, prefill: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma 2's logit soft-cap (cap * tanh(score / cap)) in fresh prefills, chunks after
+    cached context, decodes (C kernel and fallback, by the fixture), the batched graph decode
+    and the no-metadata single-sequence path. A cap of 1 bends these scores (~N(0, 1)) hard, so
+    a path that skipped it would miss the reference by far more than the tolerance."""
+    cap = 1.0
+    impl, cache, seqs, builder = setup(11, [10, 14, 8], window, softcap=cap)
+    if prefill == "packed":
+        monkeypatch.setattr(impl, "_prefill", impl._prefill_packed)
+    first = [(seqs[0], 0, 6), (seqs[1], 0, 13), (seqs[2], 0, 7)]
+    outs, _ = run_step(impl, cache, first, builder)
+    check(outs, first, window, softcap=cap)
+    uncapped = reference(seqs[1], 0, 13, window)
+    assert (outs[1].double() - uncapped).abs().max() > 1e-2
+    second = [(seqs[0], 6, 4), (seqs[1], 13, 1), (seqs[2], 7, 1)]
+    outs, md = run_step(impl, cache, second, builder)
+    check(outs, second, window, softcap=cap)
+    decodes = torch.cat([seqs[1].q[13:14], seqs[2].q[7:8]])
+    batched = impl._decode(decodes, cache[0], cache[1], md)
+    check(list(batched.split(1)), second[1:], window, softcap=cap)
+    alone = impl.forward(
+        seqs[0].q[:10].reshape(10, H * D),
+        seqs[0].k[:10].reshape(10, KVH * D),
+        seqs[0].v[:10].reshape(10, KVH * D),
+        cache,
+        None,
+    )
+    check([alone.view(10, H, D)], [(seqs[0], 0, 10)], window, softcap=cap)

@@ -16,11 +16,10 @@ import pytest
 import torch
 
 from tokenwise.attention.backends import selector
-from tokenwise.attention.backends.torch_backend import write_kv_cache
+from tokenwise.attention.backends.torch_backend import paged_decode_reference, write_kv_cache
 from tokenwise.attention.backends.triton_backend import (
     TritonAttentionBackend,
     TritonAttentionImpl,
-    paged_decode_reference,
 )
 from tokenwise.attention.graph_state import CommonAttentionState
 from tokenwise.attention.metadata import AttentionMetadata, CommonMetadataBuilder

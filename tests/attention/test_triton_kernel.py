@@ -32,11 +32,11 @@ pytest.importorskip("triton")
 from tokenwise.attention.backends.torch_backend import (  # noqa: E402
     TorchAttentionBackend,
     TorchAttentionImpl,
+    paged_decode_reference,
 )
 from tokenwise.attention.backends.triton_backend import (  # noqa: E402
     TritonAttentionBackend,
     TritonAttentionImpl,
-    paged_decode_reference,
 )
 from tokenwise.attention.metadata import CommonMetadataBuilder  # noqa: E402
 

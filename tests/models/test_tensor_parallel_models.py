@@ -46,6 +46,10 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("MistralForCausalLM", {}),
     "mixtral": ("MixtralForCausalLM", {}),
     "qwen3-moe": ("Qwen3MoeForCausalLM", {}),
+    # Alternating windows, soft-caps, GeGLU, four norms per layer, tied embeddings (+ q/k norms
+    # and two RoPE tables in Gemma 3).
+    "gemma2": ("Gemma2ForCausalLM", {}),
+    "gemma3": ("Gemma3ForCausalLM", {}),
 }
 # Mixtral's checkpoint names its MoE block differently (`block_sparse_moe`, `w1/w2/w3`): its
 # shards are checked through the logits only.

@@ -31,7 +31,8 @@ class Attention(nn.Module):
 
     q is `[num_tokens, num_heads * head_size]`, k and v `[num_tokens, num_kv_heads * head_size]`.
     The KV cache is not a module buffer: the engine allocates it after measuring memory and binds
-    it by layer name (`kv_cache[virtual_engine]`).
+    it by layer name (`kv_cache[virtual_engine]`). `logits_soft_cap` (Gemma 2) caps every score
+    as `cap * tanh(score / cap)` before the softmax, in every backend path.
 
     Without a forward context (a model used on its own, outside the engine) the tokens are
     treated as one causal sequence with no cache, which makes the model usable like a plain
@@ -48,6 +49,7 @@ class Attention(nn.Module):
         config: EngineConfig | None = None,
         sliding_window: int | None = None,
         attn_type: str = AttentionType.DECODER,
+        logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
@@ -62,6 +64,7 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
         self.layer_name = prefix
         self.attn_type = attn_type
         self.kv_cache: list[torch.Tensor] = [torch.tensor([])]
@@ -71,6 +74,7 @@ class Attention(nn.Module):
             scale=scale,
             num_kv_heads=num_kv_heads,
             sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
         )
         if config is not None:
             register_static_layer(config, prefix, self)
@@ -87,6 +91,7 @@ class Attention(nn.Module):
                 head_size=self.head_size,
                 scale=self.scale,
                 sliding_window=self.sliding_window,
+                softcap=self.logits_soft_cap,
             )
         return torch.ops.tokenwise.unified_attention(query, key, value, self.layer_name)
 
@@ -94,6 +99,7 @@ class Attention(nn.Module):
         return (
             f"name={self.layer_name!r}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
             f"head_size={self.head_size}, sliding_window={self.sliding_window}"
+            + (f", logits_soft_cap={self.logits_soft_cap}" if self.logits_soft_cap else "")
         )
 
 

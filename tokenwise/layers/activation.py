@@ -18,8 +18,32 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
+class GeluAndMul(nn.Module):
+    """`gelu(gate) * up` (GeGLU, Gemma), exact or with the tanh approximation."""
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate=self.approximate) * up
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
+
+
+# transformers' names for the GELU variants (ACT2FN): which approximation each one means.
+_GELU_APPROXIMATIONS = {"gelu": "none", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh"}
+
+
 def get_act_and_mul(hidden_act: str) -> nn.Module:
-    """The gated activation named by a HF config's `hidden_act`."""
+    """The gated activation named by a HF config's `hidden_act` (or Gemma's `hidden_activation`)."""
     if hidden_act in ("silu", "swish"):
         return SiluAndMul()
-    raise NotImplementedError(f"hidden_act {hidden_act!r} is not supported (supported: silu)")
+    if hidden_act in _GELU_APPROXIMATIONS:
+        return GeluAndMul(_GELU_APPROXIMATIONS[hidden_act])
+    supported = ", ".join(["silu", "swish", *_GELU_APPROXIMATIONS])
+    raise NotImplementedError(
+        f"hidden_act {hidden_act!r} is not supported (supported: {supported})"
+    )

@@ -35,3 +35,25 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the checkpoint stores `weight - 1`, so the scale is `1 + weight`.
+
+    Unlike `RMSNorm`, the scale is applied in float32 *before* the cast back, which is where
+    transformers rounds for Gemma; matching it keeps bf16 outputs identical.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"

@@ -20,19 +20,31 @@ from torch import nn
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def get_rope_config(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
+def get_rope_config(
+    hf_config: Any, layer_type: str | None = None
+) -> tuple[float, dict[str, Any] | None]:
     """`(rope_theta, rope_scaling)` from a transformers 4.x or 5.x config.
 
     4.x keeps `rope_theta` and `rope_scaling` (keyed `type` in older files, `rope_type` later)
     as attributes; 5.x folds both into one `rope_parameters` dict. The scaling dict returned
     always has `rope_type` and is None for plain (unscaled) RoPE.
+
+    Models whose layer types use different RoPE (Gemma 3: local and global bases) pass
+    `layer_type`: 5.x keys `rope_parameters` by layer type; 4.x gives sliding layers their own
+    `rope_local_base_freq` and no scaling.
     """
     params = getattr(hf_config, "rope_parameters", None)
+    if layer_type == "sliding_attention" and getattr(hf_config, "rope_local_base_freq", None):
+        if not (isinstance(params, dict) and layer_type in params):
+            return float(hf_config.rope_local_base_freq), None
     if isinstance(params, dict) and params:
         if all(isinstance(v, dict) for v in params.values()):
-            raise NotImplementedError(
-                f"per-layer-type rope parameters are not supported: {sorted(params)}"
-            )
+            if layer_type not in params:
+                raise NotImplementedError(
+                    f"rope parameters per layer type {sorted(params)} need a layer type "
+                    f"(got {layer_type!r})"
+                )
+            params = params[layer_type]
         theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
         scaling: dict[str, Any] | None = dict(params)
     else:

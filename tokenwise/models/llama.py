@@ -52,11 +52,21 @@ def _join(prefix: str, name: str) -> str:
 
 
 def layer_sliding_window(config: EngineConfig, layer_idx: int) -> int | None:
-    """The window of one layer: configs with `layer_types` (Qwen2/3) slide only on some layers."""
+    """The window of one layer: configs with `layer_types` (Qwen2/3) slide only on some layers.
+
+    Qwen configs written before `layer_types` existed say the same with `max_window_layers`:
+    layers from that index on slide, the ones below it attend globally.
+    """
     window = config.model.sliding_window
-    layer_types = getattr(config.model.hf_config, "layer_types", None)
-    if window is not None and layer_types is not None:
+    hf = config.model.hf_config
+    if window is None:
+        return None
+    layer_types = getattr(hf, "layer_types", None)
+    if layer_types is not None:
         return window if layer_types[layer_idx] == "sliding_attention" else None
+    max_window_layers = getattr(hf, "max_window_layers", None)
+    if max_window_layers is not None and getattr(hf, "use_sliding_window", False):
+        return window if layer_idx >= int(max_window_layers) else None
     return window
 
 

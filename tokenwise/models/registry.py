@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from tokenwise.models.gemma2 import Gemma2ForCausalLM
+from tokenwise.models.gemma3 import Gemma3ForCausalLM
 from tokenwise.models.llama import LlamaForCausalLM
 from tokenwise.models.mistral import MistralForCausalLM
 from tokenwise.models.mixtral import MixtralForCausalLM
@@ -13,6 +15,8 @@ from tokenwise.models.qwen3 import Qwen3ForCausalLM
 from tokenwise.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,

@@ -112,7 +112,7 @@ def load() -> ctypes.CDLL | None:
     fn = lib.paged_decode
     fn.restype = ctypes.c_int
     fn.argtypes = [_PTR, _PTR, _PTR, ctypes.c_int, _PTR, _I64, _PTR, _PTR, _I64, _I64]
-    fn.argtypes += [_I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR]
+    fn.argtypes += [_I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_float, _PTR]
     return lib
 
 
@@ -141,12 +141,13 @@ def paged_decode(
     sliding_window: int | None,
     scale: float,
     out: torch.Tensor,
+    softcap: float | None = None,
 ) -> None:
     """Decode attention of `query` [n, heads, head] over the paged cache, into `out`.
 
     `query` and `out` are contiguous float32, the caches contiguous float32 or bfloat16, the
     index tensors contiguous int32, all on the CPU (the caller checks); block-table rows may be
-    longer than needed.
+    longer than needed. `softcap` caps each score as `cap * tanh(score / cap)` (Gemma 2).
     """
     n, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -170,6 +171,7 @@ def paged_decode(
             block_size,
             window,
             scale,
+            softcap or 0.0,
             out.data_ptr(),
         )
         if status != 0:

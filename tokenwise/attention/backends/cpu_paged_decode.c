@@ -51,6 +51,7 @@ static inline float dot(const float *a, const float *b, int64_t n) {
  * seq_lens:     keys per sequence (the new token included)
  * first_block:  absolute index of each table's first block (sliding-window tables skip some)
  * window:       sliding window in tokens, 0 for none
+ * softcap:      caps every score as softcap * tanh(score / softcap) (Gemma 2), 0 for none
  * out:          [num_seqs, num_heads, head_size] float32
  * Returns 0, or -1 when scratch memory could not be allocated.
  */
@@ -58,7 +59,8 @@ int paged_decode(const float *query, const void *key_cache, const void *value_ca
                  int is_bf16, const int32_t *block_tables, int64_t table_stride,
                  const int32_t *seq_lens, const int32_t *first_block, int64_t seq_begin,
                  int64_t seq_end, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
-                 int64_t block_size, int64_t window, float scale, float *out) {
+                 int64_t block_size, int64_t window, float scale, float softcap,
+                 float *out) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row = num_kv_heads * head_size; /* values per token in the cache */
     int64_t max_len = 1;
@@ -96,9 +98,11 @@ int paged_decode(const float *query, const void *key_cache, const void *value_ca
                         dot(q + h * head_size, k + (h / group) * head_size, head_size) * scale;
             }
         }
-        /* Exact softmax per head. */
+        /* Exact softmax per head (scores soft-capped first when asked). */
         for (int64_t h = 0; h < num_heads; ++h) {
             float *sc = scores + h * n_keys;
+            if (softcap > 0.0f)
+                for (int64_t t = 0; t < n_keys; ++t) sc[t] = softcap * tanhf(sc[t] / softcap);
             float m = -INFINITY;
             for (int64_t t = 0; t < n_keys; ++t) m = sc[t] > m ? sc[t] : m;
             float sum = 0.0f;

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tokenwise.attention.backends.softcap import causal_mask, softcapped_attention
+
 
 def single_sequence_attention(
     query: torch.Tensor,
@@ -22,16 +24,23 @@ def single_sequence_attention(
     head_size: int,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """All tokens are one causal sequence: q `[n, heads * head]`, k/v `[n, kv_heads * head]`.
 
     Returns `[n, heads * head]`. Grouped-query attention is SDPA's `enable_gqa`, so KV heads
-    are never repeated; a sliding window becomes an explicit band mask.
+    are never repeated; a sliding window becomes an explicit band mask, and soft-capped scores
+    take the explicit formulation of `softcap.py`.
     """
     num_tokens = query.shape[0]
     q = query.view(num_tokens, num_heads, head_size).transpose(0, 1)
     k = key.view(num_tokens, num_kv_heads, head_size).transpose(0, 1)
     v = value.view(num_tokens, num_kv_heads, head_size).transpose(0, 1)
+    if softcap:
+        pos = torch.arange(num_tokens, device=query.device)
+        mask = causal_mask(pos, pos, sliding_window)
+        out = softcapped_attention(q, k, v, scale=scale, softcap=softcap, mask=mask)
+        return out.transpose(0, 1).reshape(num_tokens, num_heads * head_size)
     mask = None
     if sliding_window is not None:
         pos = torch.arange(num_tokens, device=query.device)

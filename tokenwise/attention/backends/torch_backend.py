@@ -20,6 +20,7 @@ the attention layer, so this package sits below `attention.layer` and never impo
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,6 +29,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from tokenwise.attention.backends import cpu_kernels
 from tokenwise.attention.backends.single_sequence import single_sequence_attention
+from tokenwise.attention.backends.softcap import causal_mask, soft_cap, softcapped_attention
 
 if TYPE_CHECKING:
     from tokenwise.attention.metadata import AttentionMetadata
@@ -42,6 +44,7 @@ def paged_decode_reference(
     scale: float,
     sliding_window: int | None = None,
     first_block: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged keys, in plain PyTorch.
 
@@ -58,6 +61,8 @@ def paged_decode_reference(
     values = value_cache.index_select(0, flat).view(n, width, num_kv_heads, head_size)
     qg = q.view(n, num_kv_heads, group, head_size)
     scores = torch.matmul(qg.float(), keys.permute(0, 2, 3, 1).float()) * scale
+    if softcap:
+        scores = soft_cap(scores, softcap)
     key_pos = torch.arange(width, device=q.device)[None, :]
     if first_block is not None:
         key_pos = key_pos + first_block.to(torch.int64)[:, None] * block_size
@@ -81,6 +86,7 @@ class TorchAttentionImpl:
         scale: float,
         num_kv_heads: int,
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         self.num_heads = num_heads
         self.head_size = head_size
@@ -88,6 +94,7 @@ class TorchAttentionImpl:
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads
         self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
 
     def forward(
         self,
@@ -108,6 +115,7 @@ class TorchAttentionImpl:
                 head_size=self.head_size,
                 scale=self.scale,
                 sliding_window=self.sliding_window,
+                softcap=self.logits_soft_cap,
             )
         num_tokens = query.shape[0]
         q = query.view(num_tokens, self.num_heads, self.head_size)
@@ -199,14 +207,20 @@ class TorchAttentionImpl:
         if self.sliding_window is not None:
             mask &= k_pos > q_pos - self.sliding_window
         mask |= (i >= q_lens[:, None, None]) & (j == 0)
-        out = F.scaled_dot_product_attention(
-            padded.view(num, max_q, self.num_heads, self.head_size).transpose(1, 2),
-            keys,
-            values,
-            attn_mask=mask[:, None],
-            scale=self.scale,
-            enable_gqa=self.group > 1,
-        )
+        queries = padded.view(num, max_q, self.num_heads, self.head_size).transpose(1, 2)
+        if self.logits_soft_cap:
+            out = softcapped_attention(
+                queries, keys, values, scale=self.scale, softcap=self.logits_soft_cap, mask=mask
+            )
+        else:
+            out = F.scaled_dot_product_attention(
+                queries,
+                keys,
+                values,
+                attn_mask=mask[:, None],
+                scale=self.scale,
+                enable_gqa=self.group > 1,
+            )
         out = out.transpose(1, 2).reshape(num * max_q, self.num_heads, self.head_size)
         output[: q.shape[0]] = out.index_select(0, rows)
 
@@ -215,6 +229,22 @@ class TorchAttentionImpl:
     ) -> torch.Tensor:
         """Causal attention of queries at positions ctx_len.. over keys at offset.."""
         q_len, n_keys = q.shape[0], keys.shape[0]
+        if self.logits_soft_cap:
+            dev = q.device
+            visible = causal_mask(
+                torch.arange(ctx_len, ctx_len + q_len, device=dev),
+                torch.arange(offset, offset + n_keys, device=dev),
+                self.sliding_window,
+            )
+            out = softcapped_attention(
+                q.transpose(0, 1),
+                keys.transpose(0, 1),
+                values.transpose(0, 1),
+                scale=self.scale,
+                softcap=self.logits_soft_cap,
+                mask=visible,
+            )
+            return out.transpose(0, 1)
         mask: torch.Tensor | None = None
         is_causal = False
         if self.sliding_window is not None:
@@ -279,6 +309,7 @@ class TorchAttentionImpl:
             self.sliding_window,
             self.scale,
             out,
+            softcap=self.logits_soft_cap,
         )
         if not direct:
             output.copy_(out)
@@ -311,6 +342,8 @@ class TorchAttentionImpl:
             values = value_cache.index_select(0, table).flatten(0, 1)[start:end]
             qg = q[j].view(self.num_kv_heads, self.group, self.head_size)
             scores = torch.matmul(qg, keys.permute(1, 2, 0)).float() * self.scale
+            if self.logits_soft_cap:
+                scores = soft_cap(scores, self.logits_soft_cap)
             probs = torch.softmax(scores, dim=-1).to(values.dtype)
             out = torch.matmul(probs, values.transpose(0, 1))
             output[j] = out.view(self.num_heads, self.head_size)
@@ -345,6 +378,8 @@ class TorchAttentionImpl:
 
     def _paged_decode_fn(self, q: torch.Tensor) -> Callable[..., torch.Tensor]:
         """The batched decode function (the GPU backend swaps in its Triton kernel)."""
+        if self.logits_soft_cap:
+            return partial(paged_decode_reference, softcap=self.logits_soft_cap)
         return paged_decode_reference
 
 

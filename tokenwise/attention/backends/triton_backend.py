@@ -26,11 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokenwise.attention.backends.torch_backend import (
-    TorchAttentionBackend,
-    TorchAttentionImpl,
-    paged_decode_reference,
-)
+from tokenwise.attention.backends.torch_backend import TorchAttentionBackend, TorchAttentionImpl
 
 if TYPE_CHECKING:
     from tokenwise.attention.metadata import AttentionMetadata
@@ -60,11 +56,12 @@ class TritonAttentionImpl(TorchAttentionImpl):
         output.copy_(self._decode(q, key_cache, value_cache, md))
 
     def _paged_decode_fn(self, q: torch.Tensor) -> Callable[..., torch.Tensor]:
-        if q.is_cuda and triton_available():
+        # The kernel has no soft-cap: capped layers (Gemma 2) decode through the reference.
+        if q.is_cuda and triton_available() and not self.logits_soft_cap:
             from tokenwise.attention.backends.triton_paged_decode import paged_decode
 
             return paged_decode
-        return paged_decode_reference
+        return super()._paged_decode_fn(q)
 
 
 class TritonAttentionBackend(TorchAttentionBackend):
