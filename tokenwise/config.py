@@ -218,6 +218,32 @@ class SchedulerConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Adapter serving (`enable_lora`): how many adapters a step may mix, and how big they are.
+
+    Slots for `max_loras` adapters of rank up to `max_lora_rank` are allocated at start-up in
+    every targeted layer, so memory is fixed; adapters beyond `max_loras` wait in `max_cpu_loras`
+    parsed copies on the host (least recently used ones are dropped first).
+    """
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None = max_loras
+
+    def __post_init__(self) -> None:
+        _check_int("max_loras", self.max_loras, 1)
+        _check_int("max_lora_rank", self.max_lora_rank, 1)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        _check_int("max_cpu_loras", self.max_cpu_loras, 1)
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                f"({self.max_loras})"
+            )
+
+
+@dataclass
 class EngineConfig:
     """Everything one engine instance is configured with.
 
@@ -231,3 +257,4 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "cpu"
+    lora: LoRAConfig | None = None  # None: LoRA adapters are off

@@ -41,6 +41,15 @@ class CudagraphDispatcher:
             raise ValueError(f"graph keys exist for PIECEWISE and FULL only, got {mode}")
         self.keys[mode].add(descriptor)
 
+    def add_lora_keys(self) -> None:
+        """Also capture every key for batches that use LoRA adapters (`has_lora=True`).
+
+        Their graphs hold the adapters' matmuls, which base-model batches skip, so an engine
+        serving LoRA keeps two sets and each step picks by `has_lora`.
+        """
+        for mode_keys in self.keys.values():
+            mode_keys |= {key._replace(has_lora=True) for key in mode_keys}
+
     def initialize_cudagraph_keys(
         self,
         cudagraph_mode: CUDAGraphMode,

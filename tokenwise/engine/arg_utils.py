@@ -234,6 +234,29 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="MoE under DP: run large steps as two micro-batches",
     )
 
+    lora = parser.add_argument_group("LoRA adapters")
+    lora.add_argument(
+        "--enable-lora", action="store_true", help="serve LoRA adapters (PEFT directories)"
+    )
+    lora.add_argument(
+        "--max-loras",
+        type=bounded_int(1),
+        default=1,
+        help="adapters one step may mix; slots allocated at start-up (default: 1)",
+    )
+    lora.add_argument(
+        "--max-lora-rank",
+        type=bounded_int(1),
+        default=16,
+        help="largest adapter rank accepted (default: 16)",
+    )
+    lora.add_argument(
+        "--max-cpu-loras",
+        type=bounded_int(1),
+        default=None,
+        help="parsed adapters kept on the host (default: --max-loras)",
+    )
+
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The keyword arguments `LLM(...)` / `build_engine_config(...)` take, from parsed flags."""
@@ -259,4 +282,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "data_parallel_port": args.data_parallel_port,
         "enable_expert_parallel": args.enable_expert_parallel,
         "enable_microbatching": args.enable_microbatching,
+        "enable_lora": args.enable_lora,
+        "max_loras": args.max_loras,
+        "max_lora_rank": args.max_lora_rank,
+        "max_cpu_loras": args.max_cpu_loras,
     }

@@ -34,6 +34,7 @@ from tokenwise.config import CUDAGraphMode, EngineConfig
 from tokenwise.engine.graph_setup import check_cudagraph_config, default_capture_sizes
 from tokenwise.engine.input_batch import InputBatch
 from tokenwise.forward_context import BatchDescriptor, set_forward_context
+from tokenwise.lora.layers import LoRAState
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class CudaGraphRunner:
         layer_specs: dict[str, int | None],
         backend: Any,
         input_batch: InputBatch,
+        lora_state: LoRAState | None = None,
     ) -> None:
         compilation = config.compilation
         mode = compilation.cudagraph_mode
@@ -89,6 +91,9 @@ class CudaGraphRunner:
         self.layer_names = list(layer_specs)
         self.dispatcher = CudagraphDispatcher(compilation, scheduler.max_num_seqs)
         self.dispatcher.initialize_cudagraph_keys(mode)
+        self.lora_state = lora_state
+        if lora_state is not None:
+            self.dispatcher.add_lora_keys()
         # Graphs read the input batch's own device buffers: a step's inputs are written there
         # once, and replay needs no copy into buffers of the graph's own.
         if max_size > min(input_batch.max_num_reqs, input_batch.max_num_tokens):
@@ -123,6 +128,7 @@ class CudaGraphRunner:
             runner._spec_of,
             get_attn_backend(runner.config),
             runner.input_batch,
+            runner.lora_manager.state if runner.lora_manager is not None else None,
         )
 
     # ---- capture --------------------------------------------------------------------------
@@ -135,16 +141,24 @@ class CudaGraphRunner:
         with self.attn_state.graph_capture(self.attn_state.max_batch_size), torch.inference_mode():
             for desc in full:
                 md = self._metadata_for_capture(desc.num_tokens)
+                self._set_lora_active(desc.has_lora)
                 self._forward(desc.num_tokens, md, CUDAGraphMode.FULL, desc)
             for desc in piecewise:
                 md = self.attn_state.graph_capture_get_metadata_for_batch(desc.num_tokens)
+                self._set_lora_active(desc.has_lora)
                 self._forward(desc.num_tokens, md, CUDAGraphMode.PIECEWISE, desc)
+        self._set_lora_active(False)
         logger.info(
             "captured %d full and %d piecewise CUDA-graph sizes (largest %d tokens)",
             len(full),
             len(piecewise),
             max(self.capture_sizes),
         )
+
+    def _set_lora_active(self, active: bool) -> None:
+        """LoRA graphs are captured with the adapters' matmuls in them, base graphs without."""
+        if self.lora_state is not None:
+            self.lora_state.active = active
 
     def _metadata_for_capture(self, size: int) -> AttentionMetadata:
         md = self._graph_metadata.get(size)
@@ -155,14 +169,21 @@ class CudaGraphRunner:
 
     # ---- one step -------------------------------------------------------------------------
 
-    def plan(self, num_tokens: int, uniform_decode: bool) -> tuple[CUDAGraphMode, BatchDescriptor]:
-        """How this step runs: which graph (if any) and the token count it is padded to."""
+    def plan(
+        self, num_tokens: int, uniform_decode: bool, has_lora: bool = False
+    ) -> tuple[CUDAGraphMode, BatchDescriptor]:
+        """How this step runs: which graph (if any) and the token count it is padded to.
+
+        Graphs are captured for base-model batches only; a batch using an adapter has its own
+        key (`has_lora`), which nothing was captured for, so it runs eager.
+        """
         # Whole-model graphs are captured on decode-only metadata; a batch with prefills (which
         # plain FULL mode would also dispatch to them) needs eager attention, so it never
         # replays one.
         return self.dispatcher.dispatch(
             num_tokens,
             uniform_decode=uniform_decode,
+            has_lora=has_lora,
             disable_full=self.disable_full or not uniform_decode,
         )
 

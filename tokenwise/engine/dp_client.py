@@ -27,6 +27,7 @@ from tokenwise.engine.dp_rank import run_dp_rank
 from tokenwise.engine.llm_engine import LLMEngine, validate_request
 from tokenwise.engine.prompts import PromptInput, load_tokenizer
 from tokenwise.engine.stats import EngineStats
+from tokenwise.lora.request import LoRARequest
 from tokenwise.models.registry import is_moe_architecture
 from tokenwise.outputs import RequestOutput
 from tokenwise.sampling.params import SamplingParams
@@ -91,6 +92,7 @@ class DPEngineClient:
         prompt: PromptInput,
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         params = params or SamplingParams()
         if request_id in self.groups:
@@ -98,7 +100,7 @@ class DPEngineClient:
         validate_request(self.model_config, self.tokenizer, prompt, params)
         self._check_ranks()
         rank = min(range(len(self._load)), key=self._load.__getitem__)  # least loaded
-        self._inboxes[rank].put(("add", request_id, prompt, params, cache_salt))
+        self._inboxes[rank].put(("add", request_id, prompt, params, cache_salt, lora_request))
         self.groups[request_id] = rank
         self._weight[request_id] = params.n
         self._load[rank] += params.n

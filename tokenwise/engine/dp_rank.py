@@ -9,7 +9,7 @@ number of forward passes. Each iteration therefore starts with one tiny all-redu
 when anybody has work everybody runs one pass, a dummy one on ranks with nothing scheduled.
 Dense models need no such agreement and each rank steps on its own.
 
-Messages in (per-rank queue): `("add", id, prompt, params, cache_salt)`, `("abort", ids)`,
+Messages in (per-rank queue): `("add", id, prompt, params, cache_salt, lora_request)`, `("abort", ids)`,
 `("stop",)`. Out (one queue shared by all ranks): `("ready", rank, num_blocks)`,
 `("outputs", rank, [RequestOutput], EngineStats, batch-size table)`,
 `("rejected", rank, id, message)`, `("dead", rank, message)`.
@@ -132,9 +132,9 @@ class _RankLoop:
     def _apply(self, message: tuple) -> None:
         kind = message[0]
         if kind == "add":
-            _, request_id, prompt, params, cache_salt = message
+            _, request_id, prompt, params, cache_salt, lora_request = message
             try:
-                self.engine.add_request(request_id, prompt, params, cache_salt)
+                self.engine.add_request(request_id, prompt, params, cache_salt, lora_request)
             except Exception as exc:  # validated by the client already: only a bug lands here
                 self.outbox.put(("rejected", self.rank, request_id, f"{type(exc).__name__}: {exc}"))
         elif kind == "abort":

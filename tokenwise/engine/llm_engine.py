@@ -30,6 +30,7 @@ from tokenwise.engine.request import Request, RequestStatus
 from tokenwise.engine.scheduler import Scheduler
 from tokenwise.engine.stats import EngineStats, StatLogger
 from tokenwise.engine.step_outputs import ModelRunnerOutput
+from tokenwise.lora.request import LoRARequest
 from tokenwise.models.registry import is_moe_architecture
 from tokenwise.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenwise.platform import configure_cpu_allocator
@@ -97,7 +98,10 @@ class LLMEngine:
             self.runner.serve_tp_steps()
             raise SystemExit(0)
         self.block_manager = BlockManager(num_blocks, config.cache.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len)
+        max_loras = config.lora.max_loras if config.lora is not None else None
+        self.scheduler = Scheduler(
+            config.scheduler, self.block_manager, config.model.max_model_len, max_loras
+        )
         self.groups: dict[str, _RequestGroup] = {}
         self._by_request: dict[str, tuple[_RequestGroup, _Sample]] = {}
         self._stats = EngineStats(num_total_blocks=num_blocks)
@@ -112,11 +116,17 @@ class LLMEngine:
         prompt: PromptInput,
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         params = params or SamplingParams()
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = validate_request(self.model_config, self.tokenizer, prompt, params)
+        if lora_request is not None:
+            self.check_lora(lora_request)
+            # Blocks computed under one adapter hold other K/V than the base model's: the
+            # adapter's id keys the prefix cache, so no two adapters ever share a block.
+            cache_salt = f"{cache_salt or ''}|lora:{lora_request.lora_int_id}"
         if not self.config.cache.enable_prefix_caching:
             # Siblings of one request still share their prompt blocks; nobody else can hit them.
             cache_salt = f"{cache_salt or ''}/{uuid.uuid4().hex}"
@@ -133,6 +143,7 @@ class LLMEngine:
                 sampling_params=child_params,
                 eos_token_ids=self.eos_token_ids,
                 cache_salt=cache_salt,
+                lora_request=lora_request,
             )
             detok = None
             if self.tokenizer is not None:
@@ -150,6 +161,16 @@ class LLMEngine:
         self.groups[request_id] = group
         for sample in samples:
             self._by_request[sample.request.request_id] = (group, sample)
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """Raise ValueError unless this engine serves LoRA and the adapter loads and fits."""
+        manager = self.runner.lora_manager
+        if manager is None:
+            raise ValueError(
+                f"request names LoRA adapter {lora_request.lora_name!r}, but this engine was "
+                "started without LoRA support (pass enable_lora=True / --enable-lora)"
+            )
+        manager.check(lora_request)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Abort requests (unknown ids are ignored); their blocks are freed at once and the next

@@ -36,6 +36,7 @@ from tokenwise.engine.tp_steps import SpecTables, TPDriver, step_from_payload, s
 from tokenwise.forward_context import set_forward_context
 from tokenwise.layer_registry import get_layers_from_config
 from tokenwise.loader import load_model
+from tokenwise.lora.manager import LoRAManager
 from tokenwise.sampling.metadata import SamplingMetadata
 from tokenwise.sampling.sampler import Sampler
 
@@ -64,6 +65,20 @@ class ModelRunner:
             raise
         self.graph_runner: CudaGraphRunner | None = None
         self._capturer_factory, wrap_piece = graph_setup(config, self.device)
+        scheduler = config.scheduler
+        compilation = config.compilation
+        if self._capturer_factory is not None and compilation.cudagraph_capture_sizes is None:
+            compilation.cudagraph_capture_sizes = default_capture_sizes(
+                scheduler.max_num_seqs, scheduler.max_num_batched_tokens
+            )
+        max_capture = compilation.max_capture_size if self._capturer_factory else 0
+        max_num_tokens = max(scheduler.max_num_batched_tokens, max_capture)
+        # Adapter slots go into the linear layers before compilation sees the model.
+        self.lora_manager: LoRAManager | None = None
+        if config.lora is not None:
+            self.lora_manager = LoRAManager(
+                self.model, config.lora, max_num_tokens, self.model_config.dtype, self.device
+            )
         if config.compilation.use_compile:
             self.model = compile_model(self.model, config.compilation, wrap_piece)
         self.attn_layers = get_layers_from_config(config, Attention)
@@ -84,16 +99,9 @@ class ModelRunner:
             spec: CommonMetadataBuilder(self.block_size, spec, self.device)
             for spec in set(self._spec_of.values())
         }
-        scheduler = config.scheduler
-        compilation = config.compilation
-        if self._capturer_factory is not None and compilation.cudagraph_capture_sizes is None:
-            compilation.cudagraph_capture_sizes = default_capture_sizes(
-                scheduler.max_num_seqs, scheduler.max_num_batched_tokens
-            )
-        max_capture = compilation.max_capture_size if self._capturer_factory else 0
         self.input_batch = InputBatch(
             max_num_reqs=max(scheduler.max_num_seqs, max_capture),
-            max_num_tokens=max(scheduler.max_num_batched_tokens, max_capture),
+            max_num_tokens=max_num_tokens,
             max_model_len=self.model_config.max_model_len,
             block_size=self.block_size,
             device=self.device,
@@ -233,10 +241,12 @@ class ModelRunner:
         ordered = sorted(scheduler_output.scheduled, key=lambda s: s.num_new_tokens == 1)
         step = self.input_batch.prepare(ordered)
         num_tokens = step.num_tokens
+        loras = [s.request.lora_request for s in ordered]
+        has_lora = self._prepare_lora(loras, step)
         mode, desc = CUDAGraphMode.NONE, None
         if self.graph_runner is not None:
             uniform = bool(step.num_reqs) and int(step.query_lens_np.max()) == 1
-            mode, desc = self.graph_runner.plan(num_tokens, uniform)
+            mode, desc = self.graph_runner.plan(num_tokens, uniform, has_lora)
             if mode != CUDAGraphMode.NONE:
                 step = self.input_batch.pad(step, desc.num_tokens)
         attn_metadata, tables = None, {}
@@ -245,7 +255,7 @@ class ModelRunner:
             attn_metadata = self._attn_metadata(step, tables)
         if self.tp_size > 1:
             self.tp.check_workers()
-            self.tp.broadcast(("step", step_payload(step, tables)))
+            self.tp.broadcast(("step", step_payload(step, tables), loras))
         with self.tp.failures_named():
             if self.graph_runner is not None:
                 hidden = self.graph_runner.execute(mode, desc, attn_metadata, num_tokens)
@@ -267,6 +277,12 @@ class ModelRunner:
         out = self.sampler(logits, sampling_md)
         return ModelRunnerOutput(sampled, out.sampled_token_ids.tolist(), out.logprobs, num_tokens)
 
+    def _prepare_lora(self, loras: list[Any], step: StepInputs) -> bool:
+        """Slot the step's adapters and set its token mask (every TP rank does the same)."""
+        if self.lora_manager is None:
+            return False
+        return self.lora_manager.prepare_step(loras, step.query_lens_np.tolist())
+
     def _logits(self, hidden: torch.Tensor, logits_indices: list[int]) -> torch.Tensor:
         rows = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, rows))
@@ -282,6 +298,7 @@ class ModelRunner:
                 self.execute_dummy_batch(message[1])
                 continue
             step, tables = step_from_payload(message[1], self.device)
+            self._prepare_lora(message[2], step)
             hidden = self._run_eager(step, self._attn_metadata(step, tables))
             if step.logits_indices:
                 self._logits(hidden, step.logits_indices)  # joins the vocab all-gather

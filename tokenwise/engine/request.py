@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenwise.lora.request import LoRARequest
 from tokenwise.sampling.params import SamplingParams
 
 
@@ -51,6 +52,7 @@ class Request:
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

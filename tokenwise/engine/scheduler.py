@@ -40,9 +40,16 @@ StopStringCheck = Callable[[Request, int], "str | None"]
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        max_loras: int | None = None,
     ) -> None:
         self.config = config
+        # LoRA: at most this many distinct adapters among the running requests, so every step
+        # fits the runner's adapter slots (None: LoRA off).
+        self.max_loras = max_loras
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -106,6 +113,7 @@ class Scheduler:
                     break
 
         # 2. Waiting requests in arrival order, unless this step already had to preempt.
+        adapters = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
         while (
             self.waiting
             and budget > 0
@@ -113,6 +121,14 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
+            lora = req.lora_request
+            if (
+                lora is not None
+                and self.max_loras is not None
+                and lora.lora_int_id not in adapters
+                and len(adapters) >= self.max_loras
+            ):
+                break  # its adapter needs a slot: it waits until a running adapter is done
             hits, num_hit = bm.get_computed_blocks(
                 req.request_id, req.all_token_ids, req.cache_salt
             )
@@ -133,6 +149,8 @@ class Scheduler:
                 req.num_cached_tokens = num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if lora is not None:
+                adapters.add(lora.lora_int_id)
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
 

@@ -15,12 +15,14 @@ from tokenwise.config import (
     CompilationConfig,
     CUDAGraphMode,
     EngineConfig,
+    LoRAConfig,
     ParallelConfig,
     SchedulerConfig,
 )
 from tokenwise.engine.dp_client import create_engine
 from tokenwise.engine.prompts import PromptInput
 from tokenwise.layers.fused_moe.experts import grouped_mm_available
+from tokenwise.lora.request import LoRARequest
 from tokenwise.model_config import ModelConfig
 from tokenwise.models.registry import is_moe_architecture
 from tokenwise.outputs import RequestOutput
@@ -108,6 +110,10 @@ def build_engine_config(
     enable_expert_parallel: bool = False,
     enable_microbatching: bool = False,
     microbatching_token_threshold: int | None = None,
+    enable_lora: bool = False,
+    max_loras: int = 1,
+    max_lora_rank: int = 16,
+    max_cpu_loras: int | None = None,
 ) -> EngineConfig:
     """One place that turns user-facing arguments (LLM, CLI, server) into an EngineConfig."""
     from tokenwise.default_model import resolve_model_path
@@ -171,6 +177,7 @@ def build_engine_config(
         ),
         parallel=parallel,
         device=device,
+        lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None,
     )
 
 
@@ -210,8 +217,12 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in the order of `prompts`. A single prompt may be passed without a list."""
+        """Outputs in the order of `prompts`. A single prompt may be passed without a list.
+
+        `lora_request` is one adapter for every prompt or one per prompt (None: base model).
+        """
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
         ):
@@ -228,12 +239,21 @@ class LLM:
                     f"got {len(params_list)} sampling_params for {len(prompts)} prompts; pass "
                     "one SamplingParams or one per prompt"
                 )
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(
+                    f"got {len(loras)} lora_requests for {len(prompts)} prompts; pass one "
+                    "LoRARequest or one per prompt"
+                )
         engine = self.llm_engine
         ids: list[str] = []
         try:
-            for prompt, params in zip(prompts, params_list, strict=True):
+            for prompt, params, lora in zip(prompts, params_list, loras, strict=True):
                 rid = str(next(self._counter))
-                engine.add_request(rid, prompt, params)
+                engine.add_request(rid, prompt, params, lora_request=lora)
                 ids.append(rid)
         except Exception:
             engine.abort_request(ids)

@@ -15,6 +15,10 @@ or [gate_r | up_r]), row-parallel layers some input columns, whose partial produ
 all-reduced. Every layer reads its TP rank and size once, at construction. Loaders take the
 full checkpoint tensor (possibly a `LazyTensor`, read only in this rank's slice) and copy this
 rank's slice. With one rank every layer is an ordinary linear and no collective runs.
+
+`lora` is empty unless LoRA serving is on: then it holds the layer's adapter slots
+(`tokenwise.lora.layers.LoRASlots`), which add each token's adapter delta to the output, before
+a row-parallel layer's all-reduce. The module stays where it is, so weight names never change.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class ReplicatedLinear(nn.Module):
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
+        self.lora: nn.Module | None = None  # adapter slots, attached by the LoRA manager
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -70,7 +75,8 @@ class ReplicatedLinear(nn.Module):
         default_weight_loader(param, loaded_weight, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        out = F.linear(x, self.weight, self.bias)
+        return out if self.lora is None else self.lora(x, out)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
@@ -257,8 +263,10 @@ class RowParallelLinear(ReplicatedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return super().forward(x)
         out = F.linear(x, self.weight)
+        if self.lora is not None:
+            out = self.lora(x, out)  # a partial sum too: the all-reduce completes it
         if not self.reduce_results:
             return out
         out = tp_all_reduce(out)

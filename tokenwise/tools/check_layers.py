@@ -95,6 +95,8 @@ LAYERS: tuple[Layer, ...] = (
     Layer("models", ("tokenwise.models.*",)),
     # Resolves the model class from the registry, so it sits above the models.
     Layer("loader", ("tokenwise.loader",)),
+    # Adapter slots attached to a built model's linear layers, and the PEFT reader.
+    Layer("LoRA", ("tokenwise.lora.*",)),
     Layer("sampling", ("tokenwise.sampling.*",)),
     Layer("compilation", ("tokenwise.compilation.*",)),
     # Scheduler, runner, engine loop, and the engine flags every CLI (and benchmark) shares.

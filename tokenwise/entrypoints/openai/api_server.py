@@ -29,18 +29,29 @@ from tokenwise.entrypoints.openai.metrics import ServerMetrics
 from tokenwise.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    ModelCard,
+    LoadLoRAAdapterRequest,
     ModelList,
+    UnloadLoRAAdapterRequest,
 )
 from tokenwise.entrypoints.openai.server_config import ServerConfig
 from tokenwise.entrypoints.openai.serving_chat import ChatServing
 from tokenwise.entrypoints.openai.serving_common import json_response
 from tokenwise.entrypoints.openai.serving_completions import CompletionServing
+from tokenwise.entrypoints.openai.serving_models import ServingModels
 
 logger = logging.getLogger("tokenwise.server")
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics) -> FastAPI:
+def build_app(
+    engine: AsyncEngine,
+    config: ServerConfig,
+    metrics: ServerMetrics,
+    models: ServingModels | None = None,
+    allow_runtime_lora_updating: bool = False,
+) -> FastAPI:
+    """The app; `models` lists the LoRA adapters next to the base model (none by default), and
+    `allow_runtime_lora_updating` opens `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`."""
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
@@ -50,8 +61,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics)
     app = FastAPI(title="tokenwise", lifespan=lifespan)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=config.max_request_body_bytes)
     install_error_handlers(app)
-    completions = CompletionServing(engine, config)
-    chat = ChatServing(engine, config)
+    models = models or ServingModels(config.served_model_name, config.max_model_len)
+    completions = CompletionServing(engine, config, models)
+    chat = ChatServing(engine, config, models)
     bearer = HTTPBearer(auto_error=False)
 
     async def require_api_key(
@@ -68,8 +80,19 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics)
 
     @api.get("/models")
     async def list_models() -> Response:
-        card = ModelCard(id=config.served_model_name, max_model_len=config.max_model_len)
-        return json_response(ModelList(data=[card]))
+        return json_response(ModelList(data=models.cards()))
+
+    if allow_runtime_lora_updating:
+
+        @api.post("/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+            models.load(body.lora_name, body.lora_path)
+            return Response(f"adapter {body.lora_name!r} loaded", media_type="text/plain")
+
+        @api.post("/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+            models.unload(body.lora_name)
+            return Response(f"adapter {body.lora_name!r} unloaded", media_type="text/plain")
 
     @api.post("/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
@@ -100,7 +123,7 @@ def run_server(args: argparse.Namespace) -> int:
     from tokenwise.engine.arg_utils import engine_kwargs
     from tokenwise.engine.dp_client import create_engine
     from tokenwise.entrypoints.llm import build_engine_config
-    from tokenwise.entrypoints.openai.cli_args import server_config_kwargs
+    from tokenwise.entrypoints.openai.cli_args import lora_modules_dict, server_config_kwargs
 
     # /metrics reports forward time per batch size, so collect it (the table is also logged,
     # at INFO, once a minute while busy).
@@ -118,6 +141,17 @@ def run_server(args: argparse.Namespace) -> int:
         max_model_len=engine.model_config.max_model_len,
         **server_config_kwargs(args),
     )
+    lora = engine_config.lora
+    lora_modules = lora_modules_dict(args.lora_modules)
+    if lora_modules and lora is None:
+        raise ValueError("--lora-modules needs --enable-lora")
+    models = ServingModels(
+        config.served_model_name,
+        config.max_model_len,
+        lora_modules,
+        lora.max_lora_rank if lora is not None else None,
+        getattr(engine, "check_lora", None),  # one engine (not DP): adapters checked at load
+    )
     metrics = ServerMetrics(config.served_model_name)
     server: uvicorn.Server | None = None
 
@@ -129,7 +163,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     async_engine = AsyncEngine(engine, observer=metrics.observe, on_dead=exit_when_dead)
     metrics.attach_engine(lambda: async_engine.stats)
-    app = build_app(async_engine, config, metrics)
+    app = build_app(async_engine, config, metrics, models, args.allow_runtime_lora_updating)
     auth = "API key required" if config.api_key else "no API key"
     print(
         f"tokenwise: serving {config.served_model_name!r} on http://{args.host}:{args.port}/v1 "

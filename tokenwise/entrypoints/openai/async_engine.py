@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from tokenwise.engine.stats import EngineStats
 from tokenwise.entrypoints.openai.errors import EngineDeadError
+from tokenwise.lora.request import LoRARequest
 from tokenwise.outputs import RequestOutput
 from tokenwise.sampling.params import SamplingParams
 
@@ -95,6 +96,7 @@ class _Add:
     params: SamplingParams
     sink: _Sink
     accepted: concurrent.futures.Future
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -146,7 +148,11 @@ class AsyncEngine:
     # ---- the API handlers use -----------------------------------------------------------------
 
     async def submit(
-        self, request_id: str, prompts: Sequence[PromptInput], params: SamplingParams
+        self,
+        request_id: str,
+        prompts: Sequence[PromptInput],
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Queue one engine request per prompt; return the stream of their outputs.
 
@@ -161,7 +167,8 @@ class AsyncEngine:
                 rid = f"{request_id}-{index}"
                 accepted.append(concurrent.futures.Future())
                 stream.pending.add(rid)
-                self._post(_Add(rid, prompt, params, _Sink(stream, index), accepted[-1]))
+                sink = _Sink(stream, index)
+                self._post(_Add(rid, prompt, params, sink, accepted[-1], lora_request))
             for future in accepted:
                 await asyncio.wrap_future(future)
         except BaseException:
@@ -222,7 +229,12 @@ class AsyncEngine:
         if not command.accepted.set_running_or_notify_cancel():
             return  # the handler was cancelled while waiting: don't start the request
         try:
-            self.engine.add_request(command.request_id, command.prompt, command.params)
+            self.engine.add_request(
+                command.request_id,
+                command.prompt,
+                command.params,
+                lora_request=command.lora_request,
+            )
         except Exception as exc:  # invalid input: the handler turns it into a 400
             command.accepted.set_exception(exc)
             return

@@ -80,6 +80,38 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_REQUEST_BODY_BYTES,
         help="larger request bodies get 413, e.g. 65536 or 4MiB (default: 1MiB)",
     )
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=parse_lora_module,
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) served under these model names (needs "
+        "--enable-lora); /v1/models lists them and a request picks one with its 'model' field",
+    )
+    g.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="open /v1/load_lora_adapter and /v1/unload_lora_adapter (off: adapters are fixed "
+        "at start-up)",
+    )
+
+
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """`name=path` of one `--lora-modules` entry."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
+
+
+def lora_modules_dict(pairs: list[tuple[str, str]] | None) -> dict[str, str]:
+    modules: dict[str, str] = {}
+    for name, path in pairs or []:
+        if name in modules:
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        modules[name] = path
+    return modules
 
 
 def server_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -177,6 +177,17 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "tokenwise"
     max_model_len: int
+    root: str | None = None  # a LoRA adapter's directory
+    parent: str | None = None  # a LoRA adapter's base model
+
+
+class LoadLoRAAdapterRequest(_Strict):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Strict):
+    lora_name: str
 
 
 class ModelList(BaseModel):

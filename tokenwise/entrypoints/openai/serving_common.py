@@ -28,6 +28,7 @@ from tokenwise.entrypoints.openai.errors import (
 )
 from tokenwise.entrypoints.openai.protocol import GenerationRequest, OpenAIResponse, UsageInfo
 from tokenwise.entrypoints.openai.server_config import ServerConfig
+from tokenwise.entrypoints.openai.serving_models import ServingModels
 from tokenwise.outputs import CompletionOutput, RequestOutput
 from tokenwise.sampling.params import SamplingParams
 
@@ -47,17 +48,6 @@ _OPTIONAL_SAMPLING = (
     "frequency_penalty",
     "repetition_penalty",
 )
-
-
-def check_model(requested: str | None, config: ServerConfig) -> None:
-    if requested is not None and requested != config.served_model_name:
-        raise OpenAIError(
-            404,
-            f"the model {requested!r} does not exist; this server serves "
-            f"{config.served_model_name!r}",
-            param="model",
-            code="model_not_found",
-        )
 
 
 def check_cap(name: str, value: int | None, cap: int, flag: str) -> None:
@@ -195,16 +185,19 @@ class OpenAIServing(ABC, Generic[RequestT, LogprobsT]):
     response_cls: ClassVar[type[OpenAIResponse]]
     chunk_cls: ClassVar[type[OpenAIResponse]]
 
-    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+    def __init__(
+        self, engine: AsyncEngine, config: ServerConfig, models: ServingModels | None = None
+    ) -> None:
         self.engine = engine
         self.config = config
+        self.models = models or ServingModels(config.served_model_name, config.max_model_len)
 
     async def create(self, body: RequestT, raw: Request) -> Response:
-        check_model(body.model, self.config)
+        lora_request = self.models.resolve(body.model)
         prompts, params = self._prepare(body)
         request_id = f"{self.request_id_prefix}-{uuid.uuid4().hex}"
         try:
-            stream = await self.engine.submit(request_id, prompts, params)
+            stream = await self.engine.submit(request_id, prompts, params, lora_request)
         except (ValueError, TypeError) as exc:
             # The engine's complaints (prompt too long or empty, bad token ids, parameters this
             # model cannot honour) are 400s about the prompt unless they name a parameter.
