@@ -96,6 +96,8 @@ LAYERS: tuple[Layer, ...] = (
     # Resolves the model class from the registry, so it sits above the models.
     Layer("loader", ("tokenwise.loader",)),
     Layer("sampling", ("tokenwise.sampling.*",)),
+    # Embedding models: pooling parameters and the pooler; the task check reads the registry.
+    Layer("pooling", ("tokenwise.pooling.*",)),
     Layer("compilation", ("tokenwise.compilation.*",)),
     # Scheduler, runner, engine loop, and the engine flags every CLI (and benchmark) shares.
     Layer("engine", ("tokenwise.engine.*",)),
