@@ -62,7 +62,8 @@ class Attention(nn.Module):
             )
         if attn_type not in (AttentionType.DECODER, AttentionType.ENCODER_ONLY):
             raise NotImplementedError(
-                f"attention type {attn_type} is not supported yet (decoder and encoder_only are)"
+                f"attention type {getattr(attn_type, 'value', attn_type)!r} is not supported "
+                "yet (decoder and encoder_only are)"
             )
         if attn_type == AttentionType.ENCODER_ONLY and sliding_window is not None:
             raise ValueError("encoder-only attention is bidirectional; it takes no sliding window")

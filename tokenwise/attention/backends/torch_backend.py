@@ -92,7 +92,7 @@ class TorchAttentionImpl:
         if attn_type not in (AttentionType.DECODER, AttentionType.ENCODER_ONLY):
             raise NotImplementedError(
                 f"the {type(self).__name__} supports decoder and encoder-only attention, "
-                f"got {attn_type}"
+                f"got {getattr(attn_type, 'value', attn_type)!r}"
             )
         self.num_heads = num_heads
         self.head_size = head_size
