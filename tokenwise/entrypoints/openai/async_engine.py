@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 
 from tokenwise.engine.stats import EngineStats
 from tokenwise.entrypoints.openai.errors import EngineDeadError
-from tokenwise.outputs import RequestOutput
+from tokenwise.outputs import EmbeddingRequestOutput, RequestOutput
+from tokenwise.pooling.params import PoolingParams
 from tokenwise.sampling.params import SamplingParams
 
 if TYPE_CHECKING:  # the engine (and torch) load only where an engine is built
@@ -36,7 +37,7 @@ if TYPE_CHECKING:  # the engine (and torch) load only where an engine is built
 
 logger = logging.getLogger("tokenwise.server")
 
-OutputObserver = Callable[[RequestOutput], None]
+OutputObserver = Callable[[RequestOutput | EmbeddingRequestOutput], None]
 DeathCallback = Callable[[BaseException], None]
 
 
@@ -92,7 +93,7 @@ class _Sink:
 class _Add:
     request_id: str
     prompt: PromptInput
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     sink: _Sink
     accepted: concurrent.futures.Future
 
@@ -146,7 +147,10 @@ class AsyncEngine:
     # ---- the API handlers use -----------------------------------------------------------------
 
     async def submit(
-        self, request_id: str, prompts: Sequence[PromptInput], params: SamplingParams
+        self,
+        request_id: str,
+        prompts: Sequence[PromptInput],
+        params: SamplingParams | PoolingParams,
     ) -> RequestStream:
         """Queue one engine request per prompt; return the stream of their outputs.
 
@@ -229,7 +233,7 @@ class AsyncEngine:
         self._sinks[command.request_id] = command.sink
         command.accepted.set_result(None)
 
-    def _publish(self, outputs: list[RequestOutput]) -> None:
+    def _publish(self, outputs: list[RequestOutput | EmbeddingRequestOutput]) -> None:
         for output in outputs:
             if self._observer is not None:
                 try:
