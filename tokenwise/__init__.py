@@ -9,7 +9,17 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "PoolingParams",
+    "PoolerConfig",
+    "RequestOutput",
+    "CompletionOutput",
+    "EmbeddingRequestOutput",
+    "EmbeddingOutput",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -21,7 +31,15 @@ def __getattr__(name: str) -> Any:
         from tokenwise.sampling.params import SamplingParams
 
         return SamplingParams
-    if name in ("RequestOutput", "CompletionOutput"):
+    if name == "PoolingParams":
+        from tokenwise.pooling.params import PoolingParams
+
+        return PoolingParams
+    if name == "PoolerConfig":
+        from tokenwise.config import PoolerConfig
+
+        return PoolerConfig
+    if name in ("RequestOutput", "CompletionOutput", "EmbeddingRequestOutput", "EmbeddingOutput"):
         from tokenwise import outputs
 
         return getattr(outputs, name)

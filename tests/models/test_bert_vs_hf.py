@@ -235,3 +235,28 @@ def test_task_mismatches_and_limits_are_clear_errors(bert_dir: str, tmp_path) ->
         generative.embed("Hello")
     with pytest.raises(ValueError, match="task='embed' is supported for encoder-only"):
         LLM(build_tiny_checkpoint(tmp_path), task="embed", dtype="float32", device="cpu")
+
+
+def test_failed_forward_fails_only_its_requests(bert_dir: str, monkeypatch) -> None:
+    llm = make_llm(bert_dir)
+    runner = llm.llm_engine.runner
+    real = runner._run_eager
+    calls = []
+
+    def fail_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("simulated out of memory")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "_run_eager", fail_once)
+    failed = llm.embed(TEXTS[:2], use_tqdm=False)
+    assert all(o.finished and "simulated out of memory" in o.error for o in failed)
+    assert all(o.outputs.embedding == [] for o in failed)
+    torch.testing.assert_close(
+        embed(llm, TEXTS[:2]),
+        hf_embeddings(bert_dir, TEXTS[:2], "CLS", True, "BertModel"),
+        atol=ATOL,
+        rtol=0,
+    )
+    assert llm.llm_engine.get_stats().finished_reasons == {"error": 2, "stop": 2}
