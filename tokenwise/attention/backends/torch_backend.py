@@ -90,10 +90,7 @@ class TorchAttentionImpl:
         attn_type: str = AttentionType.DECODER,
     ) -> None:
         if attn_type not in (AttentionType.DECODER, AttentionType.ENCODER_ONLY):
-            raise NotImplementedError(
-                f"the {type(self).__name__} supports decoder and encoder-only attention, "
-                f"got {getattr(attn_type, 'value', attn_type)!r}"
-            )
+            raise NotImplementedError(f"unsupported attention type {attn_type!r}")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = scale
@@ -101,6 +98,8 @@ class TorchAttentionImpl:
         self.group = num_heads // num_kv_heads
         self.sliding_window = sliding_window
         self.attn_type = AttentionType(attn_type)
+        self._heads = {"num_heads": num_heads, "num_kv_heads": num_kv_heads}
+        self._heads |= {"head_size": head_size, "scale": scale}
 
     def forward(
         self,
@@ -112,16 +111,7 @@ class TorchAttentionImpl:
     ) -> torch.Tensor:
         """Write this step's K/V into `kv_cache` and attend; `[num_tokens, heads * head]`."""
         if self.attn_type is AttentionType.ENCODER_ONLY:  # no cache: `kv_cache` is unused
-            return encoder_only_attention(
-                query,
-                key,
-                value,
-                attn_metadata,
-                num_heads=self.num_heads,
-                num_kv_heads=self.num_kv_heads,
-                head_size=self.head_size,
-                scale=self.scale,
-            )
+            return encoder_only_attention(query, key, value, attn_metadata, **self._heads)
         if attn_metadata is None:  # profiling / warm-up pass: no cache, one sequence
             return single_sequence_attention(
                 query,
