@@ -46,6 +46,9 @@ _TEXT = [
 ] * 4
 
 _MODEL_TYPES = {
+    "BertModel": "bert",
+    "BertForMaskedLM": "bert",
+    "XLMRobertaModel": "xlm-roberta",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
@@ -113,6 +116,13 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
     },
 }
+# Encoder-only embedding models: a WordPiece tokenizer that adds [CLS] ... [SEP] (as BERT's
+# does), post-LayerNorm, GELU. XLM-RoBERTa has one token type and positions after padding_idx.
+_ENCODER_ARCHS = {"BertModel", "BertForMaskedLM", "XLMRobertaModel"}
+_ENCODER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "XLMRobertaModel": {"type_vocab_size": 1, "max_position_embeddings": 514},
+}
+ENCODER_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 _CACHE_DIR: str | None = None
 
 
@@ -142,12 +152,76 @@ def tiny_tokenizer() -> Any:
     )
 
 
+@lru_cache(maxsize=1)
+def tiny_wordpiece_tokenizer() -> Any:
+    """A lower-casing WordPiece tokenizer with BERT's special tokens; encoding adds [CLS] and
+    [SEP] around the text (a `TemplateProcessing` post-processor), as BERT's tokenizer does."""
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE, special_tokens=ENCODER_SPECIAL_TOKENS, show_progress=False
+    )
+    tok.train_from_iterator(_TEXT, trainer=trainer)
+    cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_max_length=512,
+    )
+
+
+def _tiny_encoder_config(arch: str, overrides: dict[str, Any]) -> Any:
+    from transformers import AutoConfig
+
+    tokenizer = tiny_wordpiece_tokenizer()
+    kwargs: dict[str, Any] = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 512,
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "initializer_range": 0.2,
+        "architectures": [arch],
+        **_ENCODER_DEFAULTS.get(arch, {}),
+        **overrides,
+    }
+    config = AutoConfig.for_model(_MODEL_TYPES[arch], **kwargs)
+    config.dtype = torch.float32
+    return config
+
+
 def tiny_config(arch: str = "LlamaForCausalLM", **overrides: Any) -> Any:
     """The HF config of a tiny model: hidden 64, 2 layers, 4 heads (2 KV), fp32."""
     from transformers import AutoConfig
 
     if arch not in _MODEL_TYPES:
         raise ValueError(f"no tiny checkpoint recipe for {arch!r}; known: {sorted(_MODEL_TYPES)}")
+    if arch in _ENCODER_ARCHS:
+        return _tiny_encoder_config(arch, overrides)
     tokenizer = tiny_tokenizer()
     kwargs: dict[str, Any] = {
         "hidden_size": 64,
@@ -181,14 +255,19 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
 
 
 def _build(out_dir: str, arch: str, seed: int, overrides: dict[str, Any]) -> None:
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     config = tiny_config(arch, **copy.deepcopy(overrides))  # HF edits rope dicts in place
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch in _ENCODER_ARCHS:
+        model = getattr(transformers, arch)(config)
+        tokenizer = tiny_wordpiece_tokenizer()
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        tokenizer = tiny_tokenizer()
     _perturb(model, seed)
     model.save_pretrained(out_dir)
-    tiny_tokenizer().save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
 
 
 def _cache_dir() -> str:

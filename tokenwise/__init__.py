@@ -13,8 +13,12 @@ __all__ = [
     "LLM",
     "SamplingParams",
     "LoRARequest",
+    "PoolingParams",
+    "PoolerConfig",
     "RequestOutput",
     "CompletionOutput",
+    "EmbeddingRequestOutput",
+    "EmbeddingOutput",
     "__version__",
 ]
 
@@ -32,7 +36,15 @@ def __getattr__(name: str) -> Any:
         from tokenwise.lora.request import LoRARequest
 
         return LoRARequest
-    if name in ("RequestOutput", "CompletionOutput"):
+    if name == "PoolingParams":
+        from tokenwise.pooling.params import PoolingParams
+
+        return PoolingParams
+    if name == "PoolerConfig":
+        from tokenwise.config import PoolerConfig
+
+        return PoolerConfig
+    if name in ("RequestOutput", "CompletionOutput", "EmbeddingRequestOutput", "EmbeddingOutput"):
         from tokenwise import outputs
 
         return getattr(outputs, name)

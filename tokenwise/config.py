@@ -217,6 +217,36 @@ class SchedulerConfig:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
 
 
+POOLING_TYPES = ("CLS", "MEAN", "LAST")
+
+
+@dataclass
+class PoolerConfig:
+    """How an embedding model turns a sequence's hidden states into one vector (vLLM's names).
+
+    `pooling_type`: "CLS" (the first token's state), "MEAN" (the average over the sequence's
+    tokens) or "LAST" (the last token's); None = the checkpoint's choice. `normalize`: scale
+    each embedding to unit L2 norm; None = the checkpoint's choice. Given to `LLM(...,
+    override_pooler_config=...)`, a set field overrides what the checkpoint says.
+    """
+
+    pooling_type: str | None = None
+    normalize: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling_type is not None:
+            if not isinstance(self.pooling_type, str) or (
+                self.pooling_type.upper() not in POOLING_TYPES
+            ):
+                raise ValueError(
+                    f"pooling_type must be one of {', '.join(POOLING_TYPES)}, "
+                    f"got {self.pooling_type!r}"
+                )
+            self.pooling_type = self.pooling_type.upper()
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise ValueError(f"normalize must be True, False or None, got {self.normalize!r}")
+
+
 @dataclass
 class LoRAConfig:
     """Adapter serving (`enable_lora`): how many adapters a step may mix, and how big they are.

@@ -13,6 +13,11 @@ from typing import Any
 
 import torch
 
+from tokenwise.config import PoolerConfig
+
+# What an engine does with its model: "generate" text, or "embed" (pool hidden states).
+TASKS = ("generate", "embed")
+
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -64,10 +69,17 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device: str) -> torc
     return _DTYPES[key]
 
 
+# Models whose position ids start after the padding index: the table's first
+# `pad_token_id + 1` rows are never a real position (XLM-RoBERTa: 514 rows, 512 tokens).
+_OFFSET_POSITION_MODELS = ("roberta", "xlm-roberta")
+
+
 def max_position_embeddings(hf_config: Any) -> int | None:
     for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
         value = getattr(hf_config, name, None)
         if isinstance(value, int) and value > 0:
+            if getattr(hf_config, "model_type", None) in _OFFSET_POSITION_MODELS:
+                value -= int(getattr(hf_config, "pad_token_id", None) or 0) + 1
             return value
     return None
 
@@ -85,6 +97,14 @@ class ModelConfig:
     tokenizer: str | None = None
     skip_tokenizer_init: bool = False
     architectures: list[str] = field(default_factory=list)
+    task: str = "generate"
+    # The resolved pooling of an "embed" model (None for generative ones).
+    pooler_config: PoolerConfig | None = None
+
+    @property
+    def is_pooling(self) -> bool:
+        """True when the engine pools hidden states into embeddings instead of sampling."""
+        return self.task == "embed"
 
     @property
     def vocab_size(self) -> int:

@@ -1,4 +1,5 @@
-"""What the engine returns, with vLLM's names: `RequestOutput` holding `CompletionOutput`s."""
+"""What the engine returns, with vLLM's names: `RequestOutput` holding `CompletionOutput`s, and
+for embedding models `EmbeddingRequestOutput` holding an `EmbeddingOutput`."""
 
 from __future__ import annotations
 
@@ -74,3 +75,30 @@ class RequestOutput:
         self.num_cached_tokens = delta.num_cached_tokens
         self.error = delta.error or self.error
         self.metrics.update(delta.metrics)
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding (vLLM's name): `len(embedding)` is the hidden size."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """The result of one embedding request, returned once, when its single step is done.
+
+    `error` is set (and `outputs.embedding` empty) when the forward pass failed; an aborted
+    request finishes with an empty embedding and no error.
+    """
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)

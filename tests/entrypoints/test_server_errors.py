@@ -156,7 +156,7 @@ def test_chat_without_template_is_400(server: RemoteServer) -> None:
 
 
 def test_unknown_route_has_error_body(server: RemoteServer) -> None:
-    error_of(post(server, "/v1/embeddings", {"input": "x"}), 404)
+    error_of(post(server, "/v1/no-such-endpoint", {"input": "x"}), 404)
 
 
 def test_still_serves_after_errors(server: RemoteServer) -> None:

@@ -37,6 +37,11 @@ class Attention(nn.Module):
     Without a forward context (a model used on its own, outside the engine) the tokens are
     treated as one causal sequence with no cache, which makes the model usable like a plain
     PyTorch module in tests and notebooks.
+
+    `attn_type=AttentionType.ENCODER_ONLY` (BERT-style embedding models): bidirectional
+    attention within each sequence of the step and no KV cache at all; `needs_kv_cache` is
+    False, so the engine allocates and binds nothing for the layer. Its op still reads the
+    step's metadata from the forward context, for where sequences start and end.
     """
 
     def __init__(
@@ -57,8 +62,13 @@ class Attention(nn.Module):
             raise ValueError(
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
             )
-        if attn_type != AttentionType.DECODER:
-            raise NotImplementedError(f"only decoder attention is supported, got {attn_type}")
+        if attn_type not in (AttentionType.DECODER, AttentionType.ENCODER_ONLY):
+            raise NotImplementedError(
+                f"attention type {getattr(attn_type, 'value', attn_type)!r} is not supported "
+                "yet (decoder and encoder_only are)"
+            )
+        if attn_type == AttentionType.ENCODER_ONLY and sliding_window is not None:
+            raise ValueError("encoder-only attention is bidirectional; it takes no sliding window")
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads
@@ -66,7 +76,7 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
         self.layer_name = prefix
-        self.attn_type = attn_type
+        self.attn_type = AttentionType(attn_type)
         self.kv_cache: list[torch.Tensor] = [torch.tensor([])]
         self.impl = get_attn_backend(config).get_impl_cls()(
             num_heads=num_heads,
@@ -75,9 +85,15 @@ class Attention(nn.Module):
             num_kv_heads=num_kv_heads,
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
+            attn_type=self.attn_type,
         )
         if config is not None:
             register_static_layer(config, prefix, self)
+
+    @property
+    def needs_kv_cache(self) -> bool:
+        """Whether the engine must allocate and bind a KV cache for this layer."""
+        return self.attn_type is AttentionType.DECODER
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         # A ContextVar read cannot be traced, so compiled code assumes the engine's context.
@@ -92,13 +108,15 @@ class Attention(nn.Module):
                 scale=self.scale,
                 sliding_window=self.sliding_window,
                 softcap=self.logits_soft_cap,
+                causal=self.attn_type is AttentionType.DECODER,
             )
         return torch.ops.tokenwise.unified_attention(query, key, value, self.layer_name)
 
     def extra_repr(self) -> str:
         return (
             f"name={self.layer_name!r}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
-            f"head_size={self.head_size}, sliding_window={self.sliding_window}"
+            f"head_size={self.head_size}, sliding_window={self.sliding_window}, "
+            f"attn_type={self.attn_type.value}"
             + (f", logits_soft_cap={self.logits_soft_cap}" if self.logits_soft_cap else "")
         )
 

@@ -81,12 +81,45 @@ def parse_capture_sizes(text: str) -> list[int]:
     return sorted(set(sizes))
 
 
+def parse_pooler_config(text: str) -> Any:
+    """A `PoolerConfig` from JSON such as '{"pooling_type": "MEAN", "normalize": false}'."""
+    import json
+
+    from tokenwise.config import PoolerConfig
+
+    try:
+        fields = json.loads(text)
+        if not isinstance(fields, dict):
+            raise ValueError("expected a JSON object")
+        return PoolerConfig(**fields)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(
+            f"invalid pooler config {text!r} ({e}); expected JSON such as "
+            '\'{"pooling_type": "MEAN", "normalize": true}\''
+        ) from None
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument(
         "--model",
         default=None,
         help="local Hugging Face checkpoint directory (default: the built-in model)",
+    )
+    g.add_argument(
+        "--task",
+        default="generate",
+        choices=["auto", "generate", "embed"],
+        help="generate text, or embed (encoder-only models such as BERT: /v1/embeddings); "
+        "auto = embed for encoder-only architectures (default: generate)",
+    )
+    g.add_argument(
+        "--override-pooler-config",
+        type=parse_pooler_config,
+        default=None,
+        metavar="JSON",
+        help='pooling of an embed model, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' '
+        "(default: the checkpoint's sentence-transformers config, else CLS + normalize)",
     )
     g.add_argument(
         "--dtype",
@@ -286,4 +319,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_loras": args.max_loras,
         "max_lora_rank": args.max_lora_rank,
         "max_cpu_loras": args.max_cpu_loras,
+        "task": getattr(args, "task", "generate"),
+        "override_pooler_config": getattr(args, "override_pooler_config", None),
     }

@@ -25,6 +25,7 @@ from tokenwise.config import EngineConfig
 from tokenwise.distributed.tp_state import free_port
 from tokenwise.engine.dp_rank import run_dp_rank
 from tokenwise.engine.llm_engine import LLMEngine, validate_request
+from tokenwise.engine.pooling_engine import PoolingLLMEngine
 from tokenwise.engine.prompts import PromptInput, load_tokenizer
 from tokenwise.engine.stats import EngineStats
 from tokenwise.lora.request import LoRARequest
@@ -43,6 +44,8 @@ def create_engine(config: EngineConfig) -> LLMEngine | DPEngineClient:
     """One engine in this process, or a front end over `data_parallel_size` rank processes."""
     if config.parallel.data_parallel_size > 1:
         return DPEngineClient(config)
+    if config.model.is_pooling:
+        return PoolingLLMEngine(config, config.device)
     return LLMEngine(config, config.device)
 
 

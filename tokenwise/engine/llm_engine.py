@@ -71,6 +71,11 @@ class _RequestGroup:
 
 
 class LLMEngine:
+    # The embedding engine (`engine/pooling_engine.py`) swaps these for its own: a runner that
+    # pools instead of sampling, and a scheduler of whole prompts with no KV blocks.
+    runner_cls: type[ModelRunner] = ModelRunner
+    scheduler_cls: type[Scheduler] = Scheduler
+
     def __init__(self, config: EngineConfig, device: str = "cpu") -> None:
         if config.model is None:
             raise ValueError("LLMEngine needs EngineConfig.model")
@@ -85,21 +90,19 @@ class LLMEngine:
             parallel.is_moe_model = is_moe_architecture(config.model.architectures)
         # Under DP an MoE model's layers are collectives: every rank must run one forward pass
         # per step, a dummy one when it has nothing scheduled (see tokenwise.engine.dp_rank).
-        self.runner = ModelRunner(config, device)
+        self.runner = self.runner_cls(config, device)
         self.dp_lockstep = self.runner.dp_lockstep
         num_blocks = self.runner.determine_num_blocks()
-        check_kv_cache_holds_one_sequence(
-            num_blocks, config.cache.block_size, config.model.max_model_len
-        )
+        self._check_kv_capacity(num_blocks)
         self.runner.initialize_kv_cache(num_blocks)
         if not self.runner.tp.is_driver:
             # A torchrun-launched TP rank other than 0: it serves the driver's steps and
             # leaves with it; only rank 0 goes on to be the engine the caller asked for.
             self.runner.serve_tp_steps()
             raise SystemExit(0)
-        self.block_manager = BlockManager(num_blocks, config.cache.block_size)
+        self.block_manager = self._make_block_manager(num_blocks)
         max_loras = config.lora.max_loras if config.lora is not None else None
-        self.scheduler = Scheduler(
+        self.scheduler = self.scheduler_cls(
             config.scheduler, self.block_manager, config.model.max_model_len, max_loras
         )
         self.groups: dict[str, _RequestGroup] = {}
@@ -107,6 +110,13 @@ class LLMEngine:
         self._stats = EngineStats(num_total_blocks=num_blocks)
         self._consecutive_failed_steps = 0
         self._stat_logger = StatLogger()
+
+    def _check_kv_capacity(self, num_blocks: int) -> None:
+        cache, model = self.config.cache, self.model_config
+        check_kv_cache_holds_one_sequence(num_blocks, cache.block_size, model.max_model_len)
+
+    def _make_block_manager(self, num_blocks: int) -> BlockManager:
+        return BlockManager(num_blocks, self.config.cache.block_size)
 
     # ---- requests -----------------------------------------------------------------------------
 

@@ -109,11 +109,15 @@ class ModelRunner:
 
     # ---- KV cache -------------------------------------------------------------------------
 
+    def cache_layers(self) -> dict[str, Attention]:
+        """The attention layers that keep a KV cache (encoder-only attention keeps none)."""
+        return {name: layer for name, layer in self.attn_layers.items() if layer.needs_kv_cache}
+
     def kv_cache_bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.model_config.dtype).element_size()
         per_layer = [
             2 * self.block_size * layer.num_kv_heads * layer.head_size * elem
-            for layer in self.attn_layers.values()
+            for layer in self.cache_layers().values()
         ]
         return sum(per_layer)
 
@@ -178,7 +182,7 @@ class ModelRunner:
     def _bind_kv_cache(self, num_blocks: int) -> None:
         """Allocate one cache tensor per layer and bind it to the layer by name."""
         backend = get_attn_backend(self.config)
-        for name, layer in self.attn_layers.items():
+        for name, layer in self.cache_layers().items():
             shape = backend.get_kv_cache_shape(
                 num_blocks, self.block_size, layer.num_kv_heads, layer.head_size
             )

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenwise.lora.request import LoRARequest
+from tokenwise.pooling.params import PoolingParams
 from tokenwise.sampling.params import SamplingParams
 
 
@@ -64,6 +65,8 @@ class Request:
     generator: torch.Generator | None = None
     stop_reason: int | str | None = None
     first_token_time: float | None = None
+    # Set for an embedding request (its sampling_params are then unused placeholders).
+    pooling_params: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

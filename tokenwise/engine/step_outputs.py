@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from tokenwise.engine.request import Request
 from tokenwise.sampling.sampler import LogprobsTensors
 
@@ -46,9 +48,15 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """One entry per sampled request, in the order of `sampled_requests`."""
+    """One entry per sampled request, in the order of `sampled_requests`.
+
+    An embedding model's step samples nothing: row `i` of `pooler_output` (`[n, hidden]`,
+    float32) is the embedding of `pooled_requests[i]`.
+    """
 
     sampled_requests: list[ScheduledRequest]
     sampled_token_ids: list[int]
     logprobs: LogprobsTensors | None
     num_tokens: int
+    pooled_requests: list[ScheduledRequest] = field(default_factory=list)
+    pooler_output: torch.Tensor | None = None

@@ -17,6 +17,7 @@ from tokenwise.config import (
     EngineConfig,
     LoRAConfig,
     ParallelConfig,
+    PoolerConfig,
     SchedulerConfig,
 )
 from tokenwise.engine.dp_client import create_engine
@@ -25,7 +26,9 @@ from tokenwise.layers.fused_moe.experts import grouped_mm_available
 from tokenwise.lora.request import LoRARequest
 from tokenwise.model_config import ModelConfig
 from tokenwise.models.registry import is_moe_architecture
-from tokenwise.outputs import RequestOutput
+from tokenwise.outputs import EmbeddingRequestOutput, RequestOutput
+from tokenwise.pooling.params import PoolingParams
+from tokenwise.pooling.task import check_embed_settings, resolve_pooler_config, resolve_task
 from tokenwise.sampling.params import SamplingParams
 
 logger = logging.getLogger("tokenwise")
@@ -114,6 +117,8 @@ def build_engine_config(
     max_loras: int = 1,
     max_lora_rank: int = 16,
     max_cpu_loras: int | None = None,
+    task: str = "generate",
+    override_pooler_config: PoolerConfig | None = None,
 ) -> EngineConfig:
     """One place that turns user-facing arguments (LLM, CLI, server) into an EngineConfig."""
     from tokenwise.default_model import resolve_model_path
@@ -133,6 +138,15 @@ def build_engine_config(
         tokenizer=tokenizer,
         skip_tokenizer_init=skip_tokenizer_init,
     )
+    model_config.task = resolve_task(task, model_config.architectures)
+    if model_config.is_pooling:
+        model_config.pooler_config = resolve_pooler_config(
+            model_config.model, model_config.architectures, override_pooler_config
+        )
+        check_embed_settings(data_parallel_size, tensor_parallel_size, cudagraph_mode)
+        enforce_eager, cudagraph_mode = True, None  # see tokenwise.engine.pooling_runner
+    elif override_pooler_config is not None:
+        raise ValueError("override_pooler_config applies to task='embed' models only")
     is_moe = is_moe_architecture(model_config.architectures)
     collectives = (data_parallel_size > 1 and is_moe) or tensor_parallel_size > 1
     if collectives and not enforce_eager:
@@ -223,11 +237,12 @@ class LLM:
 
         `lora_request` is one adapter for every prompt or one per prompt (None: base model).
         """
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        if self.engine_config.model.is_pooling:
+            raise ValueError(
+                f"model {self.engine_config.model.model!r} was loaded with task='embed' and "
+                "cannot generate text; call LLM.embed(prompts)"
+            )
+        prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             params_list = [SamplingParams()] * len(prompts)
         elif isinstance(sampling_params, SamplingParams):
@@ -248,24 +263,67 @@ class LLM:
                     f"got {len(loras)} lora_requests for {len(prompts)} prompts; pass one "
                     "LoRARequest or one per prompt"
                 )
+        return self._run(self._add_all(prompts, params_list, loras), use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in the order of `prompts` (strings, token-id lists or
+        `{"prompt_token_ids": [...]}`), batched by the scheduler like generation.
+
+        Needs a model loaded with `task="embed"` (or "auto" on an encoder-only checkpoint).
+        A request whose forward pass failed comes back with `error` set.
+        """
+        if not self.engine_config.model.is_pooling:
+            raise ValueError(
+                f"model {self.engine_config.model.model!r} was loaded with "
+                f"task={self.engine_config.model.task!r}; LLM.embed needs an embedding model: "
+                "load an encoder-only checkpoint (BERT, XLM-RoBERTa) with task='embed'"
+            )
+        prompts = _as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} pooling_params for {len(prompts)} prompts; pass "
+                    "one PoolingParams or one per prompt"
+                )
+        return self._run(self._add_all(prompts, params_list), use_tqdm, "Embedding")
+
+    def _add_all(
+        self,
+        prompts: list[PromptInput],
+        params_list: list[Any],
+        loras: list[LoRARequest | None] | None = None,
+    ) -> list[str]:
+        """Add every prompt, or none: a bad one aborts those already added, then raises."""
         engine = self.llm_engine
         ids: list[str] = []
+        loras = loras or [None] * len(prompts)
         try:
             for prompt, params, lora in zip(prompts, params_list, loras, strict=True):
                 rid = str(next(self._counter))
-                engine.add_request(rid, prompt, params, lora_request=lora)
+                if lora is None:
+                    engine.add_request(rid, prompt, params)
+                else:
+                    engine.add_request(rid, prompt, params, lora_request=lora)
                 ids.append(rid)
         except Exception:
             engine.abort_request(ids)
             self._drain(set(ids))
             raise
-        return self._run(ids, use_tqdm)
+        return ids
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool, desc: str = "Generating") -> list[Any]:
         engine = self.llm_engine
         pending = set(ids)
-        results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm)
+        results: dict[str, Any] = {}
+        bar = tqdm(total=len(ids), desc=desc, disable=not use_tqdm)
         try:
             while pending:
                 for delta in engine.step():
@@ -290,3 +348,12 @@ class LLM:
         """Step until aborted requests have been reported, so no block stays allocated."""
         while any(rid in self.llm_engine.groups for rid in ids):
             self.llm_engine.step()
+
+
+def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    """A single prompt (a string, a dict or one token-id list) becomes a list of one."""
+    if isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]

@@ -1,6 +1,6 @@
 """Building blocks of the token-wise models: plain PyTorch modules, no engine state."""
 
-from tokenwise.layers.activation import SiluAndMul, get_act_and_mul
+from tokenwise.layers.activation import SiluAndMul, get_act_and_mul, get_act_fn
 from tokenwise.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenwise.layers.layernorm import RMSNorm
 from tokenwise.layers.linear import (
@@ -26,6 +26,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "default_weight_loader",
     "get_act_and_mul",
+    "get_act_fn",
     "get_rope_config",
     "load_stacked_weights",
 ]

@@ -1,4 +1,5 @@
-"""The gated activation of SwiGLU MLPs, applied to the fused gate_up projection."""
+"""Activations: the gated one of SwiGLU MLPs (on the fused gate_up projection), and the plain
+ones of encoder MLPs (BERT's GELU)."""
 
 from __future__ import annotations
 
@@ -47,3 +48,23 @@ def get_act_and_mul(hidden_act: str) -> nn.Module:
     raise NotImplementedError(
         f"hidden_act {hidden_act!r} is not supported (supported: {supported})"
     )
+
+
+# HF `hidden_act` names of plain (ungated) activations; gelu is the exact (erf) form, as in HF.
+_PLAIN_ACTIVATIONS = {
+    "gelu": lambda: nn.GELU(),
+    "gelu_new": lambda: nn.GELU(approximate="tanh"),
+    "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh"),
+    "relu": lambda: nn.ReLU(),
+    "silu": lambda: nn.SiLU(),
+}
+
+
+def get_act_fn(hidden_act: str) -> nn.Module:
+    """The plain activation named by a HF config's `hidden_act`."""
+    if hidden_act not in _PLAIN_ACTIVATIONS:
+        raise NotImplementedError(
+            f"hidden_act {hidden_act!r} is not supported "
+            f"(supported: {', '.join(_PLAIN_ACTIVATIONS)})"
+        )
+    return _PLAIN_ACTIVATIONS[hidden_act]()

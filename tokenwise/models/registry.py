@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from tokenwise.config import PoolerConfig
+from tokenwise.models.bert import BertEmbeddingModel, XLMRobertaEmbeddingModel
 from tokenwise.models.gemma2 import Gemma2ForCausalLM
 from tokenwise.models.gemma3 import Gemma3ForCausalLM
 from tokenwise.models.llama import LlamaForCausalLM
@@ -17,6 +19,13 @@ from tokenwise.models.qwen3_moe import Qwen3MoeForCausalLM
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    # Encoder-only embedding models (task "embed"): class attribute `is_pooling_model`.
+    "BertModel": BertEmbeddingModel,
+    "BertForMaskedLM": BertEmbeddingModel,
+    "RobertaModel": XLMRobertaEmbeddingModel,
+    "XLMRobertaModel": XLMRobertaEmbeddingModel,
+    "XLMRobertaForMaskedLM": XLMRobertaEmbeddingModel,
+    # Decoders (task "generate").
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
@@ -50,3 +59,23 @@ def is_moe_architecture(architectures: list[str]) -> bool:
     except ValueError:
         return False
     return bool(getattr(model_cls, "is_moe", False))
+
+
+def is_pooling_architecture(architectures: list[str]) -> bool:
+    """Whether the model is an encoder-only embedding model (it pools, it cannot generate)."""
+    try:
+        model_cls = resolve_model_class(architectures)
+    except ValueError:
+        return False
+    return bool(getattr(model_cls, "is_pooling_model", False))
+
+
+def default_pooler_config(architectures: list[str]) -> PoolerConfig:
+    """The pooling a model uses when its checkpoint and the caller say nothing."""
+    model_cls = resolve_model_class(architectures)
+    default = getattr(model_cls, "default_pooler_config", None)
+    if default is None:
+        raise ValueError(
+            f"architecture {list(architectures)} has no pooling (it is not an embedding model)"
+        )
+    return PoolerConfig(default.pooling_type, default.normalize)

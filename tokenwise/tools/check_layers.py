@@ -98,6 +98,8 @@ LAYERS: tuple[Layer, ...] = (
     # Adapter slots attached to a built model's linear layers, and the PEFT reader.
     Layer("LoRA", ("tokenwise.lora.*",)),
     Layer("sampling", ("tokenwise.sampling.*",)),
+    # Embedding models: pooling parameters and the pooler; the task check reads the registry.
+    Layer("pooling", ("tokenwise.pooling.*",)),
     Layer("compilation", ("tokenwise.compilation.*",)),
     # Scheduler, runner, engine loop, and the engine flags every CLI (and benchmark) shares.
     Layer("engine", ("tokenwise.engine.*",)),

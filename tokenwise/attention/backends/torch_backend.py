@@ -28,8 +28,10 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from tokenwise.attention.backends import cpu_kernels
+from tokenwise.attention.backends.encoder_only import encoder_only_attention
 from tokenwise.attention.backends.single_sequence import single_sequence_attention
 from tokenwise.attention.backends.softcap import causal_mask, soft_cap, softcapped_attention
+from tokenwise.attention.utils import AttentionType
 
 if TYPE_CHECKING:
     from tokenwise.attention.metadata import AttentionMetadata
@@ -77,7 +79,11 @@ def paged_decode_reference(
 
 
 class TorchAttentionImpl:
-    """One layer's attention: its settings are fixed at construction, its inputs are tensors."""
+    """One layer's attention: its settings are fixed at construction, its inputs are tensors.
+
+    `attn_type` ENCODER_ONLY (BERT) attends bidirectionally within each sequence and never
+    touches a cache (`encoder_only.py`); DECODER is the paged causal attention below.
+    """
 
     def __init__(
         self,
@@ -87,7 +93,10 @@ class TorchAttentionImpl:
         num_kv_heads: int,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
     ) -> None:
+        if attn_type not in (AttentionType.DECODER, AttentionType.ENCODER_ONLY):
+            raise NotImplementedError(f"unsupported attention type {attn_type!r}")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = scale
@@ -95,6 +104,9 @@ class TorchAttentionImpl:
         self.group = num_heads // num_kv_heads
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        self.attn_type = AttentionType(attn_type)
+        self._heads = {"num_heads": num_heads, "num_kv_heads": num_kv_heads}
+        self._heads |= {"head_size": head_size, "scale": scale}
 
     def forward(
         self,
@@ -105,6 +117,8 @@ class TorchAttentionImpl:
         attn_metadata: AttentionMetadata | None,
     ) -> torch.Tensor:
         """Write this step's K/V into `kv_cache` and attend; `[num_tokens, heads * head]`."""
+        if self.attn_type is AttentionType.ENCODER_ONLY:  # no cache: `kv_cache` is unused
+            return encoder_only_attention(query, key, value, attn_metadata, **self._heads)
         if attn_metadata is None:  # profiling / warm-up pass: no cache, one sequence
             return single_sequence_attention(
                 query,

@@ -29,6 +29,7 @@ from tokenwise.entrypoints.openai.metrics import ServerMetrics
 from tokenwise.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingRequest,
     LoadLoRAAdapterRequest,
     ModelList,
     UnloadLoRAAdapterRequest,
@@ -37,6 +38,7 @@ from tokenwise.entrypoints.openai.server_config import ServerConfig
 from tokenwise.entrypoints.openai.serving_chat import ChatServing
 from tokenwise.entrypoints.openai.serving_common import json_response
 from tokenwise.entrypoints.openai.serving_completions import CompletionServing
+from tokenwise.entrypoints.openai.serving_embeddings import EmbeddingServing
 from tokenwise.entrypoints.openai.serving_models import ServingModels
 
 logger = logging.getLogger("tokenwise.server")
@@ -64,6 +66,7 @@ def build_app(
     models = models or ServingModels(config.served_model_name, config.max_model_len)
     completions = CompletionServing(engine, config, models)
     chat = ChatServing(engine, config, models)
+    embeddings = EmbeddingServing(engine, config, models)
     bearer = HTTPBearer(auto_error=False)
 
     async def require_api_key(
@@ -94,13 +97,29 @@ def build_app(
             models.unload(body.lora_name)
             return Response(f"adapter {body.lora_name!r} unloaded", media_type="text/plain")
 
+    def require_generative_model() -> None:
+        if config.task != "generate":
+            raise OpenAIError(
+                400,
+                f"the model {config.served_model_name!r} is an embedding model (--task "
+                f"{config.task}) and cannot generate text; use /v1/embeddings",
+                param="model",
+                code="model_not_supported",
+            )
+
     @api.post("/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
+        require_generative_model()
         return await completions.create(body, raw)
 
     @api.post("/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
+        require_generative_model()
         return await chat.create(body, raw)
+
+    @api.post("/embeddings")
+    async def create_embedding(body: EmbeddingRequest, raw: Request) -> Response:
+        return await embeddings.create(body, raw)
 
     app.include_router(api)
 
@@ -139,6 +158,7 @@ def run_server(args: argparse.Namespace) -> int:
     config = ServerConfig(
         served_model_name=args.served_model_name or args.model or "default",
         max_model_len=engine.model_config.max_model_len,
+        task=engine.model_config.task,
         **server_config_kwargs(args),
     )
     lora = engine_config.lora

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING
 from tokenwise.engine.stats import EngineStats
 from tokenwise.entrypoints.openai.errors import EngineDeadError
 from tokenwise.lora.request import LoRARequest
-from tokenwise.outputs import RequestOutput
+from tokenwise.outputs import EmbeddingRequestOutput, RequestOutput
+from tokenwise.pooling.params import PoolingParams
 from tokenwise.sampling.params import SamplingParams
 
 if TYPE_CHECKING:  # the engine (and torch) load only where an engine is built
@@ -37,7 +38,7 @@ if TYPE_CHECKING:  # the engine (and torch) load only where an engine is built
 
 logger = logging.getLogger("tokenwise.server")
 
-OutputObserver = Callable[[RequestOutput], None]
+OutputObserver = Callable[[RequestOutput | EmbeddingRequestOutput], None]
 DeathCallback = Callable[[BaseException], None]
 
 
@@ -93,7 +94,7 @@ class _Sink:
 class _Add:
     request_id: str
     prompt: PromptInput
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     sink: _Sink
     accepted: concurrent.futures.Future
     lora_request: LoRARequest | None = None
@@ -151,7 +152,7 @@ class AsyncEngine:
         self,
         request_id: str,
         prompts: Sequence[PromptInput],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Queue one engine request per prompt; return the stream of their outputs.
@@ -229,19 +230,16 @@ class AsyncEngine:
         if not command.accepted.set_running_or_notify_cancel():
             return  # the handler was cancelled while waiting: don't start the request
         try:
-            self.engine.add_request(
-                command.request_id,
-                command.prompt,
-                command.params,
-                lora_request=command.lora_request,
-            )
+            # Only generation takes an adapter (the embedding engine has no such argument).
+            lora = {"lora_request": command.lora_request} if command.lora_request else {}
+            self.engine.add_request(command.request_id, command.prompt, command.params, **lora)
         except Exception as exc:  # invalid input: the handler turns it into a 400
             command.accepted.set_exception(exc)
             return
         self._sinks[command.request_id] = command.sink
         command.accepted.set_result(None)
 
-    def _publish(self, outputs: list[RequestOutput]) -> None:
+    def _publish(self, outputs: list[RequestOutput | EmbeddingRequestOutput]) -> None:
         for output in outputs:
             if self._observer is not None:
                 try:

@@ -146,7 +146,9 @@ class ServerMetrics:
                 self._first_seen.add(rid)
                 self.ttft.observe(ttft)
             last_times = self._last_token.setdefault(rid, {})
-            for completion in output.outputs:
+            # An embedding output has one EmbeddingOutput and no tokens to time.
+            completions = output.outputs if isinstance(output.outputs, list) else []
+            for completion in completions:
                 num_tokens = len(completion.token_ids)
                 if not num_tokens:
                     continue

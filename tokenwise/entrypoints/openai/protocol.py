@@ -55,6 +55,18 @@ class CompletionRequest(GenerationRequest):
     logprobs: int | None = None
 
 
+class EmbeddingRequest(_Strict):
+    """`/v1/embeddings`: `input` is a string, a batch of strings, token ids, or a batch of
+    token-id lists. `dimensions` is accepted by the schema and refused by the server (400)
+    unless the model can shorten its embeddings."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
@@ -193,3 +205,24 @@ class UnloadLoRAAdapterRequest(_Strict):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class EmbeddingData(BaseModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    # The floats, or (encoding_format "base64") their little-endian float32 bytes in base64.
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=_now)
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage

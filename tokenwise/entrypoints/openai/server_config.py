@@ -30,6 +30,8 @@ class ServerConfig:
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     max_tokens_cap: int | None = None  # None: max_model_len (--max-tokens-cap)
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    # The engine's task: "generate" serves completions, "embed" serves /v1/embeddings.
+    task: str = "generate"
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_n", "max_prompts", "max_request_body_bytes"):
@@ -39,6 +41,8 @@ class ServerConfig:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
             raise ValueError(f"max_tokens_cap must be >= 1, got {self.max_tokens_cap}")
+        if self.task not in ("generate", "embed"):
+            raise ValueError(f"task must be generate or embed, got {self.task!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (omit --api-key to disable auth)")
 

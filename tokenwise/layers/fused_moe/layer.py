@@ -15,7 +15,6 @@ from torch import nn
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.tp_state import get_tp_size, tp_all_reduce
 from tokenwise.forward_context import get_forward_context, is_forward_context_available
-from tokenwise.layers.activation import get_act_and_mul
 from tokenwise.layers.fused_moe.experts import moe_experts
 from tokenwise.layers.fused_moe.router import select_experts
 from tokenwise.layers.fused_moe.sharding import ExpertShard
@@ -54,7 +53,10 @@ class FusedMoE(nn.Module):
         self.parallel = config.parallel
         self.tp_size = get_tp_size()
         self.shard = ExpertShard.for_rank(config.parallel, num_experts, intermediate_size)
-        get_act_and_mul(hidden_act)  # raises for anything but SiLU, the one the experts use
+        if hidden_act not in ("silu", "swish"):  # the one activation the experts implement
+            raise NotImplementedError(
+                f"MoE experts support hidden_act silu only, got {hidden_act!r}"
+            )
         local_e, local_i = self.shard.num_local_experts, self.shard.local_intermediate_size
         self.w13_weight = nn.Parameter(
             torch.empty(local_e, 2 * local_i, hidden_size), requires_grad=False

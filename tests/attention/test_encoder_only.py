@@ -1,0 +1,103 @@
+"""Encoder-only attention: every token sees its whole sequence and nothing else, no cache.
+
+The reference is written out here (softmax over explicit scores, one sequence at a time); both
+formulations of the backend (per-sequence SDPA, the CPU path, and the padded masked call used
+on GPUs) must equal it, also with one-token sequences and grouped KV heads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenwise.attention.attn_metadata import AttentionMetadata
+from tokenwise.attention.backends.encoder_only import encoder_only_attention
+from tokenwise.attention.backends.torch_backend import TorchAttentionImpl
+from tokenwise.attention.layer import Attention
+from tokenwise.attention.utils import AttentionType
+
+
+def reference(q, k, v, lens, heads, kv_heads, head, scale):
+    out, start = [], 0
+    for n in lens:
+        qs = q[start : start + n].view(n, heads, head).transpose(0, 1)
+        ks = k[start : start + n].view(n, kv_heads, head).transpose(0, 1)
+        vs = v[start : start + n].view(n, kv_heads, head).transpose(0, 1)
+        ks = ks.repeat_interleave(heads // kv_heads, 0)
+        vs = vs.repeat_interleave(heads // kv_heads, 0)
+        probs = torch.softmax(qs @ ks.transpose(1, 2) * scale, dim=-1)
+        out.append((probs @ vs).transpose(0, 1).reshape(n, heads * head))
+        start += n
+    return torch.cat(out)
+
+
+def metadata(lens: list[int], context: list[int] | None = None) -> AttentionMetadata:
+    n = sum(lens)
+    return AttentionMetadata.for_sequences(
+        lens,
+        context or [0] * len(lens),
+        torch.full((n,), -1, dtype=torch.int64),
+        torch.zeros((len(lens), 0), dtype=torch.int32),
+    )
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2)])
+def test_matches_per_sequence_full_attention(packed: bool, heads: int, kv_heads: int) -> None:
+    torch.manual_seed(0)
+    lens, head = [5, 1, 9, 3], 8
+    n = sum(lens)
+    q = torch.randn(n, heads * head)
+    k, v = torch.randn(2, n, kv_heads * head)
+    scale = head**-0.5
+    got = encoder_only_attention(
+        q,
+        k,
+        v,
+        metadata(lens),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_size=head,
+        scale=scale,
+        packed=packed,
+    )
+    torch.testing.assert_close(got, reference(q, k, v, lens, heads, kv_heads, head, scale))
+    # Not causal: the first token of a sequence depends on the last one.
+    k2 = k.clone()
+    k2[4] += 1.0
+    again = encoder_only_attention(
+        q,
+        k2,
+        v,
+        metadata(lens),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_size=head,
+        scale=scale,
+        packed=packed,
+    )
+    assert not torch.allclose(again[0], got[0])
+    assert torch.equal(again[5:], got[5:])  # ...and no other sequence does
+
+
+def test_without_metadata_all_tokens_are_one_bidirectional_sequence() -> None:
+    torch.manual_seed(1)
+    q, k, v = torch.randn(3, 6, 16)
+    layer = Attention(2, 8, 0.3, attn_type=AttentionType.ENCODER_ONLY)
+    assert not layer.needs_kv_cache
+    expected = reference(q, k, v, [6], 2, 2, 8, 0.3)
+    torch.testing.assert_close(layer(q, k, v), expected)  # no forward context
+    impl = TorchAttentionImpl(2, 8, 0.3, 2, attn_type=AttentionType.ENCODER_ONLY)
+    torch.testing.assert_close(impl.forward(q, k, v, torch.tensor([]), None), expected)
+
+
+def test_chunked_prompts_and_unsupported_types_are_refused() -> None:
+    q = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="context lengths"):
+        encoder_only_attention(
+            q, q, q, metadata([4], [3]), num_heads=1, num_kv_heads=1, head_size=8, scale=1.0
+        )
+    with pytest.raises(NotImplementedError, match="encoder_decoder"):
+        Attention(2, 8, 0.3, attn_type=AttentionType.ENCODER_DECODER)
+    with pytest.raises(ValueError, match="sliding window"):
+        Attention(2, 8, 0.3, sliding_window=4, attn_type=AttentionType.ENCODER_ONLY)

@@ -1,0 +1,67 @@
+"""The scheduler of an embedding model: whole prompts, admitted in arrival order, one step each.
+
+A bidirectional encoder needs every token of a prompt in the same pass (token 0 attends to the
+last one), so a prompt is never chunked: one longer than the step's token budget
+(`max_num_batched_tokens`) or than `max_model_len` is refused when it is added, with an error
+that says which limit to raise. Every other prompt fits an empty step, so the head of the queue
+always runs at the next step: no request waits forever. A request finishes in the step that
+encodes it (`update_from_output`), and there are no KV blocks to allocate or free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tokenwise.engine.request import Request, RequestStatus
+from tokenwise.engine.scheduler import Scheduler
+from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+
+
+class PoolingScheduler(Scheduler):
+    def add_request(self, request: Request) -> None:
+        n = request.num_tokens
+        if n > self.max_model_len:
+            raise ValueError(
+                f"prompt has {n} tokens, more than max_model_len={self.max_model_len}; an "
+                "encoder reads a whole prompt at once, so shorten the input"
+            )
+        budget = self.config.max_num_batched_tokens
+        if n > budget:
+            raise ValueError(
+                f"prompt has {n} tokens, more than max_num_batched_tokens={budget}; an encoder "
+                "cannot split a prompt across steps, so raise max_num_batched_tokens or "
+                "shorten the input"
+            )
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        while self.waiting and len(out.scheduled) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if req.num_tokens > budget:
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = 0
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, req.num_tokens))
+            budget -= req.num_tokens
+        if not out.is_empty:
+            out.finished_req_ids, self._left_since_last_step = self._left_since_last_step, []
+        return out
+
+    def update_from_output(
+        self,
+        scheduler_output: SchedulerOutput,
+        runner_output: ModelRunnerOutput,
+        stop_string: Callable[[Request, int], str | None] | None = None,
+    ) -> list[Request]:
+        """Every encoded request is done: it finishes with reason "stop". Nothing is sampled."""
+        for item in scheduler_output.scheduled:
+            item.request.num_computed_tokens += item.num_new_tokens
+        pooled = [item.request for item in runner_output.pooled_requests]
+        self.finish_requests(pooled, RequestStatus.FINISHED_STOPPED)
+        return []

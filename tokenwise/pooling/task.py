@@ -1,0 +1,75 @@
+"""Which task an engine runs ("generate" or "embed"), and the pooling an embed model uses.
+
+Resolved once, when the engine configuration is built, so the engine, the offline API and the
+server all see the same answer, and a mismatch (embedding a generative model, generating with
+an encoder) fails at start-up or on the first call with a message saying what to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tokenwise.config import PoolerConfig
+from tokenwise.model_config import TASKS
+from tokenwise.models.registry import default_pooler_config, is_pooling_architecture
+from tokenwise.pooling.st_config import load_sentence_transformers_pooler
+
+TASK_CHOICES = ("auto", *TASKS)
+
+
+def resolve_task(task: str, architectures: list[str]) -> str:
+    """ "generate" or "embed"; "auto" picks embed for encoder-only (pooling) architectures."""
+    if task not in TASK_CHOICES:
+        raise ValueError(f"task must be one of {', '.join(TASK_CHOICES)}, got {task!r}")
+    pooling = is_pooling_architecture(architectures)
+    if task == "auto":
+        return "embed" if pooling else "generate"
+    if task == "generate" and pooling:
+        raise ValueError(
+            f"architecture {architectures} is an encoder-only embedding model and cannot "
+            "generate text; use task='embed' (--task embed) and LLM.embed or /v1/embeddings"
+        )
+    if task == "embed" and not pooling:
+        raise ValueError(
+            f"task='embed' is supported for encoder-only models (BERT, XLM-RoBERTa); "
+            f"architecture {architectures} generates text: use task='generate'"
+        )
+    return task
+
+
+def resolve_pooler_config(
+    model_dir: str, architectures: list[str], override: PoolerConfig | None = None
+) -> PoolerConfig:
+    """The pooling of an embed model: override > sentence-transformers files > the model's
+    default, field by field."""
+    if override is not None and not isinstance(override, PoolerConfig):
+        raise ValueError(
+            f"override_pooler_config must be a PoolerConfig, got {type(override).__name__}"
+        )
+    resolved = default_pooler_config(architectures)
+    for layer in (load_sentence_transformers_pooler(model_dir), override):
+        if layer is None:
+            continue
+        if layer.pooling_type is not None:
+            resolved = replace(resolved, pooling_type=layer.pooling_type)
+        if layer.normalize is not None:
+            resolved = replace(resolved, normalize=layer.normalize)
+    return resolved
+
+
+def check_embed_settings(
+    data_parallel_size: int, tensor_parallel_size: int, cudagraph_mode: object
+) -> None:
+    """What an embedding engine cannot do yet, refused by name (it runs eagerly on one rank)."""
+    if data_parallel_size > 1 or tensor_parallel_size > 1:
+        raise ValueError(
+            "task='embed' runs on one rank: data_parallel_size and tensor_parallel_size must "
+            f"be 1, got {data_parallel_size} and {tensor_parallel_size}"
+        )
+    if (
+        cudagraph_mode is not None
+        and str(getattr(cudagraph_mode, "name", cudagraph_mode)).upper() != "NONE"
+    ):
+        raise ValueError(
+            f"task='embed' runs eagerly: cudagraph_mode must be NONE, got {cudagraph_mode}"
+        )
