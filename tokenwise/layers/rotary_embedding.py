@@ -5,8 +5,10 @@ the batch: every token brings its own position. The cos/sin values are therefore
 for every position up to the model length (in float32, as Hugging Face computes them) and
 gathered with `positions`, which costs one small index per layer instead of trigonometry.
 
-The rotation is the neox / HF "rotate_half" convention: a head vector is split into halves
-(x1, x2) and rotated as (x1 cos - x2 sin, x2 cos + x1 sin).
+The rotation is the neox / HF "rotate_half" convention by default: a head vector is split into
+halves (x1, x2) and rotated as (x1 cos - x2 sin, x2 cos + x1 sin). DeepSeek's MLA rotates
+interleaved pairs (x0, x1), (x2, x3), ... instead (`is_neox_style=False`, GPT-J style); the
+output keeps the pairs interleaved.
 """
 
 from __future__ import annotations
@@ -77,8 +79,10 @@ class RotaryEmbedding(nn.Module):
         max_position: int,
         base: float = 10000.0,
         rope_scaling: dict[str, Any] | None = None,
+        is_neox_style: bool = True,
     ) -> None:
         super().__init__()
+        self.is_neox_style = is_neox_style
         if head_dim % 2:
             raise ValueError(f"rotary head_dim must be even, got {head_dim}")
         self.head_dim = head_dim
@@ -118,6 +122,10 @@ class RotaryEmbedding(nn.Module):
         shape = x.shape
         if x.dim() == 2:  # [T, heads * head_dim]; no -1, so a symbolic T needs no guard
             x = x.unflatten(-1, (shape[-1] // self.head_dim, self.head_dim))
+        if not self.is_neox_style:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            pairs = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+            return pairs.flatten(-2).view(shape)
         x1, x2 = x.chunk(2, dim=-1)
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         return out.view(shape)
@@ -135,5 +143,5 @@ class RotaryEmbedding(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"head_dim={self.head_dim}, max_position={self.max_position}, base={self.base}, "
-            f"rope_type={self.rope_type!r}"
+            f"rope_type={self.rope_type!r}, neox_style={self.is_neox_style}"
         )

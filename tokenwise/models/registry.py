@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from tokenwise.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from tokenwise.models.llama import LlamaForCausalLM
 from tokenwise.models.mistral import MistralForCausalLM
 from tokenwise.models.mixtral import MixtralForCausalLM
@@ -13,6 +14,8 @@ from tokenwise.models.qwen3 import Qwen3ForCausalLM
 from tokenwise.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
