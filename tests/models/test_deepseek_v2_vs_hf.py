@@ -36,6 +36,9 @@ SEQ_LEN = 24
 GROUPED = {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2,
            "num_experts_per_tok": 3}  # fmt: skip
 
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 16}  # fmt: skip
+
 # name -> (arch, config overrides)
 LOGIT_CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "v2-q-proj": (V2, {}),
@@ -44,6 +47,10 @@ LOGIT_CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "v2-one-shared-attention-bias": (V2, {"n_shared_experts": 1, "attention_bias": True}),
     "v3": (V3, {}),
     "v3-q-lora-rope-halves": (V3, {"q_lora_rank": 24, "rope_interleave": False}),
+    # YaRN as DeepSeek ships it: scaled frequencies, cos/sin scaled by mscale / mscale_all_dim
+    # and the softmax scale by mscale_all_dim^2; and without mscales (0.1 ln(factor) + 1).
+    "v2-yarn-mscale": (V2, {"rope_parameters": {**YARN, "mscale": 1.0, "mscale_all_dim": 0.8}}),
+    "v3-yarn": (V3, {"rope_parameters": YARN}),
 }
 
 

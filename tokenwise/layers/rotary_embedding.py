@@ -19,7 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+from tokenwise.layers.rope_yarn import yarn_attention_factor, yarn_inv_freq
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def get_rope_config(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -93,6 +95,8 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        if self.rope_type == "yarn":
+            cache = cache * yarn_attention_factor(rope_scaling or {})
         # Not persistent: derived from the config, so it must not appear in state dicts.
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
@@ -105,6 +109,8 @@ class RotaryEmbedding(nn.Module):
             return inv_freq
         if self.rope_type == "linear":
             return inv_freq / float(scaling["factor"])
+        if self.rope_type == "yarn":
+            return yarn_inv_freq(self.head_dim, self.base, scaling)
         if self.rope_type == "llama3":
             return llama3_inv_freq(
                 inv_freq,

@@ -6,8 +6,9 @@ latent per token: `kv_a_proj_with_mqa` gives `[c_kv (kv_lora_rank) | k_pe (qk_ro
 `c_kv` is normalised (`kv_a_layernorm`), and only `k_pe` and the query's last
 `qk_rope_head_dim` dims are rotated, over interleaved pairs (V3 with `rope_interleave=False`:
 halves). `MLAAttention` caches that latent and expands it with `kv_b_proj` (whose weight it
-gets on each call). Softmax scale: `(qk_nope + qk_rope)^-0.5`, times `mscale^2` when a scaled
-RoPE sets `mscale_all_dim` (as transformers does).
+gets on each call). RoPE may be scaled with YaRN, as DeepSeek ships it. Softmax scale:
+`(qk_nope + qk_rope)^-0.5`, times `mscale^2` when a scaled RoPE sets `mscale_all_dim` (as
+transformers does).
 
 Feed-forward: the first `first_k_dense_replace` layers are dense SwiGLU MLPs, the rest
 `DeepseekMoE` (transformers ignores `moe_layer_freq`, and so does this file when it is 1;
@@ -18,7 +19,6 @@ Not supported: tensor parallelism (heads are not sharded; refused with an error)
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -39,6 +39,7 @@ from tokenwise.layers import (
     get_rope_config,
 )
 from tokenwise.layers.fused_moe import load_weights_with_experts, make_expert_params_mapping
+from tokenwise.layers.rope_yarn import yarn_get_mscale
 from tokenwise.models.deepseek_moe import DeepseekMoE
 from tokenwise.models.llama import LlamaMLP
 
@@ -49,10 +50,7 @@ def mla_softmax_scale(qk_head_dim: int, rope_scaling: dict[str, Any] | None) -> 
     scale = qk_head_dim**-0.5
     if not rope_scaling or not rope_scaling.get("mscale_all_dim"):
         return scale
-    factor = float(rope_scaling["factor"])
-    if factor <= 1:
-        return scale
-    mscale = 0.1 * float(rope_scaling["mscale_all_dim"]) * math.log(factor) + 1.0
+    mscale = yarn_get_mscale(float(rope_scaling["factor"]), float(rope_scaling["mscale_all_dim"]))
     return scale * mscale * mscale
 
 
