@@ -55,10 +55,22 @@ def mla_softmax_scale(qk_head_dim: int, rope_scaling: dict[str, Any] | None) -> 
 
 
 class DeepseekV2Attention(nn.Module):
+    """MLA's projections around `MLAAttention`.
+
+    `rope_in_fp32`: rotate in float32 and round back, as transformers' DeepSeek-V2 does (V3
+    rotates in the activation dtype); it changes only bf16/fp16 results.
+    """
+
     def __init__(
-        self, config: EngineConfig, rotary_emb: RotaryEmbedding, scale: float, prefix: str
+        self,
+        config: EngineConfig,
+        rotary_emb: RotaryEmbedding,
+        scale: float,
+        prefix: str,
+        rope_in_fp32: bool = False,
     ) -> None:
         super().__init__()
+        self.rope_in_fp32 = rope_in_fp32
         hf = config.model.hf_config
         d = get_mla_dims(hf)
         self.dims = MLAHeadDims(
@@ -99,7 +111,12 @@ class DeepseekV2Attention(nn.Module):
         latent = self.kv_a_proj_with_mqa(hidden_states)
         kv_c, k_pe = latent.split([dims.kv_lora_rank, dims.qk_rope_head_dim], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c)
-        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.unsqueeze(1))
+        k_pe = k_pe.unsqueeze(1)
+        if self.rope_in_fp32:
+            q32, k32 = self.rotary_emb(positions, q_pe.float(), k_pe.float())
+            q_pe, k_pe = q32.to(q_pe.dtype), k32.to(k_pe.dtype)
+        else:
+            q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
         q = torch.cat((q_nope, q_pe), dim=-1).flatten(1)
         out = self.attn(q, kv_c, k_pe.flatten(1), self.kv_b_proj.weight)
         return self.o_proj(out)
@@ -117,7 +134,9 @@ class DeepseekV2DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         hf = config.model.hf_config
-        self.self_attn = DeepseekV2Attention(config, rotary_emb, scale, f"{prefix}.self_attn")
+        self.self_attn = DeepseekV2Attention(
+            config, rotary_emb, scale, f"{prefix}.self_attn", rope_in_fp32=not is_v3
+        )
         if layer_idx >= int(getattr(hf, "first_k_dense_replace", 0) or 0):
             self.mlp: nn.Module = DeepseekMoE(config, f"{prefix}.mlp", is_v3)
         else:
