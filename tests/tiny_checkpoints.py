@@ -58,6 +58,25 @@ _MODEL_TYPES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+}
+# DeepSeek (MLA): 4 heads with their own K/V (no GQA), a 32-wide KV latent, 3 layers of which
+# the first is dense, 8 routed experts (top-2) plus 2 shared; q_lora_rank None (q_proj).
+_DEEPSEEK = {
+    "num_hidden_layers": 3,
+    "num_key_value_heads": 4,
+    "q_lora_rank": None,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 2,
+    "moe_intermediate_size": 32,
+    "routed_scaling_factor": 1.5,
 }
 _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "MistralForCausalLM": {"sliding_window": None},
@@ -115,6 +134,8 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         },
         "tie_word_embeddings": True,
     },
+    "DeepseekV2ForCausalLM": dict(_DEEPSEEK),
+    "DeepseekV3ForCausalLM": {**_DEEPSEEK, "n_group": 4, "topk_group": 2, "norm_topk_prob": True},
 }
 # Encoder-only embedding models: a WordPiece tokenizer that adds [CLS] ... [SEP] (as BERT's
 # does), post-LayerNorm, GELU. XLM-RoBERTa has one token type and positions after padding_idx.
@@ -252,6 +273,9 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
         if param.dim() == 1:
             noise = torch.randn(param.shape, generator=generator) * 0.1
             param.copy_(noise + (0.0 if name.endswith("bias") else 1.0))
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # DeepSeek-V3: a saved buffer, zero in HF
+            buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.1)
 
 
 def _build(out_dir: str, arch: str, seed: int, overrides: dict[str, Any]) -> None:

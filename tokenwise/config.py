@@ -117,10 +117,14 @@ class CompilationConfig:
     cudagraph_mode: CUDAGraphMode = CUDAGraphMode.NONE
     cudagraph_capture_sizes: list[int] | None = None
     use_compile: bool = False
-    # Opaque ops the compiled graph is cut at (piecewise graphs never hold them): attention,
-    # and the MoE experts, whose per-expert token counts are read on the host.
+    # Opaque ops the compiled graph is cut at (piecewise graphs never hold them): attention
+    # (MLA's too), and the MoE experts, whose per-expert token counts are read on the host.
     splitting_ops: list[str] = field(
-        default_factory=lambda: ["tokenwise::unified_attention", "tokenwise::moe_experts"]
+        default_factory=lambda: [
+            "tokenwise::unified_attention",
+            "tokenwise::mla_attention",
+            "tokenwise::moe_experts",
+        ]
     )
     # None: split the graph at `splitting_ops` exactly when the CUDA-graph mode has piecewise
     # graphs; True / False force piecewise / one full graph.

@@ -136,7 +136,12 @@ def test_llama3_scaling_changes_only_low_frequencies() -> None:
 
 
 def test_unsupported_rope_type_is_named() -> None:
-    with pytest.raises(NotImplementedError, match="yarn"):
+    with pytest.raises(NotImplementedError, match="longrope"):
+        RotaryEmbedding(16, 8, 10000.0, {"rope_type": "longrope", "factor": 4.0})
+
+
+def test_yarn_without_its_original_length_is_named() -> None:
+    with pytest.raises(ValueError, match="original_max_position_embeddings"):
         RotaryEmbedding(16, 8, 10000.0, {"rope_type": "yarn", "factor": 4.0})
 
 

@@ -26,7 +26,34 @@ from tokenwise.forward_context import get_forward_context, is_forward_context_av
 from tokenwise.layer_registry import register_static_layer
 
 
-class Attention(nn.Module):
+class AttentionLayerBase(nn.Module):
+    """What the model runner needs of every layer that owns a paged cache.
+
+    Layers differ in what they cache per token (K and V per KV head, or one MLA latent), so
+    each answers the shape of its own cache; the runner sizes the pool and binds caches from
+    that alone, and groups layers for metadata by `sliding_window` (their attention spec).
+    """
+
+    sliding_window: int | None = None
+    layer_name: str = ""
+    # What one cache row holds, for the KV memory report in the log.
+    kv_cache_kind: str = "K/V"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv_cache: list[torch.Tensor] = [torch.tensor([])]
+
+    @property
+    def needs_kv_cache(self) -> bool:
+        """Whether the engine must allocate and bind a cache for this layer."""
+        return True
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of this layer's cache tensor for `num_blocks` usable blocks."""
+        raise NotImplementedError
+
+
+class Attention(AttentionLayerBase):
     """Multi-head / grouped-query attention over a paged KV cache.
 
     q is `[num_tokens, num_heads * head_size]`, k and v `[num_tokens, num_kv_heads * head_size]`.
@@ -77,8 +104,8 @@ class Attention(nn.Module):
         self.logits_soft_cap = logits_soft_cap
         self.layer_name = prefix
         self.attn_type = AttentionType(attn_type)
-        self.kv_cache: list[torch.Tensor] = [torch.tensor([])]
-        self.impl = get_attn_backend(config).get_impl_cls()(
+        self.backend = get_attn_backend(config)
+        self.impl = self.backend.get_impl_cls()(
             num_heads=num_heads,
             head_size=head_size,
             scale=scale,
@@ -94,6 +121,13 @@ class Attention(nn.Module):
     def needs_kv_cache(self) -> bool:
         """Whether the engine must allocate and bind a KV cache for this layer."""
         return self.attn_type is AttentionType.DECODER
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return tuple(
+            self.backend.get_kv_cache_shape(
+                num_blocks, block_size, self.num_kv_heads, self.head_size
+            )
+        )
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         # A ContextVar read cannot be traced, so compiled code assumes the engine's context.
@@ -121,7 +155,8 @@ class Attention(nn.Module):
         )
 
 
-def _metadata_for(layer_name: str, attn_metadata: Any) -> Any:
+def metadata_for_layer(layer_name: str, attn_metadata: Any) -> Any:
+    """This layer's metadata: the runner passes one per layer name, tests may pass one."""
     if isinstance(attn_metadata, dict):
         return attn_metadata[layer_name]
     return attn_metadata
@@ -134,7 +169,7 @@ def unified_attention(
     """Write this step's K/V into the paged cache and attend, for the layer named `layer_name`."""
     ctx = get_forward_context()
     layer: Attention = ctx.no_compile_layers[layer_name]
-    attn_metadata = _metadata_for(layer_name, ctx.attn_metadata)
+    attn_metadata = metadata_for_layer(layer_name, ctx.attn_metadata)
     kv_cache = layer.kv_cache[ctx.virtual_engine]
     return layer.impl.forward(query, key, value, kv_cache, attn_metadata)
 

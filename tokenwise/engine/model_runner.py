@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import traceback
 import weakref
 from typing import Any
 
 import torch
 
-from tokenwise.attention.backends.selector import get_attn_backend
-from tokenwise.attention.layer import Attention
+from tokenwise.attention.layer import AttentionLayerBase
 from tokenwise.attention.metadata import AttentionMetadata, CommonMetadataBuilder
 from tokenwise.attention.ubatch_metadata import split_metadata_by_layer
 from tokenwise.compilation.compile import compile_model
@@ -81,7 +81,7 @@ class ModelRunner:
             )
         if config.compilation.use_compile:
             self.model = compile_model(self.model, config.compilation, wrap_piece)
-        self.attn_layers = get_layers_from_config(config, Attention)
+        self.attn_layers = get_layers_from_config(config, AttentionLayerBase)
         if not self.attn_layers:
             raise RuntimeError("the model registered no attention layers")
         self.sampler = Sampler()
@@ -109,17 +109,32 @@ class ModelRunner:
 
     # ---- KV cache -------------------------------------------------------------------------
 
-    def cache_layers(self) -> dict[str, Attention]:
+    def cache_layers(self) -> dict[str, AttentionLayerBase]:
         """The attention layers that keep a KV cache (encoder-only attention keeps none)."""
         return {name: layer for name, layer in self.attn_layers.items() if layer.needs_kv_cache}
 
+    def _cache_elements_per_block(self, layer: AttentionLayerBase) -> int:
+        """One block's elements in `layer`'s cache (each layer knows its own cache shape)."""
+        one, two = (math.prod(layer.kv_cache_shape(n, self.block_size)) for n in (1, 2))
+        return two - one
+
     def kv_cache_bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.model_config.dtype).element_size()
-        per_layer = [
-            2 * self.block_size * layer.num_kv_heads * layer.head_size * elem
-            for layer in self.cache_layers().values()
-        ]
-        return sum(per_layer)
+        layers = self.cache_layers().values()
+        return sum(self._cache_elements_per_block(layer) * elem for layer in layers)
+
+    def _kv_cache_report(self) -> str:
+        """Per kind of cache: elements and bytes per token per layer, e.g. "MLA latent: 40
+        elements (160 bytes) per token per layer x 3 layers"."""
+        elem = torch.empty((), dtype=self.model_config.dtype).element_size()
+        kinds: dict[tuple[str, int], int] = {}
+        for layer in self.cache_layers().values():
+            key = (layer.kv_cache_kind, self._cache_elements_per_block(layer) // self.block_size)
+            kinds[key] = kinds.get(key, 0) + 1
+        return "; ".join(
+            f"{kind}: {n} elements ({n * elem} bytes) per token per layer x {count} layers"
+            for (kind, n), count in kinds.items()
+        )
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -181,11 +196,8 @@ class ModelRunner:
 
     def _bind_kv_cache(self, num_blocks: int) -> None:
         """Allocate one cache tensor per layer and bind it to the layer by name."""
-        backend = get_attn_backend(self.config)
         for name, layer in self.cache_layers().items():
-            shape = backend.get_kv_cache_shape(
-                num_blocks, self.block_size, layer.num_kv_heads, layer.head_size
-            )
+            shape = layer.kv_cache_shape(num_blocks, self.block_size)
             cache = torch.zeros(shape, dtype=self.model_config.dtype, device=self.device)
             self.kv_caches[name] = cache
             layer.kv_cache = [cache]
@@ -195,10 +207,11 @@ class ModelRunner:
         self._bind_kv_cache(num_blocks)
         self.num_blocks = num_blocks
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            "KV cache: %d blocks of %d tokens (%.1f MiB); %s",
             num_blocks,
             self.block_size,
             num_blocks * self.kv_cache_bytes_per_block() / 2**20,
+            self._kv_cache_report(),
         )
         if self._capturer_factory is not None:
             reserved = torch.cuda.memory_reserved(self.device)

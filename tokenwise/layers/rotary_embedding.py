@@ -5,8 +5,10 @@ the batch: every token brings its own position. The cos/sin values are therefore
 for every position up to the model length (in float32, as Hugging Face computes them) and
 gathered with `positions`, which costs one small index per layer instead of trigonometry.
 
-The rotation is the neox / HF "rotate_half" convention: a head vector is split into halves
-(x1, x2) and rotated as (x1 cos - x2 sin, x2 cos + x1 sin).
+The rotation is the neox / HF "rotate_half" convention by default: a head vector is split into
+halves (x1, x2) and rotated as (x1 cos - x2 sin, x2 cos + x1 sin). DeepSeek's MLA rotates
+interleaved pairs (x0, x1), (x2, x3), ... instead (`is_neox_style=False`, GPT-J style); the
+output keeps the pairs interleaved.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+from tokenwise.layers.rope_yarn import yarn_attention_factor, yarn_inv_freq
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def get_rope_config(
@@ -89,8 +93,10 @@ class RotaryEmbedding(nn.Module):
         max_position: int,
         base: float = 10000.0,
         rope_scaling: dict[str, Any] | None = None,
+        is_neox_style: bool = True,
     ) -> None:
         super().__init__()
+        self.is_neox_style = is_neox_style
         if head_dim % 2:
             raise ValueError(f"rotary head_dim must be even, got {head_dim}")
         self.head_dim = head_dim
@@ -101,6 +107,8 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        if self.rope_type == "yarn":
+            cache = cache * yarn_attention_factor(rope_scaling or {})
         # Not persistent: derived from the config, so it must not appear in state dicts.
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
@@ -113,6 +121,8 @@ class RotaryEmbedding(nn.Module):
             return inv_freq
         if self.rope_type == "linear":
             return inv_freq / float(scaling["factor"])
+        if self.rope_type == "yarn":
+            return yarn_inv_freq(self.head_dim, self.base, scaling)
         if self.rope_type == "llama3":
             return llama3_inv_freq(
                 inv_freq,
@@ -130,6 +140,10 @@ class RotaryEmbedding(nn.Module):
         shape = x.shape
         if x.dim() == 2:  # [T, heads * head_dim]; no -1, so a symbolic T needs no guard
             x = x.unflatten(-1, (shape[-1] // self.head_dim, self.head_dim))
+        if not self.is_neox_style:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            pairs = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+            return pairs.flatten(-2).view(shape)
         x1, x2 = x.chunk(2, dim=-1)
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         return out.view(shape)
@@ -147,5 +161,5 @@ class RotaryEmbedding(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"head_dim={self.head_dim}, max_position={self.max_position}, base={self.base}, "
-            f"rope_type={self.rope_type!r}"
+            f"rope_type={self.rope_type!r}, neox_style={self.is_neox_style}"
         )

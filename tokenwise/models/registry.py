@@ -6,6 +6,7 @@ from torch import nn
 
 from tokenwise.config import PoolerConfig
 from tokenwise.models.bert import BertEmbeddingModel, XLMRobertaEmbeddingModel
+from tokenwise.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from tokenwise.models.gemma2 import Gemma2ForCausalLM
 from tokenwise.models.gemma3 import Gemma3ForCausalLM
 from tokenwise.models.llama import LlamaForCausalLM
@@ -26,6 +27,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "XLMRobertaModel": XLMRobertaEmbeddingModel,
     "XLMRobertaForMaskedLM": XLMRobertaEmbeddingModel,
     # Decoders (task "generate").
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,

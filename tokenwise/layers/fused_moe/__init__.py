@@ -12,13 +12,14 @@ from tokenwise.layers.fused_moe.loading import (
     load_weights_with_experts,
     make_expert_params_mapping,
 )
-from tokenwise.layers.fused_moe.router import select_experts
+from tokenwise.layers.fused_moe.router import GroupedRouting, select_experts
 from tokenwise.layers.fused_moe.sharding import ExpertShard
 
 __all__ = [
     "ExpertMapping",
     "ExpertShard",
     "FusedMoE",
+    "GroupedRouting",
     "fused_experts",
     "load_weights_with_experts",
     "make_expert_params_mapping",

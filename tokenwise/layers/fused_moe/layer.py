@@ -16,7 +16,7 @@ from tokenwise.config import EngineConfig
 from tokenwise.distributed.tp_state import get_tp_size, tp_all_reduce
 from tokenwise.forward_context import get_forward_context, is_forward_context_available
 from tokenwise.layers.fused_moe.experts import moe_experts
-from tokenwise.layers.fused_moe.router import select_experts
+from tokenwise.layers.fused_moe.router import GroupedRouting, select_experts
 from tokenwise.layers.fused_moe.sharding import ExpertShard
 from tokenwise.layers.weight_utils import CheckpointTensor, check_full_shape, copy_checked
 
@@ -25,7 +25,8 @@ class FusedMoE(nn.Module):
     """Routed experts with SwiGLU, stored as `w13_weight [E_l, 2*I_l, H]`, `w2_weight [E_l, H, I_l]`.
 
     `weights_in_fp32`: scale expert outputs by the float32 routing weights (Mixtral) instead of
-    weights rounded to the activation dtype (Qwen-MoE); it matters only below fp32.
+    weights rounded to the activation dtype (Qwen-MoE); it matters only below fp32. `routing`:
+    DeepSeek's grouped / biased / scaled top-k (None: plain softmax top-k).
     """
 
     def __init__(
@@ -40,10 +41,14 @@ class FusedMoE(nn.Module):
         hidden_act: str = "silu",
         weights_in_fp32: bool = False,
         prefix: str = "",
+        routing: GroupedRouting | None = None,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        if routing is not None:
+            routing.check(num_experts, top_k)
+        self.routing = routing
         self.num_experts = num_experts
         self.top_k = top_k
         self.hidden_size = hidden_size
@@ -106,7 +111,9 @@ class FusedMoE(nn.Module):
         self, hidden_states: torch.Tensor, router_logits: torch.Tensor
     ) -> torch.Tensor:
         """This rank's partial output: the sum over the experts / intermediate slice it holds."""
-        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        topk_weights, topk_ids = select_experts(
+            router_logits, self.top_k, self.renormalize, self.routing
+        )
         return moe_experts(
             hidden_states,
             self.w13_weight,
