@@ -29,53 +29,13 @@ from torch.nn.attention.bias import causal_lower_right
 
 from tokenwise.attention.backends import cpu_kernels
 from tokenwise.attention.backends.encoder_only import encoder_only_attention
+from tokenwise.attention.backends.paged_reference import paged_decode_reference
 from tokenwise.attention.backends.single_sequence import single_sequence_attention
 from tokenwise.attention.backends.softcap import causal_mask, soft_cap, softcapped_attention
 from tokenwise.attention.utils import AttentionType
 
 if TYPE_CHECKING:
     from tokenwise.attention.metadata import AttentionMetadata
-
-
-def paged_decode_reference(
-    q: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    first_block: torch.Tensor | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """Attention of one query token per sequence over its paged keys, in plain PyTorch.
-
-    q `[n, heads, head]`; caches `[blocks, block_size, kv_heads, head]`; `block_tables[i, j]` is
-    the cache block of the sequence's logical block `first_block[i] + j` (0 when not given);
-    `seq_lens[i]` counts the keys of sequence i, this step's included. No host reads.
-    """
-    n, num_heads, head_size = q.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group = num_heads // num_kv_heads
-    width = block_tables.shape[1] * block_size
-    flat = block_tables.reshape(-1).to(torch.int64)
-    keys = key_cache.index_select(0, flat).view(n, width, num_kv_heads, head_size)
-    values = value_cache.index_select(0, flat).view(n, width, num_kv_heads, head_size)
-    qg = q.view(n, num_kv_heads, group, head_size)
-    scores = torch.matmul(qg.float(), keys.permute(0, 2, 3, 1).float()) * scale
-    if softcap:
-        scores = soft_cap(scores, softcap)
-    key_pos = torch.arange(width, device=q.device)[None, :]
-    if first_block is not None:
-        key_pos = key_pos + first_block.to(torch.int64)[:, None] * block_size
-    lens = seq_lens.to(torch.int64)[:, None]
-    visible = key_pos < lens
-    if sliding_window is not None:
-        visible = visible & (key_pos >= lens - sliding_window)
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, values.permute(0, 2, 1, 3).float())
-    return out.reshape(n, num_heads, head_size).to(q.dtype)
 
 
 class TorchAttentionImpl:
