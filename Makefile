@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 run: setup
-	@$(VENV)/bin/tokenwise generate "def fibonacci(n):" "def read_config(path):" --max-tokens 40
+	@$(VENV)/bin/tokenwise generate "def fibonacci(n):" "def read_config(path):" --max-tokens 40 --stream
 
 test: setup
 	@$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)

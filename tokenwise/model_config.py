@@ -7,6 +7,7 @@ code never has to care which version saved the checkpoint.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 import torch
 
 from tokenwise.config import PoolerConfig
+
+logger = logging.getLogger(__name__)
 
 # What an engine does with its model: "generate" text, or "embed" (pool hidden states).
 TASKS = ("generate", "embed")
@@ -30,8 +33,30 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
+# CPU flags (Linux /proc/cpuinfo names) of native bf16 matrix instructions.
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def _cpu_flags() -> set[str] | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
 def cpu_supports_bf16() -> bool:
-    """True when oneDNN has native bf16 kernels on this CPU (AVX512_BF16 or AMX)."""
+    """True when this CPU computes bf16 matmuls natively (AVX512_BF16 or AMX).
+
+    Not oneDNN's own check: it also says yes on AVX-512 CPUs without bf16 instructions, where
+    bf16 is emulated and measured slower than fp32, which is the trap `dtype="auto"` must avoid.
+    """
+    flags = _cpu_flags()
+    if flags is not None:
+        return any(flag in flags for flag in NATIVE_BF16_FLAGS)
     check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     try:
         return bool(check()) if check is not None else False
@@ -63,7 +88,14 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device: str) -> torc
         if device.startswith("cuda"):
             saved = checkpoint_dtype(hf_config)
             return saved if saved in (torch.float16, torch.bfloat16) else torch.bfloat16
-        return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+        if cpu_supports_bf16():
+            return torch.bfloat16
+        logger.info(
+            "dtype auto -> float32: this CPU has no native bf16 (no %s flag), where bf16 is "
+            "emulated and slower; pass dtype='bfloat16' to use it anyway",
+            " / ".join(NATIVE_BF16_FLAGS),
+        )
+        return torch.float32
     if key not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16, got {dtype!r}")
     return _DTYPES[key]

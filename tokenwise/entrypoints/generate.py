@@ -28,15 +28,22 @@ def run_generate(args: argparse.Namespace, params: SamplingParams) -> int:
     from tokenwise.entrypoints.llm import LLM
 
     prompts = _read_prompts(args)
+    started = time.perf_counter()
     llm = LLM(args.model, **engine_kwargs(args))
-    start = time.perf_counter()
+    start = time.perf_counter()  # the engine is ready
     if args.stream:
-        outputs = _generate_streaming(llm, prompts, params)
+        outputs, first_output = _generate_streaming(llm, prompts, params)
     else:
         outputs = llm.generate(prompts, params, use_tqdm=False)
+        first_output = time.perf_counter()
         for out in outputs:
             _print_completion(out)
     elapsed = time.perf_counter() - start
+    print(
+        f"[engine ready in {start - started:.2f} s; first output {first_output - start:.2f} s "
+        "after that]",
+        file=sys.stderr,
+    )
     n_tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
     print(
         f"[{len(prompts)} prompt(s), {n_tokens} tokens generated in {elapsed:.2f} s: "
@@ -55,9 +62,11 @@ def _print_completion(out: RequestOutput) -> None:
 
 def _generate_streaming(
     llm: LLM, prompts: list[str], params: SamplingParams
-) -> list[RequestOutput]:
+) -> tuple[list[RequestOutput], float]:
     """All prompts run batched; the first unfinished one streams live, later ones are buffered
-    and shown in order once those before them finish. With n > 1 sample 0 is streamed."""
+    and shown in order once those before them finish. With n > 1 sample 0 is streamed.
+    Returns the outputs and when the first generated text reached the terminal."""
+    first_output = 0.0
     engine = llm.llm_engine
     ids = [f"cli-{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts, strict=True):
@@ -78,6 +87,8 @@ def _generate_streaming(
             text = out.outputs[0].text if out is not None and out.outputs else ""
             sys.stdout.write(text[printed:])
             sys.stdout.flush()
+            if text and not first_output:
+                first_output = time.perf_counter()
             printed = len(text)
             if out is None or not out.finished:
                 break
@@ -85,4 +96,4 @@ def _generate_streaming(
                 sys.stdout.write(f"\n--- sample {extra.index}:\n{prompts[shown]}{extra.text}")
             sys.stdout.write("\n")
             shown, printed = shown + 1, -1
-    return [results[rid] for rid in ids]
+    return [results[rid] for rid in ids], first_output or time.perf_counter()
