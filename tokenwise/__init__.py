@@ -9,7 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "GuidedDecodingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -21,6 +28,10 @@ def __getattr__(name: str) -> Any:
         from tokenwise.sampling.params import SamplingParams
 
         return SamplingParams
+    if name == "GuidedDecodingParams":
+        from tokenwise.sampling.guided.params import GuidedDecodingParams
+
+        return GuidedDecodingParams
     if name in ("RequestOutput", "CompletionOutput"):
         from tokenwise import outputs
 

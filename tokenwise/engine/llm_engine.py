@@ -1,7 +1,8 @@
 """The engine loop: requests in, incremental outputs out, one scheduled forward pass per step.
 
 `add_request` tokenizes and validates (bad input fails there, with a message naming the
-problem, before anything is queued); `step` schedules, runs the model, appends sampled tokens,
+problem, before anything is queued; a guided-decoding spec is parsed there and its grammar
+compiled on a thread, the request waiting in the queue until it is ready); `step` schedules, runs the model, appends sampled tokens,
 detokenizes, applies stop conditions, frees finished requests' blocks and returns the new text
 and tokens of every request that changed. `n > 1` becomes n sibling sequences that share the
 prompt's KV blocks through the prefix cache.
@@ -9,6 +10,7 @@ prompt's KV blocks through the prefix cache.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 import uuid
@@ -33,6 +35,9 @@ from tokenwise.engine.step_outputs import ModelRunnerOutput
 from tokenwise.models.registry import is_moe_architecture
 from tokenwise.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenwise.platform import configure_cpu_allocator
+from tokenwise.sampling.guided.compiler import GrammarCompileCache, grammar_compile_timeout_s
+from tokenwise.sampling.guided.grammar import build_grammar
+from tokenwise.sampling.guided.state import GrammarState
 from tokenwise.sampling.params import SamplingParams
 
 logger = logging.getLogger("tokenwise.engine")
@@ -41,6 +46,9 @@ logger = logging.getLogger("tokenwise.engine")
 # of memory on one large batch). This many failures in a row mean the engine itself is broken:
 # `step` then raises, so a server exits instead of failing every request it ever receives.
 MAX_CONSECUTIVE_FAILED_STEPS = 3
+# A step with nothing to run while guided requests wait for their grammars sleeps on the
+# compiles for at most this long, instead of spinning on the cores the compiles need.
+_GRAMMAR_IDLE_WAIT_S = 0.05
 
 
 @dataclass(eq=False)
@@ -103,6 +111,8 @@ class LLMEngine:
         self._stats = EngineStats(num_total_blocks=num_blocks)
         self._consecutive_failed_steps = 0
         self._stat_logger = StatLogger()
+        self.grammar_timeout_s = grammar_compile_timeout_s()
+        self._grammars: GrammarCompileCache | None = None  # made at the first guided request
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -117,6 +127,9 @@ class LLMEngine:
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = validate_request(self.model_config, self.tokenizer, prompt, params)
+        compiled = None
+        if params.guided_decoding is not None:
+            compiled = self.grammar_cache().submit(params.guided_decoding)
         if not self.config.cache.enable_prefix_caching:
             # Siblings of one request still share their prompt blocks; nobody else can hit them.
             cache_salt = f"{cache_salt or ''}/{uuid.uuid4().hex}"
@@ -134,6 +147,8 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids,
                 cache_salt=cache_salt,
             )
+            if compiled is not None:
+                req.grammar = GrammarState(compiled, self.eos_token_ids, self.grammar_timeout_s)
             detok = None
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(
@@ -150,6 +165,12 @@ class LLMEngine:
         self.groups[request_id] = group
         for sample in samples:
             self._by_request[sample.request.request_id] = (group, sample)
+
+    def grammar_cache(self) -> GrammarCompileCache:
+        """The engine's grammar compiler and cache (built when first needed)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompileCache(self.tokenizer, self.model_config.vocab_size)
+        return self._grammars
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Abort requests (unknown ids are ignored); their blocks are freed at once and the next
@@ -168,6 +189,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop tensor-parallel workers (if any); the engine cannot step afterwards."""
         self.runner.shutdown()
+        if self._grammars is not None:
+            self._grammars.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -220,6 +243,12 @@ class LLMEngine:
                 self._route_samples(sampled, result, touched)
         elif self.dp_lockstep:
             self.runner.execute_dummy_batch()
+        else:
+            compiling = self.scheduler.waiting_grammars()
+            if compiling:
+                concurrent.futures.wait(
+                    compiling, _GRAMMAR_IDLE_WAIT_S, concurrent.futures.FIRST_COMPLETED
+                )
         self._stats.num_steps_total += 1
         self._stats.num_preemptions_total += sched.num_preempted
         # Aborted or errored groups surface here even if nothing was scheduled for them.
@@ -314,7 +343,8 @@ class LLMEngine:
             outputs=completions,
             finished=finished,
             num_cached_tokens=max(0, group.samples[0].request.num_cached_tokens),
-            error=group.error,
+            error=group.error
+            or next((s.request.error for s in group.samples if s.request.error), None),
         )
         if group.first_token_time is not None:
             out.metrics["time_to_first_token"] = group.first_token_time - group.arrival_time
@@ -370,6 +400,13 @@ def validate_request(
             "stop strings need a tokenizer, but the engine was started with "
             "skip_tokenizer_init=True; use stop_token_ids instead"
         )
+    if params.guided_decoding is not None:
+        if tokenizer is None:
+            raise ValueError(
+                "guided_decoding needs a tokenizer, but the engine was started with "
+                "skip_tokenizer_init=True"
+            )
+        build_grammar(params.guided_decoding)  # an invalid spec fails here, by name
     text, token_ids = to_token_ids(prompt, tokenizer, vocab)
     if len(token_ids) >= model_config.max_model_len:
         raise ValueError(

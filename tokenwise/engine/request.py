@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenwise.sampling.guided.state import GrammarState
 from tokenwise.sampling.params import SamplingParams
 
 
@@ -62,6 +63,10 @@ class Request:
     generator: torch.Generator | None = None
     stop_reason: int | str | None = None
     first_token_time: float | None = None
+    # Guided decoding: the matcher the scheduler advances (None for unguided requests).
+    grammar: GrammarState | None = None
+    # Why the request ended with FINISHED_ERROR when the scheduler ended it (its grammar).
+    error: str | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
