@@ -246,3 +246,17 @@ def test_server_serves_on_after_bad_specs(server: RemoteServer, client: OpenAI) 
     assert re.fullmatch("[a-c]{4}", out.choices[0].text)
     assert httpx.get(server.url("/health"), timeout=10).status_code == 200
     wait_for_idle(server)
+
+
+def test_a_grammar_too_slow_to_compile_is_refused() -> None:
+    env = {"TOKENWISE_GRAMMAR_COMPILE_TIMEOUT_S": "0.001"}
+    with RemoteServer(DEFAULT_MODEL_DIR, "--served-model-name", NAME, env=env) as srv:
+        slow = {"model": NAME, "prompt": "x", "max_tokens": 4, "guided_regex": "[a-z0-9]{1,9000}"}
+        response = httpx.post(srv.url("/v1/completions"), json=slow, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["code"] == "grammar_refused"
+        assert "did not compile within 0.001 s" in error["message"]
+        plain = {"model": NAME, "prompt": "x", "max_tokens": 4}
+        assert httpx.post(srv.url("/v1/completions"), json=plain, timeout=60).status_code == 200
+        wait_for_idle(srv)

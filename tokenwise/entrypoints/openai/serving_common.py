@@ -30,6 +30,7 @@ from tokenwise.entrypoints.openai.protocol import GenerationRequest, OpenAIRespo
 from tokenwise.entrypoints.openai.server_config import ServerConfig
 from tokenwise.outputs import CompletionOutput, RequestOutput
 from tokenwise.sampling.guided.params import GuidedDecodingParams
+from tokenwise.sampling.guided.state import GRAMMAR_ERROR_PREFIX
 from tokenwise.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -264,6 +265,9 @@ class OpenAIServing(ABC, Generic[RequestT, LogprobsT]):
             else:
                 merged[index] = delta
         for out in merged.values():
+            if out.error is not None and out.error.startswith(GRAMMAR_ERROR_PREFIX):
+                # The request's grammar was refused (too slow to compile): the client's to fix.
+                raise OpenAIError(400, out.error, code="grammar_refused")
             if out.error is not None:
                 raise generation_failed(out.error)
         usage = UsageCounter()

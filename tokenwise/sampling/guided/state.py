@@ -19,6 +19,10 @@ import xgrammar
 
 from tokenwise.sampling.guided.grammar import clean_error
 
+# Every error a request's grammar ends it with starts so: the fault is the request's spec (too
+# slow or impossible to compile), which a server reports as the client's (400), not its own.
+GRAMMAR_ERROR_PREFIX = "guided_decoding:"
+
 
 class GrammarState:
     """The matcher of one sequence (each of the n samples of a request has its own)."""
@@ -46,13 +50,13 @@ class GrammarState:
             waited = time.monotonic() - self.submitted_at
             if waited > self.timeout_s:
                 self.error = (
-                    f"guided_decoding: the grammar did not compile within {self.timeout_s:g} s "
+                    f"{GRAMMAR_ERROR_PREFIX} the grammar did not compile within {self.timeout_s:g} s "
                     "(TOKENWISE_GRAMMAR_COMPILE_TIMEOUT_S); simplify the schema or grammar"
                 )
             return False
         exc = self.compiled.exception()
         if exc is not None:
-            self.error = f"guided_decoding: the grammar failed to compile: {clean_error(exc)}"
+            self.error = f"{GRAMMAR_ERROR_PREFIX} the grammar failed to compile: {clean_error(exc)}"
             return False
         # Without EOS ids the grammar ends the sequence itself as soon as it is complete.
         self.matcher = xgrammar.GrammarMatcher(
