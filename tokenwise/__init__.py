@@ -19,6 +19,7 @@ __all__ = [
     "CompletionOutput",
     "EmbeddingRequestOutput",
     "EmbeddingOutput",
+    "GuidedDecodingParams",
     "__version__",
 ]
 
@@ -44,6 +45,10 @@ def __getattr__(name: str) -> Any:
         from tokenwise.config import PoolerConfig
 
         return PoolerConfig
+    if name == "GuidedDecodingParams":
+        from tokenwise.sampling.guided.params import GuidedDecodingParams
+
+        return GuidedDecodingParams
     if name in ("RequestOutput", "CompletionOutput", "EmbeddingRequestOutput", "EmbeddingOutput"):
         from tokenwise import outputs
 

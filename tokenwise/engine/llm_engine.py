@@ -1,7 +1,8 @@
 """The engine loop: requests in, incremental outputs out, one scheduled forward pass per step.
 
 `add_request` tokenizes and validates (bad input fails there, with a message naming the
-problem, before anything is queued); `step` schedules, runs the model, appends sampled tokens,
+problem, before anything is queued; a guided-decoding spec is parsed there and its grammar
+compiled on a thread, the request waiting in the queue until it is ready); `step` schedules, runs the model, appends sampled tokens,
 detokenizes, applies stop conditions, frees finished requests' blocks and returns the new text
 and tokens of every request that changed. `n > 1` becomes n sibling sequences that share the
 prompt's KV blocks through the prefix cache.
@@ -9,6 +10,7 @@ prompt's KV blocks through the prefix cache.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 import uuid
@@ -34,6 +36,9 @@ from tokenwise.lora.request import LoRARequest
 from tokenwise.models.registry import is_moe_architecture
 from tokenwise.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenwise.platform import configure_cpu_allocator
+from tokenwise.sampling.guided.compiler import GrammarCompileCache, grammar_compile_timeout_s
+from tokenwise.sampling.guided.grammar import build_grammar
+from tokenwise.sampling.guided.state import GrammarState
 from tokenwise.sampling.params import SamplingParams
 
 logger = logging.getLogger("tokenwise.engine")
@@ -42,6 +47,9 @@ logger = logging.getLogger("tokenwise.engine")
 # of memory on one large batch). This many failures in a row mean the engine itself is broken:
 # `step` then raises, so a server exits instead of failing every request it ever receives.
 MAX_CONSECUTIVE_FAILED_STEPS = 3
+# A step with nothing to run while guided requests wait for their grammars sleeps on the
+# compiles for at most this long, instead of spinning on the cores the compiles need.
+_GRAMMAR_IDLE_WAIT_S = 0.05
 
 
 @dataclass(eq=False)
@@ -110,6 +118,8 @@ class LLMEngine:
         self._stats = EngineStats(num_total_blocks=num_blocks)
         self._consecutive_failed_steps = 0
         self._stat_logger = StatLogger()
+        self.grammar_timeout_s = grammar_compile_timeout_s()
+        self._grammars: GrammarCompileCache | None = None  # made at the first guided request
 
     def _check_kv_capacity(self, num_blocks: int) -> None:
         cache, model = self.config.cache, self.model_config
@@ -137,6 +147,9 @@ class LLMEngine:
             # Blocks computed under one adapter hold other K/V than the base model's: the
             # adapter's id keys the prefix cache, so no two adapters ever share a block.
             cache_salt = f"{cache_salt or ''}|lora:{lora_request.lora_int_id}"
+        compiled = None
+        if params.guided_decoding is not None:
+            compiled = self.grammar_cache().submit(params.guided_decoding)
         if not self.config.cache.enable_prefix_caching:
             # Siblings of one request still share their prompt blocks; nobody else can hit them.
             cache_salt = f"{cache_salt or ''}/{uuid.uuid4().hex}"
@@ -155,6 +168,8 @@ class LLMEngine:
                 cache_salt=cache_salt,
                 lora_request=lora_request,
             )
+            if compiled is not None:
+                req.grammar = GrammarState(compiled, self.eos_token_ids, self.grammar_timeout_s)
             detok = None
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(
@@ -182,6 +197,12 @@ class LLMEngine:
             )
         manager.check(lora_request)
 
+    def grammar_cache(self) -> GrammarCompileCache:
+        """The engine's grammar compiler and cache (built when first needed)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompileCache(self.tokenizer, self.model_config.vocab_size)
+        return self._grammars
+
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Abort requests (unknown ids are ignored); their blocks are freed at once and the next
         `step()` reports them with finish_reason "abort"."""
@@ -199,6 +220,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop tensor-parallel workers (if any); the engine cannot step afterwards."""
         self.runner.shutdown()
+        if self._grammars is not None:
+            self._grammars.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -251,6 +274,12 @@ class LLMEngine:
                 self._route_samples(sampled, result, touched)
         elif self.dp_lockstep:
             self.runner.execute_dummy_batch()
+        else:
+            compiling = self.scheduler.waiting_grammars()
+            if compiling:
+                concurrent.futures.wait(
+                    compiling, _GRAMMAR_IDLE_WAIT_S, concurrent.futures.FIRST_COMPLETED
+                )
         self._stats.num_steps_total += 1
         self._stats.num_preemptions_total += sched.num_preempted
         # Aborted or errored groups surface here even if nothing was scheduled for them.
@@ -345,7 +374,8 @@ class LLMEngine:
             outputs=completions,
             finished=finished,
             num_cached_tokens=max(0, group.samples[0].request.num_cached_tokens),
-            error=group.error,
+            error=group.error
+            or next((s.request.error for s in group.samples if s.request.error), None),
         )
         if group.first_token_time is not None:
             out.metrics["time_to_first_token"] = group.first_token_time - group.arrival_time
@@ -401,6 +431,13 @@ def validate_request(
             "stop strings need a tokenizer, but the engine was started with "
             "skip_tokenizer_init=True; use stop_token_ids instead"
         )
+    if params.guided_decoding is not None:
+        if tokenizer is None:
+            raise ValueError(
+                "guided_decoding needs a tokenizer, but the engine was started with "
+                "skip_tokenizer_init=True"
+            )
+        build_grammar(params.guided_decoding)  # an invalid spec fails here, by name
     text, token_ids = to_token_ids(prompt, tokenizer, vocab)
     if len(token_ids) >= model_config.max_model_len:
         raise ValueError(

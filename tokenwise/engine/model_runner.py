@@ -37,6 +37,7 @@ from tokenwise.forward_context import set_forward_context
 from tokenwise.layer_registry import get_layers_from_config
 from tokenwise.loader import load_model
 from tokenwise.lora.manager import LoRAManager
+from tokenwise.sampling.guided.bitmask import apply_grammar_bitmask
 from tokenwise.sampling.metadata import SamplingMetadata
 from tokenwise.sampling.sampler import Sampler
 
@@ -283,6 +284,10 @@ class ModelRunner:
                 return ModelRunnerOutput([], [], None, num_tokens)
             logits = self._logits(hidden, step.logits_indices)
         _suppress_stop_tokens_before_min_tokens(logits, sampled)
+        # Guided rows: what their grammars forbid goes to -inf, one batched op for all rows.
+        apply_grammar_bitmask(
+            logits, [s.request.grammar for s in sampled], self.model_config.vocab_size
+        )
         sampling_md = SamplingMetadata.from_params(
             [s.request.sampling_params for s in sampled],
             [s.request.generator for s in sampled],

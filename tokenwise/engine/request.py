@@ -10,6 +10,7 @@ import torch
 
 from tokenwise.lora.request import LoRARequest
 from tokenwise.pooling.params import PoolingParams
+from tokenwise.sampling.guided.state import GrammarState
 from tokenwise.sampling.params import SamplingParams
 
 
@@ -67,6 +68,10 @@ class Request:
     first_token_time: float | None = None
     # Set for an embedding request (its sampling_params are then unused placeholders).
     pooling_params: PoolingParams | None = None
+    # Guided decoding: the matcher the scheduler advances (None for unguided requests).
+    grammar: GrammarState | None = None
+    # Why the request ended with FINISHED_ERROR when the scheduler ended it (its grammar).
+    error: str | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

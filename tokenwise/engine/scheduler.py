@@ -10,6 +10,10 @@ When a running request needs a block and none is free, the most recently admitte
 request is preempted: its blocks are freed and it goes back to the head of the waiting queue,
 to be recomputed later (its output so far is kept).
 
+A guided-decoding request waits until its grammar has compiled (on another thread, see
+`tokenwise.sampling.guided.compiler`): waiting requests whose grammar is not ready are passed
+over, keeping their place, and one whose compile failed or timed out ends with an error.
+
 No livelock, by construction: a step that schedules nothing while nothing runs and requests
 wait means the head of the queue cannot be placed even with the whole pool and the whole token
 budget to itself, and its needs only grow. It is aborted (reported in `SchedulerOutput.aborted`
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 
 from tokenwise.config import SchedulerConfig
 from tokenwise.engine.block_manager import BlockManager
@@ -114,6 +119,8 @@ class Scheduler:
 
         # 2. Waiting requests in arrival order, unless this step already had to preempt.
         adapters = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+        self._poll_grammars()
+        not_ready: list[Request] = []  # guided requests still compiling keep their place
         while (
             self.waiting
             and budget > 0
@@ -121,6 +128,9 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
+            if req.grammar is not None and not req.grammar.ready:
+                not_ready.append(self.waiting.popleft())
+                continue
             lora = req.lora_request
             if (
                 lora is not None
@@ -153,10 +163,13 @@ class Scheduler:
                 adapters.add(lora.lora_int_id)
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(not_ready))
 
-        # 3. Nothing scheduled, nothing running, yet requests wait: the head can never run.
-        if out.is_empty and not self.running and self.waiting:
-            req = self.waiting[0]
+        # 3. Nothing scheduled, nothing running, yet requests wait: the head can never run
+        # (requests whose grammar is still compiling are not stuck, just not ready).
+        head = next((r for r in self.waiting if r.grammar is None or r.grammar.ready), None)
+        if out.is_empty and not self.running and head is not None:
+            req = head
             reason = self._unplaceable_reason(req)
             self.finish_requests([req], RequestStatus.FINISHED_ABORTED)
             out.aborted.append((req, reason))
@@ -187,6 +200,12 @@ class Scheduler:
             req = item.request
             req.append_output_token(token)
             sampled.append(req)
+            if req.grammar is not None and not req.grammar.accept(token):
+                # Only a row with nothing allowed (min_tokens banning the grammar's only
+                # choice, EOS) samples outside its mask; the sequence cannot go on.
+                req.error = f"guided_decoding: token {token} is not allowed by the grammar"
+                finished.setdefault(RequestStatus.FINISHED_ERROR, []).append(req)
+                continue
             text_stop = stop_string(req, token) if stop_string is not None else None
             status = self._check_stop(req, token, text_stop)
             if status is not None:
@@ -197,6 +216,8 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int, stop_str: str | None) -> RequestStatus | None:
         params = req.sampling_params
+        if req.grammar is not None and req.grammar.is_terminated:
+            return RequestStatus.FINISHED_STOPPED  # the output is complete; nothing may follow
         if req.num_output_tokens >= params.min_tokens:
             if token in (params.stop_token_ids or ()):
                 req.stop_reason = token
@@ -211,6 +232,27 @@ class Scheduler:
         if req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def _poll_grammars(self) -> None:
+        """Make matchers for compiled grammars; end requests whose compile failed or is late."""
+        failed = [
+            r
+            for r in self.waiting
+            if r.grammar is not None and not r.grammar.poll() and r.grammar.error is not None
+        ]
+        for req in failed:
+            assert req.grammar is not None
+            req.error = req.grammar.error
+        if failed:
+            self.finish_requests(failed, RequestStatus.FINISHED_ERROR)
+
+    def waiting_grammars(self) -> list[Future]:
+        """The compiles that waiting requests wait for (the engine sleeps on them when idle)."""
+        return [
+            r.grammar.compiled
+            for r in self.waiting
+            if r.grammar is not None and not r.grammar.ready
+        ]
 
     def _unplaceable_reason(self, req: Request) -> str:
         bm = self.block_manager

@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from tokenwise.sampling.guided.params import GuidedDecodingParams
+
 # Temperatures below this are treated as greedy: dividing logits by ~0 would
 # overflow, and argmax is what such a temperature means anyway.
 _SAMPLING_EPS = 1e-5
@@ -77,6 +79,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured output: the text must match this JSON schema, regex, choice or grammar.
+    guided_decoding: GuidedDecodingParams | None = None
 
     def __post_init__(self) -> None:
         self._normalise()
@@ -136,6 +140,13 @@ class SamplingParams:
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         self._validate_stops()
+        if self.guided_decoding is not None and not isinstance(
+            self.guided_decoding, GuidedDecodingParams
+        ):
+            raise ValueError(
+                "guided_decoding must be a GuidedDecodingParams or None, got "
+                f"{type(self.guided_decoding).__name__}"
+            )
 
     def _validate_lengths(self) -> None:
         if self.max_tokens is not None:

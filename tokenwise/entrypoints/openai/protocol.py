@@ -5,13 +5,16 @@ such as `max_token` or a wrong type fails with a 400 naming the field instead of
 ignored or reinterpreted. Messages are the one exception to `extra="forbid"`: chat templates may
 read extra keys (`name`, `tool_calls`), and the template runs in a sandbox.
 Field names and defaults follow OpenAI's API; vLLM's sampling extensions (`top_k`, `min_p`,
-`ignore_eos`, `repetition_penalty`, `min_tokens`, `stop_token_ids`) are accepted too.
+`ignore_eos`, `repetition_penalty`, `min_tokens`, `stop_token_ids`) are accepted too, and so
+are structured outputs: OpenAI's `response_format` and vLLM's `guided_json`, `guided_regex`,
+`guided_choice` and `guided_grammar`; chat requests also take `tools` and `tool_choice`.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+import uuid
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -22,6 +25,23 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    """`response_format.json_schema`. `schema` is a field name pydantic's BaseModel reserves,
+    hence the alias. The output always follows the schema exactly: `strict` changes nothing."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class GenerationRequest(_Strict):
@@ -46,6 +66,11 @@ class GenerationRequest(_Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(GenerationRequest):
@@ -79,8 +104,33 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatCompletionTool] | None = None
+    # Default: "auto" when tools are given, else "none" (as OpenAI).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -148,9 +198,25 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+def new_tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str = Field(default_factory=new_tool_call_id)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -166,9 +232,24 @@ class ChatCompletionResponse(OpenAIResponse):
     choices: list[ChatChoice]
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of tool call `index`: the first carries its id, type and name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -5,6 +5,10 @@ their own BOS; letting the tokenizer add another would give the model a doubled 
 saw in training. A tokenizer without a template, a template that fails on the messages, or
 messages that are not valid Unicode (a lone surrogate, which JSON can escape) are the client's
 problem to fix (400), not a server error.
+
+With `tools`, the template receives them (`tools=`, as Hugging Face templates expect), the
+reply is read for tool calls according to `tool_choice` (`tool_calls`), and a forced call is
+enforced with guided decoding (`structured_outputs`).
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ from tokenwise.engine.prompts import check_text
 from tokenwise.entrypoints.openai.errors import OpenAIError
 from tokenwise.entrypoints.openai.logprobs import chat_logprobs
 from tokenwise.entrypoints.openai.protocol import (
-    AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -31,6 +34,12 @@ from tokenwise.entrypoints.openai.serving_common import (
     build_sampling_params,
     check_cap,
 )
+from tokenwise.entrypoints.openai.structured_outputs import (
+    ToolMode,
+    guided_decoding_for,
+    resolve_tool_mode,
+)
+from tokenwise.entrypoints.openai.tool_calls import ToolCallReader
 from tokenwise.outputs import CompletionOutput
 from tokenwise.sampling.params import SamplingParams
 
@@ -53,9 +62,12 @@ def render_chat(tokenizer: Any, body: ChatCompletionRequest) -> dict[str, Any]:
         if isinstance(m.content, list):
             message["content"] = "\n".join(part.text for part in m.content)
         messages.append(message)
+    extra: dict[str, Any] = {}
+    if body.tools:
+        extra["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools]
     try:
         text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=body.add_generation_prompt
+            messages, tokenize=False, add_generation_prompt=body.add_generation_prompt, **extra
         )
     except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
         raise OpenAIError(
@@ -87,7 +99,8 @@ class ChatServing(OpenAIServing[ChatCompletionRequest, ChatLogprobs]):
         if max_tokens is None:
             max_tokens = body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = build_sampling_params(body, self.config, max_tokens, logprobs)
+        guided = guided_decoding_for(body, resolve_tool_mode(body))
+        params = build_sampling_params(body, self.config, max_tokens, logprobs, guided)
         return [render_chat(self.engine.engine.tokenizer, body)], params
 
     def _logprobs(
@@ -99,28 +112,51 @@ class ChatServing(OpenAIServing[ChatCompletionRequest, ChatLogprobs]):
         return chat_logprobs(output.token_ids, output.logprobs or [], top_n), offset
 
     def _choice(
-        self, index: int, output: CompletionOutput, logprobs: ChatLogprobs | None
+        self,
+        body: ChatCompletionRequest,
+        index: int,
+        output: CompletionOutput,
+        logprobs: ChatLogprobs | None,
     ) -> ChatChoice:
+        reader = ToolCallReader(_tool_mode(body))
+        message, finish_reason = reader.message(output.text, output.finish_reason)
         return ChatChoice(
             index=index,
-            message=AssistantMessage(content=output.text),
+            message=message,
             logprobs=logprobs,
-            finish_reason=output.finish_reason,
+            finish_reason=finish_reason,
             stop_reason=output.stop_reason,
         )
 
     def _stream_choice(
-        self, index: int, output: CompletionOutput, logprobs: ChatLogprobs | None
-    ) -> ChatStreamChoice:
+        self,
+        body: ChatCompletionRequest,
+        index: int,
+        output: CompletionOutput,
+        logprobs: ChatLogprobs | None,
+        state: dict[int, Any],
+    ) -> ChatStreamChoice | None:
+        reader = state.get(index)
+        if reader is None:
+            reader = state[index] = ToolCallReader(_tool_mode(body))
+        delta, finish_reason = reader.delta(output.text, output.finish_reason)
+        has_logprobs = logprobs is not None and bool(output.token_ids)
+        if delta is None and not has_logprobs:
+            return None  # text held back (a possible tool-call tag, a forced call's array)
         # A delta without tokens (the final one, say) carries no logprobs, not an empty list.
         return ChatStreamChoice(
             index=index,
-            delta=DeltaMessage(content=output.text or None),
-            logprobs=logprobs if output.token_ids else None,
-            finish_reason=output.finish_reason,
+            delta=delta or DeltaMessage(),
+            logprobs=logprobs if has_logprobs else None,
+            finish_reason=finish_reason,
         )
 
     def _stream_opening(self, body: ChatCompletionRequest) -> list[ChatStreamChoice]:
         # OpenAI opens every choice with the assistant role and empty content.
         role = DeltaMessage(role="assistant", content="")
         return [ChatStreamChoice(index=i, delta=role) for i in range(body.n)]
+
+
+def _tool_mode(body: ChatCompletionRequest) -> ToolMode:
+    """How to read the reply (checked in `_prepare`, so it cannot fail here)."""
+    return resolve_tool_mode(body)

@@ -12,7 +12,7 @@ import json
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable
-from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -30,6 +30,8 @@ from tokenwise.entrypoints.openai.protocol import GenerationRequest, OpenAIRespo
 from tokenwise.entrypoints.openai.server_config import ServerConfig
 from tokenwise.entrypoints.openai.serving_models import ServingModels
 from tokenwise.outputs import CompletionOutput, RequestOutput
+from tokenwise.sampling.guided.params import GuidedDecodingParams
+from tokenwise.sampling.guided.state import GRAMMAR_ERROR_PREFIX
 from tokenwise.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -59,7 +61,11 @@ def check_cap(name: str, value: int | None, cap: int, flag: str) -> None:
 
 
 def build_sampling_params(
-    body: GenerationRequest, config: ServerConfig, max_tokens: int | None, logprobs: int | None
+    body: GenerationRequest,
+    config: ServerConfig,
+    max_tokens: int | None,
+    logprobs: int | None,
+    guided_decoding: GuidedDecodingParams | None = None,
 ) -> SamplingParams:
     """SamplingParams from the request; OpenAI's defaults where the request says nothing."""
     check_cap("n", body.n, config.max_n, "--max-n")
@@ -76,6 +82,7 @@ def build_sampling_params(
             logprobs=logprobs,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
+            guided_decoding=guided_decoding,
             **optional,
         )
     except ValueError as exc:
@@ -219,16 +226,22 @@ class OpenAIServing(ABC, Generic[RequestT, LogprobsT]):
 
     @abstractmethod
     def _choice(
-        self, index: int, output: CompletionOutput, logprobs: LogprobsT | None
+        self, body: RequestT, index: int, output: CompletionOutput, logprobs: LogprobsT | None
     ) -> BaseModel:
         """The choice of a collected (non-streaming) response."""
 
     def _stream_choice(
-        self, index: int, output: CompletionOutput, logprobs: LogprobsT | None
-    ) -> BaseModel:
-        """The choice of a stream chunk; the collected shape unless the endpoint streams
-        deltas of another shape."""
-        return self._choice(index, output, logprobs)
+        self,
+        body: RequestT,
+        index: int,
+        output: CompletionOutput,
+        logprobs: LogprobsT | None,
+        state: dict[int, Any],
+    ) -> BaseModel | None:
+        """The choice of a stream chunk (None: nothing to send for this delta); the collected
+        shape unless the endpoint streams deltas of another shape. `state` lives as long as
+        the stream, for endpoints that read a choice's text across deltas (keyed by choice)."""
+        return self._choice(body, index, output, logprobs)
 
     def _stream_opening(self, body: RequestT) -> list[BaseModel]:
         """Choices of a chunk sent before any token (none unless the endpoint wants one)."""
@@ -245,6 +258,9 @@ class OpenAIServing(ABC, Generic[RequestT, LogprobsT]):
             else:
                 merged[index] = delta
         for out in merged.values():
+            if out.error is not None and out.error.startswith(GRAMMAR_ERROR_PREFIX):
+                # The request's grammar was refused (too slow to compile): the client's to fix.
+                raise OpenAIError(400, out.error, code="grammar_refused")
             if out.error is not None:
                 raise generation_failed(out.error)
         usage = UsageCounter()
@@ -254,7 +270,7 @@ class OpenAIServing(ABC, Generic[RequestT, LogprobsT]):
             for c in out.outputs:
                 usage.add(index, len(out.prompt_token_ids), len(c.token_ids))
                 logprobs, _ = self._logprobs(body, c, 0)
-                choices.append(self._choice(index * body.n + c.index, c, logprobs))
+                choices.append(self._choice(body, index * body.n + c.index, c, logprobs))
         return self.response_cls(
             id=request_id,
             model=self.config.served_model_name,
@@ -271,6 +287,7 @@ class OpenAIServing(ABC, Generic[RequestT, LogprobsT]):
 
         usage = UsageCounter()
         offsets: dict[int, int] = {}  # choice -> text offset of its next token
+        state: dict[int, Any] = {}
         try:
             opening = self._stream_opening(body)
             if opening:
@@ -286,7 +303,9 @@ class OpenAIServing(ABC, Generic[RequestT, LogprobsT]):
                     if not c.text and c.finish_reason is None:
                         if logprobs is None or not c.token_ids:
                             continue  # nothing to say yet (e.g. text awaiting more UTF-8 bytes)
-                    yield chunk([self._stream_choice(choice, c, logprobs)])
+                    piece = self._stream_choice(body, choice, c, logprobs, state)
+                    if piece is not None:
+                        yield chunk([piece])
             else:
                 if body.stream_options is not None and body.stream_options.include_usage:
                     yield chunk([], usage.usage())

@@ -21,6 +21,7 @@ from tokenwise.entrypoints.openai.serving_common import (
     build_sampling_params,
     check_cap,
 )
+from tokenwise.entrypoints.openai.structured_outputs import guided_decoding_for
 from tokenwise.outputs import CompletionOutput
 from tokenwise.sampling.params import SamplingParams
 
@@ -60,7 +61,9 @@ class CompletionServing(OpenAIServing[CompletionRequest, CompletionLogprobs]):
                 f"--max-prompts), got {len(prompts)}",
                 param="prompt",
             )
-        return prompts, build_sampling_params(body, self.config, body.max_tokens, body.logprobs)
+        guided = guided_decoding_for(body)
+        params = build_sampling_params(body, self.config, body.max_tokens, body.logprobs, guided)
+        return prompts, params
 
     def _logprobs(
         self, body: CompletionRequest, output: CompletionOutput, offset: int
@@ -70,7 +73,11 @@ class CompletionServing(OpenAIServing[CompletionRequest, CompletionLogprobs]):
         return completion_logprobs(output.token_ids, output.logprobs or [], offset)
 
     def _choice(
-        self, index: int, output: CompletionOutput, logprobs: CompletionLogprobs | None
+        self,
+        body: CompletionRequest,
+        index: int,
+        output: CompletionOutput,
+        logprobs: CompletionLogprobs | None,
     ) -> CompletionChoice:
         return CompletionChoice(
             index=index,
