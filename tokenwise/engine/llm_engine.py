@@ -18,6 +18,7 @@ from typing import Any
 from tokenwise.config import EngineConfig
 from tokenwise.engine.block_manager import BlockManager
 from tokenwise.engine.detokenizer import IncrementalDetokenizer
+from tokenwise.engine.encoder_decoder import EncoderInputs
 from tokenwise.engine.memory_profiling import check_kv_cache_holds_one_sequence
 from tokenwise.engine.model_runner import ModelRunner
 from tokenwise.engine.prompts import (
@@ -131,14 +132,15 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids = validate_request(self.model_config, self.tokenizer, prompt, params)
+        text, token_ids, encoder_inputs = self._process_prompt(prompt, params)
         if lora_request is not None:
             self.check_lora(lora_request)
             # Blocks computed under one adapter hold other K/V than the base model's: the
             # adapter's id keys the prefix cache, so no two adapters ever share a block.
             cache_salt = f"{cache_salt or ''}|lora:{lora_request.lora_int_id}"
-        if not self.config.cache.enable_prefix_caching:
+        if not self.config.cache.enable_prefix_caching or encoder_inputs is not None:
             # Siblings of one request still share their prompt blocks; nobody else can hit them.
+            # (A decoder's K/V depends on its encoder's input too, not on its tokens alone.)
             cache_salt = f"{cache_salt or ''}/{uuid.uuid4().hex}"
         samples = []
         for i in range(params.n):
@@ -154,6 +156,7 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids,
                 cache_salt=cache_salt,
                 lora_request=lora_request,
+                encoder_inputs=encoder_inputs,
             )
             detok = None
             if self.tokenizer is not None:
@@ -171,6 +174,12 @@ class LLMEngine:
         self.groups[request_id] = group
         for sample in samples:
             self._by_request[sample.request.request_id] = (group, sample)
+
+    def _process_prompt(
+        self, prompt: PromptInput, params: SamplingParams
+    ) -> tuple[str | None, list[int], EncoderInputs | None]:
+        """(prompt text, prompt token ids, encoder inputs): decoder-only models have none."""
+        return (*validate_request(self.model_config, self.tokenizer, prompt, params), None)
 
     def check_lora(self, lora_request: LoRARequest) -> None:
         """Raise ValueError unless this engine serves LoRA and the adapter loads and fits."""
