@@ -151,19 +151,21 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget - num_encoder
-            cross_table: list[int] = []
-            if num_encoder:
-                allocated = bm.allocate_cross_slots(req.request_id, num_encoder)  # type: ignore[attr-defined]
-                if allocated is None:
-                    break
-                cross_table = allocated
             table = bm.allocate_slots(
                 req.request_id, req.all_token_ids, 0, num_new, hits, cache_salt=req.cache_salt
             )
             if table is None:
-                if num_encoder:
-                    bm.free_cross(req.request_id)  # type: ignore[attr-defined]
                 break
+            cross_table: list[int] = []
+            if num_encoder:
+                # After the decoder's blocks: those took its prefix-cache hits out of the free
+                # queue, so these fresh cross blocks cannot evict them.
+                allocated = bm.allocate_cross_slots(req.request_id, num_encoder)  # type: ignore[attr-defined]
+                if allocated is None:
+                    # Its newly registered blocks were never computed: drop them from the cache.
+                    bm.free(req.request_id, discard_cached=True)
+                    break
+                cross_table = allocated
             self.waiting.popleft()
             req.block_table = table
             req.cross_block_table = cross_table
