@@ -87,6 +87,15 @@ def is_encoder_decoder_architecture(architectures: list[str]) -> bool:
     return bool(getattr(model_cls, "is_encoder_decoder", False))
 
 
+def is_speech_architecture(architectures: list[str]) -> bool:
+    """Whether the model's encoder reads audio (Whisper): it serves transcriptions."""
+    try:
+        model_cls = resolve_model_class(architectures)
+    except ValueError:
+        return False
+    return getattr(model_cls, "encoder_input_kind", None) == "audio"
+
+
 def default_pooler_config(architectures: list[str]) -> PoolerConfig:
     """The pooling a model uses when its checkpoint and the caller say nothing."""
     model_cls = resolve_model_class(architectures)
