@@ -60,6 +60,8 @@ _MODEL_TYPES = {
     "Gemma3ForCausalLM": "gemma3_text",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "BartForConditionalGeneration": "bart",
+    "WhisperForConditionalGeneration": "whisper",
 }
 # DeepSeek (MLA): 4 heads with their own K/V (no GQA), a 32-wide KV latent, 3 layers of which
 # the first is dense, 8 routed experts (top-2) plus 2 shared; q_lora_rank None (q_proj).
@@ -144,6 +146,14 @@ _ENCODER_DEFAULTS: dict[str, dict[str, Any]] = {
     "XLMRobertaModel": {"type_vocab_size": 1, "max_position_embeddings": 514},
 }
 ENCODER_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+# Encoder-decoder models: the byte-level BPE tokenizer; BART's decoder starts from EOS as
+# BART's does; no forced BOS/EOS logits processors (vLLM has none either), scaled embeddings
+# so that the scale is exercised. Whisper: 16 mel bins and a 1 s window (100 frames, 50 encoder
+# tokens) so that tests are fast, and its special tokens added to the tokenizer.
+_SEQ2SEQ_ARCHS = {"BartForConditionalGeneration", "WhisperForConditionalGeneration"}
+WHISPER_SPECIAL_TOKENS = ["<|startoftranscript|>", "<|en|>", "<|transcribe|>", "<|notimestamps|>"]
+WHISPER_WINDOW_SECONDS = 1
+WHISPER_NUM_MEL_BINS = 16
 _CACHE_DIR: str | None = None
 
 
@@ -235,6 +245,60 @@ def _tiny_encoder_config(arch: str, overrides: dict[str, Any]) -> Any:
     return config
 
 
+@lru_cache(maxsize=1)
+def tiny_whisper_tokenizer() -> Any:
+    """The byte-level BPE plus Whisper's task tokens (as special tokens, never split)."""
+    tok = copy.deepcopy(tiny_tokenizer())
+    tok.add_special_tokens({"additional_special_tokens": WHISPER_SPECIAL_TOKENS})
+    return tok
+
+
+def _tiny_seq2seq_config(arch: str, overrides: dict[str, Any]) -> Any:
+    from transformers import AutoConfig
+
+    common: dict[str, Any] = {
+        "d_model": 64,
+        "encoder_layers": 2,
+        "decoder_layers": 2,
+        "encoder_attention_heads": 4,
+        "decoder_attention_heads": 4,
+        "encoder_ffn_dim": 128,
+        "decoder_ffn_dim": 128,
+        "init_std": 0.2,
+        "architectures": [arch],
+    }
+    if arch == "WhisperForConditionalGeneration":
+        tok = tiny_whisper_tokenizer()
+        eos = tok.eos_token_id
+        common |= {
+            "vocab_size": len(tok),
+            "num_mel_bins": WHISPER_NUM_MEL_BINS,
+            "max_source_positions": 50 * WHISPER_WINDOW_SECONDS,
+            "max_target_positions": 64,
+            "bos_token_id": eos,
+            "eos_token_id": eos,
+            "pad_token_id": eos,
+            "decoder_start_token_id": tok.convert_tokens_to_ids("<|startoftranscript|>"),
+            "suppress_tokens": [],
+            "begin_suppress_tokens": None,
+        }
+    else:
+        tok = tiny_tokenizer()
+        common |= {
+            "vocab_size": len(tok),
+            "max_position_embeddings": 128,
+            "bos_token_id": tok.bos_token_id,
+            "eos_token_id": tok.eos_token_id,
+            "pad_token_id": 2,
+            "decoder_start_token_id": tok.eos_token_id,
+            "forced_eos_token_id": None,
+            "scale_embedding": True,
+        }
+    config = AutoConfig.for_model(_MODEL_TYPES[arch], **{**common, **overrides})
+    config.dtype = torch.float32
+    return config
+
+
 def tiny_config(arch: str = "LlamaForCausalLM", **overrides: Any) -> Any:
     """The HF config of a tiny model: hidden 64, 2 layers, 4 heads (2 KV), fp32."""
     from transformers import AutoConfig
@@ -243,6 +307,8 @@ def tiny_config(arch: str = "LlamaForCausalLM", **overrides: Any) -> Any:
         raise ValueError(f"no tiny checkpoint recipe for {arch!r}; known: {sorted(_MODEL_TYPES)}")
     if arch in _ENCODER_ARCHS:
         return _tiny_encoder_config(arch, overrides)
+    if arch in _SEQ2SEQ_ARCHS:
+        return _tiny_seq2seq_config(arch, overrides)
     tokenizer = tiny_tokenizer()
     kwargs: dict[str, Any] = {
         "hidden_size": 64,
@@ -286,6 +352,15 @@ def _build(out_dir: str, arch: str, seed: int, overrides: dict[str, Any]) -> Non
     if arch in _ENCODER_ARCHS:
         model = getattr(transformers, arch)(config)
         tokenizer = tiny_wordpiece_tokenizer()
+    elif arch == "WhisperForConditionalGeneration":
+        model = transformers.WhisperForConditionalGeneration(config)
+        tokenizer = tiny_whisper_tokenizer()
+        transformers.WhisperFeatureExtractor(
+            feature_size=config.num_mel_bins, chunk_length=WHISPER_WINDOW_SECONDS
+        ).save_pretrained(out_dir)
+    elif arch in _SEQ2SEQ_ARCHS:
+        model = getattr(transformers, arch)(config)
+        tokenizer = tiny_tokenizer()
     else:
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         tokenizer = tiny_tokenizer()

@@ -107,7 +107,9 @@ _OFFSET_POSITION_MODELS = ("roberta", "xlm-roberta")
 
 
 def max_position_embeddings(hf_config: Any) -> int | None:
-    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+    # `max_target_positions`: the decoder of an encoder-decoder model (Whisper).
+    names = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+    for name in (*names, "max_target_positions"):
         value = getattr(hf_config, name, None)
         if isinstance(value, int) and value > 0:
             if getattr(hf_config, "model_type", None) in _OFFSET_POSITION_MODELS:

@@ -97,7 +97,9 @@ def test_chunked_prompts_and_unsupported_types_are_refused() -> None:
         encoder_only_attention(
             q, q, q, metadata([4], [3]), num_heads=1, num_kv_heads=1, head_size=8, scale=1.0
         )
-    with pytest.raises(NotImplementedError, match="encoder_decoder"):
-        Attention(2, 8, 0.3, attn_type=AttentionType.ENCODER_DECODER)
+    with pytest.raises(ValueError, match="'cross'"):
+        Attention(2, 8, 0.3, attn_type="cross")
+    with pytest.raises(ValueError, match="encoder_decoder attention is not causal"):
+        Attention(2, 8, 0.3, sliding_window=4, attn_type=AttentionType.ENCODER_DECODER)
     with pytest.raises(ValueError, match="sliding window"):
         Attention(2, 8, 0.3, sliding_window=4, attn_type=AttentionType.ENCODER_ONLY)

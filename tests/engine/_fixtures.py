@@ -157,4 +157,7 @@ def assert_pool_clean(engine: Any) -> None:
     assert not engine.scheduler.running and not engine.scheduler.waiting
     assert bm.get_num_free_blocks() == bm.num_blocks
     assert [bm.get_ref_count(b) for b in range(bm.num_blocks)] == [0] * bm.num_blocks
+    # Encoder-decoder engines: no request holds cross-attention blocks either (the free
+    # count above covers both caches, which share the pool).
+    assert getattr(bm, "num_cross_tables", 0) == 0
     bm.check_invariants()

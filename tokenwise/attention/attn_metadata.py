@@ -38,6 +38,16 @@ class AttentionMetadata:
     block_table_first_block: list[int] = field(default_factory=list)
     block_size: int = 16
     sliding_window: int | None = None
+    # Encoder-decoder models only (None otherwise; `attention.utils` reads them, SPEC §3).
+    # For encoder self-attention: the encoders that run this step. For cross-attention: one
+    # entry per decoder sequence of the step (its encoder's length, its cross block table),
+    # and the cache slots of the encoder tokens whose K/V this step writes.
+    num_encoder_tokens: int | None = None
+    encoder_seq_lens: list[int] | None = None
+    encoder_seq_lens_tensor: torch.Tensor | None = None  # [num_seqs] int32
+    max_encoder_seq_len: int | None = None
+    cross_slot_mapping: torch.Tensor | None = None  # [num_encoder_tokens] int64
+    cross_block_tables: torch.Tensor | None = None  # [num_seqs, max_cross_blocks] int32
 
     @classmethod
     def for_sequences(

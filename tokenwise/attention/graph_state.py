@@ -15,19 +15,28 @@ from typing import Any
 import torch
 
 from tokenwise.attention.attn_metadata import AttentionMetadata
-from tokenwise.attention.utils import PAD_SLOT_ID
+from tokenwise.attention.utils import PAD_SLOT_ID, is_all_cross_attn_metadata_set
 
 
 class CommonAttentionState:
     """Owns the graph input buffers for one attention spec."""
 
     def __init__(
-        self, max_batch_size: int, max_blocks_per_seq: int, block_size: int, device: Any = "cpu"
+        self,
+        max_batch_size: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        device: Any = "cpu",
+        max_cross_blocks_per_seq: int = 0,
     ) -> None:
         self.max_batch_size = max_batch_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.block_size = block_size
         self.device = torch.device(device)
+        # Encoder-decoder models: the widest cross block table (the longest encoder's blocks).
+        self.max_cross_blocks_per_seq = max_cross_blocks_per_seq
+        self._graph_encoder_seq_lens: torch.Tensor | None = None
+        self._graph_cross_block_tables: torch.Tensor | None = None
         # Host staging buffer for block tables: written row by row, copied to device once.
         self.graph_block_tables = torch.zeros(
             (max_batch_size, max_blocks_per_seq), dtype=torch.int32
@@ -59,8 +68,16 @@ class CommonAttentionState:
         self._bound = (slot_mapping, seq_lens, block_tables)
 
     @contextmanager
-    def graph_capture(self, max_batch_size: int) -> Iterator[None]:
-        """Allocate the device buffers for the duration of capture (and replay afterwards)."""
+    def graph_capture(
+        self, max_batch_size: int, is_encoder_decoder_model: bool = False
+    ) -> Iterator[None]:
+        """Allocate the device buffers for the duration of capture (and replay afterwards).
+
+        An encoder-decoder model's decode steps also read each sequence's encoder length and
+        cross block table: those get buffers too (padding rows: length 1, block 0). A decode
+        step writes no cross K/V (encoders run only in the step that admits a request, which
+        has a prefill or runs eagerly), so the cross slot mapping is always empty.
+        """
         if max_batch_size > self.max_batch_size:
             raise ValueError(
                 f"graph capture batch size {max_batch_size} exceeds max_batch_size "
@@ -79,6 +96,17 @@ class CommonAttentionState:
             )
             self._graph_seq_lens = torch.ones(max_batch_size, dtype=torch.int32, device=self.device)
             self._graph_block_tables = self.graph_block_tables[:max_batch_size].to(self.device)
+        if is_encoder_decoder_model:
+            if self.max_cross_blocks_per_seq < 1:
+                raise ValueError("an encoder-decoder state needs max_cross_blocks_per_seq >= 1")
+            self._graph_encoder_seq_lens = torch.ones(
+                max_batch_size, dtype=torch.int32, device=self.device
+            )
+            self._graph_cross_block_tables = torch.zeros(
+                (max_batch_size, self.max_cross_blocks_per_seq),
+                dtype=torch.int32,
+                device=self.device,
+            )
         try:
             yield
         finally:
@@ -92,7 +120,9 @@ class CommonAttentionState:
             batch_size, self.max_blocks_per_seq, self.block_size, self.device
         )
 
-    def graph_capture_get_metadata_for_batch(self, batch_size: int) -> AttentionMetadata:
+    def graph_capture_get_metadata_for_batch(
+        self, batch_size: int, is_encoder_decoder_model: bool = False
+    ) -> AttentionMetadata:
         """Metadata for capturing a decode batch of `batch_size` padding-only rows."""
         if self._graph_slot_mapping is None or not self._is_graph_capturing:
             raise RuntimeError("call graph_capture_get_metadata_for_batch inside graph_capture()")
@@ -102,7 +132,7 @@ class CommonAttentionState:
             raise ValueError(
                 f"batch size {batch_size} exceeds the {capacity} rows allocated by graph_capture()"
             )
-        return AttentionMetadata.for_sequences(
+        md = AttentionMetadata.for_sequences(
             [1] * batch_size,
             [0] * batch_size,
             self._graph_slot_mapping[:batch_size],
@@ -113,21 +143,45 @@ class CommonAttentionState:
             host_seq_lens=False,
             max_decode_seq_len=self.max_blocks_per_seq * self.block_size,
         )
+        if is_encoder_decoder_model:
+            if self._graph_encoder_seq_lens is None or self._graph_cross_block_tables is None:
+                raise RuntimeError("graph_capture() was entered without is_encoder_decoder_model")
+            md.num_encoder_tokens = 0
+            # Host lengths are only read by prefills, which a graph never runs.
+            md.encoder_seq_lens = [1] * batch_size
+            md.encoder_seq_lens_tensor = self._graph_encoder_seq_lens[:batch_size]
+            md.max_encoder_seq_len = self.max_cross_blocks_per_seq * self.block_size
+            md.cross_slot_mapping = torch.empty(0, dtype=torch.int64, device=self.device)
+            md.cross_block_tables = self._graph_cross_block_tables[:batch_size]
+        return md
 
-    def get_graph_input_buffers(self, attn_metadata: AttentionMetadata) -> dict[str, torch.Tensor]:
+    def get_graph_input_buffers(
+        self, attn_metadata: AttentionMetadata, is_encoder_decoder_model: bool = False
+    ) -> dict[str, torch.Tensor]:
         """The tensors a captured graph reads, keyed by name."""
         decode = attn_metadata.decode_metadata
         if decode is None:
             raise ValueError("graph input buffers exist only for decode batches")
         assert decode.seq_lens_tensor is not None
-        return {
+        buffers = {
             "slot_mapping": attn_metadata.slot_mapping,
             "seq_lens_tensor": decode.seq_lens_tensor,
             "block_tables": decode.block_tables,
         }
+        if is_encoder_decoder_model:
+            if not is_all_cross_attn_metadata_set(attn_metadata):
+                raise ValueError("encoder-decoder graph metadata lacks its encoder/cross fields")
+            assert attn_metadata.encoder_seq_lens_tensor is not None
+            assert attn_metadata.cross_block_tables is not None
+            buffers["encoder_seq_lens_tensor"] = attn_metadata.encoder_seq_lens_tensor
+            buffers["cross_block_tables"] = attn_metadata.cross_block_tables
+        return buffers
 
     def prepare_graph_input_buffers(
-        self, input_buffers: dict[str, torch.Tensor], attn_metadata: AttentionMetadata
+        self,
+        input_buffers: dict[str, torch.Tensor],
+        attn_metadata: AttentionMetadata,
+        is_encoder_decoder_model: bool = False,
     ) -> None:
         """Copy the real batch into the captured buffers before replay (padding rows stay)."""
         decode = attn_metadata.decode_metadata
@@ -140,6 +194,29 @@ class CommonAttentionState:
         input_buffers["seq_lens_tensor"][:n].copy_(decode.seq_lens_tensor, non_blocking=True)
         cols = decode.block_tables.shape[1]
         input_buffers["block_tables"][:n, :cols].copy_(decode.block_tables, non_blocking=True)
+        if is_encoder_decoder_model:
+            self._prepare_cross_buffers(input_buffers, attn_metadata, n)
+
+    def _prepare_cross_buffers(
+        self, input_buffers: dict[str, torch.Tensor], md: AttentionMetadata, n: int
+    ) -> None:
+        """Encoder lengths and cross tables of a decode-only step into the graph's buffers."""
+        if not is_all_cross_attn_metadata_set(md):
+            raise ValueError("an encoder-decoder step needs its encoder/cross fields set")
+        if md.num_prefills or md.num_encoder_tokens:
+            raise ValueError("a step that runs an encoder or a prefill cannot replay a graph")
+        assert md.encoder_seq_lens_tensor is not None and md.cross_block_tables is not None
+        cols = md.cross_block_tables.shape[1]
+        if cols > input_buffers["cross_block_tables"].shape[1]:
+            raise ValueError(
+                f"cross block tables of {cols} blocks exceed the captured "
+                f"{input_buffers['cross_block_tables'].shape[1]}"
+            )
+        lens = input_buffers["encoder_seq_lens_tensor"]
+        lens[:n].copy_(md.encoder_seq_lens_tensor[:n], non_blocking=True)
+        tables = input_buffers["cross_block_tables"]
+        tables[:n].zero_()
+        tables[:n, :cols].copy_(md.cross_block_tables[:n], non_blocking=True)
 
     def begin_forward(self, model_input: Any) -> None:
         """Hook before each forward pass; the torch backends need no per-step preparation."""

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenwise.attention.backends.cross_attention import EncoderDecoderAttentionImpl
 from tokenwise.attention.backends.selector import get_attn_backend
 from tokenwise.attention.backends.single_sequence import single_sequence_attention
 from tokenwise.attention.utils import AttentionType
@@ -69,6 +70,12 @@ class Attention(AttentionLayerBase):
     attention within each sequence of the step and no KV cache at all; `needs_kv_cache` is
     False, so the engine allocates and binds nothing for the layer. Its op still reads the
     step's metadata from the forward context, for where sequences start and end.
+
+    Encoder-decoder models (`backends/cross_attention.py`): `ENCODER` is the encoder's
+    bidirectional self-attention (no cache, like ENCODER_ONLY, over the encoders that run this
+    step); `ENCODER_DECODER` is cross-attention, with queries from decoder tokens and keys and
+    values from the encoder: `key`/`value` hold the encoder tokens of this step (none in steps
+    that run no encoder) and are written once into the layer's cross cache, read every step.
     """
 
     def __init__(
@@ -89,13 +96,11 @@ class Attention(AttentionLayerBase):
             raise ValueError(
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
             )
-        if attn_type not in (AttentionType.DECODER, AttentionType.ENCODER_ONLY):
-            raise NotImplementedError(
-                f"attention type {getattr(attn_type, 'value', attn_type)!r} is not supported "
-                "yet (decoder and encoder_only are)"
+        attn_type = AttentionType(attn_type)
+        if attn_type is not AttentionType.DECODER and sliding_window is not None:
+            raise ValueError(
+                f"{attn_type.value} attention is not causal; it takes no sliding window"
             )
-        if attn_type == AttentionType.ENCODER_ONLY and sliding_window is not None:
-            raise ValueError("encoder-only attention is bidirectional; it takes no sliding window")
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads
@@ -103,24 +108,33 @@ class Attention(AttentionLayerBase):
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
         self.layer_name = prefix
-        self.attn_type = AttentionType(attn_type)
+        self.attn_type = attn_type
         self.backend = get_attn_backend(config)
-        self.impl = self.backend.get_impl_cls()(
-            num_heads=num_heads,
-            head_size=head_size,
-            scale=scale,
-            num_kv_heads=num_kv_heads,
-            sliding_window=sliding_window,
-            logits_soft_cap=logits_soft_cap,
-            attn_type=self.attn_type,
-        )
+        if attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_DECODER):
+            if logits_soft_cap:
+                raise ValueError(f"{attn_type.value} attention takes no logits_soft_cap")
+            # The same cache layout as the backend's decoder layers (cross_attention.py).
+            self.impl: Any = EncoderDecoderAttentionImpl(
+                num_heads, head_size, scale, num_kv_heads, attn_type
+            )
+            self.kv_cache_kind = "cross K/V"
+        else:
+            self.impl = self.backend.get_impl_cls()(
+                num_heads=num_heads,
+                head_size=head_size,
+                scale=scale,
+                num_kv_heads=num_kv_heads,
+                sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap,
+                attn_type=self.attn_type,
+            )
         if config is not None:
             register_static_layer(config, prefix, self)
 
     @property
     def needs_kv_cache(self) -> bool:
         """Whether the engine must allocate and bind a KV cache for this layer."""
-        return self.attn_type is AttentionType.DECODER
+        return self.attn_type in (AttentionType.DECODER, AttentionType.ENCODER_DECODER)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return tuple(
@@ -132,6 +146,8 @@ class Attention(AttentionLayerBase):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         # A ContextVar read cannot be traced, so compiled code assumes the engine's context.
         if not torch.compiler.is_compiling() and not is_forward_context_available():
+            if self.attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_DECODER):
+                return self.impl.forward(query, key, value, self.kv_cache[0], None)
             return single_sequence_attention(
                 query,
                 key,

@@ -24,12 +24,13 @@ from typing import Any
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.tp_state import free_port
 from tokenwise.engine.dp_rank import run_dp_rank
+from tokenwise.engine.encoder_decoder_engine import EncoderDecoderLLMEngine
 from tokenwise.engine.llm_engine import LLMEngine, validate_request
 from tokenwise.engine.pooling_engine import PoolingLLMEngine
 from tokenwise.engine.prompts import PromptInput, load_tokenizer
 from tokenwise.engine.stats import EngineStats
 from tokenwise.lora.request import LoRARequest
-from tokenwise.models.registry import is_moe_architecture
+from tokenwise.models.registry import is_encoder_decoder_architecture, is_moe_architecture
 from tokenwise.outputs import RequestOutput
 from tokenwise.sampling.params import SamplingParams
 
@@ -46,6 +47,8 @@ def create_engine(config: EngineConfig) -> LLMEngine | DPEngineClient:
         return DPEngineClient(config)
     if config.model.is_pooling:
         return PoolingLLMEngine(config, config.device)
+    if is_encoder_decoder_architecture(config.model.architectures):
+        return EncoderDecoderLLMEngine(config, config.device)
     return LLMEngine(config, config.device)
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from tokenwise.config import EngineConfig
 from tokenwise.engine.block_manager import BlockManager
 from tokenwise.engine.detokenizer import IncrementalDetokenizer
+from tokenwise.engine.encoder_decoder import EncoderInputs
 from tokenwise.engine.memory_profiling import check_kv_cache_holds_one_sequence
 from tokenwise.engine.model_runner import ModelRunner
 from tokenwise.engine.prompts import (
@@ -141,7 +142,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids = validate_request(self.model_config, self.tokenizer, prompt, params)
+        text, token_ids, encoder_inputs = self._process_prompt(prompt, params)
         if lora_request is not None:
             self.check_lora(lora_request)
             # Blocks computed under one adapter hold other K/V than the base model's: the
@@ -150,8 +151,9 @@ class LLMEngine:
         compiled = None
         if params.guided_decoding is not None:
             compiled = self.grammar_cache().submit(params.guided_decoding)
-        if not self.config.cache.enable_prefix_caching:
+        if not self.config.cache.enable_prefix_caching or encoder_inputs is not None:
             # Siblings of one request still share their prompt blocks; nobody else can hit them.
+            # (A decoder's K/V depends on its encoder's input too, not on its tokens alone.)
             cache_salt = f"{cache_salt or ''}/{uuid.uuid4().hex}"
         samples = []
         for i in range(params.n):
@@ -167,6 +169,7 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids,
                 cache_salt=cache_salt,
                 lora_request=lora_request,
+                encoder_inputs=encoder_inputs,
             )
             if compiled is not None:
                 req.grammar = GrammarState(compiled, self.eos_token_ids, self.grammar_timeout_s)
@@ -186,6 +189,12 @@ class LLMEngine:
         self.groups[request_id] = group
         for sample in samples:
             self._by_request[sample.request.request_id] = (group, sample)
+
+    def _process_prompt(
+        self, prompt: PromptInput, params: SamplingParams
+    ) -> tuple[str | None, list[int], EncoderInputs | None]:
+        """(prompt text, prompt token ids, encoder inputs): decoder-only models have none."""
+        return (*validate_request(self.model_config, self.tokenizer, prompt, params), None)
 
     def check_lora(self, lora_request: LoRARequest) -> None:
         """Raise ValueError unless this engine serves LoRA and the adapter loads and fits."""

@@ -271,6 +271,7 @@ class ModelRunner:
         if mode != CUDAGraphMode.FULL:
             tables = self._metadata_tables(step)
             attn_metadata = self._attn_metadata(step, tables)
+        model_kwargs = self._model_inputs(ordered, step, attn_metadata)
         if self.tp_size > 1:
             self.tp.check_workers()
             self.tp.broadcast(("step", step_payload(step, tables), loras))
@@ -278,7 +279,7 @@ class ModelRunner:
             if self.graph_runner is not None:
                 hidden = self.graph_runner.execute(mode, desc, attn_metadata, num_tokens)
             else:
-                hidden = self._run_eager(step, attn_metadata)
+                hidden = self._run_eager(step, attn_metadata, model_kwargs)
             sampled = step.sampled
             if not sampled:
                 return ModelRunnerOutput([], [], None, num_tokens)
@@ -298,6 +299,19 @@ class ModelRunner:
         )
         out = self.sampler(logits, sampling_md)
         return ModelRunnerOutput(sampled, out.sampled_token_ids.tolist(), out.logprobs, num_tokens)
+
+    def _model_inputs(
+        self,
+        ordered: list[ScheduledRequest],
+        step: StepInputs,
+        attn_metadata: dict[str, AttentionMetadata] | None,
+    ) -> dict[str, Any]:
+        """Extra keyword inputs of the model for this step (none for a decoder-only model).
+
+        The encoder-decoder runner passes the encoder inputs of the requests whose encoder runs
+        this step, and adds their encoder and cross-attention fields to `attn_metadata`.
+        """
+        return {}
 
     def _prepare_lora(self, loras: list[Any], step: StepInputs) -> bool:
         """Slot the step's adapters and set its token mask (every TP rank does the same)."""
@@ -329,7 +343,12 @@ class ModelRunner:
         """Release the TP workers (they exit their loop); a no-op without TP."""
         self.tp.stop()
 
-    def _run_eager(self, step: StepInputs, attn_metadata: dict[str, AttentionMetadata]) -> Any:
+    def _run_eager(
+        self,
+        step: StepInputs,
+        attn_metadata: dict[str, AttentionMetadata],
+        model_kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         """The forward pass without graphs: one batch, or two micro-batches under DP.
 
         With micro-batching on, this rank's vote goes into the step's one DP coordination;
@@ -349,7 +368,7 @@ class ModelRunner:
         with set_forward_context(
             attn_metadata, self.config, num_tokens=num_tokens, num_tokens_across_dp=across
         ):
-            return self.model(step.input_ids, step.positions)
+            return self.model(step.input_ids, step.positions, **(model_kwargs or {}))
 
     def _run_ubatches(
         self, step: StepInputs, attn_metadata: dict[str, AttentionMetadata], split: int

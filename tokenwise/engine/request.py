@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenwise.engine.encoder_decoder import EncoderInputs
 from tokenwise.lora.request import LoRARequest
 from tokenwise.pooling.params import PoolingParams
 from tokenwise.sampling.guided.state import GrammarState
@@ -72,6 +73,10 @@ class Request:
     grammar: GrammarState | None = None
     # Why the request ended with FINISHED_ERROR when the scheduler ended it (its grammar).
     error: str | None = None
+    # Encoder-decoder models: what the encoder reads (`prompt_token_ids` is then the decoder
+    # prompt), and the cross-attention blocks holding the encoder's K/V while it runs.
+    encoder_inputs: EncoderInputs | None = None
+    cross_block_table: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -91,6 +96,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_encoder_tokens(self) -> int:
+        """Rows of cross K/V the encoder makes (0 for a decoder-only request)."""
+        return 0 if self.encoder_inputs is None else self.encoder_inputs.num_tokens
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

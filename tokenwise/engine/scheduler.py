@@ -67,11 +67,20 @@ class Scheduler:
         n = request.num_tokens
         if n > self.max_model_len:
             raise ValueError(f"prompt has {n} tokens, more than max_model_len={self.max_model_len}")
-        blocks_needed = -(-min(self.max_model_len, n + 1) // self.block_manager.block_size)
+        block_size = self.block_manager.block_size
+        blocks_needed = -(-min(self.max_model_len, n + 1) // block_size)
+        num_encoder = request.num_encoder_tokens
+        blocks_needed += -(-num_encoder // block_size)  # its cross-attention blocks
         if blocks_needed > self.block_manager.num_blocks:
             raise ValueError(
                 f"prompt of {n} tokens needs {blocks_needed} KV blocks but the cache has only "
                 f"{self.block_manager.num_blocks}; raise kv_cache_memory or shorten the prompt"
+            )
+        if num_encoder and num_encoder + 1 > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"the encoder input has {num_encoder} tokens, which must run in one step with "
+                f"at least one decoder token: more than max_num_batched_tokens="
+                f"{self.config.max_num_batched_tokens}; raise it or shorten the encoder input"
             )
         if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
             raise ValueError(
@@ -139,21 +148,37 @@ class Scheduler:
                 and len(adapters) >= self.max_loras
             ):
                 break  # its adapter needs a slot: it waits until a running adapter is done
+            # An encoder-decoder request runs its whole encoder in the step that admits it
+            # (again after a preemption): its tokens share the budget with the decoder's.
+            num_encoder = req.num_encoder_tokens
+            if num_encoder and num_encoder + 1 > budget:
+                break
             hits, num_hit = bm.get_computed_blocks(
                 req.request_id, req.all_token_ids, req.cache_salt
             )
             num_new = req.num_tokens - num_hit
-            if num_new > budget:
+            if num_new > budget - num_encoder:
                 if not self.config.enable_chunked_prefill:
                     break
-                num_new = budget
+                num_new = budget - num_encoder
             table = bm.allocate_slots(
                 req.request_id, req.all_token_ids, 0, num_new, hits, cache_salt=req.cache_salt
             )
             if table is None:
                 break
+            cross_table: list[int] = []
+            if num_encoder:
+                # After the decoder's blocks: those took its prefix-cache hits out of the free
+                # queue, so these fresh cross blocks cannot evict them.
+                allocated = bm.allocate_cross_slots(req.request_id, num_encoder)  # type: ignore[attr-defined]
+                if allocated is None:
+                    # Its newly registered blocks were never computed: drop them from the cache.
+                    bm.free(req.request_id, discard_cached=True)
+                    break
+                cross_table = allocated
             self.waiting.popleft()
             req.block_table = table
+            req.cross_block_table = cross_table
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
@@ -161,8 +186,8 @@ class Scheduler:
             self.running.append(req)
             if lora is not None:
                 adapters.add(lora.lora_int_id)
-            out.scheduled.append(ScheduledRequest(req, num_new))
-            budget -= num_new
+            out.scheduled.append(ScheduledRequest(req, num_new, num_encoder))
+            budget -= num_new + num_encoder
         self.waiting.extendleft(reversed(not_ready))
 
         # 3. Nothing scheduled, nothing running, yet requests wait: the head can never run
@@ -272,6 +297,7 @@ class Scheduler:
         self.block_manager.free(req.request_id)
         self._left_since_last_step.append(req.request_id)
         req.block_table = []
+        req.cross_block_table = []  # freed above with the rest: the encoder reruns on resume
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
@@ -294,6 +320,7 @@ class Scheduler:
             self.block_manager.free(req.request_id, discard_cached=discard_cached)
             self._left_since_last_step.append(req.request_id)
             req.block_table = []
+            req.cross_block_table = []
             done.add(id(req))
         if done:
             self.running = [r for r in self.running if id(r) not in done]

@@ -19,6 +19,9 @@ from tokenwise.sampling.sampler import LogprobsTensors
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
+    # Encoder-decoder models: the encoder tokens this step runs for the request (its whole
+    # encoder, in the step that admits it; 0 otherwise). They count against the token budget.
+    num_encoder_tokens: int = 0
 
     @property
     def completes_sequence(self) -> bool:

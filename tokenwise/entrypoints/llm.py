@@ -25,7 +25,7 @@ from tokenwise.engine.prompts import PromptInput
 from tokenwise.layers.fused_moe.experts import grouped_mm_available
 from tokenwise.lora.request import LoRARequest
 from tokenwise.model_config import ModelConfig
-from tokenwise.models.registry import is_moe_architecture
+from tokenwise.models.registry import is_encoder_decoder_architecture, is_moe_architecture
 from tokenwise.outputs import EmbeddingRequestOutput, RequestOutput
 from tokenwise.pooling.params import PoolingParams
 from tokenwise.pooling.task import check_embed_settings, resolve_pooler_config, resolve_task
@@ -147,6 +147,9 @@ def build_engine_config(
         enforce_eager, cudagraph_mode = True, None  # see tokenwise.engine.pooling_runner
     elif override_pooler_config is not None:
         raise ValueError("override_pooler_config applies to task='embed' models only")
+    if is_encoder_decoder_architecture(model_config.architectures):
+        check_encoder_decoder_settings(data_parallel_size, tensor_parallel_size, cudagraph_mode)
+        enforce_eager, cudagraph_mode = True, None  # see tokenwise.engine.encoder_decoder_runner
     is_moe = is_moe_architecture(model_config.architectures)
     collectives = (data_parallel_size > 1 and is_moe) or tensor_parallel_size > 1
     if collectives and not enforce_eager:
@@ -155,8 +158,12 @@ def build_engine_config(
         logger.info("tensor parallelism, or DP with an MoE model, runs eagerly (no graphs)")
         enforce_eager, cudagraph_mode = True, None
     hf = model_config.hf_config
-    expert_dims = (hf.hidden_size, getattr(hf, "moe_intermediate_size", 0) or hf.intermediate_size)
-    moe_needs_host = is_moe and not grouped_mm_available(device, model_config.dtype, expert_dims)
+    moe_needs_host = False
+    if is_moe:
+        moe_size = getattr(hf, "moe_intermediate_size", 0) or hf.intermediate_size
+        moe_needs_host = not grouped_mm_available(
+            device, model_config.dtype, (hf.hidden_size, moe_size)
+        )
     mode = resolve_cudagraph_mode(cudagraph_mode, device, enforce_eager, moe_needs_host)
     parallel = ParallelConfig(
         data_parallel_size=data_parallel_size,
@@ -193,6 +200,19 @@ def build_engine_config(
         device=device,
         lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None,
     )
+
+
+def check_encoder_decoder_settings(
+    data_parallel_size: int, tensor_parallel_size: int, cudagraph_mode: Any
+) -> None:
+    """Encoder-decoder models run eagerly on one rank for now: refuse what would not apply."""
+    if data_parallel_size != 1 or tensor_parallel_size != 1:
+        raise ValueError(
+            "encoder-decoder models (BART, Whisper) run on one rank: data_parallel_size and "
+            f"tensor_parallel_size must be 1, got {data_parallel_size} and {tensor_parallel_size}"
+        )
+    if cudagraph_mode is not None and CUDAGraphMode.parse(cudagraph_mode) != CUDAGraphMode.NONE:
+        raise ValueError("encoder-decoder models run eagerly; cudagraph_mode must be NONE")
 
 
 class LLM:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from tokenwise.config import PoolerConfig
+from tokenwise.models.bart import BartForConditionalGeneration
 from tokenwise.models.bert import BertEmbeddingModel, XLMRobertaEmbeddingModel
 from tokenwise.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from tokenwise.models.gemma2 import Gemma2ForCausalLM
@@ -16,6 +17,7 @@ from tokenwise.models.qwen2 import Qwen2ForCausalLM
 from tokenwise.models.qwen2_moe import Qwen2MoeForCausalLM
 from tokenwise.models.qwen3 import Qwen3ForCausalLM
 from tokenwise.models.qwen3_moe import Qwen3MoeForCausalLM
+from tokenwise.models.whisper import WhisperForConditionalGeneration
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
@@ -26,6 +28,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "RobertaModel": XLMRobertaEmbeddingModel,
     "XLMRobertaModel": XLMRobertaEmbeddingModel,
     "XLMRobertaForMaskedLM": XLMRobertaEmbeddingModel,
+    # Encoder-decoder models (task "generate"): class attribute `is_encoder_decoder`.
+    "BartForConditionalGeneration": BartForConditionalGeneration,
+    "WhisperForConditionalGeneration": WhisperForConditionalGeneration,
     # Decoders (task "generate").
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
@@ -71,6 +76,24 @@ def is_pooling_architecture(architectures: list[str]) -> bool:
     except ValueError:
         return False
     return bool(getattr(model_cls, "is_pooling_model", False))
+
+
+def is_encoder_decoder_architecture(architectures: list[str]) -> bool:
+    """Whether the model has an encoder and a cross-attending decoder (BART, Whisper)."""
+    try:
+        model_cls = resolve_model_class(architectures)
+    except ValueError:
+        return False
+    return bool(getattr(model_cls, "is_encoder_decoder", False))
+
+
+def is_speech_architecture(architectures: list[str]) -> bool:
+    """Whether the model's encoder reads audio (Whisper): it serves transcriptions."""
+    try:
+        model_cls = resolve_model_class(architectures)
+    except ValueError:
+        return False
+    return getattr(model_cls, "encoder_input_kind", None) == "audio"
 
 
 def default_pooler_config(architectures: list[str]) -> PoolerConfig:

@@ -13,7 +13,7 @@ sequence calls cost a handful of kernel launches each, per layer).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +65,22 @@ def encoder_only_attention(
             "encoder-only attention runs whole prompts with no cache, but the step has "
             f"context lengths {attn_metadata.context_lens} (a chunked prompt?)"
         )
-    lens = attn_metadata.query_lens
+    return attend_within_sequences(query, key, value, attn_metadata.query_lens, packed, **settings)
+
+
+def attend_within_sequences(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    lens: list[int],
+    packed: bool | None = None,
+    **settings: Any,
+) -> torch.Tensor:
+    """Bidirectional attention within each of the consecutive sequences of lengths `lens`.
+
+    Shared by encoder-only models (lengths from the step's queries) and the encoders of
+    encoder-decoder models (lengths of the encoders that run this step).
+    """
     if packed is None:
         packed = query.device.type != "cpu"
     if packed and len(lens) > 1:

@@ -40,6 +40,8 @@ from tokenwise.entrypoints.openai.serving_common import json_response
 from tokenwise.entrypoints.openai.serving_completions import CompletionServing
 from tokenwise.entrypoints.openai.serving_embeddings import EmbeddingServing
 from tokenwise.entrypoints.openai.serving_models import ServingModels
+from tokenwise.entrypoints.openai.serving_transcriptions import TranscriptionServing
+from tokenwise.models.registry import is_speech_architecture
 
 logger = logging.getLogger("tokenwise.server")
 
@@ -67,6 +69,7 @@ def build_app(
     completions = CompletionServing(engine, config, models)
     chat = ChatServing(engine, config, models)
     embeddings = EmbeddingServing(engine, config, models)
+    transcriptions = TranscriptionServing(engine, config, models)
     bearer = HTTPBearer(auto_error=False)
 
     async def require_api_key(
@@ -121,6 +124,10 @@ def build_app(
     async def create_embedding(body: EmbeddingRequest, raw: Request) -> Response:
         return await embeddings.create(body, raw)
 
+    @api.post("/audio/transcriptions")
+    async def create_transcription(raw: Request) -> Response:
+        return await transcriptions.create(raw)
+
     app.include_router(api)
 
     @app.get("/health")
@@ -159,6 +166,7 @@ def run_server(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name or args.model or "default",
         max_model_len=engine.model_config.max_model_len,
         task=engine.model_config.task,
+        supports_audio=is_speech_architecture(engine.model_config.architectures),
         **server_config_kwargs(args),
     )
     lora = engine_config.lora

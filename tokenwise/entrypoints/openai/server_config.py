@@ -32,6 +32,8 @@ class ServerConfig:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     # The engine's task: "generate" serves completions, "embed" serves /v1/embeddings.
     task: str = "generate"
+    # A speech model (Whisper) also serves /v1/audio/transcriptions.
+    supports_audio: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_n", "max_prompts", "max_request_body_bytes"):
