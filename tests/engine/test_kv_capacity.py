@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from tests.engine._fixtures import assert_pool_clean, checkpoint, hf_greedy
 from tokenwise import LLM, SamplingParams
 from tokenwise.batchsize_stats import ENV_INTERVAL
-from tokenwise.engine import model_runner
+from tokenwise.engine import kv_cache_sizing
 from tokenwise.entrypoints.cli import main as cli_main
 
 SETTINGS = ("num_gpu_blocks", "kv_cache_memory", "gpu_memory_utilization", "max_model_len")
@@ -64,7 +64,7 @@ def test_exactly_one_sequence_is_enough_and_max_model_len_is_kept(path: str) -> 
 def test_default_cpu_pool_holds_one_sequence(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The default budget is capped (1 GiB), but never below one max_model_len sequence:
     otherwise the default settings themselves would fail the start-up check."""
-    monkeypatch.setattr(model_runner, "DEFAULT_CPU_KV_CACHE_MEMORY", 1)
+    monkeypatch.setattr(kv_cache_sizing, "DEFAULT_CPU_KV_CACHE_MEMORY", 1)
     engine = LLM(path, dtype="float32", max_model_len=80, block_size=16).llm_engine
     assert engine.block_manager.num_blocks * 16 >= 80
     assert engine.block_manager.num_blocks == 5

@@ -25,9 +25,9 @@ from tokenwise.config import EngineConfig
 from tokenwise.distributed.tp_state import free_port
 from tokenwise.engine.dp_rank import run_dp_rank
 from tokenwise.engine.encoder_decoder_engine import EncoderDecoderLLMEngine
-from tokenwise.engine.llm_engine import LLMEngine, validate_request
+from tokenwise.engine.llm_engine import LLMEngine
 from tokenwise.engine.pooling_engine import PoolingLLMEngine
-from tokenwise.engine.prompts import PromptInput, load_tokenizer
+from tokenwise.engine.prompts import PromptInput, load_tokenizer, validate_request
 from tokenwise.engine.stats import EngineStats
 from tokenwise.lora.request import LoRARequest
 from tokenwise.models.registry import is_encoder_decoder_architecture, is_moe_architecture

@@ -14,8 +14,8 @@ from tokenwise.engine.block_manager import BlockManager
 from tokenwise.engine.encoder_decoder import CrossBlockManager, EncoderInputs
 from tokenwise.engine.encoder_decoder_prompts import EncoderDecoderPrompts
 from tokenwise.engine.encoder_decoder_runner import EncoderDecoderModelRunner
-from tokenwise.engine.llm_engine import LLMEngine, validate_request
-from tokenwise.engine.prompts import PromptInput
+from tokenwise.engine.llm_engine import LLMEngine
+from tokenwise.engine.prompts import PromptInput, validate_request
 from tokenwise.sampling.params import SamplingParams
 
 

@@ -27,7 +27,7 @@ from tokenwise.engine.prompts import (
     PromptInput,
     load_tokenizer,
     resolve_eos_token_ids,
-    to_token_ids,
+    validate_request,
 )
 from tokenwise.engine.request import Request, RequestStatus
 from tokenwise.engine.scheduler import Scheduler
@@ -38,7 +38,6 @@ from tokenwise.models.registry import is_moe_architecture
 from tokenwise.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenwise.platform import configure_cpu_allocator
 from tokenwise.sampling.guided.compiler import GrammarCompileCache, grammar_compile_timeout_s
-from tokenwise.sampling.guided.grammar import build_grammar
 from tokenwise.sampling.guided.state import GrammarState
 from tokenwise.sampling.params import SamplingParams
 
@@ -415,43 +414,3 @@ class LLMEngine:
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
-
-
-def validate_request(
-    model_config: Any, tokenizer: Any, prompt: PromptInput, params: SamplingParams
-) -> tuple[str | None, list[int]]:
-    """Tokenize and check a request against this model; `(prompt text, token ids)`.
-
-    A function rather than an engine method so that a front end without a model (the
-    data-parallel client) refuses bad input exactly as an engine would, before choosing a rank.
-    What SamplingParams cannot check alone is checked here: limits set by this model and
-    tokenizer. Without these checks a bad value would only fail inside a batched step.
-    """
-    if not isinstance(params, SamplingParams):
-        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-    vocab = model_config.vocab_size
-    if params.logprobs is not None and params.logprobs > vocab:
-        raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab}")
-    bad = [t for t in params.stop_token_ids or () if t >= vocab]
-    if bad:
-        raise ValueError(f"stop_token_ids {bad} are out of range [0, {vocab})")
-    if params.stop and tokenizer is None:
-        raise ValueError(
-            "stop strings need a tokenizer, but the engine was started with "
-            "skip_tokenizer_init=True; use stop_token_ids instead"
-        )
-    if params.guided_decoding is not None:
-        if tokenizer is None:
-            raise ValueError(
-                "guided_decoding needs a tokenizer, but the engine was started with "
-                "skip_tokenizer_init=True"
-            )
-        build_grammar(params.guided_decoding)  # an invalid spec fails here, by name
-    text, token_ids = to_token_ids(prompt, tokenizer, vocab)
-    if len(token_ids) >= model_config.max_model_len:
-        raise ValueError(
-            f"prompt has {len(token_ids)} tokens, but max_model_len is "
-            f"{model_config.max_model_len} (the prompt plus at least one generated "
-            "token must fit)"
-        )
-    return text, token_ids

@@ -8,9 +8,7 @@ completes), and samples them.
 
 from __future__ import annotations
 
-import gc
 import logging
-import math
 import traceback
 import weakref
 from typing import Any
@@ -29,7 +27,7 @@ from tokenwise.distributed.ubatching import create_ubatch_slices
 from tokenwise.engine.cuda_graph_runner import CudaGraphRunner
 from tokenwise.engine.graph_setup import default_capture_sizes, graph_setup
 from tokenwise.engine.input_batch import InputBatch, StepInputs
-from tokenwise.engine.memory_profiling import cuda_kv_cache_budget
+from tokenwise.engine.kv_cache_sizing import KVCacheSizingMixin
 from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenwise.engine.tp_executor import join_parallel_groups, start_tensor_parallel
 from tokenwise.engine.tp_steps import SpecTables, TPDriver, step_from_payload, step_payload
@@ -43,10 +41,8 @@ from tokenwise.sampling.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when nothing else is said
 
-
-class ModelRunner:
+class ModelRunner(KVCacheSizingMixin):
     def __init__(self, config: EngineConfig, device: str | torch.device = "cpu") -> None:
         if config.model is None:
             raise ValueError("ModelRunner needs EngineConfig.model (a ModelConfig)")
@@ -109,99 +105,6 @@ class ModelRunner:
         )
 
     # ---- KV cache -------------------------------------------------------------------------
-
-    def cache_layers(self) -> dict[str, AttentionLayerBase]:
-        """The attention layers that keep a KV cache (encoder-only attention keeps none)."""
-        return {name: layer for name, layer in self.attn_layers.items() if layer.needs_kv_cache}
-
-    def _cache_elements_per_block(self, layer: AttentionLayerBase) -> int:
-        """One block's elements in `layer`'s cache (each layer knows its own cache shape)."""
-        one, two = (math.prod(layer.kv_cache_shape(n, self.block_size)) for n in (1, 2))
-        return two - one
-
-    def kv_cache_bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.model_config.dtype).element_size()
-        layers = self.cache_layers().values()
-        return sum(self._cache_elements_per_block(layer) * elem for layer in layers)
-
-    def _kv_cache_report(self) -> str:
-        """Per kind of cache: elements and bytes per token per layer, e.g. "MLA latent: 40
-        elements (160 bytes) per token per layer x 3 layers"."""
-        elem = torch.empty((), dtype=self.model_config.dtype).element_size()
-        kinds: dict[tuple[str, int], int] = {}
-        for layer in self.cache_layers().values():
-            key = (layer.kv_cache_kind, self._cache_elements_per_block(layer) // self.block_size)
-            kinds[key] = kinds.get(key, 0) + 1
-        return "; ".join(
-            f"{kind}: {n} elements ({n * elem} bytes) per token per layer x {count} layers"
-            for (kind, n), count in kinds.items()
-        )
-
-    def determine_num_blocks(self) -> int:
-        cache = self.config.cache
-        if cache.num_gpu_blocks is not None:
-            return cache.num_gpu_blocks  # the same on every TP rank
-        budget = cache.kv_cache_memory
-        if budget is None:
-            if self.device.type == "cuda":
-                budget = cuda_kv_cache_budget(self.model, self.config, self.device)
-                budget -= self._measure_graph_memory()
-            else:
-                # Never below one full sequence: the default must not fail the start-up check.
-                one_seq = self._bytes_for_seqs(1)
-                full = self._bytes_for_seqs(self.config.scheduler.max_num_seqs)
-                budget = max(one_seq, min(DEFAULT_CPU_KV_CACHE_MEMORY, full))
-        num_blocks = self.tp.agree_on_min(int(budget // self.kv_cache_bytes_per_block()))
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory={budget} bytes is less than one KV block "
-                f"({self.kv_cache_bytes_per_block()} bytes); raise it"
-            )
-        return int(num_blocks)
-
-    def _bytes_for_seqs(self, num_seqs: int) -> int:
-        """Blocks for `num_seqs` sequences at max_model_len (max_num_seqs of them is the most
-        a step can ever use)."""
-        blocks_per_seq = -(-self.model_config.max_model_len // self.block_size)
-        return num_seqs * blocks_per_seq * self.kv_cache_bytes_per_block()
-
-    def _measure_graph_memory(self) -> int:
-        """Device bytes the CUDA graphs take, measured by capturing them on a one-block cache.
-
-        Measured on an H100 (Qwen3-0.6B shape, FULL_AND_PIECEWISE): capture added 0.72 GiB and
-        the kernels it loaded 0.11 GiB, which a KV cache sized from the profile alone pushed
-        past `gpu_memory_utilization`. Piecewise graphs never read the cache, so they stay
-        captured; full graphs hold the placeholder's address and are dropped here, to be
-        captured again on the real cache (their memory stays in the shared pool for that).
-        """
-        if self._capturer_factory is None:
-            return 0
-        self._bind_kv_cache(1)
-        free_before = self._free_device_memory()
-        CudaGraphRunner.for_model_runner(self, self._capturer_factory).capture_model()
-        free_after = self._free_device_memory()
-        self.kv_caches.clear()
-        for layer in self.attn_layers.values():
-            layer.kv_cache = []
-        gc.collect()
-        graphs = max(0, free_before - free_after)
-        logger.info("memory of CUDA graphs (measured by capturing them): %.2f GiB", graphs / 2**30)
-        return graphs
-
-    def _free_device_memory(self) -> int:
-        """Free bytes on the device, all processes counted (0 off CUDA: tests fake graphs)."""
-        if self.device.type != "cuda":
-            return 0
-        torch.cuda.synchronize(self.device)
-        return torch.cuda.mem_get_info(self.device)[0]
-
-    def _bind_kv_cache(self, num_blocks: int) -> None:
-        """Allocate one cache tensor per layer and bind it to the layer by name."""
-        for name, layer in self.cache_layers().items():
-            shape = layer.kv_cache_shape(num_blocks, self.block_size)
-            cache = torch.zeros(shape, dtype=self.model_config.dtype, device=self.device)
-            self.kv_caches[name] = cache
-            layer.kv_cache = [cache]
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache, then capture CUDA graphs on it (when the mode has any)."""

@@ -7,6 +7,8 @@ import os
 from typing import Any
 
 from tokenwise.model_config import ModelConfig
+from tokenwise.sampling.guided.grammar import build_grammar
+from tokenwise.sampling.params import SamplingParams
 
 # A string, a list of token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."} as in vLLM.
 PromptInput = str | list[int] | dict[str, Any]
@@ -99,3 +101,43 @@ def _check_ids(ids: Any, vocab_size: int) -> list[int]:
             raise ValueError(f"prompt token id {t} is out of range [0, {vocab_size})")
         out.append(t)
     return out
+
+
+def validate_request(
+    model_config: Any, tokenizer: Any, prompt: PromptInput, params: SamplingParams
+) -> tuple[str | None, list[int]]:
+    """Tokenize and check a request against this model; `(prompt text, token ids)`.
+
+    A function rather than an engine method so that a front end without a model (the
+    data-parallel client) refuses bad input exactly as an engine would, before choosing a rank.
+    What SamplingParams cannot check alone is checked here: limits set by this model and
+    tokenizer. Without these checks a bad value would only fail inside a batched step.
+    """
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+    vocab = model_config.vocab_size
+    if params.logprobs is not None and params.logprobs > vocab:
+        raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab}")
+    bad = [t for t in params.stop_token_ids or () if t >= vocab]
+    if bad:
+        raise ValueError(f"stop_token_ids {bad} are out of range [0, {vocab})")
+    if params.stop and tokenizer is None:
+        raise ValueError(
+            "stop strings need a tokenizer, but the engine was started with "
+            "skip_tokenizer_init=True; use stop_token_ids instead"
+        )
+    if params.guided_decoding is not None:
+        if tokenizer is None:
+            raise ValueError(
+                "guided_decoding needs a tokenizer, but the engine was started with "
+                "skip_tokenizer_init=True"
+            )
+        build_grammar(params.guided_decoding)  # an invalid spec fails here, by name
+    text, token_ids = to_token_ids(prompt, tokenizer, vocab)
+    if len(token_ids) >= model_config.max_model_len:
+        raise ValueError(
+            f"prompt has {len(token_ids)} tokens, but max_model_len is "
+            f"{model_config.max_model_len} (the prompt plus at least one generated "
+            "token must fit)"
+        )
+    return text, token_ids
