@@ -158,3 +158,10 @@ def wait_for_idle(server: RemoteServer, timeout: float = 30.0) -> str:
             return text
         assert time.monotonic() < deadline, f"server still busy: {busy}"
         time.sleep(0.2)
+
+
+def openai_client(server: RemoteServer) -> Any:
+    """The official client on `server`: no retries (a test must see the first answer)."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url("/v1"), api_key="unused", timeout=60.0, max_retries=0)

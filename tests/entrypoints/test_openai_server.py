@@ -13,7 +13,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.entrypoints._server import RemoteServer, metric_value
+from tests.entrypoints._server import RemoteServer, metric_value, openai_client
 from tests.tiny_checkpoints import build_tiny_checkpoint
 from tokenwise.entrypoints.llm import LLM
 from tokenwise.sampling.params import SamplingParams
@@ -42,7 +42,7 @@ def server(booting_server: RemoteServer) -> RemoteServer:
 
 @pytest.fixture(scope="module")
 def client(server: RemoteServer) -> OpenAI:
-    return OpenAI(base_url=server.url("/v1"), api_key="unused", timeout=60.0, max_retries=0)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import pytest
 import soundfile
 from openai import OpenAI
 
-from tests.entrypoints._server import RemoteServer, wait_for_idle
+from tests.entrypoints._server import RemoteServer, openai_client, wait_for_idle
 from tests.tiny_checkpoints import build_tiny_checkpoint
 from tokenwise.entrypoints.llm import LLM
 from tokenwise.sampling.params import SamplingParams
@@ -57,7 +57,7 @@ def server(booting_server: RemoteServer) -> RemoteServer:
 
 @pytest.fixture(scope="module")
 def client(server: RemoteServer) -> OpenAI:
-    return OpenAI(base_url=server.url("/v1"), api_key="unused", timeout=60.0, max_retries=0)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from tests.entrypoints._server import RemoteServer
+from tests.entrypoints._server import RemoteServer, openai_client
 from tests.lora.test_lora_vs_peft import (
     GREEDY,
     adapter_dir,
@@ -42,7 +42,7 @@ def server() -> Iterator[RemoteServer]:
 
 @pytest.fixture(scope="module")
 def client(server: RemoteServer) -> OpenAI:
-    return OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0)
+    return openai_client(server)
 
 
 @cache

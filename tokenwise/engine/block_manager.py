@@ -201,6 +201,9 @@ class BlockManager:
             hashes.append(hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], salt))
         return hashes[index]
 
+    def _check_other_holders(self, refs: Counter[int]) -> None:
+        """Count blocks held outside the requests' own tables into `refs` (none here)."""
+
     def check_invariants(self) -> None:
         """Raise AssertionError if tables, ref counts, free queues or hashes disagree."""
         self.pool.check_invariants()
@@ -211,6 +214,7 @@ class BlockManager:
             if state.num_registered > len(state.table):
                 raise AssertionError(f"request {request_id} registered blocks it does not own")
             refs.update(state.table)
+        self._check_other_holders(refs)
         for block in self.pool.blocks:
             if block.ref_cnt != refs[block.block_id]:
                 raise AssertionError(
