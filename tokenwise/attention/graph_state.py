@@ -37,6 +37,8 @@ class CommonAttentionState:
         self.max_cross_blocks_per_seq = max_cross_blocks_per_seq
         self._graph_encoder_seq_lens: torch.Tensor | None = None
         self._graph_cross_block_tables: torch.Tensor | None = None
+        # Host staging for those two (lengths, tables), made on the first write.
+        self._host_cross: tuple[torch.Tensor, torch.Tensor] | None = None
         # Host staging buffer for block tables: written row by row, copied to device once.
         self.graph_block_tables = torch.zeros(
             (max_batch_size, max_blocks_per_seq), dtype=torch.int32
@@ -217,6 +219,45 @@ class CommonAttentionState:
         tables = input_buffers["cross_block_tables"]
         tables[:n].zero_()
         tables[:n, :cols].copy_(md.cross_block_tables[:n], non_blocking=True)
+
+    def write_cross_buffers(
+        self, encoder_seq_lens: list[int], cross_block_tables: list[list[int]], batch_size: int
+    ) -> None:
+        """A decode step's encoder lengths and cross tables, written in place for a replay.
+
+        The engine's FULL decode graphs read the buffers `graph_capture` allocated for an
+        encoder-decoder model; each step writes its real rows there, and the padding rows up to
+        `batch_size` get encoder length 1 and block 0 (read harmlessly, output dropped), so
+        they never keep a finished request's table. Staged on the host, one copy each.
+        """
+        lens, tables = self._graph_encoder_seq_lens, self._graph_cross_block_tables
+        if lens is None or tables is None:
+            raise RuntimeError("no encoder-decoder graph buffers: capture with them first")
+        n = len(encoder_seq_lens)
+        if n != len(cross_block_tables) or n > batch_size or batch_size > lens.shape[0]:
+            raise ValueError(
+                f"{n} encoder lengths, {len(cross_block_tables)} cross tables and batch size "
+                f"{batch_size} do not fit the {lens.shape[0]} captured rows"
+            )
+        if self._host_cross is None:
+            pin = self.device.type == "cuda"
+            self._host_cross = (
+                torch.ones(lens.shape, dtype=torch.int32, pin_memory=pin),
+                torch.zeros(tables.shape, dtype=torch.int32, pin_memory=pin),
+            )
+        host_lens, host_tables = self._host_cross
+        host_lens[:batch_size] = 1
+        host_lens[:n] = torch.tensor(encoder_seq_lens, dtype=torch.int32)
+        host_tables[:batch_size] = 0
+        for i, table in enumerate(cross_block_tables):
+            if len(table) > tables.shape[1]:
+                raise ValueError(
+                    f"cross block table of {len(table)} blocks exceeds the captured "
+                    f"{tables.shape[1]} (max_cross_blocks_per_seq)"
+                )
+            host_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        lens[:batch_size].copy_(host_lens[:batch_size], non_blocking=True)
+        tables[:batch_size].copy_(host_tables[:batch_size], non_blocking=True)
 
     def begin_forward(self, model_input: Any) -> None:
         """Hook before each forward pass; the torch backends need no per-step preparation."""

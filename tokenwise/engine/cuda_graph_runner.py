@@ -16,6 +16,11 @@ The model runner asks `plan` for a runtime mode and padded `BatchDescriptor` (th
 Padding rows are extra one-token "decode" sequences whose slot is PAD_SLOT_ID, so their K/V go
 to the backend's trash block and never into a block the block manager hands out; they read block
 0 (harmlessly) and their outputs are dropped.
+
+Encoder-decoder models (`max_cross_blocks_per_seq` > 0) capture on metadata that also carries
+the cross fields, over `CommonAttentionState`'s encoder-decoder buffers (per-row encoder length
+and cross block table); their runner writes those rows before each FULL replay and runs every
+step with an encoder eagerly (`encoder_decoder_runner.py`).
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ class CudaGraphRunner:
         backend: Any,
         input_batch: InputBatch,
         lora_state: LoRAState | None = None,
+        max_cross_blocks_per_seq: int = 0,
     ) -> None:
         compilation = config.compilation
         mode = compilation.cudagraph_mode
@@ -104,8 +110,14 @@ class CudaGraphRunner:
         self.input_batch = input_batch
         self.input_ids = input_batch.input_ids.device
         self.positions = input_batch.positions.device
+        # Encoder-decoder models: decode graphs also read encoder lengths and cross tables.
+        self.is_encoder_decoder = max_cross_blocks_per_seq > 0
         self.attn_state = CommonAttentionState(
-            max_size, input_batch.max_blocks, config.cache.block_size, device
+            max_size,
+            input_batch.max_blocks,
+            config.cache.block_size,
+            device,
+            max_cross_blocks_per_seq=max_cross_blocks_per_seq,
         )
         self.attn_state.bind_buffers(
             input_batch.slot_mapping.device,
@@ -129,6 +141,7 @@ class CudaGraphRunner:
             get_attn_backend(runner.config),
             runner.input_batch,
             runner.lora_manager.state if runner.lora_manager is not None else None,
+            runner.max_cross_blocks_per_seq,
         )
 
     # ---- capture --------------------------------------------------------------------------
@@ -138,13 +151,14 @@ class CudaGraphRunner:
         keys = self.dispatcher.keys
         full = [] if self.disable_full else sorted(keys[CUDAGraphMode.FULL], reverse=True)
         piecewise = sorted(keys[CUDAGraphMode.PIECEWISE], reverse=True)
-        with self.attn_state.graph_capture(self.attn_state.max_batch_size), torch.inference_mode():
+        state, enc_dec = self.attn_state, self.is_encoder_decoder
+        with state.graph_capture(state.max_batch_size, enc_dec), torch.inference_mode():
             for desc in full:
                 md = self._metadata_for_capture(desc.num_tokens)
                 self._set_lora_active(desc.has_lora)
                 self._forward(desc.num_tokens, md, CUDAGraphMode.FULL, desc)
             for desc in piecewise:
-                md = self.attn_state.graph_capture_get_metadata_for_batch(desc.num_tokens)
+                md = state.graph_capture_get_metadata_for_batch(desc.num_tokens, enc_dec)
                 self._set_lora_active(desc.has_lora)
                 self._forward(desc.num_tokens, md, CUDAGraphMode.PIECEWISE, desc)
         self._set_lora_active(False)
@@ -163,7 +177,7 @@ class CudaGraphRunner:
     def _metadata_for_capture(self, size: int) -> AttentionMetadata:
         md = self._graph_metadata.get(size)
         if md is None:
-            md = self.attn_state.graph_capture_get_metadata_for_batch(size)
+            md = self.attn_state.graph_capture_get_metadata_for_batch(size, self.is_encoder_decoder)
             self._graph_metadata[size] = md
         return md
 

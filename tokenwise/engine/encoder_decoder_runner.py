@@ -10,7 +10,16 @@ metadata of their kind (all keyed by layer name in the forward context):
 - cross-attention layers: the decoder metadata plus, per decoder sequence, its encoder length
   and cross block table, and the cross slots of this step's encoder tokens (written once).
 
-Encoder-decoder models run eagerly on one rank (`build_engine_config` says so).
+CUDA graphs (any `cudagraph_mode`): a step in which some request runs its encoder always runs
+eagerly, on the uncompiled model. Its encoder inputs are a second token stream (or audio
+features) of a length the graphs were never captured for, it writes the cross cache, and it
+happens once per request, so a graph would buy little for a second compilation of the model
+with its own dynamic size. Every other step goes through the dispatcher as for a decoder-only
+model: a uniform decode batch replays a FULL graph whose cross-attention reads the encoder
+lengths and cross block tables from `CommonAttentionState`'s encoder-decoder buffers, which
+`_model_inputs` rewrites in place before the replay (padding rows: length 1, block 0); a mixed
+batch (a chunk of a long decoder prompt) replays PIECEWISE graphs with eager attention on
+metadata built here, padded like the decoder's. Models run on one rank.
 """
 
 from __future__ import annotations
@@ -22,17 +31,19 @@ import torch
 
 from tokenwise.attention.attn_metadata import AttentionMetadata
 from tokenwise.attention.utils import AttentionType, compute_slot_mapping
+from tokenwise.compilation.compile import CompiledModel
 from tokenwise.config import EngineConfig
 from tokenwise.engine.input_batch import StepInputs
 from tokenwise.engine.model_runner import ModelRunner
 from tokenwise.engine.step_outputs import ScheduledRequest
+from tokenwise.forward_context import set_forward_context
 
 
 class EncoderDecoderModelRunner(ModelRunner):
     def __init__(self, config: EngineConfig, device: str | torch.device = "cpu") -> None:
         super().__init__(config, device)
-        if self._capturer_factory is not None or self.tp_size > 1:
-            raise ValueError("encoder-decoder models run eagerly on one rank")
+        if self.tp_size > 1:
+            raise ValueError("encoder-decoder models run on one rank")
         kinds = {
             name: getattr(layer, "attn_type", AttentionType.DECODER)
             for name, layer in self.attn_layers.items()
@@ -42,6 +53,10 @@ class EncoderDecoderModelRunner(ModelRunner):
         if not self.cross_layers:
             raise ValueError(f"{type(self.model).__name__} has no cross-attention layers")
         self.num_encoder_runs = 0  # requests whose encoder ran, over the runner's life
+        self.max_cross_blocks_per_seq = -(-self.max_encoder_len() // self.block_size)
+        # Steps that run an encoder call the model uncompiled (see the module docstring).
+        model = self.model
+        self.eager_model = model.model if isinstance(model, CompiledModel) else model
 
     def max_encoder_len(self) -> int:
         return int(self.model.max_encoder_len(self.model_config.hf_config))
@@ -52,15 +67,21 @@ class EncoderDecoderModelRunner(ModelRunner):
         step: StepInputs,
         attn_metadata: dict[str, AttentionMetadata] | None,
     ) -> dict[str, Any]:
-        if attn_metadata is None:
-            raise ValueError("encoder-decoder steps need attention metadata (no full graphs)")
+        if attn_metadata is None:  # a FULL graph replays: its cross rows, in place
+            assert self.graph_runner is not None
+            self.graph_runner.attn_state.write_cross_buffers(
+                [item.request.num_encoder_tokens for item in ordered],
+                [item.request.cross_block_table for item in ordered],
+                step.num_reqs,
+            )
+            return {}
         encoders = [item for item in ordered if item.num_encoder_tokens]
         for item in encoders:
             if item.num_encoder_tokens != item.request.num_encoder_tokens:
                 raise RuntimeError(f"request {item.request.request_id}: partial encoder run")
         enc_lens = [item.num_encoder_tokens for item in encoders]
         decoder_md = attn_metadata[self.cross_layers[0]]
-        cross_md = self._cross_metadata(ordered, encoders, decoder_md)
+        cross_md = self._cross_metadata(ordered, encoders, decoder_md, step.num_reqs)
         encoder_md = self._encoder_metadata(enc_lens)
         for name in self.cross_layers:
             attn_metadata[name] = cross_md
@@ -74,10 +95,17 @@ class EncoderDecoderModelRunner(ModelRunner):
         ordered: list[ScheduledRequest],
         encoders: list[ScheduledRequest],
         decoder_md: AttentionMetadata,
+        num_rows: int,
     ) -> AttentionMetadata:
-        """The decoder's metadata plus where each sequence's encoder K/V is (or goes)."""
+        """The decoder's metadata plus where each sequence's encoder K/V is (or goes).
+
+        `num_rows` counts the step's sequences with the padding rows of a piecewise graph, which
+        read encoder length 1 through an all-zero cross table, as they read block 0 for their
+        own keys.
+        """
         dev = self.device
-        tables = [item.request.cross_block_table for item in ordered]
+        pad = num_rows - len(ordered)
+        tables = [item.request.cross_block_table for item in ordered] + [[]] * pad
         width = max((len(t) for t in tables), default=0)
         rows = [t + [0] * (width - len(t)) for t in tables]
         cross_tables = torch.tensor(rows, dtype=torch.int32).reshape(len(rows), width)
@@ -86,7 +114,7 @@ class EncoderDecoderModelRunner(ModelRunner):
             table = item.request.cross_block_table
             n = item.num_encoder_tokens
             compute_slot_mapping(False, slots, i, n, 0, 0, self.block_size, {i: table})
-        lens = [item.request.num_encoder_tokens for item in ordered]
+        lens = [item.request.num_encoder_tokens for item in ordered] + [1] * pad
         return dataclasses.replace(
             decoder_md,
             num_encoder_tokens=len(slots),
@@ -96,6 +124,21 @@ class EncoderDecoderModelRunner(ModelRunner):
             cross_slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             cross_block_tables=cross_tables.to(dev),
         )
+
+    def _may_replay_graphs(self, ordered: list[ScheduledRequest]) -> bool:
+        return not any(item.num_encoder_tokens for item in ordered)
+
+    def _run_eager(
+        self,
+        step: StepInputs,
+        attn_metadata: dict[str, AttentionMetadata],
+        model_kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        """A step with encoders runs the uncompiled model; others as for any model."""
+        if not model_kwargs:
+            return super()._run_eager(step, attn_metadata)
+        with set_forward_context(attn_metadata, self.config, num_tokens=step.num_tokens):
+            return self.eager_model(step.input_ids, step.positions, **model_kwargs)
 
     def _encoder_metadata(self, enc_lens: list[int]) -> AttentionMetadata:
         """Bounds of the encoders that run this step (their attention keeps no cache)."""

@@ -43,6 +43,9 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner(KVCacheSizingMixin):
+    # Encoder-decoder runners: the widest cross block table, for the graphs' cross buffers.
+    max_cross_blocks_per_seq = 0
+
     def __init__(self, config: EngineConfig, device: str | torch.device = "cpu") -> None:
         if config.model is None:
             raise ValueError("ModelRunner needs EngineConfig.model (a ModelConfig)")
@@ -165,7 +168,7 @@ class ModelRunner(KVCacheSizingMixin):
         loras = [s.request.lora_request for s in ordered]
         has_lora = self._prepare_lora(loras, step)
         mode, desc = CUDAGraphMode.NONE, None
-        if self.graph_runner is not None:
+        if self.graph_runner is not None and self._may_replay_graphs(ordered):
             uniform = bool(step.num_reqs) and int(step.query_lens_np.max()) == 1
             mode, desc = self.graph_runner.plan(num_tokens, uniform, has_lora)
             if mode != CUDAGraphMode.NONE:
@@ -179,7 +182,8 @@ class ModelRunner(KVCacheSizingMixin):
             self.tp.check_workers()
             self.tp.broadcast(("step", step_payload(step, tables), loras))
         with self.tp.failures_named():
-            if self.graph_runner is not None:
+            if mode != CUDAGraphMode.NONE:
+                assert self.graph_runner is not None
                 hidden = self.graph_runner.execute(mode, desc, attn_metadata, num_tokens)
             else:
                 hidden = self._run_eager(step, attn_metadata, model_kwargs)
@@ -212,9 +216,18 @@ class ModelRunner(KVCacheSizingMixin):
         """Extra keyword inputs of the model for this step (none for a decoder-only model).
 
         The encoder-decoder runner passes the encoder inputs of the requests whose encoder runs
-        this step, and adds their encoder and cross-attention fields to `attn_metadata`.
+        this step, and adds their encoder and cross-attention fields to `attn_metadata` (or,
+        when a FULL graph replays and there is none, writes them into the graph's buffers).
         """
         return {}
+
+    def _may_replay_graphs(self, ordered: list[ScheduledRequest]) -> bool:
+        """Whether this step may run through the CUDA-graph dispatcher (else eagerly).
+
+        Always for a decoder-only model; the encoder-decoder runner says no for steps that
+        run an encoder, whose extra inputs no graph was captured with.
+        """
+        return True
 
     def _prepare_lora(self, loras: list[Any], step: StepInputs) -> bool:
         """Slot the step's adapters and set its token mask (every TP rank does the same)."""

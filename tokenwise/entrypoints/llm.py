@@ -148,8 +148,11 @@ def build_engine_config(
     elif override_pooler_config is not None:
         raise ValueError("override_pooler_config applies to task='embed' models only")
     if is_encoder_decoder_architecture(model_config.architectures):
-        check_encoder_decoder_settings(data_parallel_size, tensor_parallel_size, cudagraph_mode)
-        enforce_eager, cudagraph_mode = True, None  # see tokenwise.engine.encoder_decoder_runner
+        check_encoder_decoder_settings(data_parallel_size, tensor_parallel_size)
+        if cudagraph_mode is None or CUDAGraphMode.parse(cudagraph_mode) == CUDAGraphMode.NONE:
+            # Compiled and graphed only when a graph mode is asked for: that path is tested on
+            # CPU with capture faked, not yet on a GPU (tokenwise.engine.encoder_decoder_runner).
+            enforce_eager = True
     is_moe = is_moe_architecture(model_config.architectures)
     collectives = (data_parallel_size > 1 and is_moe) or tensor_parallel_size > 1
     if collectives and not enforce_eager:
@@ -202,17 +205,13 @@ def build_engine_config(
     )
 
 
-def check_encoder_decoder_settings(
-    data_parallel_size: int, tensor_parallel_size: int, cudagraph_mode: Any
-) -> None:
-    """Encoder-decoder models run eagerly on one rank for now: refuse what would not apply."""
+def check_encoder_decoder_settings(data_parallel_size: int, tensor_parallel_size: int) -> None:
+    """Encoder-decoder models run on one rank for now: refuse what would not apply."""
     if data_parallel_size != 1 or tensor_parallel_size != 1:
         raise ValueError(
             "encoder-decoder models (BART, Whisper) run on one rank: data_parallel_size and "
             f"tensor_parallel_size must be 1, got {data_parallel_size} and {tensor_parallel_size}"
         )
-    if cudagraph_mode is not None and CUDAGraphMode.parse(cudagraph_mode) != CUDAGraphMode.NONE:
-        raise ValueError("encoder-decoder models run eagerly; cudagraph_mode must be NONE")
 
 
 class LLM:
