@@ -249,14 +249,17 @@ def test_server_serves_on_after_bad_specs(server: RemoteServer, client: OpenAI) 
 
 
 def test_a_grammar_too_slow_to_compile_is_refused() -> None:
-    env = {"TOKENWISE_GRAMMAR_COMPILE_TIMEOUT_S": "0.001"}
-    with RemoteServer(DEFAULT_MODEL_DIR, "--served-model-name", NAME, env=env) as srv:
-        slow = {"model": NAME, "prompt": "x", "max_tokens": 4, "guided_regex": "[a-z0-9]{1,9000}"}
+    """Compiles take 3 s in this server (planted), the timeout is 0.5 s."""
+    env = {"TOKENWISE_GRAMMAR_COMPILE_TIMEOUT_S": "0.5"}
+    launcher = ("-m", "tests.entrypoints._slow_grammar_serve")
+    args = ("--served-model-name", NAME)
+    with RemoteServer(DEFAULT_MODEL_DIR, *args, env=env, launcher=launcher) as srv:
+        slow = {"model": NAME, "prompt": "x", "max_tokens": 4, "guided_regex": "[a-z]{1,9}"}
         response = httpx.post(srv.url("/v1/completions"), json=slow, timeout=60)
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["code"] == "grammar_refused"
-        assert "did not compile within 0.001 s" in error["message"]
+        assert "did not compile within 0.5 s" in error["message"]
         plain = {"model": NAME, "prompt": "x", "max_tokens": 4}
         assert httpx.post(srv.url("/v1/completions"), json=plain, timeout=60).status_code == 200
         wait_for_idle(srv)
