@@ -127,7 +127,9 @@ class Scheduler:
                     break
 
         # 2. Waiting requests in arrival order, unless this step already had to preempt.
-        adapters = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+        adapters: set[int] = set()
+        if self.max_loras is not None:  # LoRA on: the adapters the running requests hold
+            adapters = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
         self._poll_grammars()
         not_ready: list[Request] = []  # guided requests still compiling keep their place
         while (
