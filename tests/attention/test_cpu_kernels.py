@@ -82,7 +82,8 @@ def _run(case: dict) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_size", "block_size"),
-    [(4, 4, 16, 16), (8, 2, 32, 16), (6, 3, 8, 5), (2, 1, 64, 1)],
+    # Head sizes off the vector width (20, 80) run the scalar tails.
+    [(4, 4, 16, 16), (8, 2, 32, 16), (6, 3, 8, 5), (2, 1, 64, 1), (4, 2, 20, 16), (2, 2, 80, 3)],
 )
 def test_kernel_matches_reference_attention(
     heads: int, kv_heads: int, head_size: int, block_size: int
@@ -105,13 +106,41 @@ def test_kernel_sliding_window_with_trimmed_tables(window: int) -> None:
     torch.testing.assert_close(_run(case), case["expected"], atol=1e-5, rtol=1e-4)
 
 
-def test_thread_split_gives_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_peaked_softmax_stays_exact() -> None:
+    """Large scores: most exponentials underflow, the kernel's own exp must still agree."""
+    case = _paged_case([5, 64, 130], 4, 2, 32, 16, seed=9)
+    case["scale"] *= 40.0
+    q, k, v = case["query"], case["key_cache"], case["value_cache"]
+    expected = []
+    for i, n in enumerate([5, 64, 130]):
+        blocks = case["block_tables"][i, : math.ceil(n / 16)].long()
+        keys = k[blocks].flatten(0, 1)[:n].repeat_interleave(2, dim=1).transpose(0, 1)
+        values = v[blocks].flatten(0, 1)[:n].repeat_interleave(2, dim=1).transpose(0, 1)
+        scores = (q[i][:, None, :] @ keys.transpose(1, 2)).squeeze(1) * case["scale"]
+        expected.append((F.softmax(scores, -1)[:, None, :] @ values).squeeze(1))
+    torch.testing.assert_close(_run(case), torch.stack(expected), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("openmp", [True, False], ids=["openmp-threads", "python-pool"])
+def test_thread_split_gives_the_same_result(monkeypatch: pytest.MonkeyPatch, openmp: bool) -> None:
     case = _paged_case([300, 2, 150, 77, 1, 64, 260], 4, 2, 16, 16, seed=3)
     single = _run(case)
     monkeypatch.setattr(cpu_kernels, "MIN_KEYS_PER_THREAD", 1)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    monkeypatch.setattr(cpu_kernels, "_torch_uses_libgomp", lambda: openmp)
     torch.testing.assert_close(_run(case), single, atol=0, rtol=0)
     torch.testing.assert_close(single, case["expected"], atol=1e-5, rtol=1e-4)
+
+
+def test_kernel_shares_torchs_openmp_runtime() -> None:
+    """Built with OpenMP, the kernel must bind to the libgomp torch loaded, not a second one
+    whose threads would compete with torch's."""
+    if not cpu_kernels._torch_uses_libgomp():
+        pytest.skip("torch's OpenMP runtime is not libgomp here: the kernel uses a thread pool")
+    cpu_kernels.load()
+    with open("/proc/self/maps") as maps:
+        runtimes = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(runtimes) == 1, runtimes
 
 
 @pytest.mark.parametrize("parts", [1, 2, 3, 8])

@@ -33,6 +33,7 @@ from tokenwise.engine.tp_executor import join_parallel_groups, start_tensor_para
 from tokenwise.engine.tp_steps import SpecTables, TPDriver, step_from_payload, step_payload
 from tokenwise.forward_context import set_forward_context
 from tokenwise.layer_registry import get_layers_from_config
+from tokenwise.layers.cpu_prepack import prepack_linear_weights
 from tokenwise.loader import load_model
 from tokenwise.lora.manager import LoRAManager
 from tokenwise.sampling.guided.bitmask import apply_grammar_bitmask
@@ -73,6 +74,10 @@ class ModelRunner(KVCacheSizingMixin):
             )
         max_capture = compilation.max_capture_size if self._capturer_factory else 0
         max_num_tokens = max(scheduler.max_num_batched_tokens, max_capture)
+        if self.device.type == "cpu" and not config.compilation.use_compile:
+            # Inductor cannot lower oneDNN's packed linear over our weights, and lays out its
+            # own matmuls anyway: prepacking is for the eager CPU path.
+            prepack_linear_weights(self.model)
         # Adapter slots go into the linear layers before compilation sees the model.
         self.lora_manager: LoRAManager | None = None
         if config.lora is not None:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenwise.distributed.tp_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from tokenwise.layers.cpu_prepack import linear
 from tokenwise.layers.weight_utils import (
     CheckpointTensor,
     check_full_shape,
@@ -102,6 +103,7 @@ class ParallelLMHead(nn.Module):
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.tied = tie_to is not None
+        self.packed_weight: torch.Tensor | None = None  # set by cpu_prepack on CPU
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.vocab_start, self.vocab_end, rows = vocab_range(
             num_embeddings, self.tp_rank, self.tp_size
@@ -122,7 +124,7 @@ class ParallelLMHead(nn.Module):
             )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight).float()
+        logits = linear(hidden_states, self.weight, None, self.packed_weight).float()
         if self.tp_size == 1:
             return logits
         return tp_all_gather(logits, dim=-1)[..., : self.num_embeddings]

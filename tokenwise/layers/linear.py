@@ -16,6 +16,9 @@ all-reduced. Every layer reads its TP rank and size once, at construction. Loade
 full checkpoint tensor (possibly a `LazyTensor`, read only in this rank's slice) and copy this
 rank's slice. With one rank every layer is an ordinary linear and no collective runs.
 
+On CPU, `packed_weight` may hold the same weight reordered for oneDNN (`cpu_prepack`), which
+the forward then uses; `weight` stays the layer's weight for everything else.
+
 `lora` is empty unless LoRA serving is on: then it holds the layer's adapter slots
 (`tokenwise.lora.layers.LoRASlots`), which add each token's adapter delta to the output, before
 a row-parallel layer's all-reduce. The module stays where it is, so weight names never change.
@@ -26,10 +29,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenwise.distributed.tp_state import get_tp_rank, get_tp_size, tp_all_reduce
+from tokenwise.layers.cpu_prepack import linear
 from tokenwise.layers.weight_utils import (
     CheckpointTensor,
     check_full_shape,
@@ -61,6 +64,7 @@ class ReplicatedLinear(nn.Module):
         self.input_size = input_size
         self.output_size = output_size
         self.lora: nn.Module | None = None  # adapter slots, attached by the LoRA manager
+        self.packed_weight: torch.Tensor | None = None  # set by cpu_prepack on CPU
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -75,7 +79,7 @@ class ReplicatedLinear(nn.Module):
         default_weight_loader(param, loaded_weight, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = linear(x, self.weight, self.bias, self.packed_weight)
         return out if self.lora is None else self.lora(x, out)
 
     def extra_repr(self) -> str:
@@ -264,7 +268,7 @@ class RowParallelLinear(ReplicatedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return super().forward(x)
-        out = F.linear(x, self.weight)
+        out = linear(x, self.weight, None, self.packed_weight)
         if self.lora is not None:
             out = self.lora(x, out)  # a partial sum too: the all-reduce completes it
         if not self.reduce_results:

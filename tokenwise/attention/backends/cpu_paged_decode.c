@@ -8,41 +8,243 @@
  * heads of a token row at a time (rows are [num_kv_heads, head_size] contiguous in the
  * token-major cache), then does an exact softmax and a second streaming pass over the values.
  *
+ * Reading at the memory's pace also needs the arithmetic per byte to stay small (a first
+ * version ran at half the read bandwidth even with the whole cache in L2): the inner loops
+ * use explicit vectors of the widest float width the CPU has, the value pass accumulates
+ * `TILE` token rows into the output per load/store of it, the softmax uses a vectorised
+ * exponential, and no integer division is left in a per-token loop.
+ *
  * It is built at first use by tokenwise/attention/backends/cpu_kernels.py with the machine's C
  * compiler (-O3 -march=native) and called through ctypes, which releases the GIL: the caller
  * splits the sequences over threads. No OpenMP runtime is linked (torch has its own), only
- * `omp simd` vectorisation hints. A bfloat16 cache is widened to float32 row by row as it is
- * read, which needs no native bf16 instructions.
+ * `omp simd` vectorisation hints. A bfloat16 cache is widened to float32 in registers as it is
+ * read (a bf16 value is the top half of a float32), which needs no native bf16 instructions.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+#define TILE 4 /* value rows accumulated per pass over an output row */
+
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+typedef uint16_t vh __attribute__((vector_size(VW * 2)));
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* Token row `at` of a cache as float32: a float32 cache is read in place; a bf16 row is widened
- * into `buf` (a bf16 value is the top half of a float32, so widening is a shift). */
-static inline const float *row_f32(const void *cache, int is_bf16, int64_t at, int64_t n,
-                                   float *buf) {
-    if (!is_bf16) return (const float *)cache + at;
-    const uint16_t *src = (const uint16_t *)cache + at;
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) {
-        uint32_t bits = (uint32_t)src[i] << 16;
-        memcpy(buf + i, &bits, sizeof(float));
-    }
-    return buf;
+static inline vf loadf(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
 }
 
-static inline float dot(const float *a, const float *b, int64_t n) {
+static inline void storef(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* VW cache values at element `i` of a row, as float32. */
+static inline vf load_row(const void *row, int is_bf16, int64_t i) {
+    if (!is_bf16) return loadf((const float *)row + i);
+    vh h;
+    memcpy(&h, (const uint16_t *)row + i, sizeof h);
+    vu bits = __builtin_convertvector(h, vu) << 16;
+    vf out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+static inline float scalar_at(const void *row, int is_bf16, int64_t i) {
+    if (!is_bf16) return ((const float *)row)[i];
+    uint32_t bits = (uint32_t)((const uint16_t *)row)[i] << 16;
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+static inline float hsum(vf v) {
+    float s = 0.0f;
+    for (int i = 0; i < VW; ++i) s += v[i];
+    return s;
+}
+
+/* q . k over `n` values (q float32, k a cache row in its own dtype). */
+static inline float dot(const float *q, const void *k, int is_bf16, int64_t n) {
+    int64_t i = 0;
     float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+    if (n >= VW) {
+        vf a0 = {0}, a1 = {0};
+        for (; i + 2 * VW <= n; i += 2 * VW) {
+            a0 += loadf(q + i) * load_row(k, is_bf16, i);
+            a1 += loadf(q + i + VW) * load_row(k, is_bf16, i + VW);
+        }
+        for (; i + VW <= n; i += VW) a0 += loadf(q + i) * load_row(k, is_bf16, i);
+        acc = hsum(a0 + a1);
+    }
+    for (; i < n; ++i) acc += q[i] * scalar_at(k, is_bf16, i);
     return acc;
 }
 
-/* Attend sequences [seq_begin, seq_end) of a decode batch.
+/* o += sum_r p[r] * v_r over `rows` (<= TILE) value rows, `n` values each. */
+static inline void accumulate(float *o, const float *p, const void *const *v, int rows,
+                              int is_bf16, int64_t n) {
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) {
+        vf acc = loadf(o + i);
+        for (int r = 0; r < rows; ++r) acc += p[r] * load_row(v[r], is_bf16, i);
+        storef(o + i, acc);
+    }
+    for (; i < n; ++i)
+        for (int r = 0; r < rows; ++r) o[i] += p[r] * scalar_at(v[r], is_bf16, i);
+}
+
+/* exp(x) for x <= 0 (scores minus their maximum), within a few float ulps: the exponent by
+ * rounding, the rest by a degree-6 polynomial on |r| <= ln2/2. Written as scalar code in an
+ * `omp simd` loop, which GCC and Clang vectorise (libm's expf is called one value at a time). */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const int n = (int)(x * 1.44269504088896341f - 0.5f); /* rounds: x * log2(e) <= 0 */
+    const float r = x - (float)n * 0.693145751953125f - (float)n * 1.42860682030941723e-6f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const uint32_t bits = (uint32_t)(n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* Softmax of one head's `n` scores in place, soft-capped first when `softcap` > 0. */
+static void softmax(float *sc, int64_t n, float softcap) {
+    if (softcap > 0.0f)
+        for (int64_t t = 0; t < n; ++t) sc[t] = softcap * tanhf(sc[t] / softcap);
+    float m = -INFINITY;
+    for (int64_t t = 0; t < n; ++t) m = sc[t] > m ? sc[t] : m;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+        sc[t] = exp_nonpositive(sc[t] - m);
+        sum += sc[t];
+    }
+    const float inv = 1.0f / sum;
+#pragma omp simd
+    for (int64_t t = 0; t < n; ++t) sc[t] *= inv;
+}
+
+/* One sequence: scores into `scores` ([num_heads][n_keys]), output row into `o`.
+ * Always inlined into two callers with a constant `is_bf16`, so each dtype gets its own
+ * straight-line loops. */
+static inline __attribute__((always_inline)) void attend(
+    const float *q, const void *key_cache, const void *value_cache, int is_bf16,
+    const int32_t *table, int64_t base_block, int64_t start, int64_t n_keys, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_size, int64_t block_size, float scale, float softcap,
+    float *q_scaled, float *scores, float *o) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t row = num_kv_heads * head_size; /* values per token in the cache */
+    const size_t elt = is_bf16 ? 2 : 4;
+    for (int64_t i = 0; i < num_heads * head_size; ++i) q_scaled[i] = q[i] * scale;
+
+    /* Pass 1, keys: runs of consecutive slots inside one block (no division per token);
+     * each token row is read once for all heads. */
+    for (int64_t t = 0; t < n_keys;) {
+        const int64_t pos = start + t;
+        const int64_t block = table[pos / block_size - base_block];
+        const int64_t run = min64(block_size - pos % block_size, n_keys - t);
+        const char *k = (const char *)key_cache + (block * block_size + pos % block_size) * row * elt;
+        for (int64_t r = 0; r < run; ++r, ++t, k += row * elt) {
+            int64_t h = 0;
+            for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
+                const char *kk = k + kh * head_size * elt;
+                for (int64_t g = 0; g < group; ++g, ++h)
+                    scores[h * n_keys + t] = dot(q_scaled + h * head_size, kk, is_bf16, head_size);
+            }
+        }
+    }
+    for (int64_t h = 0; h < num_heads; ++h) softmax(scores + h * n_keys, n_keys, softcap);
+
+    /* Pass 2, values: the same runs, TILE rows at a time accumulated into the output. */
+    memset(o, 0, sizeof(float) * (size_t)(num_heads * head_size));
+    for (int64_t t = 0; t < n_keys;) {
+        const int64_t pos = start + t;
+        const int64_t block = table[pos / block_size - base_block];
+        const int64_t run = min64(block_size - pos % block_size, n_keys - t);
+        const char *v = (const char *)value_cache + (block * block_size + pos % block_size) * row * elt;
+        for (int64_t r = 0; r < run; r += TILE) {
+            const int rows = (int)min64(TILE, run - r);
+            int64_t h = 0;
+            for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
+                const void *vr[TILE];
+                for (int j = 0; j < rows; ++j)
+                    vr[j] = v + ((r + j) * row + kh * head_size) * elt;
+                for (int64_t g = 0; g < group; ++g, ++h) {
+                    float p[TILE];
+                    for (int j = 0; j < rows; ++j) p[j] = scores[h * n_keys + t + r + j];
+                    accumulate(o + h * head_size, p, vr, rows, is_bf16, head_size);
+                }
+            }
+        }
+        t += run;
+    }
+}
+
+static void attend_f32(const float *q, const void *kc, const void *vc, const int32_t *table,
+                       int64_t base, int64_t start, int64_t n, int64_t nh, int64_t nkv,
+                       int64_t hs, int64_t bs, float scale, float cap, float *qs, float *sc,
+                       float *o) {
+    attend(q, kc, vc, 0, table, base, start, n, nh, nkv, hs, bs, scale, cap, qs, sc, o);
+}
+
+static void attend_bf16(const float *q, const void *kc, const void *vc, const int32_t *table,
+                        int64_t base, int64_t start, int64_t n, int64_t nh, int64_t nkv,
+                        int64_t hs, int64_t bs, float scale, float cap, float *qs, float *sc,
+                        float *o) {
+    attend(q, kc, vc, 1, table, base, start, n, nh, nkv, hs, bs, scale, cap, qs, sc, o);
+}
+
+/* Sequences [seq_begin, seq_end) on the calling thread. Returns 0, or -1 without scratch. */
+static int attend_range(const float *query, const void *key_cache, const void *value_cache,
+                        int is_bf16, const int32_t *block_tables, int64_t table_stride,
+                        const int32_t *seq_lens, const int32_t *first_block, int64_t seq_begin,
+                        int64_t seq_end, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_size, int64_t block_size, int64_t window, float scale,
+                        float softcap, float *out) {
+    int64_t max_len = 1;
+    for (int64_t s = seq_begin; s < seq_end; ++s)
+        if (seq_lens[s] > max_len) max_len = seq_lens[s];
+    /* scores[h * n_keys + t] for all query heads, t counted from the first visible key */
+    float *scores = malloc(sizeof(float) * (size_t)(num_heads * max_len));
+    float *q_scaled = malloc(sizeof(float) * (size_t)(num_heads * head_size));
+    if (!scores || !q_scaled) {
+        free(scores);
+        free(q_scaled);
+        return -1;
+    }
+    for (int64_t s = seq_begin; s < seq_end; ++s) {
+        const int64_t len = seq_lens[s];
+        const int64_t start = (window > 0 && len > window) ? len - window : 0;
+        (is_bf16 ? attend_bf16 : attend_f32)(
+            query + s * num_heads * head_size, key_cache, value_cache,
+            block_tables + s * table_stride, (int64_t)first_block[s], start, len - start,
+            num_heads, num_kv_heads, head_size, block_size, scale, softcap, q_scaled, scores,
+            out + s * num_heads * head_size);
+    }
+    free(q_scaled);
+    free(scores);
+    return 0;
+}
+
+/* Decode attention of sequences [0, num_seqs), split over `num_threads` threads in
+ * contiguous ranges of about equal key counts.
  *
  * query:        [num_seqs, num_heads, head_size] float32
  * key_cache:    [num_blocks, block_size, num_kv_heads, head_size], float32 or bf16 (is_bf16)
@@ -54,87 +256,44 @@ static inline float dot(const float *a, const float *b, int64_t n) {
  * softcap:      caps every score as softcap * tanh(score / softcap) (Gemma 2), 0 for none
  * out:          [num_seqs, num_heads, head_size] float32
  * Returns 0, or -1 when scratch memory could not be allocated.
+ *
+ * Threads come from OpenMP when the kernel was built with it, which the loader does only when
+ * the process's OpenMP runtime is torch's libgomp: the library then binds to that very
+ * runtime, so attention runs on the threads torch's matmuls just used (a second pool would
+ * compete with them while they spin-wait for their next region). Otherwise one thread.
  */
 int paged_decode(const float *query, const void *key_cache, const void *value_cache,
                  int is_bf16, const int32_t *block_tables, int64_t table_stride,
-                 const int32_t *seq_lens, const int32_t *first_block, int64_t seq_begin,
-                 int64_t seq_end, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
-                 int64_t block_size, int64_t window, float scale, float softcap,
-                 float *out) {
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t row = num_kv_heads * head_size; /* values per token in the cache */
-    int64_t max_len = 1;
-    for (int64_t s = seq_begin; s < seq_end; ++s)
-        if (seq_lens[s] > max_len) max_len = seq_lens[s];
-    /* scores[h * n_keys + t] for all query heads, t counted from the first visible key */
-    float *scores = malloc(sizeof(float) * (size_t)(num_heads * max_len));
-    float *line = malloc(sizeof(float) * (size_t)row); /* one bf16 token row, widened */
-    if (!scores || !line) {
-        free(scores);
-        free(line);
-        return -1;
+                 const int32_t *seq_lens, const int32_t *first_block, int64_t num_seqs,
+                 int64_t num_threads, int64_t num_heads, int64_t num_kv_heads,
+                 int64_t head_size, int64_t block_size, int64_t window, float scale,
+                 float softcap, float *out) {
+    int64_t total = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) total += seq_lens[s];
+    if (num_threads > num_seqs) num_threads = num_seqs;
+    int status = 0;
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(num_threads > 1 ? (int)num_threads : 1) reduction(| : status)
+#endif
+    {
+        int64_t part = 0, parts = 1;
+#if defined(_OPENMP)
+        part = omp_get_thread_num();
+        parts = omp_get_num_threads();
+#endif
+        /* This thread's range: the sequences whose first key falls in its share of keys. */
+        const int64_t lo = total * part / parts, hi = total * (part + 1) / parts;
+        int64_t begin = 0, end = 0, seen = 0;
+        for (int64_t s = 0; s < num_seqs; ++s) {
+            if (seen < lo) begin = s + 1;
+            if (seen < hi) end = s + 1;
+            seen += seq_lens[s];
+        }
+        if (end > begin)
+            status |= attend_range(query, key_cache, value_cache, is_bf16, block_tables,
+                                   table_stride, seq_lens, first_block, begin, end, num_heads,
+                                   num_kv_heads, head_size, block_size, window, scale, softcap,
+                                   out);
     }
-
-    for (int64_t s = seq_begin; s < seq_end; ++s) {
-        const int64_t len = seq_lens[s];
-        const int64_t start = (window > 0 && len > window) ? len - window : 0;
-        const int64_t n_keys = len - start;
-        const int64_t base_block = (int64_t)first_block[s];
-        const int32_t *table = block_tables + s * table_stride;
-        const float *q = query + s * num_heads * head_size;
-        float *o = out + s * num_heads * head_size;
-
-        /* Pass 1, keys: runs of consecutive slots inside one block (no division per token);
-         * each token row is read once for all heads. */
-        for (int64_t t = 0; t < n_keys;) {
-            const int64_t pos = start + t;
-            const int64_t block = table[pos / block_size - base_block];
-            const int64_t run = min64(block_size - pos % block_size, n_keys - t);
-            int64_t at = (block * block_size + pos % block_size) * row;
-            for (int64_t r = 0; r < run; ++r, ++t, at += row) {
-                const float *k = row_f32(key_cache, is_bf16, at, row, line);
-                for (int64_t h = 0; h < num_heads; ++h)
-                    scores[h * n_keys + t] =
-                        dot(q + h * head_size, k + (h / group) * head_size, head_size) * scale;
-            }
-        }
-        /* Exact softmax per head (scores soft-capped first when asked). */
-        for (int64_t h = 0; h < num_heads; ++h) {
-            float *sc = scores + h * n_keys;
-            if (softcap > 0.0f)
-                for (int64_t t = 0; t < n_keys; ++t) sc[t] = softcap * tanhf(sc[t] / softcap);
-            float m = -INFINITY;
-            for (int64_t t = 0; t < n_keys; ++t) m = sc[t] > m ? sc[t] : m;
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t t = 0; t < n_keys; ++t) {
-                sc[t] = expf(sc[t] - m);
-                sum += sc[t];
-            }
-            const float inv = 1.0f / sum;
-#pragma omp simd
-            for (int64_t t = 0; t < n_keys; ++t) sc[t] *= inv;
-        }
-        /* Pass 2, values: the same runs, accumulated into the output rows. */
-        memset(o, 0, sizeof(float) * (size_t)(num_heads * head_size));
-        for (int64_t t = 0; t < n_keys;) {
-            const int64_t pos = start + t;
-            const int64_t block = table[pos / block_size - base_block];
-            const int64_t run = min64(block_size - pos % block_size, n_keys - t);
-            int64_t at = (block * block_size + pos % block_size) * row;
-            for (int64_t r = 0; r < run; ++r, ++t, at += row) {
-                const float *v = row_f32(value_cache, is_bf16, at, row, line);
-                for (int64_t h = 0; h < num_heads; ++h) {
-                    const float p = scores[h * n_keys + t];
-                    const float *vh = v + (h / group) * head_size;
-                    float *oh = o + h * head_size;
-#pragma omp simd
-                    for (int64_t d = 0; d < head_size; ++d) oh[d] += p * vh[d];
-                }
-            }
-        }
-    }
-    free(line);
-    free(scores);
-    return 0;
+    return status ? -1 : 0;
 }
