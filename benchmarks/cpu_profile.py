@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tokenwise import LLM, SamplingParams  # noqa: E402
 from tokenwise.attention.backends import cpu_kernels  # noqa: E402
+from tokenwise.model_config import cpu_flag_summary  # noqa: E402
 
 MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "llama-100m")
 
@@ -94,9 +95,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     args = p.parse_args()
     torch.set_num_threads(2)
-    cpu = open("/proc/cpuinfo").read()
-    flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in cpu]
-    print(f"CPU flags: {' '.join(flags)}; {torch.get_num_threads()} threads")
+    print(f"CPU flags: {cpu_flag_summary()}; {torch.get_num_threads()} threads")
     profile_workload(args.num_prompts, args.output_len)
     decode_kernel_bandwidth()
 

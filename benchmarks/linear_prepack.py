@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenwise.benchmarks.roofline import measure_matmul_flops
-from tokenwise.model_config import _cpu_flags
+from tokenwise.model_config import cpu_flag_summary
 
 SHAPES = {  # name: (out_features, in_features)
     "qkv": (2304, 768),
@@ -46,8 +46,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,16,48,256,1024")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    flags = sorted(f for f in (_cpu_flags() or set()) if f.startswith(("avx", "amx")))
-    print(f"CPU flags: {' '.join(flags) or 'unknown'}; {torch.get_num_threads()} threads")
+    print(f"CPU flags: {cpu_flag_summary()}; {torch.get_num_threads()} threads")
     print(f"{args.dtype} 2048^3 matmul: {measure_matmul_flops(dtype=args.dtype) / 1e9:.0f} GFLOP/s")
     print("| rows | layer | F.linear GFLOP/s | prepacked GFLOP/s | ratio |")
     print("|---|---|---|---|---|")

@@ -48,6 +48,14 @@ def _cpu_flags() -> set[str] | None:
     return None
 
 
+def cpu_flag_summary() -> str:
+    """The CPU's vector flags that decide matmul speed (AVX2, AVX-512 and its bf16/VNNI parts,
+    AMX), for printing beside every CPU figure."""
+    flags = _cpu_flags() or set()
+    wanted = sorted(f for f in flags if f == "avx2" or f.startswith(("avx512", "amx")))
+    return " ".join(wanted) or "no AVX2"
+
+
 def cpu_supports_bf16() -> bool:
     """True when this CPU computes bf16 matmuls natively (AVX512_BF16 or AMX).
 

@@ -183,6 +183,11 @@ def test_compare_summary_ratio_and_roofline(compare_hf) -> None:
     assert rows["hf_batch"] == {"error": "RuntimeError: boom"}
     table = compare_hf.format_table(rows)
     assert "boom" in table and "5.00x" in table
+    targets = compare_hf.format_targets(rows, "float32").splitlines()
+    assert targets[0] == "target tokenwise vs HF generate: 5.00x (>= 2.50x): met"
+    assert targets[1] == "target tokenwise vs HF generate_batch: - (>= 5.00x): not run"
+    assert targets[2] == "target roofline share, float32: 50.0% (>= 70.0%): NOT met"
+    assert len(compare_hf.format_targets(rows, "bfloat16").splitlines()) == 2
     # 2 (K,V) x 2 layers x 1 kv head x 4 dims x 8 tokens x 2 bytes = 256 bytes per block
     shape = ModelShape(4, 2, 2, 1, 4, 8, 10)
     assert hf_num_blocks(shape, 1000, page_size=8, itemsize=2) == 3

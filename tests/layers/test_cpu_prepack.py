@@ -81,10 +81,25 @@ def test_not_packed_when_the_copies_would_crowd_memory(
     assert prepack_linear_weights(_model()) == 4
 
 
-def test_bf16_is_packed_only_where_the_cpu_has_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("tokenwise.model_config.cpu_supports_bf16", lambda: False)
-    assert prepack_linear_weights(_model().to(torch.bfloat16)) == 0
-    assert prepack_linear_weights(_model()) == 4  # float32 is packed everywhere
+@pytest.mark.parametrize("has_bf16", [True, False], ids=["onednn-bf16", "no-bf16-kernels"])
+def test_bf16_layers_compute_bf16_results(monkeypatch: pytest.MonkeyPatch, has_bf16: bool) -> None:
+    """Where oneDNN has no bf16 kernels, a bf16 weight is packed widened to float32; either
+    way the layer returns what a bf16 matmul returns (fp32 products and sums, bf16 output)."""
+    if has_bf16 and not cpu_prepack.onednn_has_bf16():
+        pytest.skip("oneDNN has no bf16 kernels on this CPU")
+    monkeypatch.setattr(cpu_prepack, "onednn_has_bf16", lambda: has_bf16)
+    model = _model().to(torch.bfloat16)
+    x = torch.randn(9, 32).to(torch.bfloat16)
+    expected = {
+        name: F.linear(x.float(), layer.weight.float(), None).to(torch.bfloat16)
+        for name, layer in model.items()
+        if name in ("o", "head")  # no bias: the rounding point is the same on both sides
+    }
+    assert prepack_linear_weights(model) == 4
+    want = torch.bfloat16 if has_bf16 else torch.float32
+    assert {m.packed_weight.dtype for m in model.values() if hasattr(m, "packed_weight")} == {want}
+    torch.testing.assert_close(model["o"](x), expected["o"])
+    torch.testing.assert_close(model["head"](x), expected["head"].float())
 
 
 def test_engine_packs_its_linears_and_still_equals_hf() -> None:
