@@ -229,16 +229,18 @@ class TorchAttentionImpl:
             is_causal = True
         else:
             mask = causal_lower_right(q_len, n_keys)  # type: ignore[assignment]
+        # A batch dimension of one: with 3-D inputs SDPA never takes its CPU flash kernel and
+        # runs the unfused math path instead (measured 2-3.4x slower on 200-300 tokens).
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            keys.transpose(0, 1),
-            values.transpose(0, 1),
+            q.transpose(0, 1)[None],
+            keys.transpose(0, 1)[None],
+            values.transpose(0, 1)[None],
             attn_mask=mask,
             is_causal=is_causal,
             scale=self.scale,
             enable_gqa=self.group > 1,
         )
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
 
     def _decode_into(
         self,
