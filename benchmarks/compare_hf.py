@@ -54,7 +54,7 @@ from tokenwise.benchmarks.hf_baselines import (
     run_hf_generate,
 )
 from tokenwise.benchmarks.roofline import ModelShape, measure_matmul_flops, workload_flops
-from tokenwise.engine.arg_utils import parse_memory_size, positive_int
+from tokenwise.entrypoints.engine_args import parse_memory_size, positive_int
 
 ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 ENGINES = ("tokenwise", "hf", "hf_batch")

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import tokenwise.engine.model_runner as model_runner  # noqa: E402
+import tokenwise.runner.model_runner as model_runner  # noqa: E402
 from tokenwise import GuidedDecodingParams, SamplingParams  # noqa: E402
 from tokenwise.entrypoints.llm import LLM  # noqa: E402
 

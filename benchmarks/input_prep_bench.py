@@ -25,9 +25,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tokenwise.attention.metadata import CommonMetadataBuilder  # noqa: E402
-from tokenwise.engine.input_batch import InputBatch  # noqa: E402
 from tokenwise.engine.request import Request  # noqa: E402
 from tokenwise.engine.step_outputs import ScheduledRequest  # noqa: E402
+from tokenwise.runner.input_batch import InputBatch  # noqa: E402
 from tokenwise.sampling.params import SamplingParams  # noqa: E402
 
 BLOCK = 16

@@ -119,7 +119,7 @@ def test_a_planted_upward_import_fails_and_is_named(tmp_path: Path) -> None:
     assert "1 layering problem(s):" in proc.stderr
     assert (
         "tokenwise/config.py:5: upward import (function-level): tokenwise.config in layer "
-        "'foundation' (#0) imports tokenwise.engine.llm_engine in layer 'engine'"
+        "'foundation' (#0) imports tokenwise.engine.llm_engine in layer 'engine loop'"
     ) in proc.stderr
     assert "llm_engine.py" not in proc.stderr  # the downward import is fine
 

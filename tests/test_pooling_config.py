@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tokenwise.config import PoolerConfig
-from tokenwise.engine.arg_utils import add_engine_args, engine_kwargs
+from tokenwise.entrypoints.engine_args import add_engine_args, engine_kwargs
 from tokenwise.pooling.params import PoolingParams
 from tokenwise.pooling.st_config import load_sentence_transformers_pooler
 from tokenwise.pooling.task import resolve_task

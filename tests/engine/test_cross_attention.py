@@ -22,7 +22,7 @@ from tokenwise.attention.utils import (
     is_all_cross_attn_metadata_set,
     is_all_encoder_attn_metadata_set,
 )
-from tokenwise.engine.encoder_decoder import CrossBlockManager
+from tokenwise.engine.kinds.encoder_inputs import CrossBlockManager
 from tokenwise.entrypoints.llm import LLM
 from tokenwise.sampling.params import SamplingParams
 

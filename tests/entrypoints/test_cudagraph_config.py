@@ -11,14 +11,14 @@ from tokenwise.attention.backends import selector
 from tokenwise.attention.backends.torch_backend import TorchAttentionBackend
 from tokenwise.attention.backends.triton_backend import TritonAttentionBackend
 from tokenwise.config import CompilationConfig, CUDAGraphMode, EngineConfig
-from tokenwise.engine.arg_utils import (
+from tokenwise.entrypoints.engine_args import (
     add_engine_args,
     engine_kwargs,
     parse_capture_sizes,
     parse_cudagraph_mode,
 )
-from tokenwise.engine.graph_setup import check_cudagraph_config, new_capturer_factory
 from tokenwise.entrypoints.llm import resolve_cudagraph_mode
+from tokenwise.runner.graph_setup import check_cudagraph_config, new_capturer_factory
 
 M = CUDAGraphMode
 

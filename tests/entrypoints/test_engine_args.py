@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from tokenwise.engine.arg_utils import (
+from tokenwise.entrypoints.engine_args import (
     add_engine_args,
     bounded_int,
     engine_kwargs,

@@ -1,5 +1,5 @@
 """LoRA batches get their own CUDA graphs (`has_lora` in the batch descriptor), on CPU with
-capture and replay faked (see tests/engine/test_cuda_graph_runner.py for the fake).
+capture and replay faked (see tests/runner/test_graph_runner.py for the fake).
 
 A LoRA engine captures every key twice: base-model graphs without the adapters' matmuls and
 `has_lora` graphs with them. Steps that use an adapter must replay the latter (a base graph
@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from tests.runner.test_graph_runner import Recorder, fake_graphs  # noqa: F401
 
-from tests.engine.test_cuda_graph_runner import Recorder, fake_graphs  # noqa: F401
 from tests.lora.test_lora_vs_peft import GREEDY, _prompts, _tokens, checkpoint, request
 from tokenwise import LLM
 from tokenwise.config import CUDAGraphMode

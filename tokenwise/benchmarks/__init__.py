@@ -9,7 +9,7 @@ stay instant; each command imports torch and the engine when it runs.
 
 Layering (`tokenwise.tools.check_layers`): the benchmarks sit above the offline `LLM` API
 (`tokenwise.entrypoints.llm`), which throughput and latency run, and below the CLI, which
-registers them here. Their engine flags come from `tokenwise.engine.arg_utils`, never from the
+registers them here. Their engine flags come from `tokenwise.entrypoints.engine_args`, never from the
 CLI's modules, so the two never import each other.
 """
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tokenwise.engine.arg_utils import positive_int
+from tokenwise.entrypoints.engine_args import positive_int
 
 
 def parse_len_range(text: str) -> tuple[int, int]:

@@ -20,7 +20,7 @@ from tokenwise.benchmarks.common import (
     summarize,
     write_json,
 )
-from tokenwise.engine.arg_utils import (
+from tokenwise.entrypoints.engine_args import (
     add_engine_args,
     engine_kwargs,
     non_negative_int,

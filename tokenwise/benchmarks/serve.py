@@ -33,7 +33,7 @@ from tokenwise.benchmarks.common import (
     summarize,
     write_json,
 )
-from tokenwise.engine.arg_utils import positive_int
+from tokenwise.entrypoints.engine_args import positive_int
 
 WORDS = "the of and to in is was for on that with as by at from his her an it are be".split()
 

@@ -20,7 +20,7 @@ from tokenwise.benchmarks.common import (
     make_workload,
     write_json,
 )
-from tokenwise.engine.arg_utils import add_engine_args, engine_kwargs, positive_int
+from tokenwise.entrypoints.engine_args import add_engine_args, engine_kwargs, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -20,9 +20,7 @@ from typing import Any
 from tokenwise.config import EngineConfig
 from tokenwise.engine.block_manager import BlockManager
 from tokenwise.engine.detokenizer import IncrementalDetokenizer
-from tokenwise.engine.encoder_decoder import EncoderInputs
-from tokenwise.engine.memory_profiling import check_kv_cache_holds_one_sequence
-from tokenwise.engine.model_runner import ModelRunner
+from tokenwise.engine.kinds.encoder_inputs import EncoderInputs
 from tokenwise.engine.prompts import (
     PromptInput,
     load_tokenizer,
@@ -37,6 +35,8 @@ from tokenwise.lora.request import LoRARequest
 from tokenwise.models.registry import is_moe_architecture
 from tokenwise.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenwise.platform import configure_cpu_allocator
+from tokenwise.runner.memory_profiling import check_kv_cache_holds_one_sequence
+from tokenwise.runner.model_runner import ModelRunner
 from tokenwise.sampling.guided.compiler import GrammarCompileCache, grammar_compile_timeout_s
 from tokenwise.sampling.guided.state import GrammarState
 from tokenwise.sampling.params import SamplingParams
@@ -79,7 +79,7 @@ class _RequestGroup:
 
 
 class LLMEngine:
-    # The embedding engine (`engine/pooling_engine.py`) swaps these for its own: a runner that
+    # The embedding engine (`engine/kinds/pooling.py`) swaps these for its own: a runner that
     # pools instead of sampling, and a scheduler of whole prompts with no KV blocks.
     runner_cls: type[ModelRunner] = ModelRunner
     scheduler_cls: type[Scheduler] = Scheduler
@@ -97,7 +97,7 @@ class LLMEngine:
         if parallel.is_moe_model is None:
             parallel.is_moe_model = is_moe_architecture(config.model.architectures)
         # Under DP an MoE model's layers are collectives: every rank must run one forward pass
-        # per step, a dummy one when it has nothing scheduled (see tokenwise.engine.dp_rank).
+        # per step, a dummy one when it has nothing scheduled (see tokenwise.distributed.dp_engine_rank).
         self.runner = self.runner_cls(config, device)
         self.dp_lockstep = self.runner.dp_lockstep
         num_blocks = self.runner.determine_num_blocks()

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenwise.engine.encoder_decoder import EncoderInputs
+from tokenwise.engine.kinds.encoder_inputs import EncoderInputs
 from tokenwise.lora.request import LoRARequest
 from tokenwise.pooling.params import PoolingParams
 from tokenwise.sampling.guided.state import GrammarState

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tokenwise.engine.arg_utils import engine_kwargs
+from tokenwise.entrypoints.engine_args import engine_kwargs
 from tokenwise.sampling.params import SamplingParams
 
 

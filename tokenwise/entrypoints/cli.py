@@ -50,7 +50,7 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tokenwise.engine.arg_utils import add_engine_args
+    from tokenwise.entrypoints.engine_args import add_engine_args
 
     parser = argparse.ArgumentParser(
         prog="tokenwise",

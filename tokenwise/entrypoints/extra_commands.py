@@ -7,7 +7,7 @@ import argparse
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the optional subcommands; each imports its heavy dependencies lazily."""
-    from tokenwise.engine.arg_utils import add_engine_args
+    from tokenwise.entrypoints.engine_args import add_engine_args
     from tokenwise.entrypoints.openai.cli_args import add_server_args
 
     serve = subparsers.add_parser(

@@ -7,7 +7,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from tokenwise.engine.arg_utils import engine_kwargs
+from tokenwise.entrypoints.engine_args import engine_kwargs
 from tokenwise.outputs import RequestOutput
 from tokenwise.sampling.params import SamplingParams
 

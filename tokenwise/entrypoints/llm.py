@@ -20,7 +20,7 @@ from tokenwise.config import (
     PoolerConfig,
     SchedulerConfig,
 )
-from tokenwise.engine.dp_client import create_engine
+from tokenwise.distributed.dp_engine_client import create_engine
 from tokenwise.engine.prompts import PromptInput
 from tokenwise.layers.fused_moe.experts import grouped_mm_available
 from tokenwise.lora.request import LoRARequest
@@ -144,14 +144,14 @@ def build_engine_config(
             model_config.model, model_config.architectures, override_pooler_config
         )
         check_embed_settings(data_parallel_size, tensor_parallel_size, cudagraph_mode)
-        enforce_eager, cudagraph_mode = True, None  # see tokenwise.engine.pooling_runner
+        enforce_eager, cudagraph_mode = True, None  # see tokenwise.engine.kinds.pooling_runner
     elif override_pooler_config is not None:
         raise ValueError("override_pooler_config applies to task='embed' models only")
     if is_encoder_decoder_architecture(model_config.architectures):
         check_encoder_decoder_settings(data_parallel_size, tensor_parallel_size)
         if cudagraph_mode is None or CUDAGraphMode.parse(cudagraph_mode) == CUDAGraphMode.NONE:
             # Compiled and graphed only when a graph mode is asked for: that path is tested on
-            # CPU with capture faked, not yet on a GPU (tokenwise.engine.encoder_decoder_runner).
+            # CPU with capture faked, not yet on a GPU (tokenwise.engine.kinds.encoder_decoder_runner).
             enforce_eager = True
     is_moe = is_moe_architecture(model_config.architectures)
     collectives = (data_parallel_size > 1 and is_moe) or tensor_parallel_size > 1

@@ -39,7 +39,7 @@ class LoRAState:
     ) -> None:
         self.max_loras = max_loras
         # False for a step of base-model tokens only: the layers then skip their LoRA matmuls
-        # (and base-model graphs are captured without them; see CudaGraphRunner).
+        # (and base-model graphs are captured without them; see CUDAGraphRunner).
         self.active = False
         self.token_mask = torch.zeros(max_num_tokens, max_loras, dtype=dtype, device=device)
         self._num_rows = 0

@@ -101,8 +101,54 @@ LAYERS: tuple[Layer, ...] = (
     # Embedding models: pooling parameters and the pooler; the task check reads the registry.
     Layer("pooling", ("tokenwise.pooling.*",)),
     Layer("compilation", ("tokenwise.compilation.*",)),
-    # Scheduler, runner, engine loop, and the engine flags every CLI (and benchmark) shares.
-    Layer("engine", ("tokenwise.engine.*",)),
+    # What the scheduler owns and hands the runner: requests, block tables, stop rules, the
+    # step's records; and the model kinds' request-side pieces (encoder inputs, whole-prompt
+    # scheduling of embedding models).
+    Layer(
+        "requests and scheduling",
+        (
+            "tokenwise.engine",
+            "tokenwise.engine.request",
+            "tokenwise.engine.step_outputs",
+            "tokenwise.engine.block_pool",
+            "tokenwise.engine.block_manager",
+            "tokenwise.engine.scheduler",
+            "tokenwise.engine.stop_rules",
+            "tokenwise.engine.detokenizer",
+            "tokenwise.engine.prompts",
+            "tokenwise.engine.stats",
+            "tokenwise.engine.kinds",
+            "tokenwise.engine.kinds.encoder_inputs",
+            "tokenwise.engine.kinds.audio",
+            "tokenwise.engine.kinds.pooling_scheduler",
+        ),
+    ),
+    # The TP workers' processes and the per-step channel to them, which carries the runner's
+    # step inputs: the runner drives both.
+    Layer("tensor-parallel workers", ("tokenwise.distributed.tp_workers",)),
+    # Input batch, model runner, CUDA graphs, KV cache sizing: a scheduled step to sampled
+    # tokens. The TP channel sends the runner's step inputs, so it lives beside them.
+    Layer("runner", ("tokenwise.runner.*", "tokenwise.distributed.tp_channel")),
+    # The engine loop, and each model kind's engine, runner and prompt processing on top.
+    Layer("engine loop", ("tokenwise.engine.llm_engine",)),
+    Layer(
+        "model kinds",
+        (
+            "tokenwise.engine.kinds.*",
+            "tokenwise.distributed.tp_worker",
+        ),
+    ),
+    # Data parallelism: one engine process per rank behind a front end with the engine's API.
+    Layer(
+        "engine clients",
+        (
+            "tokenwise.distributed.dp_engine_rank",
+            "tokenwise.distributed.dp_engine_client",
+            "tokenwise.engine.client",
+        ),
+    ),
+    # The engine flags every CLI (and benchmark) shares.
+    Layer("engine arguments", ("tokenwise.entrypoints.engine_args",)),
     # The offline `LLM` API: what the benchmarks run.
     Layer("offline API", ("tokenwise.entrypoints.llm",)),
     # Benchmarks run `LLM`, and the CLI below registers them: they sit between the two.

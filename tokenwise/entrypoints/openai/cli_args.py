@@ -10,7 +10,7 @@ import argparse
 import os
 from typing import Any
 
-from tokenwise.engine.arg_utils import (
+from tokenwise.entrypoints.engine_args import (
     bounded_int,
     non_negative_int,
     parse_memory_size,

@@ -22,20 +22,20 @@ from tokenwise.compilation.compile import compile_model
 from tokenwise.config import CUDAGraphMode, EngineConfig
 from tokenwise.distributed.dp_coordination import coordinate_batch_across_dp
 from tokenwise.distributed.parallel_state import destroy_dp_group
+from tokenwise.distributed.tp_channel import SpecTables, TPDriver, step_from_payload, step_payload
 from tokenwise.distributed.tp_state import destroy_tp_group, get_tp_size
+from tokenwise.distributed.tp_workers import join_parallel_groups, start_tensor_parallel
 from tokenwise.distributed.ubatching import create_ubatch_slices
-from tokenwise.engine.cuda_graph_runner import CudaGraphRunner
-from tokenwise.engine.graph_setup import default_capture_sizes, graph_setup
-from tokenwise.engine.input_batch import InputBatch, StepInputs
-from tokenwise.engine.kv_cache_sizing import KVCacheSizingMixin
 from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from tokenwise.engine.tp_executor import join_parallel_groups, start_tensor_parallel
-from tokenwise.engine.tp_steps import SpecTables, TPDriver, step_from_payload, step_payload
 from tokenwise.forward_context import set_forward_context
 from tokenwise.layer_registry import get_layers_from_config
 from tokenwise.layers.cpu_prepack import prepack_linear_weights
 from tokenwise.loader import load_model
 from tokenwise.lora.manager import LoRAManager
+from tokenwise.runner.graph_runner import CUDAGraphRunner
+from tokenwise.runner.graph_setup import default_capture_sizes, graph_setup
+from tokenwise.runner.input_batch import InputBatch, StepInputs
+from tokenwise.runner.kv_cache_sizing import KVCacheSizingMixin
 from tokenwise.sampling.guided.bitmask import apply_grammar_bitmask
 from tokenwise.sampling.metadata import SamplingMetadata
 from tokenwise.sampling.sampler import Sampler
@@ -64,7 +64,7 @@ class ModelRunner(KVCacheSizingMixin):
         except BaseException:
             self.tp.abandon()  # the workers fail the same way; do not leave them waiting
             raise
-        self.graph_runner: CudaGraphRunner | None = None
+        self.graph_runner: CUDAGraphRunner | None = None
         self._capturer_factory, wrap_piece = graph_setup(config, self.device)
         scheduler = config.scheduler
         compilation = config.compilation
@@ -91,7 +91,7 @@ class ModelRunner(KVCacheSizingMixin):
             raise RuntimeError("the model registered no attention layers")
         self.sampler = Sampler()
         parallel = config.parallel
-        # MoE under DP: every forward pass is a collective (see tokenwise.engine.dp_rank).
+        # MoE under DP: every forward pass is a collective (see tokenwise.distributed.dp_engine_rank).
         self.dp_lockstep = parallel.data_parallel_size > 1 and bool(parallel.is_moe_model)
         self.num_ubatched_steps = 0
         self.kv_caches: dict[str, torch.Tensor] = {}
@@ -127,7 +127,7 @@ class ModelRunner(KVCacheSizingMixin):
         )
         if self._capturer_factory is not None:
             reserved = torch.cuda.memory_reserved(self.device)
-            self.graph_runner = CudaGraphRunner.for_model_runner(self, self._capturer_factory)
+            self.graph_runner = CUDAGraphRunner.for_model_runner(self, self._capturer_factory)
             self.graph_runner.capture_model()
             logger.info(
                 "CUDA graphs captured; PyTorch's reserved memory grew by %.2f GiB",

@@ -7,7 +7,7 @@ import torch
 
 from tests.engine._fixtures import checkpoint
 from tokenwise import LLM
-from tokenwise.engine.memory_profiling import kv_cache_budget_bytes, profile_run
+from tokenwise.runner.memory_profiling import kv_cache_budget_bytes, profile_run
 
 GiB = 1 << 30
 

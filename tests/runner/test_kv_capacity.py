@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from tests.engine._fixtures import assert_pool_clean, checkpoint, hf_greedy
 from tokenwise import LLM, SamplingParams
 from tokenwise.batchsize_stats import ENV_INTERVAL
-from tokenwise.engine import kv_cache_sizing
 from tokenwise.entrypoints.cli import main as cli_main
+from tokenwise.runner import kv_cache_sizing
 
 SETTINGS = ("num_gpu_blocks", "kv_cache_memory", "gpu_memory_utilization", "max_model_len")
 

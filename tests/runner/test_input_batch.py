@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from tokenwise.attention.metadata import CommonMetadataBuilder
-from tokenwise.engine.input_batch import InputBatch
 from tokenwise.engine.request import Request
 from tokenwise.engine.step_outputs import ScheduledRequest
+from tokenwise.runner.input_batch import InputBatch
 from tokenwise.sampling.params import SamplingParams
 
 B = 4

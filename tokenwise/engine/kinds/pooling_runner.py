@@ -17,9 +17,9 @@ import logging
 import torch
 
 from tokenwise.config import EngineConfig
-from tokenwise.engine.model_runner import ModelRunner
 from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from tokenwise.pooling.pooler import Pooler
+from tokenwise.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

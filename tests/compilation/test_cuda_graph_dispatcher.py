@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenwise.compilation.cudagraph_dispatcher import CudagraphDispatcher
+from tokenwise.compilation.cuda_graph_dispatcher import CUDAGraphDispatcher
 from tokenwise.config import CompilationConfig, CUDAGraphMode
 from tokenwise.forward_context import BatchDescriptor
 
@@ -24,8 +24,8 @@ def padded(n: int) -> int:
     return min(s for s in SIZES if s >= n)
 
 
-def make(mode: CUDAGraphMode, query_len: int = 1, has_lora: bool = False) -> CudagraphDispatcher:
-    d = CudagraphDispatcher(CompilationConfig(cudagraph_capture_sizes=SIZES), MAX_NUM_SEQS)
+def make(mode: CUDAGraphMode, query_len: int = 1, has_lora: bool = False) -> CUDAGraphDispatcher:
+    d = CUDAGraphDispatcher(CompilationConfig(cudagraph_capture_sizes=SIZES), MAX_NUM_SEQS)
     d.initialize_cudagraph_keys(mode, uniform_decode_query_len=query_len, has_lora=has_lora)
     return d
 
@@ -142,14 +142,14 @@ def test_lora_keys() -> None:
 
 def test_keys_not_initialised_run_eagerly() -> None:
     config = CompilationConfig(cudagraph_mode=M.FULL_AND_PIECEWISE, cudagraph_capture_sizes=SIZES)
-    d = CudagraphDispatcher(config, MAX_NUM_SEQS)
+    d = CUDAGraphDispatcher(config, MAX_NUM_SEQS)
     for n in (1, 3, 16):
         assert d.dispatch(n, uniform_decode=True) == eager(n)
         assert d.dispatch(n) == eager(n)
 
 
 def test_no_capture_sizes_runs_eagerly() -> None:
-    d = CudagraphDispatcher(CompilationConfig(), MAX_NUM_SEQS)
+    d = CUDAGraphDispatcher(CompilationConfig(), MAX_NUM_SEQS)
     d.initialize_cudagraph_keys(M.FULL_AND_PIECEWISE)
     assert d.dispatch(1, uniform_decode=True) == eager(1)
 

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from tokenwise.attention.layer import AttentionLayerBase
-from tokenwise.engine.cuda_graph_runner import CudaGraphRunner
-from tokenwise.engine.memory_profiling import cuda_kv_cache_budget
+from tokenwise.runner.graph_runner import CUDAGraphRunner
+from tokenwise.runner.memory_profiling import cuda_kv_cache_budget
 
-logger = logging.getLogger("tokenwise.engine.model_runner")
+logger = logging.getLogger("tokenwise.runner.model_runner")
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when nothing else is said
 
@@ -104,7 +104,7 @@ class KVCacheSizingMixin:
             return 0
         self._bind_kv_cache(1)
         free_before = self._free_device_memory()
-        CudaGraphRunner.for_model_runner(self, self._capturer_factory).capture_model()
+        CUDAGraphRunner.for_model_runner(self, self._capturer_factory).capture_model()
         free_after = self._free_device_memory()
         self.kv_caches.clear()
         for layer in self.attn_layers.values():

@@ -15,9 +15,9 @@ import time
 
 from tokenwise.config import EngineConfig
 from tokenwise.engine.block_manager import BlockManager
+from tokenwise.engine.kinds.pooling_runner import PoolingModelRunner
+from tokenwise.engine.kinds.pooling_scheduler import PoolingScheduler
 from tokenwise.engine.llm_engine import LLMEngine, _RequestGroup, _Sample
-from tokenwise.engine.pooling_runner import PoolingModelRunner
-from tokenwise.engine.pooling_scheduler import PoolingScheduler
 from tokenwise.engine.prompts import PromptInput, to_token_ids
 from tokenwise.engine.request import Request
 from tokenwise.engine.step_outputs import ModelRunnerOutput

@@ -23,8 +23,8 @@ from tokenwise.distributed.tp_state import (
     get_tp_rank,
     get_tp_size,
 )
-from tokenwise.engine.input_batch import StepInputs
-from tokenwise.engine.tp_executor import TPWorkers
+from tokenwise.distributed.tp_workers import TPWorkers
+from tokenwise.runner.input_batch import StepInputs
 
 # Attention spec (sliding window or None) -> (block tables, first logical block of each row).
 SpecTables = dict[int | None, tuple[torch.Tensor, list[int] | None]]

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenwise.engine.audio import audio_to_features, load_feature_extractor
-from tokenwise.engine.encoder_decoder import EncoderInputs
+from tokenwise.engine.kinds.audio import audio_to_features, load_feature_extractor
+from tokenwise.engine.kinds.encoder_inputs import EncoderInputs
 from tokenwise.engine.prompts import PromptInput, check_text, to_token_ids
 from tokenwise.model_config import ModelConfig
 from tokenwise.models.registry import resolve_model_class

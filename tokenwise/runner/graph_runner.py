@@ -1,7 +1,7 @@
 """Per-step CUDA-graph dispatch: pick a graph for the step, run it (SPEC §2).
 
 The model runner asks `plan` for a runtime mode and padded `BatchDescriptor` (the
-`CudagraphDispatcher` decides), pads the step in its input batch, and calls `execute`:
+`CUDAGraphDispatcher` decides), pads the step in its input batch, and calls `execute`:
 
 - FULL (uniform decode batches; also in plain FULL mode, whose mixed batches run eagerly): the
   whole model was captured, attention included, on the input batch's own persistent buffers
@@ -34,17 +34,17 @@ from tokenwise.attention.backends.selector import get_attn_backend
 from tokenwise.attention.graph_state import CommonAttentionState
 from tokenwise.attention.metadata import AttentionMetadata
 from tokenwise.compilation.cuda_graph import CapturerFactory, CUDAGraphWrapper
-from tokenwise.compilation.cudagraph_dispatcher import CudagraphDispatcher
+from tokenwise.compilation.cuda_graph_dispatcher import CUDAGraphDispatcher
 from tokenwise.config import CUDAGraphMode, EngineConfig
-from tokenwise.engine.graph_setup import check_cudagraph_config, default_capture_sizes
-from tokenwise.engine.input_batch import InputBatch
 from tokenwise.forward_context import BatchDescriptor, set_forward_context
 from tokenwise.lora.layers import LoRAState
+from tokenwise.runner.graph_setup import check_cudagraph_config, default_capture_sizes
+from tokenwise.runner.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
 
 
-class CudaGraphRunner:
+class CUDAGraphRunner:
     """Captures the model's graphs once, then runs every step through the dispatcher.
 
     `model` is what the model runner would call (compiled piecewise when the mode has
@@ -70,7 +70,7 @@ class CudaGraphRunner:
         compilation = config.compilation
         mode = compilation.cudagraph_mode
         if mode == CUDAGraphMode.NONE:
-            raise ValueError("CudaGraphRunner needs a cudagraph_mode other than NONE")
+            raise ValueError("CUDAGraphRunner needs a cudagraph_mode other than NONE")
         check_cudagraph_config(config, backend)
         if mode.requires_piecewise_compilation() and not getattr(model, "piecewise", False):
             raise ValueError(
@@ -95,7 +95,7 @@ class CudaGraphRunner:
                 "sliding-window attention: FULL CUDA graphs disabled, mixed-batch graphs only"
             )
         self.layer_names = list(layer_specs)
-        self.dispatcher = CudagraphDispatcher(compilation, scheduler.max_num_seqs)
+        self.dispatcher = CUDAGraphDispatcher(compilation, scheduler.max_num_seqs)
         self.dispatcher.initialize_cudagraph_keys(mode)
         self.lora_state = lora_state
         if lora_state is not None:
@@ -130,7 +130,7 @@ class CudaGraphRunner:
         self._graph_metadata: dict[int, AttentionMetadata] = {}
 
     @classmethod
-    def for_model_runner(cls, runner: Any, capturer_factory: CapturerFactory) -> CudaGraphRunner:
+    def for_model_runner(cls, runner: Any, capturer_factory: CapturerFactory) -> CUDAGraphRunner:
         """The graph runner of a `ModelRunner` whose KV cache is allocated."""
         return cls(
             runner.model,

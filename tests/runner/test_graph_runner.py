@@ -21,9 +21,9 @@ from tokenwise.attention.backends import selector
 from tokenwise.attention.utils import PAD_SLOT_ID
 from tokenwise.compilation.cuda_graph import EagerReplayCapturer
 from tokenwise.config import CUDAGraphMode
-from tokenwise.engine import graph_setup
 from tokenwise.entrypoints.llm import build_engine_config
 from tokenwise.forward_context import BatchDescriptor
+from tokenwise.runner import graph_setup
 
 M = CUDAGraphMode
 PROMPTS = [
@@ -189,7 +189,7 @@ def test_graphs_measured_on_a_placeholder_cache_are_recaptured_on_the_real_one(
     (keeping the placeholder's runner fails it); piecewise graphs never read the cache and are
     captured once. The tokens must still equal eager's.
     """
-    from tokenwise.engine.model_runner import ModelRunner
+    from tokenwise.runner.model_runner import ModelRunner
 
     determine = ModelRunner.determine_num_blocks
 
@@ -235,9 +235,9 @@ def test_default_capture_sizes() -> None:
 
 def test_padding_rows_are_one_token_decodes_on_pad_slots() -> None:
     from tokenwise.attention.metadata import CommonMetadataBuilder
-    from tokenwise.engine.input_batch import InputBatch
     from tokenwise.engine.request import Request
     from tokenwise.engine.step_outputs import ScheduledRequest
+    from tokenwise.runner.input_batch import InputBatch
 
     prefill = Request("a", [5, 6, 7, 8, 9], SamplingParams())  # a prefill of 5 tokens
     prefill.block_table = [3, 7]

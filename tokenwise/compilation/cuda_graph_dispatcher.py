@@ -13,7 +13,7 @@ from tokenwise.config import CompilationConfig, CUDAGraphMode
 from tokenwise.forward_context import BatchDescriptor
 
 
-class CudagraphDispatcher:
+class CUDAGraphDispatcher:
     def __init__(self, compilation_config: CompilationConfig, max_num_seqs: int) -> None:
         self.compilation_config = compilation_config
         self.max_num_seqs = max_num_seqs

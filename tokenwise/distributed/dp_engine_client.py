@@ -22,11 +22,11 @@ import weakref
 from typing import Any
 
 from tokenwise.config import EngineConfig
+from tokenwise.distributed.dp_engine_rank import run_dp_rank
 from tokenwise.distributed.tp_state import free_port
-from tokenwise.engine.dp_rank import run_dp_rank
-from tokenwise.engine.encoder_decoder_engine import EncoderDecoderLLMEngine
+from tokenwise.engine.kinds.encoder_decoder import EncoderDecoderLLMEngine
+from tokenwise.engine.kinds.pooling import PoolingLLMEngine
 from tokenwise.engine.llm_engine import LLMEngine
-from tokenwise.engine.pooling_engine import PoolingLLMEngine
 from tokenwise.engine.prompts import PromptInput, load_tokenizer, validate_request
 from tokenwise.engine.stats import EngineStats
 from tokenwise.lora.request import LoRARequest

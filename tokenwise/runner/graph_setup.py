@@ -56,7 +56,7 @@ def graph_setup(
     """The capturer factory shared by all graphs, and the wrapper for compiled pieces.
 
     (None, None) when `cudagraph_mode` is NONE. Pieces are wrapped only when the mode has
-    piecewise graphs; FULL-only modes capture the whole model in `CudaGraphRunner`.
+    piecewise graphs; FULL-only modes capture the whole model in `CUDAGraphRunner`.
     """
     mode = config.compilation.cudagraph_mode
     if mode == CUDAGraphMode.NONE:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from tokenwise.config import EngineConfig
 from tokenwise.engine.block_manager import BlockManager
-from tokenwise.engine.encoder_decoder import CrossBlockManager, EncoderInputs
-from tokenwise.engine.encoder_decoder_prompts import EncoderDecoderPrompts
-from tokenwise.engine.encoder_decoder_runner import EncoderDecoderModelRunner
+from tokenwise.engine.kinds.encoder_decoder_prompts import EncoderDecoderPrompts
+from tokenwise.engine.kinds.encoder_decoder_runner import EncoderDecoderModelRunner
+from tokenwise.engine.kinds.encoder_inputs import CrossBlockManager, EncoderInputs
 from tokenwise.engine.llm_engine import LLMEngine
 from tokenwise.engine.prompts import PromptInput, validate_request
 from tokenwise.sampling.params import SamplingParams

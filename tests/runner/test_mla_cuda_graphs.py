@@ -13,14 +13,14 @@ from typing import Any
 
 import pytest
 import torch
+from tests.runner.test_graph_runner import Recorder, assert_same_outputs
 
 from tests.engine._fixtures import assert_pool_clean, checkpoint
-from tests.engine.test_cuda_graph_runner import Recorder, assert_same_outputs
 from tokenwise import LLM, SamplingParams
 from tokenwise.attention.backends import selector
 from tokenwise.config import CompilationConfig, CUDAGraphMode
-from tokenwise.engine import graph_setup
 from tokenwise.entrypoints.llm import build_engine_config
+from tokenwise.runner import graph_setup
 
 M = CUDAGraphMode
 PROMPTS = ["The quick brown fox", "Hello", "def fibonacci(n):\n    return", "Once upon a time"]

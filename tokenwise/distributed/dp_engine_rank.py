@@ -1,6 +1,6 @@
 """One data-parallel rank: a whole engine (scheduler, KV cache, model) in its own process.
 
-The front end (`tokenwise.engine.dp_client.DPEngineClient`) owns the requests' routing; each
+The front end (`tokenwise.distributed.dp_engine_client.DPEngineClient`) owns the requests' routing; each
 rank owns the state of the requests routed to it and runs the ordinary engine loop on them.
 What makes ranks more than N independent engines is the MoE layer: under DP its experts are
 spread over the ranks and every forward pass exchanges tokens, so all ranks must run the same

@@ -33,10 +33,10 @@ from tokenwise.attention.attn_metadata import AttentionMetadata
 from tokenwise.attention.utils import AttentionType, compute_slot_mapping
 from tokenwise.compilation.compile import CompiledModel
 from tokenwise.config import EngineConfig
-from tokenwise.engine.input_batch import StepInputs
-from tokenwise.engine.model_runner import ModelRunner
 from tokenwise.engine.step_outputs import ScheduledRequest
 from tokenwise.forward_context import set_forward_context
+from tokenwise.runner.input_batch import StepInputs
+from tokenwise.runner.model_runner import ModelRunner
 
 
 class EncoderDecoderModelRunner(ModelRunner):
