@@ -60,20 +60,60 @@ def test_allocation_covers_ceil_tokens(num_tokens: int) -> None:
     bm.check_invariants()
 
 
-def test_growth_across_boundary_adds_one_block_and_same_list() -> None:
+def test_growth_across_boundary_adds_one_block_and_reports_only_it() -> None:
     bm = BlockManager(num_blocks=10, block_size=BS)
     tokens = list(range(4))
     table = admit(bm, "a", tokens)
     assert table is not None and len(table) == 1
     tokens.append(99)
     grown = bm.allocate_slots("a", tokens, 4, 1)
-    assert grown is table and len(table) == 2
+    assert grown is not None and len(grown) == 1 and grown[0] not in table
+    assert bm.get_block_table("a") == (*table, *grown)
     # Filling the rest of block 1 needs no new block.
     tokens += [1, 2, 3]
-    assert bm.allocate_slots("a", tokens, 5, 3) is table and len(table) == 2
+    assert bm.allocate_slots("a", tokens, 5, 3) == []
+    assert bm.num_blocks_of("a") == 2
     tokens.append(7)
-    assert len(bm.allocate_slots("a", tokens, 8, 1) or []) == 3
+    assert len(bm.allocate_slots("a", tokens, 8, 1) or []) == 1
+    assert bm.num_blocks_of("a") == 3
     bm.check_invariants()
+
+
+def test_the_table_is_owned_by_the_manager_alone() -> None:
+    """What callers get is a copy: editing it cannot change what the manager holds."""
+    bm = BlockManager(num_blocks=10, block_size=BS)
+    new = bm.allocate_slots("a", list(range(8)), 0, 8)
+    assert new is not None and len(new) == 2
+    new.append(9)
+    view = bm.get_block_table("a")
+    assert isinstance(view, tuple) and len(view) == 2
+    bm.check_invariants()
+
+
+def test_truncate_rolls_back_speculative_tokens_only() -> None:
+    """A rollback: blocks past the kept tokens go back to the pool; cached blocks are refused."""
+    bm = BlockManager(num_blocks=10, block_size=BS)
+    known = list(range(5))
+    # 5 known tokens + 7 speculative ones computed: 3 blocks, only block 0 full of known ones.
+    assert bm.allocate_slots("a", known, 0, 12) is not None
+    full = bm.get_block_table("a")
+    assert bm.get_computed_blocks("x", known + [0] * 8)[1] == 4
+    bm.truncate("a", 6)  # 1 draft token accepted: blocks 0 and 1 cover 6 tokens
+    assert bm.get_block_table("a") == full[:2]
+    assert bm.get_num_free_blocks() == 8
+    bm.check_invariants()
+    # Regrowing registers each block once it is full of known tokens, under those tokens.
+    known += [50, 51, 52, 53, 54, 55, 56]
+    regrown = bm.allocate_slots("a", known, 6, 6)
+    assert regrown is not None and len(regrown) == 1
+    hits, n = bm.get_computed_blocks("b", known + [0])
+    assert n == 12 and hits == [*full[:2], regrown[0]]
+    bm.check_invariants()
+    with pytest.raises(ValueError, match="into blocks registered in the prefix cache"):
+        bm.truncate("a", 7)
+    with pytest.raises(ValueError, match="into blocks registered in the prefix cache"):
+        bm.truncate("a", -1)
+    assert bm.get_block_table("a") == (*full[:2], regrown[0])
 
 
 def test_not_enough_blocks_changes_nothing() -> None:
@@ -214,7 +254,7 @@ def test_blocks_filled_by_decoding_become_cached() -> None:
     tokens.append(8)
     assert bm.allocate_slots("a", tokens, 8, 1) is not None
     hits, n = bm.get_computed_blocks("b", tokens)
-    assert n == 8 and hits == bm.get_block_table("a")[:2]
+    assert n == 8 and hits == list(bm.get_block_table("a")[:2])
 
 
 def test_only_computed_blocks_are_registered() -> None:

@@ -22,7 +22,7 @@ from tokenwise.attention.utils import (
     is_all_cross_attn_metadata_set,
     is_all_encoder_attn_metadata_set,
 )
-from tokenwise.engine.kinds.encoder_inputs import CrossBlockManager
+from tokenwise.engine.block_manager import BlockManager
 from tokenwise.entrypoints.llm import LLM
 from tokenwise.sampling.params import SamplingParams
 
@@ -107,7 +107,7 @@ def test_seed_helpers_read_the_runner_metadata(recorded: dict[str, Any]) -> None
 
 
 def test_cross_blocks_are_never_cached_and_free_with_the_request() -> None:
-    bm = CrossBlockManager(num_blocks=6, block_size=4)
+    bm = BlockManager(num_blocks=6, block_size=4, num_kv_cache_groups=2)
     tokens = list(range(8))
     assert bm.allocate_slots("a", tokens, 0, 8) is not None  # two full blocks, registered
     cross = bm.allocate_cross_slots("a", 9)

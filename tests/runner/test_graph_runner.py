@@ -240,11 +240,16 @@ def test_padding_rows_are_one_token_decodes_on_pad_slots() -> None:
     from tokenwise.runner.input_batch import InputBatch
 
     prefill = Request("a", [5, 6, 7, 8, 9], SamplingParams())  # a prefill of 5 tokens
-    prefill.block_table = [3, 7]
     decode = Request("b", list(range(7)), SamplingParams())  # a decode at position 6
-    decode.block_table, decode.num_computed_tokens = [2, 9], 6
+    decode.num_computed_tokens = 6
     batch = InputBatch(8, 16, 32, 4, torch.device("cpu"))
-    step = batch.prepare([ScheduledRequest(prefill, 5), ScheduledRequest(decode, 1)])
+    # Blocks [3, 7] and [2, 9], as the block manager would report them to a new row.
+    step = batch.prepare(
+        [
+            ScheduledRequest(prefill, 5, 0, ([3, 7],), (2,)),
+            ScheduledRequest(decode, 1, 0, ([2, 9],), (2,)),
+        ]
+    )
     padded = batch.pad(step, 8)
     assert batch.pad(step, step.num_tokens) is step
     md = CommonMetadataBuilder(block_size=4).build_from_buffers(

@@ -26,7 +26,9 @@ MAX_LEN = 64
 MAX_REQS = 6
 
 
-def reference(items: list[ScheduledRequest], window: int | None) -> tuple:
+def reference(
+    items: list[ScheduledRequest], window: int | None, tables: dict[str, list[int]]
+) -> tuple:
     builder = CommonMetadataBuilder(B, window)
     ids, pos, seq_lens, query_lens = [], [], [], []
     for i, item in enumerate(items):
@@ -36,12 +38,17 @@ def reference(items: list[ScheduledRequest], window: int | None) -> tuple:
         pos += range(start, start + n)
         seq_lens.append(start + n)
         query_lens.append(n)
-        builder.add_sequence(i, start, n, req.block_table)
+        builder.add_sequence(i, start, n, tables[req.request_id])
     return builder.build(seq_lens, query_lens), ids, pos
 
 
-def assert_same(batch: InputBatch, items: list[ScheduledRequest], window: int | None) -> None:
-    want, ids, pos = reference(items, window)
+def assert_same(
+    batch: InputBatch,
+    items: list[ScheduledRequest],
+    window: int | None,
+    tables: dict[str, list[int]],
+) -> None:
+    want, ids, pos = reference(items, window, tables)
     step = batch.prepare(items)
     tables, first = step.block_tables, None
     if window is not None:
@@ -89,6 +96,10 @@ def test_prepared_inputs_equal_the_reference_builder_over_a_simulation(
     free_blocks = list(range(200))
     rng.shuffle(free_blocks)
     running: list[Request] = []
+    # The block manager's tables, as the simulation keeps them; the batch learns each step's
+    # appended blocks and the table length from the ScheduledRequest, as from the scheduler.
+    tables: dict[str, list[int]] = {}
+    rollbacks = 0
     counter = 0
     for _ in range(60):
         left: list[str] = []
@@ -101,12 +112,15 @@ def test_prepared_inputs_equal_the_reference_builder_over_a_simulation(
             todo = req.num_tokens - req.num_computed_tokens
             n = min(todo, rng.choice([1, 3, 8, 40]))
             need = -(-(req.num_computed_tokens + n) // B)
-            while len(req.block_table) < need:
-                req.block_table.append(free_blocks.pop())
-            items.append(ScheduledRequest(req, n))
+            table = tables.setdefault(req.request_id, [])
+            new = []
+            while len(table) < need:
+                new.append(free_blocks.pop())
+                table.append(new[-1])
+            items.append(ScheduledRequest(req, n, 0, (new,), (len(table),)))
         items.sort(key=lambda s: s.num_new_tokens == 1)
         batch.remove_requests(left)
-        assert_same(batch, items, window)
+        assert_same(batch, items, window, tables)
         for item in items:  # what the scheduler's update_from_output does
             req = item.request
             req.num_computed_tokens += item.num_new_tokens
@@ -114,23 +128,42 @@ def test_prepared_inputs_equal_the_reference_builder_over_a_simulation(
                 req.append_output_token(rng.randrange(1000))
         for req in list(running):
             fate = rng.random()
+            table = tables.get(req.request_id, [])
             if req.num_tokens >= MAX_LEN - 1 or fate < 0.05:  # finished
                 running.remove(req)
-                free_blocks += req.block_table
+                free_blocks += tables.pop(req.request_id, [])
                 batch.remove_requests([req.request_id])
             elif fate < 0.1:  # preempted: recomputed from scratch, with new blocks
-                free_blocks += req.block_table
-                req.block_table, req.num_computed_tokens = [], 0
+                free_blocks += tables.pop(req.request_id, [])
+                req.num_computed_tokens = 0
                 batch.remove_requests([req.request_id])
+            elif fate < 0.2 and req.num_computed_tokens > B:  # rolled back, keeps its row
+                # As `BlockManager.truncate` does for rejected speculative tokens: the tail
+                # blocks go back to the pool, and the next step regrows the table with others.
+                req.num_computed_tokens = rng.randrange(1, req.num_computed_tokens)
+                keep = -(-req.num_computed_tokens // B)
+                free_blocks[:0] = table[keep:]  # reused last: the regrown tail differs
+                del table[keep:]
+                rollbacks += 1
     assert set(batch.req_index) == {r.request_id for r in running if r.num_computed_tokens}
+    assert rollbacks > 0
 
 
 def test_a_full_batch_refuses_a_new_row_with_a_clear_error() -> None:
     batch = InputBatch(1, 16, MAX_LEN, B, torch.device("cpu"))
     a, b = (Request(rid, [1, 2], SamplingParams()) for rid in ("a", "b"))
-    a.block_table = b.block_table = [0]
-    batch.prepare([ScheduledRequest(a, 2)])
+    batch.prepare([ScheduledRequest(a, 2, 0, ([0],), (1,))])
     with pytest.raises(RuntimeError, match="no free row for request b"):
-        batch.prepare([ScheduledRequest(b, 2)])
+        batch.prepare([ScheduledRequest(b, 2, 0, ([0],), (1,))])
     batch.remove_requests(["a"])
-    assert np.array_equal(batch.prepare([ScheduledRequest(b, 2)]).rows, [0])
+    assert np.array_equal(batch.prepare([ScheduledRequest(b, 2, 0, ([0],), (1,))]).rows, [0])
+
+
+def test_blocks_the_runner_never_saw_are_a_clear_error() -> None:
+    """A step whose new blocks start past the mirror's end means a step was lost."""
+    batch = InputBatch(2, 16, MAX_LEN, B, torch.device("cpu"))
+    req = Request("a", list(range(10)), SamplingParams())
+    batch.prepare([ScheduledRequest(req, 4, 0, ([5],), (1,))])
+    req.num_computed_tokens = 4
+    with pytest.raises(RuntimeError, match="mirrors 1 blocks, but the step's new blocks start"):
+        batch.prepare([ScheduledRequest(req, 6, 0, ([9],), (3,))])

@@ -1,8 +1,17 @@
-"""Per-request block tables and prefix caching on top of :class:`BlockPool`.
+"""Every request's block tables, and prefix caching, on top of :class:`BlockPool`.
 
-The manager is pure bookkeeping: it never sees tensors.  The scheduler asks it which prompt
-blocks are already cached (:meth:`BlockManager.get_computed_blocks`), then grows each
-request's block table step by step (:meth:`BlockManager.allocate_slots`).
+The manager is the one owner of block tables: nothing else stores a request's blocks. The
+scheduler asks it which prompt blocks are already cached (:meth:`BlockManager.get_computed_blocks`),
+grows each request's table step by step (:meth:`BlockManager.allocate_slots`, which returns
+only the blocks it appended), and may cut a table back (:meth:`BlockManager.truncate`, the
+rollback speculative decoding needs). The runner learns each step's appended blocks from the
+scheduler's output and mirrors them into its input batch; it never holds the manager's lists.
+
+Tables come in KV-cache groups, one table per request per group, all from one pool:
+:data:`SELF_ATTN` (the decoder's own K/V, prefix-cached) for every model with a cache, and
+:data:`CROSS_ATTN` for encoder-decoder models (the encoder's K/V that cross-attention reads,
+allocated whole when the request is admitted and never cached: it belongs to one request's
+encoder input). The manager is pure bookkeeping: it never sees tensors.
 
 Prefix caching identifies a *full* block by a hash chained over everything before it, so two
 blocks with equal hashes hold the KV of the same token prefix and may be shared.  Only full
@@ -21,6 +30,10 @@ from tokenwise.engine.block_pool import BlockPool
 
 #: Parent "hash" of block 0.  Empty, so the root hash only depends on salt and tokens.
 ROOT_PARENT_HASH = b""
+
+#: KV-cache groups: indices into the per-group tables (and the scheduler output's block ids).
+SELF_ATTN = 0
+CROSS_ATTN = 1
 
 
 def hash_block_tokens(
@@ -52,17 +65,31 @@ class _RequestBlocks:
     table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered: int = 0
+    # The CROSS_ATTN table (encoder-decoder models): allocated whole, never cached.
+    cross_table: list[int] = field(default_factory=list)
 
 
 class BlockManager:
     """Allocates KV cache blocks to requests and shares cached prompt prefixes between them."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        num_kv_cache_groups: int = 1,
+    ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if num_kv_cache_groups not in (1, 2):
+            raise ValueError(
+                f"num_kv_cache_groups must be 1 (self-attention) or 2 (self + cross), got "
+                f"{num_kv_cache_groups}"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.num_kv_cache_groups = num_kv_cache_groups
         self.pool = BlockPool(num_blocks)
         self._requests: dict[str, _RequestBlocks] = {}
         self.prefix_cache_queries = 0
@@ -94,10 +121,22 @@ class BlockManager:
         self.prefix_cache_hits += num_hit_tokens
         return hits, num_hit_tokens
 
-    def get_block_table(self, request_id: str) -> list[int]:
-        """The request's live table; an unknown request gets a fresh empty list."""
+    def get_block_table(self, request_id: str, group: int = SELF_ATTN) -> tuple[int, ...]:
+        """A copy of the request's table in `group` (empty for an unknown request).
+
+        A copy, so that no caller can come to share, and silently edit, the manager's list.
+        """
         state = self._requests.get(request_id)
-        return state.table if state is not None else []
+        if state is None:
+            return ()
+        return tuple(state.cross_table if group == CROSS_ATTN else state.table)
+
+    def num_blocks_of(self, request_id: str, group: int = SELF_ATTN) -> int:
+        """Length of the request's table in `group` (0 for an unknown request)."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return 0
+        return len(state.cross_table if group == CROSS_ATTN else state.table)
 
     def get_num_free_blocks(self) -> int:
         return self.pool.num_free
@@ -123,6 +162,8 @@ class BlockManager:
     ) -> list[int] | None:
         """Grow the request's table to cover computed + cached + new tokens.
 
+        Returns the block ids appended to the table (the hits first, then fresh blocks; empty
+        when the table already covers the tokens), or ``None`` when the pool is short.
         All-or-nothing: the budget check runs before anything is touched, so a ``None``
         leaves the scheduler free to preempt someone and retry.  Reviving a free cached hit
         consumes a free block just like a fresh allocation does, so both count against it.
@@ -150,6 +191,7 @@ class BlockManager:
         if state is None:
             state = self._requests[request_id] = _RequestBlocks()
         table = state.table
+        num_before = len(table)
         # Hits first: touching them takes them out of the free queue before allocation
         # below could evict them.
         for block_id in new_computed_blocks:
@@ -163,7 +205,56 @@ class BlockManager:
             for i in range(state.num_registered, num_full):
                 self.pool.register(table[i], self._block_hash(state, token_ids, i, cache_salt))
             state.num_registered = max(state.num_registered, num_full)
-        return table
+        return table[num_before:]
+
+    def allocate_cross_slots(self, request_id: str, num_encoder_tokens: int) -> list[int] | None:
+        """The request's CROSS_ATTN table for `num_encoder_tokens` rows; None when short.
+
+        All-or-nothing, like `allocate_slots`. Fresh blocks only: never looked up in or
+        registered with the prefix cache. Call it after `allocate_slots` for the same request,
+        whose prefix-cache hits are then out of the free queue and cannot be evicted here.
+        """
+        if self.num_kv_cache_groups < 2:
+            raise ValueError("this block manager has no cross-attention group")
+        state = self._requests.get(request_id)
+        if state is not None and state.cross_table:
+            raise ValueError(f"request {request_id} already holds cross blocks")
+        needed = -(-num_encoder_tokens // self.block_size)
+        if needed > self.pool.num_free:
+            return None
+        if state is None:
+            state = self._requests[request_id] = _RequestBlocks()
+        state.cross_table = [self.pool.allocate() for _ in range(needed)]
+        return list(state.cross_table)
+
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Cut the request's self-attention table back to the blocks `num_tokens` need.
+
+        The rollback of tokens that were computed but are not kept (rejected speculative
+        tokens): their K/V sits in the tail, which is freed (tail first, as in `free`). Only
+        tokens outside the prefix cache can be rolled back: a registered block is full of
+        known tokens that other requests may share, and the tokens rolled back are rewritten
+        next step. Speculative tokens are never registered (`allocate_slots` registers only
+        blocks full of the `token_ids` it is given, the known ones), so this never refuses
+        them. Hashes memoised past `num_tokens` are forgotten: the tokens there will differ.
+        """
+        state = self._requests.get(request_id)
+        if state is None:
+            return
+        bs = self.block_size
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        if num_tokens < state.num_registered * bs:
+            raise ValueError(
+                f"request {request_id}: cannot roll back to {num_tokens} tokens, into blocks "
+                f"registered in the prefix cache ({state.num_registered * bs} tokens); only "
+                "tokens not yet part of the known sequence (speculative ones) can be rolled back"
+            )
+        keep = -(-num_tokens // bs)
+        for block_id in reversed(state.table[keep:]):
+            self.pool.release(block_id)
+        del state.table[keep:]
+        del state.block_hashes[num_tokens // bs :]
 
     def free(self, request_id: str, discard_cached: bool = False) -> None:
         """Drop all of a request's references.
@@ -177,6 +268,8 @@ class BlockManager:
         state = self._requests.pop(request_id, None)
         if state is None:
             return
+        for block_id in reversed(state.cross_table):  # never cached: nothing to evict
+            self.pool.release(block_id)
         for block_id in reversed(state.table):
             self.pool.release(block_id)
             if discard_cached and self.pool.blocks[block_id].ref_cnt == 0:
@@ -201,9 +294,6 @@ class BlockManager:
             hashes.append(hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], salt))
         return hashes[index]
 
-    def _check_other_holders(self, refs: Counter[int]) -> None:
-        """Count blocks held outside the requests' own tables into `refs` (none here)."""
-
     def check_invariants(self) -> None:
         """Raise AssertionError if tables, ref counts, free queues or hashes disagree."""
         self.pool.check_invariants()
@@ -214,10 +304,21 @@ class BlockManager:
             if state.num_registered > len(state.table):
                 raise AssertionError(f"request {request_id} registered blocks it does not own")
             refs.update(state.table)
-        self._check_other_holders(refs)
+            cross = state.cross_table
+            if len(set(cross)) != len(cross) or set(cross) & set(state.table):
+                raise AssertionError(f"request {request_id} holds a cross block twice")
+            refs.update(cross)
+            cached = [b for b in cross if self.pool.blocks[b].block_hash is not None]
+            if cached:
+                raise AssertionError(f"cross blocks {cached} of {request_id} are in the cache")
         for block in self.pool.blocks:
             if block.ref_cnt != refs[block.block_id]:
                 raise AssertionError(
                     f"block {block.block_id}: ref count {block.ref_cnt} "
                     f"but held by {refs[block.block_id]} tables"
                 )
+
+    @property
+    def num_cross_tables(self) -> int:
+        """Requests holding cross blocks now (0 once every request has ended)."""
+        return sum(1 for state in self._requests.values() if state.cross_table)

@@ -14,7 +14,6 @@ import concurrent.futures
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 from tokenwise.config import EngineConfig
@@ -31,6 +30,7 @@ from tokenwise.engine.request import Request, RequestStatus
 from tokenwise.engine.scheduler import Scheduler
 from tokenwise.engine.stats import EngineStats, StatLogger
 from tokenwise.engine.step_outputs import ModelRunnerOutput
+from tokenwise.engine.stop_rules import hides_token
 from tokenwise.lora.request import LoRARequest
 from tokenwise.models.registry import is_moe_architecture
 from tokenwise.outputs import CompletionOutput, Logprob, RequestOutput
@@ -50,32 +50,6 @@ MAX_CONSECUTIVE_FAILED_STEPS = 3
 # A step with nothing to run while guided requests wait for their grammars sleeps on the
 # compiles for at most this long, instead of spinning on the cores the compiles need.
 _GRAMMAR_IDLE_WAIT_S = 0.05
-
-
-@dataclass(eq=False)
-class _Sample:
-    request: Request
-    index: int
-    detokenizer: IncrementalDetokenizer | None
-    new_token_ids: list[int] = field(default_factory=list)
-    new_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
-    cumulative_logprob: float = 0.0
-    reported_finish: bool = False
-
-
-@dataclass(eq=False)
-class _RequestGroup:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    samples: list[_Sample]
-    arrival_time: float
-    first_token_time: float | None = None
-    error: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return all(s.request.is_finished for s in self.samples)
 
 
 class LLMEngine:
@@ -113,8 +87,9 @@ class LLMEngine:
         self.scheduler = self.scheduler_cls(
             config.scheduler, self.block_manager, config.model.max_model_len, max_loras
         )
-        self.groups: dict[str, _RequestGroup] = {}
-        self._by_request: dict[str, tuple[_RequestGroup, _Sample]] = {}
+        # The caller's request id -> its samples (one `Request` each, `n` of them); the
+        # requests themselves carry their output state, so there is no other record of them.
+        self.groups: dict[str, list[Request]] = {}
         self._stats = EngineStats(num_total_blocks=num_blocks)
         self._consecutive_failed_steps = 0
         self._stat_logger = StatLogger()
@@ -154,7 +129,8 @@ class LLMEngine:
             # Siblings of one request still share their prompt blocks; nobody else can hit them.
             # (A decoder's K/V depends on its encoder's input too, not on its tokens alone.)
             cache_salt = f"{cache_salt or ''}/{uuid.uuid4().hex}"
-        samples = []
+        arrival = time.monotonic()
+        samples: list[Request] = []
         for i in range(params.n):
             child_params = params
             if params.n > 1 and params.seed is not None:
@@ -169,25 +145,29 @@ class LLMEngine:
                 cache_salt=cache_salt,
                 lora_request=lora_request,
                 encoder_inputs=encoder_inputs,
+                arrival_time=arrival,
+                group_id=request_id,
+                index=i,
+                prompt=text,
             )
             if compiled is not None:
                 req.grammar = GrammarState(compiled, self.eos_token_ids, self.grammar_timeout_s)
-            detok = None
             if self.tokenizer is not None:
-                detok = IncrementalDetokenizer(
+                req.detokenizer = IncrementalDetokenizer(
                     self.tokenizer,
                     token_ids,
                     params.stop,
                     params.include_stop_str_in_output,
                     params.skip_special_tokens,
                 )
-            samples.append(_Sample(req, i, detok))
-        group = _RequestGroup(request_id, text, token_ids, samples, time.monotonic())
-        for sample in samples:
-            self.scheduler.add_request(sample.request)
-        self.groups[request_id] = group
-        for sample in samples:
-            self._by_request[sample.request.request_id] = (group, sample)
+            samples.append(req)
+        for req in samples:
+            self.scheduler.add_request(req)
+        self._track(request_id, samples)
+
+    def _track(self, request_id: str, samples: list[Request]) -> None:
+        """Remember an accepted request's samples until their finished output is made."""
+        self.groups[request_id] = samples
 
     def _process_prompt(
         self, prompt: PromptInput, params: SamplingParams
@@ -216,12 +196,9 @@ class LLMEngine:
         `step()` reports them with finish_reason "abort"."""
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
         for rid in ids:
-            group = self.groups.get(rid)
-            if group is None:
-                continue
-            self.scheduler.finish_requests(
-                [s.request for s in group.samples], RequestStatus.FINISHED_ABORTED
-            )
+            samples = self.groups.get(rid)
+            if samples is not None:
+                self.scheduler.finish_requests(samples, RequestStatus.FINISHED_ABORTED)
 
     abort = abort_request
 
@@ -245,7 +222,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
-        touched: dict[str, _RequestGroup] = {}
+        touched: dict[str, list[Request]] = {}
         for req, reason in sched.aborted:
             logger.warning("aborting request %s: %s", req.request_id, reason)
         if not sched.is_empty:
@@ -264,9 +241,8 @@ class LLMEngine:
                     reqs, RequestStatus.FINISHED_ERROR, discard_cached=True
                 )
                 for req in reqs:
-                    group, _ = self._by_request[req.request_id]
-                    touched[group.request_id] = group
-                    group.error = f"{type(exc).__name__}: {exc}"
+                    req.error = f"{type(exc).__name__}: {exc}"
+                    touched[req.group_id] = self.groups[req.group_id]
                 self._consecutive_failed_steps += 1
                 if self._consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
                     raise RuntimeError(
@@ -278,7 +254,8 @@ class LLMEngine:
                 for item in sched.scheduled:
                     if item.num_new_tokens > 1 or item.request.num_output_tokens == 0:
                         self._stats.prompt_tokens_total += item.num_new_tokens
-                sampled = self.scheduler.update_from_output(sched, result, self._stop_string)
+                stop_strings = self._detokenize(result)
+                sampled = self.scheduler.update_from_output(sched, result, stop_strings)
                 self._route_samples(sampled, result, touched)
         elif self.dp_lockstep:
             self.runner.execute_dummy_batch()
@@ -290,53 +267,52 @@ class LLMEngine:
                 )
         self._stats.num_steps_total += 1
         self._stats.num_preemptions_total += sched.num_preempted
-        # Aborted or errored groups surface here even if nothing was scheduled for them.
-        for group in self.groups.values():
-            if any(s.request.is_finished and not s.reported_finish for s in group.samples):
-                touched[group.request_id] = group
-        outputs = [self._make_output(g) for g in touched.values()]
+        # Aborted or errored requests surface here even if nothing was scheduled for them.
+        for rid, samples in self.groups.items():
+            if any(r.is_finished and not r.reported_finish for r in samples):
+                touched[rid] = samples
+        outputs = [self._make_output(rid, samples) for rid, samples in touched.items()]
         self._stat_logger.maybe_log(self.get_stats())
         return outputs
 
-    def _stop_string(self, req: Request, token: int) -> str | None:
-        """Feed the new token to the request's detokenizer; the stop string it completes.
+    def _detokenize(self, result: ModelRunnerOutput) -> dict[str, str]:
+        """Feed each sampled token to its request's detokenizer, before the scheduler appends it.
 
-        As in vLLM, a stop token ends the text without appearing in it, so such a token is not
-        detokenized (unless `include_stop_str_in_output`).
+        Returns the stop strings completed this step, by request id, for the scheduler's stop
+        rules. As in vLLM, a stop token ends the text without appearing in it, so such a token
+        is not detokenized (`stop_rules.hides_token`).
         """
-        _, sample = self._by_request[req.request_id]
-        params = req.sampling_params
-        hides_token = (
-            token in params.stop_token_ids
-            and req.num_output_tokens >= params.min_tokens
-            and not params.include_stop_str_in_output
-        )
-        if sample.detokenizer is None or hides_token:
-            return None
-        return sample.detokenizer.add_token(token)
+        stops: dict[str, str] = {}
+        for item, token in zip(result.sampled_requests, result.sampled_token_ids, strict=True):
+            req = item.request
+            if req.detokenizer is None or hides_token(req, token):
+                continue
+            stop = req.detokenizer.add_token(token)
+            if stop is not None:
+                stops[req.request_id] = stop
+        return stops
 
     def _route_samples(
-        self, sampled: list[Request], result: ModelRunnerOutput, touched: dict[str, _RequestGroup]
+        self, sampled: list[Request], result: ModelRunnerOutput, touched: dict[str, list[Request]]
     ) -> None:
-        """Hand each new token (and its logprobs) to the output of the request it belongs to."""
+        """Record each new token (and its logprobs) on its request, for the next output."""
         now = time.monotonic()
         lp = result.logprobs
         lp_ids = lp.token_ids.tolist() if lp is not None else None
         lp_vals = lp.logprobs.tolist() if lp is not None else None
         lp_ranks = lp.ranks.tolist() if lp is not None else None
         for row, (req, token) in enumerate(zip(sampled, result.sampled_token_ids, strict=True)):
-            group, sample = self._by_request[req.request_id]
-            touched[group.request_id] = group
-            if group.first_token_time is None:
-                group.first_token_time = now
-            sample.new_token_ids.append(token)
+            touched[req.group_id] = self.groups[req.group_id]
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.new_token_ids.append(token)
             self._stats.generation_tokens_total += 1
             num_logprobs = req.sampling_params.logprobs
             if num_logprobs is not None and lp_ids is not None:
                 entry = self._logprob_entry(token, num_logprobs, lp_ids[row], lp_vals[row])
                 entry[token].rank = lp_ranks[row]
-                sample.new_logprobs.append(entry)
-                sample.cumulative_logprob += lp_vals[row][0]
+                req.new_logprobs.append(entry)
+                req.cumulative_logprob += lp_vals[row][0]
 
     def _logprob_entry(
         self, token: int, num: int, ids: list[int], values: list[float]
@@ -350,53 +326,62 @@ class LLMEngine:
                 value.decoded_token = self.tokenizer.decode([tid])
         return entry
 
-    def _make_output(self, group: _RequestGroup) -> RequestOutput:
+    def _make_output(self, request_id: str, samples: list[Request]) -> RequestOutput:
         completions = []
-        for sample in group.samples:
-            req = sample.request
-            finished_now = req.is_finished and not sample.reported_finish
-            if not sample.new_token_ids and not finished_now:
+        for req in samples:
+            finished_now = req.is_finished and not req.reported_finish
+            if not req.new_token_ids and not finished_now:
                 continue
-            text = sample.detokenizer.take_new_text(req.is_finished) if sample.detokenizer else ""
+            text = req.detokenizer.take_new_text(req.is_finished) if req.detokenizer else ""
             want_lp = req.sampling_params.logprobs is not None
             completions.append(
                 CompletionOutput(
-                    index=sample.index,
+                    index=req.index,
                     text=text,
-                    token_ids=sample.new_token_ids,
-                    cumulative_logprob=sample.cumulative_logprob if want_lp else None,
-                    logprobs=sample.new_logprobs if want_lp else None,
+                    token_ids=req.new_token_ids,
+                    cumulative_logprob=req.cumulative_logprob if want_lp else None,
+                    logprobs=req.new_logprobs if want_lp else None,
                     finish_reason=req.status.finish_reason,
                     stop_reason=req.stop_reason,
                 )
             )
-            sample.new_token_ids = []
-            sample.new_logprobs = []
+            req.new_token_ids = []
+            req.new_logprobs = []
             if req.is_finished:
-                sample.reported_finish = True
-        finished = group.finished
+                req.reported_finish = True
+        first = samples[0]
+        finished = all(r.is_finished for r in samples)
         out = RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
+            request_id=request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
             outputs=completions,
             finished=finished,
-            num_cached_tokens=max(0, group.samples[0].request.num_cached_tokens),
-            error=group.error
-            or next((s.request.error for s in group.samples if s.request.error), None),
+            num_cached_tokens=max(0, first.num_cached_tokens),
+            error=next((r.error for r in samples if r.error), None),
         )
-        if group.first_token_time is not None:
-            out.metrics["time_to_first_token"] = group.first_token_time - group.arrival_time
+        out.metrics.update(self._timing_metrics(samples, finished))
         if finished:
-            out.metrics["e2e_latency"] = time.monotonic() - group.arrival_time
-            for sample in group.samples:
-                reason = sample.request.status.finish_reason or "unknown"
-                self._stats.finished_reasons[reason] = (
-                    self._stats.finished_reasons.get(reason, 0) + 1
-                )
-                self._by_request.pop(sample.request.request_id, None)
-            del self.groups[group.request_id]
+            self._forget(request_id, samples)
         return out
+
+    def _timing_metrics(self, samples: list[Request], finished: bool) -> dict[str, float]:
+        """Time to first token (the earliest sample's) and, once finished, end-to-end latency."""
+        metrics: dict[str, float] = {}
+        arrival = samples[0].arrival_time
+        firsts = [r.first_token_time for r in samples if r.first_token_time is not None]
+        if firsts:
+            metrics["time_to_first_token"] = min(firsts) - arrival
+        if finished:
+            metrics["e2e_latency"] = time.monotonic() - arrival
+        return metrics
+
+    def _forget(self, request_id: str, samples: list[Request]) -> None:
+        """A finished request leaves the engine: count its finish reasons, drop its records."""
+        for req in samples:
+            reason = req.status.finish_reason or "unknown"
+            self._stats.finished_reasons[reason] = self._stats.finished_reasons.get(reason, 0) + 1
+        del self.groups[request_id]
 
     # ---- observability ------------------------------------------------------------------------
 

@@ -1,4 +1,9 @@
-"""A request as the scheduler and runner see it: tokens, progress, and its own RNG."""
+"""One sample of a request: its tokens and progress, its own RNG, and what it reports.
+
+The one request object: the scheduler advances it, the runner reads it, the engine detokenizes
+and reports it. A caller's request with `n > 1` becomes n of these (siblings with the same
+`group_id`). It carries no blocks: the block manager owns every block table.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenwise.engine.detokenizer import IncrementalDetokenizer
 from tokenwise.engine.kinds.encoder_inputs import EncoderInputs
 from tokenwise.lora.request import LoRARequest
+from tokenwise.outputs import Logprob
 from tokenwise.pooling.params import PoolingParams
 from tokenwise.sampling.guided.state import GrammarState
 from tokenwise.sampling.params import SamplingParams
@@ -48,6 +55,9 @@ class Request:
     `num_computed_tokens` counts tokens whose K/V is in the cache; the next step computes
     `all_token_ids[num_computed_tokens:]` (or a chunk of it). A preempted request drops its
     cache and recomputes prompt + output so far, keeping what it generated.
+
+    Timestamps live here and only here: `arrival_time` (set when the engine accepts it) and
+    `first_token_time` (its first sampled token), which the outputs' metrics read.
     """
 
     request_id: str
@@ -63,7 +73,6 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit tokens at first admission; -1 = not yet
     num_preemptions: int = 0
-    block_table: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     stop_reason: int | str | None = None
     first_token_time: float | None = None
@@ -71,14 +80,27 @@ class Request:
     pooling_params: PoolingParams | None = None
     # Guided decoding: the matcher the scheduler advances (None for unguided requests).
     grammar: GrammarState | None = None
-    # Why the request ended with FINISHED_ERROR when the scheduler ended it (its grammar).
+    # Why the request ended with FINISHED_ERROR (its grammar, or a failed forward pass).
     error: str | None = None
     # Encoder-decoder models: what the encoder reads (`prompt_token_ids` is then the decoder
-    # prompt), and the cross-attention blocks holding the encoder's K/V while it runs.
+    # prompt).
     encoder_inputs: EncoderInputs | None = None
-    cross_block_table: list[int] = field(default_factory=list)
+    # ---- what the engine reports (its output state) -------------------------------------
+    # The caller's request id (shared by the samples of an `n > 1` request; defaults to
+    # `request_id`), this sample's index among them, and the prompt's text if it had one.
+    group_id: str = ""
+    index: int = 0
+    prompt: str | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    # Tokens and logprob entries sampled since the last output was made.
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    reported_finish: bool = False  # its finished output was made: it is gone from the engine
 
     def __post_init__(self) -> None:
+        if not self.group_id:
+            self.group_id = self.request_id
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
         seed = self.sampling_params.seed

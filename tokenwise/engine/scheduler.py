@@ -19,28 +19,27 @@ wait means the head of the queue cannot be placed even with the whole pool and t
 budget to itself, and its needs only grow. It is aborted (reported in `SchedulerOutput.aborted`
 with the reason) instead of being retried forever, and the queue moves on.
 
-The scheduler is the one owner of request state: it places requests (block tables, admission,
-preemption) and, in `update_from_output`, applies what the forward pass did to them (computed
-tokens, sampled tokens, stop and length conditions, freeing finished requests). The runner only
-reads requests; the engine routes outputs to callers.
+The scheduler is the one writer of request state: it places requests (admission, preemption;
+the block manager it drives owns their block tables) and, in `update_from_output`, applies what
+the forward pass did to them (computed tokens, sampled tokens, then the stop rules of
+`stop_rules`, freeing finished requests). The runner only reads requests and the block deltas
+each `ScheduledRequest` carries; the engine detokenizes and routes outputs to callers, handing
+the scheduler the stop strings its detokenizers found: nothing here calls back into it.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 
 from tokenwise.config import SchedulerConfig
-from tokenwise.engine.block_manager import BlockManager
+from tokenwise.engine.block_manager import CROSS_ATTN, SELF_ATTN, BlockManager
 from tokenwise.engine.request import Request, RequestStatus
 from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenwise.engine.stop_rules import check_stop
 
 __all__ = ["Scheduler", "ScheduledRequest", "SchedulerOutput"]
-
-# Text-level stop detection (stop strings), which needs the detokenizer the engine owns: given
-# a request and its newly appended token, the stop string that now ends its text, or None.
-StopStringCheck = Callable[[Request, int], "str | None"]
 
 
 class Scheduler:
@@ -107,16 +106,15 @@ class Scheduler:
                 idx += 1
                 continue
             while True:
-                table = bm.allocate_slots(
+                new_blocks = bm.allocate_slots(
                     req.request_id,
                     req.all_token_ids,
                     req.num_computed_tokens,
                     num_new,
                     cache_salt=req.cache_salt,
                 )
-                if table is not None:
-                    req.block_table = table
-                    out.scheduled.append(ScheduledRequest(req, num_new))
+                if new_blocks is not None:
+                    out.scheduled.append(self._scheduled(req, num_new, new_blocks))
                     budget -= num_new
                     idx += 1
                     break
@@ -163,24 +161,22 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget - num_encoder
-            table = bm.allocate_slots(
+            new_blocks = bm.allocate_slots(
                 req.request_id, req.all_token_ids, 0, num_new, hits, cache_salt=req.cache_salt
             )
-            if table is None:
+            if new_blocks is None:
                 break
-            cross_table: list[int] = []
+            cross_blocks: list[int] = []
             if num_encoder:
                 # After the decoder's blocks: those took its prefix-cache hits out of the free
                 # queue, so these fresh cross blocks cannot evict them.
-                allocated = bm.allocate_cross_slots(req.request_id, num_encoder)  # type: ignore[attr-defined]
+                allocated = bm.allocate_cross_slots(req.request_id, num_encoder)
                 if allocated is None:
                     # Its newly registered blocks were never computed: drop them from the cache.
                     bm.free(req.request_id, discard_cached=True)
                     break
-                cross_table = allocated
+                cross_blocks = allocated
             self.waiting.popleft()
-            req.block_table = table
-            req.cross_block_table = cross_table
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
@@ -188,7 +184,9 @@ class Scheduler:
             self.running.append(req)
             if lora is not None:
                 adapters.add(lora.lora_int_id)
-            out.scheduled.append(ScheduledRequest(req, num_new, num_encoder))
+            out.scheduled.append(
+                self._scheduled(req, num_new, new_blocks, cross_blocks, num_encoder)
+            )
             budget -= num_new + num_encoder
         self.waiting.extendleft(reversed(not_ready))
 
@@ -208,57 +206,55 @@ class Scheduler:
         self,
         scheduler_output: SchedulerOutput,
         runner_output: ModelRunnerOutput,
-        stop_string: StopStringCheck | None = None,
+        stop_strings: Mapping[str, str] | None = None,
     ) -> list[Request]:
         """Apply one forward pass: computed tokens, sampled tokens, stops; free what finished.
 
         Returns the requests that received a token, in the runner's sampling order (row `i` of
-        `runner_output.logprobs` belongs to the i-th). `stop_string` is asked about each new
-        token after it is appended (before the length checks, so a stop string reached on the
-        last allowed token still reports "stop").
+        `runner_output.logprobs` belongs to the i-th). `stop_strings` maps a request id to the
+        stop string its new token completed (found by the engine's detokenizer, before this
+        call); every stop rule (`stop_rules.check_stop`) is applied here, once per token.
         """
         for item in scheduler_output.scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
         sampled: list[Request] = []
         finished: dict[RequestStatus, list[Request]] = {}
+        stops = stop_strings or {}
         for item, token in zip(
             runner_output.sampled_requests, runner_output.sampled_token_ids, strict=True
         ):
             req = item.request
             req.append_output_token(token)
             sampled.append(req)
-            if req.grammar is not None and not req.grammar.accept(token):
-                # Only a row with nothing allowed (min_tokens banning the grammar's only
-                # choice, EOS) samples outside its mask; the sequence cannot go on.
-                req.error = f"guided_decoding: token {token} is not allowed by the grammar"
-                finished.setdefault(RequestStatus.FINISHED_ERROR, []).append(req)
-                continue
-            text_stop = stop_string(req, token) if stop_string is not None else None
-            status = self._check_stop(req, token, text_stop)
+            status = check_stop(req, token, stops.get(req.request_id), self.max_model_len)
             if status is not None:
                 finished.setdefault(status, []).append(req)
         for status, reqs in finished.items():
             self.finish_requests(reqs, status)
         return sampled
 
-    def _check_stop(self, req: Request, token: int, stop_str: str | None) -> RequestStatus | None:
-        params = req.sampling_params
-        if req.grammar is not None and req.grammar.is_terminated:
-            return RequestStatus.FINISHED_STOPPED  # the output is complete; nothing may follow
-        if req.num_output_tokens >= params.min_tokens:
-            if token in (params.stop_token_ids or ()):
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-            if not params.ignore_eos and token in req.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if stop_str is not None:
-                req.stop_reason = stop_str
-                return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+    def _scheduled(
+        self,
+        req: Request,
+        num_new: int,
+        new_blocks: list[int],
+        cross_blocks: list[int] | None = None,
+        num_encoder: int = 0,
+    ) -> ScheduledRequest:
+        """The step's entry for `req`, with the block deltas the runner's mirror needs."""
+        bm = self.block_manager
+        rid = req.request_id
+        if bm.num_kv_cache_groups == 1:
+            return ScheduledRequest(
+                req, num_new, num_encoder, (new_blocks,), (bm.num_blocks_of(rid, SELF_ATTN),)
+            )
+        return ScheduledRequest(
+            req,
+            num_new,
+            num_encoder,
+            (new_blocks, cross_blocks or []),
+            (bm.num_blocks_of(rid, SELF_ATTN), bm.num_blocks_of(rid, CROSS_ATTN)),
+        )
 
     def _poll_grammars(self) -> None:
         """Make matchers for compiled grammars; end requests whose compile failed or is late."""
@@ -298,9 +294,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req.request_id)
         self._left_since_last_step.append(req.request_id)
-        req.block_table = []
-        req.cross_block_table = []  # freed above with the rest: the encoder reruns on resume
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = 0  # its cross blocks went too: the encoder reruns on resume
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
@@ -321,8 +315,6 @@ class Scheduler:
             req.status = status
             self.block_manager.free(req.request_id, discard_cached=discard_cached)
             self._left_since_last_step.append(req.request_id)
-            req.block_table = []
-            req.cross_block_table = []
             done.add(id(req))
         if done:
             self.running = [r for r in self.running if id(r) not in done]

@@ -17,11 +17,24 @@ from tokenwise.sampling.sampler import LogprobsTensors
 
 @dataclass
 class ScheduledRequest:
+    """One request's part of a step, and how its block tables changed since its last step.
+
+    The block manager owns the tables; the runner keeps a mirror of them in its input batch
+    and updates it from two fields per KV-cache group (index = group, `block_manager.SELF_ATTN`
+    first): `num_blocks`, the table's length after this step's allocation, and `new_block_ids`,
+    the blocks that end it which the runner has not seen (appended since the request last ran,
+    or the whole table for a request new to the runner). A table that was cut back
+    (`BlockManager.truncate`) shows as `num_blocks` below the mirror's length. A model without
+    a KV cache has no groups: both are empty.
+    """
+
     request: Request
     num_new_tokens: int
     # Encoder-decoder models: the encoder tokens this step runs for the request (its whole
     # encoder, in the step that admits it; 0 otherwise). They count against the token budget.
     num_encoder_tokens: int = 0
+    new_block_ids: tuple[list[int], ...] = ()
+    num_blocks: tuple[int, ...] = ()
 
     @property
     def completes_sequence(self) -> bool:

@@ -1,8 +1,10 @@
 """The runner's persistent input batch: buffers allocated once, rows updated incrementally.
 
-Each running request owns a row holding all of its token ids and its block table. A step only
-writes what changed: the rows of new or resumed requests, the tokens sampled since the last
-step, blocks appended since then. The flat per-step inputs (token ids, positions, slot mapping,
+Each running request owns a row holding all of its token ids and a mirror of its block tables
+(one per KV-cache group; the block manager owns the tables, and each step's
+`ScheduledRequest` says how they changed). A step only writes what changed: the rows of new or
+resumed requests, the tokens sampled since the last step, the blocks the scheduler reports as
+new, and a shorter length where a table was cut back (a rollback). The flat per-step inputs (token ids, positions, slot mapping,
 query start locations, sequence lengths, block tables) are then gathered with a few vectorised
 NumPy operations into pinned host buffers and moved to the device with one non-blocking copy
 each. On CPU the device twin is the host buffer itself: no copy at all.
@@ -87,6 +89,10 @@ class InputBatch:
         # How much of each row is written (plain lists: NumPy scalar access is slow per row).
         self.num_tokens = [0] * max_num_reqs
         self.num_blocks = [0] * max_num_reqs
+        # The block-table mirror of every KV-cache group; group 0 (self-attention) is the one
+        # above, which the flat inputs are gathered from.
+        self.group_tables = [self.row_block_tables]
+        self.group_num_blocks = [self.num_blocks]
         self.req_index: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
         # Flat per-step buffers, host and device.
@@ -102,6 +108,21 @@ class InputBatch:
         )
 
     # ---- rows -----------------------------------------------------------------------------
+
+    def add_kv_cache_group(self, max_blocks: int) -> int:
+        """Mirror one more KV-cache group (cross-attention), up to `max_blocks` per request.
+
+        Returns the group's index, which must match the block manager's for that group.
+        """
+        if max_blocks < 1:
+            raise ValueError(f"a KV-cache group needs max_blocks >= 1, got {max_blocks}")
+        self.group_tables.append(np.zeros((self.max_num_reqs, max_blocks), dtype=np.int32))
+        self.group_num_blocks.append([0] * self.max_num_reqs)
+        return len(self.group_tables) - 1
+
+    def block_ids(self, row: int, group: int) -> list[int]:
+        """The mirrored table of the request in `row` for `group`."""
+        return self.group_tables[group][row, : self.group_num_blocks[group][row]].tolist()
 
     def remove_requests(self, request_ids: list[str]) -> None:
         """Free the rows of finished or preempted requests (unknown ids are ignored)."""
@@ -123,17 +144,25 @@ class InputBatch:
             row = self._free_rows.pop()
             self.req_index[req.request_id] = row
             self.num_tokens[row] = 0
-            self.num_blocks[row] = 0
+            for counts in self.group_num_blocks:
+                counts[row] = 0
         have, total = self.num_tokens[row], len(req.all_token_ids)
         if total > have:
             self.token_ids[row, have:total] = req.all_token_ids[have:total]
             self.num_tokens[row] = total
-        table = req.block_table
-        have = self.num_blocks[row]
-        if len(table) != have:
-            # Blocks are only appended while a request runs; a preempted one gets a new row.
-            self.row_block_tables[row, have : len(table)] = table[have:]
-            self.num_blocks[row] = len(table)
+        for group, num_blocks in enumerate(item.num_blocks):
+            new = item.new_block_ids[group]
+            start = num_blocks - len(new)
+            if start > self.group_num_blocks[group][row]:
+                raise RuntimeError(
+                    f"request {req.request_id}: KV-cache group {group} mirrors "
+                    f"{self.group_num_blocks[group][row]} blocks, but the step's new blocks "
+                    f"start at block {start}; a scheduled step was not seen by the runner"
+                )
+            if new:
+                self.group_tables[group][row, start:num_blocks] = new
+            # Shorter than before after a rollback: the tail is simply no longer read.
+            self.group_num_blocks[group][row] = num_blocks
         return row
 
     # ---- one step -------------------------------------------------------------------------

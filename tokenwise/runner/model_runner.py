@@ -27,6 +27,7 @@ from tokenwise.distributed.tp_state import destroy_tp_group, get_tp_size
 from tokenwise.distributed.tp_workers import join_parallel_groups, start_tensor_parallel
 from tokenwise.distributed.ubatching import create_ubatch_slices
 from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenwise.engine.stop_rules import tokens_banned_before_min_tokens
 from tokenwise.forward_context import set_forward_context
 from tokenwise.layer_registry import get_layers_from_config
 from tokenwise.layers.cpu_prepack import prepack_linear_weights
@@ -336,15 +337,9 @@ class ModelRunner(KVCacheSizingMixin):
 def _suppress_stop_tokens_before_min_tokens(
     logits: torch.Tensor, sampled: list[ScheduledRequest]
 ) -> None:
-    """`min_tokens`: until a request has that many outputs, EOS and its stop tokens are banned."""
+    """`min_tokens`: until a request has that many outputs, its stop rules' tokens are banned."""
     for row, item in enumerate(sampled):
-        req = item.request
-        params = req.sampling_params
-        if req.num_output_tokens >= params.min_tokens:
-            continue
-        banned = list(params.stop_token_ids or [])
-        if not params.ignore_eos:
-            banned.extend(req.eos_token_ids)
+        banned = tokens_banned_before_min_tokens(item.request)
         if banned:
             logits[row, banned] = float("-inf")
 

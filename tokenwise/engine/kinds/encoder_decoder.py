@@ -13,7 +13,7 @@ from tokenwise.config import EngineConfig
 from tokenwise.engine.block_manager import BlockManager
 from tokenwise.engine.kinds.encoder_decoder_prompts import EncoderDecoderPrompts
 from tokenwise.engine.kinds.encoder_decoder_runner import EncoderDecoderModelRunner
-from tokenwise.engine.kinds.encoder_inputs import CrossBlockManager, EncoderInputs
+from tokenwise.engine.kinds.encoder_inputs import EncoderInputs
 from tokenwise.engine.llm_engine import LLMEngine
 from tokenwise.engine.prompts import PromptInput, validate_request
 from tokenwise.sampling.params import SamplingParams
@@ -43,7 +43,8 @@ class EncoderDecoderLLMEngine(LLMEngine):
             )
 
     def _make_block_manager(self, num_blocks: int) -> BlockManager:
-        return CrossBlockManager(num_blocks, self.config.cache.block_size)
+        # Two KV-cache groups: the decoder's own blocks and the encoder's cross blocks.
+        return BlockManager(num_blocks, self.config.cache.block_size, num_kv_cache_groups=2)
 
     def _process_prompt(
         self, prompt: PromptInput, params: SamplingParams

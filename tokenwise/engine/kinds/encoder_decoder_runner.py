@@ -33,6 +33,7 @@ from tokenwise.attention.attn_metadata import AttentionMetadata
 from tokenwise.attention.utils import AttentionType, compute_slot_mapping
 from tokenwise.compilation.compile import CompiledModel
 from tokenwise.config import EngineConfig
+from tokenwise.engine.block_manager import CROSS_ATTN
 from tokenwise.engine.step_outputs import ScheduledRequest
 from tokenwise.forward_context import set_forward_context
 from tokenwise.runner.input_batch import StepInputs
@@ -54,6 +55,10 @@ class EncoderDecoderModelRunner(ModelRunner):
             raise ValueError(f"{type(self.model).__name__} has no cross-attention layers")
         self.num_encoder_runs = 0  # requests whose encoder ran, over the runner's life
         self.max_cross_blocks_per_seq = -(-self.max_encoder_len() // self.block_size)
+        # The input batch mirrors each request's cross table too (the block manager's
+        # CROSS_ATTN group): metadata and graph buffers read it from there.
+        if self.input_batch.add_kv_cache_group(self.max_cross_blocks_per_seq) != CROSS_ATTN:
+            raise RuntimeError("the input batch's cross-attention group must be CROSS_ATTN")
         # Steps that run an encoder call the model uncompiled (see the module docstring).
         model = self.model
         self.eager_model = model.model if isinstance(model, CompiledModel) else model
@@ -67,11 +72,12 @@ class EncoderDecoderModelRunner(ModelRunner):
         step: StepInputs,
         attn_metadata: dict[str, AttentionMetadata] | None,
     ) -> dict[str, Any]:
+        cross_tables = [self.input_batch.block_ids(int(row), CROSS_ATTN) for row in step.rows]
         if attn_metadata is None:  # a FULL graph replays: its cross rows, in place
             assert self.graph_runner is not None
             self.graph_runner.attn_state.write_cross_buffers(
                 [item.request.num_encoder_tokens for item in ordered],
-                [item.request.cross_block_table for item in ordered],
+                cross_tables,
                 step.num_reqs,
             )
             return {}
@@ -81,7 +87,7 @@ class EncoderDecoderModelRunner(ModelRunner):
                 raise RuntimeError(f"request {item.request.request_id}: partial encoder run")
         enc_lens = [item.num_encoder_tokens for item in encoders]
         decoder_md = attn_metadata[self.cross_layers[0]]
-        cross_md = self._cross_metadata(ordered, encoders, decoder_md, step.num_reqs)
+        cross_md = self._cross_metadata(ordered, cross_tables, encoders, decoder_md, step.num_reqs)
         encoder_md = self._encoder_metadata(enc_lens)
         for name in self.cross_layers:
             attn_metadata[name] = cross_md
@@ -93,6 +99,7 @@ class EncoderDecoderModelRunner(ModelRunner):
     def _cross_metadata(
         self,
         ordered: list[ScheduledRequest],
+        cross_tables: list[list[int]],
         encoders: list[ScheduledRequest],
         decoder_md: AttentionMetadata,
         num_rows: int,
@@ -105,13 +112,17 @@ class EncoderDecoderModelRunner(ModelRunner):
         """
         dev = self.device
         pad = num_rows - len(ordered)
-        tables = [item.request.cross_block_table for item in ordered] + [[]] * pad
+        tables = cross_tables + [[]] * pad
+        table_of = {
+            item.request.request_id: table
+            for item, table in zip(ordered, cross_tables, strict=True)
+        }
         width = max((len(t) for t in tables), default=0)
         rows = [t + [0] * (width - len(t)) for t in tables]
         cross_tables = torch.tensor(rows, dtype=torch.int32).reshape(len(rows), width)
         slots: list[int] = []
         for i, item in enumerate(encoders):
-            table = item.request.cross_block_table
+            table = table_of[item.request.request_id]
             n = item.num_encoder_tokens
             compute_slot_mapping(False, slots, i, n, 0, 0, self.block_size, {i: table})
         lens = [item.request.num_encoder_tokens for item in ordered] + [1] * pad

@@ -17,7 +17,7 @@ from tokenwise.config import EngineConfig
 from tokenwise.engine.block_manager import BlockManager
 from tokenwise.engine.kinds.pooling_runner import PoolingModelRunner
 from tokenwise.engine.kinds.pooling_scheduler import PoolingScheduler
-from tokenwise.engine.llm_engine import LLMEngine, _RequestGroup, _Sample
+from tokenwise.engine.llm_engine import LLMEngine
 from tokenwise.engine.prompts import PromptInput, to_token_ids
 from tokenwise.engine.request import Request
 from tokenwise.engine.step_outputs import ModelRunnerOutput
@@ -82,43 +82,36 @@ class PoolingLLMEngine(LLMEngine):
             raise ValueError(f"request id {request_id!r} is already in use")
         params.verify(self.model_config.model)
         text, token_ids = to_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
-        req = Request(request_id, token_ids, _NO_SAMPLING, pooling_params=params)
+        req = Request(request_id, token_ids, _NO_SAMPLING, pooling_params=params, prompt=text)
         self.scheduler.add_request(req)  # refuses prompts that cannot run in one step
-        group = _RequestGroup(
-            request_id, text, token_ids, [_Sample(req, 0, None)], time.monotonic()
-        )
-        self.groups[request_id] = group
-        self._by_request[request_id] = (group, group.samples[0])
+        self._track(request_id, [req])
 
     def _route_samples(
         self,
         sampled: list[Request],
         result: ModelRunnerOutput,
-        touched: dict[str, _RequestGroup],
+        touched: dict[str, list[Request]],
     ) -> None:
         """Keep each encoded request's embedding until its output is made (this step)."""
         if result.pooler_output is None:
             return
         rows = result.pooler_output.cpu().tolist()
         for item, row in zip(result.pooled_requests, rows, strict=True):
-            group, _ = self._by_request[item.request.request_id]
-            self._embeddings[group.request_id] = row
-            touched[group.request_id] = group
+            req = item.request
+            self._embeddings[req.request_id] = row
+            touched[req.group_id] = self.groups[req.group_id]
 
-    def _make_output(self, group: _RequestGroup) -> EmbeddingRequestOutput:  # type: ignore[override]
+    def _make_output(self, request_id: str, samples: list[Request]) -> EmbeddingRequestOutput:  # type: ignore[override]
         """The request's one output: its embedding, or its error, or an abort (empty)."""
-        sample = group.samples[0]
-        sample.reported_finish = True
-        embedding = self._embeddings.pop(group.request_id, [])
-        reason = sample.request.status.finish_reason or "unknown"
-        self._stats.finished_reasons[reason] = self._stats.finished_reasons.get(reason, 0) + 1
-        self._by_request.pop(sample.request.request_id, None)
-        del self.groups[group.request_id]
+        req = samples[0]
+        req.reported_finish = True
+        embedding = self._embeddings.pop(request_id, [])
+        self._forget(request_id, samples)
         return EmbeddingRequestOutput(
-            request_id=group.request_id,
+            request_id=request_id,
             outputs=EmbeddingOutput(embedding),
-            prompt_token_ids=group.prompt_token_ids,
+            prompt_token_ids=req.prompt_token_ids,
             finished=True,
-            error=group.error,
-            metrics={"e2e_latency": time.monotonic() - group.arrival_time},
+            error=req.error,
+            metrics={"e2e_latency": time.monotonic() - req.arrival_time},
         )

@@ -10,7 +10,7 @@ encodes it (`update_from_output`), and there are no KV blocks to allocate or fre
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Mapping
 
 from tokenwise.engine.request import Request, RequestStatus
 from tokenwise.engine.scheduler import Scheduler
@@ -57,7 +57,7 @@ class PoolingScheduler(Scheduler):
         self,
         scheduler_output: SchedulerOutput,
         runner_output: ModelRunnerOutput,
-        stop_string: Callable[[Request, int], str | None] | None = None,
+        stop_strings: Mapping[str, str] | None = None,
     ) -> list[Request]:
         """Every encoded request is done: it finishes with reason "stop". Nothing is sampled."""
         for item in scheduler_output.scheduled:
