@@ -16,10 +16,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenwise.attention.attn_metadata import AttentionMetadata
 from tokenwise.attention.backends import cpu_kernels
 from tokenwise.attention.backends.torch_backend import TorchAttentionBackend, TorchAttentionImpl
-from tokenwise.attention.metadata import CommonMetadataBuilder
+from tokenwise.attention.metadata import AttentionMetadata, CommonMetadataBuilder
 from tokenwise.attention.ubatch_metadata import split_attention_metadata, split_metadata_by_layer
 from tokenwise.distributed.ubatching import UBatchSlice, create_ubatch_slices
 
