@@ -12,7 +12,7 @@ token and, every 16 tokens, one new block per request).
 
 "before" runs in a subprocess against a temporary `git worktree` of `--baseline-rev` (its module
 paths differ: `tokenwise.engine.input_batch` there, `tokenwise.runner.input_batch` now; the
-measurement tries both), "after" in a subprocess on the working tree; the rounds alternate and
+measurement picks by the tree's files), "after" in a subprocess on the working tree; the rounds alternate and
 each figure is the smallest of the rounds' medians (the machine is shared, so the minimum is the
 least disturbed). Both on this machine's CPU, in one run.
 """
@@ -20,6 +20,7 @@ least disturbed). Both on this machine's CPU, in one run.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -40,16 +41,24 @@ SIZES = (1, 64, 256)
 
 def _imports() -> tuple[Any, Any, Any, Any, Any]:
     """This revision's classes, wherever it keeps them."""
+    import tokenwise
     from tokenwise.attention.metadata import CommonMetadataBuilder
     from tokenwise.engine.request import Request
     from tokenwise.engine.step_outputs import ScheduledRequest
     from tokenwise.sampling.params import SamplingParams
 
-    try:
-        from tokenwise.runner.input_batch import InputBatch
-    except ImportError:  # before the runner/ folder
-        from tokenwise.engine.input_batch import InputBatch  # type: ignore[no-redef]
-    return CommonMetadataBuilder, Request, ScheduledRequest, SamplingParams, InputBatch
+    # Decided by the files of the tree on PYTHONPATH: a plain `try: import` could be answered
+    # by an editable install's finder, from another checkout.
+    root = os.path.dirname(tokenwise.__file__)
+    if os.path.exists(os.path.join(root, "runner", "input_batch.py")):
+        module = importlib.import_module("tokenwise.runner.input_batch")
+    else:  # before the runner/ folder
+        module = importlib.import_module("tokenwise.engine.input_batch")
+    for cls in (CommonMetadataBuilder, Request, module.InputBatch):
+        path = sys.modules[cls.__module__].__file__ or ""
+        if not path.startswith(root):
+            raise RuntimeError(f"{cls.__name__} came from {path}, not from the tree at {root}")
+    return CommonMetadataBuilder, Request, ScheduledRequest, SamplingParams, module.InputBatch
 
 
 def _metadata_fn(builder: Any) -> Any:
