@@ -1,134 +1,209 @@
-"""Per-step CPU time of input preparation: the persistent `InputBatch` vs per-step lists.
+"""Per-step CPU time of input preparation: a baseline revision vs the working tree.
 
-    python benchmarks/input_prep_bench.py [--steps 200]
+    python benchmarks/input_prep_bench.py [--baseline-rev 9e099c2] [--steps 200] [--rounds 2]
 
-For 64 and 256 running requests (contexts of 100..2000 tokens, blocks of 16), each step decodes
-one token per request, plus a mixed step where a quarter of the requests prefill a 64-token
-chunk. "before" is the preparation the runner did until the input batch replaced it (kept here
-as the baseline): Python lists per step, `CommonMetadataBuilder.add_sequence/build`, fresh
-tensors. "after" is `InputBatch.prepare` + `CommonMetadataBuilder.build_from_buffers`, with the
-batch's rows updated as a real engine would (one new token and, every 16 tokens, one new block
-per request). Both produce the model inputs and attention metadata of the step; the figure is
-the median wall time per step on this machine's CPU, both measured in the same run.
+For 1, 64 and 256 running requests (contexts of 100..2000 tokens, blocks of 16), each step
+decodes one token per request, plus a mixed step where a quarter of the requests prefill a
+64-token chunk. The measured work is what each revision's model runner does per step before the
+forward pass: `InputBatch.prepare`, then the attention metadata the way that revision's runner
+builds it (`CommonMetadataBuilder.build_from_buffers` before the metadata refactor,
+`prepare()` + `build(...)` after), with the batch's rows updated as a real engine would (one new
+token and, every 16 tokens, one new block per request).
+
+"before" runs in a subprocess against a temporary `git worktree` of `--baseline-rev` (its module
+paths differ: `tokenwise.engine.input_batch` there, `tokenwise.runner.input_batch` now; the
+measurement picks by the tree's files), "after" in a subprocess on the working tree; the rounds alternate and
+each figure is the smallest of the rounds' medians (the machine is shared, so the minimum is the
+least disturbed). Both on this machine's CPU, in one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from typing import Any
 
-import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tokenwise.attention.metadata import CommonMetadataBuilder  # noqa: E402
-from tokenwise.engine.request import Request  # noqa: E402
-from tokenwise.engine.step_outputs import ScheduledRequest  # noqa: E402
-from tokenwise.runner.input_batch import InputBatch  # noqa: E402
-from tokenwise.sampling.params import SamplingParams  # noqa: E402
-
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK = 16
 MAX_MODEL_LEN = 4096
+SIZES = (1, 64, 256)
 
 
-def make_requests(n: int, seed: int) -> list[Request]:
-    gen = torch.Generator().manual_seed(seed)
-    reqs, next_block = [], 0
+# ---- the measurement (runs in a subprocess, against one revision's tokenwise) ----------------
+
+
+def _imports() -> tuple[Any, Any, Any, Any, Any]:
+    """This revision's classes, wherever it keeps them."""
+    import tokenwise
+    from tokenwise.attention.metadata import CommonMetadataBuilder
+    from tokenwise.engine.request import Request
+    from tokenwise.engine.step_outputs import ScheduledRequest
+    from tokenwise.sampling.params import SamplingParams
+
+    # Decided by the files of the tree on PYTHONPATH: a plain `try: import` could be answered
+    # by an editable install's finder, from another checkout.
+    root = os.path.dirname(tokenwise.__file__)
+    if os.path.exists(os.path.join(root, "runner", "input_batch.py")):
+        module = importlib.import_module("tokenwise.runner.input_batch")
+    else:  # before the runner/ folder
+        module = importlib.import_module("tokenwise.engine.input_batch")
+    for cls in (CommonMetadataBuilder, Request, module.InputBatch):
+        path = sys.modules[cls.__module__].__file__ or ""
+        if not path.startswith(root):
+            raise RuntimeError(f"{cls.__name__} came from {path}, not from the tree at {root}")
+    return CommonMetadataBuilder, Request, ScheduledRequest, SamplingParams, module.InputBatch
+
+
+def _metadata_fn(builder: Any) -> Any:
+    """How this revision's runner turns a step into metadata (one spec, no sliding window)."""
+    if hasattr(builder, "build_from_buffers"):
+
+        def old(step: Any) -> Any:
+            return builder.build_from_buffers(
+                step.slot_mapping,
+                step.seq_lens,
+                step.query_start_loc,
+                step.block_tables,
+                step.query_lens_np,
+                step.context_lens_np,
+                None,
+            )
+
+        return old
+
+    def new(step: Any) -> Any:
+        builder.prepare()
+        return builder.build(
+            step.context_lens_np + step.query_lens_np,
+            step.query_lens_np,
+            slot_mapping=step.slot_mapping,
+            seq_lens_tensor=step.seq_lens,
+            block_tables=step.block_tables,
+            block_table_first_block=None,
+        )
+
+    return new
+
+
+def _measure(n: int, mixed: bool, steps: int) -> float:
+    import torch
+
+    builder_cls, request_cls, scheduled_cls, params_cls, batch_cls = _imports()
+    gen = torch.Generator().manual_seed(n)
+    # Revisions up to 9e099c2 kept each table on the request; later ones hand the runner the
+    # blocks appended since it last saw the request (`ScheduledRequest.new_block_ids`).
+    deltas = "new_block_ids" in getattr(scheduled_cls, "__dataclass_fields__", {})
+    reqs, tables, seen, next_block = [], [], [], 0
     for i in range(n):
         length = int(torch.randint(100, 2000, (1,), generator=gen))
         tokens = torch.randint(0, 32000, (length,), generator=gen).tolist()
-        req = Request(f"r{i}", tokens, SamplingParams(max_tokens=1000))
+        req = request_cls(f"r{i}", tokens, params_cls(max_tokens=1000))
         blocks = -(-(length + 1) // BLOCK)
-        req.block_table = list(range(next_block, next_block + blocks))
+        tables.append(list(range(next_block, next_block + blocks)))
+        seen.append(0)
+        if not deltas:
+            req.block_table = tables[-1]
         next_block += blocks + 64  # room to grow
-        req.num_computed_tokens = length - 1
         reqs.append(req)
-    return reqs
-
-
-def schedule(reqs: list[Request], mixed: bool) -> list[ScheduledRequest]:
-    items = []
-    for i, req in enumerate(reqs):
-        new = min(64, req.num_tokens - 1) if mixed and i % 4 == 0 else 1
-        req.num_computed_tokens = req.num_tokens - new
-        items.append(ScheduledRequest(req, new))
-    return sorted(items, key=lambda s: s.num_new_tokens == 1)
-
-
-def before(items: list[ScheduledRequest], builder: CommonMetadataBuilder) -> object:
-    """The per-step list-based preparation the runner used before the input batch."""
-    input_ids, positions, seq_lens, query_lens, logits_indices = [], [], [], [], []
-    builder.prepare()
-    for i, item in enumerate(items):
-        req, n = item.request, item.num_new_tokens
-        start = req.num_computed_tokens
-        input_ids.extend(req.all_token_ids[start : start + n])
-        positions.extend(range(start, start + n))
-        seq_lens.append(start + n)
-        query_lens.append(n)
-        builder.add_sequence(i, start, n, req.block_table)
-        logits_indices.append(len(input_ids) - 1)
-    md = builder.build(seq_lens, query_lens)
-    ids = torch.tensor(input_ids, dtype=torch.int64)
-    pos = torch.tensor(positions, dtype=torch.int64)
-    rows = torch.tensor(logits_indices, dtype=torch.int64)
-    return md, ids, pos, rows
-
-
-def after(items: list[ScheduledRequest], batch: InputBatch, builder: CommonMetadataBuilder):
-    step = batch.prepare(items)
-    md = builder.build_from_buffers(
-        step.slot_mapping,
-        step.seq_lens,
-        step.query_start_loc,
-        step.block_tables,
-        step.query_lens_np,
-        step.context_lens_np,
-    )
-    rows = torch.tensor(step.logits_indices, dtype=torch.int64)
-    return md, step.input_ids, step.positions, rows
-
-
-def advance(reqs: list[Request]) -> None:
-    """What a decode step does to every request: one more token, a new block when full."""
-    for req in reqs:
-        req.append_output_token(7)
-        if req.num_tokens > len(req.block_table) * BLOCK:
-            req.block_table.append(req.block_table[-1] + 1)
-
-
-def measure(n: int, mixed: bool, steps: int) -> tuple[float, float]:
-    reqs = make_requests(n, seed=n)
-    batch = InputBatch(n, n * 64 + n, MAX_MODEL_LEN, BLOCK, torch.device("cpu"))
-    b_builder, a_builder = CommonMetadataBuilder(BLOCK), CommonMetadataBuilder(BLOCK)
-    times: dict[str, list[float]] = {"before": [], "after": []}
+    batch = batch_cls(n, n * 64 + n, MAX_MODEL_LEN, BLOCK, torch.device("cpu"))
+    metadata = _metadata_fn(builder_cls(BLOCK))
+    times = []
     for _ in range(steps):
-        items = schedule(reqs, mixed)
-        for name in ("before", "after") if _ % 2 else ("after", "before"):
-            start = time.perf_counter()
-            before(items, b_builder) if name == "before" else after(items, batch, a_builder)
-            times[name].append(time.perf_counter() - start)
-        advance(reqs)
-    return statistics.median(times["before"]), statistics.median(times["after"])
+        items = []
+        for i, req in enumerate(reqs):
+            new = min(64, req.num_tokens - 1) if mixed and i % 4 == 0 else 1
+            req.num_computed_tokens = req.num_tokens - new
+            if deltas:
+                table = tables[i]
+                items.append(scheduled_cls(req, new, 0, (table[seen[i] :],), (len(table),)))
+                seen[i] = len(table)
+            else:
+                items.append(scheduled_cls(req, new))
+        items.sort(key=lambda s: s.num_new_tokens == 1)
+        start = time.perf_counter()
+        step = batch.prepare(items)
+        metadata(step)
+        torch.tensor(step.logits_indices, dtype=torch.int64)
+        times.append(time.perf_counter() - start)
+        for req, table in zip(reqs, tables, strict=True):  # what a decode step does to each
+            req.append_output_token(7)
+            if req.num_tokens > len(table) * BLOCK:
+                table.append(table[-1] + 1)
+    return statistics.median(times)
+
+
+def measure_main(steps: int) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    out = {f"{n}/{mixed}": _measure(n, mixed, steps) for n in SIZES for mixed in (False, True)}
+    print(json.dumps(out))
+
+
+# ---- the driver ---------------------------------------------------------------------------
+
+
+def _run(tree: str, steps: int) -> dict[str, float]:
+    env = dict(os.environ, PYTHONPATH=tree)
+    cmd = [sys.executable, os.path.abspath(__file__), "--measure", "--steps", str(steps)]
+    done = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"measurement in {tree} failed:\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--baseline-rev", default="9e099c2")
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
-    torch.set_num_threads(1)
-    flags = [f for f in ("avx2", "avx512f", "avx512_bf16") if f in open("/proc/cpuinfo").read()]
-    print(f"CPU flags: {' '.join(flags)}; median of {args.steps} steps each")
+    if args.measure:
+        measure_main(args.steps)
+        return
+    cpuinfo = open("/proc/cpuinfo").read()
+    flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in cpuinfo.split()]
+    rev = subprocess.run(
+        ["git", "-C", REPO, "rev-parse", "--short", args.baseline_rev],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    before: dict[str, list[float]] = {}
+    after: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="input_prep_bench_") as tmp:
+        tree = os.path.join(tmp, "baseline")
+        subprocess.run(
+            ["git", "-C", REPO, "worktree", "add", "--detach", "--quiet", tree, rev], check=True
+        )
+        try:
+            for _ in range(args.rounds):
+                for key, value in _run(tree, args.steps).items():
+                    before.setdefault(key, []).append(value)
+                for key, value in _run(REPO, args.steps).items():
+                    after.setdefault(key, []).append(value)
+        finally:
+            subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", tree], check=False)
+    print(f"CPU flags: {' '.join(flags) or 'none of avx2/avx512'}; one thread")
+    print(
+        f"before = {rev} (--baseline-rev), after = working tree; per-step median of "
+        f"{args.steps} steps, best of {args.rounds} rounds"
+    )
     print("| running requests | step | before (ms) | after (ms) | before / after |")
     print("|---|---|---|---|---|")
-    for n in (64, 256):
+    for n in SIZES:
         for mixed in (False, True):
-            b, a = measure(n, mixed, args.steps)
+            b, a = min(before[f"{n}/{mixed}"]), min(after[f"{n}/{mixed}"])
             kind = "decode + 1/4 prefilling 64" if mixed else "decode"
-            print(f"| {n} | {kind} | {b * 1e3:.3f} | {a * 1e3:.3f} | {b / a:.1f}x |")
+            print(f"| {n} | {kind} | {b * 1e3:.3f} | {a * 1e3:.3f} | {b / a:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenwise.attention.attn_metadata import AttentionMetadata
 from tokenwise.attention.backends.cross_attention import EncoderDecoderAttentionImpl
 from tokenwise.attention.graph_state import CommonAttentionState
+from tokenwise.attention.metadata import AttentionMetadata
 from tokenwise.attention.utils import AttentionType
 from tokenwise.compilation.cuda_graph import EagerReplayCapturer
 

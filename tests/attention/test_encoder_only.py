@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenwise.attention.attn_metadata import AttentionMetadata
 from tokenwise.attention.backends.encoder_only import encoder_only_attention
 from tokenwise.attention.backends.torch_backend import TorchAttentionImpl
 from tokenwise.attention.layer import Attention
+from tokenwise.attention.metadata import AttentionMetadata
 from tokenwise.attention.utils import AttentionType
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.attention._metadata_oracle import ListMetadataBuilder
 from tokenwise.attention.graph_state import CommonAttentionState
-from tokenwise.attention.metadata import CommonMetadataBuilder
 from tokenwise.attention.utils import PAD_SLOT_ID
 
 B = 4
@@ -43,29 +43,29 @@ def test_capture_metadata_is_all_padding() -> None:
 
 def test_capture_size_limits() -> None:
     state = _state(max_bs=4)
-    with pytest.raises(ValueError), state.graph_capture(5):
+    with pytest.raises(ValueError, match="exceeds max_batch_size"), state.graph_capture(5):
         pass
-    with state.graph_capture(2), pytest.raises(ValueError):
+    with state.graph_capture(2), pytest.raises(ValueError, match="rows allocated"):
         state.graph_capture_get_metadata_for_batch(3)  # buffers only hold 2 rows
 
 
 def test_calls_outside_capture_are_errors() -> None:
     state = _state()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="inside graph_capture"):
         state.graph_capture_get_metadata_for_batch(2)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="inside graph_capture"):
         state.graph_clone(2)
     with state.graph_capture(4):
         pass
-    with pytest.raises(RuntimeError):  # capture is over
+    with pytest.raises(RuntimeError, match="inside graph_capture"):  # capture is over
         state.graph_capture_get_metadata_for_batch(2)
 
 
 def test_capture_flag_cleared_on_error() -> None:
     state = _state()
-    with pytest.raises(KeyError), state.graph_capture(4):
+    with pytest.raises(KeyError, match="capture failed"), state.graph_capture(4):
         raise KeyError("capture failed")
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="inside graph_capture"):
         state.graph_capture_get_metadata_for_batch(1)
 
 
@@ -93,15 +93,15 @@ def test_input_buffers_alias_the_capture_metadata() -> None:
 
 
 def test_input_buffers_need_a_decode_batch() -> None:
-    b = CommonMetadataBuilder(B)
+    b = ListMetadataBuilder(B)
     b.add_sequence(0, 0, 3, [1])
     prefill_md = b.build([3], [3])
     state = _state()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="only for decode batches"):
         state.get_graph_input_buffers(prefill_md)
     with state.graph_capture(2):
         buffers = state.get_graph_input_buffers(state.graph_capture_get_metadata_for_batch(2))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="only decode batches replay"):
         state.prepare_graph_input_buffers(buffers, prefill_md)
 
 
@@ -110,7 +110,7 @@ def test_prepare_copies_real_batch_into_first_rows() -> None:
     with state.graph_capture(4):
         md = state.graph_capture_get_metadata_for_batch(4)
         buffers = state.get_graph_input_buffers(md)
-    b = CommonMetadataBuilder(B)
+    b = ListMetadataBuilder(B)
     b.add_sequence(0, 4, 1, [5, 1])  # position 4 -> block 1 -> slot 4
     b.add_sequence(1, 9, 1, [0, 6, 8])  # position 9 -> block 8, offset 1 -> slot 33
     real = b.build([5, 10], [1, 1])
@@ -132,7 +132,7 @@ def test_prepare_with_padded_batch_from_builder() -> None:
     with state.graph_capture(4):
         md = state.graph_capture_get_metadata_for_batch(4)
         buffers = state.get_graph_input_buffers(md)
-    b = CommonMetadataBuilder(B, attn_state=state)
+    b = ListMetadataBuilder(B)
     b.add_sequence(0, 2, 1, [7])  # slot 7*4 + 2 = 30
     b.add_sequence(1, 6, 1, [3, 9])  # slot 9*4 + 2 = 38
     b.add_sequence(2, 8, 1, [2, 4, 11])  # slot 11*4 + 0 = 44
@@ -151,12 +151,32 @@ def test_begin_forward_is_a_no_op() -> None:
     assert torch.equal(state.graph_block_tables, before)
 
 
-def test_write_block_tables_checks_sizes() -> None:
-    state = _state(max_bs=2, max_blocks=2)
-    out = state.write_block_tables([[4, 5], [6]], 2)
-    assert out.tolist() == [[4, 5], [6, 0]]
-    assert out.data_ptr() == state.graph_block_tables.data_ptr()
-    with pytest.raises(ValueError):
-        state.write_block_tables([[1]], 3)
-    with pytest.raises(ValueError):
-        state.write_block_tables([[1, 2, 3]], 1)
+def test_prepare_skips_buffers_the_batch_already_is() -> None:
+    """Bound to the engine's input buffers, the decoder rows are already where the graph reads
+    them: prepare copies nothing over them (a copy onto itself would be wasted work)."""
+    slots = torch.full((4,), 7, dtype=torch.int64)
+    lens, tables = torch.ones(4, dtype=torch.int32), torch.zeros((4, 5), dtype=torch.int32)
+    state = _state(max_bs=4)
+    state.bind_buffers(slots, lens, tables)
+    assert state.graph_block_tables is tables
+    with state.graph_capture(4):
+        md = state.graph_capture_get_metadata_for_batch(4)
+        buffers = state.get_graph_input_buffers(md)
+    slots[:2] = torch.tensor([4, 33])
+    lens[:2] = torch.tensor([5, 10])
+    copies: list[torch.Tensor] = []
+    real = md.decode_metadata
+    assert real is not None
+    original = torch.Tensor.copy_
+
+    def spy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        copies.append(self)
+        return original(self, src, non_blocking)
+
+    torch.Tensor.copy_ = spy  # type: ignore[method-assign]
+    try:
+        state.prepare_graph_input_buffers(buffers, real)
+    finally:
+        torch.Tensor.copy_ = original  # type: ignore[method-assign]
+    assert copies == []
+    assert md.slot_mapping.tolist() == [4, 33, PAD_SLOT_ID, PAD_SLOT_ID]

@@ -9,9 +9,10 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from tests.attention._metadata_oracle import ListMetadataBuilder
 from tokenwise.attention.backends.torch_backend import TorchAttentionBackend
 from tokenwise.attention.layer import Attention
-from tokenwise.attention.metadata import AttentionMetadata, CommonMetadataBuilder
+from tokenwise.attention.metadata import AttentionMetadata
 from tokenwise.config import EngineConfig
 from tokenwise.forward_context import is_forward_context_available, set_forward_context
 
@@ -57,7 +58,7 @@ def new_cache(gen: torch.Generator) -> torch.Tensor:
 
 def metadata(items: list[tuple[int, int, int, list[int]]]) -> AttentionMetadata:
     """items: (seq_id, context_len, query_len, block_table), prefills first."""
-    b = CommonMetadataBuilder(B)
+    b = ListMetadataBuilder(B)
     for seq_id, ctx, ql, table in items:
         b.add_sequence(seq_id, ctx, ql, table)
     return b.build([c + q for _, c, q, _ in items], [q for _, _, q, _ in items])
@@ -79,7 +80,7 @@ def test_registers_under_its_prefix() -> None:
     with pytest.raises(ValueError, match="duplicate"):
         Attention(H, D, SCALE, KVH, prefix="model.layers.0.self_attn.attn", config=config)
     assert registry["model.layers.0.self_attn.attn"] is a  # the original is kept
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="empty prefix"):
         Attention(H, D, SCALE, KVH, prefix="", config=config)
     # Another engine's config is a separate namespace.
     other = EngineConfig()
@@ -88,7 +89,7 @@ def test_registers_under_its_prefix() -> None:
 
 
 def test_constructor_validation() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         Attention(8, D, SCALE, 3)
     layer = Attention(4, D, SCALE)  # kv heads default to heads (MHA)
     assert layer.num_kv_heads == 4

@@ -1,19 +1,34 @@
-"""`AttentionMetadata` and `CommonMetadataBuilder` (SPEC §3).
+"""`AttentionMetadata` and `CommonMetadataBuilder` (SPEC §3), as the engine builds them.
 
 Every expected slot, offset and table below is worked out by hand from
 `slot = table[i // B] * B + i % B` with block size B = 4; nothing is copied from the builder.
+Metadata comes from the engine's path (`InputBatch` + `CommonMetadataBuilder.prepare/build`,
+via `engine_metadata`); the seed's list form (`ListMetadataBuilder`, the test oracle) must give
+the same for every scenario.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+from tests.attention._metadata_oracle import ListMetadataBuilder, engine_metadata
 from tokenwise.attention.graph_state import CommonAttentionState
 from tokenwise.attention.metadata import AttentionMetadata, CommonMetadataBuilder
 from tokenwise.attention.utils import PAD_SLOT_ID
+from tokenwise.runner.input_batch import InputBatch
 
 B = 4
+
+MIXED = [(0, 6, [3, 7]), (5, 3, [2, 9]), (4, 1, [5, 1, 11]), (9, 1, [0, 6, 8])]
+WINDOWED = [
+    (0, 10, [10, 11, 12]),
+    (8, 3, [4, 5, 6]),
+    (7, 1, [7, 8]),
+    (13, 1, [0, 1, 2, 3]),
+    (3, 1, [9]),
+]
 
 
 def _ints(t: torch.Tensor | None) -> list:
@@ -29,12 +44,54 @@ def _mixed_batch() -> AttentionMetadata:
     seq 2: decode, context 4, table [5, 1, 11] (one spare block) -> position 4 -> 1*4 + 0 = 4
     seq 3: decode, context 9, table [0, 6, 8]                    -> position 9 -> 8*4 + 1 = 33
     """
-    b = CommonMetadataBuilder(block_size=B)
-    b.add_sequence(0, context_len=0, query_len=6, block_table=[3, 7])
-    b.add_sequence(1, context_len=5, query_len=3, block_table=[2, 9])
-    b.add_sequence(2, context_len=4, query_len=1, block_table=[5, 1, 11])
-    b.add_sequence(3, context_len=9, query_len=1, block_table=[0, 6, 8])
-    return b.build(seq_lens=[6, 8, 5, 10], query_lens=[6, 3, 1, 1])
+    return engine_metadata(B, MIXED)
+
+
+def _oracle(seqs: list, window: int | None = None, graph_batch_size: int | None = None):
+    b = ListMetadataBuilder(B, window)
+    for i, (context, query, table) in enumerate(seqs):
+        b.add_sequence(i, context, query, table)
+    seq_lens, query_lens = [c + q for c, q, _ in seqs], [q for _, q, _ in seqs]
+    if graph_batch_size is None:
+        return b.build(seq_lens, query_lens)
+    return b.build(seq_lens, query_lens, graph_batch_size - len(seqs), graph_batch_size)
+
+
+@pytest.mark.parametrize(
+    ("seqs", "window", "graph"),
+    [
+        (MIXED, None, None),
+        (MIXED, 5, None),
+        (WINDOWED, 5, None),
+        (WINDOWED, None, None),
+        ([(4, 1, [5, 1]), (9, 1, [0, 6, 8])], None, 4),
+        ([(13, 1, [0, 1, 2, 3]), (5, 1, [6, 7])], 5, 3),
+    ],
+)
+def test_engine_builder_equals_the_list_oracle(
+    seqs: list, window: int | None, graph: int | None
+) -> None:
+    got = engine_metadata(B, seqs, window, graph)
+    want = _oracle(seqs, window, graph)
+    for name in ("slot_mapping", "seq_lens_tensor", "block_tables", "query_start_loc"):
+        assert _ints(getattr(got, name)) == _ints(getattr(want, name)), name
+    assert _ints(got.seq_start_loc) == _ints(want.seq_start_loc)
+    assert _ints(got.context_lens_tensor) == _ints(want.context_lens_tensor)
+    for name in (
+        "num_prefills",
+        "num_prefill_tokens",
+        "num_decode_tokens",
+        "seq_lens",
+        "query_lens",
+        "context_lens",
+        "max_query_len",
+        "max_prefill_seq_len",
+        "max_decode_seq_len",
+        "block_table_first_block",
+        "sliding_window",
+        "use_cuda_graph",
+    ):
+        assert getattr(got, name) == getattr(want, name), name
 
 
 def test_counts_and_flat_fields() -> None:
@@ -103,71 +160,81 @@ def test_decode_view_rebases_start_locations() -> None:
 
 
 def test_views_absent_for_pure_batches() -> None:
-    b = CommonMetadataBuilder(block_size=B)
-    b.add_sequence(0, 0, 3, [4])
-    md = b.build([3], [3])
+    md = engine_metadata(B, [(0, 3, [4])])
     assert md.decode_metadata is None and md.prefill_metadata is not None
-    b.prepare()
-    b.add_sequence(0, 3, 1, [4])
-    md = b.build([4], [1])
+    md = engine_metadata(B, [(3, 1, [4])])
     assert md.prefill_metadata is None and md.decode_metadata is not None
     assert (md.num_prefills, md.num_prefill_tokens, md.num_decode_tokens) == (0, 0, 1)
     assert _ints(md.slot_mapping) == [4 * 4 + 3]
 
 
 def test_chunked_prompt_counts_as_prefill() -> None:
-    b = CommonMetadataBuilder(block_size=B)
-    b.add_sequence(7, context_len=8, query_len=2, block_table=[1, 2, 3])
-    md = b.build([10], [2])
+    md = engine_metadata(B, [(8, 2, [1, 2, 3])])
     assert md.num_prefills == 1 and md.num_prefill_tokens == 2 and md.num_decode_tokens == 0
     assert _ints(md.slot_mapping) == [12, 13]  # positions 8, 9 -> block 3
     assert md.max_prefill_seq_len == 10 and md.max_decode_seq_len == 0
 
 
+def _build(builder: CommonMetadataBuilder, seq_lens: list[int], query_lens: list[int], **kw):
+    """`build` over hand-made buffers (shapes matching the lengths, contents irrelevant)."""
+    n, t = len(seq_lens), sum(query_lens)
+    buffers = {
+        "slot_mapping": torch.zeros(kw.pop("num_slots", t), dtype=torch.int64),
+        "seq_lens_tensor": torch.tensor(seq_lens, dtype=torch.int32),
+        "block_tables": torch.zeros((kw.pop("num_rows", n), 2), dtype=torch.int32),
+    }
+    return builder.build(seq_lens, query_lens, **kw, **buffers)
+
+
 def test_prefill_after_decode_is_an_error() -> None:
-    b = CommonMetadataBuilder(block_size=B)
-    b.add_sequence(0, 4, 1, [1, 2])
+    b = CommonMetadataBuilder(B)
+    b.prepare()
     with pytest.raises(ValueError, match="before decode"):
-        b.add_sequence(1, 0, 3, [3])
+        _build(b, [5, 3], [1, 3])
     # A chunk with context is a prefill too.
+    b.prepare()
     with pytest.raises(ValueError, match="before decode"):
-        b.add_sequence(2, 4, 2, [5, 6])
+        _build(b, [5, 6], [1, 2])
 
 
 def test_invalid_inputs() -> None:
-    b = CommonMetadataBuilder(block_size=B)
-    with pytest.raises(ValueError):
-        b.add_sequence(0, 3, 0, [1])
-    b.add_sequence(0, 0, 3, [1])
-    with pytest.raises(ValueError):
-        b.build([3], [2])
-    with pytest.raises(ValueError):  # block table too short for 9 tokens
-        b.add_sequence(1, 0, 9, [1, 2])
-
-
-def test_prepare_resets_state() -> None:
-    b = CommonMetadataBuilder(block_size=B)
-    b.add_sequence(0, 0, 5, [1, 2])
-    b.add_sequence(1, 2, 1, [3])
-    b.build([5, 3], [5, 1])
+    b = CommonMetadataBuilder(B)
     b.prepare()
-    b.add_sequence(2, 1, 1, [6])
-    md = b.build([2], [1])
-    assert (md.num_prefills, md.num_prefill_tokens, md.num_decode_tokens) == (0, 0, 1)
-    assert _ints(md.slot_mapping) == [25]
-    assert _ints(md.block_tables) == [[6]]
+    with pytest.raises(ValueError, match="query_len >= 1"):
+        _build(b, [3], [0])
+    b.prepare()
+    with pytest.raises(ValueError, match="seq_len >= query_len"):
+        _build(b, [2], [3])
+    b.prepare()
+    with pytest.raises(ValueError, match="describe different batches"):
+        b.build(
+            [3, 4],
+            [3],
+            slot_mapping=torch.zeros(3, dtype=torch.int64),
+            seq_lens_tensor=torch.ones(1, dtype=torch.int32),
+            block_tables=torch.zeros((1, 1), dtype=torch.int32),
+        )
+    b.prepare()
+    with pytest.raises(ValueError, match="do not fit 1 sequences of 3 query tokens"):
+        _build(b, [3], [3], num_slots=2)
+
+
+def test_build_needs_prepare_every_step() -> None:
+    b = CommonMetadataBuilder(B)
+    with pytest.raises(RuntimeError, match="without prepare"):
+        _build(b, [5], [1])
+    b.prepare()
+    md = _build(b, [5], [1])
+    assert md.num_decode_tokens == 1
+    with pytest.raises(RuntimeError, match="without prepare"):  # one build per prepare
+        _build(b, [5], [1])
 
 
 def test_sliding_window_trims_leading_blocks() -> None:
     """Window 5: the earliest query (position context) sees keys >= context - 4; the first kept
     block is max(0, context - 5 + 1) // 4."""
-    b = CommonMetadataBuilder(block_size=B, sliding_window=5)
-    b.add_sequence(0, context_len=0, query_len=10, block_table=[10, 11, 12])  # first 0
-    b.add_sequence(1, context_len=8, query_len=3, block_table=[4, 5, 6])  # (8-4)//4 = 1
-    b.add_sequence(2, context_len=7, query_len=1, block_table=[7, 8])  # (7-4)//4 = 0
-    b.add_sequence(3, context_len=13, query_len=1, block_table=[0, 1, 2, 3])  # 9//4 = 2
-    b.add_sequence(4, context_len=3, query_len=1, block_table=[9])  # max(0, -1) -> 0
-    md = b.build([10, 11, 8, 14, 4], [10, 3, 1, 1, 1])
+    # First blocks: 0; (8-4)//4 = 1; (7-4)//4 = 0; 9//4 = 2; max(0, -1) -> 0.
+    md = engine_metadata(B, WINDOWED, sliding_window=5)
     assert md.block_table_first_block == [0, 1, 0, 2, 0]
     assert _ints(md.block_tables) == [
         [10, 11, 12],
@@ -191,11 +258,8 @@ def test_sliding_window_trims_leading_blocks() -> None:
     assert md.decode_metadata.block_table_first_block == [0, 2, 0]
 
 
-def test_graph_padding_without_state() -> None:
-    b = CommonMetadataBuilder(block_size=B)
-    b.add_sequence(0, 4, 1, [5, 1])
-    b.add_sequence(1, 9, 1, [0, 6, 8])
-    md = b.build([5, 10], [1, 1], cuda_graph_pad_size=2, batch_size=4)
+def test_graph_padding() -> None:
+    md = engine_metadata(B, [(4, 1, [5, 1]), (9, 1, [0, 6, 8])], graph_batch_size=4)
     assert md.use_cuda_graph is True
     assert md.num_decode_tokens == 4 and md.num_prefills == 0
     assert _ints(md.slot_mapping) == [4, 33, PAD_SLOT_ID, PAD_SLOT_ID]
@@ -209,49 +273,53 @@ def test_graph_padding_without_state() -> None:
 
 
 def test_graph_padding_uses_persistent_buffer() -> None:
+    """A graph batch's tables are the input batch's buffer, which the graph state is bound to."""
+    batch = InputBatch(8, 8, 16, B, torch.device("cpu"))
     state = CommonAttentionState(max_batch_size=8, max_blocks_per_seq=4, block_size=B)
-    state.graph_block_tables.fill_(99)  # stale contents from an earlier step
-    b = CommonMetadataBuilder(block_size=B, attn_state=state)
-    b.add_sequence(0, 4, 1, [5, 1])
-    b.add_sequence(1, 9, 1, [0, 6, 8])
-    b.add_sequence(2, 2, 1, [7])
-    md = b.build([5, 10, 3], [1, 1, 1], cuda_graph_pad_size=1, batch_size=4)
+    state.bind_buffers(batch.slot_mapping.device, batch.seq_lens.device, batch.block_tables.device)
+    seqs = [(4, 1, [5, 1]), (9, 1, [0, 6, 8]), (2, 1, [7])]
+    md = engine_metadata(B, seqs, graph_batch_size=4, batch=batch)
     assert md.use_cuda_graph is True
     assert md.num_decode_tokens == 4
     assert _ints(md.slot_mapping) == [4, 33, 30, PAD_SLOT_ID]
     assert md.block_tables.data_ptr() == state.graph_block_tables.data_ptr()
-    assert _ints(md.block_tables) == [[5, 1, 0, 0], [0, 6, 8, 0], [7, 0, 0, 0], [0, 0, 0, 0]]
-    # Rows past the batch are not this step's concern and are left alone.
-    assert (state.graph_block_tables[4:] == 99).all()
+    assert _ints(md.block_tables) == [[5, 1, 0], [0, 6, 8], [7, 0, 0], [0, 0, 0]]
     assert md.seq_lens == [5, 10, 3, 1]
 
 
-def test_graph_padding_rejects_oversized_batches() -> None:
-    state = CommonAttentionState(max_batch_size=2, max_blocks_per_seq=2, block_size=B)
-    b = CommonMetadataBuilder(block_size=B, attn_state=state)
-    b.add_sequence(0, 4, 1, [5, 1])
-    with pytest.raises(ValueError):
-        b.build([5], [1], cuda_graph_pad_size=2, batch_size=3)
+def test_graph_padding_rejects_what_is_not_padding() -> None:
+    b = CommonMetadataBuilder(B)
     b.prepare()
-    b.add_sequence(0, 9, 1, [0, 6, 8])  # 3 blocks > max_blocks_per_seq
-    with pytest.raises(ValueError):
-        b.build([10], [1], cuda_graph_pad_size=1, batch_size=2)
+    with pytest.raises(ValueError, match="padding must already be in the buffers"):
+        _build(b, [5], [1], cuda_graph_pad_size=2, batch_size=3)
+    b.prepare()
+    with pytest.raises(ValueError, match="are not padding"):  # a real decode, not a pad row
+        _build(b, [5, 9], [1, 1], cuda_graph_pad_size=1, batch_size=2)
+    b.prepare()
+    with pytest.raises(ValueError, match="untrimmed"):
+        _build(b, [14, 1], [1, 1], cuda_graph_pad_size=1, batch_size=2,
+               block_table_first_block=[2, 0])  # fmt: skip
 
 
 def test_graph_batch_with_sliding_window_keeps_whole_tables() -> None:
     """A captured graph's metadata has every row starting at block 0 (its host-side offsets are
     fixed at capture), so a graph batch must not trim: the window is applied by masking."""
-    state = CommonAttentionState(max_batch_size=4, max_blocks_per_seq=4, block_size=B)
-    b = CommonMetadataBuilder(block_size=B, sliding_window=5, attn_state=state)
-    b.add_sequence(0, 13, 1, [0, 1, 2, 3])  # would trim to [2, 3] outside a graph
-    b.add_sequence(1, 5, 1, [6, 7])
-    md = b.build([14, 6], [1, 1], cuda_graph_pad_size=1, batch_size=3)
+    seqs = [(13, 1, [0, 1, 2, 3]), (5, 1, [6, 7])]  # row 0 would trim to [2, 3] outside a graph
+    md = engine_metadata(B, seqs, sliding_window=5, graph_batch_size=3)
     assert md.block_table_first_block == [0, 0, 0]
     assert _ints(md.block_tables) == [[0, 1, 2, 3], [6, 7, 0, 0], [0, 0, 0, 0]]
     assert _ints(md.slot_mapping) == [13, 29, PAD_SLOT_ID]
-    # The same builder without a graph still trims.
-    b.prepare()
-    b.add_sequence(0, 13, 1, [0, 1, 2, 3])
-    md = b.build([14], [1])
+    # The same spec without a graph still trims.
+    md = engine_metadata(B, seqs[:1], sliding_window=5)
     assert md.block_table_first_block == [2]
     assert _ints(md.block_tables) == [[2, 3]]
+
+
+def test_unread_fields_are_derived_on_first_access() -> None:
+    """`query_start_loc`, `seq_start_loc`, `context_lens_tensor`: no backend reads them per
+    step, so nothing builds them until asked; then from the host lengths, once."""
+    md = _mixed_batch()
+    assert not {"query_start_loc", "seq_start_loc", "context_lens_tensor"} & set(vars(md))
+    assert md.query_start_loc is md.query_start_loc
+    assert md.query_start_loc.device == md.slot_mapping.device
+    assert np.array_equal(md.context_lens_tensor.numpy(), [0, 5, 4, 9])

@@ -14,13 +14,14 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tests.attention._metadata_oracle import ListMetadataBuilder
 from tokenwise.attention.backends.mla_backend import (
     MLAHeadDims,
     MLAImpl,
     absorbed_decode,
     mla_kv_cache_shape,
 )
-from tokenwise.attention.metadata import AttentionMetadata, CommonMetadataBuilder
+from tokenwise.attention.metadata import AttentionMetadata
 from tokenwise.attention.mla import MLAAttention
 from tokenwise.attention.utils import PAD_SLOT_ID
 from tokenwise.config import EngineConfig
@@ -91,7 +92,7 @@ def step_inputs(items: list[tuple[Seq, int, int]]) -> tuple[torch.Tensor, ...]:
 
 
 def build_md(items: list[tuple[Seq, int, int]]) -> AttentionMetadata:
-    builder = CommonMetadataBuilder(B)
+    builder = ListMetadataBuilder(B)
     for seq, ctx, ql in items:
         builder.add_sequence(seq.seq_id, ctx, ql, seq.table)
     return builder.build([c + q for _, c, q in items], [q for _, _, q in items])

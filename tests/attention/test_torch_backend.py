@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tests.attention._metadata_oracle import ListMetadataBuilder
 from tokenwise.attention.backends import cpu_kernels
 from tokenwise.attention.backends.torch_backend import (
     TorchAttentionBackend,
@@ -22,7 +23,7 @@ from tokenwise.attention.backends.torch_backend import (
     write_kv_cache,
 )
 from tokenwise.attention.graph_state import CommonAttentionState
-from tokenwise.attention.metadata import AttentionMetadata, CommonMetadataBuilder
+from tokenwise.attention.metadata import AttentionMetadata
 from tokenwise.attention.utils import PAD_SLOT_ID
 
 H, KVH, D, B = 8, 2, 16, 4  # GQA: 4 query heads per KV head
@@ -96,7 +97,7 @@ def run_step(
     impl: TorchAttentionImpl,
     cache: torch.Tensor,
     items: list[tuple[Seq, int, int]],
-    builder: CommonMetadataBuilder,
+    builder: ListMetadataBuilder,
     dtype: torch.dtype = torch.float32,
 ) -> tuple[list[torch.Tensor], AttentionMetadata]:
     """One forward call over (seq, context_len, query_len) items (prefills first)."""
@@ -131,10 +132,10 @@ def check(
 
 def setup(
     seed: int, lengths: list[int], window: int | None = None, softcap: float | None = None
-) -> tuple[TorchAttentionImpl, torch.Tensor, list[Seq], CommonMetadataBuilder]:
+) -> tuple[TorchAttentionImpl, torch.Tensor, list[Seq], ListMetadataBuilder]:
     gen = torch.Generator().manual_seed(seed)
     impl = TorchAttentionImpl(H, D, SCALE, KVH, sliding_window=window, logits_soft_cap=softcap)
-    return impl, new_cache(gen), make_seqs(lengths, gen), CommonMetadataBuilder(B, window)
+    return impl, new_cache(gen), make_seqs(lengths, gen), ListMetadataBuilder(B, window)
 
 
 def test_kv_cache_shape_has_a_trash_block() -> None:
@@ -244,7 +245,7 @@ def test_pad_slots_only_touch_the_trash_block() -> None:
     impl = TorchAttentionImpl(H, D, SCALE, KVH)
     cache = new_cache(gen)
     seqs = make_seqs([6, 9], gen)
-    builder = CommonMetadataBuilder(B)
+    builder = ListMetadataBuilder(B)
     run_step(impl, cache, [(seqs[0], 0, 5), (seqs[1], 0, 8)], builder)
     before = cache.clone()
 
@@ -315,7 +316,7 @@ def test_graph_replay_reads_the_persistent_buffers(window: int | None) -> None:
     with state.graph_capture(4):
         capture_md = state.graph_capture_get_metadata_for_batch(4)
         buffers = state.get_graph_input_buffers(capture_md)
-    builder = CommonMetadataBuilder(B, window, attn_state=state)
+    builder = ListMetadataBuilder(B, window)
     builder.add_sequence(0, 13, 1, seqs[0].table)
     builder.add_sequence(1, 5, 1, seqs[1].table)
     real_md = builder.build([14, 6], [1, 1], cuda_graph_pad_size=2, batch_size=4)
@@ -345,7 +346,7 @@ def test_bf16_close_to_fp32_reference(window: int | None) -> None:
     impl = TorchAttentionImpl(H, D, SCALE, KVH, sliding_window=window)
     cache = new_cache(gen, torch.bfloat16)
     seqs = make_seqs([9, 12, 14, 6], gen)
-    builder = CommonMetadataBuilder(B, window)
+    builder = ListMetadataBuilder(B, window)
     prep = [(seqs[1], 0, 5), (seqs[2], 0, 13), (seqs[3], 0, 5)]
     run_step(impl, cache, prep, builder, torch.bfloat16)
     items = [(seqs[0], 0, 9), (seqs[1], 5, 7), (seqs[2], 13, 1), (seqs[3], 5, 1)]

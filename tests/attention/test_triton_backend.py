@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tests.attention._metadata_oracle import ListMetadataBuilder
 from tokenwise.attention.backends import selector
 from tokenwise.attention.backends.torch_backend import paged_decode_reference, write_kv_cache
 from tokenwise.attention.backends.triton_backend import (
@@ -22,7 +23,7 @@ from tokenwise.attention.backends.triton_backend import (
     TritonAttentionImpl,
 )
 from tokenwise.attention.graph_state import CommonAttentionState
-from tokenwise.attention.metadata import AttentionMetadata, CommonMetadataBuilder
+from tokenwise.attention.metadata import AttentionMetadata
 from tokenwise.attention.utils import PAD_SLOT_ID
 
 H, KVH, D, B = 8, 2, 16, 4
@@ -76,7 +77,7 @@ def step(
     items: list[tuple[Seq, int, int]],
     window: int | None = None,
 ) -> tuple[list[torch.Tensor], AttentionMetadata]:
-    builder = CommonMetadataBuilder(B, window)
+    builder = ListMetadataBuilder(B, window)
     for seq, ctx, ql in items:
         builder.add_sequence(seq.seq_id, ctx, ql, seq.table)
     md = builder.build([c + q for _, c, q in items], [q for _, _, q in items])
@@ -176,7 +177,7 @@ def test_graph_decode_reads_only_device_tensors() -> None:
     state = CommonAttentionState(max_batch_size=4, max_blocks_per_seq=4, block_size=B)
     with state.graph_capture(4):
         capture_md = state.graph_capture_get_metadata_for_batch(4)
-    builder = CommonMetadataBuilder(B, attn_state=state)
+    builder = ListMetadataBuilder(B)
     for s, ctx in ((seqs[0], 13), (seqs[1], 5), (seqs[2], 8)):
         builder.add_sequence(s.seq_id, ctx, 1, s.table)
     real = builder.build([14, 6, 9], [1, 1, 1], cuda_graph_pad_size=1, batch_size=4)

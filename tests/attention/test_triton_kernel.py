@@ -29,6 +29,7 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
 pytest.importorskip("triton")
 
+from tests.attention._metadata_oracle import ListMetadataBuilder  # noqa: E402
 from tokenwise.attention.backends.torch_backend import (  # noqa: E402
     TorchAttentionBackend,
     TorchAttentionImpl,
@@ -38,7 +39,6 @@ from tokenwise.attention.backends.triton_backend import (  # noqa: E402
     TritonAttentionBackend,
     TritonAttentionImpl,
 )
-from tokenwise.attention.metadata import CommonMetadataBuilder  # noqa: E402
 
 CASES = [
     # heads, kv heads, head size, block size, sequence lengths, sliding window, dtype
@@ -98,7 +98,7 @@ def test_kernel_matches_the_torch_backend_decode(
         cache = torch.randn(shape, generator=torch.Generator().manual_seed(9)) * 10
         cache = cache.to(device, dtype)
         impl = impl_cls(heads, head, scale, kv_heads, sliding_window=window)
-        prefill = CommonMetadataBuilder(block, window, device=device)
+        prefill = ListMetadataBuilder(block, window, device=device)
         for i, n in enumerate(lengths):
             prefill.add_sequence(i, 0, n, tables[i]) if n > 1 else None
         prompts = [i for i, n in enumerate(lengths) if n > 1]
@@ -106,7 +106,7 @@ def test_kernel_matches_the_torch_backend_decode(
             md = prefill.build([lengths[i] for i in prompts], [lengths[i] for i in prompts])
             q, k, v = (torch.cat([seqs[i][j][: lengths[i]] for i in prompts]) for j in range(3))
             impl.forward(q, k, v, cache, md)
-        decode = CommonMetadataBuilder(block, window, device=device)
+        decode = ListMetadataBuilder(block, window, device=device)
         for i, n in enumerate(lengths):
             ctx = n if n > 1 else 0
             decode.add_sequence(i, ctx, 1, tables[i])

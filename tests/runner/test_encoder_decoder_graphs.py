@@ -135,7 +135,7 @@ def test_stale_cross_rows_would_change_the_tokens(
     """The check above can fail: cross rows written for the first decode step only and then
     left in place (stale as the batch shrinks and reorders) give other tokens than eager."""
     _, eager, _ = run_bart(None)
-    write = CommonAttentionState.write_cross_buffers
+    write = CommonAttentionState.prepare_graph_input_buffers
     calls: list[int] = []
 
     def first_only(self: CommonAttentionState, *args: Any) -> None:
@@ -143,7 +143,7 @@ def test_stale_cross_rows_would_change_the_tokens(
         if len(calls) == 1:
             write(self, *args)
 
-    monkeypatch.setattr(CommonAttentionState, "write_cross_buffers", first_only)
+    monkeypatch.setattr(CommonAttentionState, "prepare_graph_input_buffers", first_only)
     _, outs, _ = run_bart(M.FULL_DECODE_ONLY, fake_graphs)
     assert len(calls) > 1
     got = [o.outputs[0].token_ids for o in outs]

@@ -252,13 +252,14 @@ def test_padding_rows_are_one_token_decodes_on_pad_slots() -> None:
     )
     padded = batch.pad(step, 8)
     assert batch.pad(step, step.num_tokens) is step
-    md = CommonMetadataBuilder(block_size=4).build_from_buffers(
-        padded.slot_mapping,
-        padded.seq_lens,
-        padded.query_start_loc,
-        padded.block_tables,
+    builder = CommonMetadataBuilder(block_size=4)
+    builder.prepare()
+    md = builder.build(
+        padded.context_lens_np + padded.query_lens_np,
         padded.query_lens_np,
-        padded.context_lens_np,
+        slot_mapping=padded.slot_mapping,
+        seq_lens_tensor=padded.seq_lens,
+        block_tables=padded.block_tables,
     )
     assert padded.input_ids.tolist() == [5, 6, 7, 8, 9, 6, 0, 0]
     assert md.slot_mapping.tolist() == [12, 13, 14, 15, 28, 38, PAD_SLOT_ID, PAD_SLOT_ID]

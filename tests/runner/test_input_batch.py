@@ -1,7 +1,7 @@
 """The persistent input batch gives exactly the inputs and metadata the per-step builder gives.
 
-`CommonMetadataBuilder.add_sequence/build` (the seed's list-based path, still the reference) and
-`InputBatch.prepare` + `build_from_buffers` are fed the same steps of a random simulation:
+The seed's list-based builder (`ListMetadataBuilder`, the test oracle) and the engine's
+`InputBatch.prepare` + `CommonMetadataBuilder.prepare/build` are fed the same steps of a random simulation:
 requests arrive, prefill in chunks, decode, grow new blocks, finish, are preempted and come back
 (which must give them a fresh row), with and without a sliding window. Every tensor and host
 field the backends read must be equal, step after step.
@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.attention._metadata_oracle import ListMetadataBuilder
 from tokenwise.attention.metadata import CommonMetadataBuilder
 from tokenwise.engine.request import Request
 from tokenwise.engine.step_outputs import ScheduledRequest
@@ -29,7 +30,7 @@ MAX_REQS = 6
 def reference(
     items: list[ScheduledRequest], window: int | None, tables: dict[str, list[int]]
 ) -> tuple:
-    builder = CommonMetadataBuilder(B, window)
+    builder = ListMetadataBuilder(B, window)
     ids, pos, seq_lens, query_lens = [], [], [], []
     for i, item in enumerate(items):
         req, n = item.request, item.num_new_tokens
@@ -53,14 +54,15 @@ def assert_same(
     tables, first = step.block_tables, None
     if window is not None:
         tables, first = batch.windowed_block_tables(step, window)
-    got = CommonMetadataBuilder(B, window).build_from_buffers(
-        step.slot_mapping,
-        step.seq_lens,
-        step.query_start_loc,
-        tables,
+    builder = CommonMetadataBuilder(B, window)
+    builder.prepare()
+    got = builder.build(
+        step.context_lens_np + step.query_lens_np,
         step.query_lens_np,
-        step.context_lens_np,
-        first,
+        slot_mapping=step.slot_mapping,
+        seq_lens_tensor=step.seq_lens,
+        block_tables=tables,
+        block_table_first_block=first,
     )
     assert step.input_ids.tolist() == ids
     assert step.positions.tolist() == pos

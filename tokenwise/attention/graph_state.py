@@ -1,9 +1,16 @@
-"""Persistent attention buffers for CUDA-graph capture and replay.
+"""`CommonAttentionState` (SPEC §3): persistent attention buffers for CUDA-graph capture and replay.
 
 A captured graph reads fixed addresses, so the metadata tensors a graph uses (slot mapping,
-sequence lengths, block tables) must live in buffers allocated once; before each replay the real
-batch is copied into them. Padding rows hold PAD slots and length-1 sequences so that they never
-write or read a real KV block. Nothing here needs a GPU: capture itself happens in the runner.
+sequence lengths, block tables) must live in buffers allocated once. The engine binds the input
+batch's own device buffers (`bind_buffers`), into which every step is written anyway, so a
+decoder's replay copies nothing; an encoder-decoder model's cross rows (encoder lengths, cross
+block tables) have buffers of their own here, and `prepare_graph_input_buffers` writes each
+replayed step's rows into them. Padding rows hold PAD slots and length-1 sequences so that they
+never write or read a real KV block. Nothing here needs a GPU: capture happens in the runner
+(`tokenwise.runner.graph_runner`).
+
+Its own module, above `attention.metadata` (it builds capture metadata): `metadata` would
+exceed the ~400-line module budget with it, and re-exporting it there would be an import circle.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from typing import Any
 
 import torch
 
-from tokenwise.attention.attn_metadata import AttentionMetadata
+from tokenwise.attention.metadata import AttentionMetadata
 from tokenwise.attention.utils import PAD_SLOT_ID, is_all_cross_attn_metadata_set
 
 
@@ -37,11 +44,10 @@ class CommonAttentionState:
         self.max_cross_blocks_per_seq = max_cross_blocks_per_seq
         self._graph_encoder_seq_lens: torch.Tensor | None = None
         self._graph_cross_block_tables: torch.Tensor | None = None
-        # Host staging for those two (lengths, tables), made on the first write.
-        self._host_cross: tuple[torch.Tensor, torch.Tensor] | None = None
-        # Host staging buffer for block tables: written row by row, copied to device once.
+        # The block tables a graph reads: this state's own buffer until `bind_buffers` makes it
+        # the input batch's.
         self.graph_block_tables = torch.zeros(
-            (max_batch_size, max_blocks_per_seq), dtype=torch.int32
+            (max_batch_size, max_blocks_per_seq), dtype=torch.int32, device=self.device
         )
         self._is_graph_capturing = False
         self._graph_slot_mapping: torch.Tensor | None = None
@@ -56,7 +62,7 @@ class CommonAttentionState:
 
         The engine binds its input batch's device buffers, into which every step's inputs are
         already written: a replayed graph then reads them where they are, with no copy into
-        buffers of its own (`prepare_graph_input_buffers` is for unbound states).
+        buffers of its own (`prepare_graph_input_buffers` skips what already aliases them).
         """
         if block_tables.shape[1] != self.max_blocks_per_seq:
             raise ValueError(
@@ -68,6 +74,7 @@ class CommonAttentionState:
         ):
             raise ValueError(f"bound buffers hold fewer than {self.max_batch_size} rows")
         self._bound = (slot_mapping, seq_lens, block_tables)
+        self.graph_block_tables = block_tables
 
     @contextmanager
     def graph_capture(
@@ -97,7 +104,7 @@ class CommonAttentionState:
                 (max_batch_size,), PAD_SLOT_ID, dtype=torch.int64, device=self.device
             )
             self._graph_seq_lens = torch.ones(max_batch_size, dtype=torch.int32, device=self.device)
-            self._graph_block_tables = self.graph_block_tables[:max_batch_size].to(self.device)
+            self._graph_block_tables = self.graph_block_tables[:max_batch_size].zero_()
         if is_encoder_decoder_model:
             if self.max_cross_blocks_per_seq < 1:
                 raise ValueError("an encoder-decoder state needs max_cross_blocks_per_seq >= 1")
@@ -115,7 +122,12 @@ class CommonAttentionState:
             self._is_graph_capturing = False
 
     def graph_clone(self, batch_size: int) -> CommonAttentionState:
-        """A state with fresh buffers of the same shape (for capturing another graph family)."""
+        """A state with fresh buffers of the same shape (for capturing another graph family).
+
+        SPEC §3 names it; the engine has no use for it: all of a model's graphs (FULL and
+        PIECEWISE, every size) share one state bound to the input batch's buffers, so nothing
+        captures a second family. Kept minimal, for callers that do.
+        """
         if not self._is_graph_capturing:
             raise RuntimeError("graph_clone() is only valid inside graph_capture()")
         return CommonAttentionState(
@@ -160,7 +172,11 @@ class CommonAttentionState:
     def get_graph_input_buffers(
         self, attn_metadata: AttentionMetadata, is_encoder_decoder_model: bool = False
     ) -> dict[str, torch.Tensor]:
-        """The tensors a captured graph reads, keyed by name."""
+        """The tensors a captured graph reads, keyed by name.
+
+        The graph runner keeps them per captured FULL size and hands them back to
+        `prepare_graph_input_buffers` before that size replays.
+        """
         decode = attn_metadata.decode_metadata
         if decode is None:
             raise ValueError("graph input buffers exist only for decode batches")
@@ -185,17 +201,23 @@ class CommonAttentionState:
         attn_metadata: AttentionMetadata,
         is_encoder_decoder_model: bool = False,
     ) -> None:
-        """Copy the real batch into the captured buffers before replay (padding rows stay)."""
+        """Copy the real batch into the captured buffers before replay (padding rows stay).
+
+        A tensor that already is its buffer (the engine's decoder inputs, written in place into
+        the bound input-batch buffers) is not copied; an encoder-decoder step's cross rows
+        (`is_encoder_decoder_model`) always are, padding rows included.
+        """
         decode = attn_metadata.decode_metadata
         if decode is None or decode.seq_lens_tensor is None:
             raise ValueError("only decode batches replay a full graph")
         n = decode.seq_lens_tensor.shape[0]
-        input_buffers["slot_mapping"][: attn_metadata.slot_mapping.shape[0]].copy_(
-            attn_metadata.slot_mapping, non_blocking=True
+        _copy_unless_aliased(
+            input_buffers["slot_mapping"][: attn_metadata.slot_mapping.shape[0]],
+            attn_metadata.slot_mapping,
         )
-        input_buffers["seq_lens_tensor"][:n].copy_(decode.seq_lens_tensor, non_blocking=True)
+        _copy_unless_aliased(input_buffers["seq_lens_tensor"][:n], decode.seq_lens_tensor)
         cols = decode.block_tables.shape[1]
-        input_buffers["block_tables"][:n, :cols].copy_(decode.block_tables, non_blocking=True)
+        _copy_unless_aliased(input_buffers["block_tables"][:n, :cols], decode.block_tables)
         if is_encoder_decoder_model:
             self._prepare_cross_buffers(input_buffers, attn_metadata, n)
 
@@ -220,61 +242,16 @@ class CommonAttentionState:
         tables[:n].zero_()
         tables[:n, :cols].copy_(md.cross_block_tables[:n], non_blocking=True)
 
-    def write_cross_buffers(
-        self, encoder_seq_lens: list[int], cross_block_tables: list[list[int]], batch_size: int
-    ) -> None:
-        """A decode step's encoder lengths and cross tables, written in place for a replay.
-
-        The engine's FULL decode graphs read the buffers `graph_capture` allocated for an
-        encoder-decoder model; each step writes its real rows there, and the padding rows up to
-        `batch_size` get encoder length 1 and block 0 (read harmlessly, output dropped), so
-        they never keep a finished request's table. Staged on the host, one copy each.
-        """
-        lens, tables = self._graph_encoder_seq_lens, self._graph_cross_block_tables
-        if lens is None or tables is None:
-            raise RuntimeError("no encoder-decoder graph buffers: capture with them first")
-        n = len(encoder_seq_lens)
-        if n != len(cross_block_tables) or n > batch_size or batch_size > lens.shape[0]:
-            raise ValueError(
-                f"{n} encoder lengths, {len(cross_block_tables)} cross tables and batch size "
-                f"{batch_size} do not fit the {lens.shape[0]} captured rows"
-            )
-        if self._host_cross is None:
-            pin = self.device.type == "cuda"
-            self._host_cross = (
-                torch.ones(lens.shape, dtype=torch.int32, pin_memory=pin),
-                torch.zeros(tables.shape, dtype=torch.int32, pin_memory=pin),
-            )
-        host_lens, host_tables = self._host_cross
-        host_lens[:batch_size] = 1
-        host_lens[:n] = torch.tensor(encoder_seq_lens, dtype=torch.int32)
-        host_tables[:batch_size] = 0
-        for i, table in enumerate(cross_block_tables):
-            if len(table) > tables.shape[1]:
-                raise ValueError(
-                    f"cross block table of {len(table)} blocks exceeds the captured "
-                    f"{tables.shape[1]} (max_cross_blocks_per_seq)"
-                )
-            host_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        lens[:batch_size].copy_(host_lens[:batch_size], non_blocking=True)
-        tables[:batch_size].copy_(host_tables[:batch_size], non_blocking=True)
-
     def begin_forward(self, model_input: Any) -> None:
-        """Hook before each forward pass; the torch backends need no per-step preparation."""
+        """Hook before each forward pass: the graph runner calls it once per graph step.
 
-    def write_block_tables(self, block_tables: list[list[int]], batch_size: int) -> torch.Tensor:
-        """Fill the host buffer's first rows with the real tables (padding rows zeroed)."""
-        if batch_size > self.max_batch_size:
-            raise ValueError(
-                f"batch_size {batch_size} exceeds max_batch_size {self.max_batch_size}"
-            )
-        buf = self.graph_block_tables[:batch_size]
-        buf.zero_()
-        for i, table in enumerate(block_tables):
-            if len(table) > self.max_blocks_per_seq:
-                raise ValueError(
-                    f"block table of {len(table)} blocks exceeds max_blocks_per_seq "
-                    f"{self.max_blocks_per_seq}"
-                )
-            buf[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        return buf
+        SPEC §3 names it for backends that prepare per-step state outside the metadata
+        (e.g. planning a kernel's work split). tokenwise's backends need none, so it does
+        nothing; `model_input` is the step's metadata (None for a FULL replay of a decoder).
+        """
+
+
+def _copy_unless_aliased(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst.copy_(src)`, skipped when `src` is a view of the same memory (a bound buffer)."""
+    if dst.data_ptr() != src.data_ptr() or dst.shape != src.shape:
+        dst.copy_(src, non_blocking=True)

@@ -15,7 +15,7 @@ from typing import overload
 
 import torch
 
-from tokenwise.attention.attn_metadata import AttentionMetadata
+from tokenwise.attention.metadata import AttentionMetadata
 from tokenwise.distributed.ubatching import UBatchSlice, split_request_lengths
 
 __all__ = ["split_attention_metadata", "split_metadata_by_layer"]
@@ -26,7 +26,8 @@ def split_attention_metadata(md: AttentionMetadata, ubatch: UBatchSlice) -> Atte
 
     Lengths come from `split_request_lengths`, so a split request's first part ends its
     sequence where its part of the query ends, and its second part counts the first part as
-    cached context. Tensors are rebuilt on md's device (a tensor field md lacks stays None).
+    cached context. `seq_lens_tensor` is rebuilt on md's device (None stays None); the start
+    locations and context lengths derive from the part's own host lengths when read.
     """
     num_reqs, num_tokens = md.num_seqs, sum(md.query_lens)
     r0, r1 = ubatch.request_slice.start, ubatch.request_slice.stop
@@ -46,9 +47,6 @@ def split_attention_metadata(md: AttentionMetadata, ubatch: UBatchSlice) -> Atte
     assert isinstance(part_qsl, list) and isinstance(part_seq_lens, list)
     query_lens = [b - a for a, b in pairwise(part_qsl)]
     context_lens = [s - q for s, q in zip(part_seq_lens, query_lens, strict=True)]
-    seq_start = [0]
-    for s in part_seq_lens:
-        seq_start.append(seq_start[-1] + s)
 
     dev = md.slot_mapping.device
 
@@ -68,9 +66,6 @@ def split_attention_metadata(md: AttentionMetadata, ubatch: UBatchSlice) -> Atte
         # A prefill's part may be a single token; it still belongs to the prefill section.
         num_prefills=max(0, min(r1, md.num_prefills) - r0),
         seq_lens_tensor=rebuilt(md.seq_lens_tensor, part_seq_lens),
-        query_start_loc=rebuilt(md.query_start_loc, part_qsl),
-        seq_start_loc=rebuilt(md.seq_start_loc, seq_start),
-        context_lens_tensor=rebuilt(md.context_lens_tensor, context_lens),
         block_table_first_block=md.block_table_first_block[r0:r1],
         block_size=md.block_size,
         sliding_window=md.sliding_window,

@@ -19,8 +19,9 @@ to the backend's trash block and never into a block the block manager hands out;
 
 Encoder-decoder models (`max_cross_blocks_per_seq` > 0) capture on metadata that also carries
 the cross fields, over `CommonAttentionState`'s encoder-decoder buffers (per-row encoder length
-and cross block table); their runner writes those rows before each FULL replay and runs every
-step with an encoder eagerly (`encoder_decoder_runner.py`).
+and cross block table); their runner writes those rows before each FULL replay through
+`prepare_replay` (the state's `prepare_graph_input_buffers`) and runs every step with an encoder
+eagerly (`encoder_decoder_runner.py`). Each graph step calls the state's `begin_forward` first.
 """
 
 from __future__ import annotations
@@ -128,6 +129,8 @@ class CUDAGraphRunner:
             model, CUDAGraphMode.FULL, capturer_factory, [True, True], "model", True
         )
         self._graph_metadata: dict[int, AttentionMetadata] = {}
+        # What each captured FULL size reads (`get_graph_input_buffers`), for `prepare_replay`.
+        self._graph_buffers: dict[int, dict[str, torch.Tensor]] = {}
 
     @classmethod
     def for_model_runner(cls, runner: Any, capturer_factory: CapturerFactory) -> CUDAGraphRunner:
@@ -177,9 +180,24 @@ class CUDAGraphRunner:
     def _metadata_for_capture(self, size: int) -> AttentionMetadata:
         md = self._graph_metadata.get(size)
         if md is None:
-            md = self.attn_state.graph_capture_get_metadata_for_batch(size, self.is_encoder_decoder)
+            state, enc_dec = self.attn_state, self.is_encoder_decoder
+            md = state.graph_capture_get_metadata_for_batch(size, enc_dec)
             self._graph_metadata[size] = md
+            self._graph_buffers[size] = state.get_graph_input_buffers(md, enc_dec)
         return md
+
+    def prepare_replay(self, attn_metadata: AttentionMetadata) -> None:
+        """Write a step's rows into the buffers of the FULL graph it replays.
+
+        `attn_metadata` is the padded step's graph metadata (`use_cuda_graph`, as many rows as
+        the graph). A decoder's inputs already are in the bound buffers (nothing is copied);
+        an encoder-decoder step's encoder lengths and cross block tables are copied in.
+        """
+        size = attn_metadata.num_decode_tokens
+        buffers = self._graph_buffers.get(size)
+        if buffers is None or attn_metadata.num_prefills:
+            raise ValueError(f"no FULL graph was captured for a decode batch of {size}")
+        self.attn_state.prepare_graph_input_buffers(buffers, attn_metadata, self.is_encoder_decoder)
 
     # ---- one step -------------------------------------------------------------------------
 
@@ -218,6 +236,7 @@ class CUDAGraphRunner:
             with set_forward_context(attn_metadata, self.config, num_tokens=num_tokens):
                 return self.model(self.input_ids[:num_tokens], self.positions[:num_tokens])
         size = desc.num_tokens
+        self.attn_state.begin_forward(attn_metadata)
         step_md: Any = attn_metadata
         if mode == CUDAGraphMode.FULL:
             step_md = self._graph_metadata[size]

@@ -4,13 +4,17 @@ Each running request owns a row holding all of its token ids and a mirror of its
 (one per KV-cache group; the block manager owns the tables, and each step's
 `ScheduledRequest` says how they changed). A step only writes what changed: the rows of new or
 resumed requests, the tokens sampled since the last step, the blocks the scheduler reports as
-new, and a shorter length where a table was cut back (a rollback). The flat per-step inputs (token ids, positions, slot mapping,
-query start locations, sequence lengths, block tables) are then gathered with a few vectorised
+new, and a shorter length where a table was cut back (a rollback). The flat per-step inputs
+(token ids, positions, slot mapping, sequence lengths, block tables) are then gathered with a
+few vectorised
 NumPy operations into pinned host buffers and moved to the device with one non-blocking copy
-each. On CPU the device twin is the host buffer itself: no copy at all.
+each. On CPU the device twin is the host buffer itself: no copy at all. Query and sequence
+start locations and context lengths are not gathered: no backend reads them per step, and
+`AttentionMetadata` derives them from the host lengths if something asks.
 
 Before this, every step rebuilt those inputs as Python lists and turned them into about eight
-fresh tensors per attention spec (`benchmarks/input_prep_bench.py` measures both).
+fresh tensors per attention spec (`benchmarks/input_prep_bench.py` times a step against an
+earlier revision).
 """
 
 from __future__ import annotations
@@ -56,7 +60,6 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     slot_mapping: torch.Tensor
-    query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_tables: torch.Tensor  # [num_reqs, max_blocks of this step]
     rows: np.ndarray  # the batch row of each scheduled request, in step order (real ones)
@@ -99,7 +102,6 @@ class InputBatch:
         self.input_ids = CpuGpuBuffer(max_num_tokens, dtype=torch.int64, device=device)
         self.positions = CpuGpuBuffer(max_num_tokens, dtype=torch.int64, device=device)
         self.slot_mapping = CpuGpuBuffer(max_num_tokens, dtype=torch.int64, device=device)
-        self.query_start_loc = CpuGpuBuffer(max_num_reqs + 1, dtype=torch.int32, device=device)
         self.seq_lens = CpuGpuBuffer(max_num_reqs, dtype=torch.int32, device=device)
         # Fixed width, so a captured graph reads the same address and stride every step; a
         # step copies only its [num_reqs, width] corner.
@@ -196,8 +198,6 @@ class InputBatch:
         self.positions.np[:num_tokens] = positions
         blocks = self.row_block_tables[token_rows, positions // self.block_size]
         self.slot_mapping.np[:num_tokens] = blocks * self.block_size + positions % self.block_size
-        self.query_start_loc.np[0] = 0
-        self.query_start_loc.np[1 : n + 1] = cu
         seq_lens = context_lens + query_lens
         self.seq_lens.np[:n] = seq_lens
         width = int(-(-seq_lens.max() // self.block_size)) if n else 0
@@ -212,7 +212,6 @@ class InputBatch:
             input_ids=self.input_ids.copy_to_device(num_tokens),
             positions=self.positions.copy_to_device(num_tokens),
             slot_mapping=self.slot_mapping.copy_to_device(num_tokens),
-            query_start_loc=self.query_start_loc.copy_to_device(n + 1),
             seq_lens=self.seq_lens.copy_to_device(n),
             block_tables=self.block_tables.copy_to_device(n, width=width),
             rows=rows,
@@ -241,7 +240,6 @@ class InputBatch:
         self.positions.np[t:num_tokens] = 0
         self.slot_mapping.np[t:num_tokens] = PAD_SLOT_ID
         self.seq_lens.np[n : n + pad] = 1
-        self.query_start_loc.np[n + 1 : n + pad + 1] = t + np.arange(1, pad + 1)
         width = step.block_tables.shape[1] or 1
         self.block_tables.np[n : n + pad, :width] = 0
         return replace(
@@ -251,7 +249,6 @@ class InputBatch:
             input_ids=self.input_ids.copy_to_device(num_tokens, start=t),
             positions=self.positions.copy_to_device(num_tokens, start=t),
             slot_mapping=self.slot_mapping.copy_to_device(num_tokens, start=t),
-            query_start_loc=self.query_start_loc.copy_to_device(n + pad + 1, start=n + 1),
             seq_lens=self.seq_lens.copy_to_device(n + pad, start=n),
             block_tables=self.block_tables.copy_to_device(n + pad, start=n, width=width),
             query_lens_np=np.concatenate([step.query_lens_np, np.ones(pad, dtype=np.int64)]),

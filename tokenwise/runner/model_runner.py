@@ -147,20 +147,31 @@ class ModelRunner(KVCacheSizingMixin):
                 tables[spec] = self.input_batch.windowed_block_tables(step, spec)
         return tables
 
-    def _attn_metadata(self, step: StepInputs, tables: SpecTables) -> dict[str, AttentionMetadata]:
-        """One metadata object per attention spec over the step's buffers, keyed by layer."""
-        metadata_by_spec = {
-            spec: builder.build_from_buffers(
-                step.slot_mapping,
-                step.seq_lens,
-                step.query_start_loc,
-                tables[spec][0],
+    def _attn_metadata(
+        self, step: StepInputs, tables: SpecTables, cuda_graph_pad_size: int = -1
+    ) -> dict[str, AttentionMetadata]:
+        """One metadata object per attention spec over the step's buffers, keyed by layer.
+
+        Each spec's `CommonMetadataBuilder` makes it (SPEC §3's `prepare()` then `build(...)`),
+        over the step's device buffers. `cuda_graph_pad_size` (the padding rows of a step a
+        FULL graph replays) marks graph metadata; PIECEWISE steps run attention eagerly, so
+        their padded metadata is plain.
+        """
+        seq_lens = step.context_lens_np + step.query_lens_np
+        batch_size = step.num_reqs if cuda_graph_pad_size != -1 else -1
+        metadata_by_spec = {}
+        for spec, builder in self._builders.items():
+            builder.prepare()
+            metadata_by_spec[spec] = builder.build(
+                seq_lens,
                 step.query_lens_np,
-                step.context_lens_np,
-                tables[spec][1],
+                cuda_graph_pad_size,
+                batch_size,
+                slot_mapping=step.slot_mapping,
+                seq_lens_tensor=step.seq_lens,
+                block_tables=tables[spec][0],
+                block_table_first_block=tables[spec][1],
             )
-            for spec, builder in self._builders.items()
-        }
         return {name: metadata_by_spec[spec] for name, spec in self._spec_of.items()}
 
     @torch.inference_mode()

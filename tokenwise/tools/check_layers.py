@@ -83,7 +83,6 @@ LAYERS: tuple[Layer, ...] = (
     Layer(
         "attention metadata",
         (
-            "tokenwise.attention.attn_metadata",
             "tokenwise.attention.metadata",
             "tokenwise.attention.graph_state",
             "tokenwise.attention.ubatch_metadata",

@@ -34,7 +34,7 @@ from tokenwise.attention.utils import (
 )
 
 if TYPE_CHECKING:
-    from tokenwise.attention.attn_metadata import AttentionMetadata
+    from tokenwise.attention.metadata import AttentionMetadata
 
 
 def attend_all(

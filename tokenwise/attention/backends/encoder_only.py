@@ -22,7 +22,7 @@ from tokenwise.attention.backends.single_sequence import single_sequence_attenti
 from tokenwise.attention.utils import AttentionType, get_num_prefill_decode_query_kv_tokens
 
 if TYPE_CHECKING:
-    from tokenwise.attention.attn_metadata import AttentionMetadata
+    from tokenwise.attention.metadata import AttentionMetadata
 
 
 def encoder_only_attention(

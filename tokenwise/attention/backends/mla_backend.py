@@ -33,7 +33,7 @@ from torch.nn.attention.bias import causal_lower_right
 from tokenwise.attention.backends.torch_backend import len_blocks
 
 if TYPE_CHECKING:
-    from tokenwise.attention.attn_metadata import AttentionMetadata
+    from tokenwise.attention.metadata import AttentionMetadata
 
 
 @dataclass(frozen=True)

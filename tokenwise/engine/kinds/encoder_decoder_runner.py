@@ -17,7 +17,8 @@ happens once per request, so a graph would buy little for a second compilation o
 with its own dynamic size. Every other step goes through the dispatcher as for a decoder-only
 model: a uniform decode batch replays a FULL graph whose cross-attention reads the encoder
 lengths and cross block tables from `CommonAttentionState`'s encoder-decoder buffers, which
-`_model_inputs` rewrites in place before the replay (padding rows: length 1, block 0); a mixed
+`_model_inputs` rewrites before the replay (padding rows: length 1, block 0) through the state's
+`prepare_graph_input_buffers`, given the step's graph metadata with its cross fields; a mixed
 batch (a chunk of a long decoder prompt) replays PIECEWISE graphs with eager attention on
 metadata built here, padded like the decoder's. Models run on one rank.
 """
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 
-from tokenwise.attention.attn_metadata import AttentionMetadata
+from tokenwise.attention.metadata import AttentionMetadata
 from tokenwise.attention.utils import AttentionType, compute_slot_mapping
 from tokenwise.compilation.compile import CompiledModel
 from tokenwise.config import EngineConfig
@@ -73,13 +74,13 @@ class EncoderDecoderModelRunner(ModelRunner):
         attn_metadata: dict[str, AttentionMetadata] | None,
     ) -> dict[str, Any]:
         cross_tables = [self.input_batch.block_ids(int(row), CROSS_ATTN) for row in step.rows]
-        if attn_metadata is None:  # a FULL graph replays: its cross rows, in place
+        if attn_metadata is None:  # a FULL graph replays: its cross rows, into its buffers
             assert self.graph_runner is not None
-            self.graph_runner.attn_state.write_cross_buffers(
-                [item.request.num_encoder_tokens for item in ordered],
-                cross_tables,
-                step.num_reqs,
-            )
+            pad = step.num_reqs - len(ordered)
+            graph_md = self._attn_metadata(step, self._metadata_tables(step), pad)
+            decoder_md = graph_md[self.cross_layers[0]]
+            cross_md = self._cross_metadata(ordered, cross_tables, [], decoder_md, step.num_reqs)
+            self.graph_runner.prepare_replay(cross_md)
             return {}
         encoders = [item for item in ordered if item.num_encoder_tokens]
         for item in encoders:
