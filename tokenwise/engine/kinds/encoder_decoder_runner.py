@@ -53,10 +53,13 @@ class EncoderDecoderModelRunner(ModelRunner):
         if not self.cross_layers:
             raise ValueError(f"{type(self.model).__name__} has no cross-attention layers")
         self.num_encoder_runs = 0  # requests whose encoder ran, over the runner's life
-        self.max_cross_blocks_per_seq = -(-self.max_encoder_len() // self.block_size)
         # Steps that run an encoder call the model uncompiled (see the module docstring).
         model = self.model
         self.eager_model = model.model if isinstance(model, CompiledModel) else model
+
+    def max_cross_blocks_per_seq(self) -> int:
+        """Blocks of the longest encoder input (the base runner's graph runner asks this)."""
+        return -(-self.max_encoder_len() // self.block_size)
 
     def max_encoder_len(self) -> int:
         return int(self.model.max_encoder_len(self.model_config.hf_config))
