@@ -9,7 +9,6 @@ completes), and samples them.
 from __future__ import annotations
 
 import logging
-import traceback
 import weakref
 from typing import Any
 
@@ -22,10 +21,9 @@ from tokenwise.attention.ubatch_metadata import split_metadata_by_layer
 from tokenwise.compilation.compile import compile_model
 from tokenwise.config import CUDAGraphMode, EngineConfig
 from tokenwise.distributed.dp_coordination import DPStepCounts, coordinate_step_across_dp
-from tokenwise.distributed.parallel_state import destroy_dp_group
 from tokenwise.distributed.tp_channel import SpecTables, TPDriver, step_from_payload, step_payload
-from tokenwise.distributed.tp_state import destroy_tp_group, get_tp_size
-from tokenwise.distributed.tp_workers import join_parallel_groups, start_tensor_parallel
+from tokenwise.distributed.tp_state import get_tp_size
+from tokenwise.distributed.tp_workers import WorkerMain, start_tensor_parallel
 from tokenwise.distributed.ubatching import create_ubatch_slices
 from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenwise.forward_context import set_forward_context
@@ -45,7 +43,15 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner(KVCacheSizingMixin):
-    def __init__(self, config: EngineConfig, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        device: str | torch.device = "cpu",
+        tp_worker_main: WorkerMain | None = None,
+    ) -> None:
+        """`tp_worker_main` is what spawned TP workers run (`tokenwise.distributed.tp_worker.
+        run_tp_worker`, which sits above the runner, so the engine hands it in); it is needed
+        only by the driver of a spawned TP group."""
         if config.model is None:
             raise ValueError("ModelRunner needs EngineConfig.model (a ModelConfig)")
         self.config = config
@@ -53,7 +59,7 @@ class ModelRunner(KVCacheSizingMixin):
         self.model_config = config.model
         self.block_size = config.cache.block_size
         # Before the model: parallel layers read their TP rank when they are built.
-        self.tp = TPDriver(start_tensor_parallel(config, run_tp_worker))
+        self.tp = TPDriver(start_tensor_parallel(config, tp_worker_main))
         self.tp_size = get_tp_size()
         if self.tp.active and self.tp.is_driver:
             weakref.finalize(self, self.tp.stop)  # workers leave their loop with the driver
@@ -369,26 +375,3 @@ def _suppress_stop_tokens_before_min_tokens(
             banned.extend(req.eos_token_ids)
         if banned:
             logits[row, banned] = float("-inf")
-
-
-def run_tp_worker(config: EngineConfig, rank: int, init_method: str | None) -> None:
-    """A spawned TP worker: join the group, build the shard and its cache, run steps until told.
-
-    The same order of collectives as the driver's `LLMEngine.__init__`: group, model, agreed
-    block count, cache; then the step loop.
-    """
-    name = f"TP rank {rank}"
-    if config.parallel.data_parallel_size > 1:
-        name = f"DP rank {config.parallel.data_parallel_rank} {name}"
-    logging.basicConfig(level=logging.INFO, format=f"[{name}] %(levelname)s %(message)s")
-    try:
-        join_parallel_groups(config, rank, init_method)
-        runner = ModelRunner(config, config.device)
-        runner.initialize_kv_cache(runner.determine_num_blocks())
-        runner.serve_tp_steps()
-    except BaseException:
-        logger.error("tensor-parallel worker %d failed:\n%s", rank, traceback.format_exc())
-        raise SystemExit(1) from None
-    finally:
-        destroy_dp_group()
-        destroy_tp_group()

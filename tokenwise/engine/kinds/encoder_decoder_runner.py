@@ -33,6 +33,7 @@ from tokenwise.attention.attn_metadata import AttentionMetadata
 from tokenwise.attention.utils import AttentionType, compute_slot_mapping
 from tokenwise.compilation.compile import CompiledModel
 from tokenwise.config import EngineConfig
+from tokenwise.distributed.tp_workers import WorkerMain
 from tokenwise.engine.step_outputs import ScheduledRequest
 from tokenwise.forward_context import set_forward_context
 from tokenwise.runner.input_batch import StepInputs
@@ -40,8 +41,13 @@ from tokenwise.runner.model_runner import ModelRunner
 
 
 class EncoderDecoderModelRunner(ModelRunner):
-    def __init__(self, config: EngineConfig, device: str | torch.device = "cpu") -> None:
-        super().__init__(config, device)
+    def __init__(
+        self,
+        config: EngineConfig,
+        device: str | torch.device = "cpu",
+        tp_worker_main: WorkerMain | None = None,
+    ) -> None:
+        super().__init__(config, device, tp_worker_main)
         if self.tp_size > 1:
             raise ValueError("encoder-decoder models run on one rank")
         kinds = {
