@@ -209,6 +209,53 @@ def test_graphs_measured_on_a_placeholder_cache_are_recaptured_on_the_real_one(
     assert len(fake_graphs.capturers) - plain == plain + 2
 
 
+def test_one_graph_runner_per_engine_measures_then_captures(
+    fake_graphs: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model runner builds its graph runner once; KV sizing measures with that same one.
+
+    `measure()` captures every key and drops the full graphs (they hold the placeholder
+    cache's address); `capture()` records them again on the real cache. A second runner (the
+    old measuring path) would show here as a second construction.
+    """
+    from tokenwise.runner.graph_runner import CUDAGraphRunner
+    from tokenwise.runner.model_runner import ModelRunner
+
+    built: list[CUDAGraphRunner] = []
+    init = CUDAGraphRunner.__init__
+
+    def counting(self: CUDAGraphRunner, *args: Any, **kwargs: Any) -> None:
+        built.append(self)
+        init(self, *args, **kwargs)
+
+    measured: list[int] = []
+    determine = ModelRunner.determine_num_blocks
+
+    def measuring(self: ModelRunner) -> int:
+        assert self.graph_runner is not None and not self.graph_runner.captured
+        measured.append(self._measure_graph_memory())
+        assert not self.graph_runner.full_model.entries  # dropped: the placeholder is gone
+        return determine(self)
+
+    monkeypatch.setattr(CUDAGraphRunner, "__init__", counting)
+    monkeypatch.setattr(ModelRunner, "determine_num_blocks", measuring)
+    llm, _ = run(M.FULL_AND_PIECEWISE, [2, 4], fake_graphs)
+    runner = llm.llm_engine.runner
+    assert built == [runner.graph_runner]
+    assert measured == [0]  # no device memory to read on CPU
+    assert runner.graph_runner.captured
+    assert sorted(key.num_tokens for key in runner.graph_runner.full_model.entries) == [2, 4]
+
+
+def test_a_graph_step_before_capture_is_an_error(fake_graphs: Recorder) -> None:
+    llm, _ = run(M.FULL_DECODE_ONLY, [2], fake_graphs)
+    graphs = llm.llm_engine.runner.graph_runner
+    graphs.captured = False
+    desc = BatchDescriptor(2, 2, True)
+    with pytest.raises(RuntimeError, match=r"FULL graph was asked for before .*capture\(\)"):
+        graphs.execute(M.FULL, desc, None, 2)
+
+
 def test_piecewise_only_with_the_torch_backend(
     fake_graphs: Recorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from tokenwise.distributed.dp_coordination import (
+    DPStepCounts,
     coordinate_batch_across_dp,
+    coordinate_step_across_dp,
     decide_from_dp_matrix,
 )
 from tokenwise.distributed.parallel_state import (
@@ -21,9 +23,11 @@ from tokenwise.distributed.ubatching import (
 )
 
 __all__ = [
+    "DPStepCounts",
     "UBatchSlice",
     "check_ubatch_thresholds",
     "coordinate_batch_across_dp",
+    "coordinate_step_across_dp",
     "create_ubatch_slices",
     "decide_from_dp_matrix",
     "destroy_dp_group",

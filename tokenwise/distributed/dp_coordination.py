@@ -11,6 +11,7 @@ to the same numbers, so they cannot disagree and one collective per step suffice
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -19,7 +20,13 @@ from tokenwise.config import CUDAGraphMode, ParallelConfig
 from tokenwise.distributed.parallel_state import get_dp_group
 from tokenwise.distributed.ubatching import check_ubatch_thresholds
 
-__all__ = ["coordinate_batch_across_dp", "decide_from_dp_matrix"]
+__all__ = [
+    "DPStepCounts",
+    "coordinate_batch_across_dp",
+    "coordinate_step_across_dp",
+    "decide_from_dp_matrix",
+    "needs_dp_counts",
+]
 
 # Rows of the coordination matrix (one column per DP rank).
 _UNPADDED, _PADDED, _WANTS_UBATCH, _ALLOWS_PADDING, _GRAPH_MODE = range(5)
@@ -102,14 +109,89 @@ def coordinate_batch_across_dp(
     wants_ubatch = allow_microbatching and check_ubatch_thresholds(
         parallel_config, num_tokens_unpadded, uniform_decode
     )
+    return decide_from_dp_matrix(
+        _gather_matrix(
+            parallel_config,
+            num_tokens_unpadded,
+            num_tokens_padded,
+            wants_ubatch,
+            allow_dp_padding,
+            mode,
+        )
+    )
 
-    group = get_dp_group()
+
+def _gather_matrix(
+    parallel_config: ParallelConfig,
+    unpadded: int,
+    padded: int,
+    wants_ubatch: bool,
+    allows_padding: bool,
+    mode: int,
+) -> torch.Tensor:
+    """The one collective: this rank's column in, every rank's columns out."""
     matrix = torch.zeros(_NUM_ROWS, parallel_config.data_parallel_size, dtype=torch.int32)
     column = matrix[:, parallel_config.data_parallel_rank]
-    column[_UNPADDED] = num_tokens_unpadded
-    column[_PADDED] = num_tokens_padded
+    column[_UNPADDED] = unpadded
+    column[_PADDED] = padded
     column[_WANTS_UBATCH] = int(wants_ubatch)
-    column[_ALLOWS_PADDING] = int(allow_dp_padding)
+    column[_ALLOWS_PADDING] = int(allows_padding)
     column[_GRAPH_MODE] = mode
-    dist.all_reduce(matrix, op=dist.ReduceOp.SUM, group=group)
-    return decide_from_dp_matrix(matrix)
+    dist.all_reduce(matrix, op=dist.ReduceOp.SUM, group=get_dp_group())
+    return matrix
+
+
+def needs_dp_counts(parallel_config: ParallelConfig) -> bool:
+    """Whether a forward pass needs every DP rank's token count: DP with an MoE (or not yet
+    known) model, the same condition under which `set_forward_context` would coordinate."""
+    return parallel_config.data_parallel_size > 1 and parallel_config.is_moe_model is not False
+
+
+@dataclass(frozen=True)
+class DPStepCounts:
+    """One step's coordinated token counts, from the step's single collective.
+
+    `num_tokens_across_dp` holds every rank's real (unpadded) count. When `should_ubatch`, each
+    rank runs two micro-batches cut at `ubatch_split` (half the largest rank's count, the same
+    on every rank); the rule guarantees `ubatch_split` is below every rank's count, so every
+    rank's first micro-batch has exactly `ubatch_split` tokens and its second the rest. Both
+    micro-batches' counts therefore follow from this one matrix, and the second needs no
+    collective of its own (`ubatch_counts`).
+    """
+
+    should_ubatch: bool
+    num_tokens_across_dp: torch.Tensor
+    ubatch_split: int
+
+    def ubatch_counts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's token count in the first and in the second micro-batch."""
+        if not self.should_ubatch:
+            raise RuntimeError("ubatch_counts() of a step the DP ranks agreed not to split")
+        first = torch.full_like(self.num_tokens_across_dp, self.ubatch_split)
+        return first, self.num_tokens_across_dp - self.ubatch_split
+
+
+def coordinate_step_across_dp(
+    num_tokens: int,
+    parallel_config: ParallelConfig,
+    allow_microbatching: bool = False,
+    uniform_decode: bool | None = None,
+) -> DPStepCounts | None:
+    """The engine's once-per-step coordination: None when no forward pass needs DP counts.
+
+    The same collective and rule as `coordinate_batch_across_dp` (no DP padding: each rank runs
+    its own tokens), but it also returns every rank's unpadded count, which is what the forward
+    context's `num_tokens_across_dp` must be and what the micro-batches' counts derive from.
+    Every DP rank must call it once per forward step, idle ranks with their dummy batch size.
+    """
+    if not needs_dp_counts(parallel_config):
+        return None
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    wants_ubatch = allow_microbatching and check_ubatch_thresholds(
+        parallel_config, num_tokens, uniform_decode
+    )
+    matrix = _gather_matrix(parallel_config, num_tokens, num_tokens, wants_ubatch, False, 0)
+    should_ubatch, padded, _ = decide_from_dp_matrix(matrix)
+    split = int(padded.max()) // 2 if should_ubatch else 0
+    return DPStepCounts(should_ubatch, matrix[_UNPADDED].clone(), split)

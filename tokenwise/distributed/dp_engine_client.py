@@ -24,6 +24,7 @@ from typing import Any
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.dp_engine_rank import run_dp_rank
 from tokenwise.distributed.tp_state import free_port
+from tokenwise.distributed.tp_worker import maybe_serve_torchrun_worker
 from tokenwise.engine.kinds.encoder_decoder import EncoderDecoderLLMEngine
 from tokenwise.engine.kinds.pooling import PoolingLLMEngine
 from tokenwise.engine.llm_engine import LLMEngine
@@ -42,7 +43,13 @@ STOP_TIMEOUT_S = 10.0
 
 
 def create_engine(config: EngineConfig) -> LLMEngine | DPEngineClient:
-    """One engine in this process, or a front end over `data_parallel_size` rank processes."""
+    """One engine in this process, or a front end over `data_parallel_size` rank processes.
+
+    Under torchrun, on a TP rank other than 0 this never returns: the rank serves rank 0's
+    steps and its process exits with status 0 when rank 0 shuts down (see
+    `tokenwise.distributed.tp_worker`).
+    """
+    maybe_serve_torchrun_worker(config)
     if config.parallel.data_parallel_size > 1:
         return DPEngineClient(config)
     if config.model.is_pooling:

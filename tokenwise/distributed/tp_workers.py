@@ -10,8 +10,9 @@ shards. Two ways to start:
 - spawned (default): the driver starts N-1 worker processes itself and rendezvouses with them
   over TCP on 127.0.0.1;
 - `torchrun --nproc-per-node N [--nnodes M ...]`: every process runs the same command, the
-  group comes from torchrun's environment, rank 0 becomes the driver and the other ranks turn
-  into workers inside `LLM(...)` / `LLMEngine(...)` and exit when the driver shuts down.
+  group comes from torchrun's environment, rank 0 becomes the driver and the other ranks hand
+  over to the worker entry point before any engine is built (`tokenwise.distributed.tp_worker`)
+  and exit when the driver shuts down.
 """
 
 from __future__ import annotations
@@ -45,6 +46,19 @@ def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or (
         "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
     )
+
+
+def torchrun_tp_rank(config: EngineConfig) -> int | None:
+    """This process's TP rank when torchrun launched a tensor-parallel run, else None."""
+    parallel = config.parallel
+    if parallel.tensor_parallel_size == 1 or not launched_by_torchrun():
+        return None
+    if parallel.data_parallel_size > 1:
+        raise ValueError(
+            "data_parallel_size > 1 under torchrun is not supported: the engine starts its "
+            "DP ranks itself; launch with tensor parallelism only"
+        )
+    return int(os.environ["RANK"])
 
 
 class TPWorkers:
@@ -107,12 +121,13 @@ def join_parallel_groups(config: EngineConfig, tp_rank: int, init_method: str | 
         init_dp_group(parallel, timeout_s=DP_COLLECTIVE_TIMEOUT_S, device=config.device)
 
 
-def start_tensor_parallel(config: EngineConfig, worker_main: WorkerMain) -> TPWorkers | None:
+def start_tensor_parallel(config: EngineConfig, worker_main: WorkerMain | None) -> TPWorkers | None:
     """Join (and, unless torchrun did, start) this engine's TP group; None with TP size 1.
 
     Called before the model is built, since the layers read their TP rank at construction.
-    `worker_main(config, rank, init_method)` is what each spawned worker runs (the model
-    runner's worker loop, passed in because the runner sits above this module).
+    `worker_main(config, rank, init_method)` is what each spawned worker runs
+    (`tokenwise.distributed.tp_worker.run_tp_worker`, passed in because it sits above this
+    module); None where no worker can be spawned (a worker's own runner).
     Returns the spawned workers on the driver of a spawned group, None otherwise.
     Under DP x TP every DP rank is the driver of its own TP group, and all `dp * tp` processes
     rendezvous at the DP address and port.
@@ -127,13 +142,8 @@ def start_tensor_parallel(config: EngineConfig, worker_main: WorkerMain) -> TPWo
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
     if is_tp_initialized():  # a spawned worker joined before building its runner
         return None
-    if launched_by_torchrun():
-        if parallel.data_parallel_size > 1:
-            raise ValueError(
-                "data_parallel_size > 1 under torchrun is not supported: the engine starts its "
-                "DP ranks itself; launch with tensor parallelism only"
-            )
-        rank = int(os.environ["RANK"])
+    rank = torchrun_tp_rank(config)
+    if rank is not None:
         init_tp_group(size, rank, None, config.device)
         logger.info("tensor-parallel rank %d of %d (torchrun)", rank, size)
         return None
@@ -145,6 +155,12 @@ def start_tensor_parallel(config: EngineConfig, worker_main: WorkerMain) -> TPWo
         )
     else:
         init_method = f"tcp://127.0.0.1:{free_port()}"
+    if worker_main is None:
+        raise ValueError(
+            f"tensor_parallel_size={size} needs the TP worker entry point to spawn workers: "
+            "build the runner through LLMEngine (or pass "
+            "tp_worker_main=tokenwise.distributed.tp_worker.run_tp_worker)"
+        )
     workers = TPWorkers(config, init_method, worker_main)
     try:
         join_parallel_groups(config, 0, init_method)

@@ -17,6 +17,7 @@ import uuid
 from typing import Any
 
 from tokenwise.config import EngineConfig
+from tokenwise.distributed.tp_worker import maybe_serve_torchrun_worker, run_tp_worker
 from tokenwise.engine.block_manager import BlockManager
 from tokenwise.engine.detokenizer import IncrementalDetokenizer
 from tokenwise.engine.kinds.encoder_inputs import EncoderInputs
@@ -58,6 +59,16 @@ class LLMEngine:
     runner_cls: type[ModelRunner] = ModelRunner
     scheduler_cls: type[Scheduler] = Scheduler
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> LLMEngine:
+        # Under torchrun every rank runs the caller's code: a TP rank other than 0 is no
+        # engine, so before one is built it serves rank 0's steps and its process exits with
+        # status 0 once rank 0 shuts down (`tokenwise.distributed.tp_worker`). (No config:
+        # `copy`/`pickle` making an empty instance.)
+        config = args[0] if args else kwargs.get("config")
+        if config is not None:
+            maybe_serve_torchrun_worker(config)
+        return super().__new__(cls)
+
     def __init__(self, config: EngineConfig, device: str = "cpu") -> None:
         if config.model is None:
             raise ValueError("LLMEngine needs EngineConfig.model")
@@ -72,16 +83,11 @@ class LLMEngine:
             parallel.is_moe_model = is_moe_architecture(config.model.architectures)
         # Under DP an MoE model's layers are collectives: every rank must run one forward pass
         # per step, a dummy one when it has nothing scheduled (see tokenwise.distributed.dp_engine_rank).
-        self.runner = self.runner_cls(config, device)
+        self.runner = self.runner_cls(config, device, tp_worker_main=run_tp_worker)
         self.dp_lockstep = self.runner.dp_lockstep
         num_blocks = self.runner.determine_num_blocks()
         self._check_kv_capacity(num_blocks)
         self.runner.initialize_kv_cache(num_blocks)
-        if not self.runner.tp.is_driver:
-            # A torchrun-launched TP rank other than 0: it serves the driver's steps and
-            # leaves with it; only rank 0 goes on to be the engine the caller asked for.
-            self.runner.serve_tp_steps()
-            raise SystemExit(0)
         self.block_manager = self._make_block_manager(num_blocks)
         max_loras = config.lora.max_loras if config.lora is not None else None
         self.scheduler = self.scheduler_cls(

@@ -31,12 +31,12 @@ from typing import Any
 
 import torch
 
-from tokenwise.attention.backends.selector import get_attn_backend
 from tokenwise.attention.graph_state import CommonAttentionState
 from tokenwise.attention.metadata import AttentionMetadata
 from tokenwise.compilation.cuda_graph import CapturerFactory, CUDAGraphWrapper
 from tokenwise.compilation.cuda_graph_dispatcher import CUDAGraphDispatcher
 from tokenwise.config import CUDAGraphMode, EngineConfig
+from tokenwise.distributed.dp_coordination import coordinate_step_across_dp
 from tokenwise.forward_context import BatchDescriptor, set_forward_context
 from tokenwise.lora.layers import LoRAState
 from tokenwise.runner.graph_setup import check_cudagraph_config, default_capture_sizes
@@ -131,39 +131,50 @@ class CUDAGraphRunner:
         self._graph_metadata: dict[int, AttentionMetadata] = {}
         # What each captured FULL size reads (`get_graph_input_buffers`), for `prepare_replay`.
         self._graph_buffers: dict[int, dict[str, torch.Tensor]] = {}
-
-    @classmethod
-    def for_model_runner(cls, runner: Any, capturer_factory: CapturerFactory) -> CUDAGraphRunner:
-        """The graph runner of a `ModelRunner` whose KV cache is allocated."""
-        return cls(
-            runner.model,
-            runner.config,
-            runner.device,
-            capturer_factory,
-            runner._spec_of,
-            get_attn_backend(runner.config),
-            runner.input_batch,
-            runner.lora_manager.state if runner.lora_manager is not None else None,
-            runner.max_cross_blocks_per_seq,
-        )
+        self.captured = False  # set by `capture`: no step replays a graph before it
 
     # ---- capture --------------------------------------------------------------------------
 
-    def capture_model(self) -> None:
-        """Capture a graph for every key the dispatcher may return (largest first)."""
+    def measure(self) -> int:
+        """Device bytes the graphs will take, measured by capturing them on the bound cache.
+
+        KV sizing calls this with a one-block placeholder cache bound, before the real cache
+        exists. Piecewise graphs never read the cache, so they stay captured; full graphs hold
+        the placeholder's address, so they are dropped here and `capture` records them again
+        on the real cache (their memory stays in the shared pool for that). 0 off CUDA, where
+        tests fake capture and there is no device memory to read.
+        """
+        free_before = _free_device_memory(self.device)
+        self._capture_all()
+        free_after = _free_device_memory(self.device)
+        self.full_model.entries.clear()
+        self._graph_metadata.clear()
+        self._graph_buffers.clear()
+        return max(0, free_before - free_after)
+
+    def capture(self) -> None:
+        """Capture a graph for every key the dispatcher may return, on the real KV cache."""
+        self._capture_all()
+        self.captured = True
+
+    def _capture_all(self) -> None:
+        """Capture every key (largest first); keys already captured replay instead."""
         keys = self.dispatcher.keys
         full = [] if self.disable_full else sorted(keys[CUDAGraphMode.FULL], reverse=True)
         piecewise = sorted(keys[CUDAGraphMode.PIECEWISE], reverse=True)
         state, enc_dec = self.attn_state, self.is_encoder_decoder
+        parallel = self.config.parallel
         with state.graph_capture(state.max_batch_size, enc_dec), torch.inference_mode():
             for desc in full:
                 md = self._metadata_for_capture(desc.num_tokens)
                 self._set_lora_active(desc.has_lora)
-                self._forward(desc.num_tokens, md, CUDAGraphMode.FULL, desc)
+                across = _dp_counts(desc.num_tokens, parallel)
+                self._forward(desc.num_tokens, md, CUDAGraphMode.FULL, desc, across)
             for desc in piecewise:
                 md = state.graph_capture_get_metadata_for_batch(desc.num_tokens, enc_dec)
                 self._set_lora_active(desc.has_lora)
-                self._forward(desc.num_tokens, md, CUDAGraphMode.PIECEWISE, desc)
+                across = _dp_counts(desc.num_tokens, parallel)
+                self._forward(desc.num_tokens, md, CUDAGraphMode.PIECEWISE, desc, across)
         self._set_lora_active(False)
         logger.info(
             "captured %d full and %d piecewise CUDA-graph sizes (largest %d tokens)",
@@ -230,17 +241,27 @@ class CUDAGraphRunner:
 
         The step's inputs are already in the input batch's buffers, padded to
         `desc.num_tokens` when a graph runs. FULL graphs replay on their capture metadata,
-        which views those same buffers (`attn_metadata` is not needed then).
+        which views those same buffers (`attn_metadata` is not needed then). Under DP with an
+        MoE model, this is where the step's one DP coordination runs (on the padded size the
+        graph runs), and its counts go to the forward context.
         """
+        if mode != CUDAGraphMode.NONE and not self.captured:
+            raise RuntimeError(
+                f"a {mode.name} graph was asked for before CUDAGraphRunner.capture() (the model "
+                "runner captures in initialize_kv_cache, once the KV cache exists)"
+            )
+        size = num_tokens if mode == CUDAGraphMode.NONE else desc.num_tokens
+        across = _dp_counts(size, self.config.parallel)
         if mode == CUDAGraphMode.NONE:
-            with set_forward_context(attn_metadata, self.config, num_tokens=num_tokens):
-                return self.model(self.input_ids[:num_tokens], self.positions[:num_tokens])
-        size = desc.num_tokens
+            with set_forward_context(
+                attn_metadata, self.config, num_tokens=size, num_tokens_across_dp=across
+            ):
+                return self.model(self.input_ids[:size], self.positions[:size])
         self.attn_state.begin_forward(attn_metadata)
         step_md: Any = attn_metadata
         if mode == CUDAGraphMode.FULL:
             step_md = self._graph_metadata[size]
-        return self._forward(size, step_md, mode, desc)[:num_tokens]
+        return self._forward(size, step_md, mode, desc, across)[:num_tokens]
 
     def _forward(
         self,
@@ -248,6 +269,7 @@ class CUDAGraphRunner:
         attn_metadata: Any,
         mode: CUDAGraphMode,
         desc: BatchDescriptor,
+        num_tokens_across_dp: torch.Tensor | None,
     ) -> torch.Tensor:
         if isinstance(attn_metadata, AttentionMetadata):
             attn_metadata = {name: attn_metadata for name in self.layer_names}
@@ -255,7 +277,25 @@ class CUDAGraphRunner:
             attn_metadata,
             self.config,
             num_tokens=size,
+            num_tokens_across_dp=num_tokens_across_dp,
             cudagraph_runtime_mode=mode,
             batch_descriptor=desc,
         ):
             return self.full_model(self.input_ids[:size], self.positions[:size])
+
+
+def _dp_counts(num_tokens: int, parallel: Any) -> torch.Tensor | None:
+    """Every DP rank's count for a graph step or capture (None when nothing needs them).
+
+    Graph steps never micro-batch, so this is the whole of the step's DP coordination.
+    """
+    counts = coordinate_step_across_dp(num_tokens, parallel)
+    return None if counts is None else counts.num_tokens_across_dp
+
+
+def _free_device_memory(device: torch.device) -> int:
+    """Free bytes on the device, all processes counted (0 off CUDA: tests fake graphs)."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.mem_get_info(device)[0])

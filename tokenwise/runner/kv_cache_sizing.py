@@ -34,7 +34,7 @@ class KVCacheSizingMixin:
     model: Any
     tp: Any
     kv_caches: dict[str, torch.Tensor]
-    _capturer_factory: Any
+    graph_runner: CUDAGraphRunner | None
 
     def cache_layers(self) -> dict[str, AttentionLayerBase]:
         """The attention layers that keep a KV cache (encoder-only attention keeps none)."""
@@ -96,30 +96,20 @@ class KVCacheSizingMixin:
 
         Measured on an H100 (Qwen3-0.6B shape, FULL_AND_PIECEWISE): capture added 0.72 GiB and
         the kernels it loaded 0.11 GiB, which a KV cache sized from the profile alone pushed
-        past `gpu_memory_utilization`. Piecewise graphs never read the cache, so they stay
-        captured; full graphs hold the placeholder's address and are dropped here, to be
-        captured again on the real cache (their memory stays in the shared pool for that).
+        past `gpu_memory_utilization`. The runner's one graph runner does the measuring
+        (`CUDAGraphRunner.measure`, which drops what must be captured again on the real cache);
+        the placeholder cache is released here before the real one is allocated.
         """
-        if self._capturer_factory is None:
+        if self.graph_runner is None:
             return 0
         self._bind_kv_cache(1)
-        free_before = self._free_device_memory()
-        CUDAGraphRunner.for_model_runner(self, self._capturer_factory).capture_model()
-        free_after = self._free_device_memory()
+        graphs = self.graph_runner.measure()
         self.kv_caches.clear()
         for layer in self.attn_layers.values():
             layer.kv_cache = []
         gc.collect()
-        graphs = max(0, free_before - free_after)
         logger.info("memory of CUDA graphs (measured by capturing them): %.2f GiB", graphs / 2**30)
         return graphs
-
-    def _free_device_memory(self) -> int:
-        """Free bytes on the device, all processes counted (0 off CUDA: tests fake graphs)."""
-        if self.device.type != "cuda":
-            return 0
-        torch.cuda.synchronize(self.device)
-        return torch.cuda.mem_get_info(self.device)[0]
 
     def _bind_kv_cache(self, num_blocks: int) -> None:
         """Allocate one cache tensor per layer and bind it to the layer by name."""

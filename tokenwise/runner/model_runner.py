@@ -9,22 +9,21 @@ completes), and samples them.
 from __future__ import annotations
 
 import logging
-import traceback
 import weakref
 from typing import Any
 
 import torch
 
+from tokenwise.attention.backends.selector import get_attn_backend
 from tokenwise.attention.layer import AttentionLayerBase
 from tokenwise.attention.metadata import AttentionMetadata, CommonMetadataBuilder
 from tokenwise.attention.ubatch_metadata import split_metadata_by_layer
 from tokenwise.compilation.compile import compile_model
 from tokenwise.config import CUDAGraphMode, EngineConfig
-from tokenwise.distributed.dp_coordination import coordinate_batch_across_dp
-from tokenwise.distributed.parallel_state import destroy_dp_group
+from tokenwise.distributed.dp_coordination import DPStepCounts, coordinate_step_across_dp
 from tokenwise.distributed.tp_channel import SpecTables, TPDriver, step_from_payload, step_payload
-from tokenwise.distributed.tp_state import destroy_tp_group, get_tp_size
-from tokenwise.distributed.tp_workers import join_parallel_groups, start_tensor_parallel
+from tokenwise.distributed.tp_state import get_tp_size
+from tokenwise.distributed.tp_workers import WorkerMain, start_tensor_parallel
 from tokenwise.distributed.ubatching import create_ubatch_slices
 from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenwise.engine.stop_rules import tokens_banned_before_min_tokens
@@ -45,10 +44,15 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner(KVCacheSizingMixin):
-    # Encoder-decoder runners: the widest cross block table, for the graphs' cross buffers.
-    max_cross_blocks_per_seq = 0
-
-    def __init__(self, config: EngineConfig, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        device: str | torch.device = "cpu",
+        tp_worker_main: WorkerMain | None = None,
+    ) -> None:
+        """`tp_worker_main` is what spawned TP workers run (`tokenwise.distributed.tp_worker.
+        run_tp_worker`, which sits above the runner, so the engine hands it in); it is needed
+        only by the driver of a spawned TP group."""
         if config.model is None:
             raise ValueError("ModelRunner needs EngineConfig.model (a ModelConfig)")
         self.config = config
@@ -56,7 +60,7 @@ class ModelRunner(KVCacheSizingMixin):
         self.model_config = config.model
         self.block_size = config.cache.block_size
         # Before the model: parallel layers read their TP rank when they are built.
-        self.tp = TPDriver(start_tensor_parallel(config, run_tp_worker))
+        self.tp = TPDriver(start_tensor_parallel(config, tp_worker_main))
         self.tp_size = get_tp_size()
         if self.tp.active and self.tp.is_driver:
             weakref.finalize(self, self.tp.stop)  # workers leave their loop with the driver
@@ -65,7 +69,6 @@ class ModelRunner(KVCacheSizingMixin):
         except BaseException:
             self.tp.abandon()  # the workers fail the same way; do not leave them waiting
             raise
-        self.graph_runner: CUDAGraphRunner | None = None
         self._capturer_factory, wrap_piece = graph_setup(config, self.device)
         scheduler = config.scheduler
         compilation = config.compilation
@@ -112,6 +115,26 @@ class ModelRunner(KVCacheSizingMixin):
             block_size=self.block_size,
             device=self.device,
         )
+        # Built once, here; KV sizing asks it to `measure()` and `initialize_kv_cache` to
+        # `capture()`. None when the mode has no graphs.
+        self.graph_runner: CUDAGraphRunner | None = None
+        if self._capturer_factory is not None:
+            self.graph_runner = CUDAGraphRunner(
+                self.model,
+                config,
+                self.device,
+                self._capturer_factory,
+                dict(self._spec_of),
+                get_attn_backend(config),
+                self.input_batch,
+                self.lora_manager.state if self.lora_manager is not None else None,
+                self.max_cross_blocks_per_seq(),
+            )
+
+    def max_cross_blocks_per_seq(self) -> int:
+        """The widest cross block table, for the graphs' cross buffers (0: no cross-attention;
+        the encoder-decoder runner answers from its model's longest encoder input)."""
+        return 0
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -126,10 +149,9 @@ class ModelRunner(KVCacheSizingMixin):
             num_blocks * self.kv_cache_bytes_per_block() / 2**20,
             self._kv_cache_report(),
         )
-        if self._capturer_factory is not None:
+        if self.graph_runner is not None:
             reserved = torch.cuda.memory_reserved(self.device)
-            self.graph_runner = CUDAGraphRunner.for_model_runner(self, self._capturer_factory)
-            self.graph_runner.capture_model()
+            self.graph_runner.capture()
             logger.info(
                 "CUDA graphs captured; PyTorch's reserved memory grew by %.2f GiB",
                 (torch.cuda.memory_reserved(self.device) - reserved) / 2**30,
@@ -284,38 +306,40 @@ class ModelRunner(KVCacheSizingMixin):
     ) -> Any:
         """The forward pass without graphs: one batch, or two micro-batches under DP.
 
-        With micro-batching on, this rank's vote goes into the step's one DP coordination;
-        when all ranks agree to split, each cuts its token stream at half the largest rank's
-        count (so the first micro-batches line up across ranks) and runs the model twice.
+        Under DP with an MoE model this step's one DP coordination runs here (this rank's
+        micro-batching vote goes into it) and its counts go to the forward context, which then
+        runs no collective of its own. When all ranks agree to split, each cuts its token
+        stream at half the largest rank's count (so the first micro-batches line up across
+        ranks) and runs the model twice.
         """
         parallel = self.config.parallel
         num_tokens = step.num_tokens
-        across = None
-        if self.dp_lockstep and parallel.enable_microbatching:
-            uniform = int(step.query_lens_np.max()) == 1
-            should_ubatch, across, _ = coordinate_batch_across_dp(
-                num_tokens, True, False, parallel, uniform_decode=uniform
-            )
-            if should_ubatch:
-                return self._run_ubatches(step, attn_metadata, int(across.max()) // 2)
+        uniform = bool(step.num_reqs) and int(step.query_lens_np.max()) == 1
+        counts = coordinate_step_across_dp(
+            num_tokens, parallel, parallel.enable_microbatching, uniform_decode=uniform
+        )
+        if counts is not None and counts.should_ubatch:
+            return self._run_ubatches(step, attn_metadata, counts)
         with set_forward_context(
-            attn_metadata, self.config, num_tokens=num_tokens, num_tokens_across_dp=across
+            attn_metadata,
+            self.config,
+            num_tokens=num_tokens,
+            num_tokens_across_dp=None if counts is None else counts.num_tokens_across_dp,
         ):
             return self.model(step.input_ids, step.positions, **(model_kwargs or {}))
 
     def _run_ubatches(
-        self, step: StepInputs, attn_metadata: dict[str, AttentionMetadata], split: int
+        self, step: StepInputs, attn_metadata: dict[str, AttentionMetadata], counts: DPStepCounts
     ) -> torch.Tensor:
-        """Run the step as two micro-batches cut at token `split`; outputs as for one batch.
+        """Run the step as two micro-batches cut at `counts.ubatch_split`; outputs as for one.
 
-        The first micro-batch has `split` tokens on every rank, so its DP counts are known;
-        the second's differ per rank and are coordinated when its context is set.
+        Both micro-batches' DP counts come from the step's one coordination: every rank's first
+        micro-batch has `ubatch_split` tokens and its second the rest of its own count
+        (`DPStepCounts.ubatch_counts`), so no micro-batch coordinates again.
         """
-        slices = create_ubatch_slices(step.query_lens_np.tolist(), split)
-        dp_size = self.config.parallel.data_parallel_size
+        slices = create_ubatch_slices(step.query_lens_np.tolist(), counts.ubatch_split)
         outputs = []
-        for i, ubatch in enumerate(slices):
-            across = torch.full((dp_size,), split, dtype=torch.int32) if i == 0 else None
+        for ubatch, across in zip(slices, counts.ubatch_counts(), strict=True):
             with set_forward_context(
                 split_metadata_by_layer(attn_metadata, ubatch),
                 self.config,
@@ -334,14 +358,18 @@ class ModelRunner(KVCacheSizingMixin):
 
         A data-parallel rank with nothing scheduled still runs one so that its MoE layers join
         the other ranks' collectives (with no attention metadata, attention treats the tokens
-        as one uncached sequence). `num_tokens` goes into the forward context, so the DP
-        coordination sees this rank's (dummy) count.
+        as one uncached sequence). This rank's (dummy) count goes into the step's one DP
+        coordination, as every rank's does, and the result into the forward context.
         """
         if self.tp.is_driver and self.tp_size > 1:
             self.tp.broadcast(("dummy", num_tokens))
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(num_tokens, dtype=torch.int64, device=self.device)
-        with set_forward_context(None, self.config, num_tokens=num_tokens):
+        counts = coordinate_step_across_dp(num_tokens, self.config.parallel)
+        across = None if counts is None else counts.num_tokens_across_dp
+        with set_forward_context(
+            None, self.config, num_tokens=num_tokens, num_tokens_across_dp=across
+        ):
             self.model(ids, positions)
 
 
@@ -353,26 +381,3 @@ def _suppress_stop_tokens_before_min_tokens(
         banned = tokens_banned_before_min_tokens(item.request)
         if banned:
             logits[row, banned] = float("-inf")
-
-
-def run_tp_worker(config: EngineConfig, rank: int, init_method: str | None) -> None:
-    """A spawned TP worker: join the group, build the shard and its cache, run steps until told.
-
-    The same order of collectives as the driver's `LLMEngine.__init__`: group, model, agreed
-    block count, cache; then the step loop.
-    """
-    name = f"TP rank {rank}"
-    if config.parallel.data_parallel_size > 1:
-        name = f"DP rank {config.parallel.data_parallel_rank} {name}"
-    logging.basicConfig(level=logging.INFO, format=f"[{name}] %(levelname)s %(message)s")
-    try:
-        join_parallel_groups(config, rank, init_method)
-        runner = ModelRunner(config, config.device)
-        runner.initialize_kv_cache(runner.determine_num_blocks())
-        runner.serve_tp_steps()
-    except BaseException:
-        logger.error("tensor-parallel worker %d failed:\n%s", rank, traceback.format_exc())
-        raise SystemExit(1) from None
-    finally:
-        destroy_dp_group()
-        destroy_tp_group()

@@ -128,14 +128,14 @@ LAYERS: tuple[Layer, ...] = (
     # Input batch, model runner, CUDA graphs, KV cache sizing: a scheduled step to sampled
     # tokens. The TP channel sends the runner's step inputs, so it lives beside them.
     Layer("runner", ("tokenwise.runner.*", "tokenwise.distributed.tp_channel")),
+    # A TP worker's start-up (spawned or torchrun): it builds a runner, and the engine
+    # constructors call it (a torchrun rank other than 0 turns into a worker before any engine).
+    Layer("tensor-parallel worker entry", ("tokenwise.distributed.tp_worker",)),
     # The engine loop, and each model kind's engine, runner and prompt processing on top.
     Layer("engine loop", ("tokenwise.engine.llm_engine",)),
     Layer(
         "model kinds",
-        (
-            "tokenwise.engine.kinds.*",
-            "tokenwise.distributed.tp_worker",
-        ),
+        ("tokenwise.engine.kinds.*",),
     ),
     # Data parallelism: one engine process per rank behind a front end with the engine's API.
     Layer(

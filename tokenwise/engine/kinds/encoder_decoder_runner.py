@@ -34,6 +34,7 @@ from tokenwise.attention.metadata import AttentionMetadata
 from tokenwise.attention.utils import AttentionType, compute_slot_mapping
 from tokenwise.compilation.compile import CompiledModel
 from tokenwise.config import EngineConfig
+from tokenwise.distributed.tp_workers import WorkerMain
 from tokenwise.engine.block_manager import CROSS_ATTN
 from tokenwise.engine.step_outputs import ScheduledRequest
 from tokenwise.forward_context import set_forward_context
@@ -42,8 +43,13 @@ from tokenwise.runner.model_runner import ModelRunner
 
 
 class EncoderDecoderModelRunner(ModelRunner):
-    def __init__(self, config: EngineConfig, device: str | torch.device = "cpu") -> None:
-        super().__init__(config, device)
+    def __init__(
+        self,
+        config: EngineConfig,
+        device: str | torch.device = "cpu",
+        tp_worker_main: WorkerMain | None = None,
+    ) -> None:
+        super().__init__(config, device, tp_worker_main)
         if self.tp_size > 1:
             raise ValueError("encoder-decoder models run on one rank")
         kinds = {
@@ -55,14 +61,17 @@ class EncoderDecoderModelRunner(ModelRunner):
         if not self.cross_layers:
             raise ValueError(f"{type(self.model).__name__} has no cross-attention layers")
         self.num_encoder_runs = 0  # requests whose encoder ran, over the runner's life
-        self.max_cross_blocks_per_seq = -(-self.max_encoder_len() // self.block_size)
         # The input batch mirrors each request's cross table too (the block manager's
         # CROSS_ATTN group): metadata and graph buffers read it from there.
-        if self.input_batch.add_kv_cache_group(self.max_cross_blocks_per_seq) != CROSS_ATTN:
+        if self.input_batch.add_kv_cache_group(self.max_cross_blocks_per_seq()) != CROSS_ATTN:
             raise RuntimeError("the input batch's cross-attention group must be CROSS_ATTN")
         # Steps that run an encoder call the model uncompiled (see the module docstring).
         model = self.model
         self.eager_model = model.model if isinstance(model, CompiledModel) else model
+
+    def max_cross_blocks_per_seq(self) -> int:
+        """Blocks of the longest encoder input (the base runner's graph runner asks this)."""
+        return -(-self.max_encoder_len() // self.block_size)
 
     def max_encoder_len(self) -> int:
         return int(self.model.max_encoder_len(self.model_config.hf_config))
