@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from tests.runner.test_graph_runner import Recorder, fake_graphs  # noqa: F401
 
 from tests.lora.test_lora_vs_peft import GREEDY, _prompts, _tokens, checkpoint, request
+from tests.runner.test_graph_runner import Recorder, fake_graphs  # noqa: F401
 from tokenwise import LLM
 from tokenwise.config import CUDAGraphMode
 from tokenwise.entrypoints.llm import build_engine_config

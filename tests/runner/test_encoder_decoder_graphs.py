@@ -14,10 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from tests.runner.test_graph_runner import Recorder, assert_same_outputs, fake_graphs  # noqa: F401
 
 from tests.engine._fixtures import assert_pool_clean, checkpoint
 from tests.models.test_whisper_vs_hf import CLIPS, RATE
+from tests.runner.test_graph_runner import Recorder, assert_same_outputs, fake_graphs  # noqa: F401
 from tokenwise import LLM, SamplingParams
 from tokenwise.attention.graph_state import CommonAttentionState
 from tokenwise.config import CUDAGraphMode

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 import torch
-from tests.runner.test_graph_runner import Recorder, assert_same_outputs
 
 from tests.engine._fixtures import assert_pool_clean, checkpoint
+from tests.runner.test_graph_runner import Recorder, assert_same_outputs
 from tokenwise import LLM, SamplingParams
 from tokenwise.attention.backends import selector
 from tokenwise.config import CompilationConfig, CUDAGraphMode
