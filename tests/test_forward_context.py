@@ -161,13 +161,13 @@ def test_sp_local_sizes_spec_example_and_reset_on_exit() -> None:
         assert md.local_sizes == [3, 3, 2, 2]
         assert md.get_chunk_sizes_across_dp_rank() == [3, 3, 2, 2]
     assert md.local_sizes is None
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="local_sizes is only set inside"):
         md.get_chunk_sizes_across_dp_rank()
 
 
 def test_sp_local_sizes_reset_on_exception() -> None:
     md = _dp([5, 3])
-    with pytest.raises(KeyError), md.sp_local_sizes(1):
+    with pytest.raises(KeyError, match="boom"), md.sp_local_sizes(1):
         raise KeyError("boom")
     assert md.local_sizes is None
 
@@ -212,7 +212,7 @@ def test_chunked_sizes_with_sequence_parallelism() -> None:
 
 def test_chunked_sizes_reset_on_exception() -> None:
     md = _dp([120, 80])
-    with pytest.raises(ValueError), md.chunked_sizes(1, 64, 0):
+    with pytest.raises(ValueError, match="boom"), md.chunked_sizes(1, 64, 0):
         raise ValueError("boom")
     assert md.local_sizes is None
 
@@ -246,7 +246,7 @@ def test_valid_runtime_graph_modes_are_accepted(mode: CUDAGraphMode) -> None:
 
 def test_set_forward_context_with_invalid_mode_installs_nothing() -> None:
     with (
-        pytest.raises(ValueError),
+        pytest.raises(ValueError, match="cudagraph_runtime_mode must be NONE, PIECEWISE or FULL"),
         set_forward_context(
             None, EngineConfig(), cudagraph_runtime_mode=CUDAGraphMode.FULL_AND_PIECEWISE
         ),
@@ -319,7 +319,10 @@ def test_override_nests_like_a_stack() -> None:
 def test_override_restores_after_an_exception() -> None:
     outer, inner = _ctx("outer"), _ctx("inner")
     with override_forward_context(outer):
-        with pytest.raises(ZeroDivisionError), override_forward_context(inner):
+        with (
+            pytest.raises(ZeroDivisionError, match="division by zero"),
+            override_forward_context(inner),
+        ):
             assert get_forward_context() is inner
             1 / 0  # noqa: B018
         assert get_forward_context() is outer
@@ -330,7 +333,7 @@ def test_override_with_none_clears_then_restores() -> None:
     with override_forward_context(outer):
         with override_forward_context(None):
             assert not is_forward_context_available()
-            with pytest.raises(RuntimeError):
+            with pytest.raises(RuntimeError, match="No forward context is set"):
                 get_forward_context()
         assert get_forward_context() is outer
 
@@ -356,7 +359,10 @@ def test_set_forward_context_restores_the_previous_context() -> None:
         with set_forward_context(FakeMetadata(1, 0), EngineConfig()) as ctx:
             assert get_forward_context() is ctx
         assert get_forward_context() is outer
-        with pytest.raises(KeyError), set_forward_context(None, EngineConfig()):
+        with (
+            pytest.raises(KeyError, match="body failed"),
+            set_forward_context(None, EngineConfig()),
+        ):
             raise KeyError("body failed")
         assert get_forward_context() is outer
 
@@ -556,7 +562,7 @@ def test_stats_enabled_records_one_sample_per_pass(stats_env: pytest.MonkeyPatch
         pass
     # A failed pass: not timed either.
     with (
-        pytest.raises(RuntimeError),
+        pytest.raises(RuntimeError, match="forward failed"),
         set_forward_context(FakeMetadata(4, 0), EngineConfig(), num_tokens=4),
     ):
         raise RuntimeError("forward failed")

@@ -70,7 +70,10 @@ def test_logprobs_equal_hf_log_softmax(model_and_refs: tuple[str, list[list[int]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs, strict=True):
         ref = hf_step_logprobs(path, prompt, steps)
-        for step, entry in enumerate(out.outputs[0].logprobs or []):
+        logprobs = out.outputs[0].logprobs
+        assert logprobs is not None and len(logprobs) == steps
+        for step, entry in enumerate(logprobs):
+            assert len(entry) >= k  # the top k, plus the sampled token when it is not among them
             for tid, value in entry.items():
                 assert value.logprob == pytest.approx(ref[step][tid].item(), abs=1e-4)
 

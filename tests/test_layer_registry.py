@@ -37,7 +37,9 @@ def test_register_accepts_a_compilation_config_or_the_dict_itself() -> None:
 
 
 def test_register_rejects_other_targets() -> None:
-    with pytest.raises(TypeError):
+    with pytest.raises(
+        TypeError, match="expected an EngineConfig, CompilationConfig or dict, got <class 'list'>"
+    ):
         register_static_layer([], "x", FakeAttention())  # type: ignore[arg-type]
 
 

@@ -13,17 +13,13 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tokenwise.tools.check_layers import (
-    KNOWN_CYCLES_BEING_REMOVED,
-    LAYERS,
-    Layer,
-    check,
-    format_report,
-)
+from tests._optional import in_ci
+from tokenwise.tools.check_layers import LAYERS, Layer, check, format_report
 
 REPO = Path(__file__).resolve().parents[1]
-# Third-party packages some modules need that tokenwise never depends on (GPU-only kernels).
-OPTIONAL_DEPENDENCIES = ("triton",)
+# Third-party packages some modules need that a local install may lack: Triton (GPU kernels)
+# comes with xgrammar on Linux x86_64 only. Under CI (`CI=true`) nothing is optional.
+OPTIONAL_DEPENDENCIES = () if in_ci() else ("triton",)
 
 
 def write_package(root: Path, files: dict[str, str]) -> Path:
@@ -54,6 +50,9 @@ TOY_LAYERS = (
 def test_the_package_respects_its_layers() -> None:
     report = check()
     assert report.ok, format_report(report)
+    # No stale KNOWN_CYCLES_BEING_REMOVED entry (one naming no real module is stale too): see
+    # the planted cycle below for an exemption that holds and one that went stale.
+    assert not report.notes, format_report(report)
     assert set(report.layer_of.values()) >= {0, len(LAYERS) - 1}
 
 
@@ -61,12 +60,6 @@ def test_the_command_passes_on_the_package() -> None:
     proc = run_checker()
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("OK: "), proc.stdout
-
-
-def test_known_cycles_name_real_modules() -> None:
-    modules = set(check().layer_of)
-    for pair in KNOWN_CYCLES_BEING_REMOVED:
-        assert len(pair) == 2 and pair <= modules, pair
 
 
 def test_every_module_imports_in_layer_order() -> None:
@@ -170,6 +163,15 @@ def test_a_cycle_inside_a_layer_fails_and_its_imports_are_named(tmp_path: Path) 
     known = {frozenset({"toy.mid.a", "toy.mid.b"}): "being split"}
     report = check(package, TOY_LAYERS, known_cycles=known)
     assert report.ok and not report.notes
+
+    # An entry that names no real module exempts nothing and is reported as stale.
+    typo = {frozenset({"toy.mid.a", "toy.mid.bb"}): "misspelt"}
+    report = check(package, TOY_LAYERS, known_cycles=typo)
+    assert len(report.problems) == 1 and report.problems[0].startswith("import cycle")
+    assert report.notes == [
+        "known cycle toy.mid.a <-> toy.mid.bb (misspelt) is gone: delete its "
+        "KNOWN_CYCLES_BEING_REMOVED entry"
+    ]
 
     # Once the circle is gone, the check asks for the entry to be deleted.
     (package / "mid" / "b.py").write_text("B = 2\n")

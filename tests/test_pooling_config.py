@@ -40,7 +40,7 @@ def test_task_resolution() -> None:
         resolve_task("embed", ["Qwen3ForCausalLM"])
 
 
-def test_cli_flags() -> None:
+def test_cli_flags(capsys: pytest.CaptureFixture) -> None:
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     args = parser.parse_args(
@@ -56,8 +56,9 @@ def test_cli_flags() -> None:
     assert kwargs["override_pooler_config"] == PoolerConfig("LAST", False)
     assert engine_kwargs(parser.parse_args([]))["task"] == "generate"
     for bad in ('{"pooling_type": "MAX"}', "[1]", "not json", '{"pool": 1}'):
-        with pytest.raises(SystemExit):
+        with pytest.raises(SystemExit, match="^2$"):  # argparse's exit status for a usage error
             parser.parse_args(["--override-pooler-config", bad])
+        assert f"invalid pooler config {bad!r}" in capsys.readouterr().err
 
 
 def test_sentence_transformers_files(tmp_path) -> None:

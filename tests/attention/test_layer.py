@@ -80,7 +80,7 @@ def test_registers_under_its_prefix() -> None:
     with pytest.raises(ValueError, match="duplicate"):
         Attention(H, D, SCALE, KVH, prefix="model.layers.0.self_attn.attn", config=config)
     assert registry["model.layers.0.self_attn.attn"] is a  # the original is kept
-    with pytest.raises(ValueError, match="empty prefix"):
+    with pytest.raises(ValueError, match="needs its full module path as prefix"):
         Attention(H, D, SCALE, KVH, prefix="", config=config)
     # Another engine's config is a separate namespace.
     other = EngineConfig()
@@ -89,7 +89,9 @@ def test_registers_under_its_prefix() -> None:
 
 
 def test_constructor_validation() -> None:
-    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+    with pytest.raises(
+        ValueError, match=r"num_heads \(8\) must be a multiple of num_kv_heads \(3\)"
+    ):
         Attention(8, D, SCALE, 3)
     layer = Attention(4, D, SCALE)  # kv heads default to heads (MHA)
     assert layer.num_kv_heads == 4

@@ -307,5 +307,5 @@ def test_mla_dims_missing_field_is_named() -> None:
 
 def test_mla_dims_is_frozen() -> None:
     dims = MLADims(None, 1, 2, 3, 4)
-    with pytest.raises(AttributeError):
+    with pytest.raises(AttributeError, match="cannot assign to field 'v_head_dim'"):
         dims.v_head_dim = 5  # type: ignore[misc]

@@ -105,8 +105,14 @@ def test_bad_arguments_fail_with_one_line(args: list[str]) -> None:
 def test_parse_len_range() -> None:
     assert parse_len_range("3:9") == (3, 9)
     assert parse_len_range("7") == (7, 7)
-    for bad in ("5:2", "0:4", "a:b", "1:2:3", ""):
-        with pytest.raises(argparse.ArgumentTypeError):
+    for bad, message in (
+        ("5:2", "MIN must not exceed MAX"),
+        ("0:4", "lengths must be at least 1"),
+        ("a:b", "expected MIN:MAX or N"),
+        ("1:2:3", "expected MIN:MAX or N"),
+        ("", "expected MIN:MAX or N"),
+    ):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"{message}, got {bad!r}"):
             parse_len_range(bad)
 
 
@@ -118,7 +124,7 @@ def test_workload_is_seeded_and_within_ranges() -> None:
     assert {r.output_len for r in a} == {1, 2}
     ids = {t for r in a for t in r.prompt_token_ids}
     assert ids == set(range(11))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="num_prompts must be at least 1, got 0"):
         make_workload(0, (1, 1), (1, 1), 10)
 
 
@@ -167,7 +173,7 @@ def test_hf_batches_left_pad_and_take_the_longest_output() -> None:
     assert batches[1] == ([[1, 2, 3]], [[1, 1, 1]], 2)
 
 
-def test_compare_summary_ratio_and_roofline(compare_hf) -> None:
+def test_compare_summary_ratio_and_roofline(compare_hf, capsys: pytest.CaptureFixture) -> None:
     run = EngineRun
     runs = {
         "tokenwise": [run("tokenwise", 2.0, 100, 300), run("tokenwise", 4.0, 100, 300),
@@ -191,8 +197,11 @@ def test_compare_summary_ratio_and_roofline(compare_hf) -> None:
     # 2 (K,V) x 2 layers x 1 kv head x 4 dims x 8 tokens x 2 bytes = 256 bytes per block
     shape = ModelShape(4, 2, 2, 1, 4, 8, 10)
     assert hf_num_blocks(shape, 1000, page_size=8, itemsize=2) == 3
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match="^2$"):  # argparse's exit status for a usage error
         compare_hf.parse_args(["--engines", "tokenwise,vllm"])
+    assert "argument --engines: engines are tokenwise, hf, hf_batch; got 'tokenwise,vllm'" in (
+        capsys.readouterr().err
+    )
 
 
 # ---- bench serve -------------------------------------------------------------------------------
@@ -230,12 +239,13 @@ def _serve_args(*extra: str) -> argparse.Namespace:
     return build_parser().parse_args(["bench", "serve", *extra])
 
 
-def test_serve_argument_handling() -> None:
+def test_serve_argument_handling(capsys: pytest.CaptureFixture) -> None:
     args = _serve_args("--base-url", "http://h:1/", "--num-prompts", "3")
     assert args.base_url == "http://h:1" and args.max_concurrency is None
     for bad in (["--max-concurrency", "0"], ["--request-rate", "-1"], ["--prompt-type", "x"]):
-        with pytest.raises(SystemExit):
+        with pytest.raises(SystemExit, match="^2$"):  # argparse's exit status for a usage error
             _serve_args(*bad)
+        assert f"argument {bad[0]}:" in capsys.readouterr().err
 
 
 def test_serve_against_a_fake_streaming_server() -> None:

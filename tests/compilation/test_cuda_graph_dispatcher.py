@@ -156,9 +156,13 @@ def test_no_capture_sizes_runs_eagerly() -> None:
 
 def test_keys_exist_for_piecewise_and_full_only() -> None:
     d = make(M.PIECEWISE)
-    with pytest.raises(ValueError):
+    with pytest.raises(
+        ValueError, match="graph keys exist for PIECEWISE and FULL only, got .*NONE"
+    ):
         d.add_key(M.NONE, BatchDescriptor(4))
-    with pytest.raises(ValueError):
+    with pytest.raises(
+        ValueError, match="graph keys exist for PIECEWISE and FULL only, got .*FULL_AND_PIECEWISE"
+    ):
         d.add_key(M.FULL_AND_PIECEWISE, BatchDescriptor(4))
 
 

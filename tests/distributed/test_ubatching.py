@@ -76,7 +76,7 @@ def test_empty_slices_are_detected() -> None:
 
 @pytest.mark.parametrize("points", [[6, 3], [-1], [13], []])
 def test_invalid_split_points_are_rejected(points: list[int]) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="split point"):
         create_ubatch_slices([4, 6, 2], points)
 
 

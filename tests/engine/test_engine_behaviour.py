@@ -331,6 +331,8 @@ _EOS_CANDIDATES = [
 
 
 def test_eos_stops_unless_ignore_eos(llm: LLM, path: str) -> None:
+    """The tiny checkpoint's weights are fixed by its seed, so which candidate prompt reaches
+    EOS is fixed too: if none does, the checkpoint changed and the candidates need updating."""
     tok = tokenizer()
     found = None
     for text in _EOS_CANDIDATES:
@@ -339,8 +341,7 @@ def test_eos_stops_unless_ignore_eos(llm: LLM, path: str) -> None:
         if ref[-1] == EOS:
             found = prompt, ref
             break
-    if found is None:
-        pytest.skip("no candidate prompt makes HF's greedy output reach EOS within 30 tokens")
+    assert found is not None, "no candidate prompt makes HF's greedy output reach EOS in 30"
     prompt, ref = found
     n = len(ref)
 

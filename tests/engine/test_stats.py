@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 
+from tokenwise import platform
 from tokenwise.engine.stats import EngineStats, StatLogger
 from tokenwise.platform import configure_cpu_allocator
 
@@ -40,6 +42,34 @@ def test_hit_rate_without_queries_is_zero() -> None:
     assert EngineStats().prefix_cache_hit_rate == 0.0
 
 
-def test_allocator_setting_is_idempotent() -> None:
-    first = configure_cpu_allocator()
-    assert configure_cpu_allocator() == first
+def fake_libc(monkeypatch: pytest.MonkeyPatch, result: int) -> list[tuple[int, int]]:
+    """Stand in a libc whose `mallopt` returns `result`; returns the calls it gets."""
+    calls: list[tuple[int, int]] = []
+
+    def mallopt(param: int, value: int) -> int:
+        calls.append((param, value))
+        return result
+
+    fake_ctypes = SimpleNamespace(
+        CDLL=lambda path: SimpleNamespace(mallopt=mallopt),
+        util=SimpleNamespace(find_library=lambda name: "libc.so.fake"),
+    )
+    monkeypatch.setattr(platform, "ctypes", fake_ctypes)
+    monkeypatch.setattr(platform, "_configured", False)
+    return calls
+
+
+def test_allocator_setting_is_applied_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = fake_libc(monkeypatch, result=1)
+    assert configure_cpu_allocator(1 << 20) is True
+    both = [(platform._M_MMAP_THRESHOLD, 1 << 20), (platform._M_TRIM_THRESHOLD, 1 << 20)]
+    assert calls == both
+    assert configure_cpu_allocator(1 << 30) is True
+    assert calls == both  # idempotent: the second call changes nothing
+
+
+def test_allocator_setting_that_fails_is_not_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = fake_libc(monkeypatch, result=0)  # mallopt says no
+    assert configure_cpu_allocator() is False
+    assert configure_cpu_allocator() is False
+    assert len(calls) == 2  # tried again (one call each: the first failure short-circuits)

@@ -119,7 +119,7 @@ def test_generation_is_refused_and_the_server_stays_clean(
 ) -> None:
     with pytest.raises(openai.BadRequestError, match="embedding model"):
         client.completions.create(model=NAME, prompt="Hello", max_tokens=4)
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError, match="the model 'other' does not exist"):
         client.embeddings.create(model="other", input="Hello")
     client.embeddings.create(input=TEXTS, model=NAME)  # still serving
     wait_for_idle(server)

@@ -32,7 +32,7 @@ def test_memory_sizes(text: str, expected: int) -> None:
 
 @pytest.mark.parametrize("text", ["lots", "-5MiB", "0", "1XB", ""])
 def test_bad_memory_sizes_are_argparse_errors(text: str) -> None:
-    with pytest.raises(argparse.ArgumentTypeError):
+    with pytest.raises(argparse.ArgumentTypeError, match="invalid size|size must be positive"):
         parse_memory_size(text)
 
 

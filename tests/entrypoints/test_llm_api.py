@@ -143,7 +143,7 @@ def test_prompt_longer_than_max_model_len(llm: LLM, path: str) -> None:
         llm.generate(too_long[:MAX_MODEL_LEN], greedy(), use_tqdm=False)
     # A bad prompt in a batch rejects the call; the good one before it is not left behind.
     ok = mixed_prompts()[6]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="prompt has 95 tokens, but max_model_len is"):
         llm.generate([ok, too_long], greedy(), use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
     (out,) = llm.generate(ok, greedy(), use_tqdm=False)
@@ -195,7 +195,7 @@ def test_params_beyond_the_vocabulary_are_rejected_up_front(
 
 @pytest.mark.parametrize("bad", [[5, VOCAB], [-1, 5], [5, 2.0], []], ids=str)
 def test_bad_token_ids_are_rejected(llm: LLM, bad: list[Any]) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="prompt token id|prompt_token_ids must"):
         llm.generate({"prompt_token_ids": bad}, greedy(), use_tqdm=False)
     with pytest.raises(ValueError, match=str(VOCAB)):
         llm.generate([[1, 2, 3], [7, VOCAB + 5]], greedy(), use_tqdm=False)

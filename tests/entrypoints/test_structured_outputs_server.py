@@ -236,7 +236,7 @@ def test_bad_specs_are_400_naming_the_field(
 
 
 def test_server_serves_on_after_bad_specs(server: RemoteServer, client: OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.BadRequestError, match="invalid regex"):
         client.completions.create(
             model=NAME, prompt="x", max_tokens=4, extra_body={"guided_regex": "[z-a]"}
         )

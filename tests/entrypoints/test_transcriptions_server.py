@@ -104,7 +104,7 @@ def test_bad_uploads_are_400s_naming_the_problem(client: OpenAI, server: RemoteS
         client.audio.transcriptions.create(model=NAME, file=("a.wav", data), language="xx")
     with pytest.raises(openai.BadRequestError, match="response_format 'srt'"):
         client.audio.transcriptions.create(model=NAME, file=("a.wav", data), response_format="srt")
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError, match="the model 'other' does not exist"):
         client.audio.transcriptions.create(model="other", file=("a.wav", data))
     assert client.audio.transcriptions.create(model=NAME, file=("a.wav", data)).text is not None
     wait_for_idle(server)  # nothing left running, every block of both caches free

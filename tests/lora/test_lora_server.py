@@ -101,7 +101,7 @@ def test_adapters_load_and_unload_at_run_time(
     assert bad.status_code == 400 and "qq_proj" in bad.text  # checked against the model
     gone = httpx.post(server.url("/v1/unload_lora_adapter"), json={"lora_name": "c"})
     assert gone.status_code == 200
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError, match="the model 'c' does not exist"):
         _complete(client, "c")
     missing = httpx.post(server.url("/v1/unload_lora_adapter"), json={"lora_name": "c"})
     assert missing.status_code == 404

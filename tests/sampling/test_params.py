@@ -102,7 +102,8 @@ def test_every_accepted_seed_seeds_a_generator(n: int, seed: int) -> None:
     seed=2**64 got back, as a 400 about its prompt, before the check)."""
     params = SamplingParams(n=n, seed=seed)
     for i in range(params.n):
-        make_generator(seed + i)
+        # torch keeps the seed as an unsigned 64-bit number: negative seeds wrap around.
+        assert make_generator(seed + i).initial_seed() == (seed + i) % 2**64
 
 
 def test_top_k_minus_one_normalised_to_off() -> None:

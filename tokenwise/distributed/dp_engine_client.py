@@ -272,6 +272,7 @@ class DPEngineClient:
                 "num_preemptions_total",
                 "num_steps_total",
                 "num_ubatched_steps_total",
+                "num_dummy_steps_total",
             ):
                 setattr(total, name, getattr(total, name) + getattr(s, name))
             for reason, count in s.finished_reasons.items():

@@ -220,6 +220,7 @@ class LLMEngine:
     def execute_dummy_batch(self) -> None:
         """One forward pass of a single dummy token: a DP rank with no work joins its peers'."""
         self.runner.execute_dummy_batch()
+        self._stats.num_dummy_steps_total += 1
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.groups)
@@ -264,7 +265,7 @@ class LLMEngine:
                 sampled = self.scheduler.update_from_output(sched, result, stop_strings)
                 self._route_samples(sampled, result, touched)
         elif self.dp_lockstep:
-            self.runner.execute_dummy_batch()
+            self.execute_dummy_batch()
         else:
             compiling = self.scheduler.waiting_grammars()
             if compiling:

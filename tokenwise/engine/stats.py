@@ -27,6 +27,7 @@ class EngineStats:
     num_preemptions_total: int = 0
     num_steps_total: int = 0
     num_ubatched_steps_total: int = 0  # steps run as two micro-batches (DP + MoE only)
+    num_dummy_steps_total: int = 0  # dummy passes of a DP rank joining its peers' (MoE only)
     finished_reasons: dict[str, int] = field(default_factory=dict)
 
     @property

@@ -12,6 +12,7 @@ tokens, is still right when the request runs again.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
@@ -25,13 +26,23 @@ GRAMMAR_ERROR_PREFIX = "guided_decoding:"
 
 
 class GrammarState:
-    """The matcher of one sequence (each of the n samples of a request has its own)."""
+    """The matcher of one sequence (each of the n samples of a request has its own).
 
-    def __init__(self, compiled: Future, stop_token_ids: tuple[int, ...], timeout_s: float) -> None:
+    `clock` (seconds, monotonic; `time.monotonic` by default) measures the compile timeout;
+    tests pass a fake one so that the timeout does not depend on the real clock."""
+
+    def __init__(
+        self,
+        compiled: Future,
+        stop_token_ids: tuple[int, ...],
+        timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.compiled = compiled
         self.stop_token_ids = list(stop_token_ids)
         self.timeout_s = timeout_s
-        self.submitted_at = time.monotonic()
+        self.clock = clock
+        self.submitted_at = clock()
         self.matcher: xgrammar.GrammarMatcher | None = None
         self.error: str | None = None
 
@@ -47,7 +58,7 @@ class GrammarState:
         if self.error is not None:
             return False
         if not self.compiled.done():
-            waited = time.monotonic() - self.submitted_at
+            waited = self.clock() - self.submitted_at
             if waited > self.timeout_s:
                 self.error = (
                     f"{GRAMMAR_ERROR_PREFIX} the grammar did not compile within {self.timeout_s:g} s "
