@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from tests.engine._fixtures import checkpoint
-from tokenwise.distributed import dp_engine_client, tp_worker
+from tokenwise.distributed import tp_worker
+from tokenwise.engine import client
 from tokenwise.engine.llm_engine import LLMEngine
 from tokenwise.entrypoints.llm import build_engine_config
 
@@ -54,7 +55,7 @@ def test_a_torchrun_worker_rank_serves_and_exits_before_any_engine_exists(
     config = tp_config()
     with pytest.raises(SystemExit) as exited:
         if construct == "create_engine":
-            dp_engine_client.create_engine(config)
+            client.create_engine(config)
         else:
             LLMEngine(config, "cpu")
     assert exited.value.code == 0

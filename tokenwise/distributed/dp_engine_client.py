@@ -24,14 +24,10 @@ from typing import Any
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.dp_engine_rank import run_dp_rank
 from tokenwise.distributed.tp_state import free_port
-from tokenwise.distributed.tp_worker import maybe_serve_torchrun_worker
-from tokenwise.engine.kinds.encoder_decoder import EncoderDecoderLLMEngine
-from tokenwise.engine.kinds.pooling import PoolingLLMEngine
-from tokenwise.engine.llm_engine import LLMEngine
 from tokenwise.engine.prompts import PromptInput, load_tokenizer, validate_request
 from tokenwise.engine.stats import EngineStats
 from tokenwise.lora.request import LoRARequest
-from tokenwise.models.registry import is_encoder_decoder_architecture, is_moe_architecture
+from tokenwise.models.registry import is_moe_architecture
 from tokenwise.outputs import RequestOutput
 from tokenwise.sampling.params import SamplingParams
 
@@ -40,23 +36,6 @@ logger = logging.getLogger("tokenwise.engine")
 START_TIMEOUT_S = 600.0  # every rank loads the model; big checkpoints take minutes
 STEP_WAIT_S = 0.05  # one step() waits at most this long for outputs
 STOP_TIMEOUT_S = 10.0
-
-
-def create_engine(config: EngineConfig) -> LLMEngine | DPEngineClient:
-    """One engine in this process, or a front end over `data_parallel_size` rank processes.
-
-    Under torchrun, on a TP rank other than 0 this never returns: the rank serves rank 0's
-    steps and its process exits with status 0 when rank 0 shuts down (see
-    `tokenwise.distributed.tp_worker`).
-    """
-    maybe_serve_torchrun_worker(config)
-    if config.parallel.data_parallel_size > 1:
-        return DPEngineClient(config)
-    if config.model.is_pooling:
-        return PoolingLLMEngine(config, config.device)
-    if is_encoder_decoder_architecture(config.model.architectures):
-        return EncoderDecoderLLMEngine(config, config.device)
-    return LLMEngine(config, config.device)
 
 
 class DPEngineClient:
@@ -130,6 +109,9 @@ class DPEngineClient:
             self._inboxes[rank].put(("abort", rank_ids))
 
     abort = abort_request
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.groups
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)

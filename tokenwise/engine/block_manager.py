@@ -81,10 +81,15 @@ class BlockManager:
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
-        if num_kv_cache_groups not in (1, 2):
+        if num_kv_cache_groups not in (0, 1, 2):
             raise ValueError(
-                f"num_kv_cache_groups must be 1 (self-attention) or 2 (self + cross), got "
-                f"{num_kv_cache_groups}"
+                f"num_kv_cache_groups must be 0 (no KV cache), 1 (self-attention) or 2 (self + "
+                f"cross), got {num_kv_cache_groups}"
+            )
+        if (num_blocks > 0) != (num_kv_cache_groups > 0):
+            raise ValueError(
+                f"a block manager with {num_kv_cache_groups} KV-cache groups needs "
+                f"{'no' if num_kv_cache_groups == 0 else 'some'} blocks, got {num_blocks}"
             )
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -147,7 +152,7 @@ class BlockManager:
 
     @property
     def usage(self) -> float:
-        return self.pool.num_used / self.num_blocks
+        return self.pool.num_used / self.num_blocks if self.num_blocks else 0.0
 
     # ---------------------------------------------------------------- mutations
 

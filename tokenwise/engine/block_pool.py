@@ -34,8 +34,8 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int) -> None:
-        if num_blocks <= 0:
-            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if num_blocks < 0:  # 0: the empty pool of a model without a KV cache
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
         self.blocks: list[KVBlock] = [KVBlock(i) for i in range(num_blocks)]
         self._free_uncached: deque[int] = deque(range(num_blocks))

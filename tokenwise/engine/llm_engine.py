@@ -1,11 +1,14 @@
 """The engine loop: requests in, incremental outputs out, one scheduled forward pass per step.
 
-`add_request` tokenizes and validates (bad input fails there, with a message naming the
-problem, before anything is queued; a guided-decoding spec is parsed there and its grammar
-compiled on a thread, the request waiting in the queue until it is ready); `step` schedules, runs the model, appends sampled tokens,
-detokenizes, applies stop conditions, frees finished requests' blocks and returns the new text
-and tokens of every request that changed. `n > 1` becomes n sibling sequences that share the
-prompt's KV blocks through the prefix cache.
+One loop for every model kind: the kind (`engine/kinds/`: generate, embed, encoder-decoder)
+supplies the prompt processing, the KV-cache groups, the runner and scheduler, and the
+outputs. `add_request` has the kind validate and make the requests (bad input fails there,
+with a message naming the problem, before anything is queued; a guided-decoding grammar starts
+compiling on a thread, its request waiting in the queue until it is ready); `step` schedules,
+runs the model, detokenizes the sampled tokens, has the scheduler append them and apply the
+stop rules (freeing finished requests' blocks), and returns the output of every request that
+changed. `n > 1` becomes n sibling requests that share the prompt's KV blocks through the
+prefix cache.
 """
 
 from __future__ import annotations
@@ -13,33 +16,27 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-import uuid
 from typing import Any
 
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.tp_worker import maybe_serve_torchrun_worker, run_tp_worker
-from tokenwise.engine.block_manager import BlockManager
-from tokenwise.engine.detokenizer import IncrementalDetokenizer
-from tokenwise.engine.kinds.encoder_inputs import EncoderInputs
+from tokenwise.engine.kinds.base import ModelKind
+from tokenwise.engine.kinds.select import model_kind_for
 from tokenwise.engine.prompts import (
     PromptInput,
     load_tokenizer,
     resolve_eos_token_ids,
-    validate_request,
 )
 from tokenwise.engine.request import Request, RequestStatus
-from tokenwise.engine.scheduler import Scheduler
 from tokenwise.engine.stats import EngineStats, StatLogger
 from tokenwise.engine.step_outputs import ModelRunnerOutput
 from tokenwise.engine.stop_rules import hides_token
 from tokenwise.lora.request import LoRARequest
 from tokenwise.models.registry import is_moe_architecture
-from tokenwise.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenwise.outputs import EmbeddingRequestOutput, Logprob, RequestOutput
 from tokenwise.platform import configure_cpu_allocator
-from tokenwise.runner.memory_profiling import check_kv_cache_holds_one_sequence
-from tokenwise.runner.model_runner import ModelRunner
+from tokenwise.pooling.params import PoolingParams
 from tokenwise.sampling.guided.compiler import GrammarCompileCache, grammar_compile_timeout_s
-from tokenwise.sampling.guided.state import GrammarState
 from tokenwise.sampling.params import SamplingParams
 
 logger = logging.getLogger("tokenwise.engine")
@@ -54,11 +51,6 @@ _GRAMMAR_IDLE_WAIT_S = 0.05
 
 
 class LLMEngine:
-    # The embedding engine (`engine/kinds/pooling.py`) swaps these for its own: a runner that
-    # pools instead of sampling, and a scheduler of whole prompts with no KV blocks.
-    runner_cls: type[ModelRunner] = ModelRunner
-    scheduler_cls: type[Scheduler] = Scheduler
-
     def __new__(cls, *args: Any, **kwargs: Any) -> LLMEngine:
         # Under torchrun every rank runs the caller's code: a TP rank other than 0 is no
         # engine, so before one is built it serves rank 0's steps and its process exits with
@@ -69,7 +61,11 @@ class LLMEngine:
             maybe_serve_torchrun_worker(config)
         return super().__new__(cls)
 
-    def __init__(self, config: EngineConfig, device: str = "cpu") -> None:
+    def __init__(
+        self, config: EngineConfig, device: str = "cpu", kind: type[ModelKind] | None = None
+    ) -> None:
+        """`kind`: the model kind to serve (`engine/kinds/`); by default the one `config.model`
+        is (`model_kind_for`)."""
         if config.model is None:
             raise ValueError("LLMEngine needs EngineConfig.model")
         self.config = config
@@ -83,14 +79,18 @@ class LLMEngine:
             parallel.is_moe_model = is_moe_architecture(config.model.architectures)
         # Under DP an MoE model's layers are collectives: every rank must run one forward pass
         # per step, a dummy one when it has nothing scheduled (see tokenwise.distributed.dp_engine_rank).
-        self.runner = self.runner_cls(config, device, tp_worker_main=run_tp_worker)
+        kind_cls = kind or model_kind_for(config)
+        self.grammar_timeout_s = grammar_compile_timeout_s()
+        self._grammars: GrammarCompileCache | None = None  # made at the first guided request
+        self.runner = kind_cls.runner_cls(config, device, tp_worker_main=run_tp_worker)
+        self.kind = kind_cls(self)
         self.dp_lockstep = self.runner.dp_lockstep
         num_blocks = self.runner.determine_num_blocks()
-        self._check_kv_capacity(num_blocks)
+        self.kind.check_kv_capacity(num_blocks)
         self.runner.initialize_kv_cache(num_blocks)
-        self.block_manager = self._make_block_manager(num_blocks)
+        self.block_manager = self.kind.make_block_manager(num_blocks)
         max_loras = config.lora.max_loras if config.lora is not None else None
-        self.scheduler = self.scheduler_cls(
+        self.scheduler = kind_cls.scheduler_cls(
             config.scheduler, self.block_manager, config.model.max_model_len, max_loras
         )
         # The caller's request id -> its samples (one `Request` each, `n` of them); the
@@ -99,15 +99,6 @@ class LLMEngine:
         self._stats = EngineStats(num_total_blocks=num_blocks)
         self._consecutive_failed_steps = 0
         self._stat_logger = StatLogger()
-        self.grammar_timeout_s = grammar_compile_timeout_s()
-        self._grammars: GrammarCompileCache | None = None  # made at the first guided request
-
-    def _check_kv_capacity(self, num_blocks: int) -> None:
-        cache, model = self.config.cache, self.model_config
-        check_kv_cache_holds_one_sequence(num_blocks, cache.block_size, model.max_model_len)
-
-    def _make_block_manager(self, num_blocks: int) -> BlockManager:
-        return BlockManager(num_blocks, self.config.cache.block_size)
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -115,71 +106,19 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptInput,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
     ) -> None:
-        params = params or SamplingParams()
+        """Queue a request; bad input raises here (naming the problem), before anything is
+        queued. `params` are SamplingParams, or PoolingParams for an embedding model."""
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids, encoder_inputs = self._process_prompt(prompt, params)
-        if lora_request is not None:
-            self.check_lora(lora_request)
-            # Blocks computed under one adapter hold other K/V than the base model's: the
-            # adapter's id keys the prefix cache, so no two adapters ever share a block.
-            cache_salt = f"{cache_salt or ''}|lora:{lora_request.lora_int_id}"
-        compiled = None
-        if params.guided_decoding is not None:
-            compiled = self.grammar_cache().submit(params.guided_decoding)
-        if not self.config.cache.enable_prefix_caching or encoder_inputs is not None:
-            # Siblings of one request still share their prompt blocks; nobody else can hit them.
-            # (A decoder's K/V depends on its encoder's input too, not on its tokens alone.)
-            cache_salt = f"{cache_salt or ''}/{uuid.uuid4().hex}"
-        arrival = time.monotonic()
-        samples: list[Request] = []
-        for i in range(params.n):
-            child_params = params
-            if params.n > 1 and params.seed is not None:
-                child_params = params.clone()
-                child_params.seed = params.seed + i
-            sub_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(
-                request_id=sub_id,
-                prompt_token_ids=token_ids,
-                sampling_params=child_params,
-                eos_token_ids=self.eos_token_ids,
-                cache_salt=cache_salt,
-                lora_request=lora_request,
-                encoder_inputs=encoder_inputs,
-                arrival_time=arrival,
-                group_id=request_id,
-                index=i,
-                prompt=text,
-            )
-            if compiled is not None:
-                req.grammar = GrammarState(compiled, self.eos_token_ids, self.grammar_timeout_s)
-            if self.tokenizer is not None:
-                req.detokenizer = IncrementalDetokenizer(
-                    self.tokenizer,
-                    token_ids,
-                    params.stop,
-                    params.include_stop_str_in_output,
-                    params.skip_special_tokens,
-                )
-            samples.append(req)
+        samples = self.kind.make_requests(request_id, prompt, params, cache_salt, lora_request)
         for req in samples:
             self.scheduler.add_request(req)
-        self._track(request_id, samples)
-
-    def _track(self, request_id: str, samples: list[Request]) -> None:
-        """Remember an accepted request's samples until their finished output is made."""
+        # The caller's id -> its samples, until their finished output is made.
         self.groups[request_id] = samples
-
-    def _process_prompt(
-        self, prompt: PromptInput, params: SamplingParams
-    ) -> tuple[str | None, list[int], EncoderInputs | None]:
-        """(prompt text, prompt token ids, encoder inputs): decoder-only models have none."""
-        return (*validate_request(self.model_config, self.tokenizer, prompt, params), None)
 
     def check_lora(self, lora_request: LoRARequest) -> None:
         """Raise ValueError unless this engine serves LoRA and the adapter loads and fits."""
@@ -213,6 +152,10 @@ class LLMEngine:
         self.runner.shutdown()
         if self._grammars is not None:
             self._grammars.shutdown()
+        self.kind.shutdown()
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.groups
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -227,7 +170,7 @@ class LLMEngine:
 
     # ---- the loop -----------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         sched = self.scheduler.schedule()
         touched: dict[str, list[Request]] = {}
         for req, reason in sched.aborted:
@@ -264,6 +207,8 @@ class LLMEngine:
                 stop_strings = self._detokenize(result)
                 sampled = self.scheduler.update_from_output(sched, result, stop_strings)
                 self._route_samples(sampled, result, touched)
+                for req in self.kind.record_pooled(result):
+                    touched[req.group_id] = self.groups[req.group_id]
         elif self.dp_lockstep:
             self.execute_dummy_batch()
         else:
@@ -333,55 +278,13 @@ class LLMEngine:
                 value.decoded_token = self.tokenizer.decode([tid])
         return entry
 
-    def _make_output(self, request_id: str, samples: list[Request]) -> RequestOutput:
-        completions = []
-        for req in samples:
-            finished_now = req.is_finished and not req.reported_finish
-            if not req.new_token_ids and not finished_now:
-                continue
-            text = req.detokenizer.take_new_text(req.is_finished) if req.detokenizer else ""
-            want_lp = req.sampling_params.logprobs is not None
-            completions.append(
-                CompletionOutput(
-                    index=req.index,
-                    text=text,
-                    token_ids=req.new_token_ids,
-                    cumulative_logprob=req.cumulative_logprob if want_lp else None,
-                    logprobs=req.new_logprobs if want_lp else None,
-                    finish_reason=req.status.finish_reason,
-                    stop_reason=req.stop_reason,
-                )
-            )
-            req.new_token_ids = []
-            req.new_logprobs = []
-            if req.is_finished:
-                req.reported_finish = True
-        first = samples[0]
-        finished = all(r.is_finished for r in samples)
-        out = RequestOutput(
-            request_id=request_id,
-            prompt=first.prompt,
-            prompt_token_ids=first.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            num_cached_tokens=max(0, first.num_cached_tokens),
-            error=next((r.error for r in samples if r.error), None),
-        )
-        out.metrics.update(self._timing_metrics(samples, finished))
-        if finished:
+    def _make_output(
+        self, request_id: str, samples: list[Request]
+    ) -> RequestOutput | EmbeddingRequestOutput:
+        out = self.kind.make_output(request_id, samples)
+        if out.finished:
             self._forget(request_id, samples)
         return out
-
-    def _timing_metrics(self, samples: list[Request], finished: bool) -> dict[str, float]:
-        """Time to first token (the earliest sample's) and, once finished, end-to-end latency."""
-        metrics: dict[str, float] = {}
-        arrival = samples[0].arrival_time
-        firsts = [r.first_token_time for r in samples if r.first_token_time is not None]
-        if firsts:
-            metrics["time_to_first_token"] = min(firsts) - arrival
-        if finished:
-            metrics["e2e_latency"] = time.monotonic() - arrival
-        return metrics
 
     def _forget(self, request_id: str, samples: list[Request]) -> None:
         """A finished request leaves the engine: count its finish reasons, drop its records."""

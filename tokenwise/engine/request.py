@@ -2,7 +2,8 @@
 
 The one request object: the scheduler advances it, the runner reads it, the engine detokenizes
 and reports it. A caller's request with `n > 1` becomes n of these (siblings with the same
-`group_id`). It carries no blocks: the block manager owns every block table.
+`group_id`). It carries no blocks: the block manager owns every block table. It carries no
+kind's fields either: embedding and encoder-decoder requests subclass it (`kinds/requests.py`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenwise.engine.detokenizer import IncrementalDetokenizer
-from tokenwise.engine.kinds.encoder_inputs import EncoderInputs
 from tokenwise.lora.request import LoRARequest
 from tokenwise.outputs import Logprob
-from tokenwise.pooling.params import PoolingParams
 from tokenwise.sampling.guided.state import GrammarState
 from tokenwise.sampling.params import SamplingParams
 
@@ -76,15 +75,10 @@ class Request:
     generator: torch.Generator | None = None
     stop_reason: int | str | None = None
     first_token_time: float | None = None
-    # Set for an embedding request (its sampling_params are then unused placeholders).
-    pooling_params: PoolingParams | None = None
     # Guided decoding: the matcher the scheduler advances (None for unguided requests).
     grammar: GrammarState | None = None
     # Why the request ended with FINISHED_ERROR (its grammar, or a failed forward pass).
     error: str | None = None
-    # Encoder-decoder models: what the encoder reads (`prompt_token_ids` is then the decoder
-    # prompt).
-    encoder_inputs: EncoderInputs | None = None
     # ---- what the engine reports (its output state) -------------------------------------
     # The caller's request id (shared by the samples of an `n > 1` request; defaults to
     # `request_id`), this sample's index among them, and the prompt's text if it had one.
@@ -118,11 +112,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
-
-    @property
-    def num_encoder_tokens(self) -> int:
-        """Rows of cross K/V the encoder makes (0 for a decoder-only request)."""
-        return 0 if self.encoder_inputs is None else self.encoder_inputs.num_tokens
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

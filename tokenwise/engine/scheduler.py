@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 
 from tokenwise.config import SchedulerConfig
-from tokenwise.engine.block_manager import CROSS_ATTN, SELF_ATTN, BlockManager
+from tokenwise.engine.block_manager import BlockManager
 from tokenwise.engine.request import Request, RequestStatus
 from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenwise.engine.stop_rules import check_stop
@@ -68,18 +68,11 @@ class Scheduler:
             raise ValueError(f"prompt has {n} tokens, more than max_model_len={self.max_model_len}")
         block_size = self.block_manager.block_size
         blocks_needed = -(-min(self.max_model_len, n + 1) // block_size)
-        num_encoder = request.num_encoder_tokens
-        blocks_needed += -(-num_encoder // block_size)  # its cross-attention blocks
+        blocks_needed += self.admission_blocks(request)
         if blocks_needed > self.block_manager.num_blocks:
             raise ValueError(
                 f"prompt of {n} tokens needs {blocks_needed} KV blocks but the cache has only "
                 f"{self.block_manager.num_blocks}; raise kv_cache_memory or shorten the prompt"
-            )
-        if num_encoder and num_encoder + 1 > self.config.max_num_batched_tokens:
-            raise ValueError(
-                f"the encoder input has {num_encoder} tokens, which must run in one step with "
-                f"at least one decoder token: more than max_num_batched_tokens="
-                f"{self.config.max_num_batched_tokens}; raise it or shorten the encoder input"
             )
         if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
             raise ValueError(
@@ -91,6 +84,21 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
+
+    # ---- what a model kind adds when a request is admitted (nothing, for a decoder) ----------
+
+    def admission_tokens(self, request: Request) -> int:
+        """Tokens the request runs besides its own in the step that admits it (and again after
+        a preemption), sharing that step's token budget. None for a decoder-only model."""
+        return 0
+
+    def admission_blocks(self, request: Request) -> int:
+        """Blocks the request holds in its other KV-cache groups while it runs (none here)."""
+        return 0
+
+    def allocate_admission_blocks(self, request: Request) -> list[int] | None:
+        """Allocate those blocks, all or nothing (None: the pool is short)."""
+        return []
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -148,9 +156,8 @@ class Scheduler:
                 and len(adapters) >= self.max_loras
             ):
                 break  # its adapter needs a slot: it waits until a running adapter is done
-            # An encoder-decoder request runs its whole encoder in the step that admits it
-            # (again after a preemption): its tokens share the budget with the decoder's.
-            num_encoder = req.num_encoder_tokens
+            # Tokens a kind runs at admission (an encoder's input) share the step's budget.
+            num_encoder = self.admission_tokens(req)
             if num_encoder and num_encoder + 1 > budget:
                 break
             hits, num_hit = bm.get_computed_blocks(
@@ -166,16 +173,13 @@ class Scheduler:
             )
             if new_blocks is None:
                 break
-            cross_blocks: list[int] = []
-            if num_encoder:
-                # After the decoder's blocks: those took its prefix-cache hits out of the free
-                # queue, so these fresh cross blocks cannot evict them.
-                allocated = bm.allocate_cross_slots(req.request_id, num_encoder)
-                if allocated is None:
-                    # Its newly registered blocks were never computed: drop them from the cache.
-                    bm.free(req.request_id, discard_cached=True)
-                    break
-                cross_blocks = allocated
+            # After the self-attention blocks: those took its prefix-cache hits out of the free
+            # queue, so these fresh blocks cannot evict them.
+            extra_blocks = self.allocate_admission_blocks(req)
+            if extra_blocks is None:
+                # Its newly registered blocks were never computed: drop them from the cache.
+                bm.free(req.request_id, discard_cached=True)
+                break
             self.waiting.popleft()
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
@@ -185,7 +189,7 @@ class Scheduler:
             if lora is not None:
                 adapters.add(lora.lora_int_id)
             out.scheduled.append(
-                self._scheduled(req, num_new, new_blocks, cross_blocks, num_encoder)
+                self._scheduled(req, num_new, new_blocks, extra_blocks, num_encoder)
             )
             budget -= num_new + num_encoder
         self.waiting.extendleft(reversed(not_ready))
@@ -238,23 +242,20 @@ class Scheduler:
         req: Request,
         num_new: int,
         new_blocks: list[int],
-        cross_blocks: list[int] | None = None,
-        num_encoder: int = 0,
+        admitted_blocks: list[int] | None = None,
+        num_admission_tokens: int = 0,
     ) -> ScheduledRequest:
-        """The step's entry for `req`, with the block deltas the runner's mirror needs."""
+        """The step's entry for `req`, with the block deltas the runner's mirror needs.
+
+        Group 0 grows step by step; the other groups are allocated whole at admission
+        (`admitted_blocks`) and unchanged after.
+        """
         bm = self.block_manager
         rid = req.request_id
-        if bm.num_kv_cache_groups == 1:
-            return ScheduledRequest(
-                req, num_new, num_encoder, (new_blocks,), (bm.num_blocks_of(rid, SELF_ATTN),)
-            )
-        return ScheduledRequest(
-            req,
-            num_new,
-            num_encoder,
-            (new_blocks, cross_blocks or []),
-            (bm.num_blocks_of(rid, SELF_ATTN), bm.num_blocks_of(rid, CROSS_ATTN)),
-        )
+        groups = range(bm.num_kv_cache_groups)
+        new = tuple(new_blocks if g == 0 else (admitted_blocks or []) for g in groups)
+        counts = tuple(bm.num_blocks_of(rid, g) for g in groups)
+        return ScheduledRequest(req, num_new, num_admission_tokens, new, counts)
 
     def _poll_grammars(self) -> None:
         """Make matchers for compiled grammars; end requests whose compile failed or is late."""

@@ -20,7 +20,7 @@ from tokenwise.config import (
     PoolerConfig,
     SchedulerConfig,
 )
-from tokenwise.distributed.dp_engine_client import create_engine
+from tokenwise.engine.client import create_engine
 from tokenwise.engine.prompts import PromptInput
 from tokenwise.layers.fused_moe.experts import grouped_mm_available
 from tokenwise.lora.request import LoRARequest
@@ -365,7 +365,7 @@ class LLM:
 
     def _drain(self, ids: set[str]) -> None:
         """Step until aborted requests have been reported, so no block stays allocated."""
-        while any(rid in self.llm_engine.groups for rid in ids):
+        while any(self.llm_engine.has_request(rid) for rid in ids):
             self.llm_engine.step()
 
 

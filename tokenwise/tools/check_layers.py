@@ -101,8 +101,8 @@ LAYERS: tuple[Layer, ...] = (
     Layer("pooling", ("tokenwise.pooling.*",)),
     Layer("compilation", ("tokenwise.compilation.*",)),
     # What the scheduler owns and hands the runner: requests, block tables, stop rules, the
-    # step's records; and the model kinds' request-side pieces (encoder inputs, whole-prompt
-    # scheduling of embedding models).
+    # step's records; and the model kinds' request-side pieces below the runner that reads
+    # them (their request types, encoder inputs, their schedulers).
     Layer(
         "requests and scheduling",
         (
@@ -118,8 +118,10 @@ LAYERS: tuple[Layer, ...] = (
             "tokenwise.engine.stats",
             "tokenwise.engine.kinds",
             "tokenwise.engine.kinds.encoder_inputs",
+            "tokenwise.engine.kinds.requests",
             "tokenwise.engine.kinds.audio",
             "tokenwise.engine.kinds.pooling_scheduler",
+            "tokenwise.engine.kinds.encoder_decoder_scheduler",
         ),
     ),
     # The TP workers' processes and the per-step channel to them, which carries the runner's
@@ -131,13 +133,13 @@ LAYERS: tuple[Layer, ...] = (
     # A TP worker's start-up (spawned or torchrun): it builds a runner, and the engine
     # constructors call it (a torchrun rank other than 0 turns into a worker before any engine).
     Layer("tensor-parallel worker entry", ("tokenwise.distributed.tp_worker",)),
-    # The engine loop, and each model kind's engine, runner and prompt processing on top.
+    # Model kinds as strategies (generate, embed, encoder-decoder): each names its runner and
+    # scheduler and supplies prompt processing, KV-cache groups and outputs to the one loop.
+    Layer("model kinds", ("tokenwise.engine.kinds.*",)),
+    # The engine loop: the same for every kind.
     Layer("engine loop", ("tokenwise.engine.llm_engine",)),
-    Layer(
-        "model kinds",
-        ("tokenwise.engine.kinds.*",),
-    ),
-    # Data parallelism: one engine process per rank behind a front end with the engine's API.
+    # Engines callers drive (`EngineClient`): the in-process engine, and the data-parallel
+    # front end over one engine process per rank; `create_engine` picks one.
     Layer(
         "engine clients",
         (

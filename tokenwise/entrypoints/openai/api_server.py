@@ -146,7 +146,7 @@ def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tokenwise.batchsize_stats import ENV_INTERVAL, reset_batchsize_forward_time_stats
-    from tokenwise.distributed.dp_engine_client import create_engine
+    from tokenwise.engine.client import create_engine
     from tokenwise.entrypoints.engine_args import engine_kwargs
     from tokenwise.entrypoints.llm import build_engine_config
     from tokenwise.entrypoints.openai.cli_args import lora_modules_dict, server_config_kwargs

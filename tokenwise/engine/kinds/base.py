@@ -1,0 +1,119 @@
+"""Model kinds as strategies: what differs between generating, embedding and encoder-decoder.
+
+There is one engine loop (`LLMEngine`): schedule, run, detokenize, apply stop rules, report. A
+model kind supplies the four things that differ, and nothing else:
+
+- its prompt processing: a prompt and parameters in, the requests to schedule out
+  (`make_requests`; a generative request with `n > 1` is n sibling requests);
+- its KV-cache groups (`num_kv_cache_groups`): none (an encoder-only embedding model), self
+  attention (a decoder), or self + cross attention (an encoder-decoder model); and so its block
+  manager and the capacity check of its pool (`check_kv_capacity`);
+- its per-step extra inputs, through the runner and scheduler classes it names (`runner_cls`,
+  `scheduler_cls`): the encoder-decoder runner adds encoder inputs and cross metadata, the
+  pooling runner pools instead of sampling;
+- its outputs (`make_output`, and `record_pooled` for what a step pools).
+
+A kind reads the engine's shared state (configuration, tokenizer, runner) through
+`EngineContext`, a protocol the engine satisfies, so no kind imports the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar, Protocol
+
+from tokenwise.config import EngineConfig
+from tokenwise.engine.block_manager import BlockManager
+from tokenwise.engine.prompts import PromptInput
+from tokenwise.engine.request import Request
+from tokenwise.engine.scheduler import Scheduler
+from tokenwise.engine.step_outputs import ModelRunnerOutput
+from tokenwise.lora.request import LoRARequest
+from tokenwise.model_config import ModelConfig
+from tokenwise.outputs import EmbeddingRequestOutput, RequestOutput
+from tokenwise.runner.memory_profiling import check_kv_cache_holds_one_sequence
+from tokenwise.runner.model_runner import ModelRunner
+from tokenwise.sampling.guided.compiler import GrammarCompileCache
+
+
+class EngineContext(Protocol):
+    """What a kind may read of the engine that owns it."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    tokenizer: Any
+    eos_token_ids: tuple[int, ...]
+    runner: ModelRunner
+    grammar_timeout_s: float
+
+    def check_lora(self, lora_request: LoRARequest) -> None: ...
+
+    def grammar_cache(self) -> GrammarCompileCache: ...
+
+
+class ModelKind:
+    """A kind of model as the engine sees it. One instance per engine, made by the engine."""
+
+    name: ClassVar[str] = ""
+    num_kv_cache_groups: ClassVar[int] = 1
+    runner_cls: ClassVar[type[ModelRunner]] = ModelRunner
+    scheduler_cls: ClassVar[type[Scheduler]] = Scheduler
+
+    def __init__(self, engine: EngineContext) -> None:
+        self.engine = engine
+
+    # ---- KV cache ---------------------------------------------------------------------------
+
+    def check_kv_capacity(self, num_blocks: int) -> None:
+        """Raise unless the pool holds what one request may need (one full sequence)."""
+        cache, model = self.engine.config.cache, self.engine.model_config
+        check_kv_cache_holds_one_sequence(num_blocks, cache.block_size, model.max_model_len)
+
+    def make_block_manager(self, num_blocks: int) -> BlockManager:
+        return BlockManager(
+            num_blocks,
+            self.engine.config.cache.block_size,
+            num_kv_cache_groups=self.num_kv_cache_groups,
+        )
+
+    # ---- requests and outputs ---------------------------------------------------------------
+
+    def make_requests(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: Any,
+        cache_salt: str | None,
+        lora_request: LoRARequest | None,
+    ) -> list[Request]:
+        """Validate a caller's request and make the requests to schedule; raise on bad input."""
+        raise NotImplementedError
+
+    def record_pooled(self, result: ModelRunnerOutput) -> list[Request]:
+        """Keep what a step pooled for its requests' outputs; the requests it pooled for."""
+        return []
+
+    def make_output(
+        self, request_id: str, samples: list[Request]
+    ) -> RequestOutput | EmbeddingRequestOutput:
+        """The caller's output for `request_id`: what its samples produced since the last."""
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        """Release what the kind started (threads); the engine is going away."""
+
+
+def timing_metrics(samples: list[Request], finished: bool) -> dict[str, float]:
+    """Time to first token (the earliest sample's) and, once finished, end-to-end latency.
+
+    Both from the requests' own timestamps (`arrival_time`, `first_token_time`), the one place
+    they are kept.
+    """
+    metrics: dict[str, float] = {}
+    arrival = samples[0].arrival_time
+    firsts = [r.first_token_time for r in samples if r.first_token_time is not None]
+    if firsts:
+        metrics["time_to_first_token"] = min(firsts) - arrival
+    if finished:
+        metrics["e2e_latency"] = time.monotonic() - arrival
+    return metrics

@@ -1,0 +1,38 @@
+"""The requests of the kinds that need more than `Request`: embeddings and encoder-decoder.
+
+`Request` is what every kind shares (tokens, progress, sampling, output state). A kind whose
+requests carry more subclasses it here, below the scheduler and the runner that read the extra
+fields: the embedding request's pooling settings (read by the pooling runner) and the
+encoder-decoder request's encoder input (budgeted by its scheduler, run by its runner).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenwise.engine.kinds.encoder_inputs import EncoderInputs
+from tokenwise.engine.request import Request
+from tokenwise.pooling.params import PoolingParams
+
+
+@dataclass(eq=False)
+class EmbeddingRequest(Request):
+    """A prompt to embed; its `sampling_params` are a placeholder that nothing reads."""
+
+    pooling_params: PoolingParams = field(default_factory=PoolingParams)
+
+
+@dataclass(eq=False)
+class EncoderDecoderRequest(Request):
+    """A decoder prompt (`prompt_token_ids`) and what the encoder reads.
+
+    The encoder runs in the step that admits the request (again after a preemption), and its
+    K/V fill the request's blocks of the CROSS_ATTN KV-cache group.
+    """
+
+    encoder_inputs: EncoderInputs | None = None
+
+    @property
+    def num_encoder_tokens(self) -> int:
+        """Rows of cross K/V the encoder makes."""
+        return 0 if self.encoder_inputs is None else self.encoder_inputs.num_tokens
