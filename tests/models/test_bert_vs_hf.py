@@ -105,7 +105,7 @@ def test_default_is_cls_normalized_and_no_kv_cache_exists(bert_dir: str) -> None
     stats = engine.get_stats()
     assert stats.num_total_blocks == 0 and stats.kv_cache_usage == 0.0
     assert not engine.has_unfinished_requests()
-    assert engine.scheduler.num_running == 0 and engine.scheduler.num_waiting == 0
+    assert not engine.scheduler.running and not engine.scheduler.waiting
 
 
 def test_token_ids_and_text_give_the_same_embedding(bert_dir: str) -> None:

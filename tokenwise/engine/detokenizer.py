@@ -38,6 +38,17 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.hold_back = max((len(s) for s in self.stop), default=1) - 1
 
+    @classmethod
+    def from_params(cls, tokenizer: Any, prompt_token_ids: list[int], params: Any) -> Any:
+        """The detokenizer of a request with these SamplingParams (stop strings, specials)."""
+        return cls(
+            tokenizer,
+            prompt_token_ids,
+            params.stop,
+            params.include_stop_str_in_output,
+            params.skip_special_tokens,
+        )
+
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.tp_worker import maybe_serve_torchrun_worker, run_tp_worker
-from tokenwise.engine.kinds.base import ModelKind
+from tokenwise.engine.kinds.base import ModelKind, NewRequest
 from tokenwise.engine.kinds.select import model_kind_for
 from tokenwise.engine.prompts import (
     PromptInput,
@@ -114,7 +114,9 @@ class LLMEngine:
         queued. `params` are SamplingParams, or PoolingParams for an embedding model."""
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        samples = self.kind.make_requests(request_id, prompt, params, cache_salt, lora_request)
+        samples = self.kind.make_requests(
+            NewRequest(request_id, prompt, params, cache_salt, lora_request)
+        )
         for req in samples:
             self.scheduler.add_request(req)
         # The caller's id -> its samples, until their finished output is made.
@@ -298,8 +300,8 @@ class LLMEngine:
     def get_stats(self) -> EngineStats:
         s = self._stats
         bm = self.block_manager
-        s.num_running = self.scheduler.num_running
-        s.num_waiting = self.scheduler.num_waiting
+        s.num_running = len(self.scheduler.running)
+        s.num_waiting = len(self.scheduler.waiting)
         s.kv_cache_usage = bm.usage
         s.num_free_blocks = bm.get_num_free_blocks()
         s.prefix_cache_queries = bm.prefix_cache_queries

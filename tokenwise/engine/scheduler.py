@@ -233,6 +233,10 @@ class Scheduler:
             status = check_stop(req, token, stops.get(req.request_id), self.max_model_len)
             if status is not None:
                 finished.setdefault(status, []).append(req)
+        # A pooled request (an embedding) is complete once its step ran.
+        pooled = [item.request for item in runner_output.pooled_requests]
+        if pooled:
+            finished.setdefault(RequestStatus.FINISHED_STOPPED, []).extend(pooled)
         for status, reqs in finished.items():
             self.finish_requests(reqs, status)
         return sampled
@@ -320,11 +324,3 @@ class Scheduler:
         if done:
             self.running = [r for r in self.running if id(r) not in done]
             self.waiting = deque(r for r in self.waiting if id(r) not in done)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)

@@ -19,7 +19,7 @@ earlier revision).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -67,6 +67,8 @@ class StepInputs:
     context_lens_np: np.ndarray
     logits_indices: list[int]  # flat index of each sampling request's last token
     sampled: list[ScheduledRequest]
+    # Every real request of the step, in step order (a TP worker's copy has none).
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
 
 
 class InputBatch:
@@ -219,6 +221,7 @@ class InputBatch:
             context_lens_np=context_lens,
             logits_indices=logits_indices,
             sampled=sampled,
+            scheduled=list(ordered),
         )
 
     def pad(self, step: StepInputs, num_tokens: int) -> StepInputs:

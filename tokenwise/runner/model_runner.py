@@ -42,6 +42,9 @@ from tokenwise.sampling.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
+# A step's attention metadata by layer name (None while a FULL graph replays on its own).
+MetadataByLayer = dict[str, AttentionMetadata] | None
+
 
 class ModelRunner(KVCacheSizingMixin):
     def __init__(
@@ -130,6 +133,11 @@ class ModelRunner(KVCacheSizingMixin):
                 self.lora_manager.state if self.lora_manager is not None else None,
                 self.max_cross_blocks_per_seq(),
             )
+        self._setup_kind()
+
+    def _setup_kind(self) -> None:
+        """What a model kind's runner adds once the model, batch and graphs exist (nothing
+        for a decoder-only model); subclasses extend this, not `__init__`."""
 
     def max_cross_blocks_per_seq(self) -> int:
         """The widest cross block table, for the graphs' cross buffers (0: no cross-attention;
@@ -216,7 +224,7 @@ class ModelRunner(KVCacheSizingMixin):
         if mode != CUDAGraphMode.FULL:
             tables = self._metadata_tables(step)
             attn_metadata = self._attn_metadata(step, tables)
-        model_kwargs = self._model_inputs(ordered, step, attn_metadata)
+        model_kwargs = self._model_inputs(step, attn_metadata)
         if self.tp_size > 1:
             self.tp.check_workers()
             self.tp.broadcast(("step", step_payload(step, tables), loras))
@@ -246,12 +254,7 @@ class ModelRunner(KVCacheSizingMixin):
         out = self.sampler(logits, sampling_md)
         return ModelRunnerOutput(sampled, out.sampled_token_ids.tolist(), out.logprobs, num_tokens)
 
-    def _model_inputs(
-        self,
-        ordered: list[ScheduledRequest],
-        step: StepInputs,
-        attn_metadata: dict[str, AttentionMetadata] | None,
-    ) -> dict[str, Any]:
+    def _model_inputs(self, step: StepInputs, attn_metadata: MetadataByLayer) -> dict[str, Any]:
         """Extra keyword inputs of the model for this step (none for a decoder-only model).
 
         The encoder-decoder runner passes the encoder inputs of the requests whose encoder runs
@@ -326,7 +329,13 @@ class ModelRunner(KVCacheSizingMixin):
             num_tokens=num_tokens,
             num_tokens_across_dp=None if counts is None else counts.num_tokens_across_dp,
         ):
-            return self.model(step.input_ids, step.positions, **(model_kwargs or {}))
+            model = self._forward_model(model_kwargs)
+            return model(step.input_ids, step.positions, **(model_kwargs or {}))
+
+    def _forward_model(self, model_kwargs: dict[str, Any] | None) -> Any:
+        """What an eager step calls: the model (compiled, when compilation is on). The
+        encoder-decoder runner calls its uncompiled model for steps with encoder inputs."""
+        return self.model
 
     def _run_ubatches(
         self, step: StepInputs, attn_metadata: dict[str, AttentionMetadata], counts: DPStepCounts

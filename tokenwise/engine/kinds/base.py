@@ -20,6 +20,7 @@ A kind reads the engine's shared state (configuration, tokenizer, runner) throug
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 from tokenwise.config import EngineConfig
@@ -34,6 +35,17 @@ from tokenwise.outputs import EmbeddingRequestOutput, RequestOutput
 from tokenwise.runner.memory_profiling import check_kv_cache_holds_one_sequence
 from tokenwise.runner.model_runner import ModelRunner
 from tokenwise.sampling.guided.compiler import GrammarCompileCache
+
+
+@dataclass
+class NewRequest:
+    """A caller's request as `LLMEngine.add_request` received it, for the kind to process."""
+
+    request_id: str
+    prompt: PromptInput
+    params: Any = None  # SamplingParams, or PoolingParams for an embedding model
+    cache_salt: str | None = None
+    lora_request: LoRARequest | None = None
 
 
 class EngineContext(Protocol):
@@ -78,14 +90,7 @@ class ModelKind:
 
     # ---- requests and outputs ---------------------------------------------------------------
 
-    def make_requests(
-        self,
-        request_id: str,
-        prompt: PromptInput,
-        params: Any,
-        cache_salt: str | None,
-        lora_request: LoRARequest | None,
-    ) -> list[Request]:
+    def make_requests(self, new: NewRequest) -> list[Request]:
         """Validate a caller's request and make the requests to schedule; raise on bad input."""
         raise NotImplementedError
 

@@ -33,23 +33,14 @@ import torch
 from tokenwise.attention.metadata import AttentionMetadata
 from tokenwise.attention.utils import AttentionType, compute_slot_mapping
 from tokenwise.compilation.compile import CompiledModel
-from tokenwise.config import EngineConfig
-from tokenwise.distributed.tp_workers import WorkerMain
 from tokenwise.engine.block_manager import CROSS_ATTN
 from tokenwise.engine.step_outputs import ScheduledRequest
-from tokenwise.forward_context import set_forward_context
 from tokenwise.runner.input_batch import StepInputs
-from tokenwise.runner.model_runner import ModelRunner
+from tokenwise.runner.model_runner import MetadataByLayer, ModelRunner
 
 
 class EncoderDecoderModelRunner(ModelRunner):
-    def __init__(
-        self,
-        config: EngineConfig,
-        device: str | torch.device = "cpu",
-        tp_worker_main: WorkerMain | None = None,
-    ) -> None:
-        super().__init__(config, device, tp_worker_main)
+    def _setup_kind(self) -> None:
         if self.tp_size > 1:
             raise ValueError("encoder-decoder models run on one rank")
         kinds = {
@@ -76,12 +67,8 @@ class EncoderDecoderModelRunner(ModelRunner):
     def max_encoder_len(self) -> int:
         return int(self.model.max_encoder_len(self.model_config.hf_config))
 
-    def _model_inputs(
-        self,
-        ordered: list[ScheduledRequest],
-        step: StepInputs,
-        attn_metadata: dict[str, AttentionMetadata] | None,
-    ) -> dict[str, Any]:
+    def _model_inputs(self, step: StepInputs, attn_metadata: MetadataByLayer) -> dict[str, Any]:
+        ordered = step.scheduled
         cross_tables = [self.input_batch.block_ids(int(row), CROSS_ATTN) for row in step.rows]
         if attn_metadata is None:  # a FULL graph replays: its cross rows, into its buffers
             assert self.graph_runner is not None
@@ -149,17 +136,9 @@ class EncoderDecoderModelRunner(ModelRunner):
     def _may_replay_graphs(self, ordered: list[ScheduledRequest]) -> bool:
         return not any(item.num_encoder_tokens for item in ordered)
 
-    def _run_eager(
-        self,
-        step: StepInputs,
-        attn_metadata: dict[str, AttentionMetadata],
-        model_kwargs: dict[str, Any] | None = None,
-    ) -> Any:
+    def _forward_model(self, model_kwargs: dict[str, Any] | None) -> Any:
         """A step with encoders runs the uncompiled model; others as for any model."""
-        if not model_kwargs:
-            return super()._run_eager(step, attn_metadata)
-        with set_forward_context(attn_metadata, self.config, num_tokens=step.num_tokens):
-            return self.eager_model(step.input_ids, step.positions, **model_kwargs)
+        return self.eager_model if model_kwargs else self.model
 
     def _encoder_metadata(self, enc_lens: list[int]) -> AttentionMetadata:
         """Bounds of the encoders that run this step (their attention keeps no cache)."""

@@ -14,10 +14,9 @@ import uuid
 from typing import Any
 
 from tokenwise.engine.detokenizer import IncrementalDetokenizer
-from tokenwise.engine.kinds.base import ModelKind, timing_metrics
+from tokenwise.engine.kinds.base import ModelKind, NewRequest, timing_metrics
 from tokenwise.engine.prompts import PromptInput, validate_request
 from tokenwise.engine.request import Request
-from tokenwise.lora.request import LoRARequest
 from tokenwise.outputs import CompletionOutput, RequestOutput
 from tokenwise.sampling.guided.state import GrammarState
 from tokenwise.sampling.params import SamplingParams
@@ -39,22 +38,16 @@ class GenerateKind(ModelKind):
     def request_cls(self) -> type[Request]:
         return Request
 
-    def make_requests(
-        self,
-        request_id: str,
-        prompt: PromptInput,
-        params: Any,
-        cache_salt: str | None,
-        lora_request: LoRARequest | None,
-    ) -> list[Request]:
+    def make_requests(self, new: NewRequest) -> list[Request]:
         engine = self.engine
-        params = params or SamplingParams()
+        request_id, cache_salt, lora_request = new.request_id, new.cache_salt, new.lora_request
+        params = new.params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(
                 f"a generative model takes SamplingParams, got {type(params).__name__}; "
                 "embeddings come from an embedding model (task='embed')"
             )
-        text, token_ids, extra = self.process_prompt(prompt, params)
+        text, token_ids, extra = self.process_prompt(new.prompt, params)
         if lora_request is not None:
             engine.check_lora(lora_request)
             # Blocks computed under one adapter hold other K/V than the base model's: the
@@ -90,12 +83,8 @@ class GenerateKind(ModelKind):
             if compiled is not None:
                 req.grammar = GrammarState(compiled, engine.eos_token_ids, engine.grammar_timeout_s)
             if engine.tokenizer is not None:
-                req.detokenizer = IncrementalDetokenizer(
-                    engine.tokenizer,
-                    token_ids,
-                    params.stop,
-                    params.include_stop_str_in_output,
-                    params.skip_special_tokens,
+                req.detokenizer = IncrementalDetokenizer.from_params(
+                    engine.tokenizer, token_ids, params
                 )
             samples.append(req)
         return samples

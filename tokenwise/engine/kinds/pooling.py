@@ -14,14 +14,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from tokenwise.engine.kinds.base import ModelKind
+from tokenwise.engine.kinds.base import ModelKind, NewRequest
 from tokenwise.engine.kinds.pooling_runner import PoolingModelRunner
 from tokenwise.engine.kinds.pooling_scheduler import PoolingScheduler
 from tokenwise.engine.kinds.requests import EmbeddingRequest
-from tokenwise.engine.prompts import PromptInput, to_token_ids
+from tokenwise.engine.prompts import to_token_ids
 from tokenwise.engine.request import Request
 from tokenwise.engine.step_outputs import ModelRunnerOutput
-from tokenwise.lora.request import LoRARequest
 from tokenwise.outputs import EmbeddingOutput, EmbeddingRequestOutput
 from tokenwise.pooling.params import PoolingParams
 from tokenwise.sampling.params import SamplingParams
@@ -44,17 +43,10 @@ class EmbedKind(ModelKind):
     def check_kv_capacity(self, num_blocks: int) -> None:
         """No cache to check: an encoder step holds whole prompts and keeps nothing."""
 
-    def make_requests(
-        self,
-        request_id: str,
-        prompt: PromptInput,
-        params: Any,
-        cache_salt: str | None,
-        lora_request: LoRARequest | None,
-    ) -> list[Request]:
+    def make_requests(self, new: NewRequest) -> list[Request]:
         """One prompt to embed; bad input raises here, before anything is queued."""
         model = self.engine.model_config
-        params = PoolingParams() if params is None else params
+        params = PoolingParams() if new.params is None else new.params
         if isinstance(params, SamplingParams):
             raise ValueError(
                 f"model {model.model!r} is an embedding model (task='embed'): it cannot "
@@ -62,16 +54,16 @@ class EmbedKind(ModelKind):
             )
         if not isinstance(params, PoolingParams):
             raise TypeError(f"params must be a PoolingParams, got {type(params).__name__}")
-        if lora_request is not None:
+        if new.lora_request is not None:
             raise ValueError(
                 f"model {model.model!r} is an embedding model: it takes no LoRA adapter "
-                f"(got {lora_request.lora_name!r})"
+                f"(got {new.lora_request.lora_name!r})"
             )
         params.verify(model.model)
-        text, token_ids = to_token_ids(prompt, self.engine.tokenizer, model.vocab_size)
+        text, token_ids = to_token_ids(new.prompt, self.engine.tokenizer, model.vocab_size)
         return [
             EmbeddingRequest(
-                request_id, token_ids, _NO_SAMPLING, prompt=text, pooling_params=params
+                new.request_id, token_ids, _NO_SAMPLING, prompt=text, pooling_params=params
             )
         ]
 

@@ -16,8 +16,6 @@ import logging
 
 import torch
 
-from tokenwise.config import EngineConfig
-from tokenwise.distributed.tp_workers import WorkerMain
 from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from tokenwise.pooling.pooler import Pooler
 from tokenwise.runner.model_runner import ModelRunner
@@ -26,13 +24,7 @@ logger = logging.getLogger(__name__)
 
 
 class PoolingModelRunner(ModelRunner):
-    def __init__(
-        self,
-        config: EngineConfig,
-        device: str | torch.device = "cpu",
-        tp_worker_main: WorkerMain | None = None,
-    ) -> None:
-        super().__init__(config, device, tp_worker_main)
+    def _setup_kind(self) -> None:
         pooler_config = self.model_config.pooler_config
         if pooler_config is None:
             raise ValueError("an embedding model needs ModelConfig.pooler_config (task='embed')")

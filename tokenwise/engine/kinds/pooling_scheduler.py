@@ -10,11 +10,9 @@ encodes it (`update_from_output`), and there are no KV blocks to allocate or fre
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from tokenwise.engine.request import Request, RequestStatus
 from tokenwise.engine.scheduler import Scheduler
-from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenwise.engine.step_outputs import ScheduledRequest, SchedulerOutput
 
 
 class PoolingScheduler(Scheduler):
@@ -52,16 +50,3 @@ class PoolingScheduler(Scheduler):
         if not out.is_empty:
             out.finished_req_ids, self._left_since_last_step = self._left_since_last_step, []
         return out
-
-    def update_from_output(
-        self,
-        scheduler_output: SchedulerOutput,
-        runner_output: ModelRunnerOutput,
-        stop_strings: Mapping[str, str] | None = None,
-    ) -> list[Request]:
-        """Every encoded request is done: it finishes with reason "stop". Nothing is sampled."""
-        for item in scheduler_output.scheduled:
-            item.request.num_computed_tokens += item.num_new_tokens
-        pooled = [item.request for item in runner_output.pooled_requests]
-        self.finish_requests(pooled, RequestStatus.FINISHED_STOPPED)
-        return []
