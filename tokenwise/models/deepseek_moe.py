@@ -32,11 +32,19 @@ TOPK_METHODS = ("greedy", "group_limited_greedy")
 
 
 class DeepseekRouter(nn.Module):
-    """Router logits in float32; V3 also owns the per-expert choice bias (kept in float32)."""
+    """Router logits in float32 from a float32 weight; V3 also owns the per-expert choice bias
+    (float32 too).
+
+    The weight is stored in float32 whatever the model's dtype, as transformers keeps it
+    (`_keep_in_fp32_modules_strict = ["gate.weight"]`): a float32 checkpoint's router would
+    otherwise be rounded to bf16 on load, moving bf16 models' logits by ~1e-2 and, on near
+    ties, their top-k experts.
+    """
 
     def __init__(self, hidden_size: int, num_experts: int, with_bias: bool) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        weight = torch.empty(num_experts, hidden_size, dtype=torch.float32)
+        self.weight = nn.Parameter(weight, requires_grad=False)
         self.e_score_correction_bias: nn.Parameter | None = None
         if with_bias:
             bias = torch.zeros(num_experts, dtype=torch.float32)
