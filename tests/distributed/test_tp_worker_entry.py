@@ -85,7 +85,7 @@ def test_data_parallel_under_torchrun_is_refused_on_every_rank(
 
 
 def test_spawning_workers_needs_the_entry_point(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tokenwise.distributed.tp_workers import start_tensor_parallel
+    from tokenwise.distributed.tp_launch import start_tensor_parallel
 
     for name in ("RANK", "MASTER_ADDR", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(name, raising=False)

@@ -1,6 +1,6 @@
 """Encoder-decoder models (BART, Whisper) under CUDA-graph dispatch, on CPU, capture faked.
 
-As in test_cuda_graph_runner.py, `EagerReplayCapturer` replays by calling the captured function
+As in test_graph_runner.py, `EagerReplayCapturer` replays by calling the captured function
 again on the same persistent buffers, so what is observed is what a replayed graph computes: a
 FULL decode graph's cross-attention reads each row's encoder length and cross block table from
 `CommonAttentionState`'s encoder-decoder buffers, and rows left stale there (another request's

@@ -1,6 +1,6 @@
 """DeepSeek-V2 (MLA) under CUDA-graph dispatch, on CPU, with capture and replay faked.
 
-As in test_cuda_graph_runner.py, `EagerReplayCapturer` replays by calling the captured function
+As in test_graph_runner.py, `EagerReplayCapturer` replays by calling the captured function
 again on the same persistent buffers, so stale metadata or a host-side value frozen at capture
 would give other tokens than eager. Whole-step (FULL) decode graphs run MLA's absorbed decode
 over the graph buffers' block tables and lengths; piecewise graphs must be cut at

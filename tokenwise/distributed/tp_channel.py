@@ -17,13 +17,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tokenwise.distributed.tp_launch import TPWorkers
 from tokenwise.distributed.tp_state import (
     destroy_tp_group,
     get_tp_cpu_group,
     get_tp_rank,
     get_tp_size,
 )
-from tokenwise.distributed.tp_workers import TPWorkers
 from tokenwise.runner.input_batch import StepInputs
 
 # Attention spec (sliding window or None) -> (block tables, first logical block of each row).

@@ -25,8 +25,8 @@ import traceback
 
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.parallel_state import destroy_dp_group
+from tokenwise.distributed.tp_launch import join_parallel_groups, torchrun_tp_rank
 from tokenwise.distributed.tp_state import destroy_tp_group
-from tokenwise.distributed.tp_workers import join_parallel_groups, torchrun_tp_rank
 from tokenwise.models.registry import is_moe_architecture
 from tokenwise.platform import configure_cpu_allocator
 from tokenwise.runner.model_runner import ModelRunner

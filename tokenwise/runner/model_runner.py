@@ -22,8 +22,8 @@ from tokenwise.compilation.compile import compile_model
 from tokenwise.config import CUDAGraphMode, EngineConfig
 from tokenwise.distributed.dp_coordination import DPStepCounts, coordinate_step_across_dp
 from tokenwise.distributed.tp_channel import SpecTables, TPDriver, step_from_payload, step_payload
+from tokenwise.distributed.tp_launch import WorkerMain, start_tensor_parallel
 from tokenwise.distributed.tp_state import get_tp_size
-from tokenwise.distributed.tp_workers import WorkerMain, start_tensor_parallel
 from tokenwise.distributed.ubatching import create_ubatch_slices
 from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenwise.engine.stop_rules import tokens_banned_before_min_tokens

@@ -126,7 +126,7 @@ LAYERS: tuple[Layer, ...] = (
     ),
     # The TP workers' processes and the per-step channel to them, which carries the runner's
     # step inputs: the runner drives both.
-    Layer("tensor-parallel workers", ("tokenwise.distributed.tp_workers",)),
+    Layer("tensor-parallel launch", ("tokenwise.distributed.tp_launch",)),
     # Input batch, model runner, CUDA graphs, KV cache sizing: a scheduled step to sampled
     # tokens. The TP channel sends the runner's step inputs, so it lives beside them.
     Layer("runner", ("tokenwise.runner.*", "tokenwise.distributed.tp_channel")),
