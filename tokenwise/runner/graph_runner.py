@@ -111,8 +111,8 @@ class CUDAGraphRunner:
         self.input_batch = input_batch
         self.input_ids = input_batch.input_ids.device
         self.positions = input_batch.positions.device
-        # Encoder-decoder models: decode graphs also read encoder lengths and cross tables.
-        self.is_encoder_decoder = max_cross_blocks_per_seq > 0
+        # Cross-attention layers read encoder lengths and cross tables: graph buffers for them.
+        self.has_cross_attention = max_cross_blocks_per_seq > 0
         self.attn_state = CommonAttentionState(
             max_size,
             input_batch.max_blocks,
@@ -162,7 +162,7 @@ class CUDAGraphRunner:
         keys = self.dispatcher.keys
         full = [] if self.disable_full else sorted(keys[CUDAGraphMode.FULL], reverse=True)
         piecewise = sorted(keys[CUDAGraphMode.PIECEWISE], reverse=True)
-        state, enc_dec = self.attn_state, self.is_encoder_decoder
+        state, enc_dec = self.attn_state, self.has_cross_attention
         parallel = self.config.parallel
         with state.graph_capture(state.max_batch_size, enc_dec), torch.inference_mode():
             for desc in full:
@@ -191,7 +191,7 @@ class CUDAGraphRunner:
     def _metadata_for_capture(self, size: int) -> AttentionMetadata:
         md = self._graph_metadata.get(size)
         if md is None:
-            state, enc_dec = self.attn_state, self.is_encoder_decoder
+            state, enc_dec = self.attn_state, self.has_cross_attention
             md = state.graph_capture_get_metadata_for_batch(size, enc_dec)
             self._graph_metadata[size] = md
             self._graph_buffers[size] = state.get_graph_input_buffers(md, enc_dec)
@@ -208,7 +208,9 @@ class CUDAGraphRunner:
         buffers = self._graph_buffers.get(size)
         if buffers is None or attn_metadata.num_prefills:
             raise ValueError(f"no FULL graph was captured for a decode batch of {size}")
-        self.attn_state.prepare_graph_input_buffers(buffers, attn_metadata, self.is_encoder_decoder)
+        self.attn_state.prepare_graph_input_buffers(
+            buffers, attn_metadata, self.has_cross_attention
+        )
 
     # ---- one step -------------------------------------------------------------------------
 
