@@ -15,12 +15,10 @@ import pytest
 import torch
 
 from tests.engine._fixtures import assert_pool_clean, checkpoint
-from tests.runner.test_graph_runner import Recorder, assert_same_outputs
+from tests.runner.test_graph_runner import Recorder, assert_same_outputs, fake_graphs  # noqa: F401
 from tokenwise import LLM, SamplingParams
-from tokenwise.attention.backends import selector
 from tokenwise.config import CompilationConfig, CUDAGraphMode
 from tokenwise.entrypoints.llm import build_engine_config
-from tokenwise.runner import graph_setup
 
 M = CUDAGraphMode
 PROMPTS = ["The quick brown fox", "Hello", "def fibonacci(n):\n    return", "Once upon a time"]
@@ -29,15 +27,6 @@ PARAMS = [
     SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True, logprobs=1)
     for i in range(len(PROMPTS))
 ]
-
-
-@pytest.fixture
-def fake_graphs(monkeypatch: pytest.MonkeyPatch) -> Recorder:
-    recorder = Recorder()
-    monkeypatch.setattr(graph_setup, "new_capturer_factory", recorder.factory)
-    monkeypatch.setenv(selector.ENV_VAR, "triton")
-    torch._dynamo.reset()
-    return recorder
 
 
 def run(mode: CUDAGraphMode | None, recorder: Recorder | None = None) -> tuple[LLM, list[Any]]:
@@ -67,7 +56,7 @@ def test_mla_attention_is_a_splitting_op() -> None:
 
 
 @pytest.mark.parametrize("mode", [M.FULL_DECODE_ONLY, M.FULL_AND_PIECEWISE])
-def test_graph_steps_give_eager_tokens(fake_graphs: Recorder, mode: CUDAGraphMode) -> None:
+def test_graph_steps_give_eager_tokens(fake_graphs: Recorder, mode: CUDAGraphMode) -> None:  # noqa: F811
     eager_llm, eager = run(None)
     llm, outs = run(mode, fake_graphs)
     assert_same_outputs(outs, eager)
