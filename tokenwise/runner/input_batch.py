@@ -135,31 +135,28 @@ class InputBatch:
             if row is not None:
                 self._free_rows.append(row)
 
-    def _sync_row(self, item: ScheduledRequest) -> int:
-        """The request's row, with tokens and blocks brought up to date (only what changed)."""
-        req = item.request
-        row = self.req_index.get(req.request_id)
-        if row is None:
-            if not self._free_rows:
-                raise RuntimeError(
-                    f"input batch has no free row for request {req.request_id} "
-                    f"(max_num_reqs={self.max_num_reqs}); finished requests were not removed"
-                )
-            row = self._free_rows.pop()
-            self.req_index[req.request_id] = row
-            self.num_tokens[row] = 0
-            for counts in self.group_num_blocks:
-                counts[row] = 0
-        have, total = self.num_tokens[row], len(req.all_token_ids)
-        if total > have:
-            self.token_ids[row, have:total] = req.all_token_ids[have:total]
-            self.num_tokens[row] = total
+    def _new_row(self, request_id: str) -> int:
+        """A free row for a request new to the batch (or back after a preemption)."""
+        if not self._free_rows:
+            raise RuntimeError(
+                f"input batch has no free row for request {request_id} "
+                f"(max_num_reqs={self.max_num_reqs}); finished requests were not removed"
+            )
+        row = self._free_rows.pop()
+        self.req_index[request_id] = row
+        self.num_tokens[row] = 0
+        for counts in self.group_num_blocks:
+            counts[row] = 0
+        return row
+
+    def _sync_blocks(self, row: int, item: ScheduledRequest) -> None:
+        """Mirror the step's block deltas into the row, group by group."""
         for group, num_blocks in enumerate(item.num_blocks):
             new = item.new_block_ids[group]
             start = num_blocks - len(new)
             if start > self.group_num_blocks[group][row]:
                 raise RuntimeError(
-                    f"request {req.request_id}: KV-cache group {group} mirrors "
+                    f"request {item.request.request_id}: KV-cache group {group} mirrors "
                     f"{self.group_num_blocks[group][row]} blocks, but the step's new blocks "
                     f"start at block {start}; a scheduled step was not seen by the runner"
                 )
@@ -167,7 +164,6 @@ class InputBatch:
                 self.group_tables[group][row, start:num_blocks] = new
             # Shorter than before after a rollback: the tail is simply no longer read.
             self.group_num_blocks[group][row] = num_blocks
-        return row
 
     # ---- one step -------------------------------------------------------------------------
 
@@ -175,12 +171,29 @@ class InputBatch:
         """Gather the step's flat inputs for `ordered` (prefills first) and move them."""
         n = len(ordered)
         row_list, q_list, ctx_list, sample_at = [], [], [], []
+        # Each request's row brought up to date, only where it changed. This loop runs for
+        # every request of every step, so it is written for as little Python as possible.
+        req_index, have_tokens, have_blocks = self.req_index, self.num_tokens, self.num_blocks
         for i, item in enumerate(ordered):
             req = item.request
-            row_list.append(self._sync_row(item))
-            q_list.append(item.num_new_tokens)
-            ctx_list.append(req.num_computed_tokens)
-            if req.num_computed_tokens + item.num_new_tokens == len(req.all_token_ids):
+            row = req_index.get(req.request_id)
+            if row is None:
+                row = self._new_row(req.request_id)
+            tokens = req.all_token_ids
+            total, have = len(tokens), have_tokens[row]
+            if total > have:
+                self.token_ids[row, have:total] = tokens[have:total]
+                have_tokens[row] = total
+            counts = item.num_blocks
+            if counts and (
+                len(counts) > 1 or item.new_block_ids[0] or counts[0] != have_blocks[row]
+            ):
+                self._sync_blocks(row, item)
+            row_list.append(row)
+            computed, new = req.num_computed_tokens, item.num_new_tokens
+            q_list.append(new)
+            ctx_list.append(computed)
+            if computed + new == total:
                 sample_at.append(i)
         rows = np.array(row_list, dtype=np.int64)
         query_lens = np.array(q_list, dtype=np.int64)
