@@ -132,6 +132,36 @@ def test_thread_split_gives_the_same_result(monkeypatch: pytest.MonkeyPatch, ope
     torch.testing.assert_close(single, case["expected"], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("threads", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 20])
+def test_fewer_sequences_than_threads_split_kv_heads(
+    monkeypatch: pytest.MonkeyPatch, threads: int, dtype: torch.dtype, window: int | None
+) -> None:
+    """One stream (or a few): the kernel splits KV heads over the threads, same attention.
+
+    3 KV heads over 2 or 4 threads leaves uneven shares and a thread capped away.
+    """
+    lens = [200] if threads == 2 else [200, 37]  # fewer sequences than threads
+    case = _paged_case(lens, 6, 3, 32, 16, window=window, seed=threads, dtype=dtype)
+    single = _run(case)
+    lib = cpu_kernels.load()
+    seen: list[int] = []
+    kernel = lib.paged_decode
+
+    def recording(*args: object) -> int:
+        seen.append(int(args[9]))  # num_threads
+        return kernel(*args)
+
+    monkeypatch.setattr(lib, "paged_decode", recording)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(cpu_kernels, "_torch_uses_libgomp", lambda: True)
+    split = _run(case)
+    assert seen == [threads]  # the kernel was handed every thread, not one per sequence
+    torch.testing.assert_close(split, single, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(split, case["expected"], atol=1e-5, rtol=1e-4)
+
+
 def test_kernel_shares_torchs_openmp_runtime() -> None:
     """Built with OpenMP, the kernel must bind to the libgomp torch loaded, not a second one
     whose threads would compete with torch's."""

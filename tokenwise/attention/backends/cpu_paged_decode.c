@@ -141,18 +141,19 @@ static void softmax(float *sc, int64_t n, float softcap) {
     for (int64_t t = 0; t < n; ++t) sc[t] *= inv;
 }
 
-/* One sequence: scores into `scores` ([num_heads][n_keys]), output row into `o`.
- * Always inlined into two callers with a constant `is_bf16`, so each dtype gets its own
- * straight-line loops. */
+/* One sequence, KV heads [kv_begin, kv_end) and their query heads: scores into `scores`
+ * ([num_heads][n_keys]), output rows into `o`. Always inlined into two callers with a constant
+ * `is_bf16`, so each dtype gets its own straight-line loops. */
 static inline __attribute__((always_inline)) void attend(
     const float *q, const void *key_cache, const void *value_cache, int is_bf16,
     const int32_t *table, int64_t base_block, int64_t start, int64_t n_keys, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_size, int64_t block_size, float scale, float softcap,
-    float *q_scaled, float *scores, float *o) {
+    int64_t kv_begin, int64_t kv_end, float *q_scaled, float *scores, float *o) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row = num_kv_heads * head_size; /* values per token in the cache */
     const size_t elt = is_bf16 ? 2 : 4;
-    for (int64_t i = 0; i < num_heads * head_size; ++i) q_scaled[i] = q[i] * scale;
+    const int64_t h_begin = kv_begin * group, h_end = kv_end * group;
+    for (int64_t i = h_begin * head_size; i < h_end * head_size; ++i) q_scaled[i] = q[i] * scale;
 
     /* Pass 1, keys: runs of consecutive slots inside one block (no division per token);
      * each token row is read once for all heads. */
@@ -162,18 +163,18 @@ static inline __attribute__((always_inline)) void attend(
         const int64_t run = min64(block_size - pos % block_size, n_keys - t);
         const char *k = (const char *)key_cache + (block * block_size + pos % block_size) * row * elt;
         for (int64_t r = 0; r < run; ++r, ++t, k += row * elt) {
-            int64_t h = 0;
-            for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
+            int64_t h = h_begin;
+            for (int64_t kh = kv_begin; kh < kv_end; ++kh) {
                 const char *kk = k + kh * head_size * elt;
                 for (int64_t g = 0; g < group; ++g, ++h)
                     scores[h * n_keys + t] = dot(q_scaled + h * head_size, kk, is_bf16, head_size);
             }
         }
     }
-    for (int64_t h = 0; h < num_heads; ++h) softmax(scores + h * n_keys, n_keys, softcap);
+    for (int64_t h = h_begin; h < h_end; ++h) softmax(scores + h * n_keys, n_keys, softcap);
 
     /* Pass 2, values: the same runs, TILE rows at a time accumulated into the output. */
-    memset(o, 0, sizeof(float) * (size_t)(num_heads * head_size));
+    memset(o + h_begin * head_size, 0, sizeof(float) * (size_t)((h_end - h_begin) * head_size));
     for (int64_t t = 0; t < n_keys;) {
         const int64_t pos = start + t;
         const int64_t block = table[pos / block_size - base_block];
@@ -181,8 +182,8 @@ static inline __attribute__((always_inline)) void attend(
         const char *v = (const char *)value_cache + (block * block_size + pos % block_size) * row * elt;
         for (int64_t r = 0; r < run; r += TILE) {
             const int rows = (int)min64(TILE, run - r);
-            int64_t h = 0;
-            for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
+            int64_t h = h_begin;
+            for (int64_t kh = kv_begin; kh < kv_end; ++kh) {
                 const void *vr[TILE];
                 for (int j = 0; j < rows; ++j)
                     vr[j] = v + ((r + j) * row + kh * head_size) * elt;
@@ -199,25 +200,26 @@ static inline __attribute__((always_inline)) void attend(
 
 static void attend_f32(const float *q, const void *kc, const void *vc, const int32_t *table,
                        int64_t base, int64_t start, int64_t n, int64_t nh, int64_t nkv,
-                       int64_t hs, int64_t bs, float scale, float cap, float *qs, float *sc,
-                       float *o) {
-    attend(q, kc, vc, 0, table, base, start, n, nh, nkv, hs, bs, scale, cap, qs, sc, o);
+                       int64_t hs, int64_t bs, float scale, float cap, int64_t kb, int64_t ke,
+                       float *qs, float *sc, float *o) {
+    attend(q, kc, vc, 0, table, base, start, n, nh, nkv, hs, bs, scale, cap, kb, ke, qs, sc, o);
 }
 
 static void attend_bf16(const float *q, const void *kc, const void *vc, const int32_t *table,
                         int64_t base, int64_t start, int64_t n, int64_t nh, int64_t nkv,
-                        int64_t hs, int64_t bs, float scale, float cap, float *qs, float *sc,
-                        float *o) {
-    attend(q, kc, vc, 1, table, base, start, n, nh, nkv, hs, bs, scale, cap, qs, sc, o);
+                        int64_t hs, int64_t bs, float scale, float cap, int64_t kb, int64_t ke,
+                        float *qs, float *sc, float *o) {
+    attend(q, kc, vc, 1, table, base, start, n, nh, nkv, hs, bs, scale, cap, kb, ke, qs, sc, o);
 }
 
-/* Sequences [seq_begin, seq_end) on the calling thread. Returns 0, or -1 without scratch. */
+/* Sequences [seq_begin, seq_end), KV heads [kv_begin, kv_end), on the calling thread.
+ * Returns 0, or -1 without scratch. */
 static int attend_range(const float *query, const void *key_cache, const void *value_cache,
                         int is_bf16, const int32_t *block_tables, int64_t table_stride,
                         const int32_t *seq_lens, const int32_t *first_block, int64_t seq_begin,
-                        int64_t seq_end, int64_t num_heads, int64_t num_kv_heads,
-                        int64_t head_size, int64_t block_size, int64_t window, float scale,
-                        float softcap, float *out) {
+                        int64_t seq_end, int64_t kv_begin, int64_t kv_end, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t head_size, int64_t block_size,
+                        int64_t window, float scale, float softcap, float *out) {
     int64_t max_len = 1;
     for (int64_t s = seq_begin; s < seq_end; ++s)
         if (seq_lens[s] > max_len) max_len = seq_lens[s];
@@ -235,8 +237,8 @@ static int attend_range(const float *query, const void *key_cache, const void *v
         (is_bf16 ? attend_bf16 : attend_f32)(
             query + s * num_heads * head_size, key_cache, value_cache,
             block_tables + s * table_stride, (int64_t)first_block[s], start, len - start,
-            num_heads, num_kv_heads, head_size, block_size, scale, softcap, q_scaled, scores,
-            out + s * num_heads * head_size);
+            num_heads, num_kv_heads, head_size, block_size, scale, softcap, kv_begin, kv_end,
+            q_scaled, scores, out + s * num_heads * head_size);
     }
     free(q_scaled);
     free(scores);
@@ -244,7 +246,9 @@ static int attend_range(const float *query, const void *key_cache, const void *v
 }
 
 /* Decode attention of sequences [0, num_seqs), split over `num_threads` threads in
- * contiguous ranges of about equal key counts.
+ * contiguous ranges of about equal key counts; or, with fewer sequences than threads (one
+ * stream, a few), each sequence's KV heads split over the threads, every thread running all
+ * sequences for its heads (a head's queries, keys, values and output are its own).
  *
  * query:        [num_seqs, num_heads, head_size] float32
  * key_cache:    [num_blocks, block_size, num_kv_heads, head_size], float32 or bf16 (is_bf16)
@@ -270,7 +274,9 @@ int paged_decode(const float *query, const void *key_cache, const void *value_ca
                  float softcap, float *out) {
     int64_t total = 0;
     for (int64_t s = 0; s < num_seqs; ++s) total += seq_lens[s];
-    if (num_threads > num_seqs) num_threads = num_seqs;
+    const int split_heads = num_threads > num_seqs && num_kv_heads > 1;
+    if (split_heads && num_threads > num_kv_heads) num_threads = num_kv_heads;
+    if (!split_heads && num_threads > num_seqs) num_threads = num_seqs;
     int status = 0;
 #if defined(_OPENMP)
 #pragma omp parallel num_threads(num_threads > 1 ? (int)num_threads : 1) reduction(| : status)
@@ -281,6 +287,14 @@ int paged_decode(const float *query, const void *key_cache, const void *value_ca
         part = omp_get_thread_num();
         parts = omp_get_num_threads();
 #endif
+        if (split_heads) {
+            const int64_t kb = num_kv_heads * part / parts, ke = num_kv_heads * (part + 1) / parts;
+            if (ke > kb)
+                status |= attend_range(query, key_cache, value_cache, is_bf16, block_tables,
+                                       table_stride, seq_lens, first_block, 0, num_seqs, kb, ke,
+                                       num_heads, num_kv_heads, head_size, block_size, window,
+                                       scale, softcap, out);
+        } else {
         /* This thread's range: the sequences whose first key falls in its share of keys. */
         const int64_t lo = total * part / parts, hi = total * (part + 1) / parts;
         int64_t begin = 0, end = 0, seen = 0;
@@ -291,9 +305,10 @@ int paged_decode(const float *query, const void *key_cache, const void *value_ca
         }
         if (end > begin)
             status |= attend_range(query, key_cache, value_cache, is_bf16, block_tables,
-                                   table_stride, seq_lens, first_block, begin, end, num_heads,
-                                   num_kv_heads, head_size, block_size, window, scale, softcap,
-                                   out);
+                                   table_stride, seq_lens, first_block, begin, end, 0,
+                                   num_kv_heads, num_heads, num_kv_heads, head_size, block_size,
+                                   window, scale, softcap, out);
+        }
     }
     return status ? -1 : 0;
 }
