@@ -315,7 +315,7 @@ class LLMEngine:
             reason = req.status.finish_reason or "unknown"
             self._stats.finished_reasons[reason] = self._stats.finished_reasons.get(reason, 0) + 1
         del self.groups[request_id]
-        if self.config.log_requests:
+        if self.config.log_requests and logger.isEnabledFor(logging.INFO):
             logger.info("%s", _finished_request_line(request_id, samples, time.monotonic()))
 
     # ---- observability ------------------------------------------------------------------------
