@@ -292,3 +292,6 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "cpu"
     lora: LoRAConfig | None = None  # None: LoRA adapters are off
+    # One INFO line per finished request (`LLMEngine._forget`): on for the server, off for the
+    # offline `LLM`, whose batch jobs would flood the log (`disable_log_requests`).
+    log_requests: bool = False

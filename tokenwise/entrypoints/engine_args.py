@@ -321,4 +321,19 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_cpu_loras": args.max_cpu_loras,
         "task": getattr(args, "task", "generate"),
         "override_pooler_config": getattr(args, "override_pooler_config", None),
+        # Only `serve` has the flag; the offline commands keep `LLM`'s default (off).
+        "disable_log_requests": getattr(args, "disable_log_requests", True),
     }
+
+
+def add_request_log_args(parser: argparse.ArgumentParser) -> None:
+    """`--disable-log-requests` (vLLM's name), for the server, where request lines are on."""
+    parser.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="do not log one line per finished request (id, prompt and output tokens, time "
+        "to first token, total time, finish reason; INFO on logger tokenwise.engine, shown with "
+        "`tokenwise --log-level INFO serve`); the server logs them by default, the offline LLM "
+        "(its disable_log_requests keyword defaults to True) and the generate/chat commands "
+        "do not, so batch jobs are not flooded",
+    )

@@ -7,7 +7,7 @@ import argparse
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the optional subcommands; each imports its heavy dependencies lazily."""
-    from tokenwise.entrypoints.engine_args import add_engine_args
+    from tokenwise.entrypoints.engine_args import add_engine_args, add_request_log_args
     from tokenwise.entrypoints.openai.cli_args import add_server_args
 
     serve = subparsers.add_parser(
@@ -18,6 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_server_args(serve)
     add_engine_args(serve)
+    add_request_log_args(serve)
     serve.set_defaults(func=_run_serve)
 
     from tokenwise.benchmarks import register_bench

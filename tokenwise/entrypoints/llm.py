@@ -119,6 +119,7 @@ def build_engine_config(
     max_cpu_loras: int | None = None,
     task: str = "generate",
     override_pooler_config: PoolerConfig | None = None,
+    disable_log_requests: bool = True,
 ) -> EngineConfig:
     """One place that turns user-facing arguments (LLM, CLI, server) into an EngineConfig."""
     from tokenwise.default_model import resolve_model_path
@@ -202,6 +203,7 @@ def build_engine_config(
         parallel=parallel,
         device=device,
         lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None,
+        log_requests=not disable_log_requests,
     )
 
 
