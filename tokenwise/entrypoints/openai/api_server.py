@@ -189,7 +189,12 @@ def run_server(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    async_engine = AsyncEngine(engine, observer=metrics.observe, on_dead=exit_when_dead)
+    async_engine = AsyncEngine(
+        engine,
+        observer=metrics.observe,
+        on_dead=exit_when_dead,
+        max_waiting_requests=args.max_waiting_requests,
+    )
     metrics.attach_engine(lambda: async_engine.stats)
     app = build_app(async_engine, config, metrics, models, args.allow_runtime_lora_updating)
     auth = "API key required" if config.api_key else "no API key"

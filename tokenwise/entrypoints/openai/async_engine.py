@@ -7,6 +7,13 @@ outputs through an `asyncio.Queue` fed with `loop.call_soon_threadsafe`. Every s
 running requests at once (continuous batching); when nothing is queued or running the thread
 sleeps on a condition variable instead of spinning.
 
+With `max_waiting_requests` set, a request that would make more engine requests wait than that
+is refused at once with `ServerOverloadedError` (a 503 with `Retry-After`), instead of queueing
+without bound: a client learns to back off while the server still has memory and latency to
+serve what it accepted. Waiting means not yet scheduled: the engine's waiting count as of its
+last step, plus the requests handed over since (queued here or applied in the step running
+now), so a burst between two steps cannot slip past the bound.
+
 If the thread dies (a bug, not a model error: those fail only their step's requests inside the
 engine, which then serves on), every waiting request receives `EngineDeadError`, new requests
 are refused with it, `is_healthy` turns false so `/health` reports 503, and `on_dead` is called
@@ -26,7 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tokenwise.engine.stats import EngineStats
-from tokenwise.entrypoints.openai.errors import EngineDeadError
+from tokenwise.entrypoints.openai.errors import EngineDeadError, ServerOverloadedError
 from tokenwise.lora.request import LoRARequest
 from tokenwise.outputs import EmbeddingRequestOutput, RequestOutput
 from tokenwise.pooling.params import PoolingParams
@@ -111,8 +118,15 @@ class AsyncEngine:
         engine: LLMEngine,
         observer: OutputObserver | None = None,
         on_dead: DeathCallback | None = None,
+        max_waiting_requests: int | None = None,
     ) -> None:
+        if max_waiting_requests is not None and max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
         self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        # Engine requests handed over since the engine last counted its waiting queue (under
+        # `_wakeup`): posted and not yet applied, or applied in the step now running.
+        self._unseen_adds = 0
         self._observer = observer
         self._on_dead = on_dead
         self.died_of: BaseException | None = None  # set only when the loop crashed
@@ -160,6 +174,7 @@ class AsyncEngine:
         Returns only once the engine has accepted every prompt, so invalid input raises here
         (ValueError/TypeError from `LLMEngine.add_request`), before a response has started.
         """
+        self._admit(len(prompts))
         stream = RequestStream(self, asyncio.get_running_loop())
         accepted: list[concurrent.futures.Future] = []
         try:
@@ -176,6 +191,18 @@ class AsyncEngine:
             stream.close()  # aborts whatever was accepted; unknown ids are ignored
             raise
         return stream
+
+    def _admit(self, count: int) -> None:
+        """Count `count` new engine requests as waiting, or refuse them over the bound."""
+        with self._wakeup:
+            limit = self.max_waiting_requests
+            waiting = self._stats.num_waiting + self._unseen_adds
+            if limit is not None and waiting + count > limit:
+                raise ServerOverloadedError(
+                    f"the server is at capacity: {waiting} requests wait for the engine "
+                    f"(--max-waiting-requests={limit}); retry later"
+                )
+            self._unseen_adds += count
 
     def abort(self, request_ids: list[str]) -> None:
         if request_ids:
@@ -208,11 +235,15 @@ class AsyncEngine:
                         break
                     batch.extend(self._commands)
                     self._commands.clear()
+                adds = sum(isinstance(command, _Add) for command in batch)
                 while batch:
                     self._apply(batch.popleft())
                 if self.engine.has_unfinished_requests():
                     self._publish(self.engine.step())
-                self._stats = copy.deepcopy(self.engine.get_stats())
+                stats = copy.deepcopy(self.engine.get_stats())
+                with self._wakeup:  # the step counted those adds among its waiting ones
+                    self._stats = stats
+                    self._unseen_adds = max(0, self._unseen_adds - adds)
         except BaseException as exc:
             logger.exception("the engine loop died")
             self.died_of = exc

@@ -81,6 +81,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="larger request bodies get 413, e.g. 65536 or 4MiB (default: 1MiB)",
     )
     g.add_argument(
+        "--max-waiting-requests",
+        type=positive_int,
+        default=None,
+        help="most requests waiting to be scheduled; a request beyond it gets 503 with "
+        "Retry-After (default: no bound)",
+    )
+    g.add_argument(
         "--lora-modules",
         nargs="+",
         type=parse_lora_module,

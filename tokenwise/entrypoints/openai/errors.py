@@ -72,6 +72,14 @@ class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can be served until a restart."""
 
 
+class ServerOverloadedError(RuntimeError):
+    """More requests wait for the engine than `--max-waiting-requests` allows: try later."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 def engine_dead(exc: EngineDeadError) -> OpenAIError:
     """The 500 for a dead engine, the same whether it is a response or a stream event."""
     return OpenAIError(500, f"the engine has stopped: {exc}", code="engine_dead")
@@ -129,6 +137,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return engine_dead(exc).response()
+
+    @app.exception_handler(ServerOverloadedError)
+    async def _overloaded(_: Request, exc: ServerOverloadedError) -> JSONResponse:
+        error = OpenAIError(503, str(exc), code="server_overloaded")
+        return error.response({"Retry-After": str(exc.retry_after_s)})
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
