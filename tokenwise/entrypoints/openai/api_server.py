@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -210,10 +211,22 @@ def run_server(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             log_level=args.log_level.lower(),
-            timeout_graceful_shutdown=5,
+            # SIGTERM: uvicorn stops listening, waits this long for in-flight requests, then
+            # cancels them (their engine requests are aborted) and the lifespan stops the engine.
+            timeout_graceful_shutdown=args.shutdown_timeout,
         )
     )
-    server.run()
+    # uvicorn handles SIGTERM itself (stop listening, drain, stop the engine), then restores the
+    # handler it found and raises the signal again: that handler only notes it, so a drained
+    # server exits 0 rather than dying of the signal it already obeyed.
+    terminated: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: terminated.append(signum))
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if terminated:
+        print("tokenwise: SIGTERM: drained and stopped", file=sys.stderr, flush=True)
     if async_engine.died_of is not None:
         exc = async_engine.died_of
         print(

@@ -88,6 +88,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "Retry-After (default: no bound)",
     )
     g.add_argument(
+        "--shutdown-timeout",
+        type=non_negative_float,
+        default=5.0,
+        metavar="SECONDS",
+        help="on SIGTERM or Ctrl-C: stop accepting connections, let in-flight requests finish "
+        "for at most this long (then abort them), and exit 0 (default: 5)",
+    )
+    g.add_argument(
         "--lora-modules",
         nargs="+",
         type=parse_lora_module,
@@ -102,6 +110,16 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="open /v1/load_lora_adapter and /v1/unload_lora_adapter (off: adapters are fixed "
         "at start-up)",
     )
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
 
 
 def parse_lora_module(text: str) -> tuple[str, str]:
