@@ -57,7 +57,7 @@ def _bf16_ulp(values: torch.Tensor) -> torch.Tensor:
     return torch.exp2(exponent - 7)
 
 
-@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize("rows", range(1, cpu_gemv.KERNEL_MAX_ROWS + 1))
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_float32_matches_f_linear(any_lib, rows: int, n: int, k: int) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
@@ -73,7 +73,7 @@ def test_float32_matches_f_linear(any_lib, rows: int, n: int, k: int) -> None:
         torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5 * k**0.5)
 
 
-@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize("rows", range(1, cpu_gemv.KERNEL_MAX_ROWS + 1))
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_bfloat16_is_the_fp32_accumulated_result_rounded(
     any_lib, rows: int, n: int, k: int
@@ -114,12 +114,13 @@ def test_linear_routes_decode_sized_calls_to_the_kernel(lib, monkeypatch) -> Non
     weight = torch.randn(64, 48)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight)
     with torch.inference_mode():
-        for rows in (1, cpu_gemv.MAX_ROWS, cpu_gemv.MAX_ROWS + 1):
+        limit = cpu_gemv.MAX_ROWS[torch.float32]
+        for rows in (1, limit, limit + 1):
             x = torch.randn(rows, 48)
             out = cpu_prepack.linear(x, weight, None, packed)
             torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)
         cpu_prepack.linear(torch.randn(0, 48), weight, None, packed)  # empty: not the kernel
-    assert calls == [1, cpu_gemv.MAX_ROWS]
+    assert calls == [1, limit]
 
 
 def test_autograd_inputs_keep_the_torch_path(lib, monkeypatch) -> None:

@@ -1,4 +1,4 @@
-"""Decode-sized CPU linear layers (at most `MAX_ROWS` rows) through a C kernel that streams
+"""Decode-sized CPU linear layers (at most `MAX_ROWS[dtype]` rows) through a C kernel that streams
 each weight row once, at close to the memory bandwidth.
 
 Batch-1 decode is bound by weight bytes: every step reads every weight once for one row of
@@ -8,10 +8,13 @@ stay in L1), a few weight rows at a time, split over torch's OpenMP threads in c
 ranges; bf16 weights are read as bf16 (half the bytes of the float32 copy oneDNN uses on
 CPUs without bf16 kernels) and accumulated in float32.
 
-Measured with `python benchmarks/linear_bandwidth.py`, 2 threads, on a CPU with AVX-512,
-AVX512_BF16 and AMX (weight GB/s at M=1 on the Qwen3-0.6B shape's big matrices; the same
-run measured memory read bandwidth with a large `torch.sum`): see the module's benchmark
-table in the commit that set `MAX_ROWS`.
+Measured with `python benchmarks/linear_bandwidth.py` (2 threads; CPU flags avx2, avx512f/bw/
+vl, avx512_bf16, avx512_vnni, amx_bf16; weights cycled over >= 1 GiB of copies so they come
+from memory; memory read bandwidth in the same run, `torch.sum` over 24 MiB chunks: 31.4
+GB/s): at M=1 on the Qwen3-0.6B shape's layers the kernel read 30-31 GB/s in float32 (97-99%
+of that bandwidth; prepacked 27-29, F.linear 30-31) and 27-28 GB/s in bf16 (86-92%; prepacked
+26-27, F.linear 19-23). At 4-8 bf16 rows oneDNN's AMX kernels win (the kernel drops to 16-21
+GB/s, compute-bound), hence the per-dtype `MAX_ROWS`.
 
 The kernel is built at first use by `native_build` (as the decode-attention kernel is) and
 used only where it is expected to be faster: an AVX2 or AVX-512 build, torch's OpenMP runtime
@@ -37,9 +40,14 @@ from tokenwise.layers import native_build
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_gemv.c")
-# Up to this many rows the kernel beat the prepacked path in benchmarks/linear_bandwidth.py.
-MAX_ROWS = 8
-DTYPES = (torch.float32, torch.bfloat16)
+# The kernel takes up to 8 rows; the engine sends it calls of up to this many rows per dtype,
+# where it was as fast as or faster than the prepacked path in benchmarks/linear_bandwidth.py
+# (2 threads, AVX-512 + AVX512_BF16 + AMX): float32 1.0-1.25x at 1 to 8 rows (the LM head at
+# 4-8 rows 0.93-0.95x); bf16 1.0-1.4x at 1 row, 0.9-1.5x at 2, 0.6-0.85x at 4 and 8, where
+# oneDNN's bf16 kernels (AMX) win on compute.
+KERNEL_MAX_ROWS = 8
+MAX_ROWS = {torch.float32: 8, torch.bfloat16: 2}
+DTYPES = tuple(MAX_ROWS)
 ISA_NAMES = {0: "plain C", 1: "AVX2", 2: "AVX-512", 3: "AVX-512 + AVX512_BF16"}
 
 _I64 = ctypes.c_int64
@@ -113,7 +121,7 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear(
     lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for x of at most `MAX_ROWS` rows (over its last dim), all
+    """`F.linear(x, weight, bias)` for x of at most `KERNEL_MAX_ROWS` rows (over its last dim), all
     CPU tensors of one dtype in `DTYPES`; the caller checks with `usable`."""
     n, k = weight.shape
     rows = x.numel() // k if k else 0

@@ -19,7 +19,7 @@ packed copy is the weight widened to float32, and the layer computes `x` widened
 times it, rounded back to bf16: the products of bf16 values are exact in fp32 and the sums
 accumulate in fp32, as native bf16 kernels do, so results stay bf16 results.
 
-Decode-sized calls (at most `cpu_gemv.MAX_ROWS` rows) skip all this for `cpu_gemv`'s C
+Decode-sized calls (`cpu_gemv.MAX_ROWS` rows at most, by dtype) skip all this for `cpu_gemv`'s C
 kernel over the plain weight, which streams weights closer to the memory bandwidth; it says
 when it is used and how to turn it off (`TOKENWISE_CPU_GEMV=0`).
 """
@@ -47,12 +47,13 @@ def linear(
     bias: torch.Tensor | None,
     packed: torch.Tensor | None,
 ) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`: decode-sized calls (at most `cpu_gemv.MAX_ROWS` rows)
+    """`F.linear(x, weight, bias)`: decode-sized calls (`cpu_gemv.MAX_ROWS` rows at most)
     through the small-M C kernel where it is available, others through the prepacked weight
     when the layer has one."""
     if x.device.type != "cpu" or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
-    if 0 < x.numel() <= cpu_gemv.MAX_ROWS * x.shape[-1] and cpu_gemv.usable(x, weight):
+    max_rows = cpu_gemv.MAX_ROWS.get(x.dtype, 0)
+    if 0 < x.numel() <= max_rows * x.shape[-1] and cpu_gemv.usable(x, weight):
         lib = cpu_gemv.load()
         if lib is not None:
             return cpu_gemv.linear(lib, x, weight, bias)
