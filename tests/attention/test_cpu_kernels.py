@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenwise.attention.backends import cpu_kernels
+from tokenwise.layers import native_build
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels.load() is None, reason="no C compiler: the kernel cannot be built here"
@@ -199,7 +200,7 @@ def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_no_compiler_falls_back_with_a_warning(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
+    monkeypatch.setattr(native_build, "find_compiler", lambda: None)
     cpu_kernels.load.cache_clear()
     try:
         with caplog.at_level(logging.WARNING):
@@ -212,7 +213,7 @@ def test_no_compiler_falls_back_with_a_warning(
 
 def test_build_is_cached_per_source(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TOKENWISE_KERNEL_CACHE", str(tmp_path))
-    compiler = cpu_kernels.shutil.which("cc") or cpu_kernels.shutil.which("gcc")
+    compiler = native_build.find_compiler()
     first = cpu_kernels._build(compiler)
     stamp = first.stat().st_mtime_ns
     assert cpu_kernels._build(compiler) == first

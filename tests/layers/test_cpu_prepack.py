@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from tests.engine._fixtures import LLAMA, NUM_BLOCKS, checkpoint, hf_greedy, mixed_prompts
 from tokenwise import LLM, SamplingParams
-from tokenwise.layers import cpu_prepack
+from tokenwise.layers import cpu_gemv, cpu_prepack
 from tokenwise.layers.cpu_prepack import linear, prepack_linear_weights
 from tokenwise.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenwise.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -50,7 +50,8 @@ def test_packed_linear_equals_f_linear(rows: int) -> None:
 
 def test_every_linear_layer_and_the_tied_head_are_packed_and_used() -> None:
     model = _model()
-    x = torch.randn(5, 32)
+    # More rows than the small-M kernel takes (that one reads the plain weight).
+    x = torch.randn(max(cpu_gemv.MAX_ROWS.values()) + 5, 32)
     before = {name: layer(x) for name, layer in model.items() if name != "embed"}
     assert prepack_linear_weights(model) == 4
     # The forward must go through the packed copy: scrambling the plain weights (the tied

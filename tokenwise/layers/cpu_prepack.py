@@ -18,6 +18,10 @@ bf16 matmul runs a scalar loop: 1 GFLOP/s against 160 for fp32 on an AVX2 EPYC. 
 packed copy is the weight widened to float32, and the layer computes `x` widened to float32
 times it, rounded back to bf16: the products of bf16 values are exact in fp32 and the sums
 accumulate in fp32, as native bf16 kernels do, so results stay bf16 results.
+
+Decode-sized calls (`cpu_gemv.MAX_ROWS` rows at most, by dtype) skip all this for `cpu_gemv`'s C
+kernel over the plain weight, which streams weights closer to the memory bandwidth; it says
+when it is used and how to turn it off (`TOKENWISE_CPU_GEMV=0`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tokenwise.layers import cpu_gemv
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +47,24 @@ def linear(
     bias: torch.Tensor | None,
     packed: torch.Tensor | None,
 ) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, through the prepacked weight when the layer has one."""
-    if packed is None or x.device.type != "cpu" or x.dtype != weight.dtype:
+    """`F.linear(x, weight, bias)`: decode-sized calls (`cpu_gemv.MAX_ROWS` rows at most)
+    through the small-M C kernel where it is available, others through the prepacked weight
+    when the layer has one."""
+    if x.device.type != "cpu" or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
+    max_rows = cpu_gemv.MAX_ROWS.get(x.dtype, 0)
+    if 0 < x.numel() <= max_rows * x.shape[-1] and cpu_gemv.usable(x, weight):
+        lib = cpu_gemv.load()
+        if lib is not None:
+            return cpu_gemv.linear(lib, x, weight, bias)
+    if packed is None:
+        return F.linear(x, weight, bias)
+    return _packed_linear(x, packed, bias)
+
+
+def _packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     if packed.dtype == x.dtype:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     # A bf16 layer over its float32-widened copy (no bf16 kernels on this CPU).

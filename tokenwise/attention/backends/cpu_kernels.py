@@ -1,10 +1,8 @@
 """Build, load and call the C paged-decode kernel of the CPU backend.
 
-The kernel (`cpu_paged_decode.c`) is compiled on first use with the machine's C compiler for
-this very CPU (`-march=native`) and cached under `~/.cache/tokenwise/kernels` (or
-`$TOKENWISE_KERNEL_CACHE`), keyed by the source, the flags and the CPU's feature flags, so a
-shared home directory never hands one machine another's binary. It needs no PyTorch headers
-(plain C through ctypes), so the build takes about a second.
+The kernel (`cpu_paged_decode.c`) is compiled on first use for this very CPU and cached, by
+`tokenwise.layers.native_build` (shared with the small-M linear kernel, which says how). It
+needs no PyTorch headers (plain C through ctypes), so the build takes about a second.
 
 Where no compiler is found, the build fails, or `TOKENWISE_CPU_KERNELS=0` is set, `load()`
 returns None and the backend keeps its pure-PyTorch decode; the engine works either way.
@@ -21,12 +19,9 @@ sequences are split over a small Python thread pool instead (ctypes releases the
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
 import subprocess
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from itertools import pairwise
@@ -34,21 +29,14 @@ from pathlib import Path
 
 import torch
 
+from tokenwise.layers import native_build
+from tokenwise.layers.native_build import FAST_MATH
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
-# -ffast-math's parts, but not the flag itself: given it, GCC links crtfastmath.o into the .so,
-# whose constructor turns on flush-to-zero for the loading thread, changing every later float
-# operation of that thread (torch's included) on subnormal values.
-FAST_MATH = [
-    "-fno-math-errno",
-    "-fno-trapping-math",
-    "-ffinite-math-only",
-    "-fno-signed-zeros",
-    "-fassociative-math",
-    "-freciprocal-math",
-]
 CFLAGS = ["-O3", "-march=native", *FAST_MATH, "-fopenmp-simd", "-shared", "-fPIC"]
+_torch_uses_libgomp = native_build.torch_uses_libgomp
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
 # Below this many keys in a batch, one thread is cheaper than handing work to the pool.
 MIN_KEYS_PER_THREAD = 4096
@@ -63,61 +51,12 @@ _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("TOKENWISE_KERNEL_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "tokenwise" / "kernels"
-
-
-@cache
-def _torch_uses_libgomp() -> bool:
-    """Whether the OpenMP runtime loaded with torch is GNU libgomp (checked in this process's
-    memory map, so it names the library torch really loaded)."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return False
-    return "libgomp" in maps and "libiomp" not in maps
-
-
 def _flags() -> list[str]:
     return [*CFLAGS, "-fopenmp"] if _torch_uses_libgomp() else CFLAGS
 
 
 def _build(compiler: str) -> Path:
-    flags = _flags()
-    key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(flags).encode() + _cpu_flags().encode()
-    ).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode_{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: concurrent builders never load a half-written file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run(
-            [compiler, *flags, "-o", tmp, str(SOURCE), "-lm"],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+    return native_build.build(compiler, SOURCE, "paged_decode", _flags())
 
 
 @cache
@@ -125,7 +64,7 @@ def load() -> ctypes.CDLL | None:
     """The compiled kernel library, or None when it cannot be used on this machine."""
     if os.environ.get("TOKENWISE_CPU_KERNELS", "1") == "0":
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    compiler = native_build.find_compiler()
     if compiler is None:
         logger.warning("no C compiler found: CPU decode attention uses the PyTorch fallback")
         return None

@@ -1,0 +1,319 @@
+/* y = x @ W^T for a few rows of x (decode-sized linear layers), streaming W once.
+ *
+ * W is [N, K] row-major, float32 or bfloat16; x is [M, K] (M <= 8) of the same dtype; y is
+ * [M, N] of that dtype; bias (optional) is [N] of that dtype. Accumulation is float32; bf16
+ * results are rounded to nearest even once, at the end, as native bf16 kernels do.
+ *
+ * At M <= 8 the work is bound by reading W: each weight row is loaded once and multiplied into
+ * all M rows of x (which stay in L1), a block of R weight rows at a time (R independent load
+ * streams and R*M accumulators in registers). The rows are split over OpenMP threads in
+ * contiguous ranges, so each thread walks one contiguous stretch of memory.
+ *
+ * The vector path is chosen when this file is compiled (-march=native for the machine it runs
+ * on): AVX-512 with AVX512_BF16 (bf16 weights through vdpbf16ps, x read as bf16 pairs),
+ * AVX-512 (bf16 weights widened to float32 by a shift), AVX2 + FMA, or plain C. `tw_gemv_isa`
+ * says which, so the caller can keep its own path where this one would not be faster.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define TW_AVX512 1
+#if defined(__AVX512BF16__)
+#define TW_AVX512_BF16 1
+#endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#define TW_AVX2 1
+#endif
+
+#define MAX_M 8
+#define INLINE static inline __attribute__((always_inline))
+
+/* Software prefetch distance in bytes ahead of each weight row's current position. */
+#ifndef TW_PREFETCH
+#define TW_PREFETCH 512
+#endif
+
+int tw_gemv_isa(void) {
+#if defined(TW_AVX512_BF16)
+    return 3;
+#elif defined(TW_AVX512)
+    return 2;
+#elif defined(TW_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+INLINE float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+INLINE uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Write the R x M dot products of weight rows n..n+R-1 (t[r * M + m]) into y, with bias. */
+INLINE void store(const float *t, int R, int M, int64_t n, int64_t N, const void *bias, void *y,
+                  int bf16) {
+    for (int r = 0; r < R; r++) {
+        float b = 0.0f;
+        if (bias) b = bf16 ? bf16_to_f32(((const uint16_t *)bias)[n + r]) : ((const float *)bias)[n + r];
+        for (int m = 0; m < M; m++) {
+            float v = t[r * M + m] + b;
+            if (bf16)
+                ((uint16_t *)y)[m * N + n + r] = f32_to_bf16(v);
+            else
+                ((float *)y)[m * N + n + r] = v;
+        }
+    }
+}
+
+#ifndef TW_PF_HINT
+#define TW_PF_HINT 3
+#endif
+#if TW_PREFETCH > 0
+#define PREFETCH(p) __builtin_prefetch((const char *)(p) + TW_PREFETCH, 0, TW_PF_HINT)
+#else
+#define PREFETCH(p) ((void)(p))
+#endif
+
+#if defined(TW_AVX512)
+/* float32 weights (or bf16 widened in registers when WBF16), float32 x. */
+INLINE void block512_f32(const void *wv, int wbf16, const float *x, int64_t K, float *t,
+                         const int R, const int M) {
+    __m512 acc[4][MAX_M];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        __mmask16 mask = K - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1);
+        __m512 w[4];
+        for (int r = 0; r < R; r++) {
+            if (wbf16) {
+                const uint16_t *p = (const uint16_t *)wv + r * K + k;
+                PREFETCH(p);
+                __m256i h = _mm256_maskz_loadu_epi16(mask, p);
+                w[r] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            } else {
+                const float *p = (const float *)wv + r * K + k;
+                PREFETCH(p);
+                w[r] = _mm512_maskz_loadu_ps(mask, p);
+            }
+        }
+        for (int m = 0; m < M; m++) {
+            __m512 xv = _mm512_maskz_loadu_ps(mask, x + m * K + k);
+            for (int r = 0; r < R; r++) acc[r][m] = _mm512_fmadd_ps(w[r], xv, acc[r][m]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) t[r * M + m] = _mm512_reduce_add_ps(acc[r][m]);
+}
+#endif
+
+#if defined(TW_AVX512_BF16)
+/* bf16 weights and bf16 x: vdpbf16ps multiplies bf16 pairs exactly and adds them in fp32. */
+INLINE void block512_dpbf16(const uint16_t *w, const uint16_t *x, int64_t K, float *t,
+                            const int R, const int M) {
+    __m512 acc[4][MAX_M];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        __mmask32 mask = K - k >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (K - k)) - 1);
+        __m512bh wr[4];
+        for (int r = 0; r < R; r++) {
+            PREFETCH(w + r * K + k);
+            wr[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * K + k);
+        }
+        for (int m = 0; m < M; m++) {
+            __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k);
+            for (int r = 0; r < R; r++) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wr[r], xv);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) t[r * M + m] = _mm512_reduce_add_ps(acc[r][m]);
+}
+#endif
+
+#if defined(TW_AVX2)
+INLINE float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+INLINE void block256_f32(const void *wv, int wbf16, const float *x, int64_t K, float *t,
+                         const int R, const int M) {
+    __m256 acc[4][MAX_M];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256 w[4];
+        for (int r = 0; r < R; r++) {
+            if (wbf16) {
+                const uint16_t *p = (const uint16_t *)wv + r * K + k;
+                PREFETCH(p);
+                __m128i h = _mm_loadu_si128((const __m128i *)p);
+                w[r] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+            } else {
+                const float *p = (const float *)wv + r * K + k;
+                PREFETCH(p);
+                w[r] = _mm256_loadu_ps(p);
+            }
+        }
+        for (int m = 0; m < M; m++) {
+            __m256 xv = _mm256_loadu_ps(x + m * K + k);
+            for (int r = 0; r < R; r++) acc[r][m] = _mm256_fmadd_ps(w[r], xv, acc[r][m]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) {
+            float s = hsum256(acc[r][m]);
+            for (int64_t j = k; j < K; j++) {
+                float wj = wbf16 ? bf16_to_f32(((const uint16_t *)wv)[r * K + j])
+                                 : ((const float *)wv)[r * K + j];
+                s += wj * x[m * K + j];
+            }
+            t[r * M + m] = s;
+        }
+}
+#endif
+
+#if !defined(TW_AVX512) && !defined(TW_AVX2)
+/* Plain C, for CPUs without AVX2 (the caller does not use it there; kept for correctness). */
+static void block_scalar(const void *wv, int wbf16, const float *x, int64_t K, float *t, int R,
+                         int M) {
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) {
+            float s = 0.0f;
+            for (int64_t j = 0; j < K; j++) {
+                float wj = wbf16 ? bf16_to_f32(((const uint16_t *)wv)[r * K + j])
+                                 : ((const float *)wv)[r * K + j];
+                s += wj * x[m * K + j];
+            }
+            t[r * M + m] = s;
+        }
+}
+#endif
+
+/* Weight rows [n0, n1) in blocks of R (then single rows), for a compile-time M. */
+#define ROWS(BLOCK_CALL, RR, MM)                                                           \
+    do {                                                                                   \
+        float t[4 * MAX_M];                                                                \
+        int64_t n = n0;                                                                    \
+        for (; n + (RR) <= n1; n += (RR)) {                                                \
+            { const int R = (RR), M = (MM); BLOCK_CALL; }                                  \
+            store(t, (RR), (MM), n, N, bias, y, ybf16);                                    \
+        }                                                                                  \
+        for (; n < n1; n++) {                                                              \
+            { const int R = 1, M = (MM); BLOCK_CALL; }                                     \
+            store(t, 1, (MM), n, N, bias, y, ybf16);                                       \
+        }                                                                                  \
+    } while (0)
+
+/* Block height by M: R * M accumulators must fit the vector registers (32 with AVX-512). */
+#if defined(TW_AVX512)
+#define R_FOR(M) ((M) <= 4 ? 4 : 2)
+#elif defined(TW_AVX2)
+#define R_FOR(M) ((M) <= 2 ? 4 : (M) <= 4 ? 2 : 1)
+#else
+#define R_FOR(M) 1
+#endif
+
+#define SWITCH_M(BLOCK_CALL)                                                              \
+    switch (Mr) {                                                                         \
+    case 1: ROWS(BLOCK_CALL, R_FOR(1), 1); break;                                         \
+    case 2: ROWS(BLOCK_CALL, R_FOR(2), 2); break;                                         \
+    case 3: ROWS(BLOCK_CALL, R_FOR(3), 3); break;                                         \
+    case 4: ROWS(BLOCK_CALL, R_FOR(4), 4); break;                                         \
+    case 5: ROWS(BLOCK_CALL, R_FOR(5), 5); break;                                         \
+    case 6: ROWS(BLOCK_CALL, R_FOR(6), 6); break;                                         \
+    case 7: ROWS(BLOCK_CALL, R_FOR(7), 7); break;                                         \
+    default: ROWS(BLOCK_CALL, R_FOR(8), 8); break;                                        \
+    }
+
+/* One thread's share: weight rows [n0, n1). `xf` is x as float32; `xh` x as bf16 (or NULL). */
+static void run_rows(const void *w, int wbf16, const float *xf, const uint16_t *xh, int64_t K,
+                     int64_t n0, int64_t n1, int Mr, const void *bias, void *y, int64_t N,
+                     int ybf16) {
+#if defined(TW_AVX512_BF16)
+    if (wbf16 && xh) {
+        const uint16_t *wh = (const uint16_t *)w;
+        SWITCH_M(block512_dpbf16(wh + n * K, xh, K, t, R, M));
+        return;
+    }
+#endif
+#if defined(TW_AVX512)
+    if (wbf16) {
+        SWITCH_M(block512_f32((const uint16_t *)w + n * K, 1, xf, K, t, R, M));
+    } else {
+        SWITCH_M(block512_f32((const float *)w + n * K, 0, xf, K, t, R, M));
+    }
+#elif defined(TW_AVX2)
+    if (wbf16) {
+        SWITCH_M(block256_f32((const uint16_t *)w + n * K, 1, xf, K, t, R, M));
+    } else {
+        SWITCH_M(block256_f32((const float *)w + n * K, 0, xf, K, t, R, M));
+    }
+#else
+    if (wbf16) {
+        SWITCH_M(block_scalar((const uint16_t *)w + n * K, 1, xf, K, t, R, M));
+    } else {
+        SWITCH_M(block_scalar((const float *)w + n * K, 0, xf, K, t, R, M));
+    }
+#endif
+    (void)xh;
+}
+
+/* y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]); all contiguous, of one dtype (bf16 when `bf16`).
+ * Returns 0, or -1 for bad sizes, -2 when the float32 copy of a bf16 x cannot be allocated. */
+int tw_gemv(const void *x, const void *w, const void *bias, void *y, int64_t M, int64_t N,
+            int64_t K, int bf16, int num_threads) {
+    if (M < 1 || M > MAX_M || N < 1 || K < 1) return -1;
+    const float *xf = (const float *)x;
+    const uint16_t *xh = NULL;
+    float *widened = NULL;
+#if defined(TW_AVX512_BF16)
+    if (bf16) xh = (const uint16_t *)x;
+#endif
+    if (bf16 && !xh) {
+        widened = (float *)malloc((size_t)(M * K) * sizeof(float));
+        if (!widened) return -2;
+        for (int64_t i = 0; i < M * K; i++) widened[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+        xf = widened;
+    }
+    int Mr = (int)M;
+#ifdef _OPENMP
+    if (num_threads > 1 && N >= 32) {
+#pragma omp parallel num_threads(num_threads)
+        {
+            int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+            int64_t per = ((N + nth - 1) / nth + 15) & ~(int64_t)15;
+            int64_t n0 = tid * per, n1 = n0 + per < N ? n0 + per : N;
+            if (n0 < n1) run_rows(w, bf16, xf, xh, K, n0, n1, Mr, bias, y, N, bf16);
+        }
+        free(widened);
+        return 0;
+    }
+#endif
+    (void)num_threads;
+    run_rows(w, bf16, xf, xh, K, 0, N, Mr, bias, y, N, bf16);
+    free(widened);
+    return 0;
+}

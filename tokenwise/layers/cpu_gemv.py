@@ -1,0 +1,147 @@
+"""Decode-sized CPU linear layers (at most `MAX_ROWS[dtype]` rows) through a C kernel that streams
+each weight row once, at close to the memory bandwidth.
+
+Batch-1 decode is bound by weight bytes: every step reads every weight once for one row of
+activations. oneDNN's prepacked linear (`cpu_prepack`) and `F.linear` reach about half the
+machine's bandwidth there. `cpu_gemv.c` loads each weight row once for all rows of `x` (they
+stay in L1), a few weight rows at a time, split over torch's OpenMP threads in contiguous
+ranges; bf16 weights are read as bf16 (half the bytes of the float32 copy oneDNN uses on
+CPUs without bf16 kernels) and accumulated in float32.
+
+Measured with `python benchmarks/linear_bandwidth.py` (2 threads; CPU flags avx2, avx512f/bw/
+vl, avx512_bf16, avx512_vnni, amx_bf16; weights cycled over >= 1 GiB of copies so they come
+from memory; memory read bandwidth in the same run, `torch.sum` over 24 MiB chunks: 31.4
+GB/s): at M=1 on the Qwen3-0.6B shape's layers the kernel read 30-31 GB/s in float32 (97-99%
+of that bandwidth; prepacked 27-29, F.linear 30-31) and 27-28 GB/s in bf16 (86-92%; prepacked
+26-27, F.linear 19-23). At 4-8 bf16 rows oneDNN's AMX kernels win (the kernel drops to 16-21
+GB/s, compute-bound), hence the per-dtype `MAX_ROWS`.
+
+The kernel is built at first use by `native_build` (as the decode-attention kernel is) and
+used only where it is expected to be faster: an AVX2 or AVX-512 build, torch's OpenMP runtime
+being GNU libgomp (so the kernel runs on torch's threads), eager mode (not under
+`torch.compile`, which lowers its own matmuls), no autograd, contiguous float32/bfloat16
+weights. Elsewhere, and with `TOKENWISE_CPU_GEMV=0`, layers keep the prepacked / `F.linear`
+path. A failed build logs a warning once and falls back the same way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import subprocess
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from tokenwise.layers import native_build
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_gemv.c")
+# The kernel takes up to 8 rows; the engine sends it calls of up to this many rows per dtype,
+# where it was as fast as or faster than the prepacked path in benchmarks/linear_bandwidth.py
+# (2 threads, AVX-512 + AVX512_BF16 + AMX): float32 1.0-1.25x at 1 to 8 rows (the LM head at
+# 4-8 rows 0.93-0.95x); bf16 1.0-1.4x at 1 row, 0.9-1.5x at 2, 0.6-0.85x at 4 and 8, where
+# oneDNN's bf16 kernels (AMX) win on compute.
+KERNEL_MAX_ROWS = 8
+MAX_ROWS = {torch.float32: 8, torch.bfloat16: 2}
+DTYPES = tuple(MAX_ROWS)
+ISA_NAMES = {0: "plain C", 1: "AVX2", 2: "AVX-512", 3: "AVX-512 + AVX512_BF16"}
+
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+
+def enabled() -> bool:
+    """Whether `TOKENWISE_CPU_GEMV` allows the kernel (on unless 0/false/off/no)."""
+    setting = os.environ.get("TOKENWISE_CPU_GEMV", "1").strip().lower()
+    return setting not in ("0", "false", "off", "no")
+
+
+def _flags() -> list[str]:
+    return [*native_build.BASE_FLAGS, "-fopenmp"]
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel, or None where it is switched off, cannot be built, or would not
+    be faster than the prepacked path (no vector ISA, or no libgomp to share threads with)."""
+    if not enabled():
+        return None
+    if not native_build.torch_uses_libgomp():
+        logger.info("small-M CPU linear kernel not used: torch's OpenMP runtime is not libgomp")
+        return None
+    compiler = native_build.find_compiler()
+    if compiler is None:
+        logger.warning("no C compiler found: CPU linear layers keep the oneDNN/F.linear path")
+        return None
+    try:
+        lib = open_library(native_build.build(compiler, SOURCE, "gemv", _flags()))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        logger.warning(
+            "CPU linear kernel build failed, keeping the oneDNN/F.linear path: %s", detail
+        )
+        return None
+    isa = lib.tw_gemv_isa()
+    if isa == 0:
+        logger.info("small-M CPU linear kernel not used: no AVX2 or AVX-512 on this CPU")
+        return None
+    logger.info("small-M CPU linear kernel built for %s", ISA_NAMES.get(isa, isa))
+    return lib
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """The built kernel at `path`, its functions typed."""
+    lib = ctypes.CDLL(str(path))
+    lib.tw_gemv_isa.restype = ctypes.c_int
+    fn = lib.tw_gemv
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int, ctypes.c_int]
+    return lib
+
+
+def isa_name(lib: ctypes.CDLL) -> str:
+    return ISA_NAMES.get(lib.tw_gemv_isa(), "unknown")
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear(x, weight)` may go through the kernel (not counting the row limit)."""
+    return (
+        weight.dtype in DTYPES
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and not torch.compiler.is_compiling()
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    )
+
+
+def linear(
+    lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for x of at most `KERNEL_MAX_ROWS` rows (over its last dim), all
+    CPU tensors of one dtype in `DTYPES`; the caller checks with `usable`."""
+    n, k = weight.shape
+    rows = x.numel() // k if k else 0
+    x2 = x.reshape(rows, k)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    status = lib.tw_gemv(
+        x2.data_ptr(),
+        weight.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        rows,
+        n,
+        k,
+        int(x.dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise RuntimeError(f"CPU linear kernel failed (status {status}) for {rows}x{k} @ {n}x{k}")
+    return out

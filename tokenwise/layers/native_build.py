@@ -1,0 +1,101 @@
+"""Compile a small C kernel at first use, for this very CPU, and cache the shared library.
+
+Used by the CPU decode-attention kernel (`attention/backends/cpu_kernels.py`) and the small-M
+linear kernel (`layers/cpu_gemv.py`). Each is plain C called through ctypes (no PyTorch
+headers), so a build takes about a second. Libraries are built with `-march=native` and cached
+under `~/.cache/tokenwise/kernels` (or `$TOKENWISE_KERNEL_CACHE`), keyed by the source, the
+flags and the CPU's feature flags, so a shared home directory never hands one machine another
+machine's binary.
+
+Threads: when torch's OpenMP runtime is GNU libgomp (the PyPI wheels ship one), kernels are
+built with `-fopenmp` and bind to that very runtime (the library of that soname is already
+loaded, so the loader reuses it): they then run on the threads torch's matmuls just used. A
+separate thread pool was measured competing with those threads while they spin-wait for their
+next parallel region (decode attention took 1.5x longer inside the engine than alone).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+# -ffast-math's parts, but not the flag itself: given it, GCC links crtfastmath.o into the .so,
+# whose constructor turns on flush-to-zero for the loading thread, changing every later float
+# operation of that thread (torch's included) on subnormal values.
+FAST_MATH = [
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-ffinite-math-only",
+    "-fno-signed-zeros",
+    "-fassociative-math",
+    "-freciprocal-math",
+]
+BASE_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC"]
+
+
+def cpu_flags() -> str:
+    """The `flags` line of /proc/cpuinfo ("" where unreadable): part of every cache key."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("TOKENWISE_KERNEL_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "tokenwise" / "kernels"
+
+
+@cache
+def torch_uses_libgomp() -> bool:
+    """Whether the OpenMP runtime loaded with torch is GNU libgomp (checked in this process's
+    memory map, so it names the library torch really loaded)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+    return "libgomp" in maps and "libiomp" not in maps
+
+
+def find_compiler() -> str | None:
+    """`$CC` (default `cc`), else `gcc`, as a path; None when neither is installed."""
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+def build(compiler: str, source: Path, stem: str, flags: list[str]) -> Path:
+    """The library built from `source` with `flags`, from the cache when already built.
+
+    Raises `subprocess.CalledProcessError` (its `stderr` holds the compiler's message),
+    `subprocess.TimeoutExpired` or `OSError` when the build fails.
+    """
+    key = hashlib.sha256(
+        source.read_bytes() + " ".join(flags).encode() + cpu_flags().encode()
+    ).hexdigest()[:16]
+    target = cache_dir() / f"{stem}_{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent builders never load a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, *flags, "-o", tmp, str(source), "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
