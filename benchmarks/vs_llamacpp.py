@@ -9,7 +9,9 @@
    built-in model's byte-level BPE tokenizer, vocab 4096) is saved in bf16 where the CPU has
    native bf16 (avx512_bf16 / amx_bf16), else fp32, and converted to GGUF of the same dtype by
    the vendored `convert_hf_to_gguf.py` (its pre-tokenizer check is patched at run time to
-   "gpt-2", which is what our byte-level BPE is).
+   "gpt-2", which is what our byte-level BPE is). The embedding rows (tied LM head) of special
+   tokens and of partial-UTF-8 tokens are zeroed, so that greedy decoding streams text (see
+   `non_text_token_ids`).
 3. `tokenwise serve` on the checkpoint and `llama-server -fa on -t <cores> -np <concurrency>` on
    the GGUF run one at a time; `tokenwise bench serve`'s client sends both the same workload
    (streaming `/v1/completions`, token-id prompts U[32,384], 128 new tokens, greedy,
@@ -241,7 +243,7 @@ convert_hf_to_gguf.main()
 
 def build_checkpoints(shape: str, dtype: str, cache: Path, seed: int) -> tuple[Path, Path]:
     """The random-weight HF checkpoint and its GGUF conversion (cached by shape and dtype)."""
-    out = cache / "models" / f"{shape}-{dtype}-seed{seed}"
+    out = cache / "models" / f"{shape}-{dtype}-seed{seed}-textonly"
     hf_dir, gguf = out / "hf", out / f"model-{dtype}.gguf"
     if not (hf_dir / "model.safetensors").exists():
         import torch
@@ -258,6 +260,8 @@ def build_checkpoints(shape: str, dtype: str, cache: Path, seed: int) -> tuple[P
         torch.manual_seed(seed)
         torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype).eval()
+        with torch.no_grad():  # tied: the LM head's rows too
+            model.get_input_embeddings().weight[non_text_token_ids()] = 0.0
         model.save_pretrained(tmp)
         del model
         for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -278,6 +282,23 @@ def build_checkpoints(shape: str, dtype: str, cache: Path, seed: int) -> tuple[P
         _run(cmd, 1800, "convert_hf_to_gguf.py")
         tmp_gguf.rename(gguf)
     return hf_dir, gguf
+
+
+def non_text_token_ids() -> list[int]:
+    """Ids of the tokenizer's special tokens and of tokens that are no whole UTF-8 text (lone
+    bytes of a multi-byte character). Greedy decoding of random weights repeats one token; when
+    that token is one of these, a server streams no text at all (it holds back incomplete UTF-8)
+    and the client counts the request as failed. Their embedding rows (= the tied LM head's)
+    are zeroed, so their logits are 0 and greedy decoding picks text tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    bad = []
+    for i in range(len(tok)):
+        text = tok.decode([i], skip_special_tokens=True)
+        if not text or "\ufffd" in text:
+            bad.append(i)
+    return bad
 
 
 def importlib_missing(module: str) -> bool:
