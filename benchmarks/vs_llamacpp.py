@@ -464,10 +464,14 @@ def run_workloads(
                 raise SystemExit(f"vs_llamacpp: {server}, workload {w.name}: {exc}") from None
             finally:
                 srv.stop()
+            # Other processes on the cores (a shared machine) slow llama.cpp's spinning thread
+            # barriers badly: the 1-minute load average after the run tells such runs apart.
+            r["loadavg_1m"] = os.getloadavg()[0]
             results[w.name][server] = r
             print(
                 f"{server:>12} {w.title}: {r['output_throughput']:.1f} out tok/s, "
-                f"mean TPOT {r['mean_tpot_ms']:.2f} ms, mean TTFT {r['mean_ttft_ms']:.0f} ms",
+                f"mean TPOT {r['mean_tpot_ms']:.2f} ms, mean TTFT {r['mean_ttft_ms']:.0f} ms, "
+                f"load average {r['loadavg_1m']:.2f}",
                 flush=True,
             )
     return results
