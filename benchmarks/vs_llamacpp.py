@@ -1,0 +1,519 @@
+"""tokenwise serve against llama.cpp's llama-server: same random weights, same client, one run.
+
+    python benchmarks/vs_llamacpp.py --shape llama-100m --workloads one,48
+
+1. llama.cpp comes from the `llama-cpp-python` source package on PyPI (it vendors llama.cpp
+   under `vendor/llama.cpp`); only `llama-server` is built, with cmake, in a cache directory
+   (default `~/.cache/tokenwise/llamacpp`); a built binary is reused.
+2. A random-weight Hugging Face checkpoint of the shape (`benchmarks/configs/<shape>`, with the
+   built-in model's byte-level BPE tokenizer, vocab 4096) is saved in bf16 where the CPU has
+   native bf16 (avx512_bf16 / amx_bf16), else fp32, and converted to GGUF of the same dtype by
+   the vendored `convert_hf_to_gguf.py` (its pre-tokenizer check is patched at run time to
+   "gpt-2", which is what our byte-level BPE is). The embedding rows (tied LM head) of special
+   tokens and of partial-UTF-8 tokens are zeroed, so that greedy decoding streams text (see
+   `non_text_token_ids`).
+3. `tokenwise serve` on the checkpoint and `llama-server -fa on -t <cores> -np <concurrency>` on
+   the GGUF run one at a time; `tokenwise bench serve`'s client sends both the same workload
+   (streaming `/v1/completions`, token-id prompts U[32,384], 128 new tokens, greedy,
+   ignore_eos). Workloads: `one` (6 requests in turn) and `48` (48 at once).
+
+Prints, per workload, the output tok/s of each server and their ratio, and for one stream the
+weight bandwidth each reaches (bytes of weights read per decoded token x 1000 / mean TPOT).
+Every wait is bounded; the servers started here are killed (process group) on any exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import glob
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+SHAPES = ("llama-100m", "qwen3-0.6b")
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+TOKENIZER_DIR = REPO / "tokenwise" / "models_data" / "default"  # byte-level BPE, vocab 4096
+VOCAB_SIZE = 4096
+BOS_ID, EOS_ID = 1, 0
+INPUT_LEN = (32, 384)
+OUTPUT_LEN = 128
+MAX_MODEL_LEN = 512  # longest prompt + output
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+SERVERS = ("tokenwise", "llama-server")
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    title: str
+    num_prompts: int
+    concurrency: int
+
+
+WORKLOADS = {
+    "one": Workload("one", "one stream (6 requests in turn)", 6, 1),
+    "48": Workload("48", "48 at once", 48, 48),
+}
+
+
+def _workloads(text: str) -> list[Workload]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in WORKLOADS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated subset of {','.join(WORKLOADS)}, got {text!r}"
+        )
+    return [WORKLOADS[n] for n in dict.fromkeys(names)]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--shape", choices=SHAPES, default="llama-100m")
+    p.add_argument("--workloads", type=_workloads, default=_workloads("one,48"), help="one,48")
+    p.add_argument(
+        "--skip-build", action="store_true", help="never build llama-server (use the cached one)"
+    )
+    p.add_argument("--llama-server", default=None, metavar="PATH", help="an existing binary")
+    p.add_argument(
+        "--cache-dir",
+        default=os.path.expanduser("~/.cache/tokenwise/llamacpp"),
+        help="llama.cpp source and build, checkpoints, GGUF files, server logs",
+    )
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server -t")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="per server start, s")
+    p.add_argument("--workload-timeout", type=float, default=1800.0, help="per workload, s")
+    p.add_argument("--output-json", default=None, metavar="PATH")
+    args = p.parse_args(argv)
+    if args.threads < 1:
+        p.error("--threads must be at least 1")
+    return args
+
+
+# ---- pure pieces: weights, flags, tables -------------------------------------------------------
+
+
+def decode_weight_bytes(cfg: dict[str, Any], bytes_per_param: int) -> int:
+    """Bytes of weights one decode step reads: every layer, the final norm and the LM head
+    (vocab x hidden, tied or not; the embedding lookup reads one row)."""
+    h, n_layers, inter = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
+    n_heads = cfg["num_attention_heads"]
+    n_kv = cfg.get("num_key_value_heads") or n_heads
+    head_dim = cfg.get("head_dim") or h // n_heads
+    attn = h * n_heads * head_dim + 2 * h * n_kv * head_dim + n_heads * head_dim * h
+    norms = 2 * h + (2 * head_dim if cfg.get("model_type", "").startswith("qwen3") else 0)
+    params = n_layers * (attn + 3 * h * inter + norms) + h + cfg["vocab_size"] * h
+    return params * bytes_per_param
+
+
+def cpu_flags(cpuinfo: str) -> list[str]:
+    """The vector/matrix flags (of CPU_FLAGS) that /proc/cpuinfo's text lists."""
+    present: set[str] = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            present |= set(line.split(":", 1)[1].split())
+    return [f for f in CPU_FLAGS if f in present]
+
+
+def has_native_bf16(flags: list[str]) -> bool:
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def format_tables(
+    results: dict[str, dict[str, dict[str, Any]]],
+    weight_bytes: int,
+    header: str,
+) -> str:
+    """`results[workload][server]` holds `output_throughput` and `mean_tpot_ms` (the
+    `tokenwise bench serve` aggregate); a missing server prints as '-'."""
+    lines = [header, ""]
+    lines += [
+        "| workload | tokenwise serve (out tok/s) | llama-server (out tok/s) | tokenwise / llama-server |",
+        "|---|---|---|---|",
+    ]
+    for name, by_server in results.items():
+        tw, lc = (by_server.get(s, {}).get("output_throughput") for s in SERVERS)
+        ratio = f"{tw / lc:.2f}x" if tw and lc else "-"
+        title = WORKLOADS[name].title if name in WORKLOADS else name
+        lines.append(f"| {title} | {_num(tw)} | {_num(lc)} | {ratio} |")
+    if "one" in results:
+        lines += [
+            "",
+            f"One stream, weight bandwidth ({weight_bytes / 1e6:.0f} MB of weights read per "
+            "decoded token x decode tok/s; decode tok/s = 1000 / mean TPOT):",
+            "",
+            "| server | decode tok/s | weight bandwidth |",
+            "|---|---|---|",
+        ]
+        for server in SERVERS:
+            tpot = results["one"].get(server, {}).get("mean_tpot_ms")
+            tps = 1000.0 / tpot if tpot else None
+            bw = f"{weight_bytes * tps / 1e9:.1f} GB/s" if tps else "-"
+            label = "tokenwise serve" if server == "tokenwise" else server
+            lines.append(f"| {label} | {_num(tps)} | {bw} |")
+    return "\n".join(lines)
+
+
+def _num(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.1f}" if value < 1000 else f"{value:,.0f}"
+
+
+# ---- llama.cpp: source, build, conversion ------------------------------------------------------
+
+
+def _run(cmd: list[str], timeout: float, what: str, **kw: Any) -> None:
+    print(f"$ {' '.join(map(str, cmd))}", flush=True)
+    try:
+        subprocess.run(cmd, check=True, timeout=timeout, **kw)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"vs_llamacpp: {what} took over {timeout:.0f} s") from None
+    except subprocess.CalledProcessError as exc:
+        raise SystemExit(f"vs_llamacpp: {what} failed (exit {exc.returncode})") from None
+
+
+def _nice() -> list[str]:
+    """Builds and conversions run at the lowest priority: the machine may be shared."""
+    return ["nice", "-n", "19"] if shutil.which("nice") else []
+
+
+def llama_cpp_source(cache: Path) -> Path:
+    """The vendored llama.cpp of the llama-cpp-python sdist, downloaded once."""
+    found = sorted(glob.glob(str(cache / "llama_cpp_python-*" / "vendor" / "llama.cpp")))
+    if found:
+        return Path(found[-1])
+    cache.mkdir(parents=True, exist_ok=True)
+    tarballs = sorted(glob.glob(str(cache / "llama_cpp_python-*.tar.gz")))
+    if not tarballs:
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+        _run([*pip, LLAMA_CPP_PYTHON, "-d", str(cache)], 900, "pip download of llama-cpp-python")
+        tarballs = sorted(glob.glob(str(cache / "llama_cpp_python-*.tar.gz")))
+    if not tarballs:
+        raise SystemExit(f"vs_llamacpp: no llama_cpp_python-*.tar.gz in {cache} after download")
+    _run(["tar", "xzf", tarballs[-1], "-C", str(cache)], 600, "unpacking llama-cpp-python")
+    return llama_cpp_source(cache)
+
+
+def ensure_llama_server(cache: Path, skip_build: bool) -> Path:
+    src = llama_cpp_source(cache)
+    binary = src / "build" / "bin" / "llama-server"
+    if binary.exists():
+        return binary
+    if skip_build:
+        raise SystemExit(f"vs_llamacpp: --skip-build but no {binary}; build it or --llama-server")
+    if not shutil.which("cmake"):
+        raise SystemExit(
+            "vs_llamacpp: cmake is missing; install it (apt-get update && apt-get install -y "
+            "cmake) and run again"
+        )
+    configure = ["cmake", "-B", "build", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF"]
+    _run([*_nice(), *configure, "-DCMAKE_BUILD_TYPE=Release"], 900, "cmake configure", cwd=src)
+    jobs = str(os.cpu_count() or 2)
+    build = ["cmake", "--build", "build", "--target", "llama-server", "-j", jobs]
+    _run([*_nice(), *build], 7200, "building llama-server", cwd=src)
+    if not binary.exists():
+        raise SystemExit(f"vs_llamacpp: the build finished without {binary}")
+    return binary
+
+
+CONVERT_SHIM = """
+import sys
+root = sys.argv[1]
+sys.path[:0] = [root, root + "/gguf-py"]
+from conversion import base
+# Our byte-level BPE's pre-tokenizer hash is in no list: it is GPT-2's byte-level split.
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+import convert_hf_to_gguf
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
+convert_hf_to_gguf.main()
+"""
+
+
+def build_checkpoints(shape: str, dtype: str, cache: Path, seed: int) -> tuple[Path, Path]:
+    """The random-weight HF checkpoint and its GGUF conversion (cached by shape and dtype)."""
+    out = cache / "models" / f"{shape}-{dtype}-seed{seed}-textonly"
+    hf_dir, gguf = out / "hf", out / f"model-{dtype}.gguf"
+    if not (hf_dir / "model.safetensors").exists():
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        cfg = json.loads((REPO / "benchmarks" / "configs" / shape / "config.json").read_text())
+        cfg.update(vocab_size=VOCAB_SIZE, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
+        cfg["torch_dtype"] = cfg["dtype"] = "bfloat16" if dtype == "bf16" else "float32"
+        tmp = out / "hf.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        config = AutoConfig.from_pretrained(tmp, local_files_only=True)
+        torch.manual_seed(seed)
+        torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype).eval()
+        with torch.no_grad():  # tied: the LM head's rows too
+            model.get_input_embeddings().weight[non_text_token_ids()] = 0.0
+        model.save_pretrained(tmp)
+        del model
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(TOKENIZER_DIR / name, tmp / name)
+        shutil.rmtree(hf_dir, ignore_errors=True)
+        tmp.rename(hf_dir)
+        gguf.unlink(missing_ok=True)
+    if not gguf.exists():
+        if importlib_missing("sentencepiece"):
+            raise SystemExit(
+                "vs_llamacpp: convert_hf_to_gguf.py needs sentencepiece: "
+                f"{sys.executable} -m pip install sentencepiece"
+            )
+        src = llama_cpp_source(cache)
+        tmp_gguf = gguf.with_suffix(".tmp")
+        cmd = [*_nice(), sys.executable, "-c", CONVERT_SHIM, str(src), str(hf_dir)]
+        cmd += ["--outtype", dtype, "--outfile", str(tmp_gguf)]
+        _run(cmd, 1800, "convert_hf_to_gguf.py")
+        tmp_gguf.rename(gguf)
+    return hf_dir, gguf
+
+
+def non_text_token_ids() -> list[int]:
+    """Ids of the tokenizer's special tokens and of tokens that are no whole UTF-8 text (lone
+    bytes of a multi-byte character). Greedy decoding of random weights repeats one token; when
+    that token is one of these, a server streams no text at all (it holds back incomplete UTF-8)
+    and the client counts the request as failed. Their embedding rows (= the tied LM head's)
+    are zeroed, so their logits are 0 and greedy decoding picks text tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    bad = []
+    for i in range(len(tok)):
+        text = tok.decode([i], skip_special_tokens=True)
+        if not text or "\ufffd" in text:
+            bad.append(i)
+    return bad
+
+
+def importlib_missing(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is None
+
+
+# ---- servers and the client --------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One server process in its own process group; `stop()` kills the whole group."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, log_path: Path) -> None:
+        self.name, self.cmd, self.port, self.log_path = name, cmd, port, log_path
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float) -> None:
+        import httpx
+
+        print(f"$ {' '.join(self.cmd)}  (log: {self.log_path})", flush=True)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode} during start-up:\n"
+                    f"{self.log_tail()}"
+                )
+            try:
+                if httpx.get(self.url + "/health", timeout=5.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not healthy after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(timeout=wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def client_args(url: str, num_prompts: int, concurrency: int, seed: int, **kw: Any) -> Any:
+    """The `tokenwise bench serve` arguments for one workload."""
+    ns = argparse.Namespace(
+        base_url=url,
+        model=None,
+        api_key=None,
+        num_prompts=num_prompts,
+        max_concurrency=concurrency,
+        request_rate=float("inf"),
+        input_len=INPUT_LEN[0],
+        random_input_len=INPUT_LEN,
+        output_len=OUTPUT_LEN,
+        random_output_len=None,
+        prompt_type="token-ids",
+        vocab_size=VOCAB_SIZE,
+        seed=seed,
+        timeout=600.0,
+    )
+    for key, value in kw.items():
+        setattr(ns, key, value)
+    return ns
+
+
+def drive(ns: Any, timeout: float) -> dict[str, Any]:
+    from tokenwise.benchmarks.serve import run_benchmark
+
+    async def bounded() -> dict[str, Any]:
+        return await asyncio.wait_for(run_benchmark(ns), timeout)
+
+    try:
+        results = asyncio.run(bounded())
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"the workload did not finish in {timeout:.0f} s") from None
+    lo, hi = ns.random_output_len or (ns.output_len, ns.output_len)
+    if results["failed"] or results["total_output_tokens"] < ns.num_prompts * lo:
+        raise RuntimeError(
+            f"{results['failed']} of {ns.num_prompts} requests failed, "
+            f"{results['total_output_tokens']} output tokens (expected >= {ns.num_prompts * lo}): "
+            f"{results.get('first_error', 'short outputs')}"
+        )
+    return results
+
+
+def server_command(
+    server: str, args: argparse.Namespace, w: Workload, hf_dir: Path, gguf: Path, binary: Path
+) -> list[str]:
+    port = str(free_port())
+    if server == "tokenwise":
+        kv_mib = kv_cache_mib(args.shape_cfg, args.dtype, w.concurrency)
+        return [
+            sys.executable, "-m", "tokenwise.entrypoints.cli", "serve",
+            "--model", str(hf_dir), "--dtype", "bfloat16" if args.dtype == "bf16" else "float32",
+            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(w.concurrency),
+            "--kv-cache-memory", f"{kv_mib}MiB", "--disable-log-requests",
+            "--host", "127.0.0.1", "--port", port,
+        ]  # fmt: skip
+    return [
+        str(binary), "-m", str(gguf), "-fa", "on", "-t", str(args.threads),
+        "-np", str(w.concurrency), "-c", str(w.concurrency * MAX_MODEL_LEN),
+        "--host", "127.0.0.1", "--port", port,
+    ]  # fmt: skip
+
+
+def kv_cache_mib(cfg: dict[str, Any], dtype: str, concurrency: int) -> int:
+    """Room for `concurrency` full-length sequences (+10%), as llama-server's -c gives."""
+    n_heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
+    n_kv = cfg.get("num_key_value_heads") or n_heads
+    per_token = 2 * cfg["num_hidden_layers"] * n_kv * head_dim * (2 if dtype == "bf16" else 4)
+    return int(per_token * concurrency * MAX_MODEL_LEN * 1.1 / 2**20) + 16
+
+
+def run_workloads(
+    args: argparse.Namespace, hf_dir: Path, gguf: Path, binary: Path
+) -> dict[str, dict[str, dict[str, Any]]]:
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    logs = Path(args.cache_dir) / "logs"
+    for w in args.workloads:
+        results[w.name] = {}
+        for server in SERVERS:
+            cmd = server_command(server, args, w, hf_dir, gguf, binary)
+            port = int(cmd[-1])
+            srv = Server(server, cmd, port, logs / f"{args.shape}-{w.name}-{server}.log")
+            try:
+                srv.start(args.startup_timeout)
+                warm = client_args(
+                    srv.url, 2, 2, args.seed + 1, random_input_len=(32, 32), output_len=8
+                )
+                drive(warm, args.workload_timeout)
+                ns = client_args(srv.url, w.num_prompts, w.concurrency, args.seed)
+                r = drive(ns, args.workload_timeout)
+            except (RuntimeError, TimeoutError) as exc:
+                raise SystemExit(f"vs_llamacpp: {server}, workload {w.name}: {exc}") from None
+            finally:
+                srv.stop()
+            # Other processes on the cores (a shared machine) slow llama.cpp's spinning thread
+            # barriers badly: the 1-minute load average after the run tells such runs apart.
+            r["loadavg_1m"] = os.getloadavg()[0]
+            results[w.name][server] = r
+            print(
+                f"{server:>12} {w.title}: {r['output_throughput']:.1f} out tok/s, "
+                f"mean TPOT {r['mean_tpot_ms']:.2f} ms, mean TTFT {r['mean_ttft_ms']:.0f} ms, "
+                f"load average {r['loadavg_1m']:.2f}",
+                flush=True,
+            )
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # SIGTERM runs the `finally` blocks (and so stops the servers) like Ctrl-C does.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    cache = Path(args.cache_dir)
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags = cpu_flags(cpuinfo)
+    args.dtype = "bf16" if has_native_bf16(flags) else "f32"
+    args.shape_cfg = json.loads(
+        (REPO / "benchmarks" / "configs" / args.shape / "config.json").read_text()
+    ) | {"vocab_size": VOCAB_SIZE}
+    if args.llama_server:
+        binary = Path(args.llama_server)
+        if not binary.exists():
+            raise SystemExit(f"vs_llamacpp: no llama-server at {binary}")
+    else:
+        binary = ensure_llama_server(cache, args.skip_build)
+    hf_dir, gguf = build_checkpoints(args.shape, args.dtype, cache, args.seed)
+    results = run_workloads(args, hf_dir, gguf, binary)
+    weight_bytes = decode_weight_bytes(args.shape_cfg, 2 if args.dtype == "bf16" else 4)
+    model_name = next(
+        (ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if ln.startswith("model name")),
+        "unknown CPU",
+    )
+    header = (
+        f"{args.shape} (vocab {VOCAB_SIZE}, random weights), {args.dtype}, "
+        f"{datetime.date.today().isoformat()}, {model_name}, {os.cpu_count()} cores, "
+        f"CPU flags: {' '.join(flags) or 'none of ' + ','.join(CPU_FLAGS)}; llama-server from "
+        f"{LLAMA_CPP_PYTHON} (-fa on -t {args.threads}, -np = concurrency)"
+    )
+    print()
+    print(format_tables(results, weight_bytes, header))
+    if args.output_json:
+        out = {"header": header, "weight_bytes": weight_bytes, "results": results}
+        Path(args.output_json).write_text(json.dumps(out, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""The pure pieces of benchmarks/vs_llamacpp.py: its arguments and its tables. Nothing here
+builds llama.cpp or starts a server."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def vs():
+    path = os.path.join(REPO, "benchmarks", "vs_llamacpp.py")
+    spec = importlib.util.spec_from_file_location("vs_llamacpp", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["vs_llamacpp"] = module  # its dataclass looks its module up
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("vs_llamacpp", None)
+
+
+def test_arguments(vs) -> None:
+    args = vs.parse_args([])
+    assert args.shape == "llama-100m"
+    assert [w.name for w in args.workloads] == ["one", "48"]
+    assert not args.skip_build and args.llama_server is None
+    args = vs.parse_args(
+        ["--shape", "qwen3-0.6b", "--workloads", "one", "--skip-build", "--llama-server", "/x"]
+    )
+    assert args.shape == "qwen3-0.6b" and args.skip_build and args.llama_server == "/x"
+    assert [(w.num_prompts, w.concurrency) for w in args.workloads] == [(6, 1)]
+    assert [w.name for w in vs.parse_args(["--workloads", "48,one,48"]).workloads] == ["48", "one"]
+    for bad in (["--workloads", "2"], ["--workloads", ","], ["--shape", "gpt2"]):
+        with pytest.raises(SystemExit):
+            vs.parse_args(bad)
+
+
+def test_cpu_flags_pick_bf16(vs) -> None:
+    info = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f amx_bf16 amx_tile\n"
+    flags = vs.cpu_flags(info)
+    assert flags == ["avx2", "avx512f", "amx_bf16"]
+    assert vs.has_native_bf16(flags)
+    assert not vs.has_native_bf16(vs.cpu_flags("flags : avx2 fma\n"))
+
+
+def test_weight_bytes_of_the_shapes(vs) -> None:
+    def shape(name: str) -> dict:
+        with open(os.path.join(REPO, "benchmarks", "configs", name, "config.json")) as f:
+            return json.load(f) | {"vocab_size": vs.VOCAB_SIZE}
+
+    # 12 x (4 x 768^2 + 3 x 768 x 2048 + 2 x 768) + 768 + 4096 x 768 parameters, bf16
+    assert vs.decode_weight_bytes(shape("llama-100m"), 2) == 176_199_168
+    qwen = vs.decode_weight_bytes(shape("qwen3-0.6b"), 2)
+    assert 0.88e9 < qwen < 0.89e9  # Qwen3-0.6B without its 151936-token embedding
+
+
+def test_table_ratio_and_bandwidth(vs) -> None:
+    results = {
+        "one": {
+            "tokenwise": {"output_throughput": 50.0, "mean_tpot_ms": 10.0},
+            "llama-server": {"output_throughput": 200.0, "mean_tpot_ms": 4.0},
+        },
+        "48": {"tokenwise": {"output_throughput": 1500.0, "mean_tpot_ms": 30.0}},
+    }
+    table = vs.format_tables(results, weight_bytes=2_000_000_000, header="HEAD")
+    lines = table.splitlines()
+    assert lines[0] == "HEAD"
+    assert "| one stream (6 requests in turn) | 50.0 | 200.0 | 0.25x |" in lines
+    assert "| 48 at once | 1,500 | - | - |" in lines  # llama-server missing: no ratio
+    assert "| tokenwise serve | 100.0 | 200.0 GB/s |" in lines  # 2 GB x 1000 / 10 ms
+    assert "| llama-server | 250.0 | 500.0 GB/s |" in lines
+    assert "weight bandwidth" not in vs.format_tables({"48": results["48"]}, 1, "H")
+
+
+def test_commands_bound_the_servers(vs, tmp_path) -> None:
+    args = vs.parse_args(["--threads", "2"])
+    args.dtype = "bf16"
+    with open(os.path.join(REPO, "benchmarks", "configs", "llama-100m", "config.json")) as f:
+        args.shape_cfg = json.load(f)
+    w = vs.WORKLOADS["48"]
+    llama = vs.server_command("llama-server", args, w, tmp_path, tmp_path / "m.gguf", tmp_path)
+    joined = " ".join(llama)
+    assert "-fa on -t 2 -np 48 -c 24576" in joined and "--host 127.0.0.1" in joined
+    tw = vs.server_command("tokenwise", args, w, tmp_path, tmp_path / "m.gguf", tmp_path)
+    assert tw[tw.index("--max-num-seqs") + 1] == "48"
+    assert tw[tw.index("--dtype") + 1] == "bfloat16"
+    # K and V x 12 layers x 768 x 2 bytes per token, 48 x 512 tokens, +10%: about 0.95 GiB
+    assert 900 < int(tw[tw.index("--kv-cache-memory") + 1].removesuffix("MiB")) < 1000
