@@ -84,6 +84,14 @@ def run(
         enforce_eager=True,
         max_num_batched_tokens=max_num_batched_tokens,
     )
+    llm = graph_llm(config, mode, sizes, recorder)
+    return llm, llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+
+
+def graph_llm(
+    config: Any, mode: CUDAGraphMode | None, sizes: list[int] | None, recorder: Recorder | None
+) -> LLM:
+    """An `LLM` over `config` in graph `mode` (None: eager), spied on by `recorder`."""
     if mode is not None:
         config.compilation.cudagraph_mode = mode
         config.compilation.cudagraph_capture_sizes = sizes
@@ -93,7 +101,7 @@ def run(
     llm = LLM.from_engine_config(config)
     if recorder is not None:
         recorder.spy(llm)
-    return llm, llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    return llm
 
 
 def chosen_logprobs(output: Any) -> list[float]:

@@ -15,7 +15,12 @@ import pytest
 import torch
 
 from tests.engine._fixtures import assert_pool_clean, checkpoint
-from tests.runner.test_graph_runner import Recorder, assert_same_outputs, fake_graphs  # noqa: F401
+from tests.runner.test_graph_runner import (  # noqa: F401
+    Recorder,
+    assert_same_outputs,
+    fake_graphs,
+    graph_llm,
+)
 from tokenwise import LLM, SamplingParams
 from tokenwise.config import CompilationConfig, CUDAGraphMode
 from tokenwise.entrypoints.llm import build_engine_config
@@ -37,15 +42,7 @@ def run(mode: CUDAGraphMode | None, recorder: Recorder | None = None) -> tuple[L
         enforce_eager=True,
         max_num_batched_tokens=8,
     )
-    if mode is not None:
-        config.compilation.cudagraph_mode = mode
-        config.compilation.cudagraph_capture_sizes = [2, 4, 8]
-        if mode.requires_piecewise_compilation():
-            config.compilation.use_compile = True
-            config.compilation.piece_backend = "eager"  # Inductor is tested elsewhere
-    llm = LLM.from_engine_config(config)
-    if recorder is not None:
-        recorder.spy(llm)
+    llm = graph_llm(config, mode, [2, 4, 8], recorder)
     outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     assert_pool_clean(llm.llm_engine)
     return llm, outputs

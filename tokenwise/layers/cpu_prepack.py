@@ -50,7 +50,9 @@ def linear(
     """`F.linear(x, weight, bias)`: decode-sized calls (`cpu_gemv.MAX_ROWS` rows at most)
     through the small-M C kernel where it is available, others through the prepacked weight
     when the layer has one."""
-    if x.device.type != "cpu" or x.dtype != weight.dtype:
+    # Under torch.compile the row count is symbolic (no guard may depend on it) and the
+    # compiler lays out its own matmuls: the traced graph always takes F.linear.
+    if x.device.type != "cpu" or x.dtype != weight.dtype or torch.compiler.is_compiling():
         return F.linear(x, weight, bias)
     max_rows = cpu_gemv.MAX_ROWS.get(x.dtype, 0)
     if 0 < x.numel() <= max_rows * x.shape[-1] and cpu_gemv.usable(x, weight):
