@@ -256,6 +256,10 @@ class Scheduler:
         """
         bm = self.block_manager
         rid = req.request_id
+        if bm.num_kv_cache_groups == 1:  # every step of every request: no generators here
+            return ScheduledRequest(
+                req, num_new, num_admission_tokens, (new_blocks,), (bm.num_blocks_of(rid),)
+            )
         groups = range(bm.num_kv_cache_groups)
         new = tuple(new_blocks if g == 0 else (admitted_blocks or []) for g in groups)
         counts = tuple(bm.num_blocks_of(rid, g) for g in groups)
