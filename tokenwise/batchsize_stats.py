@@ -98,6 +98,15 @@ def get_batchsize_forward_time_samples() -> dict[int, list[float]]:
         return {size: list(times) for size, times in batchsize_forward_stats._times.items()}
 
 
+def get_batchsize_forward_time_summary() -> dict[int, tuple[int, float]]:
+    """batch size -> (forward passes, median ms), every size seen at least once (`/metrics`)."""
+    return {
+        size: (len(ms), statistics.median(ms))
+        for size, ms in get_batchsize_forward_time_samples().items()
+        if ms
+    }
+
+
 def reset_batchsize_forward_time_stats(interval_s: float | None = None) -> None:
     """Clear all samples and re-read the interval (from the argument, else the environment)."""
     batchsize_forward_stats.reset(interval_s)

@@ -1,7 +1,7 @@
 """Entry point of the spawned DP ranks of test_dp_step_coordination.py.
 
 Each rank builds a whole MoE engine (micro-batching on) and steps it in lock-step with the
-other rank, as `dp_engine_rank` does: a rank with work runs `step()`, an idle one a dummy batch.
+other rank, as `engine.core_process` does: a rank with work runs `step()`, an idle one a dummy batch.
 Around every step it counts the DP coordination collectives (the `[5, dp_size]` int32 SUM
 all-reduce of `dp_coordination`) and calls of `coordinate_batch_across_dp` (what
 `set_forward_context` runs when it is not handed counts), and records every DP count vector

@@ -2,7 +2,7 @@
 
 Each kind's engine gets the KV-cache groups, scheduler, runner and request type of its kind,
 and bad parameters for a kind fail with a message naming the kind. Both engines callers drive
-(`LLMEngine`, `DPEngineClient`) offer the whole `EngineClient` protocol with the same
+(`LLMEngine`, `EngineCoreClient`) offer the whole `EngineClient` protocol with the same
 signatures, so `LLM` and the server can drive either.
 """
 
@@ -16,8 +16,8 @@ import pytest
 from tests.engine._fixtures import assert_pool_clean, checkpoint
 from tests.tiny_checkpoints import build_tiny_checkpoint
 from tokenwise import LLM, SamplingParams
-from tokenwise.distributed.dp_engine_client import DPEngineClient
 from tokenwise.engine.client import EngineClient
+from tokenwise.engine.core_client import EngineCoreClient
 from tokenwise.engine.kinds.encoder_decoder import EncoderDecoderKind
 from tokenwise.engine.kinds.encoder_decoder_runner import EncoderDecoderModelRunner
 from tokenwise.engine.kinds.encoder_decoder_scheduler import EncoderDecoderScheduler
@@ -103,7 +103,7 @@ def test_base_request_carries_no_kind_fields() -> None:
     assert "encoder_inputs" in {f.name for f in dataclasses.fields(EncoderDecoderRequest)}
 
 
-@pytest.mark.parametrize("engine_cls", [LLMEngine, DPEngineClient])
+@pytest.mark.parametrize("engine_cls", [LLMEngine, EngineCoreClient])
 def test_both_engines_offer_the_engine_client_protocol(engine_cls: type) -> None:
     """Every protocol method exists with the protocol's parameter names, in order."""
     names = [n for n, v in vars(EngineClient).items() if callable(v) and not n.startswith("_")]

@@ -23,6 +23,10 @@ def _slow_compile(self: GrammarCompileCache, spec: object) -> object:
     return _compile(self, spec)  # type: ignore[arg-type]
 
 
-if __name__ == "__main__":
+# Planted in the server process and in its engine-core process, which multiprocessing's spawn
+# starts by importing this module as `__mp_main__` (the step runs there); not in a test that
+# merely imports a constant from here.
+if __name__ in ("__main__", "__mp_main__"):
     GrammarCompileCache._compile = _slow_compile  # type: ignore[method-assign]
+if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -26,6 +26,10 @@ def _slow_step(self: LLMEngine) -> list:
     return _step(self)
 
 
-if __name__ == "__main__":
+# Planted in the server process and in its engine-core process, which multiprocessing's spawn
+# starts by importing this module as `__mp_main__` (the step runs there); not in a test that
+# merely imports a constant from here.
+if __name__ in ("__main__", "__mp_main__"):
     LLMEngine.step = _slow_step  # type: ignore[method-assign]
+if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -143,6 +143,9 @@ def test_server_exits_nonzero_when_its_engine_loop_dies(
     with RemoteServer(model_dir, launcher=("-m", "tests.entrypoints._faulty_serve")) as server:
         body = {"prompt": "Hello", "max_tokens": 4}
         response = httpx.post(server.url("/v1/completions"), json=body, timeout=30.0)
-        error_of(response, 500, code="engine_dead")
+        error_of(response, 503, code="engine_dead")
         assert server.proc.wait(timeout=60) == 1
-        assert f"the engine loop died (RuntimeError: {PLANTED}); exiting" in server.log()
+        # The bug killed the engine-core process; the server names it and the bug.
+        log = server.log()
+        assert "tokenwise: error: the engine loop died (RuntimeError: the engine core" in log
+        assert f"RuntimeError: {PLANTED}; the engine cannot continue" in log

@@ -46,6 +46,9 @@ class _QueueingEngine:
             self.waiting = [r for r in self.waiting if r not in request_ids]
             self.running = [r for r in self.running if r not in request_ids]
 
+    def check_health(self) -> None:  # alive as long as the test wants it
+        pass
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -1,19 +1,32 @@
 """`EngineClient`: what the offline API and the server drive, and `create_engine`, the one
 place an engine is made.
 
-Two engines satisfy the protocol today: `LLMEngine` (one engine in this process, for every model
-kind) and `DPEngineClient` (a front end over one engine process per data-parallel rank). The
-engine-core process client of a later step will be a third. `LLM`, the server's async engine
-and the benchmarks see only this protocol, so none of them knows which one serves them.
+Two engines satisfy the protocol: `LLMEngine` (one engine in this process, for every model
+kind) and `EngineCoreClient` (a front end over engine-core processes: one, or one per
+data-parallel rank). `LLM`, the server's async engine and the benchmarks see only this
+protocol, so none of them knows which one serves them.
+
+Which one `create_engine` makes: data parallelism always takes core processes. Otherwise `LLM`
+keeps the engine in its own process (the caller's thread drives it and nothing else competes
+for the interpreter lock, so a second process would only add a hop per step), while `tokenwise
+serve` asks for a core process (`core_process=True`): there the HTTP handling, tokenization and
+streaming would otherwise take the interpreter lock from the engine loop between and during its
+steps. `TOKENWISE_ENABLE_MULTIPROCESSING=0` (vLLM's `VLLM_ENABLE_V1_MULTIPROCESSING`) keeps the
+server's engine in-process. Embedding and encoder-decoder models are served in-process for now:
+their prompt processing (pooling checks, audio features) runs in the engine, not yet in the
+client.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Protocol, runtime_checkable
 
 from tokenwise.config import EngineConfig
-from tokenwise.distributed.dp_engine_client import DPEngineClient
 from tokenwise.distributed.tp_worker import maybe_serve_torchrun_worker
+from tokenwise.engine.core_client import EngineCoreClient
+from tokenwise.engine.kinds.generate import GenerateKind
+from tokenwise.engine.kinds.select import model_kind_for
 from tokenwise.engine.llm_engine import LLMEngine
 from tokenwise.engine.prompts import PromptInput
 from tokenwise.engine.stats import EngineStats
@@ -53,12 +66,23 @@ class EngineClient(Protocol):
 
     def get_tokenizer(self) -> Any: ...
 
+    def check_health(self) -> None:
+        """Raise, with the reason, if the engine can no longer serve (a core process died);
+        a server calls it while idle, so a dead engine is noticed without a request."""
+
+    def forward_time_table(self) -> dict[int, tuple[int, float]]:
+        """batch size (tokens in the pass) -> (forward passes, median ms), for `/metrics`."""
+
     def shutdown(self) -> None:
         """Stop worker processes and threads; the engine cannot step afterwards."""
 
 
-def create_engine(config: EngineConfig) -> EngineClient:
-    """One engine in this process, or a front end over `data_parallel_size` rank processes.
+ENV_MULTIPROCESSING = "TOKENWISE_ENABLE_MULTIPROCESSING"
+
+
+def create_engine(config: EngineConfig, core_process: bool = False) -> EngineClient:
+    """One engine in this process, or a front end over engine-core processes: one per
+    data-parallel rank, or (`core_process`, a generative model) one core.
 
     The model kind (generate, embed, encoder-decoder) is the engine's to choose from the
     configuration. Under torchrun, on a TP rank other than 0 this never returns: the rank
@@ -67,5 +91,14 @@ def create_engine(config: EngineConfig) -> EngineClient:
     """
     maybe_serve_torchrun_worker(config)
     if config.parallel.data_parallel_size > 1:
-        return DPEngineClient(config)
+        return EngineCoreClient(config)
+    if core_process and _multiprocessing_enabled() and model_kind_for(config) is GenerateKind:
+        return EngineCoreClient(config)
     return LLMEngine(config, config.device)
+
+
+def _multiprocessing_enabled() -> bool:
+    value = os.environ.get(ENV_MULTIPROCESSING, "1").strip().lower()
+    if value not in ("0", "1", "false", "true"):
+        raise ValueError(f"{ENV_MULTIPROCESSING} must be 0 or 1, got {value!r}")
+    return value in ("1", "true")

@@ -18,6 +18,7 @@ import logging
 import time
 from typing import Any
 
+from tokenwise.batchsize_stats import get_batchsize_forward_time_summary
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.tp_worker import maybe_serve_torchrun_worker, run_tp_worker
 from tokenwise.engine.kinds.base import ModelKind, NewRequest
@@ -97,7 +98,7 @@ class LLMEngine:
         if parallel.is_moe_model is None:
             parallel.is_moe_model = is_moe_architecture(config.model.architectures)
         # Under DP an MoE model's layers are collectives: every rank must run one forward pass
-        # per step, a dummy one when it has nothing scheduled (see tokenwise.distributed.dp_engine_rank).
+        # per step, a dummy one when it has nothing scheduled (see tokenwise.engine.core_process).
         kind_cls = kind or model_kind_for(config)
         self.grammar_timeout_s = grammar_compile_timeout_s()
         self._grammars: GrammarCompileCache | None = None  # made at the first guided request
@@ -334,3 +335,10 @@ class LLMEngine:
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+    def check_health(self) -> None:
+        """Nothing to check: this engine runs in the caller's process (and thread)."""
+
+    def forward_time_table(self) -> dict[int, tuple[int, float]]:
+        """batch size -> (forward passes, median ms) of this process's forward passes."""
+        return get_batchsize_forward_time_summary()

@@ -98,7 +98,7 @@ class ModelRunner(KVCacheSizingMixin):
             raise RuntimeError("the model registered no attention layers")
         self.sampler = Sampler()
         parallel = config.parallel
-        # MoE under DP: every forward pass is a collective (see tokenwise.distributed.dp_engine_rank).
+        # MoE under DP: every forward pass is a collective (see tokenwise.engine.core_process).
         self.dp_lockstep = parallel.data_parallel_size > 1 and bool(parallel.is_moe_model)
         self.num_ubatched_steps = 0
         self.kv_caches: dict[str, torch.Tensor] = {}

@@ -138,13 +138,15 @@ LAYERS: tuple[Layer, ...] = (
     Layer("model kinds", ("tokenwise.engine.kinds.*",)),
     # The engine loop: the same for every kind.
     Layer("engine loop", ("tokenwise.engine.llm_engine",)),
-    # Engines callers drive (`EngineClient`): the in-process engine, and the data-parallel
-    # front end over one engine process per rank; `create_engine` picks one.
+    # Engines callers drive (`EngineClient`): the in-process engine, and the client of
+    # engine-core processes (one, or one per DP rank) with its wire messages; `create_engine`
+    # picks one.
     Layer(
         "engine clients",
         (
-            "tokenwise.distributed.dp_engine_rank",
-            "tokenwise.distributed.dp_engine_client",
+            "tokenwise.engine.core_messages",
+            "tokenwise.engine.core_process",
+            "tokenwise.engine.core_client",
             "tokenwise.engine.client",
         ),
     ),

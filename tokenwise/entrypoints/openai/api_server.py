@@ -162,7 +162,9 @@ def run_server(args: argparse.Namespace) -> int:
     import torch
 
     torch.manual_seed(engine_config.model.seed)
-    engine = create_engine(engine_config)
+    # The engine core runs in its own process (one per DP rank): this process keeps HTTP,
+    # tokenization and streaming, and never takes the interpreter lock from the engine loop.
+    engine = create_engine(engine_config, core_process=True)
     config = ServerConfig(
         served_model_name=args.served_model_name or args.model or "default",
         max_model_len=engine.model_config.max_model_len,
@@ -196,7 +198,7 @@ def run_server(args: argparse.Namespace) -> int:
         on_dead=exit_when_dead,
         max_waiting_requests=args.max_waiting_requests,
     )
-    metrics.attach_engine(lambda: async_engine.stats)
+    metrics.attach_engine(lambda: async_engine.stats, engine.forward_time_table)
     app = build_app(async_engine, config, metrics, models, args.allow_runtime_lora_updating)
     auth = "API key required" if config.api_key else "no API key"
     print(
@@ -225,6 +227,7 @@ def run_server(args: argparse.Namespace) -> int:
         server.run()
     finally:
         signal.signal(signal.SIGTERM, previous)
+        engine.shutdown()  # stops the engine-core processes (a no-op for a dead client)
     if terminated:
         print("tokenwise: SIGTERM: drained and stopped", file=sys.stderr, flush=True)
     if async_engine.died_of is not None:

@@ -14,10 +14,11 @@ serve what it accepted. Waiting means not yet scheduled: the engine's waiting co
 last step, plus the requests handed over since (queued here or applied in the step running
 now), so a burst between two steps cannot slip past the bound.
 
-If the thread dies (a bug, not a model error: those fail only their step's requests inside the
-engine, which then serves on), every waiting request receives `EngineDeadError`, new requests
+If the thread dies (a bug, or the engine-core process died: model errors fail only their
+step's requests inside the engine, which then serves on), every waiting request receives `EngineDeadError`, new requests
 are refused with it, `is_healthy` turns false so `/health` reports 503, and `on_dead` is called
-so the server can exit non-zero instead of lingering unusable.
+so the server can exit non-zero instead of lingering unusable. While idle the thread asks the
+engine's `check_health()` every second, so a core killed between requests is noticed too.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ if TYPE_CHECKING:  # the engine (and torch) load only where an engine is built
     from tokenwise.engine.prompts import PromptInput
 
 logger = logging.getLogger("tokenwise.server")
+
+# While idle, the engine thread asks the engine this often whether it can still serve (an
+# engine-core process may have been killed), so a dead engine ends the server within seconds.
+HEALTH_CHECK_INTERVAL_S = 1.0
 
 OutputObserver = Callable[[RequestOutput | EmbeddingRequestOutput], None]
 DeathCallback = Callable[[BaseException], None]
@@ -230,11 +235,16 @@ class AsyncEngine:
                     while not (
                         self._commands or self._stopping or self.engine.has_unfinished_requests()
                     ):
-                        self._wakeup.wait()
+                        if not self._wakeup.wait(HEALTH_CHECK_INTERVAL_S):
+                            # Idle: an engine core that died now is noticed without a request.
+                            self.engine.check_health()
                     if self._stopping:
                         break
                     batch.extend(self._commands)
                     self._commands.clear()
+                # A dead engine core must end the loop, not fail each new request as if its
+                # input were bad (requests arriving faster than the idle check would hide it).
+                self.engine.check_health()
                 adds = sum(isinstance(command, _Add) for command in batch)
                 while batch:
                     self._apply(batch.popleft())

@@ -81,8 +81,9 @@ class ServerOverloadedError(RuntimeError):
 
 
 def engine_dead(exc: EngineDeadError) -> OpenAIError:
-    """The 500 for a dead engine, the same whether it is a response or a stream event."""
-    return OpenAIError(500, f"the engine has stopped: {exc}", code="engine_dead")
+    """The 503 for a dead engine (this server cannot serve; a supervisor restarts it, a client
+    retries elsewhere), the same whether it is a response or a stream event."""
+    return OpenAIError(503, f"the engine has stopped: {exc}", code="engine_dead")
 
 
 def generation_failed(error: object, code: str | None = "generation_error") -> OpenAIError:

@@ -13,7 +13,6 @@ process without "duplicated timeseries" errors from the global registry.
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,7 +21,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tokenwise.batchsize_stats import get_batchsize_forward_time_samples
+from tokenwise.batchsize_stats import get_batchsize_forward_time_summary
 from tokenwise.engine.stats import EngineStats
 from tokenwise.outputs import RequestOutput
 
@@ -35,9 +34,15 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 60
 class _EngineCollector(Collector):
     """Reads the engine's statistics snapshot at scrape time."""
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        stats: Callable[[], EngineStats],
+        forward_times: Callable[[], dict[int, tuple[int, float]]],
+    ) -> None:
         self.model_name = model_name
         self.stats = stats
+        self.forward_times = forward_times
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
@@ -96,10 +101,9 @@ class _EngineCollector(Collector):
         count = CounterMetricFamily(
             PREFIX + "forward_passes", "Forward passes per batch size.", labels=labels
         )
-        for size, samples in sorted(get_batchsize_forward_time_samples().items()):
-            if samples:
-                median.add_metric([self.model_name, str(size)], statistics.median(samples))
-                count.add_metric([self.model_name, str(size)], len(samples))
+        for size, (passes, median_ms) in sorted(self.forward_times().items()):
+            median.add_metric([self.model_name, str(size)], median_ms)
+            count.add_metric([self.model_name, str(size)], passes)
         yield median
         yield count
 
@@ -133,8 +137,15 @@ class ServerMetrics:
         self._first_seen: set[str] = set()
         self._last_token: dict[str, dict[int, float]] = {}  # request -> sample -> time
 
-    def attach_engine(self, stats: Callable[[], EngineStats]) -> None:
-        self.registry.register(_EngineCollector(self.model_name, stats))
+    def attach_engine(
+        self,
+        stats: Callable[[], EngineStats],
+        forward_times: Callable[[], dict[int, tuple[int, float]]] | None = None,
+    ) -> None:
+        """`forward_times`: batch size -> (passes, median ms), read at scrape time; by default
+        this process's (an engine core in another process reports its own)."""
+        forward_times = forward_times or get_batchsize_forward_time_summary
+        self.registry.register(_EngineCollector(self.model_name, stats, forward_times))
 
     def observe(self, output: RequestOutput, now: float | None = None) -> None:
         """Record the latencies one engine delta reveals (called on the engine thread)."""

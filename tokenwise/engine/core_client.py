@@ -1,0 +1,346 @@
+"""`EngineCoreClient`: engine-core processes behind the `EngineClient` interface.
+
+`tokenwise serve` drives one of these by default (one core), and `LLM(...,
+data_parallel_size=N)` / `serve --data-parallel-size N` one with a core per rank; neither knows
+how many cores serve it. The client keeps everything that needs no model in the caller's
+process: requests are validated and tokenized here (bad input fails in the caller, exactly as
+with an in-process engine), sent to the least-loaded core with their token ids, and their
+prompts put back on the outputs that come back (`core_messages`). Detokenization and the stop
+rules stay in the core: a stop string ends its request in the very step that completed it, and
+the request's KV blocks are freed there, with no extra token generated and no abort round trip.
+
+Nothing waits without a bound: start-up has a deadline, every wait for outputs is short, and
+each `step()` (or `check_health()`, which a server calls while idle) checks that every core
+process is alive. A core that died (killed, out of memory, a failed collective) stops all the
+others and fails the client with an error naming the core, on this call and every later one.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import time
+import weakref
+from typing import Any
+
+import zmq
+
+from tokenwise.config import EngineConfig
+from tokenwise.distributed.tp_state import free_port
+from tokenwise.engine import core_messages as msg
+from tokenwise.engine.core_process import run_engine_core
+from tokenwise.engine.prompts import PromptInput, load_tokenizer, validate_request
+from tokenwise.engine.stats import EngineStats
+from tokenwise.lora.request import LoRARequest
+from tokenwise.models.registry import is_moe_architecture
+from tokenwise.outputs import EmbeddingRequestOutput, RequestOutput
+from tokenwise.sampling.params import SamplingParams
+
+logger = logging.getLogger("tokenwise.engine")
+
+START_TIMEOUT_S = 600.0  # every core loads the model; big checkpoints take minutes
+STEP_WAIT_S = 0.005  # one step() waits at most this long for outputs
+STOP_TIMEOUT_S = 10.0
+
+
+class EngineCoreClient:
+    def __init__(self, config: EngineConfig) -> None:
+        parallel = config.parallel
+        self.config = config
+        self.model_config = config.model
+        if parallel.is_moe_model is None:
+            parallel.is_moe_model = is_moe_architecture(config.model.architectures)
+        skip = config.model.skip_tokenizer_init
+        self.tokenizer = None if skip else load_tokenizer(config.model)
+        num_cores = parallel.data_parallel_size
+        self._dp = num_cores > 1
+        # Unfinished request id -> (its core, its weight in sequences, prompt text, token ids).
+        self.groups: dict[str, tuple[int, int, str | None, list[int]]] = {}
+        self._load = [0] * num_cores  # sequences in flight per core
+        self._stats: list[EngineStats] = [EngineStats() for _ in range(num_cores)]
+        # Per core: batch size -> (forward passes, median ms), and the sizes seen more than once
+        # as (size, count, median) rows, as `batchsize_stats` logs them.
+        self._forward_times: list[dict[int, tuple[int, float]]] = [{} for _ in range(num_cores)]
+        self.batchsize_stats: list[list[tuple[int, int, float]]] = [[] for _ in range(num_cores)]
+        self._stopped = False
+        self._failure: str | None = None  # why the client died; every later call says it
+        if self._dp:
+            ip = parallel.data_parallel_master_ip
+            parallel.data_parallel_master_port = parallel.data_parallel_master_port or free_port(ip)
+        self._ipc_dir = tempfile.mkdtemp(prefix="tokenwise-core-")
+        self._zmq = zmq.Context()
+        out_address = f"ipc://{self._ipc_dir}/out"
+        self._outbox = self._zmq.socket(zmq.PULL)
+        self._outbox.setsockopt(zmq.LINGER, 0)
+        self._outbox.bind(out_address)
+        self._inboxes = []
+        for rank in range(num_cores):
+            sock = self._zmq.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)  # never block or drop a request: queue it
+            sock.bind(f"ipc://{self._ipc_dir}/in{rank}")
+            self._inboxes.append(sock)
+        ctx = mp.get_context("spawn")  # fork would copy torch's threads and locks
+        self._procs = [
+            ctx.Process(
+                target=run_engine_core,
+                args=(config, rank, f"ipc://{self._ipc_dir}/in{rank}", out_address),
+                name=f"tokenwise-dp-{rank}" if self._dp else "tokenwise-engine-core",
+                # A daemon may not start processes, and under TP each core starts its workers;
+                # cores also stop by themselves when this process is gone (`core_process`).
+                daemon=parallel.tensor_parallel_size == 1,
+            )
+            for rank in range(num_cores)
+        ]
+        for proc in self._procs:
+            proc.start()
+        self._finalizer = weakref.finalize(
+            self, _stop_cores, self._procs, self._inboxes, self._outbox, self._zmq, self._ipc_dir
+        )
+        self._wait_until_ready()
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> None:
+        params = params or SamplingParams()
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = validate_request(self.model_config, self.tokenizer, prompt, params)
+        self.check_health()
+        rank = min(range(len(self._load)), key=self._load.__getitem__)  # least loaded
+        # The core gets token ids: it never tokenizes.
+        wire_prompt = {"prompt": text, "prompt_token_ids": token_ids}
+        message = msg.add_request(request_id, wire_prompt, params, cache_salt, lora_request)
+        self._inboxes[rank].send(msg.encode(message))
+        self.groups[request_id] = (rank, params.n, text, token_ids)
+        self._load[rank] += params.n
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        if self._stopped:
+            return
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        by_rank: dict[int, list[str]] = {}
+        for rid in ids:
+            if rid in self.groups:
+                by_rank.setdefault(self.groups[rid][0], []).append(rid)
+        for rank, rank_ids in by_rank.items():
+            self._inboxes[rank].send(msg.encode(msg.AbortRequests(rank_ids)))
+
+    abort = abort_request
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.groups
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.groups)
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
+        """Outputs the cores produced since the last call (waits briefly when there are none)."""
+        self.check_health()
+        outputs: list[RequestOutput | EmbeddingRequestOutput] = []
+        wait_ms = int(STEP_WAIT_S * 1000) if self.groups else 1
+        if not self._outbox.poll(wait_ms):
+            return outputs
+        while True:
+            try:
+                frame = self._outbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return outputs
+            self._handle(msg.decode_from_core(frame), outputs)
+
+    def _handle(self, message: msg.FromCore, outputs: list) -> None:
+        if isinstance(message, msg.CoreOutputs):
+            rank = message.rank
+            self._stats[rank] = message.stats
+            if message.forward_times is not None:
+                self._forward_times[rank] = message.forward_times
+                self.batchsize_stats[rank] = [
+                    (size, count, median)
+                    for size, (count, median) in sorted(message.forward_times.items())
+                    if count > 1
+                ]
+            for out in message.outputs:
+                record = self.groups.get(out.request_id)
+                if record is not None:
+                    out.prompt, out.prompt_token_ids = record[2], record[3]
+                if out.finished:
+                    self._finish(out.request_id)
+                outputs.append(out)
+            for out in message.embeddings:
+                self._finish(out.request_id)
+                outputs.append(out)
+        elif isinstance(message, msg.CoreRejected):
+            record = self.groups.get(message.request_id)
+            prompt, ids = (record[2], record[3]) if record is not None else (None, [])
+            self._finish(message.request_id)
+            outputs.append(
+                RequestOutput(
+                    message.request_id, prompt, ids, [], finished=True, error=message.message
+                )
+            )
+        elif isinstance(message, msg.CoreDead):
+            time.sleep(0.2)  # let a peer that died first be seen as dead: it is the cause
+            self._fail(self._diagnose({message.rank: message.message}))
+        else:
+            raise RuntimeError(f"unexpected message {type(message).__name__} from an engine core")
+
+    def _finish(self, request_id: str) -> None:
+        record = self.groups.pop(request_id, None)
+        if record is not None:
+            self._load[record[0]] -= record[1]
+
+    # ---- process health -----------------------------------------------------------------------
+
+    def _wait_until_ready(self) -> None:
+        ready: set[int] = set()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while len(ready) < len(self._procs):
+            self.check_health()
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(len(self._procs))) - ready)
+                self._fail(f"{self._name_ranks(missing)} not ready within {START_TIMEOUT_S:.0f} s")
+            if not self._outbox.poll(200):
+                continue
+            message = msg.decode_from_core(self._outbox.recv())
+            if isinstance(message, msg.CoreReady):
+                ready.add(message.rank)
+                self._stats[message.rank].num_total_blocks = message.num_blocks
+            else:
+                self._handle(message, [])
+        logger.info("%s ready", self._name_ranks(sorted(ready)))
+
+    def _name(self, rank: int) -> str:
+        return f"data-parallel rank {rank}" if self._dp else "the engine core"
+
+    def _name_ranks(self, ranks: list[int]) -> str:
+        return f"data-parallel ranks {ranks}" if self._dp else "the engine core"
+
+    def check_health(self) -> None:
+        """Raise (after stopping every core) if the client was stopped or any core is gone."""
+        if self._stopped:
+            raise RuntimeError(self._failure or "the engine has been shut down")
+        if any(not proc.is_alive() for proc in self._procs):
+            self._fail(self._diagnose({}))
+
+    def _diagnose(self, reports: dict[int, str]) -> str:
+        """Name the core that caused a failure, not the first one to notice it.
+
+        When one DP rank dies, its peers fail in their next collective and report that; a rank
+        that died without reporting (killed, out of memory) is the cause, so it is named first.
+        """
+        while self._outbox.poll(0):
+            message = msg.decode_from_core(self._outbox.recv())
+            if isinstance(message, msg.CoreDead):
+                reports.setdefault(message.rank, message.message)
+        exited = [r for r, proc in enumerate(self._procs) if proc.exitcode is not None]
+        silent = [r for r in exited if r not in reports]
+        root = silent[0] if silent else min(reports, default=exited[0] if exited else 0)
+        proc = self._procs[root]
+        text = f"{self._name(root)} (pid {proc.pid}) "
+        text += "failed" if proc.exitcode is None else f"exited with code {proc.exitcode}"
+        if root in reports:
+            text += f": {reports[root].splitlines()[0]}"
+        text += "; the engine cannot continue"
+        others = sorted(set(reports) - {root})
+        if others:
+            text += f" (rank {others[0]} then failed: {reports[others[0]].splitlines()[0][:300]})"
+        return text
+
+    def _fail(self, reason: str) -> None:
+        """Stop every core at once (the survivors may be blocked in a collective with the dead
+        one, so asking them politely would only wait for a timeout) and raise."""
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+        self._failure = reason
+        self.groups.clear()  # nothing will ever report them: callers must not wait for them
+        self.shutdown()
+        raise RuntimeError(reason)
+
+    def shutdown(self) -> None:
+        if not self._stopped:
+            self._stopped = True
+            self._finalizer()
+
+    # ---- observability ------------------------------------------------------------------------
+
+    def get_stats(self) -> EngineStats:
+        """Counters summed over cores; KV usage is the pooled fraction of all cores' blocks."""
+        if len(self._stats) == 1:
+            return self._stats[0]
+        total = EngineStats()
+        for s in self._stats:
+            for name in (
+                "num_running",
+                "num_waiting",
+                "num_free_blocks",
+                "num_total_blocks",
+                "prefix_cache_queries",
+                "prefix_cache_hits",
+                "prompt_tokens_total",
+                "generation_tokens_total",
+                "num_preemptions_total",
+                "num_steps_total",
+                "num_ubatched_steps_total",
+                "num_dummy_steps_total",
+            ):
+                setattr(total, name, getattr(total, name) + getattr(s, name))
+            for reason, count in s.finished_reasons.items():
+                total.finished_reasons[reason] = total.finished_reasons.get(reason, 0) + count
+        if total.num_total_blocks:
+            total.kv_cache_usage = 1.0 - total.num_free_blocks / total.num_total_blocks
+        return total
+
+    def forward_time_table(self) -> dict[int, tuple[int, float]]:
+        """batch size -> (forward passes, median ms) as the first core last reported it (the
+        server's `/metrics`; forward times are per process, so they come from the core)."""
+        return dict(self._forward_times[0])
+
+    @property
+    def rank_pids(self) -> list[int | None]:
+        return [proc.pid for proc in self._procs]
+
+    def get_rank_stats(self) -> list[EngineStats]:
+        return [copy.deepcopy(s) for s in self._stats]
+
+
+def _stop_cores(
+    procs: list[Any], inboxes: list[Any], outbox: Any, context: Any, ipc_dir: str
+) -> None:
+    """Ask every core to stop, then make sure: a core stuck in a collective is terminated."""
+    for inbox in inboxes:
+        try:
+            inbox.send(msg.encode(msg.StopCore()), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=STOP_TIMEOUT_S)
+    for sock in [*inboxes, outbox]:
+        sock.close(linger=0)
+    context.term()
+    if os.path.isdir(ipc_dir):
+        shutil.rmtree(ipc_dir, ignore_errors=True)

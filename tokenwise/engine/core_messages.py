@@ -1,0 +1,102 @@
+"""The messages between an engine-core process and its client, and their wire format.
+
+Client to core: `AddRequest`, `AbortRequests`, `StopCore`. Core to client: `CoreReady`, then
+one `CoreOutputs` per step that produced outputs, `CoreRejected` for a request the core could
+not take, `CoreDead` when the core fails. Each is a tagged msgspec struct sent as one ZeroMQ
+frame of msgpack: the per-step outputs, the hot path, decode straight into the engine's own
+`RequestOutput` dataclasses without pickle. What is polymorphic and travels once per request
+(the prompt, the sampling parameters with their guided-decoding spec, a LoRA request) is pickled
+inside `AddRequest.payload`: both ends are this package, and the client validated it already.
+
+The outputs leave out the prompt (text and token ids): the client kept both when it validated
+the request and puts them back, so a long prompt is not sent again with every token.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import msgspec
+
+from tokenwise.engine.stats import EngineStats
+from tokenwise.outputs import EmbeddingRequestOutput, RequestOutput
+
+
+class AddRequest(msgspec.Struct, tag=True):
+    request_id: str
+    payload: bytes  # pickle of (prompt, params, cache_salt, lora_request)
+
+
+class AbortRequests(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class StopCore(msgspec.Struct, tag=True):
+    pass
+
+
+class CoreReady(msgspec.Struct, tag=True):
+    rank: int
+    num_blocks: int
+
+
+class CoreOutputs(msgspec.Struct, tag=True):
+    rank: int
+    outputs: list[RequestOutput]
+    stats: EngineStats
+    # batch size -> (forward passes, median ms): sent at most once a second, and None between.
+    forward_times: dict[int, tuple[int, float]] | None = None
+    embeddings: list[EmbeddingRequestOutput] = []
+
+
+class CoreRejected(msgspec.Struct, tag=True):
+    rank: int
+    request_id: str
+    message: str
+
+
+class CoreDead(msgspec.Struct, tag=True):
+    rank: int
+    message: str
+
+
+ToCore = AddRequest | AbortRequests | StopCore
+FromCore = CoreReady | CoreOutputs | CoreRejected | CoreDead
+
+_encoder = msgspec.msgpack.Encoder()
+_to_core = msgspec.msgpack.Decoder(ToCore)
+_from_core = msgspec.msgpack.Decoder(FromCore)
+
+
+def encode(message: ToCore | FromCore) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_to_core(frame: bytes) -> ToCore:
+    return _to_core.decode(frame)
+
+
+def decode_from_core(frame: bytes) -> FromCore:
+    return _from_core.decode(frame)
+
+
+def add_request(
+    request_id: str, prompt: Any, params: Any, cache_salt: str | None, lora_request: Any
+) -> AddRequest:
+    payload = pickle.dumps((prompt, params, cache_salt, lora_request), pickle.HIGHEST_PROTOCOL)
+    return AddRequest(request_id, payload)
+
+
+def add_request_fields(message: AddRequest) -> tuple[Any, Any, str | None, Any]:
+    """(prompt, params, cache_salt, lora_request) of an `AddRequest`."""
+    return pickle.loads(message.payload)
+
+
+def strip_prompts(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """The outputs without their prompts (the client puts them back): set on the step's own
+    output objects, which nothing else holds, so the requests keep theirs."""
+    for out in outputs:
+        out.prompt = None
+        out.prompt_token_ids = []
+    return outputs
