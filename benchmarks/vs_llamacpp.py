@@ -243,6 +243,26 @@ convert_hf_to_gguf.main()
 
 def build_checkpoints(shape: str, dtype: str, cache: Path, seed: int) -> tuple[Path, Path]:
     """The random-weight HF checkpoint and its GGUF conversion (cached by shape and dtype)."""
+    hf_dir = build_hf_checkpoint(shape, dtype, cache, seed)
+    gguf = hf_dir.parent / f"model-{dtype}.gguf"
+    if not gguf.exists():
+        if importlib_missing("sentencepiece"):
+            raise SystemExit(
+                "vs_llamacpp: convert_hf_to_gguf.py needs sentencepiece: "
+                f"{sys.executable} -m pip install sentencepiece"
+            )
+        src = llama_cpp_source(cache)
+        tmp_gguf = gguf.with_suffix(".tmp")
+        cmd = [*_nice(), sys.executable, "-c", CONVERT_SHIM, str(src), str(hf_dir)]
+        cmd += ["--outtype", dtype, "--outfile", str(tmp_gguf)]
+        _run(cmd, 1800, "convert_hf_to_gguf.py")
+        tmp_gguf.rename(gguf)
+    return hf_dir, gguf
+
+
+def build_hf_checkpoint(shape: str, dtype: str, cache: Path, seed: int) -> Path:
+    """The random-weight HF checkpoint of `shape` (cached by shape, dtype and seed); a new one
+    makes its GGUF conversion stale."""
     out = cache / "models" / f"{shape}-{dtype}-seed{seed}-textonly"
     hf_dir, gguf = out / "hf", out / f"model-{dtype}.gguf"
     if not (hf_dir / "model.safetensors").exists():
@@ -269,19 +289,7 @@ def build_checkpoints(shape: str, dtype: str, cache: Path, seed: int) -> tuple[P
         shutil.rmtree(hf_dir, ignore_errors=True)
         tmp.rename(hf_dir)
         gguf.unlink(missing_ok=True)
-    if not gguf.exists():
-        if importlib_missing("sentencepiece"):
-            raise SystemExit(
-                "vs_llamacpp: convert_hf_to_gguf.py needs sentencepiece: "
-                f"{sys.executable} -m pip install sentencepiece"
-            )
-        src = llama_cpp_source(cache)
-        tmp_gguf = gguf.with_suffix(".tmp")
-        cmd = [*_nice(), sys.executable, "-c", CONVERT_SHIM, str(src), str(hf_dir)]
-        cmd += ["--outtype", dtype, "--outfile", str(tmp_gguf)]
-        _run(cmd, 1800, "convert_hf_to_gguf.py")
-        tmp_gguf.rename(gguf)
-    return hf_dir, gguf
+    return hf_dir
 
 
 def non_text_token_ids() -> list[int]:

@@ -165,3 +165,35 @@ def test_a_killed_core_fails_the_client_with_a_clear_error() -> None:
             client.add_request("later", [1, 2, 3], SamplingParams())
     finally:
         client.shutdown()
+
+
+def test_wakeup_ends_a_step_waiting_for_outputs(
+    engines: tuple[EngineCoreClient, LLMEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server's handler hands a request over while the engine thread waits in `step()`: the
+    wait ends at once instead of at its timeout."""
+    import threading
+
+    from tokenwise.engine import core_client
+
+    core, _ = engines
+    (pid,) = core.rank_pids
+    core.add_request("held", [1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True))
+    os.kill(pid, signal.SIGSTOP)  # a core that produces nothing for now
+    try:
+        while core.step():  # drain what it sent before it stopped
+            pass
+        assert core.has_request("held")
+        monkeypatch.setattr(core_client, "STEP_WAIT_S", 20.0)
+        timer = threading.Timer(0.3, core.wakeup)
+        timer.start()
+        start = time.monotonic()
+        assert core.step() == []
+        assert 0.2 < time.monotonic() - start < 10  # woken, not timed out (20 s)
+        timer.join()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    monkeypatch.undo()
+    core.abort_request("held")
+    while core.has_request("held"):
+        core.step()

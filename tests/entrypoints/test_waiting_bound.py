@@ -49,6 +49,9 @@ class _QueueingEngine:
     def check_health(self) -> None:  # alive as long as the test wants it
         pass
 
+    def wakeup(self) -> None:  # step() never waits
+        pass
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -66,6 +66,10 @@ class EngineClient(Protocol):
 
     def get_tokenizer(self) -> Any: ...
 
+    def wakeup(self) -> None:
+        """Make a `step()` that is waiting for outputs return now; callable from any thread
+        (a server's handler hands over a request while the engine thread waits)."""
+
     def check_health(self) -> None:
         """Raise, with the reason, if the engine can no longer serve (a core process died);
         a server calls it while idle, so a dead engine is noticed without a request."""

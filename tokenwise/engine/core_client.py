@@ -23,6 +23,7 @@ import multiprocessing as mp
 import os
 import shutil
 import tempfile
+import threading
 import time
 import weakref
 from typing import Any
@@ -43,7 +44,9 @@ from tokenwise.sampling.params import SamplingParams
 logger = logging.getLogger("tokenwise.engine")
 
 START_TIMEOUT_S = 600.0  # every core loads the model; big checkpoints take minutes
-STEP_WAIT_S = 0.005  # one step() waits at most this long for outputs
+# One step() waits at most this long for outputs; `wakeup()` (a new request to hand over) ends
+# the wait at once, so the caller's thread sleeps between steps instead of polling.
+STEP_WAIT_S = 0.1
 STOP_TIMEOUT_S = 10.0
 
 
@@ -77,6 +80,16 @@ class EngineCoreClient:
         self._outbox = self._zmq.socket(zmq.PULL)
         self._outbox.setsockopt(zmq.LINGER, 0)
         self._outbox.bind(out_address)
+        # `wakeup()` may come from any thread; a ZeroMQ socket is not thread-safe, so its end
+        # is used under a lock, and the end that step() polls only by step().
+        self._wake_lock = threading.Lock()
+        self._wake_tx = self._zmq.socket(zmq.PAIR)
+        self._wake_rx = self._zmq.socket(zmq.PAIR)
+        self._wake_rx.bind(f"inproc://wake-{id(self)}")
+        self._wake_tx.connect(f"inproc://wake-{id(self)}")
+        self._poller = zmq.Poller()
+        self._poller.register(self._outbox, zmq.POLLIN)
+        self._poller.register(self._wake_rx, zmq.POLLIN)
         self._inboxes = []
         for rank in range(num_cores):
             sock = self._zmq.socket(zmq.PUSH)
@@ -98,8 +111,9 @@ class EngineCoreClient:
         ]
         for proc in self._procs:
             proc.start()
+        sockets = [*self._inboxes, self._outbox, self._wake_tx, self._wake_rx]
         self._finalizer = weakref.finalize(
-            self, _stop_cores, self._procs, self._inboxes, self._outbox, self._zmq, self._ipc_dir
+            self, _stop_cores, self._procs, self._inboxes, sockets, self._zmq, self._ipc_dir
         )
         self._wait_until_ready()
 
@@ -158,7 +172,11 @@ class EngineCoreClient:
         self.check_health()
         outputs: list[RequestOutput | EmbeddingRequestOutput] = []
         wait_ms = int(STEP_WAIT_S * 1000) if self.groups else 1
-        if not self._outbox.poll(wait_ms):
+        ready = dict(self._poller.poll(wait_ms))
+        if self._wake_rx in ready:
+            while self._wake_rx.poll(0):
+                self._wake_rx.recv()
+        if self._outbox not in ready:
             return outputs
         while True:
             try:
@@ -166,6 +184,16 @@ class EngineCoreClient:
             except zmq.Again:
                 return outputs
             self._handle(msg.decode_from_core(frame), outputs)
+
+    def wakeup(self) -> None:
+        """End a `step()` that is waiting for outputs (from any thread): a caller with a new
+        request or abort to hand over gets the loop back at once."""
+        with self._wake_lock:
+            if not self._stopped:
+                try:
+                    self._wake_tx.send(b"", zmq.NOBLOCK)
+                except zmq.Again:  # wake-ups already queued: one is enough
+                    pass
 
     def _handle(self, message: msg.FromCore, outputs: list) -> None:
         if isinstance(message, msg.CoreOutputs):
@@ -277,9 +305,11 @@ class EngineCoreClient:
         raise RuntimeError(reason)
 
     def shutdown(self) -> None:
-        if not self._stopped:
+        with self._wake_lock:  # no wakeup() on a socket being closed
+            if self._stopped:
+                return
             self._stopped = True
-            self._finalizer()
+        self._finalizer()
 
     # ---- observability ------------------------------------------------------------------------
 
@@ -324,7 +354,7 @@ class EngineCoreClient:
 
 
 def _stop_cores(
-    procs: list[Any], inboxes: list[Any], outbox: Any, context: Any, ipc_dir: str
+    procs: list[Any], inboxes: list[Any], sockets: list[Any], context: Any, ipc_dir: str
 ) -> None:
     """Ask every core to stop, then make sure: a core stuck in a collective is terminated."""
     for inbox in inboxes:
@@ -339,7 +369,7 @@ def _stop_cores(
         if proc.is_alive():
             proc.kill()
             proc.join(timeout=STOP_TIMEOUT_S)
-    for sock in [*inboxes, outbox]:
+    for sock in sockets:
         sock.close(linger=0)
     context.term()
     if os.path.isdir(ipc_dir):

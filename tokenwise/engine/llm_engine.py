@@ -336,6 +336,9 @@ class LLMEngine:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    def wakeup(self) -> None:
+        """Nothing to wake: `step()` never waits for outputs, it computes them."""
+
     def check_health(self) -> None:
         """Nothing to check: this engine runs in the caller's process (and thread)."""
 

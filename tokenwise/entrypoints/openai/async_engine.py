@@ -153,6 +153,7 @@ class AsyncEngine:
         with self._wakeup:
             self._stopping = True
             self._wakeup.notify()
+        self.engine.wakeup()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -219,6 +220,7 @@ class AsyncEngine:
                 raise EngineDeadError(self._death_reason())
             self._commands.append(command)
             self._wakeup.notify()
+        self.engine.wakeup()  # the engine thread may be waiting for outputs in step()
 
     def _death_reason(self) -> str:
         if self._error is not None:

@@ -1,0 +1,126 @@
+"""One stream's decode speed: `tokenwise serve` (engine-core process, and engine thread) against
+the offline engine, in one run.
+
+    python benchmarks/serve_vs_offline.py --shape llama-100m [--rounds 3]
+
+The same random-weight checkpoint as `vs_llamacpp.py` (bf16 where the CPU has native bf16, else
+fp32), three ways, taking turns round after round so machine noise hits them alike:
+
+- `offline`: `LLMEngine` in this process, one request at a time;
+- `serve (core process)`: `tokenwise serve`, its engine in an engine-core process (the default);
+- `serve (engine thread)`: `tokenwise serve` with `TOKENWISE_ENABLE_MULTIPROCESSING=0`.
+
+Each round sends every mode the same requests in turn (token-id prompts U[32,384], 128 new
+tokens, greedy, ignore_eos); the servers get them from `tokenwise bench serve`'s streaming
+client. Prints each mode's median time per output token (TPOT, from the first token to the
+last) over the rounds, its decode tok/s as a ratio of the offline engine's, and the CPU flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import vs_llamacpp as vs  # noqa: E402
+
+MODES = ("offline", "serve (core process)", "serve (engine thread)")
+
+
+def offline_tpot_ms(engine: object, prompts: list[list[int]]) -> list[float]:
+    from tokenwise import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=vs.OUTPUT_LEN, ignore_eos=True)
+    tpots = []
+    for i, prompt in enumerate(prompts):
+        rid = f"offline-{time.monotonic_ns()}-{i}"
+        engine.add_request(rid, prompt, params)
+        stamps: list[float] = []
+        while engine.has_request(rid):
+            for out in engine.step():
+                stamps += [time.perf_counter()] * len(
+                    out.outputs[0].token_ids if out.outputs else []
+                )
+        tpots.append((stamps[-1] - stamps[0]) * 1000 / (len(stamps) - 1))
+    return tpots
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=vs.SHAPES, default="llama-100m")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--requests", type=int, default=4, help="requests per mode per round")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/tokenwise/llamacpp"))
+    args = p.parse_args(argv)
+    flags = vs.cpu_flags(Path("/proc/cpuinfo").read_text())
+    dtype = "bf16" if vs.has_native_bf16(flags) else "fp32"
+    hf_dir = vs.build_hf_checkpoint(args.shape, dtype, Path(args.cache_dir), args.seed)
+    torch_dtype = "bfloat16" if dtype == "bf16" else "float32"
+    common = [
+        sys.executable, "-m", "tokenwise.entrypoints.cli", "serve", "--model", str(hf_dir),
+        "--dtype", torch_dtype, "--max-model-len", str(vs.MAX_MODEL_LEN), "--max-num-seqs", "1",
+        "--kv-cache-memory", "64MiB", "--disable-log-requests", "--host", "127.0.0.1",
+    ]  # fmt: skip
+    logs = Path(args.cache_dir) / "logs"
+    servers = {}
+    for mode, env in (("serve (core process)", "1"), ("serve (engine thread)", "0")):
+        port = vs.free_port()
+        srv = vs.Server(mode, [*common, "--port", str(port)], port, logs / f"svo-{env}.log")
+        servers[mode] = srv
+    try:
+        for mode, srv in servers.items():
+            # Read by the server at start-up (the environment is inherited).
+            os.environ["TOKENWISE_ENABLE_MULTIPROCESSING"] = "1" if "core" in mode else "0"
+            srv.start(600)
+        os.environ.pop("TOKENWISE_ENABLE_MULTIPROCESSING", None)
+        from tokenwise.engine.llm_engine import LLMEngine
+        from tokenwise.entrypoints.llm import build_engine_config
+
+        config = build_engine_config(
+            str(hf_dir), dtype=torch_dtype, max_model_len=vs.MAX_MODEL_LEN, max_num_seqs=1,
+            kv_cache_memory=64 << 20,
+        )  # fmt: skip
+        engine = LLMEngine(config, "cpu")
+        rng = random.Random(args.seed)
+        tpots: dict[str, list[float]] = {m: [] for m in MODES}
+        for url in [s.url for s in servers.values()]:  # warm-up
+            vs.drive(vs.client_args(url, 1, 1, 1, random_input_len=(32, 32), output_len=8), 300)
+        offline_tpot_ms(engine, [[rng.randrange(4096) for _ in range(32)]])
+        for rnd in range(args.rounds):
+            seed = args.seed + 100 + rnd
+            prompt_rng = random.Random(seed)
+            prompts = [
+                [prompt_rng.randrange(4096) for _ in range(prompt_rng.randint(*vs.INPUT_LEN))]
+                for _ in range(args.requests)
+            ]
+            order = MODES if rnd % 2 == 0 else tuple(reversed(MODES))
+            for mode in order:
+                if mode == "offline":
+                    tpots[mode].append(statistics.mean(offline_tpot_ms(engine, prompts)))
+                else:
+                    ns = vs.client_args(servers[mode].url, args.requests, 1, seed)
+                    tpots[mode].append(vs.drive(ns, 1800)["mean_tpot_ms"])
+            print(f"round {rnd + 1}: " + ", ".join(f"{m} {tpots[m][-1]:.2f} ms" for m in MODES))
+        engine.shutdown()
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    base = statistics.median(tpots["offline"])
+    print(f"\n{args.shape}, {dtype}, one stream, {args.rounds} rounds x {args.requests} requests")
+    print(f"CPU flags: {' '.join(flags) or 'none of ' + ' '.join(vs.CPU_FLAGS)}")
+    print(f"{'mode':<24}{'median TPOT (ms)':>18}{'decode tok/s':>14}{'vs offline':>12}")
+    for mode in MODES:
+        tpot = statistics.median(tpots[mode])
+        print(f"{mode:<24}{tpot:>18.2f}{1000 / tpot:>14.1f}{base / tpot:>11.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
