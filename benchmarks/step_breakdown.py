@@ -96,6 +96,7 @@ def instrument(llm: LLM, timers: Timers) -> None:
 
     cpu_gemv.linear = any_linear
     cpu_kernels.paged_decode = timers.wrap("  attention kernel", cpu_kernels.paged_decode)
+    cpu_kernels.decode_step = timers.wrap("  attention kernel", cpu_kernels.decode_step)
     md_cls = model_runner.SamplingMetadata
     from_params = md_cls.from_params
     model_runner.SamplingMetadata = type(  # type: ignore[misc]
