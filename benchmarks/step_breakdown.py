@@ -85,7 +85,8 @@ def instrument(llm: LLM, timers: Timers) -> None:
     runner._attn_metadata = timers.wrap("attn metadata", runner._attn_metadata)
     runner._run_eager = timers.wrap("model forward", runner._run_eager)
     runner._logits = timers.wrap("logits (lm_head)", runner._logits)
-    runner.sampler = timers.wrap("sampler", runner.sampler)
+    runner.sampler.forward = timers.wrap("sampler", runner.sampler.forward)
+    runner.sampler.greedy = timers.wrap("sampler", runner.sampler.greedy)
     # Inside the forward: the small-M linear kernel and the decode-attention kernel (with their
     # Python wrappers), looked up as module attributes by their callers.
     linear = cpu_gemv.linear
@@ -132,10 +133,9 @@ def main() -> None:
     print("|---|---|---|")
     names = [n for n in decode[0] if n not in ("step", "execute_model")]
     parts = {n: statistics.median(s.get(n, 0.0) for s in decode) * 1e3 for n in names}
-    parts["execute_model, rest"] = (
-        statistics.median(s["execute_model"] for s in decode) * 1e3
-        - sum(parts[n] for n in names if n in _RUNNER_PARTS)
-    )
+    parts["execute_model, rest"] = statistics.median(
+        s["execute_model"] for s in decode
+    ) * 1e3 - sum(parts[n] for n in names if n in _RUNNER_PARTS)
     inner = ("  linear kernels", "  attention kernel")
     parts["  forward, rest"] = parts["model forward"] - sum(parts.get(n, 0.0) for n in inner)
     parts["step, rest"] = step_ms - sum(ms for n, ms in parts.items() if not n.startswith(" "))

@@ -122,3 +122,20 @@ def test_rope_kernel_is_not_used_for_interleaved_pairs_or_prefill() -> None:
     assert cpu_fused.rope_neox(positions, x, rope.cos_sin_cache, 64) is None  # too many rows
     q, k = rope(positions[:1], x[:1], x[:1])  # interleaved: the torch path, still correct
     assert torch.equal(q, x[:1])  # position 0 rotates by nothing
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_argmax_equals_torch_on_ties_and_nan(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    for width in (1, 5, 32000, 151936):
+        x = torch.randn(rows, width, generator=gen)
+        assert torch.equal(cpu_fused.argmax(x), x.argmax(dim=-1))
+        # Ties: several equal maxima, coarse values; the first index wins in both.
+        coarse = torch.randint(0, 4, (rows, width), generator=gen).float()
+        assert torch.equal(cpu_fused.argmax(coarse), coarse.argmax(dim=-1))
+    x = torch.randn(rows, 100, generator=gen)
+    x[0, 37] = float("nan")
+    x[0, 60] = float("nan")
+    x[-1, 0] = float("inf")
+    assert torch.equal(cpu_fused.argmax(x), x.argmax(dim=-1))
+    assert int(cpu_fused.argmax(x)[0]) == 37

@@ -166,3 +166,68 @@ void tw_rope_neox(const void *x, void *out, const int64_t *positions, const floa
         }
     }
 }
+
+/* Per row of `rows` float32 rows of `n`: the index of the largest value, the first one on
+ * ties, and the first NaN's where the row has one: what torch.argmax returns. Its CPU kernel
+ * carries an index with every element and took 40 µs for a 32k vocabulary (190 µs at 152k);
+ * here a first pass finds the maximum (and whether there is a NaN) in independent lanes the
+ * compiler vectorises, and a second finds where it first occurs, a block of lanes at a time. */
+#define AW 16
+typedef float vf16 __attribute__((vector_size(AW * 4)));
+typedef int32_t vi16 __attribute__((vector_size(AW * 4)));
+
+static inline vf16 load16(const float *p) {
+    vf16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline int any16(vi16 m) {
+    int32_t lanes[AW];
+    memcpy(lanes, &m, sizeof lanes);
+    int32_t hit = 0;
+    for (int l = 0; l < AW; ++l) hit |= lanes[l];
+    return hit != 0;
+}
+
+/* The first index in row[0:n] holding `best` (a NaN when `nan`). */
+static int64_t first_at(const float *row, int64_t n, float best, int nan) {
+    const vf16 bv = {best, best, best, best, best, best, best, best,
+                     best, best, best, best, best, best, best, best};
+    int64_t i = 0;
+    for (; i + AW <= n; i += AW) {
+        const vf16 v = load16(row + i);
+        if (any16(nan ? v != v : v == bv)) break;
+    }
+    for (; i < n; ++i)
+        if (nan ? row[i] != row[i] : row[i] == best) return i;
+    return 0;
+}
+
+void tw_argmax(const float *x, int64_t rows, int64_t n, int64_t *out) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = x + r * n;
+        float best = row[0];
+        int nan = row[0] != row[0];
+        int64_t i = 0;
+        if (n >= AW) {
+            vf16 acc = load16(row);
+            vi16 nans = acc != acc;
+            for (i = AW; i + AW <= n; i += AW) {
+                const vf16 v = load16(row + i);
+                const vi16 greater = v > acc;
+                acc = (vf16)(((vi16)v & greater) | ((vi16)acc & ~greater));
+                nans |= v != v;
+            }
+            nan = any16(nans);
+            float lanes[AW];
+            memcpy(lanes, &acc, sizeof lanes);
+            for (int l = 0; l < AW; ++l) best = lanes[l] > best ? lanes[l] : best;
+        }
+        for (; i < n; ++i) {
+            best = row[i] > best ? row[i] : best;
+            nan |= row[i] != row[i];
+        }
+        out[r] = first_at(row, n, best, nan);
+    }
+}
