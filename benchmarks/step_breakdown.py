@@ -85,8 +85,9 @@ def instrument(llm: LLM, timers: Timers) -> None:
     runner._attn_metadata = timers.wrap("attn metadata", runner._attn_metadata)
     runner._run_eager = timers.wrap("model forward", runner._run_eager)
     runner._logits = timers.wrap("logits (lm_head)", runner._logits)
-    runner.sampler.forward = timers.wrap("sampler", runner.sampler.forward)
-    runner.sampler.greedy = timers.wrap("sampler", runner.sampler.greedy)
+    for name in ("forward", "greedy"):  # `greedy`: the plain-greedy fast path, where it exists
+        if hasattr(runner.sampler, name):
+            setattr(runner.sampler, name, timers.wrap("sampler", getattr(runner.sampler, name)))
     # Inside the forward: the small-M linear kernel and the decode-attention kernel (with their
     # Python wrappers), looked up as module attributes by their callers.
     linear = cpu_gemv.linear
@@ -97,7 +98,8 @@ def instrument(llm: LLM, timers: Timers) -> None:
 
     cpu_gemv.linear = any_linear
     cpu_kernels.paged_decode = timers.wrap("  attention kernel", cpu_kernels.paged_decode)
-    cpu_kernels.decode_step = timers.wrap("  attention kernel", cpu_kernels.decode_step)
+    if hasattr(cpu_kernels, "decode_step"):  # the one-call decode step, where it exists
+        cpu_kernels.decode_step = timers.wrap("  attention kernel", cpu_kernels.decode_step)
     md_cls = model_runner.SamplingMetadata
     from_params = md_cls.from_params
     model_runner.SamplingMetadata = type(  # type: ignore[misc]
@@ -112,7 +114,10 @@ def main() -> None:
     parser.add_argument("--config", default="llama-100m", help="a folder of benchmarks/configs")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--ops", type=int, default=0, help="also list the top N ops per step")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: as is)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     llm = LLM(
         os.path.join(CONFIGS, args.config),
         load_format="dummy",
@@ -127,7 +132,10 @@ def main() -> None:
     llm.generate([prompt], params, use_tqdm=False)
     decode = [s for s in timers.steps if "execute_model" in s][1:]  # no prefill step
     step_ms = statistics.median(s["step"] for s in decode) * 1e3
-    print(f"{args.config} {args.dtype}, batch 1; CPU flags: {cpu_flag_summary()}")
+    print(
+        f"{args.config} {args.dtype}, batch 1, {torch.get_num_threads()} threads; "
+        f"CPU flags: {cpu_flag_summary()}"
+    )
     print(f"{len(decode)} decode steps; median per step (ms):")
     print("| part | ms | share |")
     print("|---|---|---|")

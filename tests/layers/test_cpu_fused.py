@@ -109,17 +109,19 @@ def test_rope_equals_torch(
     assert torch.equal(fast_k, slow_k)
     # 3-D heads (Qwen3 after its q/k norms) take the kernel too, with the same result.
     monkeypatch.undo()
-    q3 = q.reshape(tokens, heads, head_dim)
-    out = cpu_fused.rope_neox(positions, q3, rope.cos_sin_cache, head_dim)
-    assert out is not None and out.shape == q3.shape
-    assert torch.equal(out.flatten(1), slow_q)
+    q3, k3 = q.reshape(tokens, heads, head_dim), k.reshape(tokens, kv_heads, head_dim)
+    out = cpu_fused.rope_neox(positions, q3, k3, rope.cos_sin_cache, head_dim)
+    assert out is not None and out[0].shape == q3.shape and out[1].shape == k3.shape
+    assert torch.equal(out[0].flatten(1), slow_q)
+    assert torch.equal(out[1].flatten(1), slow_k)
 
 
 def test_rope_kernel_is_not_used_for_interleaved_pairs_or_prefill() -> None:
     x = torch.randn(cpu_fused.MAX_ROWS + 1, 64)
     rope = RotaryEmbedding(64, 128, is_neox_style=False)
     positions = torch.zeros(x.shape[0], dtype=torch.int64)
-    assert cpu_fused.rope_neox(positions, x, rope.cos_sin_cache, 64) is None  # too many rows
+    too_many = cpu_fused.rope_neox(positions, x, x, rope.cos_sin_cache, 64)
+    assert too_many is None  # a prefill chunk: torch's ops
     q, k = rope(positions[:1], x[:1], x[:1])  # interleaved: the torch path, still correct
     assert torch.equal(q, x[:1])  # position 0 rotates by nothing
 

@@ -139,13 +139,32 @@ int tw_rms_norm(const void *x, const void *res, const void *weight, void *out, v
     return 0;
 }
 
-/* Neox-style rotary embedding of `heads` heads of `head_dim` per token, from x (token rows
- * `x_stride` values apart) into contiguous `out`: with (x1, x2) the halves of a head and c, s
- * the token's cos and sin (the float32 table row [cos | sin] at its position, rounded to the
- * model's dtype first, as HF casts them), out = (x1 c - x2 s, x2 c + x1 s), each product and
- * sum rounded as a torch op of that dtype rounds it. `head_dim` <= 1024. */
-void tw_rope_neox(const void *x, void *out, const int64_t *positions, const float *cos_sin,
-                  int64_t tokens, int64_t heads, int64_t head_dim, int64_t x_stride, int bf16) {
+/* Neox-style rotary embedding of one tensor's `heads` heads of `head_dim` per token, from x
+ * (token rows `x_stride` values apart) into contiguous `out`: with (x1, x2) the halves of a
+ * head and c, s the token's cos and sin (rounded to the model's dtype first, as HF casts
+ * them), out = (x1 c - x2 s, x2 c + x1 s), each product and sum rounded as a torch op of that
+ * dtype rounds it. */
+static void rope_one(const void *x, void *out, const float *c, const float *s, int64_t t,
+                     int64_t heads, int64_t head_dim, int64_t x_stride, int bf16) {
+    const int64_t half = head_dim / 2;
+    for (int64_t h = 0; h < heads; ++h) {
+        const int64_t in = t * x_stride + h * head_dim, at = (t * heads + h) * head_dim;
+        for (int64_t i = 0; i < half; ++i) {
+            const float x1 = load(x, in + i, bf16), x2 = load(x, in + half + i, bf16);
+            const float a = round_to(x1 * c[i], bf16), b = round_to(x2 * s[i], bf16);
+            const float d = round_to(x2 * c[i], bf16), e = round_to(x1 * s[i], bf16);
+            store(out, at + i, a - b, bf16);
+            store(out, at + half + i, d + e, bf16);
+        }
+    }
+}
+
+/* q and k of `tokens` tokens rotated at `positions` (the float32 table `cos_sin` holds
+ * [cos | sin] per position) into `q_out` and `k_out`; `head_dim` <= 1024. */
+void tw_rope_neox(const void *q, const void *k, void *q_out, void *k_out,
+                  const int64_t *positions, const float *cos_sin, int64_t tokens,
+                  int64_t q_heads, int64_t k_heads, int64_t head_dim, int64_t q_stride,
+                  int64_t k_stride, int bf16) {
     const int64_t half = head_dim / 2;
     float c[512], s[512];
     for (int64_t t = 0; t < tokens; ++t) {
@@ -154,16 +173,8 @@ void tw_rope_neox(const void *x, void *out, const int64_t *positions, const floa
             c[i] = round_to(row[i], bf16);
             s[i] = round_to(row[half + i], bf16);
         }
-        for (int64_t h = 0; h < heads; ++h) {
-            const int64_t in = t * x_stride + h * head_dim, at = (t * heads + h) * head_dim;
-            for (int64_t i = 0; i < half; ++i) {
-                const float x1 = load(x, in + i, bf16), x2 = load(x, in + half + i, bf16);
-                const float a = round_to(x1 * c[i], bf16), b = round_to(x2 * s[i], bf16);
-                const float d = round_to(x2 * c[i], bf16), e = round_to(x1 * s[i], bf16);
-                store(out, at + i, a - b, bf16);
-                store(out, at + half + i, d + e, bf16);
-            }
-        }
+        rope_one(q, q_out, c, s, t, q_heads, head_dim, q_stride, bf16);
+        rope_one(k, k_out, c, s, t, k_heads, head_dim, k_stride, bf16);
     }
 }
 

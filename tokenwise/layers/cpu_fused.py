@@ -67,7 +67,8 @@ def load() -> ctypes.CDLL | None:
     lib.tw_rms_norm.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float]
     lib.tw_rms_norm.argtypes += [ctypes.c_int]
     lib.tw_rope_neox.restype = None
-    lib.tw_rope_neox.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int]
+    lib.tw_rope_neox.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]
+    lib.tw_rope_neox.argtypes += [_I64, _I64, ctypes.c_int]
     lib.tw_argmax.restype = None
     lib.tw_argmax.argtypes = [_PTR, _I64, _I64, _PTR]
     return lib
@@ -116,38 +117,52 @@ def rms_norm(
 
 
 def rope_neox(
-    positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor, head_dim: int
-) -> torch.Tensor | None:
-    """`x` ([tokens, heads * head_dim] or [tokens, heads, head_dim]) rotated neox style at
-    `positions`, as `RotaryEmbedding` computes it, in a new contiguous tensor of x's shape;
-    None where the kernel does not apply. Token rows may be strided (views into a fused qkv
-    output); within a row the heads must be contiguous."""
-    tokens = x.shape[0] if x.dim() else 0
-    if not (_eligible(x) and 0 < tokens <= MAX_ROWS and 0 < head_dim <= MAX_HEAD_DIM):
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`query` and `key` ([tokens, heads * head_dim] or [tokens, heads, head_dim]) rotated
+    neox style at `positions`, as `RotaryEmbedding` computes them, in new contiguous tensors of
+    their shapes; None where the kernel does not apply. Token rows may be strided (views into a
+    fused qkv output); within a row the heads must be contiguous."""
+    tokens = query.shape[0] if query.dim() else 0
+    if not (_eligible(query) and 0 < tokens <= MAX_ROWS and 0 < head_dim <= MAX_HEAD_DIM):
         return None
-    width = x[0].numel()
-    if width % head_dim or cos_sin_cache.dtype != torch.float32:
-        return None
-    if positions.dtype != torch.int64 or not positions.is_contiguous():
-        return None
-    if not (cos_sin_cache.is_contiguous() and _rows_contiguous(x)):
+    q_width, k_width = query.numel() // tokens, key.numel() // tokens
+    if (
+        key.dtype != query.dtype
+        or key.shape[0] != tokens
+        or q_width % head_dim
+        or k_width % head_dim
+        or cos_sin_cache.dtype != torch.float32
+        or positions.dtype != torch.int64
+        or not (positions.is_contiguous() and cos_sin_cache.is_contiguous())
+        or not (_rows_contiguous(query) and _rows_contiguous(key))
+    ):
         return None
     lib = load()
     if lib is None:
         return None
-    out = torch.empty(x.shape, dtype=x.dtype)
+    q_out = torch.empty(query.shape, dtype=query.dtype)
+    k_out = torch.empty(key.shape, dtype=key.dtype)
     lib.tw_rope_neox(
-        x.data_ptr(),
-        out.data_ptr(),
+        query.data_ptr(),
+        key.data_ptr(),
+        q_out.data_ptr(),
+        k_out.data_ptr(),
         positions.data_ptr(),
         cos_sin_cache.data_ptr(),
         tokens,
-        width // head_dim,
+        q_width // head_dim,
+        k_width // head_dim,
         head_dim,
-        x.stride(0),
-        int(x.dtype == torch.bfloat16),
+        query.stride(0),
+        key.stride(0),
+        int(query.dtype == torch.bfloat16),
     )
-    return out
+    return q_out, k_out
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -170,6 +185,10 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 def _rows_contiguous(x: torch.Tensor) -> bool:
     """Whether each token row of `x` (dim 0) is one contiguous run of values."""
+    if x.is_contiguous():
+        return True
+    if x.dim() == 2:
+        return x.stride(1) == 1 or x.shape[1] == 1
     expected = 1
     for size, stride in zip(reversed(x.shape[1:]), reversed(x.stride()[1:]), strict=True):
         if size != 1 and stride != expected:

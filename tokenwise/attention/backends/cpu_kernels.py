@@ -158,17 +158,18 @@ def decode_step(
     _, _, block_size, num_kv_heads, head_size = kv_cache.shape
     if not query.is_contiguous():
         query = query.contiguous()
-    if value.stride() != key.stride():  # the kernel takes one row stride for both
+    if value.stride(0) != key.stride(0) or value.stride(-1) != 1:  # one row stride for both
         key, value = key.contiguous(), value.contiguous()
     out = torch.empty(query.shape, dtype=query.dtype)
+    key_cache = kv_cache.data_ptr()  # K then V, contiguous (`step_usable`)
     status = lib.paged_decode_step(
         query.data_ptr(),
         key.data_ptr(),
         value.data_ptr(),
         key.stride(0),
         slot_mapping.data_ptr(),
-        kv_cache[0].data_ptr(),
-        kv_cache[1].data_ptr(),
+        key_cache,
+        key_cache + kv_cache.stride(0) * kv_cache.element_size(),
         int(kv_cache.dtype == torch.bfloat16),
         block_tables.data_ptr(),
         block_tables.stride(0),
