@@ -18,6 +18,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define LANES 8
@@ -113,11 +114,16 @@ static float cascade_sum(const float *sq, int64_t n) {
 
 /* out = weight * (x / sqrt(mean(x^2) + eps)) over `rows` rows of `n`, with HF's rounding (the
  * normalised row rounded to the model's dtype before the weight multiplies it). With `res`,
- * x is first x + res (rounded), which is also written to `sum_out`. `n` <= 16384. */
+ * x is first x + res (rounded), which is also written to `sum_out`. Returns 0, or -1 when
+ * scratch memory could not be allocated. */
 int tw_rms_norm(const void *x, const void *res, const void *weight, void *out, void *sum_out,
                 int64_t rows, int64_t n, float eps, int bf16) {
-    float h[16384], sq[16384];
-    if (n > 16384) return -1;
+    /* Two float rows of scratch: on the stack up to 2048 values (callers may be threads with
+     * small stacks), else from the heap. */
+    float local[2 * 2048];
+    float *h = n <= 2048 ? local : malloc(sizeof(float) * 2 * (size_t)n);
+    if (!h) return -1;
+    float *sq = h + n;
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t base = r * n;
         for (int64_t i = 0; i < n; ++i) {
@@ -136,6 +142,7 @@ int tw_rms_norm(const void *x, const void *res, const void *weight, void *out, v
             store(out, base + i, load(weight, i, bf16) * normed, bf16);
         }
     }
+    if (h != local) free(h);
     return 0;
 }
 

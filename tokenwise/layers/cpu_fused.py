@@ -36,7 +36,7 @@ FLAGS = [*native_build.BASE_FLAGS, "-ffp-contract=off"]
 DTYPES = (torch.float32, torch.bfloat16)
 # Tokens per call at most: decode steps (one row per running sequence), not prefill chunks.
 MAX_ROWS = 64
-MAX_NORM_SIZE = 16384  # the C scratch rows
+MAX_NORM_SIZE = 65536  # a norm over more values than any model's hidden size: torch's ops
 MAX_HEAD_DIM = 1024
 
 _I64 = ctypes.c_int64
@@ -102,7 +102,7 @@ def rms_norm(
         return None
     out = torch.empty_like(x)
     summed = None if residual is None else torch.empty_like(x)
-    lib.tw_rms_norm(
+    status = lib.tw_rms_norm(
         x.data_ptr(),
         None if residual is None else residual.data_ptr(),
         weight.data_ptr(),
@@ -113,6 +113,8 @@ def rms_norm(
         eps,
         int(x.dtype == torch.bfloat16),
     )
+    if status != 0:
+        raise MemoryError("RMSNorm kernel could not allocate its scratch rows")
     return out, summed
 
 
