@@ -34,6 +34,7 @@ __all__ = [
     "DPMetadata",
     "ForwardContext",
     "create_forward_context",
+    "current_forward_context",
     "get_batchsize_forward_time_stats",
     "get_forward_context",
     "is_forward_context_available",
@@ -178,6 +179,12 @@ def get_forward_context() -> ForwardContext:
 
 def is_forward_context_available() -> bool:
     return _current.get() is not None
+
+
+def current_forward_context() -> ForwardContext | None:
+    """The installed context, or None: one lookup for callers on the per-layer path that
+    would otherwise ask `is_forward_context_available()` and then `get_forward_context()`."""
+    return _current.get()
 
 
 def create_forward_context(

@@ -251,3 +251,64 @@ def test_loading_the_kernel_keeps_subnormal_floats(tmp_path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "True"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_step_writes_kv_then_matches_paged_decode(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, threads: int
+) -> None:
+    """`decode_step` = the cache write + `paged_decode` on the widened query, rounded to the
+    model's dtype: bit for bit, new K/V read from strided views of a fused qkv row, and a
+    padding row (slot -1) writes nothing."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    lens = [1, 9, 33, 70]
+    case = _paged_case(lens, 4, 2, 32, 16, seed=11, dtype=dtype)
+    gen = torch.Generator().manual_seed(12)
+    n, width, kv_width = len(lens), 4 * 32, 2 * 32
+    qkv = torch.randn(n, width + 2 * kv_width, generator=gen).to(dtype)
+    query, key, value = qkv.split([width, kv_width, kv_width], dim=-1)
+    # Each sequence's last token goes to its slot; the last row is padding.
+    slots = [
+        int(case["block_tables"][i, (m - 1) // 16]) * 16 + (m - 1) % 16 for i, m in enumerate(lens)
+    ]
+    slots[-1] = -1
+    kv_cache = torch.stack([case["key_cache"], case["value_cache"]]).contiguous()
+    before = kv_cache.clone()
+    expected_cache = kv_cache.clone()
+    for i, slot in enumerate(slots[:-1]):
+        expected_cache[0].view(-1, 2, 32)[slot] = key[i].view(2, 32)
+        expected_cache[1].view(-1, 2, 32)[slot] = value[i].view(2, 32)
+    expected = torch.empty(n, 4, 32)
+    cpu_kernels.paged_decode(
+        cpu_kernels.load(),
+        query.float().reshape(n, 4, 32).contiguous(),
+        expected_cache[0],
+        expected_cache[1],
+        case["block_tables"],
+        case["seq_lens"],
+        case["first_block"],
+        None,
+        case["scale"],
+        expected,
+    )
+    assert cpu_kernels.step_usable(query, key, kv_cache)
+    out = cpu_kernels.decode_step(
+        cpu_kernels.load(),
+        query.contiguous(),
+        key,
+        value,
+        kv_cache,
+        torch.tensor(slots, dtype=torch.int64),
+        case["block_tables"],
+        case["seq_lens"],
+        case["first_block"],
+        sum(lens),
+        4,
+        None,
+        case["scale"],
+    )
+    assert out.dtype == dtype and out.shape == (n, width)
+    assert torch.equal(out, expected.reshape(n, width).to(dtype))
+    assert torch.equal(kv_cache, expected_cache)
+    assert not torch.equal(kv_cache, before)  # the writes really happened

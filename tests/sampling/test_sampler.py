@@ -247,3 +247,26 @@ def test_frequency_penalty_flips_greedy_away_from_repeats() -> None:
     once = sample(logits, params, output_token_ids=[[0]]).sampled_token_ids.item()
     twice = sample(logits, params, output_token_ids=[[0, 0]]).sampled_token_ids.item()
     assert (once, twice) == (0, 1)  # 1.0 - 0.15 > 0.8 but 1.0 - 0.30 < 0.8
+
+
+def test_plain_greedy_fast_path_equals_the_full_sampler() -> None:
+    """`Sampler.greedy` (no metadata) picks what `forward` picks for plain greedy rows, ties
+    included; rows with logprobs, penalties or a temperature are not plain greedy."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 300, generator=gen)
+    logits[2, 10] = logits[2, 250] = logits[2].max() + 1  # a tie: the first index wins
+    params = [SamplingParams(temperature=0.0) for _ in range(5)]
+    assert Sampler.is_plain_greedy(params)
+    md = SamplingMetadata.from_params(params, [None] * 5, vocab_size=300)
+    full = Sampler()(logits.clone(), md)
+    fast = Sampler.greedy(logits.clone())
+    assert torch.equal(fast.sampled_token_ids, full.sampled_token_ids)
+    assert fast.logprobs is None and int(fast.sampled_token_ids[2]) == 10
+    for other in (
+        SamplingParams(temperature=0.5),
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=0.0, repetition_penalty=1.2),
+        SamplingParams(temperature=0.0, presence_penalty=0.5),
+        SamplingParams(temperature=0.0, frequency_penalty=0.5),
+    ):
+        assert not Sampler.is_plain_greedy([*params, other])

@@ -23,7 +23,7 @@ from tokenwise.attention.backends.selector import get_attn_backend
 from tokenwise.attention.backends.single_sequence import single_sequence_attention
 from tokenwise.attention.utils import AttentionType
 from tokenwise.config import EngineConfig
-from tokenwise.forward_context import get_forward_context, is_forward_context_available
+from tokenwise.forward_context import current_forward_context, get_forward_context
 from tokenwise.layer_registry import register_static_layer
 
 
@@ -144,23 +144,32 @@ class Attention(AttentionLayerBase):
         )
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        # A ContextVar read cannot be traced, so compiled code assumes the engine's context.
-        if not torch.compiler.is_compiling() and not is_forward_context_available():
-            if self.attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_DECODER):
-                return self.impl.forward(query, key, value, self.kv_cache[0], None)
-            return single_sequence_attention(
-                query,
-                key,
-                value,
-                num_heads=self.num_heads,
-                num_kv_heads=self.num_kv_heads,
-                head_size=self.head_size,
-                scale=self.scale,
-                sliding_window=self.sliding_window,
-                softcap=self.logits_soft_cap,
-                causal=self.attn_type is AttentionType.DECODER,
-            )
-        return torch.ops.tokenwise.unified_attention(query, key, value, self.layer_name)
+        # A ContextVar read cannot be traced, so compiled code assumes the engine's context
+        # and calls the op, which the compiler keeps as one opaque node.
+        if torch.compiler.is_compiling():
+            return torch.ops.tokenwise.unified_attention(query, key, value, self.layer_name)
+        ctx = current_forward_context()
+        if ctx is not None:
+            # Eager: the op's body, called directly. Through the dispatcher a custom op costs
+            # tens of microseconds per call in Python wrappers, paid by every layer of every
+            # step; here the layer is `self`, so not even the name lookup is needed.
+            attn_metadata = metadata_for_layer(self.layer_name, ctx.attn_metadata)
+            kv_cache = self.kv_cache[ctx.virtual_engine]
+            return self.impl.forward(query, key, value, kv_cache, attn_metadata)
+        if self.attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_DECODER):
+            return self.impl.forward(query, key, value, self.kv_cache[0], None)
+        return single_sequence_attention(
+            query,
+            key,
+            value,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+            softcap=self.logits_soft_cap,
+            causal=self.attn_type is AttentionType.DECODER,
+        )
 
     def extra_repr(self) -> str:
         return (

@@ -137,6 +137,11 @@ class AttentionMetadata:
         """`block_table_first_block` as an int32 tensor, built once per step for all layers."""
         return torch.tensor(self.block_table_first_block, dtype=torch.int32)
 
+    @cached_property
+    def total_seq_len(self) -> int:
+        """Keys of all sequences together (host lengths; 0 without them), once per step."""
+        return sum(self.seq_lens) if self.seq_lens is not None else 0
+
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)

@@ -125,10 +125,10 @@ def linear(
     CPU tensors of one dtype in `DTYPES`; the caller checks with `usable`."""
     n, k = weight.shape
     rows = x.numel() // k if k else 0
-    x2 = x.reshape(rows, k)
+    x2 = x if x.dim() == 2 else x.reshape(rows, k)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+    out = torch.empty((rows, n) if x.dim() == 2 else (*x.shape[:-1], n), dtype=x.dtype)
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
     status = lib.tw_gemv(

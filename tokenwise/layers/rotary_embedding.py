@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenwise.layers import cpu_fused
 from tokenwise.layers.rope_yarn import yarn_attention_factor, yarn_inv_freq
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -152,6 +153,10 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q `[T, heads*head_dim]` and k `[T, kv_heads*head_dim]` (or `[T, h, d]`)."""
+        if self.is_neox_style:  # decode-sized CPU tensors: the same values in one C call
+            fused = cpu_fused.rope_neox(positions, query, key, self.cos_sin_cache, self.head_dim)
+            if fused is not None:
+                return fused
         cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
         # Like HF, the table is fp32 but the rotation runs in the activations' dtype.
         cos = cos.unsqueeze(1).to(query.dtype)

@@ -243,8 +243,12 @@ class ModelRunner(KVCacheSizingMixin):
         apply_grammar_bitmask(
             logits, [s.request.grammar for s in sampled], self.model_config.vocab_size
         )
+        params = [s.request.sampling_params for s in sampled]
+        if Sampler.is_plain_greedy(params):  # argmax only: no sampling metadata to build
+            out = self.sampler.greedy(logits)
+            return ModelRunnerOutput(sampled, out.sampled_token_ids.tolist(), None, num_tokens)
         sampling_md = SamplingMetadata.from_params(
-            [s.request.sampling_params for s in sampled],
+            params,
             [s.request.generator for s in sampled],
             output_token_ids=[s.request.output_token_ids for s in sampled],
             prompt_token_ids=[s.request.prompt_token_ids for s in sampled],

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tokenwise.layers import cpu_fused
 from tokenwise.sampling.metadata import SamplingMetadata
+from tokenwise.sampling.params import _SAMPLING_EPS, SamplingParams
 
 
 @dataclass
@@ -33,6 +35,24 @@ class SamplerOutput:
 class Sampler(nn.Module):
     """Penalties -> greedy | (temperature -> min-p -> top-k/top-p -> random draw)."""
 
+    @staticmethod
+    def is_plain_greedy(params: list[SamplingParams]) -> bool:
+        """Whether every row only takes its argmax: greedy, no logprobs, no penalties. Such a
+        step needs no `SamplingMetadata` (a handful of tensors built per step) at all."""
+        return all(
+            p.temperature < _SAMPLING_EPS
+            and p.logprobs is None
+            and p.presence_penalty == 0.0
+            and p.frequency_penalty == 0.0
+            and p.repetition_penalty == 1.0
+            for p in params
+        )
+
+    @staticmethod
+    def greedy(logits: torch.Tensor) -> SamplerOutput:
+        """What `forward` returns for plain-greedy rows (`is_plain_greedy`): each row's argmax."""
+        return SamplerOutput(sampled_token_ids=_argmax(logits.float()), logprobs=None)
+
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
         # Logprobs describe the model's own distribution, as vLLM reports by
@@ -44,7 +64,7 @@ class Sampler(nn.Module):
         if not metadata.no_penalties:
             logits = apply_penalties(logits, metadata)
 
-        greedy = None if metadata.all_random else logits.argmax(dim=-1)
+        greedy = None if metadata.all_random else _argmax(logits)
         if metadata.all_greedy:
             assert greedy is not None
             sampled = greedy
@@ -69,6 +89,11 @@ class Sampler(nn.Module):
             logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
         probs = torch.softmax(logits, dim=-1)
         return exponential_race(probs, metadata.generators)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (first index on ties), as torch's, faster on CPU."""
+    return cpu_fused.argmax(logits)
 
 
 def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:

@@ -78,6 +78,11 @@ def load() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = [_PTR, _PTR, _PTR, ctypes.c_int, _PTR, _I64, _PTR, _PTR, _I64, _I64]
     fn.argtypes += [_I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_float, _PTR]
+    step = lib.paged_decode_step
+    step.restype = ctypes.c_int
+    step.argtypes = [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, ctypes.c_int, _PTR, _I64, _PTR]
+    step.argtypes += [_PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float]
+    step.argtypes += [ctypes.c_float, _PTR]
     return lib
 
 
@@ -93,6 +98,97 @@ def _split(seq_lens: torch.Tensor, parts: int) -> list[tuple[int, int]]:
     cuts = torch.searchsorted(cum, torch.arange(1, parts) * (total / parts)).tolist()
     bounds = [0, *[min(c + 1, len(seq_lens)) for c in cuts], len(seq_lens)]
     return [(a, b) for a, b in pairwise(bounds) if b > a]
+
+
+def _num_threads(num_seqs: int, num_kv_heads: int, total_keys: int) -> int:
+    """Threads for one kernel call: one below `MIN_KEYS_PER_THREAD` keys per thread; with
+    fewer sequences than threads (one stream) all of them from `MIN_KEYS_FOR_HEAD_SPLIT` keys
+    on, as the kernel then splits KV heads (over torch's OpenMP threads only)."""
+    torch_threads = torch.get_num_threads()
+    threads = min(torch_threads, num_seqs)
+    if threads > 1 and total_keys < MIN_KEYS_PER_THREAD * 2:
+        threads = 1
+    if (
+        num_seqs < torch_threads
+        and num_kv_heads > 1
+        and _torch_uses_libgomp()
+        and total_keys >= MIN_KEYS_FOR_HEAD_SPLIT
+    ):
+        threads = torch_threads
+    return threads
+
+
+def step_usable(query: torch.Tensor, key: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether `decode_step` can take a decode-only step's layer: its queries, new keys and
+    cache of one kernel dtype, rows contiguous, on torch's OpenMP threads (libgomp; the
+    Python-pool fallback keeps `paged_decode`)."""
+    return (
+        kv_cache.dtype in CACHE_DTYPES
+        and kv_cache.is_contiguous()
+        and query.dtype == kv_cache.dtype
+        and key.dtype == kv_cache.dtype
+        and key.stride(-1) == 1
+        and _torch_uses_libgomp()
+    )
+
+
+def decode_step(
+    lib: ctypes.CDLL,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    first_block: torch.Tensor,
+    total_keys: int,
+    num_heads: int,
+    sliding_window: int | None,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """One layer of a decode-only step in one kernel call: write each sequence's new K/V row
+    (`key`, `value`: [n, kv_heads * head]) into `kv_cache` ([2, blocks, block, kv_heads,
+    head]) at its slot, and return the attention output `[n, heads * head]` in the cache's
+    dtype. `query` is [n, heads * head]; the caller checks `step_usable`. `total_keys` (the
+    sum of `seq_lens`, known on the host) picks the threads without reading a tensor.
+    """
+    n = query.shape[0]
+    _, _, block_size, num_kv_heads, head_size = kv_cache.shape
+    if not query.is_contiguous():
+        query = query.contiguous()
+    if value.stride(0) != key.stride(0) or value.stride(-1) != 1:  # one row stride for both
+        key, value = key.contiguous(), value.contiguous()
+    out = torch.empty(query.shape, dtype=query.dtype)
+    key_cache = kv_cache.data_ptr()  # K then V, contiguous (`step_usable`)
+    status = lib.paged_decode_step(
+        query.data_ptr(),
+        key.data_ptr(),
+        value.data_ptr(),
+        key.stride(0),
+        slot_mapping.data_ptr(),
+        key_cache,
+        key_cache + kv_cache.stride(0) * kv_cache.element_size(),
+        int(kv_cache.dtype == torch.bfloat16),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        seq_lens.data_ptr(),
+        first_block.data_ptr(),
+        n,
+        _num_threads(n, num_kv_heads, total_keys),
+        num_heads,
+        num_kv_heads,
+        head_size,
+        block_size,
+        sliding_window or 0,
+        scale,
+        softcap or 0.0,
+        out.data_ptr(),
+    )
+    if status != 0:
+        raise MemoryError("paged decode kernel could not allocate its score buffer")
+    return out
 
 
 def paged_decode(
@@ -117,18 +213,7 @@ def paged_decode(
     n, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     window = sliding_window or 0
-    torch_threads = torch.get_num_threads()
-    threads = min(torch_threads, n)
-    if threads > 1 and int(seq_lens.sum()) < MIN_KEYS_PER_THREAD * 2:
-        threads = 1
-    if (
-        n < torch_threads
-        and num_kv_heads > 1
-        and _torch_uses_libgomp()
-        and int(seq_lens.sum()) >= MIN_KEYS_FOR_HEAD_SPLIT
-    ):
-        # Fewer sequences than threads (one stream): the kernel splits KV heads instead.
-        threads = torch_threads
+    threads = _num_threads(n, num_kv_heads, int(seq_lens.sum()))
 
     def run(begin: int, end: int, num_threads: int) -> None:
         """Sequences [begin, end) through the kernel (pointers offset to `begin`)."""

@@ -68,6 +68,24 @@ static inline float scalar_at(const void *row, int is_bf16, int64_t i) {
     return out;
 }
 
+/* A bf16 model's queries and outputs: widening is exact; narrowing rounds to nearest even, as
+ * torch's float32 -> bfloat16 conversion does (NaN stays a quiet NaN), so an output written
+ * here is bit for bit the one torch's copy of the float32 result would give. */
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
 static inline float hsum(vf v) {
     float s = 0.0f;
     for (int i = 0; i < VW; ++i) s += v[i];
@@ -214,31 +232,48 @@ static void attend_bf16(const float *q, const void *kc, const void *vc, const in
 
 /* Sequences [seq_begin, seq_end), KV heads [kv_begin, kv_end), on the calling thread.
  * Returns 0, or -1 without scratch. */
-static int attend_range(const float *query, const void *key_cache, const void *value_cache,
-                        int is_bf16, const int32_t *block_tables, int64_t table_stride,
-                        const int32_t *seq_lens, const int32_t *first_block, int64_t seq_begin,
-                        int64_t seq_end, int64_t kv_begin, int64_t kv_end, int64_t num_heads,
-                        int64_t num_kv_heads, int64_t head_size, int64_t block_size,
-                        int64_t window, float scale, float softcap, float *out) {
+static int attend_range(const void *query, const void *key_cache, const void *value_cache,
+                        int is_bf16, int io_bf16, const int32_t *block_tables,
+                        int64_t table_stride, const int32_t *seq_lens, const int32_t *first_block,
+                        int64_t seq_begin, int64_t seq_end, int64_t kv_begin, int64_t kv_end,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
+                        int64_t block_size, int64_t window, float scale, float softcap,
+                        void *out) {
+    const int64_t width = num_heads * head_size; /* one sequence's query / output row */
     int64_t max_len = 1;
     for (int64_t s = seq_begin; s < seq_end; ++s)
         if (seq_lens[s] > max_len) max_len = seq_lens[s];
-    /* scores[h * n_keys + t] for all query heads, t counted from the first visible key */
+    /* scores[h * n_keys + t] for all query heads, t counted from the first visible key; with
+     * bf16 queries and outputs, one float32 row of each to widen into and narrow from. */
     float *scores = malloc(sizeof(float) * (size_t)(num_heads * max_len));
-    float *q_scaled = malloc(sizeof(float) * (size_t)(num_heads * head_size));
+    float *q_scaled = malloc(sizeof(float) * (size_t)(io_bf16 ? 3 * width : width));
     if (!scores || !q_scaled) {
         free(scores);
         free(q_scaled);
         return -1;
     }
+    float *q_row = q_scaled + width, *o_row = q_scaled + 2 * width;
+    const int64_t lo = kv_begin * (num_heads / num_kv_heads) * head_size;
+    const int64_t hi = kv_end * (num_heads / num_kv_heads) * head_size;
     for (int64_t s = seq_begin; s < seq_end; ++s) {
         const int64_t len = seq_lens[s];
         const int64_t start = (window > 0 && len > window) ? len - window : 0;
+        const float *q = (const float *)query + s * width;
+        float *o = (float *)out + s * width;
+        if (io_bf16) {
+            const uint16_t *qh = (const uint16_t *)query + s * width;
+            for (int64_t i = lo; i < hi; ++i) q_row[i] = bf16_to_f32(qh[i]);
+            q = q_row;
+            o = o_row;
+        }
         (is_bf16 ? attend_bf16 : attend_f32)(
-            query + s * num_heads * head_size, key_cache, value_cache,
-            block_tables + s * table_stride, (int64_t)first_block[s], start, len - start,
-            num_heads, num_kv_heads, head_size, block_size, scale, softcap, kv_begin, kv_end,
-            q_scaled, scores, out + s * num_heads * head_size);
+            q, key_cache, value_cache, block_tables + s * table_stride, (int64_t)first_block[s],
+            start, len - start, num_heads, num_kv_heads, head_size, block_size, scale, softcap,
+            kv_begin, kv_end, q_scaled, scores, o);
+        if (io_bf16) { /* only this thread's heads: the others belong to other threads */
+            uint16_t *oh = (uint16_t *)out + s * width;
+            for (int64_t i = lo; i < hi; ++i) oh[i] = f32_to_bf16(o_row[i]);
+        }
     }
     free(q_scaled);
     free(scores);
@@ -266,12 +301,12 @@ static int attend_range(const float *query, const void *key_cache, const void *v
  * runtime, so attention runs on the threads torch's matmuls just used (a second pool would
  * compete with them while they spin-wait for their next region). Otherwise one thread.
  */
-int paged_decode(const float *query, const void *key_cache, const void *value_cache,
-                 int is_bf16, const int32_t *block_tables, int64_t table_stride,
-                 const int32_t *seq_lens, const int32_t *first_block, int64_t num_seqs,
-                 int64_t num_threads, int64_t num_heads, int64_t num_kv_heads,
-                 int64_t head_size, int64_t block_size, int64_t window, float scale,
-                 float softcap, float *out) {
+static int decode(const void *query, const void *key_cache, const void *value_cache,
+                  int is_bf16, int io_bf16, const int32_t *block_tables, int64_t table_stride,
+                  const int32_t *seq_lens, const int32_t *first_block, int64_t num_seqs,
+                  int64_t num_threads, int64_t num_heads, int64_t num_kv_heads,
+                  int64_t head_size, int64_t block_size, int64_t window, float scale,
+                  float softcap, void *out) {
     int64_t total = 0;
     for (int64_t s = 0; s < num_seqs; ++s) total += seq_lens[s];
     const int split_heads = num_threads > num_seqs && num_kv_heads > 1;
@@ -290,8 +325,9 @@ int paged_decode(const float *query, const void *key_cache, const void *value_ca
         if (split_heads) {
             const int64_t kb = num_kv_heads * part / parts, ke = num_kv_heads * (part + 1) / parts;
             if (ke > kb)
-                status |= attend_range(query, key_cache, value_cache, is_bf16, block_tables,
-                                       table_stride, seq_lens, first_block, 0, num_seqs, kb, ke,
+                status |= attend_range(query, key_cache, value_cache, is_bf16, io_bf16,
+                                       block_tables, table_stride, seq_lens, first_block, 0,
+                                       num_seqs, kb, ke,
                                        num_heads, num_kv_heads, head_size, block_size, window,
                                        scale, softcap, out);
         } else {
@@ -304,11 +340,52 @@ int paged_decode(const float *query, const void *key_cache, const void *value_ca
             seen += seq_lens[s];
         }
         if (end > begin)
-            status |= attend_range(query, key_cache, value_cache, is_bf16, block_tables,
-                                   table_stride, seq_lens, first_block, begin, end, 0,
+            status |= attend_range(query, key_cache, value_cache, is_bf16, io_bf16,
+                                   block_tables, table_stride, seq_lens, first_block, begin,
+                                   end, 0,
                                    num_kv_heads, num_heads, num_kv_heads, head_size, block_size,
                                    window, scale, softcap, out);
         }
     }
     return status ? -1 : 0;
+}
+
+int paged_decode(const float *query, const void *key_cache, const void *value_cache,
+                 int is_bf16, const int32_t *block_tables, int64_t table_stride,
+                 const int32_t *seq_lens, const int32_t *first_block, int64_t num_seqs,
+                 int64_t num_threads, int64_t num_heads, int64_t num_kv_heads,
+                 int64_t head_size, int64_t block_size, int64_t window, float scale,
+                 float softcap, float *out) {
+    return decode(query, key_cache, value_cache, is_bf16, 0, block_tables, table_stride,
+                  seq_lens, first_block, num_seqs, num_threads, num_heads, num_kv_heads,
+                  head_size, block_size, window, scale, softcap, out);
+}
+
+/* A whole decode step of one layer in one call (what the backend's per-layer Python cost to
+ * do in five or six torch ops): write each sequence's new key and value row into its cache
+ * slot, then `paged_decode`, with queries and outputs in the cache's dtype (`is_bf16`).
+ *
+ * new_keys / new_values: [num_seqs] rows of num_kv_heads * head_size values, `new_stride`
+ *                        values apart (views into a fused qkv output are fine)
+ * slot_mapping:          [num_seqs] int64 cache slots; a negative slot (padding) is not written
+ * query, out:            [num_seqs, num_heads, head_size], contiguous
+ */
+int paged_decode_step(const void *query, const void *new_keys, const void *new_values,
+                      int64_t new_stride, const int64_t *slot_mapping, void *key_cache,
+                      void *value_cache, int is_bf16, const int32_t *block_tables,
+                      int64_t table_stride, const int32_t *seq_lens, const int32_t *first_block,
+                      int64_t num_seqs, int64_t num_threads, int64_t num_heads,
+                      int64_t num_kv_heads, int64_t head_size, int64_t block_size,
+                      int64_t window, float scale, float softcap, void *out) {
+    const size_t elt = is_bf16 ? 2 : 4;
+    const size_t row = (size_t)(num_kv_heads * head_size) * elt;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        if (slot_mapping[s] < 0) continue;
+        const size_t at = (size_t)slot_mapping[s] * row, from = (size_t)(s * new_stride) * elt;
+        memcpy((char *)key_cache + at, (const char *)new_keys + from, row);
+        memcpy((char *)value_cache + at, (const char *)new_values + from, row);
+    }
+    return decode(query, key_cache, value_cache, is_bf16, is_bf16, block_tables, table_stride,
+                  seq_lens, first_block, num_seqs, num_threads, num_heads, num_kv_heads,
+                  head_size, block_size, window, scale, softcap, out);
 }

@@ -92,6 +92,15 @@ class TorchAttentionImpl:
                 softcap=self.logits_soft_cap,
             )
         num_tokens = query.shape[0]
+        if (
+            attn_metadata.num_prefills == 0
+            and query.device.type == "cpu"
+            and not attn_metadata.use_cuda_graph
+            and attn_metadata.seq_lens is not None
+        ):
+            out = self._decode_step_cpu(query, key, value, kv_cache, attn_metadata)
+            if out is not None:
+                return out
         q = query.view(num_tokens, self.num_heads, self.head_size)
         k = key.view(num_tokens, self.num_kv_heads, self.head_size)
         v = value.view(num_tokens, self.num_kv_heads, self.head_size)
@@ -108,6 +117,38 @@ class TorchAttentionImpl:
                 q[n_prefill:], key_cache, value_cache, attn_metadata, output[n_prefill:]
             )
         return output.view(num_tokens, self.num_heads * self.head_size)
+
+    def _decode_step_cpu(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+    ) -> torch.Tensor | None:
+        """A decode-only CPU step in one C call (cache write, attention, output in the model's
+        dtype); None where the kernel cannot take it. The general path below costs five or six
+        torch ops around the kernel per layer, about as long as one stream's attention itself.
+        """
+        lib = cpu_kernels.load()
+        if lib is None or not cpu_kernels.step_usable(query, key, kv_cache):
+            return None
+        return cpu_kernels.decode_step(
+            lib,
+            query,
+            key,
+            value,
+            kv_cache,
+            md.slot_mapping,
+            md.block_tables,
+            md.seq_lens_tensor,
+            md.first_block_tensor,
+            md.total_seq_len,
+            self.num_heads,
+            self.sliding_window,
+            self.scale,
+            self.logits_soft_cap,
+        )
 
     def _prefill(
         self,

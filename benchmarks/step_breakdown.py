@@ -1,0 +1,186 @@
+"""Where one batch-1 decode step's time goes, part by part of `LLMEngine.step`.
+
+    python benchmarks/step_breakdown.py --config llama-100m --dtype bfloat16 [--ops 25]
+
+One stream (256-token prompt, 128 greedy tokens, dummy weights, EOS ignored). Each part of the
+step (scheduler, input preparation, attention metadata, the model's forward, logits, sampling
+metadata, sampler, detokenization, the scheduler's update) is timed by wrapping the method that
+does it, and the median per decode step is printed next to the step's own median: what is left
+is the rest of `step()` (outputs, statistics). The prefill step is left out. With `--ops N` the
+decode steps then run once more under `torch.profiler` and the N ops with the most self CPU
+time per decode step are printed, with their call counts per step: that is where the forward's
+time goes below the linear layers.
+
+Timers cost ~1 µs each; the figures are for attribution, not for comparing revisions (for that,
+`benchmarks/batch1_decode.py` interleaves its variants in one run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tokenwise import LLM, SamplingParams  # noqa: E402
+from tokenwise.attention.backends import cpu_kernels  # noqa: E402
+from tokenwise.layers import cpu_gemv  # noqa: E402
+from tokenwise.model_config import cpu_flag_summary  # noqa: E402
+from tokenwise.runner import model_runner  # noqa: E402
+
+CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+OUTPUT_LEN = 128
+
+
+class Timers:
+    """Wall time of wrapped callables, collected per engine step."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, float] = defaultdict(float)
+        self.steps: list[dict[str, float]] = []
+        self.active: set[str] = set()
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            self.active.add(name)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.active.discard(name)
+                self.current[name] += time.perf_counter() - start
+
+        return timed
+
+    def end_step(self) -> None:
+        self.steps.append(dict(self.current))
+        self.current.clear()
+
+
+def instrument(llm: LLM, timers: Timers) -> None:
+    """Wrap the parts of one engine step (instance attributes, so nothing else is touched)."""
+    engine = llm.llm_engine
+    runner, scheduler = engine.runner, engine.scheduler
+    engine_step = engine.step
+
+    def step() -> Any:
+        out = timers.wrap("step", engine_step)()
+        timers.end_step()
+        return out
+
+    engine.step = step
+    engine._detokenize = timers.wrap("detokenize", engine._detokenize)
+    scheduler.schedule = timers.wrap("schedule", scheduler.schedule)
+    scheduler.update_from_output = timers.wrap("update_from_output", scheduler.update_from_output)
+    runner.execute_model = timers.wrap("execute_model", runner.execute_model)
+    runner.input_batch.prepare = timers.wrap("prepare inputs", runner.input_batch.prepare)
+    runner._attn_metadata = timers.wrap("attn metadata", runner._attn_metadata)
+    runner._run_eager = timers.wrap("model forward", runner._run_eager)
+    runner._logits = timers.wrap("logits (lm_head)", runner._logits)
+    for name in ("forward", "greedy"):  # `greedy`: the plain-greedy fast path, where it exists
+        if hasattr(runner.sampler, name):
+            setattr(runner.sampler, name, timers.wrap("sampler", getattr(runner.sampler, name)))
+    # Inside the forward: the small-M linear kernel and the decode-attention kernel (with their
+    # Python wrappers), looked up as module attributes by their callers.
+    linear = cpu_gemv.linear
+    in_forward = timers.wrap("  linear kernels", linear)
+
+    def any_linear(*args: Any, **kwargs: Any) -> Any:  # the LM head's is in "logits" alone
+        return (in_forward if "model forward" in timers.active else linear)(*args, **kwargs)
+
+    cpu_gemv.linear = any_linear
+    cpu_kernels.paged_decode = timers.wrap("  attention kernel", cpu_kernels.paged_decode)
+    if hasattr(cpu_kernels, "decode_step"):  # the one-call decode step, where it exists
+        cpu_kernels.decode_step = timers.wrap("  attention kernel", cpu_kernels.decode_step)
+    md_cls = model_runner.SamplingMetadata
+    from_params = md_cls.from_params
+    model_runner.SamplingMetadata = type(  # type: ignore[misc]
+        "TimedSamplingMetadata",
+        (md_cls,),
+        {"from_params": staticmethod(timers.wrap("sampling metadata", from_params))},
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="llama-100m", help="a folder of benchmarks/configs")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--ops", type=int, default=0, help="also list the top N ops per step")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: as is)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    llm = LLM(
+        os.path.join(CONFIGS, args.config),
+        load_format="dummy",
+        dtype=args.dtype,
+        skip_tokenizer_init=True,
+    )
+    prompt = torch.randint(3, 4000, (256,), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True)
+    llm.generate([prompt], params, use_tqdm=False)  # warm-up: kernels built, caches touched
+    timers = Timers()
+    instrument(llm, timers)
+    llm.generate([prompt], params, use_tqdm=False)
+    decode = [s for s in timers.steps if "execute_model" in s][1:]  # no prefill step
+    step_ms = statistics.median(s["step"] for s in decode) * 1e3
+    print(
+        f"{args.config} {args.dtype}, batch 1, {torch.get_num_threads()} threads; "
+        f"CPU flags: {cpu_flag_summary()}"
+    )
+    print(f"{len(decode)} decode steps; median per step (ms):")
+    print("| part | ms | share |")
+    print("|---|---|---|")
+    names = [n for n in decode[0] if n not in ("step", "execute_model")]
+    parts = {n: statistics.median(s.get(n, 0.0) for s in decode) * 1e3 for n in names}
+    parts["execute_model, rest"] = statistics.median(
+        s["execute_model"] for s in decode
+    ) * 1e3 - sum(parts[n] for n in names if n in _RUNNER_PARTS)
+    inner = ("  linear kernels", "  attention kernel")
+    parts["  forward, rest"] = parts["model forward"] - sum(parts.get(n, 0.0) for n in inner)
+    parts["step, rest"] = step_ms - sum(ms for n, ms in parts.items() if not n.startswith(" "))
+    for name, ms in parts.items():
+        print(f"| {name} | {ms:.3f} | {100 * ms / step_ms:.1f}% |")
+    print(f"| **step** | {step_ms:.3f} | 100% |")
+    if args.ops:
+        print_ops(llm, prompt, params, args.ops)
+
+
+_RUNNER_PARTS = {
+    "prepare inputs",
+    "attn metadata",
+    "model forward",
+    "logits (lm_head)",
+    "sampling metadata",
+    "sampler",
+}
+
+
+def print_ops(llm: LLM, prompt: list[int], params: SamplingParams, top: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        llm.generate([prompt], params, use_tqdm=False)
+    steps = OUTPUT_LEN  # one prefill step included: the per-step figures are a little high
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) / steps / 1e3
+    print(f"\nprofiled: {total:.2f} ms self CPU per step (profiler overhead included)")
+    print("| op | calls/step | self ms/step | total ms/step |")
+    print("|---|---|---|---|")
+    for e in events[:top]:
+        print(
+            f"| {e.key} | {e.count / steps:.1f} | {e.self_cpu_time_total / steps / 1e3:.3f} | "
+            f"{e.cpu_time_total / steps / 1e3:.3f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
