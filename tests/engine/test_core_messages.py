@@ -55,10 +55,12 @@ def test_control_messages_round_trip() -> None:
     for message in (
         msg.CoreReady(1, 128),
         msg.CoreRejected(0, "r", "ValueError: no such adapter"),
-        msg.CoreDead(0, "RuntimeError: boom\ntraceback"),
+        msg.CoreDead(0, "RuntimeError: boom\ntraceback", "RuntimeError"),
+        msg.LoRAChecked("adapter targets qq_proj"),
+        msg.LoRAChecked(None),
     ):
         assert msg.decode_from_core(msg.encode(message)) == message
-    for message in (msg.AbortRequests(["a", "b"]), msg.StopCore()):
+    for message in (msg.AbortRequests(["a", "b"]), msg.StopCore(), msg.CheckLoRA(b"\x80")):
         assert msg.decode_to_core(msg.encode(message)) == message
 
 

@@ -21,6 +21,7 @@ import copy
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import shutil
 import tempfile
 import threading
@@ -48,6 +49,8 @@ START_TIMEOUT_S = 600.0  # every core loads the model; big checkpoints take minu
 # the wait at once, so the caller's thread sleeps between steps instead of polling.
 STEP_WAIT_S = 0.1
 STOP_TIMEOUT_S = 10.0
+CHECK_TIMEOUT_S = 120.0  # a question to the core waits for its current step, then a load
+_CONFIG_ERRORS = ("ValueError", "TypeError")
 
 
 class EngineCoreClient:
@@ -90,6 +93,11 @@ class EngineCoreClient:
         self._poller = zmq.Poller()
         self._poller.register(self._outbox, zmq.POLLIN)
         self._poller.register(self._wake_rx, zmq.POLLIN)
+        # Core 0's request-reply socket, for questions the caller needs answered now.
+        self._control_lock = threading.Lock()
+        self._control = self._zmq.socket(zmq.REQ)
+        self._control.setsockopt(zmq.LINGER, 0)
+        self._control.bind(f"ipc://{self._ipc_dir}/control")
         self._inboxes = []
         for rank in range(num_cores):
             sock = self._zmq.socket(zmq.PUSH)
@@ -101,7 +109,15 @@ class EngineCoreClient:
         self._procs = [
             ctx.Process(
                 target=run_engine_core,
-                args=(config, rank, f"ipc://{self._ipc_dir}/in{rank}", out_address),
+                args=(
+                    config,
+                    rank,
+                    f"ipc://{self._ipc_dir}/in{rank}",
+                    out_address,
+                    # Only core 0 answers questions (every core holds the same model); the
+                    # others' sockets are never asked.
+                    f"ipc://{self._ipc_dir}/control" if rank == 0 else f"inproc://none-{rank}",
+                ),
                 name=f"tokenwise-dp-{rank}" if self._dp else "tokenwise-engine-core",
                 # A daemon may not start processes, and under TP each core starts its workers;
                 # cores also stop by themselves when this process is gone (`core_process`).
@@ -111,7 +127,7 @@ class EngineCoreClient:
         ]
         for proc in self._procs:
             proc.start()
-        sockets = [*self._inboxes, self._outbox, self._wake_tx, self._wake_rx]
+        sockets = [*self._inboxes, self._outbox, self._wake_tx, self._wake_rx, self._control]
         self._finalizer = weakref.finalize(
             self, _stop_cores, self._procs, self._inboxes, sockets, self._zmq, self._ipc_dir
         )
@@ -185,6 +201,27 @@ class EngineCoreClient:
                 return outputs
             self._handle(msg.decode_from_core(frame), outputs)
 
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """Raise ValueError unless the adapter loads and fits the model (asked of core 0, which
+        answers between two steps). From any thread; a server checks adapters it loads."""
+        with self._control_lock:
+            self.check_health()
+            self._control.send(msg.encode(msg.CheckLoRA(pickle.dumps(lora_request))))
+            deadline = time.monotonic() + CHECK_TIMEOUT_S
+            while not self._control.poll(200):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"the engine core did not check adapter {lora_request.lora_name!r} "
+                        f"within {CHECK_TIMEOUT_S:.0f} s"
+                    )
+                if any(not proc.is_alive() for proc in self._procs):
+                    raise RuntimeError("the engine core died while checking an adapter")
+            answer = msg.decode_from_core(self._control.recv())
+        if not isinstance(answer, msg.LoRAChecked):
+            raise RuntimeError(f"unexpected answer {type(answer).__name__} from the engine core")
+        if answer.error is not None:
+            raise ValueError(answer.error)
+
     def wakeup(self) -> None:
         """End a `step()` that is waiting for outputs (from any thread): a caller with a new
         request or abort to hand over gets the loop back at once."""
@@ -252,6 +289,14 @@ class EngineCoreClient:
             if isinstance(message, msg.CoreReady):
                 ready.add(message.rank)
                 self._stats[message.rank].num_total_blocks = message.num_blocks
+            elif isinstance(message, msg.CoreDead) and message.error_type in _CONFIG_ERRORS:
+                # A core refused the configuration (a KV cache too small, an unknown option):
+                # the caller's mistake, raised as such (the CLI prints it, no traceback).
+                for proc in self._procs:
+                    proc.kill()
+                self._failure = message.message.splitlines()[0]
+                self.shutdown()
+                raise ValueError(self._failure.removeprefix(f"{message.error_type}: "))
             else:
                 self._handle(message, [])
         logger.info("%s ready", self._name_ranks(sorted(ready)))

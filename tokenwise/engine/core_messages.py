@@ -2,7 +2,8 @@
 
 Client to core: `AddRequest`, `AbortRequests`, `StopCore`. Core to client: `CoreReady`, then
 one `CoreOutputs` per step that produced outputs, `CoreRejected` for a request the core could
-not take, `CoreDead` when the core fails. Each is a tagged msgspec struct sent as one ZeroMQ
+not take, `CoreDead` when the core fails. On a separate request-reply socket the client asks
+`CheckLoRA` and the core answers `LoRAChecked` (a server loading an adapter at run time). Each is a tagged msgspec struct sent as one ZeroMQ
 frame of msgpack: the per-step outputs, the hot path, decode straight into the engine's own
 `RequestOutput` dataclasses without pickle. What is polymorphic and travels once per request
 (the prompt, the sampling parameters with their guided-decoding spec, a LoRA request) is pickled
@@ -59,10 +60,21 @@ class CoreRejected(msgspec.Struct, tag=True):
 class CoreDead(msgspec.Struct, tag=True):
     rank: int
     message: str
+    error_type: str = ""  # the exception's class name ("ValueError": a configuration error)
 
 
-ToCore = AddRequest | AbortRequests | StopCore
-FromCore = CoreReady | CoreOutputs | CoreRejected | CoreDead
+class CheckLoRA(msgspec.Struct, tag=True):
+    """A question on the control socket: does this adapter load and fit the model?"""
+
+    payload: bytes  # pickle of the LoRARequest
+
+
+class LoRAChecked(msgspec.Struct, tag=True):
+    error: str | None  # why the adapter is refused, None when it fits
+
+
+ToCore = AddRequest | AbortRequests | StopCore | CheckLoRA
+FromCore = CoreReady | CoreOutputs | CoreRejected | CoreDead | LoRAChecked
 
 _encoder = msgspec.msgpack.Encoder()
 _to_core = msgspec.msgpack.Decoder(ToCore)

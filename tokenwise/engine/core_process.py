@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import time
 import traceback
 
@@ -52,6 +53,7 @@ def run_engine_core(
     rank: int,
     input_address: str,
     output_address: str,
+    control_address: str,
 ) -> None:
     """Process entry point: build the engine (joining the DP group if any), serve until told to
     stop or the parent is gone."""
@@ -65,6 +67,9 @@ def run_engine_core(
     inbox = context.socket(zmq.PULL)
     inbox.setsockopt(zmq.LINGER, 0)
     inbox.connect(input_address)
+    control = context.socket(zmq.REP)  # questions that need an answer now (`CheckLoRA`)
+    control.setsockopt(zmq.LINGER, 0)
+    control.connect(control_address)
     try:
         if dp > 1:
             config.parallel.data_parallel_rank = rank
@@ -84,24 +89,36 @@ def run_engine_core(
             # dp * tp processes build the TP and DP groups together (`join_parallel_groups`).
         engine = LLMEngine(config, config.device)
         outbox.send(msg.encode(msg.CoreReady(rank, engine.runner.num_blocks)))
-        _CoreLoop(engine, rank, inbox, outbox).run()
+        _CoreLoop(engine, rank, inbox, outbox, control).run()
     except BaseException as exc:  # the client turns this into a clear error for the user
         text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-        outbox.send(msg.encode(msg.CoreDead(rank, text)))
+        outbox.send(msg.encode(msg.CoreDead(rank, text, type(exc).__name__)))
         raise SystemExit(1) from None
     finally:
         destroy_dp_group()
         inbox.close()
+        control.close()
         outbox.close()
         context.term()
 
 
 class _CoreLoop:
-    def __init__(self, engine: LLMEngine, rank: int, inbox: zmq.Socket, outbox: zmq.Socket):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        rank: int,
+        inbox: zmq.Socket,
+        outbox: zmq.Socket,
+        control: zmq.Socket,
+    ) -> None:
         self.engine = engine
         self.rank = rank
         self.inbox = inbox
         self.outbox = outbox
+        self.control = control
+        self.poller = zmq.Poller()
+        self.poller.register(inbox, zmq.POLLIN)
+        self.poller.register(control, zmq.POLLIN)
         self.stopping = False
         self.parent = mp.parent_process()
         self._forward_times_sent = 0.0
@@ -139,8 +156,10 @@ class _CoreLoop:
         if self.parent is not None and not self.parent.is_alive():
             self.stopping = True  # the client is gone: nobody will read our outputs
             return
-        if block_s and not self.inbox.poll(int(block_s * 1000)):
+        if block_s and not self.poller.poll(int(block_s * 1000)):
             return
+        while self.control.poll(0):
+            self._answer(msg.decode_to_core(self.control.recv()))
         while True:
             try:
                 frame = self.inbox.recv(zmq.NOBLOCK)
@@ -160,6 +179,17 @@ class _CoreLoop:
             self.engine.abort_request(message.request_ids)
         else:
             self.stopping = True
+
+    def _answer(self, question: msg.ToCore) -> None:
+        error = None
+        if isinstance(question, msg.CheckLoRA):
+            try:
+                self.engine.check_lora(pickle.loads(question.payload))
+            except (ValueError, TypeError, OSError) as exc:
+                error = str(exc)
+        else:
+            error = f"unexpected question {type(question).__name__}"
+        self.control.send(msg.encode(msg.LoRAChecked(error)))
 
     def _publish(self, outputs: list) -> None:
         generated = [o for o in outputs if isinstance(o, RequestOutput)]

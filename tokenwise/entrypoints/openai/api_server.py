@@ -181,7 +181,7 @@ def run_server(args: argparse.Namespace) -> int:
         config.max_model_len,
         lora_modules,
         lora.max_lora_rank if lora is not None else None,
-        getattr(engine, "check_lora", None),  # one engine (not DP): adapters checked at load
+        engine.check_lora,  # adapters are checked against the model when loaded
     )
     metrics = ServerMetrics(config.served_model_name)
     server: uvicorn.Server | None = None
