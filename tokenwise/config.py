@@ -277,6 +277,80 @@ class LoRAConfig:
             )
 
 
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
+SPEC_METHODS_BUILT = ("ngram",)
+# Where speculation stops paying on CPU (benchmarks/spec_decode.py): a step verifying k drafts
+# for many requests costs about k + 1 times a decode step once the batch is compute-bound.
+DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE = 8
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (`speculative_config`, vLLM's names and JSON form).
+
+    `method` "ngram" proposes up to `num_speculative_tokens` drafts by prompt lookup: the
+    tokens that followed the most recent earlier occurrence of the sequence's last
+    `prompt_lookup_min`..`prompt_lookup_max` tokens. No proposal is made while
+    `disable_by_batch_size` or more requests are running (verification then costs more than
+    it saves). Draft models, EAGLE and MTP are named here so their configs are recognised,
+    and refused until they are built.
+    """
+
+    num_speculative_tokens: int
+    method: str | None = None
+    model: str | None = None
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    disable_by_batch_size: int | None = DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE
+
+    def __post_init__(self) -> None:
+        _check_int("speculative_config.num_speculative_tokens", self.num_speculative_tokens, 1)
+        if self.method is None:
+            self.method = "draft_model" if self.model is not None else "ngram"
+        if self.method not in SPEC_METHODS:
+            raise ValueError(
+                f"speculative_config.method must be one of {', '.join(SPEC_METHODS)}, "
+                f"got {self.method!r}"
+            )
+        if self.method not in SPEC_METHODS_BUILT:
+            raise ValueError(
+                f"speculative_config.method {self.method!r} is not supported yet; "
+                f"supported: {', '.join(SPEC_METHODS_BUILT)}"
+            )
+        if self.method == "ngram":
+            if self.prompt_lookup_min is None:
+                self.prompt_lookup_min = 1
+            if self.prompt_lookup_max is None:
+                self.prompt_lookup_max = max(5, self.prompt_lookup_min)
+            _check_int("speculative_config.prompt_lookup_min", self.prompt_lookup_min, 1)
+            _check_int("speculative_config.prompt_lookup_max", self.prompt_lookup_max, 1)
+            if self.prompt_lookup_min > self.prompt_lookup_max:
+                raise ValueError(
+                    "speculative_config.prompt_lookup_min must be <= prompt_lookup_max, got "
+                    f"{self.prompt_lookup_min} > {self.prompt_lookup_max}"
+                )
+        if self.disable_by_batch_size is not None:
+            _check_int("speculative_config.disable_by_batch_size", self.disable_by_batch_size, 1)
+
+    @classmethod
+    def from_dict(cls, fields: Any) -> SpeculativeConfig:
+        """From the JSON object users write; unknown keys are errors naming them."""
+        if isinstance(fields, SpeculativeConfig):
+            return fields
+        if not isinstance(fields, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {fields!r}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config has unknown field(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))}"
+            )
+        if "num_speculative_tokens" not in fields:
+            raise ValueError("speculative_config.num_speculative_tokens is required")
+        return cls(**fields)
+
+
 @dataclass
 class EngineConfig:
     """Everything one engine instance is configured with.
@@ -292,6 +366,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "cpu"
     lora: LoRAConfig | None = None  # None: LoRA adapters are off
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     # One INFO line per finished request (`LLMEngine._forget`): on for the server, off for the
     # offline `LLM`, whose batch jobs would flood the log (`disable_log_requests`).
     log_requests: bool = False

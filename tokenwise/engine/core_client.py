@@ -377,10 +377,18 @@ class EngineCoreClient:
                 "num_steps_total",
                 "num_ubatched_steps_total",
                 "num_dummy_steps_total",
+                "spec_decode_num_drafts",
+                "spec_decode_num_draft_tokens",
+                "spec_decode_num_accepted_tokens",
             ):
                 setattr(total, name, getattr(total, name) + getattr(s, name))
             for reason, count in s.finished_reasons.items():
                 total.finished_reasons[reason] = total.finished_reasons.get(reason, 0) + count
+            per_pos = total.spec_decode_num_accepted_tokens_per_pos
+            for pos, count in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+                if pos == len(per_pos):
+                    per_pos.append(0)
+                per_pos[pos] += count
         if total.num_total_blocks:
             total.kv_cache_usage = 1.0 - total.num_free_blocks / total.num_total_blocks
         return total

@@ -21,6 +21,7 @@ from typing import Any
 from tokenwise.batchsize_stats import get_batchsize_forward_time_summary
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.tp_worker import maybe_serve_torchrun_worker, run_tp_worker
+from tokenwise.engine.drafter import Drafter
 from tokenwise.engine.kinds.base import ModelKind, NewRequest
 from tokenwise.engine.kinds.select import model_kind_for
 from tokenwise.engine.prompts import (
@@ -119,6 +120,14 @@ class LLMEngine:
         self._stats = EngineStats(num_total_blocks=num_blocks)
         self._consecutive_failed_steps = 0
         self._stat_logger = StatLogger()
+        self.drafter = None
+        if config.speculative is not None:
+            if self.kind.name != "generate":
+                raise ValueError(
+                    "speculative_config applies to decoder-only generation models; this "
+                    f"model's kind is {self.kind.name!r}"
+                )
+            self.drafter = Drafter(config.speculative, config.model.max_model_len)
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -226,9 +235,10 @@ class LLMEngine:
                 for item in sched.scheduled:
                     if item.num_new_tokens > 1 or item.request.num_output_tokens == 0:
                         self._stats.prompt_tokens_total += item.num_new_tokens
-                stop_strings = self._detokenize(result)
-                sampled = self.scheduler.update_from_output(sched, result, stop_strings)
+                sampled = self.scheduler.update_from_output(sched, result, self._detokenize)
                 self._route_samples(sampled, result, touched)
+                if self.drafter is not None:
+                    self.drafter.record(result, self._stats)
                 for req in self.kind.record_pooled(result):
                     touched[req.group_id] = self.groups[req.group_id]
         elif self.dp_lockstep:
@@ -239,6 +249,8 @@ class LLMEngine:
                 concurrent.futures.wait(
                     compiling, _GRAMMAR_IDLE_WAIT_S, concurrent.futures.FIRST_COMPLETED
                 )
+        if self.drafter is not None:
+            self.drafter.propose(self.scheduler.running)
         self._stats.num_steps_total += 1
         self._stats.num_preemptions_total += sched.num_preempted
         # Aborted or errored requests surface here even if nothing was scheduled for them.
@@ -249,44 +261,49 @@ class LLMEngine:
         self._stat_logger.maybe_log(self.get_stats())
         return outputs
 
-    def _detokenize(self, result: ModelRunnerOutput) -> dict[str, str]:
-        """Feed each sampled token to its request's detokenizer, before the scheduler appends it.
+    def _detokenize(self, req: Request, token: int) -> str | None:
+        """Feed one sampled token to its request's detokenizer, before the scheduler appends it.
 
-        Returns the stop strings completed this step, by request id, for the scheduler's stop
-        rules. As in vLLM, a stop token ends the text without appearing in it, so such a token
-        is not detokenized (`stop_rules.hides_token`).
+        Returns the stop string the token completed, if any, for the scheduler's stop rules. As
+        in vLLM, a stop token ends the text without appearing in it, so such a token is not
+        detokenized (`stop_rules.hides_token`).
         """
-        stops: dict[str, str] = {}
-        for item, token in zip(result.sampled_requests, result.sampled_token_ids, strict=True):
-            req = item.request
-            if req.detokenizer is None or hides_token(req, token):
-                continue
-            stop = req.detokenizer.add_token(token)
-            if stop is not None:
-                stops[req.request_id] = stop
-        return stops
+        if req.detokenizer is None or hides_token(req, token):
+            return None
+        return req.detokenizer.add_token(token)
 
     def _route_samples(
-        self, sampled: list[Request], result: ModelRunnerOutput, touched: dict[str, list[Request]]
+        self,
+        sampled: list[tuple[Request, int]],
+        result: ModelRunnerOutput,
+        touched: dict[str, list[Request]],
     ) -> None:
-        """Record each new token (and its logprobs) on its request, for the next output."""
+        """Record each kept token (and its logprobs) on its request, for the next output.
+
+        `sampled` pairs each request with how many of its emitted tokens it kept (a stop cuts
+        the rest); logprob rows follow the emitted tokens, request after request.
+        """
         now = time.monotonic()
         lp = result.logprobs
         lp_ids = lp.token_ids.tolist() if lp is not None else None
         lp_vals = lp.logprobs.tolist() if lp is not None else None
         lp_ranks = lp.ranks.tolist() if lp is not None else None
-        for row, (req, token) in enumerate(zip(sampled, result.sampled_token_ids, strict=True)):
+        row = 0
+        for (req, kept), tokens in zip(sampled, result.sampled_token_ids, strict=True):
             touched[req.group_id] = self.groups[req.group_id]
             if req.first_token_time is None:
                 req.first_token_time = now
-            req.new_token_ids.append(token)
-            self._stats.generation_tokens_total += 1
             num_logprobs = req.sampling_params.logprobs
-            if num_logprobs is not None and lp_ids is not None:
-                entry = self._logprob_entry(token, num_logprobs, lp_ids[row], lp_vals[row])
-                entry[token].rank = lp_ranks[row]
-                req.new_logprobs.append(entry)
-                req.cumulative_logprob += lp_vals[row][0]
+            for offset, token in enumerate(tokens[:kept]):
+                req.new_token_ids.append(token)
+                if num_logprobs is not None and lp_ids is not None:
+                    r = row + offset
+                    entry = self._logprob_entry(token, num_logprobs, lp_ids[r], lp_vals[r])
+                    entry[token].rank = lp_ranks[r]
+                    req.new_logprobs.append(entry)
+                    req.cumulative_logprob += lp_vals[r][0]
+            self._stats.generation_tokens_total += kept
+            row += len(tokens)
 
     def _logprob_entry(
         self, token: int, num: int, ids: list[int], values: list[float]

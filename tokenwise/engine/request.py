@@ -75,6 +75,9 @@ class Request:
     generator: torch.Generator | None = None
     stop_reason: int | str | None = None
     first_token_time: float | None = None
+    # Speculative decoding: draft tokens proposed for the request's next step (the engine's
+    # proposer writes them after a step; the scheduler takes them into the next one).
+    spec_token_ids: list[int] = field(default_factory=list)
     # Guided decoding: the matcher the scheduler advances (None for unguided requests).
     grammar: GrammarState | None = None
     # Why the request ended with FINISHED_ERROR (its grammar, or a failed forward pass).

@@ -30,7 +30,7 @@ the scheduler the stop strings its detokenizers found: nothing here calls back i
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
 from tokenwise.config import SchedulerConfig
@@ -113,6 +113,8 @@ class Scheduler:
             if num_new <= 0:
                 idx += 1
                 continue
+            spec = self._drafts_to_verify(req, num_new, budget)
+            num_new += len(spec)
             while True:
                 new_blocks = bm.allocate_slots(
                     req.request_id,
@@ -122,7 +124,7 @@ class Scheduler:
                     cache_salt=req.cache_salt,
                 )
                 if new_blocks is not None:
-                    out.scheduled.append(self._scheduled(req, num_new, new_blocks))
+                    out.scheduled.append(self._scheduled(req, num_new, new_blocks, spec=spec))
                     budget -= num_new
                     idx += 1
                     break
@@ -210,29 +212,40 @@ class Scheduler:
         self,
         scheduler_output: SchedulerOutput,
         runner_output: ModelRunnerOutput,
-        stop_strings: Mapping[str, str] | None = None,
-    ) -> list[Request]:
+        on_token: Callable[[Request, int], str | None] | None = None,
+    ) -> list[tuple[Request, int]]:
         """Apply one forward pass: computed tokens, sampled tokens, stops; free what finished.
 
-        Returns the requests that received a token, in the runner's sampling order (row `i` of
-        `runner_output.logprobs` belongs to the i-th). `stop_strings` maps a request id to the
-        stop string its new token completed (found by the engine's detokenizer, before this
-        call); every stop rule (`stop_rules.check_stop`) is applied here, once per token.
+        Returns each request that received tokens with how many of its emitted tokens it kept,
+        in the runner's sampling order (a stop ends a request at the token that completed it,
+        so drafts accepted after that token are dropped). `on_token(req, token)` is called
+        before each token is appended (the engine's detokenizer) and returns the stop string
+        the token completed, if any; every stop rule (`stop_rules.check_stop`) is then applied
+        here, once per token.
+
+        Rejected drafts roll back here: the request's computed tokens count only its accepted
+        drafts, so the next step overwrites the K/V the rejected ones left in the cache.
         """
         for item in scheduler_output.scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
-        sampled: list[Request] = []
+        sampled: list[tuple[Request, int]] = []
         finished: dict[RequestStatus, list[Request]] = {}
-        stops = stop_strings or {}
-        for item, token in zip(
+        for item, tokens in zip(
             runner_output.sampled_requests, runner_output.sampled_token_ids, strict=True
         ):
             req = item.request
-            req.append_output_token(token)
-            sampled.append(req)
-            status = check_stop(req, token, stops.get(req.request_id), self.max_model_len)
-            if status is not None:
-                finished.setdefault(status, []).append(req)
+            if item.spec_token_ids:  # the drafts after the first rejected one were not kept
+                req.num_computed_tokens -= len(item.spec_token_ids) - (len(tokens) - 1)
+            kept = 0
+            for token in tokens:
+                stop_str = on_token(req, token) if on_token is not None else None
+                req.append_output_token(token)
+                kept += 1
+                status = check_stop(req, token, stop_str, self.max_model_len)
+                if status is not None:
+                    finished.setdefault(status, []).append(req)
+                    break
+            sampled.append((req, kept))
         # A pooled request (an embedding) is complete once its step ran.
         pooled = [item.request for item in runner_output.pooled_requests]
         if pooled:
@@ -241,6 +254,22 @@ class Scheduler:
             self.finish_requests(reqs, status)
         return sampled
 
+    def _drafts_to_verify(self, req: Request, num_new: int, budget: int) -> list[int]:
+        """The drafts `req` verifies this step: its proposed ones, cut to what fits.
+
+        Only a decode step (one new token) carries drafts. They must fit the step's token
+        budget and the model length, and no more tokens may be emitted than `max_tokens`
+        allows (the drafts plus one drawn token). The request's proposal is consumed either way.
+        """
+        spec, req.spec_token_ids = req.spec_token_ids, []
+        if not spec or num_new != 1:
+            return []
+        room = min(budget - 1, self.max_model_len - req.num_tokens)
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - req.num_output_tokens - 1)
+        return spec[: max(room, 0)]
+
     def _scheduled(
         self,
         req: Request,
@@ -248,6 +277,7 @@ class Scheduler:
         new_blocks: list[int],
         admitted_blocks: list[int] | None = None,
         num_admission_tokens: int = 0,
+        spec: list[int] | None = None,
     ) -> ScheduledRequest:
         """The step's entry for `req`, with the block deltas the runner's mirror needs.
 
@@ -256,14 +286,15 @@ class Scheduler:
         """
         bm = self.block_manager
         rid = req.request_id
+        spec = spec or []
         if bm.num_kv_cache_groups == 1:  # every step of every request: no generators here
             return ScheduledRequest(
-                req, num_new, num_admission_tokens, (new_blocks,), (bm.num_blocks_of(rid),)
+                req, num_new, num_admission_tokens, (new_blocks,), (bm.num_blocks_of(rid),), spec
             )
         groups = range(bm.num_kv_cache_groups)
         new = tuple(new_blocks if g == 0 else (admitted_blocks or []) for g in groups)
         counts = tuple(bm.num_blocks_of(rid, g) for g in groups)
-        return ScheduledRequest(req, num_new, num_admission_tokens, new, counts)
+        return ScheduledRequest(req, num_new, num_admission_tokens, new, counts, spec)
 
     def _poll_grammars(self) -> None:
         """Make matchers for compiled grammars; end requests whose compile failed or is late."""
@@ -304,6 +335,7 @@ class Scheduler:
         self.block_manager.free(req.request_id)
         self._left_since_last_step.append(req.request_id)
         req.num_computed_tokens = 0  # its cross blocks went too: the encoder reruns on resume
+        req.spec_token_ids = []
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1

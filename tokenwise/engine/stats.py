@@ -29,6 +29,12 @@ class EngineStats:
     num_ubatched_steps_total: int = 0  # steps run as two micro-batches (DP + MoE only)
     num_dummy_steps_total: int = 0  # dummy passes of a DP rank joining its peers' (MoE only)
     finished_reasons: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding (vLLM's spec_decode_* figures): steps of a request that verified
+    # drafts, drafts verified, drafts accepted, and accepted ones by their position (0 = first).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -43,6 +49,8 @@ class StatLogger:
         self._last_time = time.monotonic()
         self._last_prompt = 0
         self._last_generation = 0
+        self._last_drafts = self._last_draft_tokens = self._last_accepted = 0
+        self._last_per_pos: list[int] = []
 
     def maybe_log(self, stats: EngineStats, now: float | None = None) -> str | None:
         now = time.monotonic() if now is None else now
@@ -61,5 +69,27 @@ class StatLogger:
             f"KV cache usage: {stats.kv_cache_usage * 100:.1f}%, "
             f"Prefix cache hit rate: {stats.prefix_cache_hit_rate * 100:.1f}%"
         )
+        line += self._spec_decode_part(stats)
         logger.info(line)
         return line
+
+    def _spec_decode_part(self, stats: EngineStats) -> str:
+        """Drafts since the last line: acceptance rate, mean accepted length, per position."""
+        drafts = stats.spec_decode_num_drafts - self._last_drafts
+        if drafts <= 0:
+            return ""
+        proposed = stats.spec_decode_num_draft_tokens - self._last_draft_tokens
+        accepted = stats.spec_decode_num_accepted_tokens - self._last_accepted
+        per_pos = stats.spec_decode_num_accepted_tokens_per_pos
+        last = self._last_per_pos + [0] * (len(per_pos) - len(self._last_per_pos))
+        rates = ", ".join(
+            f"{(now - then) / drafts:.2f}" for now, then in zip(per_pos, last, strict=True)
+        )
+        self._last_drafts = stats.spec_decode_num_drafts
+        self._last_draft_tokens = stats.spec_decode_num_draft_tokens
+        self._last_accepted = stats.spec_decode_num_accepted_tokens
+        self._last_per_pos = list(per_pos)
+        return (
+            f", Spec decode: acceptance rate {accepted / max(proposed, 1) * 100:.1f}%, "
+            f"mean acceptance length {1 + accepted / drafts:.2f}, per position [{rates}]"
+        )

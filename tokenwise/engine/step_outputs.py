@@ -35,12 +35,16 @@ class ScheduledRequest:
     num_encoder_tokens: int = 0
     new_block_ids: tuple[list[int], ...] = ()
     num_blocks: tuple[int, ...] = ()
+    # Speculative decoding: the draft tokens this step verifies after the request's last
+    # token. They are the last `len(spec_token_ids)` of `num_new_tokens`.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def completes_sequence(self) -> bool:
         """True when this step computes the sequence's last known token (so it samples)."""
         req = self.request
-        return req.num_computed_tokens + self.num_new_tokens == req.num_tokens
+        computed = req.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids)
+        return computed == req.num_tokens
 
 
 @dataclass
@@ -66,12 +70,16 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     """One entry per sampled request, in the order of `sampled_requests`.
 
+    `sampled_token_ids[i]` holds the tokens request i emits this step: one, or with
+    speculative decoding its accepted drafts followed by one drawn token. `logprobs`, when
+    asked for, has one row per emitted token, request after request in that order.
+
     An embedding model's step samples nothing: row `i` of `pooler_output` (`[n, hidden]`,
     float32) is the embedding of `pooled_requests[i]`.
     """
 
     sampled_requests: list[ScheduledRequest]
-    sampled_token_ids: list[int]
+    sampled_token_ids: list[list[int]]
     logprobs: LogprobsTensors | None
     num_tokens: int
     pooled_requests: list[ScheduledRequest] = field(default_factory=list)

@@ -81,6 +81,21 @@ def parse_capture_sizes(text: str) -> list[int]:
     return sorted(set(sizes))
 
 
+def parse_speculative_config(text: str) -> Any:
+    """A `SpeculativeConfig` from JSON such as '{"method": "ngram", "num_speculative_tokens": 4}'."""
+    import json
+
+    from tokenwise.config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.from_dict(json.loads(text))
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(
+            f"invalid speculative config {text!r} ({e}); expected JSON such as "
+            '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\''
+        ) from None
+
+
 def parse_pooler_config(text: str) -> Any:
     """A `PoolerConfig` from JSON such as '{"pooling_type": "MEAN", "normalize": false}'."""
     import json
@@ -229,6 +244,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=["cpu", "cuda"],
         help="device (default: cuda when available, else cpu)",
     )
+    g.add_argument(
+        "--speculative-config",
+        type=parse_speculative_config,
+        default=None,
+        help="speculative decoding, as JSON with vLLM's names: "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 1}\' (n-gram prompt lookup; "disable_by_batch_size": N stops '
+        "proposing while N or more requests run)",
+    )
     p = parser.add_argument_group("parallelism (one process per rank)")
     p.add_argument(
         "--tensor-parallel-size",
@@ -323,6 +347,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "override_pooler_config": getattr(args, "override_pooler_config", None),
         # Only `serve` has the flag; the offline commands keep `LLM`'s default (off).
         "disable_log_requests": getattr(args, "disable_log_requests", True),
+        "speculative_config": getattr(args, "speculative_config", None),
     }
 
 

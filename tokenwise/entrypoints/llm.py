@@ -19,6 +19,7 @@ from tokenwise.config import (
     ParallelConfig,
     PoolerConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from tokenwise.engine.client import create_engine
 from tokenwise.engine.prompts import PromptInput
@@ -120,6 +121,7 @@ def build_engine_config(
     task: str = "generate",
     override_pooler_config: PoolerConfig | None = None,
     disable_log_requests: bool = True,
+    speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
 ) -> EngineConfig:
     """One place that turns user-facing arguments (LLM, CLI, server) into an EngineConfig."""
     from tokenwise.default_model import resolve_model_path
@@ -154,6 +156,14 @@ def build_engine_config(
             # Compiled and graphed only when a graph mode is asked for: that path is tested on
             # CPU with capture faked, not yet on a GPU (tokenwise.engine.kinds.encoder_decoder_runner).
             enforce_eager = True
+    speculative = None
+    if speculative_config is not None:
+        speculative = SpeculativeConfig.from_dict(speculative_config)
+        if model_config.is_pooling or is_encoder_decoder_architecture(model_config.architectures):
+            raise ValueError(
+                "speculative_config applies to decoder-only generation models, not to "
+                f"{', '.join(model_config.architectures)}"
+            )
     is_moe = is_moe_architecture(model_config.architectures)
     collectives = (data_parallel_size > 1 and is_moe) or tensor_parallel_size > 1
     if collectives and not enforce_eager:
@@ -204,6 +214,7 @@ def build_engine_config(
         device=device,
         lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None,
         log_requests=not disable_log_requests,
+        speculative=speculative,
     )
 
 

@@ -65,7 +65,9 @@ class StepInputs:
     rows: np.ndarray  # the batch row of each scheduled request, in step order (real ones)
     query_lens_np: np.ndarray
     context_lens_np: np.ndarray
-    logits_indices: list[int]  # flat index of each sampling request's last token
+    # Flat index of each sampling request's last token (and, before it, of the tokens whose
+    # logits verify its drafts: k + 1 rows for a request with k drafts).
+    logits_indices: list[int]
     sampled: list[ScheduledRequest]
     # Every real request of the step, in step order (a TP worker's copy has none).
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -171,6 +173,7 @@ class InputBatch:
         """Gather the step's flat inputs for `ordered` (prefills first) and move them."""
         n = len(ordered)
         row_list, q_list, ctx_list, sample_at = [], [], [], []
+        num_spec = 0
         # Each request's row brought up to date, only where it changed. This loop runs for
         # every request of every step, so it is written for as little Python as possible.
         req_index, have_tokens, have_blocks = self.req_index, self.num_tokens, self.num_blocks
@@ -189,6 +192,11 @@ class InputBatch:
                 len(counts) > 1 or item.new_block_ids[0] or counts[0] != have_blocks[row]
             ):
                 self._sync_blocks(row, item)
+            spec = item.spec_token_ids
+            if spec:  # drafts follow the known tokens; the next step's real tokens overwrite them
+                self.token_ids[row, total : total + len(spec)] = spec
+                total += len(spec)
+                num_spec += len(spec)
             row_list.append(row)
             computed, new = req.num_computed_tokens, item.num_new_tokens
             q_list.append(new)
@@ -220,7 +228,14 @@ class InputBatch:
         used = np.arange(width)[None, :] < -(-seq_lens[:, None] // self.block_size)
         np.multiply(self.row_block_tables[rows, :width], used, out=self.block_tables.np[:n, :width])
         sampled = [ordered[i] for i in sample_at]  # each completes its sequence: it samples
-        logits_indices = (cu[sample_at] - 1).tolist()
+        if num_spec:  # a request verifying k drafts needs the logits of its last k + 1 tokens
+            logits_indices = [
+                j
+                for i in sample_at
+                for j in range(int(cu[i]) - 1 - len(ordered[i].spec_token_ids), int(cu[i]))
+            ]
+        else:
+            logits_indices = (cu[sample_at] - 1).tolist()
         return StepInputs(
             num_reqs=n,
             num_tokens=num_tokens,

@@ -26,7 +26,6 @@ from tokenwise.distributed.tp_launch import WorkerMain, start_tensor_parallel
 from tokenwise.distributed.tp_state import get_tp_size
 from tokenwise.distributed.ubatching import create_ubatch_slices
 from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from tokenwise.engine.stop_rules import tokens_banned_before_min_tokens
 from tokenwise.forward_context import set_forward_context
 from tokenwise.layer_registry import get_layers_from_config
 from tokenwise.layers.cpu_prepack import prepack_linear_weights
@@ -36,6 +35,7 @@ from tokenwise.runner.graph_runner import CUDAGraphRunner
 from tokenwise.runner.graph_setup import default_capture_sizes, graph_setup
 from tokenwise.runner.input_batch import InputBatch, StepInputs
 from tokenwise.runner.kv_cache_sizing import KVCacheSizingMixin
+from tokenwise.runner.spec_verify import suppress_stop_tokens_before_min_tokens, verify_drafts
 from tokenwise.sampling.guided.bitmask import apply_grammar_bitmask
 from tokenwise.sampling.metadata import SamplingMetadata
 from tokenwise.sampling.sampler import Sampler
@@ -238,7 +238,12 @@ class ModelRunner(KVCacheSizingMixin):
             if not sampled:
                 return ModelRunnerOutput([], [], None, num_tokens)
             logits = self._logits(hidden, step.logits_indices)
-        _suppress_stop_tokens_before_min_tokens(logits, sampled)
+        if any(s.spec_token_ids for s in sampled):
+            token_ids, logprobs = verify_drafts(
+                logits, sampled, self.model_config.vocab_size, self.device
+            )
+            return ModelRunnerOutput(sampled, token_ids, logprobs, num_tokens)
+        suppress_stop_tokens_before_min_tokens(logits, sampled)
         # Guided rows: what their grammars forbid goes to -inf, one batched op for all rows.
         apply_grammar_bitmask(
             logits, [s.request.grammar for s in sampled], self.model_config.vocab_size
@@ -246,7 +251,7 @@ class ModelRunner(KVCacheSizingMixin):
         params = [s.request.sampling_params for s in sampled]
         if Sampler.is_plain_greedy(params):  # argmax only: no sampling metadata to build
             out = self.sampler.greedy(logits)
-            return ModelRunnerOutput(sampled, out.sampled_token_ids.tolist(), None, num_tokens)
+            return ModelRunnerOutput(sampled, _singles(out.sampled_token_ids), None, num_tokens)
         sampling_md = SamplingMetadata.from_params(
             params,
             [s.request.generator for s in sampled],
@@ -256,7 +261,7 @@ class ModelRunner(KVCacheSizingMixin):
             device=self.device,
         )
         out = self.sampler(logits, sampling_md)
-        return ModelRunnerOutput(sampled, out.sampled_token_ids.tolist(), out.logprobs, num_tokens)
+        return ModelRunnerOutput(sampled, _singles(out.sampled_token_ids), out.logprobs, num_tokens)
 
     def _model_inputs(self, step: StepInputs, attn_metadata: MetadataByLayer) -> dict[str, Any]:
         """Extra keyword inputs of the model for this step (none for a decoder-only model).
@@ -386,11 +391,6 @@ class ModelRunner(KVCacheSizingMixin):
             self.model(ids, positions)
 
 
-def _suppress_stop_tokens_before_min_tokens(
-    logits: torch.Tensor, sampled: list[ScheduledRequest]
-) -> None:
-    """`min_tokens`: until a request has that many outputs, its stop rules' tokens are banned."""
-    for row, item in enumerate(sampled):
-        banned = tokens_banned_before_min_tokens(item.request)
-        if banned:
-            logits[row, banned] = float("-inf")
+def _singles(token_ids: torch.Tensor) -> list[list[int]]:
+    """One emitted token per request (a step without drafts)."""
+    return [[t] for t in token_ids.tolist()]

@@ -82,13 +82,19 @@ class Sampler(nn.Module):
 
     @staticmethod
     def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        logits = logits / metadata.temperature.unsqueeze(1)
-        if metadata.min_p is not None:
-            logits = apply_min_p(logits, metadata.min_p)
-        if metadata.top_k is not None or metadata.top_p is not None:
-            logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        return exponential_race(probs, metadata.generators)
+        return exponential_race(sampling_probs(logits, metadata), metadata.generators)
+
+
+def sampling_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Each row's distribution for a random draw: temperature -> min-p -> top-k/top-p ->
+    softmax (penalties, when any, are applied to `logits` before). Speculative verification
+    (`rejection.verify`) tests drafts against exactly this distribution."""
+    logits = logits / metadata.temperature.unsqueeze(1)
+    if metadata.min_p is not None:
+        logits = apply_min_p(logits, metadata.min_p)
+    if metadata.top_k is not None or metadata.top_p is not None:
+        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+    return torch.softmax(logits, dim=-1)
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -96,7 +96,8 @@ LAYERS: tuple[Layer, ...] = (
     Layer("loader", ("tokenwise.loader",)),
     # Adapter slots attached to a built model's linear layers, and the PEFT reader.
     Layer("LoRA", ("tokenwise.lora.*",)),
-    Layer("sampling", ("tokenwise.sampling.*",)),
+    # Sampling, and speculative decoding's proposers (token ids in, draft token ids out).
+    Layer("sampling", ("tokenwise.sampling.*", "tokenwise.spec_decode.*")),
     # Embedding models: pooling parameters and the pooler; the task check reads the registry.
     Layer("pooling", ("tokenwise.pooling.*",)),
     Layer("compilation", ("tokenwise.compilation.*",)),
@@ -116,6 +117,7 @@ LAYERS: tuple[Layer, ...] = (
             "tokenwise.engine.detokenizer",
             "tokenwise.engine.prompts",
             "tokenwise.engine.stats",
+            "tokenwise.engine.drafter",
             "tokenwise.engine.kinds",
             "tokenwise.engine.kinds.encoder_inputs",
             "tokenwise.engine.kinds.requests",

@@ -89,7 +89,34 @@ class _EngineCollector(Collector):
         for reason, count in sorted(s.finished_reasons.items()):
             success.add_metric([self.model_name, reason], count)
         yield success
+        yield from self._spec_decode(s)
         yield from self._forward_times()
+
+    def _spec_decode(self, s: EngineStats) -> Iterator[Metric]:
+        """vLLM's spec_decode_* counters (zero while speculative decoding is off)."""
+        yield self._counter(
+            "spec_decode_num_drafts",
+            "Request steps that verified drafts.",
+            s.spec_decode_num_drafts,
+        )
+        yield self._counter(
+            "spec_decode_num_draft_tokens",
+            "Draft tokens verified.",
+            s.spec_decode_num_draft_tokens,
+        )
+        yield self._counter(
+            "spec_decode_num_accepted_tokens",
+            "Draft tokens accepted.",
+            s.spec_decode_num_accepted_tokens,
+        )
+        per_pos = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by their position among a step's drafts (0 = first).",
+            labels=["model_name", "position"],
+        )
+        for pos, count in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+            per_pos.add_metric([self.model_name, str(pos)], count)
+        yield per_pos
 
     def _forward_times(self) -> Iterator[Metric]:
         labels = ["model_name", "batch_size"]

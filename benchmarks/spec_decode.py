@@ -1,0 +1,168 @@
+"""Speculative decoding (n-gram prompt lookup) against plain decoding, in one run.
+
+    python benchmarks/spec_decode.py [--model DIR] [--k 2,4,8] [--streams 1,2,4,8,16,32]
+
+The workload is repetitive, as in code editing: each prompt is a function from the Python
+standard library (what the built-in model was trained on), a blank line, and the function's
+first lines again, so a model that copies continues with text the prompt already holds. Greedy,
+128 new tokens, EOS ignored.
+
+1. One stream: every prompt in turn, without speculation and with `k` drafts per step for each
+   `--k`: out tok/s, the ratio to no speculation, the acceptance rate (accepted / proposed
+   drafts) and the mean acceptance length (tokens per verifying step, 1 + accepted / steps).
+2. Several streams: the same prompts `--streams` at a time, with and without the best `k`
+   (`disable_by_batch_size` off, so every step speculates): where the ratio falls below 1 is
+   where speculation stops paying, which is what `disable_by_batch_size` should be.
+
+Modes take turns round after round (`--rounds`) so machine noise hits them alike; the median
+round is printed. The CPU flags are printed with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import os
+import statistics
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tokenwise import LLM, SamplingParams  # noqa: E402
+from tokenwise.model_config import cpu_flag_summary  # noqa: E402
+
+OUTPUT_LEN = 128
+
+
+def stdlib_functions(count: int, min_lines: int = 12, max_lines: int = 40) -> list[str]:
+    """Source of `count` top-level functions from the standard library, in a fixed order."""
+    found: list[str] = []
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(stdlib.glob("*.py")):
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        lines = source.splitlines()
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.end_lineno is not None:
+                span = node.end_lineno - node.lineno + 1
+                if min_lines <= span <= max_lines:
+                    found.append("\n".join(lines[node.lineno - 1 : node.end_lineno]))
+                    break  # one per file: varied code
+        if len(found) == count:
+            break
+    return found
+
+
+def repeat_prompts(count: int, head_lines: int = 3) -> list[str]:
+    """Each function, a blank line, then its first `head_lines` lines again."""
+    return [
+        f"{code}\n\n\n" + "\n".join(code.splitlines()[:head_lines]) + "\n"
+        for code in stdlib_functions(count)
+    ]
+
+
+def build(model: str | None, k: int, threshold: int | None, max_num_seqs: int) -> LLM:
+    spec = None
+    if k:
+        spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}
+        spec["disable_by_batch_size"] = threshold
+    return LLM(model, speculative_config=spec, max_num_seqs=max_num_seqs)
+
+
+def timed(llm: LLM, prompts: list[str], streams: int) -> tuple[float, dict[str, float]]:
+    """Out tok/s over `prompts`, `streams` at a time, and the speculation figures of the run."""
+    params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
+    before = copy.deepcopy(llm.llm_engine.get_stats())  # the engine updates it in place
+    start = time.perf_counter()
+    generated = 0
+    for i in range(0, len(prompts), streams):
+        outs = llm.generate(prompts[i : i + streams], params, use_tqdm=False)
+        generated += sum(len(o.outputs[0].token_ids) for o in outs)
+    elapsed = time.perf_counter() - start
+    after = llm.llm_engine.get_stats()
+    steps = after.spec_decode_num_drafts - before.spec_decode_num_drafts
+    proposed = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    spec = {
+        "acceptance": accepted / proposed if proposed else 0.0,
+        "mean_len": 1 + accepted / steps if steps else 1.0,
+    }
+    return generated / elapsed, spec
+
+
+def rounds(
+    engines: dict[str, LLM], prompts: list[str], streams: int, n: int
+) -> dict[str, tuple[float, dict[str, float]]]:
+    runs: dict[str, list[tuple[float, dict[str, float]]]] = {name: [] for name in engines}
+    for _ in range(n):
+        for name, llm in engines.items():
+            runs[name].append(timed(llm, prompts, streams))
+    result = {}
+    for name, values in runs.items():
+        median = statistics.median(v[0] for v in values)
+        result[name] = (median, values[-1][1])
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="checkpoint directory (default: built-in)")
+    p.add_argument("--k", default="2,4,8", help="drafts per step to compare")
+    p.add_argument("--streams", default="1,2,4,8,16,32")
+    p.add_argument("--prompts", type=int, default=8, help="prompts in the one-stream part")
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args(argv)
+    ks = [int(x) for x in args.k.split(",")]
+    print(f"CPU flags: {cpu_flag_summary()}; model: {args.model or 'built-in'}")
+
+    one = repeat_prompts(args.prompts)
+    engines = {"off": build(args.model, 0, None, 1)}
+    engines.update({f"k={k}": build(args.model, k, None, 1) for k in ks})
+    for llm in engines.values():
+        timed(llm, one[:1], 1)  # warm-up
+    result = rounds(engines, one, 1, args.rounds)
+    base = result["off"][0]
+    print(f"\n## One stream ({len(one)} prompts in turn, {OUTPUT_LEN} tokens each)")
+    print("| mode | out tok/s | vs off | acceptance rate | mean acceptance length |")
+    print("|---|---|---|---|---|")
+    for name, (tps, spec) in result.items():
+        print(
+            f"| {name} | {tps:.1f} | {tps / base:.2f}x | {spec['acceptance'] * 100:.1f}% | "
+            f"{spec['mean_len']:.2f} |"
+        )
+    best = max(ks, key=lambda k: result[f"k={k}"][0])
+
+    streams = [int(x) for x in args.streams.split(",")]
+    many = repeat_prompts(max(streams))
+    print(f"\n## Streams at once, k={best} against off (speculating at every batch size)")
+    print("| streams | off out tok/s | k out tok/s | ratio |")
+    print("|---|---|---|---|")
+    stop_at = None
+    for n in streams:
+        pair: dict[str, Any] = {
+            "off": build(args.model, 0, None, n),
+            "on": build(args.model, best, None, n),
+        }
+        for llm in pair.values():
+            timed(llm, many[:n], n)
+        res = rounds(pair, many[:n], n, args.rounds)
+        ratio = res["on"][0] / res["off"][0]
+        if ratio < 1.0 and stop_at is None:
+            stop_at = n
+        print(f"| {n} | {res['off'][0]:.1f} | {res['on'][0]:.1f} | {ratio:.2f}x |")
+        del pair
+    where = f"{stop_at} streams" if stop_at else "none of the batch sizes measured"
+    print(f"\nspeculation stopped paying at: {where}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,98 @@
+"""The engine's side of speculative decoding: which requests get drafts, and how many held.
+
+After each step the engine asks the `Drafter` for the next step's drafts. It proposes for
+requests about to decode (their next step computes one known token), within what they may
+still emit (`max_tokens`, the model length), and nowhere while `disable_by_batch_size` or more
+requests run: a step verifying `k` drafts for a large batch costs about `k + 1` decode steps
+once the batch is compute-bound, so speculation then slows the engine down. Requests whose
+next token must obey a grammar, or may not stop yet (`min_tokens`), get no drafts: their
+logits are masked per token, and a mask for a draft position depends on the drafts before it.
+
+The proposals land on `Request.spec_token_ids`; the scheduler takes them into the next step,
+the runner verifies them (`tokenwise.sampling.rejection`), and the scheduler keeps the accepted
+ones. The `Drafter` then counts what was proposed and accepted (vLLM's `spec_decode_*` figures).
+Each request's token ids are mirrored in a NumPy buffer that grows by the new tokens only, so a
+proposal never converts the whole sequence again.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tokenwise.config import SpeculativeConfig
+from tokenwise.engine.request import Request, RequestStatus
+from tokenwise.engine.stats import EngineStats
+from tokenwise.engine.step_outputs import ModelRunnerOutput
+from tokenwise.spec_decode.ngram import NgramProposer
+
+
+class Drafter:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.proposer = NgramProposer(self.k, config.prompt_lookup_min, config.prompt_lookup_max)
+        self._tokens: dict[str, tuple[np.ndarray, int]] = {}  # request id -> (buffer, length)
+
+    def propose(self, running: list[Request]) -> None:
+        """Set `spec_token_ids` on the running requests that should verify drafts next step."""
+        limit = self.config.disable_by_batch_size
+        if limit is not None and len(running) >= limit:
+            return
+        for req in running:
+            room = self._room(req)
+            if room > 0:
+                req.spec_token_ids = self.proposer.propose(self._token_array(req), room)
+        if len(self._tokens) > 2 * len(running) + 16:  # forget requests that left
+            alive = {r.request_id for r in running}
+            self._tokens = {rid: v for rid, v in self._tokens.items() if rid in alive}
+
+    def _room(self, req: Request) -> int:
+        """How many drafts `req` may verify next step (0: none)."""
+        if (
+            req.status != RequestStatus.RUNNING
+            or req.num_computed_tokens != req.num_tokens - 1
+            or req.grammar is not None
+            or req.num_output_tokens < req.sampling_params.min_tokens
+        ):
+            return 0
+        room = min(self.k, self.max_model_len - req.num_tokens)
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - req.num_output_tokens - 1)
+        return room
+
+    def _token_array(self, req: Request) -> np.ndarray:
+        """`req.all_token_ids` as an int64 array, copying only the tokens new since last time."""
+        tokens = req.all_token_ids
+        buf, have = self._tokens.get(req.request_id, (None, 0))
+        if buf is None or have > len(tokens):  # new, or restarted shorter
+            buf, have = np.empty(max(2 * len(tokens), 64), dtype=np.int64), 0
+        if len(tokens) > len(buf):
+            grown = np.empty(2 * len(tokens), dtype=np.int64)
+            grown[:have] = buf[:have]
+            buf = grown
+        if len(tokens) > have:
+            buf[have : len(tokens)] = tokens[have:]
+        self._tokens[req.request_id] = (buf, len(tokens))
+        return buf[: len(tokens)]
+
+    def record(self, result: ModelRunnerOutput, stats: EngineStats) -> None:
+        """Count the step's drafts and how many of them each request kept."""
+        for item, tokens in zip(result.sampled_requests, result.sampled_token_ids, strict=True):
+            num_drafts = len(item.spec_token_ids)
+            if not num_drafts:
+                continue
+            accepted = len(tokens) - 1
+            stats.spec_decode_num_drafts += 1
+            stats.spec_decode_num_draft_tokens += num_drafts
+            stats.spec_decode_num_accepted_tokens += accepted
+            per_pos = stats.spec_decode_num_accepted_tokens_per_pos
+            if len(per_pos) < self.k:
+                per_pos.extend([0] * (self.k - len(per_pos)))
+            for pos in range(accepted):
+                per_pos[pos] += 1
+
+
+__all__ = ["Drafter"]

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers of draft tokens (verification lives in `tokenwise.sampling.rejection`)."""
