@@ -82,7 +82,7 @@ def test_every_stream_split_gives_the_same_parts(name: str, text: str, reasoning
     rng = random.Random(0)
     for _ in range(20):
         cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, 4)))
-        splits.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])
+        splits.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)])
     for pieces in splits:
         assert streamed(name, pieces) == expected, pieces
 
