@@ -99,10 +99,12 @@ class RemoteServer:
             time.sleep(0.25)
         raise TimeoutError(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{self.log()}")
 
-    def log(self) -> str:
+    def log(self, tail: int | None = 5000) -> str:
+        """The server's output so far: its last `tail` characters (None: all of it)."""
         self._log.flush()
         with open(self._log.name, errors="replace") as f:
-            return f.read()[-5000:]
+            text = f.read()
+        return text if tail is None else text[-tail:]
 
     def metrics(self) -> str:
         response = httpx.get(self.url("/metrics"), timeout=10.0)

@@ -1,7 +1,8 @@
 """Every way a request can be refused, over raw HTTP: status code and OpenAI's error body.
 
-The server runs with small caps (so "over the cap" is cheap to send), an API key, and a
-tokenizer without a chat template. The last test checks it still serves a valid request
+The server runs with small caps (so "over the cap" is cheap to send), an API key,
+`--strict-request-fields` (unknown fields are 400s; the default ignores them, see
+test_server_compat.py) and a tokenizer without a chat template. The last test checks it still serves a valid request
 after all of that. A separate in-process test kills the engine thread and checks that
 requests fail with 500 and /health with 503 instead of hanging.
 """
@@ -37,7 +38,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     model_dir = build_tiny_checkpoint(tmp_path_factory.mktemp("server-errors"))
     os.remove(os.path.join(model_dir, "chat_template.jinja"))  # a tokenizer with no template
     args = ("--api-key", KEY, "--served-model-name", NAME, "--max-model-len", str(MAX_MODEL_LEN))
-    args += ("--max-request-body-bytes", str(BODY_LIMIT), *CAPS)
+    args += ("--max-request-body-bytes", str(BODY_LIMIT), "--strict-request-fields", *CAPS)
     with RemoteServer(model_dir, *args) as srv:
         yield srv
 
@@ -87,6 +88,12 @@ CHAT = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tok
         ("/v1/completions", {"seed": 2**64}, "seed"),  # beyond torch's generator seeds
         ("/v1/chat/completions", {"n": 2, "seed": 2**64 - 1}, "seed"),  # sample 1: seed + 1
         ("/v1/completions", {"max_token": 5}, "max_token"),  # unknown field: a typo
+        (
+            "/v1/chat/completions",
+            {"stream_options": {"include_usage": True, "x": 1}},
+            "stream_options",
+        ),
+        ("/v1/completions", {"echo": True}, "echo"),  # known, not implemented yet
         ("/v1/completions", {"prompt": 123}, "prompt"),
         ("/v1/completions", {"prompt": []}, "prompt"),
         ("/v1/completions", {"prompt": [10**6]}, "prompt"),  # token id out of range

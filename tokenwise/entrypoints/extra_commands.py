@@ -13,8 +13,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser(
         "serve",
         help="run an OpenAI-compatible HTTP server",
-        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
-        "/metrics for one model.",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
+        "/detokenize, /health, /ping, /version and /metrics for one model.",
     )
     add_server_args(serve)
     add_engine_args(serve)

@@ -4,25 +4,30 @@
 work is in `AsyncEngine` (the engine thread), the `serving_*` modules (request -> engine ->
 response), `errors` (OpenAI error bodies) and `metrics` (Prometheus).
 
-Open routes: `/health` and `/metrics`, so probes and scrapers need no secret. Everything under
-`/v1` requires `Authorization: Bearer <key>` when a key is configured.
+Open routes: `/health`, `/ping` (vLLM's name for the same probe), `/version` and `/metrics`,
+so probes and scrapers need no secret. Everything under `/v1`, and `/tokenize` and
+`/detokenize` (vLLM's paths, outside `/v1`), require `Authorization: Bearer <key>` when a key
+is configured.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
 import os
 import signal
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import Response
+from fastapi import APIRouter, Body, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from tokenwise.entrypoints.openai.access_log import AccessLogMiddleware, request_id
 from tokenwise.entrypoints.openai.async_engine import AsyncEngine
 from tokenwise.entrypoints.openai.body_limit import BodySizeLimitMiddleware
 from tokenwise.entrypoints.openai.errors import OpenAIError, install_error_handlers
@@ -30,21 +35,31 @@ from tokenwise.entrypoints.openai.metrics import ServerMetrics
 from tokenwise.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     EmbeddingRequest,
     LoadLoRAAdapterRequest,
     ModelList,
     UnloadLoRAAdapterRequest,
 )
+from tokenwise.entrypoints.openai.request_fields import accept_fields
 from tokenwise.entrypoints.openai.server_config import ServerConfig
 from tokenwise.entrypoints.openai.serving_chat import ChatServing
 from tokenwise.entrypoints.openai.serving_common import json_response
 from tokenwise.entrypoints.openai.serving_completions import CompletionServing
 from tokenwise.entrypoints.openai.serving_embeddings import EmbeddingServing
 from tokenwise.entrypoints.openai.serving_models import ServingModels
+from tokenwise.entrypoints.openai.serving_tokenization import TokenizationServing
 from tokenwise.entrypoints.openai.serving_transcriptions import TranscriptionServing
 from tokenwise.models.registry import is_speech_architecture
 
 logger = logging.getLogger("tokenwise.server")
+
+
+def tokenwise_version() -> str:
+    try:
+        return importlib.metadata.version("tokenwise")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "unknown"
 
 
 def build_app(
@@ -65,12 +80,15 @@ def build_app(
 
     app = FastAPI(title="tokenwise", lifespan=lifespan)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=config.max_request_body_bytes)
+    # Added last, so it wraps the body limit: refused bodies get their access line too.
+    app.add_middleware(AccessLogMiddleware, enabled=config.access_log)
     install_error_handlers(app)
     models = models or ServingModels(config.served_model_name, config.max_model_len)
     completions = CompletionServing(engine, config, models)
     chat = ChatServing(engine, config, models)
     embeddings = EmbeddingServing(engine, config, models)
     transcriptions = TranscriptionServing(engine, config, models)
+    tokenization = TokenizationServing(engine, config, models)
     bearer = HTTPBearer(auto_error=False)
 
     async def require_api_key(
@@ -83,6 +101,9 @@ def build_app(
                 code="invalid_api_key",
             )
 
+    def check_fields(body: Any, raw: Request) -> None:
+        accept_fields(body, config.strict_request_fields, request_id(raw), raw.url.path)
+
     api = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 
     @api.get("/models")
@@ -92,12 +113,14 @@ def build_app(
     if allow_runtime_lora_updating:
 
         @api.post("/load_lora_adapter")
-        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest, raw: Request) -> Response:
+            check_fields(body, raw)
             models.load(body.lora_name, body.lora_path)
             return Response(f"adapter {body.lora_name!r} loaded", media_type="text/plain")
 
         @api.post("/unload_lora_adapter")
-        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, raw: Request) -> Response:
+            check_fields(body, raw)
             models.unload(body.lora_name)
             return Response(f"adapter {body.lora_name!r} unloaded", media_type="text/plain")
 
@@ -130,10 +153,30 @@ def build_app(
         return await transcriptions.create(raw)
 
     app.include_router(api)
+    tokens = APIRouter(dependencies=[Depends(require_api_key)])
+
+    @tokens.post("/tokenize")
+    async def tokenize(raw: Request, payload: dict[str, Any] = Body(...)) -> Response:
+        return json_response(tokenization.tokenize(payload, raw))
+
+    @tokens.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, raw: Request) -> Response:
+        return json_response(tokenization.detokenize(body, raw))
+
+    app.include_router(tokens)
 
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200 if engine.is_healthy else 503)
+
+    @app.get("/ping")
+    @app.post("/ping")
+    async def ping() -> Response:
+        return await health()
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": tokenwise_version()})
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -216,6 +259,7 @@ def run_server(args: argparse.Namespace) -> int:
             # SIGTERM: uvicorn stops listening, waits this long for in-flight requests, then
             # cancels them (their engine requests are aborted) and the lifespan stops the engine.
             timeout_graceful_shutdown=args.shutdown_timeout,
+            access_log=False,  # `access_log` writes one line per request that says more
         )
     )
     # uvicorn handles SIGTERM itself (stop listening, drain, stop the engine), then restores the

@@ -16,6 +16,7 @@ from tokenwise.entrypoints.engine_args import (
     parse_memory_size,
     positive_int,
 )
+from tokenwise.entrypoints.openai.reasoning import REASONING_PARSERS
 from tokenwise.entrypoints.openai.server_config import (
     DEFAULT_HOST,
     DEFAULT_MAX_LOGPROBS,
@@ -96,6 +97,31 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "for at most this long (then abort them), and exit 0 (default: 5)",
     )
     g.add_argument(
+        "--strict-request-fields",
+        action="store_true",
+        help="refuse (400) request fields the server does not know; by default they are "
+        "ignored and named in one warning per request, as vLLM does",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        default=None,
+        help="return the <think> part of chat replies as reasoning_content (deepseek_r1: the "
+        "reply starts inside the reasoning; qwen3: only where the model writes <think>); "
+        "tool calls are read from the rest (default: off, the tags stay in the content)",
+    )
+    g.add_argument(
+        "--disable-access-log",
+        "--disable-uvicorn-access-log",
+        dest="disable_access_log",
+        action="store_true",
+        help="do not log one line per HTTP request (client, route, status, request id, prompt "
+        "and output tokens, time; INFO on logger tokenwise.server.access, shown with "
+        "`tokenwise --log-level INFO serve`); unlike the engine's line (--disable-log-requests), "
+        "which is per engine request with its time to first token and finish reason, it covers "
+        "every route and status, errors included",
+    )
+    g.add_argument(
         "--lora-modules",
         nargs="+",
         type=parse_lora_module,
@@ -148,4 +174,7 @@ def server_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_logprobs": args.max_logprobs,
         "max_tokens_cap": args.max_tokens_cap,
         "max_request_body_bytes": args.max_request_body_bytes,
+        "strict_request_fields": args.strict_request_fields,
+        "reasoning_parser": args.reasoning_parser,
+        "access_log": not args.disable_access_log,
     }

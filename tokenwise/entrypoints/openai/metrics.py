@@ -7,6 +7,8 @@ Two sources feed them:
 - per-request latencies (time to first token, inter-token latency, end-to-end), observed into
   histograms from every engine output as the engine thread publishes it.
 
+Those vLLM also has are exported a second time under their `vllm:` names (`metrics_aliases`).
+
 Each app gets a private `CollectorRegistry`, so several servers (or tests) can coexist in one
 process without "duplicated timeseries" errors from the global registry.
 """
@@ -17,12 +19,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tokenwise.batchsize_stats import get_batchsize_forward_time_summary
 from tokenwise.engine.stats import EngineStats
+from tokenwise.entrypoints.openai.metrics_aliases import VllmAliasCollector
 from tokenwise.outputs import RequestOutput
 
 PREFIX = "tokenwise:"
@@ -142,24 +145,38 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         kwargs = {"labelnames": ["model_name"], "registry": self.registry}
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds",
-            "Time from arrival to the first generated token.",
-            buckets=TTFT_BUCKETS,
-            **kwargs,
-        ).labels(model_name)
-        self.itl = Histogram(
-            PREFIX + "inter_token_latency_seconds",
-            "Time between consecutive tokens of a sequence.",
-            buckets=ITL_BUCKETS,
-            **kwargs,
-        ).labels(model_name)
-        self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
-            "Time from arrival to the end of the request.",
-            buckets=E2E_BUCKETS,
-            **kwargs,
-        ).labels(model_name)
+        families = [
+            Histogram(
+                PREFIX + "time_to_first_token_seconds",
+                "Time from arrival to the first generated token.",
+                buckets=TTFT_BUCKETS,
+                **kwargs,
+            ),
+            Histogram(
+                PREFIX + "inter_token_latency_seconds",
+                "Time between consecutive tokens of a sequence.",
+                buckets=ITL_BUCKETS,
+                **kwargs,
+            ),
+            Histogram(
+                PREFIX + "e2e_request_latency_seconds",
+                "Time from arrival to the end of the request.",
+                buckets=E2E_BUCKETS,
+                **kwargs,
+            ),
+            # The engine's prompt_tokens counts tokens computed; this one (vLLM's meaning)
+            # counts every prompt token once per request, prefix-cache hits included.
+            Counter(
+                PREFIX + "prompt_tokens_including_cached",
+                "Prompt tokens of requests, prefix-cache hits included.",
+                **kwargs,
+            ),
+        ]
+        self.ttft, self.itl, self.e2e, self.prompt_tokens = (
+            family.labels(model_name) for family in families
+        )
+        self.aliases = VllmAliasCollector(families)
+        self.registry.register(self.aliases)
         self._lock = threading.Lock()
         self._first_seen: set[str] = set()
         self._last_token: dict[str, dict[int, float]] = {}  # request -> sample -> time
@@ -172,7 +189,9 @@ class ServerMetrics:
         """`forward_times`: batch size -> (passes, median ms), read at scrape time; by default
         this process's (an engine core in another process reports its own)."""
         forward_times = forward_times or get_batchsize_forward_time_summary
-        self.registry.register(_EngineCollector(self.model_name, stats, forward_times))
+        collector = _EngineCollector(self.model_name, stats, forward_times)
+        self.registry.register(collector)
+        self.aliases.add(collector)
 
     def observe(self, output: RequestOutput, now: float | None = None) -> None:
         """Record the latencies one engine delta reveals (called on the engine thread)."""
@@ -183,6 +202,8 @@ class ServerMetrics:
             if ttft is not None and rid not in self._first_seen:
                 self._first_seen.add(rid)
                 self.ttft.observe(ttft)
+            if rid not in self._last_token:  # the request's first output
+                self.prompt_tokens.inc(len(output.prompt_token_ids or ()))
             last_times = self._last_token.setdefault(rid, {})
             # An embedding output has one EmbeddingOutput and no tokens to time.
             completions = output.outputs if isinstance(output.outputs, list) else []

@@ -1,13 +1,15 @@
 """Request and response bodies of the OpenAI API, as pydantic models.
 
-Requests are *strict* (no "10" -> 10 or true -> 1 coercion) and forbid unknown fields: a typo
-such as `max_token` or a wrong type fails with a 400 naming the field instead of being silently
-ignored or reinterpreted. Messages are the one exception to `extra="forbid"`: chat templates may
-read extra keys (`name`, `tool_calls`), and the template runs in a sandbox.
+Requests are *strict* (no "10" -> 10 or true -> 1 coercion): a wrong type fails with a 400
+naming the field instead of being silently reinterpreted. Other fields are accepted and judged
+by `request_fields` (ignored with a warning, or refused when they would change the reply;
+`--strict-request-fields` refuses unknown ones). Messages take extra keys by design: chat
+templates may read them (`name`, `tool_calls`), and the template runs in a sandbox.
 Field names and defaults follow OpenAI's API; vLLM's sampling extensions (`top_k`, `min_p`,
 `ignore_eos`, `repetition_penalty`, `min_tokens`, `stop_token_ids`) are accepted too, and so
 are structured outputs: OpenAI's `response_format` and vLLM's `guided_json`, `guided_regex`,
-`guided_choice` and `guided_grammar`; chat requests also take `tools` and `tool_choice`.
+`guided_choice` and `guided_grammar`; chat requests also take `tools` and `tool_choice`, and
+vLLM's `chat_template_kwargs`, `continue_final_message` and `include_reasoning`.
 """
 
 from __future__ import annotations
@@ -18,20 +20,20 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+from tokenwise.entrypoints.openai.request_fields import RequestModel
 
 
-class StreamOptions(_Strict):
+class StreamOptions(RequestModel):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (not only the last).
+    continuous_usage_stats: bool = False
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(RequestModel):
     """`response_format.json_schema`. `schema` is a field name pydantic's BaseModel reserves,
     hence the alias. The output always follows the schema exactly: `strict` changes nothing."""
 
-    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
 
     name: str
     description: str | None = None
@@ -39,12 +41,12 @@ class JsonSchemaFormat(_Strict):
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class GenerationRequest(_Strict):
+class GenerationRequest(RequestModel):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -71,6 +73,23 @@ class GenerationRequest(_Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # Accepted, not implemented: `request_fields.IGNORED` (warned about) and `REFUSED` (a 400
+    # unless the value is a no-op). Typed, so a malformed value is still a 400 naming it.
+    echo: bool = False
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+    request_id: str | None = None
+    cache_salt: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
 
 
 class CompletionRequest(GenerationRequest):
@@ -78,9 +97,11 @@ class CompletionRequest(GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
+    suffix: str | None = None  # refused: no model here has fill-in-the-middle tokens wired
+    add_special_tokens: bool = True  # the tokenizer's BOS (and the like) before the prompt
 
 
-class EmbeddingRequest(_Strict):
+class EmbeddingRequest(RequestModel):
     """`/v1/embeddings`: `input` is a string, a batch of strings, token ids, or a batch of
     token-id lists. `dimensions` is accepted by the schema and refused by the server (400)
     unless the model can shorten its embeddings."""
@@ -92,7 +113,7 @@ class EmbeddingRequest(_Strict):
     user: str | None = None
 
 
-class TextPart(_Strict):
+class TextPart(RequestModel):
     type: Literal["text"]
     text: str
 
@@ -104,30 +125,43 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(RequestModel):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ChatCompletionTool(_Strict):
+class ChatCompletionTool(RequestModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(_Strict):
+class FunctionName(RequestModel):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(RequestModel):
     type: Literal["function"]
     function: FunctionName
 
 
-class ChatCompletionRequest(GenerationRequest):
+class ChatTemplateFields(RequestModel):
+    """What the chat template renders: chat completions and `/tokenize` with messages."""
+
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ChatCompletionTool] | None = None
+    add_generation_prompt: bool = True
+    # Leave the last (assistant) message open for the model to continue, instead of starting a
+    # new one; excludes add_generation_prompt.
+    continue_final_message: bool = False
+    # Extra variables for the template, e.g. {"enable_thinking": false} for Qwen3.
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False  # templates write their own BOS
+    chat_template: str | None = None  # refused: the tokenizer's template only
+
+
+class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
     # Default: "auto" when tools are given, else "none" (as OpenAI).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -135,7 +169,40 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True
+    include_reasoning: bool = True  # false: the reasoning part is dropped from the reply
+    reasoning_effort: str | None = None  # ignored
+
+
+class TokenizeCompletionRequest(RequestModel):
+    """`POST /tokenize` with a prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(ChatTemplateFields):
+    """`POST /tokenize` with messages: the prompt a chat completion would run."""
+
+    model: str | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(RequestModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 # ---- responses -----------------------------------------------------------------------------
@@ -216,6 +283,7 @@ class ToolCall(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser
     tool_calls: list[ToolCall] | None = None
 
 
@@ -249,6 +317,7 @@ class DeltaToolCall(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 
@@ -274,12 +343,12 @@ class ModelCard(BaseModel):
     parent: str | None = None  # a LoRA adapter's base model
 
 
-class LoadLoRAAdapterRequest(_Strict):
+class LoadLoRAAdapterRequest(RequestModel):
     lora_name: str
     lora_path: str
 
 
-class UnloadLoRAAdapterRequest(_Strict):
+class UnloadLoRAAdapterRequest(RequestModel):
     lora_name: str
 
 

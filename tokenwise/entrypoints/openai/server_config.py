@@ -12,6 +12,8 @@ from __future__ import annotations
 import hmac
 from dataclasses import dataclass
 
+from tokenwise.entrypoints.openai.reasoning import check_reasoning_parser
+
 DEFAULT_HOST = "127.0.0.1"  # loopback unless the operator explicitly exposes the server
 DEFAULT_PORT = 8000
 DEFAULT_MAX_N = 16  # completions per request (--max-n)
@@ -34,6 +36,12 @@ class ServerConfig:
     task: str = "generate"
     # A speech model (Whisper) also serves /v1/audio/transcriptions.
     supports_audio: bool = False
+    # Unknown request fields: False ignores them with a warning, True refuses them (400).
+    strict_request_fields: bool = False
+    # Splits chat replies' <think> part into reasoning_content (`reasoning`); None: off.
+    reasoning_parser: str | None = None
+    # One INFO line per HTTP request on tokenwise.server.access (`access_log`).
+    access_log: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_n", "max_prompts", "max_request_body_bytes"):
@@ -45,6 +53,7 @@ class ServerConfig:
             raise ValueError(f"max_tokens_cap must be >= 1, got {self.max_tokens_cap}")
         if self.task not in ("generate", "embed"):
             raise ValueError(f"task must be generate or embed, got {self.task!r}")
+        check_reasoning_parser(self.reasoning_parser)
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (omit --api-key to disable auth)")
 

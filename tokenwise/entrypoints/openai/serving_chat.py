@@ -1,23 +1,22 @@
-"""`POST /v1/chat/completions`: messages rendered with the tokenizer's chat template.
-
-The rendered text is tokenized here without special tokens, because chat templates write
-their own BOS; letting the tokenizer add another would give the model a doubled BOS it never
-saw in training. A tokenizer without a template, a template that fails on the messages, or
-messages that are not valid Unicode (a lone surrogate, which JSON can escape) are the client's
-problem to fix (400), not a server error.
+"""`POST /v1/chat/completions`: messages rendered with the tokenizer's chat template
+(`chat_rendering`), the reply read back as an assistant message (`tool_calls`).
 
 With `tools`, the template receives them (`tools=`, as Hugging Face templates expect), the
 reply is read for tool calls according to `tool_choice` (`tool_calls`), and a forced call is
 enforced with guided decoding (`structured_outputs`).
+
+With `--reasoning-parser`, each choice's `<think>` part comes back as `reasoning_content`
+(`reasoning`), and tool calls are read from what follows it. A guided reply (a response format,
+a forced tool call) is read without the parser: its grammar leaves the model no room to reason,
+and a parser that expects the reply to open with reasoning (deepseek_r1) would otherwise take
+the whole of it for reasoning.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import jinja2
-
-from tokenwise.engine.prompts import check_text
+from tokenwise.entrypoints.openai.chat_rendering import render_chat
 from tokenwise.entrypoints.openai.errors import OpenAIError
 from tokenwise.entrypoints.openai.logprobs import chat_logprobs
 from tokenwise.entrypoints.openai.protocol import (
@@ -29,14 +28,15 @@ from tokenwise.entrypoints.openai.protocol import (
     ChatStreamChoice,
     DeltaMessage,
 )
+from tokenwise.entrypoints.openai.reasoning import REASONING_PARSERS
 from tokenwise.entrypoints.openai.serving_common import (
     OpenAIServing,
     build_sampling_params,
     check_cap,
 )
 from tokenwise.entrypoints.openai.structured_outputs import (
-    ToolMode,
     guided_decoding_for,
+    is_guided,
     resolve_tool_mode,
 )
 from tokenwise.entrypoints.openai.tool_calls import ToolCallReader
@@ -45,39 +45,6 @@ from tokenwise.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from tokenwise.engine.prompts import PromptInput
-
-
-def render_chat(tokenizer: Any, body: ChatCompletionRequest) -> dict[str, Any]:
-    """The engine prompt ({"prompt", "prompt_token_ids"}) for the request's messages."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise OpenAIError(
-            400,
-            "this model's tokenizer has no chat template; use /v1/completions instead",
-            param="messages",
-            code="no_chat_template",
-        )
-    messages = []
-    for m in body.messages:
-        message = m.model_dump(exclude_none=True)
-        if isinstance(m.content, list):
-            message["content"] = "\n".join(part.text for part in m.content)
-        messages.append(message)
-    extra: dict[str, Any] = {}
-    if body.tools:
-        extra["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools]
-    try:
-        text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=body.add_generation_prompt, **extra
-        )
-    except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
-        raise OpenAIError(
-            400, f"the chat template failed on these messages: {exc}", param="messages"
-        ) from exc
-    try:
-        check_text(text, "messages")
-    except ValueError as exc:  # else the tokenizer's TypeError would be a 500
-        raise OpenAIError(400, str(exc), param="messages") from exc
-    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
 
 class ChatServing(OpenAIServing[ChatCompletionRequest, ChatLogprobs]):
@@ -111,6 +78,14 @@ class ChatServing(OpenAIServing[ChatCompletionRequest, ChatLogprobs]):
         top_n = body.top_logprobs or 0
         return chat_logprobs(output.token_ids, output.logprobs or [], top_n), offset
 
+    def _reader(self, body: ChatCompletionRequest) -> ToolCallReader:
+        """A fresh reader of one choice's reply (the request was checked in `_prepare`)."""
+        mode = resolve_tool_mode(body)
+        name = self.config.reasoning_parser
+        if name is None or is_guided(body, mode):
+            return ToolCallReader(mode)
+        return ToolCallReader(mode, REASONING_PARSERS[name](), body.include_reasoning)
+
     def _choice(
         self,
         body: ChatCompletionRequest,
@@ -118,7 +93,7 @@ class ChatServing(OpenAIServing[ChatCompletionRequest, ChatLogprobs]):
         output: CompletionOutput,
         logprobs: ChatLogprobs | None,
     ) -> ChatChoice:
-        reader = ToolCallReader(_tool_mode(body))
+        reader = self._reader(body)
         message, finish_reason = reader.message(output.text, output.finish_reason)
         return ChatChoice(
             index=index,
@@ -138,7 +113,7 @@ class ChatServing(OpenAIServing[ChatCompletionRequest, ChatLogprobs]):
     ) -> ChatStreamChoice | None:
         reader = state.get(index)
         if reader is None:
-            reader = state[index] = ToolCallReader(_tool_mode(body))
+            reader = state[index] = self._reader(body)
         delta, finish_reason = reader.delta(output.text, output.finish_reason)
         has_logprobs = logprobs is not None and bool(output.token_ids)
         if delta is None and not has_logprobs:
@@ -155,8 +130,3 @@ class ChatServing(OpenAIServing[ChatCompletionRequest, ChatLogprobs]):
         # OpenAI opens every choice with the assistant role and empty content.
         role = DeltaMessage(role="assistant", content="")
         return [ChatStreamChoice(index=i, delta=role) for i in range(body.n)]
-
-
-def _tool_mode(body: ChatCompletionRequest) -> ToolMode:
-    """How to read the reply (checked in `_prepare`, so it cannot fail here)."""
-    return resolve_tool_mode(body)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
@@ -18,6 +17,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
+from tokenwise.entrypoints.openai.access_log import record_usage, set_request_id
 from tokenwise.entrypoints.openai.async_engine import AsyncEngine, RequestStream
 from tokenwise.entrypoints.openai.errors import (
     EngineDeadError,
@@ -27,6 +27,7 @@ from tokenwise.entrypoints.openai.errors import (
     invalid_request,
 )
 from tokenwise.entrypoints.openai.protocol import GenerationRequest, OpenAIResponse, UsageInfo
+from tokenwise.entrypoints.openai.request_fields import accept_fields
 from tokenwise.entrypoints.openai.server_config import ServerConfig
 from tokenwise.entrypoints.openai.serving_models import ServingModels
 from tokenwise.outputs import CompletionOutput, RequestOutput
@@ -90,11 +91,19 @@ def build_sampling_params(
 
 
 class UsageCounter:
-    """Prompt tokens count once per prompt (not per choice); completion tokens per choice."""
+    """Prompt tokens count once per prompt (not per choice); completion tokens per choice.
 
-    def __init__(self) -> None:
+    Prompts whose tokens the server already knows (a rendered chat, token ids) are counted
+    from the start, so a stream's first chunk can report them."""
+
+    def __init__(self, prompts: list[PromptInput] | None = None) -> None:
         self.prompt_tokens: dict[int, int] = {}
         self.completion_tokens = 0
+        for index, prompt in enumerate(prompts or []):
+            if isinstance(prompt, dict) and isinstance(prompt.get("prompt_token_ids"), list):
+                self.prompt_tokens[index] = len(prompt["prompt_token_ids"])
+            elif isinstance(prompt, list):
+                self.prompt_tokens[index] = len(prompt)
 
     def add(self, prompt_index: int, prompt_len: int, new_tokens: int) -> None:
         self.prompt_tokens[prompt_index] = prompt_len
@@ -200,18 +209,21 @@ class OpenAIServing(ABC, Generic[RequestT, LogprobsT]):
         self.models = models or ServingModels(config.served_model_name, config.max_model_len)
 
     async def create(self, body: RequestT, raw: Request) -> Response:
+        request_id = set_request_id(raw, self.request_id_prefix)
+        accept_fields(body, self.config.strict_request_fields, request_id, raw.url.path)
         lora_request = self.models.resolve(body.model)
         prompts, params = self._prepare(body)
-        request_id = f"{self.request_id_prefix}-{uuid.uuid4().hex}"
         try:
             stream = await self.engine.submit(request_id, prompts, params, lora_request)
         except (ValueError, TypeError) as exc:
             # The engine's complaints (prompt too long or empty, bad token ids, parameters this
             # model cannot honour) are 400s about the prompt unless they name a parameter.
             raise invalid_request(exc, self.prompt_param) from exc
+        usage = UsageCounter(prompts)
+        record_usage(raw, usage)
         if body.stream:
-            return event_stream(self._stream(body, request_id, stream))
-        return await respond(raw, stream, self._collect(body, request_id, stream))
+            return event_stream(self._stream(body, request_id, stream, usage))
+        return await respond(raw, stream, self._collect(body, request_id, stream, usage))
 
     @abstractmethod
     def _prepare(self, body: RequestT) -> tuple[list[PromptInput], SamplingParams]:
@@ -248,7 +260,7 @@ class OpenAIServing(ABC, Generic[RequestT, LogprobsT]):
         return []
 
     async def _collect(
-        self, body: RequestT, request_id: str, stream: RequestStream
+        self, body: RequestT, request_id: str, stream: RequestStream, usage: UsageCounter
     ) -> OpenAIResponse:
         # Fold the deltas into one cumulative output per prompt; a failed generation is a 500.
         merged: dict[int, RequestOutput] = {}
@@ -263,7 +275,6 @@ class OpenAIServing(ABC, Generic[RequestT, LogprobsT]):
                 raise OpenAIError(400, out.error, code="grammar_refused")
             if out.error is not None:
                 raise generation_failed(out.error)
-        usage = UsageCounter()
         choices = []
         for index in sorted(merged):
             out = merged[index]
@@ -279,13 +290,18 @@ class OpenAIServing(ABC, Generic[RequestT, LogprobsT]):
         )
 
     async def _stream(
-        self, body: RequestT, request_id: str, stream: RequestStream
+        self, body: RequestT, request_id: str, stream: RequestStream, usage: UsageCounter
     ) -> AsyncIterator[str]:
-        def chunk(choices: list[BaseModel], usage: UsageInfo | None = None) -> str:
-            model = self.config.served_model_name
-            return sse(self.chunk_cls(id=request_id, model=model, choices=choices, usage=usage))
+        options = body.stream_options
+        include_usage = options is not None and options.include_usage
+        # vLLM's continuous_usage_stats: every chunk carries the usage so far.
+        continuous = include_usage and options is not None and options.continuous_usage_stats
 
-        usage = UsageCounter()
+        def chunk(choices: list[BaseModel], final_usage: UsageInfo | None = None) -> str:
+            model = self.config.served_model_name
+            counts = final_usage or (usage.usage() if continuous else None)
+            return sse(self.chunk_cls(id=request_id, model=model, choices=choices, usage=counts))
+
         offsets: dict[int, int] = {}  # choice -> text offset of its next token
         state: dict[int, Any] = {}
         try:
@@ -307,7 +323,7 @@ class OpenAIServing(ABC, Generic[RequestT, LogprobsT]):
                     if piece is not None:
                         yield chunk([piece])
             else:
-                if body.stream_options is not None and body.stream_options.include_usage:
+                if include_usage:
                     yield chunk([], usage.usage())
         except Exception as exc:
             yield stream_error(exc)

@@ -2,12 +2,15 @@
 
 Every prompt of a batch becomes its own engine request (they share steps like any other
 requests); choice `i * n + j` is sample `j` of prompt `i`, as in OpenAI's and vLLM's servers.
+Text prompts are tokenized by the engine client, with the tokenizer's special tokens (BOS);
+`add_special_tokens: false` tokenizes them here without, for prompts that carry their own.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from tokenwise.engine.prompts import check_text
 from tokenwise.entrypoints.openai.errors import OpenAIError
 from tokenwise.entrypoints.openai.logprobs import completion_logprobs
 from tokenwise.entrypoints.openai.protocol import (
@@ -40,6 +43,19 @@ def _prompts(prompt: str | list) -> list[PromptInput]:
     return list(prompt)
 
 
+def _without_special_tokens(prompt: PromptInput, tokenizer: Any) -> PromptInput:
+    if not isinstance(prompt, str):
+        return prompt  # token ids are taken as given
+    try:
+        check_text(prompt, "prompt")
+    except ValueError as exc:
+        raise OpenAIError(400, str(exc), param="prompt") from exc
+    return {
+        "prompt": prompt,
+        "prompt_token_ids": tokenizer.encode(prompt, add_special_tokens=False),
+    }
+
+
 class CompletionServing(OpenAIServing[CompletionRequest, CompletionLogprobs]):
     """Prompts as given; a stream's chunks have the collected response's shape."""
 
@@ -61,6 +77,9 @@ class CompletionServing(OpenAIServing[CompletionRequest, CompletionLogprobs]):
                 f"--max-prompts), got {len(prompts)}",
                 param="prompt",
             )
+        if not body.add_special_tokens:
+            tokenizer = self.engine.engine.tokenizer
+            prompts = [_without_special_tokens(p, tokenizer) for p in prompts]
         guided = guided_decoding_for(body)
         params = build_sampling_params(body, self.config, body.max_tokens, body.logprobs, guided)
         return prompts, params

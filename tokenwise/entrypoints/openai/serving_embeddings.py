@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import base64
 import struct
-import uuid
 from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import Response
 
+from tokenwise.entrypoints.openai.access_log import record_usage, set_request_id
 from tokenwise.entrypoints.openai.async_engine import AsyncEngine, RequestStream
 from tokenwise.entrypoints.openai.errors import OpenAIError, generation_failed, invalid_request
 from tokenwise.entrypoints.openai.protocol import (
@@ -29,8 +29,9 @@ from tokenwise.entrypoints.openai.protocol import (
     EmbeddingResponse,
     EmbeddingUsage,
 )
+from tokenwise.entrypoints.openai.request_fields import accept_fields
 from tokenwise.entrypoints.openai.server_config import ServerConfig
-from tokenwise.entrypoints.openai.serving_common import respond
+from tokenwise.entrypoints.openai.serving_common import UsageCounter, respond
 from tokenwise.entrypoints.openai.serving_models import ServingModels
 from tokenwise.outputs import EmbeddingRequestOutput
 from tokenwise.pooling.params import PoolingParams
@@ -85,6 +86,8 @@ class EmbeddingServing:
         self.models = models or ServingModels(config.served_model_name, config.max_model_len)
 
     async def create(self, body: EmbeddingRequest, raw: Request) -> Response:
+        request_id = set_request_id(raw, "embd")
+        accept_fields(body, self.config.strict_request_fields, request_id, raw.url.path)
         if self.models.resolve(body.model) is not None:
             raise OpenAIError(400, "LoRA adapters are not served for embeddings", param="model")
         check_embedding_model(self.config)
@@ -94,15 +97,16 @@ class EmbeddingServing:
             params.verify(self.config.served_model_name)
         except ValueError as exc:
             raise OpenAIError(400, str(exc), param="dimensions") from exc
-        request_id = f"embd-{uuid.uuid4().hex}"
         try:
             stream = await self.engine.submit(request_id, prompts, params)
         except (ValueError, TypeError) as exc:
             raise invalid_request(exc, "input") from exc
-        return await respond(raw, stream, self._collect(body, request_id, stream))
+        usage = UsageCounter(prompts)
+        record_usage(raw, usage)
+        return await respond(raw, stream, self._collect(body, request_id, stream, usage))
 
     async def _collect(
-        self, body: EmbeddingRequest, request_id: str, stream: RequestStream
+        self, body: EmbeddingRequest, request_id: str, stream: RequestStream, usage: UsageCounter
     ) -> EmbeddingResponse:
         outputs: dict[int, EmbeddingRequestOutput] = {}
         async for index, output in stream:
@@ -116,6 +120,7 @@ class EmbeddingServing:
             encoded = encode_base64(vector) if body.encoding_format == "base64" else vector
             data.append(EmbeddingData(index=index, embedding=encoded))
             prompt_tokens += len(out.prompt_token_ids)
+            usage.add(index, len(out.prompt_token_ids), 0)
         usage = EmbeddingUsage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)
         return EmbeddingResponse(
             id=request_id, model=self.config.served_model_name, data=data, usage=usage

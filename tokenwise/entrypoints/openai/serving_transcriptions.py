@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import io
 import math
-import uuid
 from typing import Any
 
 import numpy as np
@@ -26,6 +25,7 @@ from fastapi import Request
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel
 
+from tokenwise.entrypoints.openai.access_log import set_request_id
 from tokenwise.entrypoints.openai.async_engine import AsyncEngine, RequestStream
 from tokenwise.entrypoints.openai.errors import OpenAIError, generation_failed, invalid_request
 from tokenwise.entrypoints.openai.server_config import ServerConfig
@@ -143,7 +143,7 @@ class TranscriptionServing:
         samples = decode_audio(await upload.read(), upload.filename or "")
         audio = (samples, SAMPLE_RATE)
         prompt = {"prompt": decoder_prompt, "multi_modal_data": {"audio": audio}}
-        request_id = f"trsc-{uuid.uuid4().hex}"
+        request_id = set_request_id(raw, "trsc")
         try:
             stream = await self.engine.submit(request_id, [prompt], params)
         except (ValueError, TypeError) as exc:

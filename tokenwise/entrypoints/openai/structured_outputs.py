@@ -64,6 +64,17 @@ def resolve_tool_mode(body: ChatCompletionRequest) -> ToolMode:
     return ToolMode(choice)
 
 
+def is_guided(body: GenerationRequest, tool_mode: ToolMode | None = None) -> bool:
+    """Whether the request's output is constrained (what `guided_decoding_for` would return a
+    spec for), without parsing the spec again."""
+    fmt = body.response_format
+    if fmt is not None and fmt.type != "text":
+        return True
+    if any(getattr(body, name) is not None for name in _GUIDED_FIELDS):
+        return True
+    return tool_mode is not None and tool_mode.kind in ("named", "required")
+
+
 def guided_decoding_for(
     body: GenerationRequest, tool_mode: ToolMode | None = None
 ) -> GuidedDecodingParams | None:

@@ -1,4 +1,9 @@
-"""A chat reply as OpenAI's assistant message: content, `tool_calls`, and the finish reason.
+"""A chat reply as OpenAI's assistant message: reasoning, content, `tool_calls`, and the finish
+reason.
+
+With a reasoning parser (`reasoning`, `--reasoning-parser`), the reply's reasoning part is split
+off first and everything below reads only the content after it: a call the model considers in
+its reasoning is not made.
 
 How the reply's text is read depends on the request's `ToolMode` (`structured_outputs`):
 plain content; content with Hermes `<tool_call>` blocks (`tool_parser`); the arguments of one
@@ -24,6 +29,7 @@ from tokenwise.entrypoints.openai.protocol import (
     ToolCall,
     new_tool_call_id,
 )
+from tokenwise.entrypoints.openai.reasoning import ReasoningParser, split_reasoning
 from tokenwise.entrypoints.openai.structured_outputs import ToolMode
 from tokenwise.entrypoints.openai.tool_parser import (
     HermesToolParser,
@@ -54,16 +60,30 @@ def _finish(reason: str | None, made_calls: bool) -> str | None:
 
 
 class ToolCallReader:
-    """Reads one choice's reply: `message` for a collected response, `delta` for a stream."""
+    """Reads one choice's reply: `message` for a collected response, `delta` for a stream.
 
-    def __init__(self, mode: ToolMode) -> None:
+    `reasoning` (a fresh parser per choice) splits off the reasoning part; with
+    `include_reasoning=False` (vLLM's request field) it is split off and dropped."""
+
+    def __init__(
+        self,
+        mode: ToolMode,
+        reasoning: ReasoningParser | None = None,
+        include_reasoning: bool = True,
+    ) -> None:
         self.mode = mode
+        self._reasoning = reasoning
+        self._include_reasoning = include_reasoning
         self._parser = HermesToolParser()
         self._num_calls = 0
         self._named_call_id: str | None = None
         self._buffer = ""
 
     def message(self, text: str, finish_reason: str | None) -> tuple[AssistantMessage, str | None]:
+        reasoning: str | None = None
+        if self._reasoning is not None:
+            reasoning, after = split_reasoning(self._reasoning, text)
+            text = after or ""
         content: str | None = text
         calls: list[ParsedToolCall] = []
         if self.mode.kind == "auto":
@@ -79,16 +99,36 @@ class ToolCallReader:
         tool_calls = [
             ToolCall(function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls
         ]
-        message = AssistantMessage(content=content, tool_calls=tool_calls or None)
+        if self._reasoning is not None and not content:
+            content = None  # the reply was all reasoning (and calls)
+        message = AssistantMessage(
+            content=content,
+            reasoning_content=reasoning if self._include_reasoning else None,
+            tool_calls=tool_calls or None,
+        )
         return message, _finish(finish_reason, bool(calls))
 
     def delta(self, text: str, finish_reason: str | None) -> tuple[DeltaMessage | None, str | None]:
         """The delta to send for this piece of text (None: nothing to send yet)."""
-        content, pieces = self._read_delta(text, finish_reason is not None)
+        last = finish_reason is not None
+        reasoning = ""
+        if self._reasoning is not None:
+            split = self._reasoning.feed(text)
+            if last:
+                rest = self._reasoning.finish()
+                split.reasoning += rest.reasoning
+                split.content += rest.content
+            reasoning, text = split.reasoning, split.content
+        if not self._include_reasoning:
+            reasoning = ""
+        content, pieces = self._read_delta(text, last)
         reason = _finish(finish_reason, self._num_calls > 0)
-        if not content and not pieces:
+        if not content and not pieces and not reasoning:
             return (DeltaMessage() if reason is not None else None), reason
-        return DeltaMessage(content=content or None, tool_calls=pieces or None), reason
+        delta = DeltaMessage(
+            reasoning_content=reasoning or None, content=content or None, tool_calls=pieces or None
+        )
+        return delta, reason
 
     def _read_delta(self, text: str, last: bool) -> tuple[str, list[DeltaToolCall]]:
         kind = self.mode.kind

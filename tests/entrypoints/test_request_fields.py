@@ -1,0 +1,170 @@
+"""Lenient request bodies (`request_fields`), without a server: unknown fields at any depth are
+found and named in one warning, `--strict-request-fields` refuses them by name, fields that
+would change the reply are refused unless their value is a no-op, and harmless ones are
+ignored with the warning. Over HTTP: test_server_api_extras.py and test_server_errors.py."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from pydantic import BaseModel, ValidationError
+
+from tokenwise.entrypoints.openai.errors import OpenAIError
+from tokenwise.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
+from tokenwise.entrypoints.openai.request_fields import (
+    IGNORED,
+    REFUSED,
+    accept_fields,
+    unknown_fields,
+)
+
+MESSAGES = [{"role": "user", "content": "Hi", "name": "ann"}]  # `name`: for the template
+LOGGER = "tokenwise.server"
+
+
+def chat(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": MESSAGES, **fields})
+
+
+def completion(**fields) -> CompletionRequest:
+    return CompletionRequest.model_validate({"prompt": "Hi", **fields})
+
+
+def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == LOGGER]
+
+
+def test_unknown_fields_at_any_depth_are_named_in_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    body = chat(
+        foo=1,
+        stream_options={"include_usage": True, "bar": True},
+        tools=[{"type": "function", "function": {"name": "f", "baz": 0}}],
+        messages=[*MESSAGES, {"role": "user", "content": [{"type": "text", "text": "x", "q": 1}]}],
+    )
+    assert unknown_fields(body) == [
+        "foo",
+        "messages.1.content.0.q",
+        "tools.0.function.baz",
+        "stream_options.bar",
+    ]
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        accept_fields(body, strict=False, request_id="chatcmpl-1", route="/v1/chat/completions")
+    (line,) = warnings_of(caplog)
+    assert "chatcmpl-1" in line and "/v1/chat/completions" in line
+    for path in ("foo", "messages.1.content.0.q", "tools.0.function.baz", "stream_options.bar"):
+        assert path in line
+    assert "ann" not in line and "name" not in line  # message keys are the template's
+
+
+def test_strict_mode_refuses_the_unknown_field_by_name() -> None:
+    with pytest.raises(OpenAIError) as info:
+        accept_fields(completion(max_token=5), strict=True, request_id="r", route="/x")
+    assert info.value.status_code == 400 and info.value.param == "max_token"
+    assert "max_token" in info.value.message and "--strict-request-fields" in info.value.message
+    nested = chat(stream_options={"include_usage": True, "typo": 1})
+    with pytest.raises(OpenAIError) as info:
+        accept_fields(nested, strict=True, request_id="r", route="/x")
+    assert info.value.param == "stream_options" and "stream_options.typo" in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("make", "field", "value"),
+    [
+        (completion, "echo", True),
+        (chat, "echo", True),
+        (completion, "logit_bias", {"5": 100.0}),
+        (completion, "suffix", "return x"),
+        (completion, "prompt_logprobs", 0),
+        (chat, "prompt_logprobs", 1),
+        (completion, "best_of", 3),
+        (completion, "use_beam_search", True),
+        (completion, "allowed_token_ids", [1, 2]),
+        (chat, "bad_words", ["no"]),
+        (completion, "truncate_prompt_tokens", 8),
+        (chat, "chat_template", "{{ messages }}"),
+    ],
+)
+def test_fields_that_would_change_the_reply_are_refused(make, field: str, value) -> None:
+    for strict in (False, True):
+        with pytest.raises(OpenAIError) as info:
+            accept_fields(make(**{field: value}), strict=strict, request_id="r", route="/x")
+        error = info.value
+        assert (error.status_code, error.param, error.code) == (400, field, "unsupported_parameter")
+        assert error.message.startswith(f"{field} is not supported yet")
+
+
+def test_no_op_values_of_refused_fields_pass_without_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    bodies = [
+        completion(echo=False, logit_bias={}, suffix="", best_of=1, bad_words=[]),
+        completion(n=2, best_of=2, prompt_logprobs=None, use_beam_search=False),
+        chat(echo=False, logit_bias={}, chat_template=None, truncate_prompt_tokens=None),
+    ]
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        for body in bodies:
+            accept_fields(body, strict=True, request_id="r", route="/x")
+    assert warnings_of(caplog) == []
+
+
+def test_harmless_fields_are_ignored_with_the_warning(caplog: pytest.LogCaptureFixture) -> None:
+    body = chat(
+        metadata={"team": "a"},
+        store=True,
+        service_tier="auto",
+        reasoning_effort="low",
+        priority=3,
+        length_penalty=1.0,  # the default: not worth a warning
+        user="u1",  # OpenAI's end-user id: nothing to implement
+        parallel_tool_calls=False,  # implemented
+    )
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        accept_fields(body, strict=True, request_id="r", route="/x")  # known: strict passes
+    (line,) = warnings_of(caplog)
+    for name in ("metadata", "store", "service_tier", "reasoning_effort", "priority"):
+        assert name in line
+    for name in ("length_penalty", "user", "parallel_tool_calls"):
+        assert name not in line
+
+
+@pytest.mark.parametrize(
+    ("make", "fields", "where"),
+    [
+        (completion, {"echo": "yes"}, "echo"),
+        (completion, {"logit_bias": {"5": "high"}}, "logit_bias"),
+        (completion, {"best_of": 2.5}, "best_of"),
+        (chat, {"stream_options": {"continuous_usage_stats": "yes"}}, "stream_options"),
+        (chat, {"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+        (chat, {"include_reasoning": 1}, "include_reasoning"),
+        (completion, {"add_special_tokens": "false"}, "add_special_tokens"),
+    ],
+)
+def test_declared_fields_keep_their_types(make, fields, where: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        make(**fields)
+    assert info.value.errors()[0]["loc"][0] == where
+
+
+def test_field_lists_name_declared_request_fields() -> None:
+    models: list[type[BaseModel]] = [
+        CompletionRequest,
+        ChatCompletionRequest,
+        EmbeddingRequest,
+        TokenizeCompletionRequest,
+        TokenizeChatRequest,
+        DetokenizeRequest,
+    ]
+    declared = set().union(*(m.model_fields for m in models))
+    assert set(IGNORED) <= declared
+    assert set(REFUSED) <= declared
+    assert not set(IGNORED) & set(REFUSED)

@@ -1,0 +1,91 @@
+"""Messages -> the prompt the model runs: the tokenizer's chat template, then its tokens.
+
+Chat completions and `/tokenize` with messages render through here, so `/tokenize` reports
+exactly the tokens a chat completion would run.
+
+The rendered text is tokenized without special tokens by default, because chat templates write
+their own BOS; letting the tokenizer add another would give the model a doubled BOS it never
+saw in training (`add_special_tokens: true` asks for it anyway). A tokenizer without a
+template, a template that fails on the messages, or messages that are not valid Unicode (a lone
+surrogate, which JSON can escape) are the client's problem to fix (400), not a server error.
+
+`chat_template_kwargs` become variables of the template (Qwen3 reads `enable_thinking`), as in
+vLLM. A key that would instead set a parameter of the template call itself (`tokenize`,
+`add_generation_prompt`, ...) is refused: those have request fields of their own.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import jinja2
+
+from tokenwise.engine.prompts import check_text
+from tokenwise.entrypoints.openai.errors import OpenAIError
+from tokenwise.entrypoints.openai.protocol import ChatTemplateFields
+
+# Names the template call binds itself (besides apply_chat_template's own parameters).
+_TEMPLATE_CALL_NAMES = frozenset({"messages", "conversation", "tools", "documents"})
+
+
+def _reserved_names(tokenizer: Any) -> set[str]:
+    parameters = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+    own = {p.name for p in parameters if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    return own | _TEMPLATE_CALL_NAMES
+
+
+def template_kwargs(tokenizer: Any, body: ChatTemplateFields) -> dict[str, Any]:
+    """The template call's keyword arguments besides the messages."""
+    if body.continue_final_message and body.add_generation_prompt:
+        raise OpenAIError(
+            400,
+            "continue_final_message continues the last message, which add_generation_prompt "
+            "(true by default) would close: set add_generation_prompt to false",
+            param="continue_final_message",
+        )
+    extra = dict(body.chat_template_kwargs or {})
+    clashes = sorted(set(extra) & _reserved_names(tokenizer))
+    if clashes:
+        raise OpenAIError(
+            400,
+            f"chat_template_kwargs may not set {clashes}: these are not template variables "
+            "(use the request's own fields)",
+            param="chat_template_kwargs",
+        )
+    if body.tools:
+        extra["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools]
+    extra["add_generation_prompt"] = body.add_generation_prompt
+    if body.continue_final_message:  # only then: older tokenizers lack the parameter
+        extra["continue_final_message"] = True
+    return extra
+
+
+def render_chat(tokenizer: Any, body: ChatTemplateFields) -> dict[str, Any]:
+    """The engine prompt ({"prompt", "prompt_token_ids"}) for the request's messages."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise OpenAIError(
+            400,
+            "this model's tokenizer has no chat template; use /v1/completions instead",
+            param="messages",
+            code="no_chat_template",
+        )
+    messages = []
+    for m in body.messages:
+        message = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):
+            message["content"] = "\n".join(part.text for part in m.content)
+        messages.append(message)
+    kwargs = template_kwargs(tokenizer, body)
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
+        raise OpenAIError(
+            400, f"the chat template failed on these messages: {exc}", param="messages"
+        ) from exc
+    try:
+        check_text(text, "messages")
+    except ValueError as exc:  # else the tokenizer's TypeError would be a 500
+        raise OpenAIError(400, str(exc), param="messages") from exc
+    ids = tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+    return {"prompt": text, "prompt_token_ids": ids}
