@@ -238,3 +238,16 @@ def test_seeded_sampling_with_drafts_is_reproducible(llama: str) -> None:
 def test_speculation_is_refused_for_models_it_cannot_serve() -> None:
     with pytest.raises(ValueError, match="speculative_config applies to decoder-only"):
         make_llm(checkpoint("BertModel"), task="embed")
+
+
+def test_tensor_parallel_verification_equals_hf(llama: str, hf_refs: list[list[int]]) -> None:
+    """The TP workers run the verification rows too (the step's logits indices travel)."""
+    prompts = mixed_prompts()[:6]
+    llm = make_llm(llama, tensor_parallel_size=2, max_num_batched_tokens=16)
+    try:
+        with_oracle(llm, prompts, hf_refs[:6])
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        assert tokens(outs) == hf_refs[:6]
+        assert llm.llm_engine.get_stats().spec_decode_num_accepted_tokens > 0
+    finally:
+        llm.llm_engine.shutdown()

@@ -16,8 +16,8 @@ PROMPT = "one two three four one two three four one two three four one two"
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 8}
 
 
-def _counter(metrics: str, name: str) -> float:
-    match = re.search(rf"^tokenwise:{name}_total\{{[^}}]*\}} (\S+)$", metrics, re.MULTILINE)
+def _counter(metrics: str, name: str, prefix: str = "tokenwise") -> float:
+    match = re.search(rf"^{prefix}:{name}_total\{{[^}}]*\}} (\S+)$", metrics, re.MULTILINE)
     assert match, f"{name} missing from /metrics"
     return float(match.group(1))
 
@@ -37,6 +37,8 @@ def test_served_greedy_output_and_spec_decode_metrics() -> None:
     accepted = _counter(metrics, "spec_decode_num_accepted_tokens")
     assert _counter(metrics, "spec_decode_num_drafts") > 0
     assert 0 <= accepted <= drafts and drafts > 0
+    # vLLM's dashboards read the same counters under vLLM's names.
+    assert _counter(metrics, "spec_decode_num_draft_tokens", "vllm") == drafts
 
 
 def test_a_bad_speculative_config_stops_the_cli_with_the_field_named() -> None:

@@ -34,6 +34,12 @@ VLLM_ALIASES: dict[str, tuple[str, ...]] = {
         "vllm:time_per_output_token_seconds",
     ),
     "tokenwise:e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
+    "tokenwise:spec_decode_num_drafts": ("vllm:spec_decode_num_drafts",),
+    "tokenwise:spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
+    "tokenwise:spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
+    "tokenwise:spec_decode_num_accepted_tokens_per_pos": (
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+    ),
 }
 
 
