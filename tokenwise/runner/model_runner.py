@@ -15,9 +15,10 @@ from typing import Any
 import torch
 
 from tokenwise.attention.backends.selector import get_attn_backend
-from tokenwise.attention.layer import AttentionLayerBase
+from tokenwise.attention.layer import Attention, AttentionLayerBase
 from tokenwise.attention.metadata import AttentionMetadata, CommonMetadataBuilder
 from tokenwise.attention.ubatch_metadata import split_metadata_by_layer
+from tokenwise.attention.utils import AttentionType
 from tokenwise.compilation.compile import compile_model
 from tokenwise.config import CUDAGraphMode, EngineConfig
 from tokenwise.distributed.dp_coordination import DPStepCounts, coordinate_step_across_dp
@@ -36,6 +37,7 @@ from tokenwise.runner.graph_setup import default_capture_sizes, graph_setup
 from tokenwise.runner.input_batch import InputBatch, StepInputs
 from tokenwise.runner.kv_cache_sizing import KVCacheSizingMixin
 from tokenwise.runner.spec_verify import suppress_stop_tokens_before_min_tokens, verify_drafts
+from tokenwise.runner.verify_rows import as_decode_rows, is_verify_step
 from tokenwise.sampling.guided.bitmask import apply_grammar_bitmask
 from tokenwise.sampling.metadata import SamplingMetadata
 from tokenwise.sampling.sampler import Sampler
@@ -111,6 +113,12 @@ class ModelRunner(KVCacheSizingMixin):
             spec: CommonMetadataBuilder(self.block_size, spec, self.device)
             for spec in set(self._spec_of.values())
         }
+        # Verification steps may attend as decode rows (`verify_rows.py`): plain causal decoder
+        # attention on CPU only, where the one-call decode kernel takes them.
+        self._verify_as_decode = self.device.type == "cpu" and all(
+            type(layer) is Attention and layer.attn_type is AttentionType.DECODER
+            for layer in self.attn_layers.values()
+        )
         self.input_batch = InputBatch(
             max_num_reqs=max(scheduler.max_num_seqs, max_capture),
             max_num_tokens=max_num_tokens,
@@ -187,6 +195,8 @@ class ModelRunner(KVCacheSizingMixin):
         FULL graph replays) marks graph metadata; PIECEWISE steps run attention eagerly, so
         their padded metadata is plain.
         """
+        if cuda_graph_pad_size == -1 and self._verify_as_decode and is_verify_step(step):
+            step, tables = as_decode_rows(step, tables)
         seq_lens = step.context_lens_np + step.query_lens_np
         batch_size = step.num_reqs if cuda_graph_pad_size != -1 else -1
         metadata_by_spec = {}
