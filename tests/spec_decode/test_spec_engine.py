@@ -251,3 +251,15 @@ def test_tensor_parallel_verification_equals_hf(llama: str, hf_refs: list[list[i
         assert llm.llm_engine.get_stats().spec_decode_num_accepted_tokens > 0
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_n_samples_each_verify_their_own_drafts(llama: str, hf_refs: list[list[int]]) -> None:
+    prompts = mixed_prompts()[:3]
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    llm = make_llm(llama)
+    with_oracle(llm, prompts, hf_refs[:3])
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for out, ref in zip(outs, hf_refs[:3], strict=True):
+        assert [list(c.token_ids) for c in out.outputs] == [ref] * 3
+    assert llm.llm_engine.get_stats().spec_decode_num_accepted_tokens > 0
+    assert_pool_clean(llm.llm_engine)
