@@ -30,12 +30,14 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 class Oracle:
-    """Drafts the known continuation of each prompt; every other step's second draft is wrong."""
+    """Drafts the known continuation of each prompt; by default every other step's second
+    draft is wrong."""
 
     def __init__(self, continuations: dict[tuple[int, ...], list[int]], vocab: int) -> None:
         self.continuations = continuations
         self.vocab = vocab
         self.calls = 0
+        self.plant = "alternate"  # or "all" (every draft wrong) or "none" (every draft right)
 
     def propose(self, tokens: np.ndarray, max_tokens: int | None = None) -> list[int]:
         seq = tokens.tolist()
@@ -49,7 +51,9 @@ class Oracle:
             ):
                 drafts = list(cont[done : done + k])
                 self.calls += 1
-                if self.calls % 2 and len(drafts) > 1:
+                if self.plant == "all":
+                    return [(t + 1) % self.vocab for t in drafts]
+                if self.plant == "alternate" and self.calls % 2 and len(drafts) > 1:
                     drafts[1] = (drafts[1] + 1) % self.vocab
                 return drafts
         return []
@@ -262,4 +266,47 @@ def test_n_samples_each_verify_their_own_drafts(llama: str, hf_refs: list[list[i
     for out, ref in zip(outs, hf_refs[:3], strict=True):
         assert [list(c.token_ids) for c in out.outputs] == [ref] * 3
     assert llm.llm_engine.get_stats().spec_decode_num_accepted_tokens > 0
+    assert_pool_clean(llm.llm_engine)
+
+
+def test_requests_whose_drafts_keep_failing_back_off(llama: str) -> None:
+    """Always-wrong drafts: a few probing steps, then none for a while (those steps would only
+    cost more than plain decoding); always-right drafts keep going."""
+    prompt = mixed_prompts()[0]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    ref = hf_greedy(llama, prompt, 40)
+    counts = []
+    for mode in ("all", "none"):
+        llm = make_llm(llama)
+        oracle = with_oracle(llm, [prompt], [ref])
+        oracle.plant = mode
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        assert tokens(out) == [ref]
+        counts.append(llm.llm_engine.get_stats().spec_decode_num_drafts)
+    # Without the back-off, every one of the ~39 decode steps would draft.
+    assert counts[0] <= 12
+    assert counts[1] >= 8  # ~4 tokens per step, every step drafting
+
+
+@pytest.mark.parametrize(
+    "guide",
+    [
+        GuidedDecodingParams(regex="(ab|cd|x[0-9])+"),
+        GuidedDecodingParams(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
+    ],
+    ids=["regex", "json"],
+)
+def test_guided_requests_verify_masked_drafts(llama: str, guide: GuidedDecodingParams) -> None:
+    """Drafts of guided requests are masked per position (the planted wrong drafts are often
+    outside the grammar): the output is the guided output without drafts, and drafts held."""
+    prompts = mixed_prompts()[:4]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, guided_decoding=guide)
+    ref = _reference(llama, prompts, params)
+    llm = make_llm(llama)
+    with_oracle(llm, prompts, tokens(ref))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert tokens(outs) == tokens(ref)
+    assert [o.outputs[0].text for o in outs] == [o.outputs[0].text for o in ref]
+    stats = llm.llm_engine.get_stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
     assert_pool_clean(llm.llm_engine)

@@ -4,9 +4,13 @@ After each step the engine asks the `Drafter` for the next step's drafts. It pro
 requests about to decode (their next step computes one known token), within what they may
 still emit (`max_tokens`, the model length), and nowhere while `disable_by_batch_size` or more
 requests run: a step verifying `k` drafts for a large batch costs about `k + 1` decode steps
-once the batch is compute-bound, so speculation then slows the engine down. Requests whose
-next token must obey a grammar, or may not stop yet (`min_tokens`), get no drafts: their
-logits are masked per token, and a mask for a draft position depends on the drafts before it.
+once the batch is compute-bound, so speculation then slows the engine down. Requests that may
+not stop yet (`min_tokens`) get no drafts (their stop tokens are banned per token). Guided
+requests do: the runner masks each draft position as the grammar stands after the drafts
+before it, and the scheduler's matcher only ever accepts the tokens verification kept.
+
+A request whose drafts keep failing (recent acceptance under `MIN_ACCEPTANCE`) backs off for
+`BACKOFF_STEPS` steps before it is tried again.
 
 The proposals land on `Request.spec_token_ids`; the scheduler takes them into the next step,
 the runner verifies them (`tokenwise.sampling.rejection`), and the scheduler keeps the accepted
@@ -25,6 +29,27 @@ from tokenwise.engine.stats import EngineStats
 from tokenwise.engine.step_outputs import ModelRunnerOutput
 from tokenwise.spec_decode.ngram import NgramProposer
 
+# Acceptance-aware back-off: a request whose drafts keep being rejected (an exponential
+# average of its acceptance rate below MIN_ACCEPTANCE, after a few drafting steps) gets no
+# drafts for BACKOFF_STEPS steps, then is tried again. A verifying step costs more than a
+# decode step (1.5-2x on CPU for 4 drafts, benchmarks/spec_decode.py), so text the proposer
+# cannot predict would otherwise run slower with speculation than without.
+MIN_ACCEPTANCE = 0.25
+ACCEPTANCE_EMA = 0.3
+PROBE_STEPS = 3
+BACKOFF_STEPS = 16
+
+
+class _Track:
+    """One request's recent acceptance and back-off."""
+
+    __slots__ = ("acceptance", "steps", "skip")
+
+    def __init__(self) -> None:
+        self.acceptance = 1.0
+        self.steps = 0
+        self.skip = 0
+
 
 class Drafter:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
@@ -34,6 +59,7 @@ class Drafter:
         self.max_model_len = max_model_len
         self.proposer = NgramProposer(self.k, config.prompt_lookup_min, config.prompt_lookup_max)
         self._tokens: dict[str, tuple[np.ndarray, int]] = {}  # request id -> (buffer, length)
+        self._tracks: dict[str, _Track] = {}
 
     def propose(self, running: list[Request]) -> None:
         """Set `spec_token_ids` on the running requests that should verify drafts next step."""
@@ -42,18 +68,23 @@ class Drafter:
             return
         for req in running:
             room = self._room(req)
-            if room > 0:
-                req.spec_token_ids = self.proposer.propose(self._token_array(req), room)
+            if room <= 0:
+                continue
+            track = self._tracks.get(req.request_id)
+            if track is not None and track.skip > 0:
+                track.skip -= 1
+                continue
+            req.spec_token_ids = self.proposer.propose(self._token_array(req), room)
         if len(self._tokens) > 2 * len(running) + 16:  # forget requests that left
             alive = {r.request_id for r in running}
             self._tokens = {rid: v for rid, v in self._tokens.items() if rid in alive}
+            self._tracks = {rid: v for rid, v in self._tracks.items() if rid in alive}
 
     def _room(self, req: Request) -> int:
         """How many drafts `req` may verify next step (0: none)."""
         if (
             req.status != RequestStatus.RUNNING
             or req.num_computed_tokens != req.num_tokens - 1
-            or req.grammar is not None
             or req.num_output_tokens < req.sampling_params.min_tokens
         ):
             return 0
@@ -85,6 +116,7 @@ class Drafter:
             if not num_drafts:
                 continue
             accepted = len(tokens) - 1
+            self._track(item.request.request_id, accepted / num_drafts)
             stats.spec_decode_num_drafts += 1
             stats.spec_decode_num_draft_tokens += num_drafts
             stats.spec_decode_num_accepted_tokens += accepted
@@ -93,6 +125,14 @@ class Drafter:
                 per_pos.extend([0] * (self.k - len(per_pos)))
             for pos in range(accepted):
                 per_pos[pos] += 1
+
+    def _track(self, request_id: str, rate: float) -> None:
+        track = self._tracks.setdefault(request_id, _Track())
+        track.acceptance += ACCEPTANCE_EMA * (rate - track.acceptance)
+        track.steps += 1
+        if track.steps >= PROBE_STEPS and track.acceptance < MIN_ACCEPTANCE:
+            track.skip = BACKOFF_STEPS
+            track.acceptance, track.steps = 1.0, 0  # judged afresh when it drafts again
 
 
 __all__ = ["Drafter"]

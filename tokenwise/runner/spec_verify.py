@@ -40,12 +40,17 @@ def verify_drafts(
 
     Each row is sampled with its request's settings; the drafts before a row count as output
     tokens there, so penalties see what the request will have written by then. The engine
-    proposes no drafts for guided requests or before `min_tokens` is reached, so the grammar
-    mask and the stop-token ban only ever touch single-row requests.
+    proposes no drafts before `min_tokens` is reached, so the stop-token ban only ever touches single-row requests; a guided request's row j is
+    masked as its grammar stands after its first j drafts.
     """
     rows = [s for s in sampled for _ in range(len(s.spec_token_ids) + 1)]
     suppress_stop_tokens_before_min_tokens(logits, rows)
-    apply_grammar_bitmask(logits, [s.request.grammar for s in rows], vocab_size)
+    apply_grammar_bitmask(
+        logits,
+        [s.request.grammar for s in sampled],
+        vocab_size,
+        [s.spec_token_ids for s in sampled],
+    )
     params = [s.request.sampling_params for s in rows]
     metadata = None
     if not Sampler.is_plain_greedy(params):

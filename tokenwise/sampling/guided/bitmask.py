@@ -18,22 +18,39 @@ from tokenwise.sampling.guided.state import GrammarState
 
 
 def apply_grammar_bitmask(
-    logits: torch.Tensor, grammars: Sequence[GrammarState | None], vocab_size: int | None = None
+    logits: torch.Tensor,
+    grammars: Sequence[GrammarState | None],
+    vocab_size: int | None = None,
+    drafts: Sequence[list[int]] | None = None,
 ) -> None:
     """Set to -inf, in place, every logit a row's grammar forbids (rows with None: untouched).
 
     `vocab_size` is the vocabulary the grammars were compiled for (default: the logits' width).
+    With `drafts` (speculative decoding), `grammars` and `drafts` are per request and request
+    `i` owns `len(drafts[i]) + 1` consecutive rows: row `j` of them is masked as if the first
+    `j` drafts had been accepted (`GrammarState.fill_draft_bitmasks`).
     """
-    rows = [i for i, g in enumerate(grammars) if g is not None]
-    if not rows:
+    if drafts is None:
+        drafts = [[] for _ in grammars]
+    spans, start = [], 0
+    for tokens in drafts:
+        spans.append((start, len(tokens) + 1))
+        start += len(tokens) + 1
+    guided = [i for i, g in enumerate(grammars) if g is not None]
+    if not guided:
         return
     width = logits.shape[-1]
     vocab = width if vocab_size is None else min(vocab_size, width)
-    bitmask = xgrammar.allocate_token_bitmask(len(grammars), vocab)  # all ones: allow all
-    for i in rows:
-        grammar = grammars[i]
+    bitmask = xgrammar.allocate_token_bitmask(start, vocab)  # all ones: allow all
+    rows = []
+    for i in guided:
+        grammar, (first, count) = grammars[i], spans[i]
         assert grammar is not None
-        grammar.fill_bitmask(bitmask, i)
+        if count == 1:
+            grammar.fill_bitmask(bitmask, first)
+        else:
+            grammar.fill_draft_bitmasks(bitmask, first, list(drafts[i]))
+        rows.extend(range(first, first + count))
     bitmask = bitmask.to(logits.device, non_blocking=True)
     if vocab < width:
         logits[rows, vocab:] = float("-inf")

@@ -2,7 +2,8 @@
 
 The scheduler owns this state like the rest of the request: `poll` (is the grammar ready,
 failed, or too slow?) before it schedules the request, `accept` with each sampled token in
-`update_from_output`. The runner only reads it (`fill_bitmask`) to mask the logits.
+`update_from_output`. The runner only reads it to mask the logits (`fill_bitmask`; with
+speculative drafts `fill_draft_bitmasks`, which advances over the drafts and rolls back).
 
 Preemption needs no rollback: a preempted request keeps its output tokens and recomputes their
 K/V (see `tokenwise.engine.scheduler`), so the matcher, which has accepted exactly those
@@ -90,3 +91,25 @@ class GrammarState:
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         assert self.matcher is not None, "fill_bitmask() before the grammar was ready"
         self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def fill_draft_bitmasks(self, bitmask: torch.Tensor, first_row: int, drafts: list[int]) -> None:
+        """Speculative decoding: rows `first_row + j` get the mask after `drafts[:j]`, for j in
+        0..len(drafts); the matcher then rolls back to where it was.
+
+        The scheduler accepts the tokens that verification keeps, in order, afterwards. A draft
+        the grammar refuses ends the filling: its own row's mask already rules it out, so no
+        row after it can be reached (those stay all-allowed).
+        """
+        matcher = self.matcher
+        assert matcher is not None, "fill_draft_bitmasks() before the grammar was ready"
+        advanced = 0
+        for j in range(len(drafts) + 1):
+            if j:
+                if matcher.is_terminated() or not matcher.accept_token(drafts[j - 1]):
+                    break
+                advanced += 1
+                if matcher.is_terminated():  # the draft ended the output: nothing follows
+                    break
+            matcher.fill_next_token_bitmask(bitmask, first_row + j)
+        if advanced:
+            matcher.rollback(advanced)
