@@ -310,3 +310,21 @@ def test_guided_requests_verify_masked_drafts(llama: str, guide: GuidedDecodingP
     stats = llm.llm_engine.get_stats()
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
     assert_pool_clean(llm.llm_engine)
+
+
+def test_data_parallel_cores_speculate_and_report_their_drafts(
+    llama: str, hf_refs: list[list[int]]
+) -> None:
+    """Each DP rank's engine core runs its own drafter; the client sums their figures."""
+    prompts = mixed_prompts()[:6]
+    llm = LLM(llama, dtype="float32", data_parallel_size=2, speculative_config=NGRAM)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        assert tokens(outs) == hf_refs[:6]
+        per_rank = llm.llm_engine.get_rank_stats()
+        total = llm.llm_engine.get_stats()
+        assert total.spec_decode_num_drafts == sum(s.spec_decode_num_drafts for s in per_rank)
+        assert total.spec_decode_num_drafts > 0
+        assert total.num_free_blocks == total.num_total_blocks
+    finally:
+        llm.shutdown()
