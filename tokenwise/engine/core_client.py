@@ -201,6 +201,24 @@ class EngineCoreClient:
                 return outputs
             self._handle(msg.decode_from_core(frame), outputs)
 
+    @property
+    def output_fd(self) -> int:
+        """A file descriptor that becomes readable when outputs may have arrived: an event loop
+        can watch it and call `drain()` (what the server does, so no thread sits in `step()`).
+        ZeroMQ signals it on edges: `drain()` reads until nothing is left."""
+        return int(self._outbox.getsockopt(zmq.FD))
+
+    def drain(self) -> list[RequestOutput | EmbeddingRequestOutput]:
+        """Every output that has arrived, without waiting (raises if a core died)."""
+        self.check_health()
+        outputs: list[RequestOutput | EmbeddingRequestOutput] = []
+        while True:
+            try:
+                frame = self._outbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return outputs
+            self._handle(msg.decode_from_core(frame), outputs)
+
     def check_lora(self, lora_request: LoRARequest) -> None:
         """Raise ValueError unless the adapter loads and fits the model (asked of core 0, which
         answers between two steps). From any thread; a server checks adapters it loads."""

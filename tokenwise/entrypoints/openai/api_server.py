@@ -28,6 +28,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from tokenwise.entrypoints.openai.access_log import AccessLogMiddleware, request_id
+from tokenwise.entrypoints.openai.async_core_engine import AsyncCoreEngine
 from tokenwise.entrypoints.openai.async_engine import AsyncEngine
 from tokenwise.entrypoints.openai.body_limit import BodySizeLimitMiddleware
 from tokenwise.entrypoints.openai.errors import OpenAIError, install_error_handlers
@@ -235,7 +236,9 @@ def run_server(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    async_engine = AsyncEngine(
+    # Engine-core processes: the event loop reads their outputs itself (no relay thread).
+    front = AsyncCoreEngine if hasattr(engine, "output_fd") else AsyncEngine
+    async_engine = front(
         engine,
         observer=metrics.observe,
         on_dead=exit_when_dead,
