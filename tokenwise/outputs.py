@@ -15,6 +15,9 @@ class Logprob:
 
 # One dict per generated token: token id -> Logprob (the sampled token plus the top-N).
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token: the token given those before it, plus the top-N (vLLM's shape:
+# the first token's entry is None, as nothing comes before it).
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -44,6 +47,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    # With `SamplingParams.prompt_logprobs`: in the first output that carries a token (the
+    # prompt has been scored whole by then), and kept by `merge`.
+    prompt_logprobs: PromptLogprobs | None = None
 
     def merge(self, delta: RequestOutput) -> None:
         """Fold a later delta for the same request into this (cumulative) output."""
@@ -75,6 +81,8 @@ class RequestOutput:
         self.num_cached_tokens = delta.num_cached_tokens
         self.error = delta.error or self.error
         self.metrics.update(delta.metrics)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
 
 
 @dataclass

@@ -35,6 +35,7 @@ def _output(stop_reason: int | str | None) -> RequestOutput:
         num_cached_tokens=16,
         error=None,
         metrics={"time_to_first_token": 0.5},
+        prompt_logprobs=[None, {2: Logprob(-0.5, 3, "b"), 8: Logprob(-0.1, 1, "c")}, None],
     )
 
 
@@ -47,6 +48,7 @@ def test_step_outputs_round_trip_into_the_engine_dataclasses() -> None:
         assert isinstance(got, msg.CoreOutputs)
         assert got == sent
         assert isinstance(got.outputs[0].outputs[0].logprobs[0][5], Logprob)
+        assert isinstance(got.outputs[0].prompt_logprobs[1][2], Logprob)
         assert got.outputs[0].outputs[0].stop_reason == stop_reason
         assert got.stats.prefix_cache_hit_rate == 0.0  # an EngineStats, with its properties
 

@@ -179,3 +179,49 @@ def test_generator_from_same_seed_repeats_its_stream() -> None:
     b = torch.empty(8).exponential_(generator=make_generator(42))
     c = torch.empty(8).exponential_(generator=make_generator(43))
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt_logprobs": 1.0}, "prompt_logprobs"),
+        ({"logit_bias": {5: 100.5}}, "logit_bias"),
+        ({"logit_bias": {5: -101}}, "logit_bias"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias"),
+        ({"logit_bias": {"five": 1.0}}, "logit_bias"),
+        ({"logit_bias": {-3: 1.0}}, "logit_bias"),
+        ({"logit_bias": [5]}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [1, -2]}, "allowed_token_ids"),
+        ({"allowed_token_ids": [1.0]}, "allowed_token_ids"),
+        ({"bad_words": ["ok", " "]}, "bad_words"),
+        ({"bad_words": [3]}, "bad_words"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+        ({"best_of": 2}, "best_of"),
+        ({"n": 3, "best_of": 4}, "best_of"),
+        ({"best_of": 1.0}, "best_of"),
+    ],
+)
+def test_invalid_request_fields_name_the_parameter(kwargs: dict[str, Any], name: str) -> None:
+    with pytest.raises(ValueError, match=rf"^{name} "):
+        SamplingParams(**kwargs)
+
+
+def test_request_field_values_that_are_accepted() -> None:
+    p = SamplingParams(
+        n=2,
+        best_of=2,
+        prompt_logprobs=0,
+        logit_bias={"7": -100, 9: 100.0},  # JSON keys are strings
+        allowed_token_ids=(3, 4),
+        bad_words="no",
+        truncate_prompt_tokens=-1,
+    )
+    assert p.logit_bias == {7: -100, 9: 100.0}
+    assert p.allowed_token_ids == [3, 4] and p.bad_words == ["no"]
+    assert p.has_logits_processors and not SamplingParams().has_logits_processors
+    assert SamplingParams(truncate_prompt_tokens=1).truncate_prompt_tokens == 1
+    with pytest.raises(RuntimeError, match="resolve_bad_words"):
+        _ = p.bad_words_token_ids  # tokenized by the engine, which has the tokenizer

@@ -31,7 +31,7 @@ from tokenwise.engine.prompts import (
 )
 from tokenwise.engine.request import Request, RequestStatus
 from tokenwise.engine.stats import EngineStats, StatLogger
-from tokenwise.engine.step_outputs import ModelRunnerOutput
+from tokenwise.engine.step_outputs import ModelRunnerOutput, PromptLogprobs
 from tokenwise.engine.stop_rules import hides_token
 from tokenwise.lora.request import LoRARequest
 from tokenwise.models.registry import is_moe_architecture
@@ -237,6 +237,8 @@ class LLMEngine:
                         self._stats.prompt_tokens_total += item.num_new_tokens
                 sampled = self.scheduler.update_from_output(sched, result, self._detokenize)
                 self._route_samples(sampled, result, touched)
+                if result.prompt_logprobs is not None:
+                    self._route_prompt_logprobs(result.prompt_logprobs)
                 if self.drafter is not None:
                     self.drafter.record(result, self._stats)
                 for req in self.kind.record_pooled(result):
@@ -304,6 +306,26 @@ class LLMEngine:
                     req.cumulative_logprob += lp_vals[r][0]
             self._stats.generation_tokens_total += kept
             row += len(tokens)
+
+    def _route_prompt_logprobs(self, scored: PromptLogprobs) -> None:
+        """Append a step's prompt-token logprobs to their requests' lists, in prompt order.
+
+        Only a token right after a list's end is taken, so a prompt scored again (it cannot
+        be: the runner scores only past the end) would still not be reported twice.
+        """
+        lp = scored.logprobs
+        ids, values, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
+        row = 0
+        for req, first, count in scored.requests:
+            entries = req.prompt_logprobs
+            num = req.sampling_params.prompt_logprobs or 0
+            for k in range(count):
+                if entries is not None and first + k == len(entries):
+                    token = req.prompt_token_ids[first + k]
+                    entry = self._logprob_entry(token, num, ids[row + k], values[row + k])
+                    entry[token].rank = ranks[row + k]
+                    entries.append(entry)
+            row += count
 
     def _logprob_entry(
         self, token: int, num: int, ids: list[int], values: list[float]

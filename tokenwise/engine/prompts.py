@@ -116,11 +116,25 @@ def validate_request(
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
     vocab = model_config.vocab_size
-    if params.logprobs is not None and params.logprobs > vocab:
-        raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab}")
-    bad = [t for t in params.stop_token_ids or () if t >= vocab]
-    if bad:
-        raise ValueError(f"stop_token_ids {bad} are out of range [0, {vocab})")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > vocab:
+            raise ValueError(f"{name}={value} exceeds the vocabulary size {vocab}")
+    for name, ids in (
+        ("stop_token_ids", params.stop_token_ids),
+        ("logit_bias", params.logit_bias),
+        ("allowed_token_ids", params.allowed_token_ids),
+    ):
+        bad = sorted({t for t in ids or () if t >= vocab})
+        if bad:
+            raise ValueError(f"{name} token ids {bad} are out of range [0, {vocab})")
+    if params.bad_words:
+        if tokenizer is None:
+            raise ValueError(
+                "bad_words need a tokenizer, but the engine was started with "
+                "skip_tokenizer_init=True; use logit_bias to ban token ids instead"
+            )
+        params.resolve_bad_words(tokenizer)
     if params.stop and tokenizer is None:
         raise ValueError(
             "stop strings need a tokenizer, but the engine was started with "
@@ -134,10 +148,34 @@ def validate_request(
             )
         build_grammar(params.guided_decoding)  # an invalid spec fails here, by name
     text, token_ids = to_token_ids(prompt, tokenizer, vocab)
+    text, token_ids = _truncate(text, token_ids, params, tokenizer, model_config.max_model_len)
     if len(token_ids) >= model_config.max_model_len:
         raise ValueError(
             f"prompt has {len(token_ids)} tokens, but max_model_len is "
             f"{model_config.max_model_len} (the prompt plus at least one generated "
             "token must fit)"
         )
+    return text, token_ids
+
+
+def _truncate(
+    text: str | None,
+    token_ids: list[int],
+    params: SamplingParams,
+    tokenizer: Any,
+    max_model_len: int,
+) -> tuple[str | None, list[int]]:
+    """`truncate_prompt_tokens`: keep the prompt's last N tokens (-1: the most the model takes
+    with room for one generated token). A cut text prompt's text becomes its kept tokens'
+    text, so an echo shows what the model read."""
+    keep = params.truncate_prompt_tokens
+    if keep is None:
+        return text, token_ids
+    if keep == -1:
+        keep = max_model_len - 1
+    if len(token_ids) <= keep:
+        return text, token_ids
+    token_ids = token_ids[-keep:]
+    if text is not None:
+        text = tokenizer.decode(token_ids) if tokenizer is not None else None
     return text, token_ids

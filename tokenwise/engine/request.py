@@ -94,12 +94,19 @@ class Request:
     new_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     reported_finish: bool = False  # its finished output was made: it is gone from the engine
+    # `SamplingParams.prompt_logprobs`: one entry per prompt token scored so far (the first is
+    # None: nothing comes before it). The runner scores only tokens past its end, so a prompt
+    # recomputed after a preemption is not scored twice. None when not asked for.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_reported: bool = False  # the request's output carried them once
 
     def __post_init__(self) -> None:
         if not self.group_id:
             self.group_id = self.request_id
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
         seed = self.sampling_params.seed
         if seed is not None and self.generator is None:
             self.generator = torch.Generator().manual_seed(seed)

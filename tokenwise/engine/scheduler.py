@@ -162,9 +162,14 @@ class Scheduler:
             num_encoder = self.admission_tokens(req)
             if num_encoder and num_encoder + 1 > budget:
                 break
-            hits, num_hit = bm.get_computed_blocks(
-                req.request_id, req.all_token_ids, req.cache_salt
-            )
+            hits: list[int] = []
+            num_hit = 0
+            # Prompt logprobs need the hidden state of every prompt position, which a cached
+            # block does not keep: such a request computes its whole prompt itself (as in vLLM).
+            if req.sampling_params.prompt_logprobs is None:
+                hits, num_hit = bm.get_computed_blocks(
+                    req.request_id, req.all_token_ids, req.cache_salt
+                )
             num_new = req.num_tokens - num_hit
             if num_new > budget - num_encoder:
                 if not self.config.enable_chunked_prefill:

@@ -67,6 +67,19 @@ class SchedulerOutput:
 
 
 @dataclass
+class PromptLogprobs:
+    """The prompt-token logprobs a step computed (`SamplingParams.prompt_logprobs`).
+
+    `requests[k] = (request, first, count)`: the next `count` rows of `logprobs` score that
+    request's prompt tokens `first .. first + count - 1`, each given the tokens before it.
+    Column 0 of a row is the prompt token itself, then the row's top-N (`LogprobsTensors`).
+    """
+
+    requests: list[tuple[Request, int, int]]
+    logprobs: LogprobsTensors
+
+
+@dataclass
 class ModelRunnerOutput:
     """One entry per sampled request, in the order of `sampled_requests`.
 
@@ -84,3 +97,5 @@ class ModelRunnerOutput:
     num_tokens: int
     pooled_requests: list[ScheduledRequest] = field(default_factory=list)
     pooler_output: torch.Tensor | None = None
+    # Prompt-token logprobs computed this step (a prompt chunk's), for the requests asking.
+    prompt_logprobs: PromptLogprobs | None = None

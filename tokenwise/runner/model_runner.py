@@ -36,10 +36,9 @@ from tokenwise.runner.graph_runner import CUDAGraphRunner
 from tokenwise.runner.graph_setup import default_capture_sizes, graph_setup
 from tokenwise.runner.input_batch import InputBatch, StepInputs
 from tokenwise.runner.kv_cache_sizing import KVCacheSizingMixin
-from tokenwise.runner.spec_verify import suppress_stop_tokens_before_min_tokens, verify_drafts
+from tokenwise.runner.prompt_logprobs import plan_prompt_logprobs, score_prompt_tokens
+from tokenwise.runner.sample_step import sample_step
 from tokenwise.runner.verify_rows import as_decode_rows, is_verify_step
-from tokenwise.sampling.guided.bitmask import apply_grammar_bitmask
-from tokenwise.sampling.metadata import SamplingMetadata
 from tokenwise.sampling.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -221,6 +220,10 @@ class ModelRunner(KVCacheSizingMixin):
         # Prefills (query > 1) first, then decodes; stable, so admission order is kept.
         ordered = sorted(scheduler_output.scheduled, key=lambda s: s.num_new_tokens == 1)
         step = self.input_batch.prepare(ordered)
+        num_sample_rows = len(step.logits_indices)
+        prompt_rows = plan_prompt_logprobs(step)
+        if prompt_rows is not None:  # after the sampling rows; TP workers compute them too
+            step.logits_indices = step.logits_indices + prompt_rows.flat_indices
         num_tokens = step.num_tokens
         loras = [s.request.lora_request for s in ordered]
         has_lora = self._prepare_lora(loras, step)
@@ -244,34 +247,21 @@ class ModelRunner(KVCacheSizingMixin):
                 hidden = self.graph_runner.execute(mode, desc, attn_metadata, num_tokens)
             else:
                 hidden = self._run_eager(step, attn_metadata, model_kwargs)
-            sampled = step.sampled
-            if not sampled:
+            if not step.logits_indices:
                 return ModelRunnerOutput([], [], None, num_tokens)
             logits = self._logits(hidden, step.logits_indices)
-        if any(s.spec_token_ids for s in sampled):
-            token_ids, logprobs = verify_drafts(
-                logits, sampled, self.model_config.vocab_size, self.device
-            )
-            return ModelRunnerOutput(sampled, token_ids, logprobs, num_tokens)
-        suppress_stop_tokens_before_min_tokens(logits, sampled)
-        # Guided rows: what their grammars forbid goes to -inf, one batched op for all rows.
-        apply_grammar_bitmask(
-            logits, [s.request.grammar for s in sampled], self.model_config.vocab_size
+        prompt_lps = None
+        if prompt_rows is not None:
+            prompt_lps = score_prompt_tokens(prompt_rows, logits[num_sample_rows:])
+        sampled = step.sampled
+        if not sampled:
+            return ModelRunnerOutput([], [], None, num_tokens, prompt_logprobs=prompt_lps)
+        vocab = self.model_config.vocab_size
+        logits = logits[:num_sample_rows]
+        token_ids, logprobs = sample_step(self.sampler, logits, sampled, vocab, self.device)
+        return ModelRunnerOutput(
+            sampled, token_ids, logprobs, num_tokens, prompt_logprobs=prompt_lps
         )
-        params = [s.request.sampling_params for s in sampled]
-        if Sampler.is_plain_greedy(params):  # argmax only: no sampling metadata to build
-            out = self.sampler.greedy(logits)
-            return ModelRunnerOutput(sampled, _singles(out.sampled_token_ids), None, num_tokens)
-        sampling_md = SamplingMetadata.from_params(
-            params,
-            [s.request.generator for s in sampled],
-            output_token_ids=[s.request.output_token_ids for s in sampled],
-            prompt_token_ids=[s.request.prompt_token_ids for s in sampled],
-            vocab_size=logits.shape[-1],
-            device=self.device,
-        )
-        out = self.sampler(logits, sampling_md)
-        return ModelRunnerOutput(sampled, _singles(out.sampled_token_ids), out.logprobs, num_tokens)
 
     def _model_inputs(self, step: StepInputs, attn_metadata: MetadataByLayer) -> dict[str, Any]:
         """Extra keyword inputs of the model for this step (none for a decoder-only model).
@@ -399,8 +389,3 @@ class ModelRunner(KVCacheSizingMixin):
             None, self.config, num_tokens=num_tokens, num_tokens_across_dp=across
         ):
             self.model(ids, positions)
-
-
-def _singles(token_ids: torch.Tensor) -> list[list[int]]:
-    """One emitted token per request (a step without drafts)."""
-    return [[t] for t in token_ids.tolist()]

@@ -2,7 +2,8 @@
 
 A request that verifies `k` speculative drafts owns `k + 1` logit rows (`InputBatch.prepare`
 picks them). Everything row-wise that the runner does before sampling — the `min_tokens`
-stop-token ban, the grammar mask, the sampling metadata — is built per row here, and
+stop-token ban, the per-request logits processors (`sample_step.py` applies the same ones to
+a step without drafts), the grammar mask, the sampling metadata — is built per row here, and
 `rejection.verify` decides which drafts each request keeps.
 """
 
@@ -13,6 +14,7 @@ import torch
 from tokenwise.engine.step_outputs import ScheduledRequest
 from tokenwise.engine.stop_rules import tokens_banned_before_min_tokens
 from tokenwise.sampling.guided.bitmask import apply_grammar_bitmask
+from tokenwise.sampling.logits_processors import apply_logits_processors
 from tokenwise.sampling.metadata import SamplingMetadata
 from tokenwise.sampling.rejection import verify
 from tokenwise.sampling.sampler import LogprobsTensors, Sampler
@@ -45,6 +47,13 @@ def verify_drafts(
     """
     rows = [s for s in sampled for _ in range(len(s.spec_token_ids) + 1)]
     suppress_stop_tokens_before_min_tokens(logits, rows)
+    # Row j of a request follows its first j drafts: they count as generated for bad_words.
+    drafts_before = [j for s in sampled for j in range(len(s.spec_token_ids) + 1)]
+    apply_logits_processors(
+        logits,
+        [s.request.sampling_params for s in rows],
+        lambda i: rows[i].request.output_token_ids + rows[i].spec_token_ids[: drafts_before[i]],
+    )
     apply_grammar_bitmask(
         logits,
         [s.request.grammar for s in sampled],

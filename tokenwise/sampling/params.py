@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenwise.sampling.guided.params import GuidedDecodingParams
@@ -18,6 +18,8 @@ from tokenwise.sampling.guided.params import GuidedDecodingParams
 # Temperatures below this are treated as greedy: dividing logits by ~0 would
 # overflow, and argmax is what such a temperature means anyway.
 _SAMPLING_EPS = 1e-5
+# OpenAI's range for a logit bias.
+_MAX_LOGIT_BIAS = 100.0
 # What torch.Generator.manual_seed accepts. Sample i of a request with n > 1 is seeded with
 # seed + i, so the largest valid seed shrinks by n - 1.
 _SEED_MIN = -(2**63)
@@ -41,6 +43,13 @@ def _is_real(value: Any) -> bool:
     return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(
         value
     )
+
+
+def _token_key(key: Any) -> Any:
+    """A logit_bias key as a token id: JSON object keys are strings ("50256")."""
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        return int(key)
+    return key
 
 
 def _require_int(name: str, value: Any) -> None:
@@ -81,6 +90,28 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # Structured output: the text must match this JSON schema, regex, choice or grammar.
     guided_decoding: GuidedDecodingParams | None = None
+    # Logprobs of each prompt token given the tokens before it (`RequestOutput.prompt_logprobs`):
+    # the token's own plus the top-N. A request asking for them is prefilled whole, without
+    # the prefix cache (see `Scheduler.schedule`): a cached block has no hidden states.
+    prompt_logprobs: int | None = None
+    # Per-request logits processors (`logits_processors.py`), applied before sampling, so the
+    # returned logprobs describe the processed distribution, as with min_tokens and grammars.
+    # token id -> bias in [-100, 100] added to its logit (OpenAI's logit_bias; string keys of
+    # JSON bodies are taken as ids).
+    logit_bias: dict[int, float] | None = None
+    # Only these token ids may be sampled (vLLM).
+    allowed_token_ids: list[int] | None = None
+    # Words the output may not contain (vLLM): a word of one token is banned outright, a longer
+    # one at its last token when the output so far ends with the rest of it. Tokenized by the
+    # engine (`resolve_bad_words`), as written and after a space.
+    bad_words: list[str] | None = None
+    # Keep only the last N prompt tokens (-1: as many as the model takes, max_model_len - 1).
+    truncate_prompt_tokens: int | None = None
+    # vLLM's V1 engine has no best-of-n: like it, anything but None or n is refused.
+    best_of: int | None = None
+    _bad_words_token_ids: list[list[int]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         self._normalise()
@@ -106,6 +137,14 @@ class SamplingParams:
             self.top_k = 0
         if _is_real(self.temperature):
             self.temperature = float(self.temperature)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        elif isinstance(self.bad_words, tuple):
+            self.bad_words = list(self.bad_words)
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
 
     def _validate(self) -> None:
         _require_int("n", self.n)
@@ -140,6 +179,14 @@ class SamplingParams:
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         self._validate_stops()
+        self._validate_processors()
+        if self.best_of is not None:
+            _require_int("best_of", self.best_of)
+            if self.best_of != self.n:
+                raise ValueError(
+                    f"best_of must be None or equal to n ({self.n}), got {self.best_of}: "
+                    "returning the best n of more samples is not supported (as in vLLM V1)"
+                )
         if self.guided_decoding is not None and not isinstance(
             self.guided_decoding, GuidedDecodingParams
         ):
@@ -160,10 +207,19 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
-        if self.logprobs is not None:
-            _require_int("logprobs", self.logprobs)
-            if self.logprobs < 0:
-                raise ValueError(f"logprobs must be None or >= 0, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _require_int(name, value)
+                if value < 0:
+                    raise ValueError(f"{name} must be None or >= 0, got {value}")
+        if self.truncate_prompt_tokens is not None:
+            _require_int("truncate_prompt_tokens", self.truncate_prompt_tokens)
+            if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
+                raise ValueError(
+                    "truncate_prompt_tokens must be None, -1 or >= 1, got "
+                    f"{self.truncate_prompt_tokens}"
+                )
 
     def _validate_stops(self) -> None:
         assert isinstance(self.stop, list) and isinstance(self.stop_token_ids, list)
@@ -173,6 +229,58 @@ class SamplingParams:
             raise ValueError(
                 f"stop_token_ids must contain only ints >= 0, got {self.stop_token_ids!r}"
             )
+
+    def _validate_processors(self) -> None:
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+            for token, value in bias.items():
+                if not (_is_int(token) and token >= 0):
+                    raise ValueError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+                if not (_is_real(value) and -_MAX_LOGIT_BIAS <= value <= _MAX_LOGIT_BIAS):
+                    raise ValueError(
+                        f"logit_bias values must be in [-100, 100], got {value!r} for token {token}"
+                    )
+        allowed = self.allowed_token_ids
+        if allowed is not None and (
+            not isinstance(allowed, list)
+            or not allowed
+            or not all(_is_int(t) and t >= 0 for t in allowed)
+        ):
+            raise ValueError(
+                f"allowed_token_ids must be a non-empty list of token ids >= 0, got {allowed!r}"
+            )
+        words = self.bad_words
+        if words is not None and (
+            not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words)
+        ):
+            raise ValueError(f"bad_words must be a list of non-blank strings, got {words!r}")
+
+    @property
+    def has_logits_processors(self) -> bool:
+        """Whether a logits processor of `logits_processors.py` applies to this request."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words)
+
+    def resolve_bad_words(self, tokenizer: Any) -> None:
+        """Tokenize `bad_words` for the logits processor: each word as written and after a
+        space (a word mid-text is its own tokens; BPE vocabularies fold the space in), left
+        stripped, without special tokens, each distinct sequence once."""
+        sequences: list[list[int]] = []
+        for word in self.bad_words or []:
+            stripped = word.lstrip()
+            for text in (stripped, " " + stripped):
+                ids = list(tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        self._bad_words_token_ids = sequences
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        """The token sequences `bad_words` bans (`resolve_bad_words` must have run)."""
+        if self.bad_words and self._bad_words_token_ids is None:
+            raise RuntimeError("bad_words were not tokenized: call resolve_bad_words(tokenizer)")
+        return self._bad_words_token_ids or []
 
     @property
     def sampling_type(self) -> SamplingType:

@@ -17,7 +17,7 @@ from tokenwise.engine.detokenizer import IncrementalDetokenizer
 from tokenwise.engine.kinds.base import ModelKind, NewRequest, timing_metrics
 from tokenwise.engine.prompts import PromptInput, validate_request
 from tokenwise.engine.request import Request
-from tokenwise.outputs import CompletionOutput, RequestOutput
+from tokenwise.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from tokenwise.sampling.guided.state import GrammarState
 from tokenwise.sampling.params import SamplingParams
 
@@ -122,6 +122,21 @@ class GenerateKind(ModelKind):
             finished=finished,
             num_cached_tokens=max(0, first.num_cached_tokens),
             error=next((r.error for r in samples if r.error), None),
+            prompt_logprobs=_take_prompt_logprobs(samples),
         )
         out.metrics.update(timing_metrics(samples, finished))
         return out
+
+
+def _take_prompt_logprobs(samples: list[Request]) -> PromptLogprobs | None:
+    """The request's prompt logprobs, once: from the first sample that has scored its whole
+    prompt (each sample scores its own, so none waits for a sibling still prefilling)."""
+    first = samples[0]
+    if first.sampling_params.prompt_logprobs is None or first.prompt_logprobs_reported:
+        return None
+    for req in samples:
+        scored = req.prompt_logprobs
+        if scored is not None and len(scored) == req.num_prompt_tokens:
+            first.prompt_logprobs_reported = True
+            return scored
+    return None

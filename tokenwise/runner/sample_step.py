@@ -1,0 +1,57 @@
+"""A step's logit rows to emitted tokens: per-row processing, then sampling or verification.
+
+One row per sampling request, or, in a step with drafts, one row per draft position
+(`spec_verify.verify_drafts`). Before a token is chosen, each row gets what its request asks
+of its logits, in this order, the same on both paths: the `min_tokens` stop-token ban, the
+per-request logits processors (`sampling/logits_processors.py`: logit_bias, allowed_token_ids,
+bad_words), then the grammar mask of guided requests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenwise.engine.step_outputs import ScheduledRequest
+from tokenwise.runner.spec_verify import suppress_stop_tokens_before_min_tokens, verify_drafts
+from tokenwise.sampling.guided.bitmask import apply_grammar_bitmask
+from tokenwise.sampling.logits_processors import apply_logits_processors
+from tokenwise.sampling.metadata import SamplingMetadata
+from tokenwise.sampling.sampler import LogprobsTensors, Sampler
+
+
+def sample_step(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    sampled: list[ScheduledRequest],
+    vocab_size: int,
+    device: torch.device,
+) -> tuple[list[list[int]], LogprobsTensors | None]:
+    """The tokens each of `sampled` emits this step (`logits` holds their rows), and the
+    logprob rows of those tokens when any request asked for logprobs."""
+    if any(s.spec_token_ids for s in sampled):
+        return verify_drafts(logits, sampled, vocab_size, device)
+    suppress_stop_tokens_before_min_tokens(logits, sampled)
+    params = [s.request.sampling_params for s in sampled]
+    apply_logits_processors(logits, params, lambda i: sampled[i].request.output_token_ids)
+    # Guided rows: what their grammars forbid goes to -inf, one batched op for all rows.
+    apply_grammar_bitmask(logits, [s.request.grammar for s in sampled], vocab_size)
+    if Sampler.is_plain_greedy(params):  # argmax only: no sampling metadata to build
+        return _singles(sampler.greedy(logits).sampled_token_ids), None
+    metadata = SamplingMetadata.from_params(
+        params,
+        [s.request.generator for s in sampled],
+        output_token_ids=[s.request.output_token_ids for s in sampled],
+        prompt_token_ids=[s.request.prompt_token_ids for s in sampled],
+        vocab_size=logits.shape[-1],
+        device=device,
+    )
+    out = sampler(logits, metadata)
+    return _singles(out.sampled_token_ids), out.logprobs
+
+
+def _singles(token_ids: torch.Tensor) -> list[list[int]]:
+    """One emitted token per request (a step without drafts)."""
+    return [[t] for t in token_ids.tolist()]
+
+
+__all__ = ["sample_step"]
