@@ -141,3 +141,24 @@ def test_n_samples_report_the_prompt_once(llama: str) -> None:
     (merged,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
     assert len(merged.outputs) == 3
     assert_matches_hf(llama, prompt, merged.prompt_logprobs, top=1)
+
+
+def test_tensor_parallel_workers_compute_the_prompt_rows_too(llama: str) -> None:
+    """The scored rows travel in the step's logits indices, so TP workers join the same
+    vocabulary gather (a mismatch would hang or fail the step)."""
+    prompts = mixed_prompts()[:6]
+    llm = LLM(
+        llama,
+        dtype="float32",
+        num_gpu_blocks=NUM_BLOCKS,
+        tensor_parallel_size=2,
+        max_num_batched_tokens=16,
+    )
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for prompt, out in zip(prompts, outs, strict=True):
+            assert_matches_hf(llama, prompt, out.prompt_logprobs, top=2)
+            assert list(out.outputs[0].token_ids) == hf_greedy(llama, prompt, 3)
+    finally:
+        llm.llm_engine.shutdown()

@@ -190,6 +190,8 @@ def test_generator_from_same_seed_repeats_its_stream() -> None:
         ({"logit_bias": {5: -101}}, "logit_bias"),
         ({"logit_bias": {5: float("nan")}}, "logit_bias"),
         ({"logit_bias": {"five": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"²": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"--5": 1.0}}, "logit_bias"),
         ({"logit_bias": {-3: 1.0}}, "logit_bias"),
         ({"logit_bias": [5]}, "logit_bias"),
         ({"allowed_token_ids": []}, "allowed_token_ids"),

@@ -134,6 +134,8 @@ def validate_request(
                 "bad_words need a tokenizer, but the engine was started with "
                 "skip_tokenizer_init=True; use logit_bias to ban token ids instead"
             )
+        for word in params.bad_words:
+            check_text(word, "bad_words")
         params.resolve_bad_words(tokenizer)
     if params.stop and tokenizer is None:
         raise ValueError(

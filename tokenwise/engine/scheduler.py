@@ -6,6 +6,9 @@ prompts take the next chunk); then waiting requests are admitted in arrival orde
 and KV blocks remain. A prompt longer than the remaining budget is chunked across steps, so one
 forward pass mixes prefills and decodes and long prompts never stall running decodes.
 
+A request asking for prompt logprobs is admitted without prefix-cache hits: the runner scores
+its prompt from the hidden states of every prompt position, which cached blocks do not keep.
+
 When a running request needs a block and none is free, the most recently admitted running
 request is preempted: its blocks are freed and it goes back to the head of the waiting queue,
 to be recomputed later (its output so far is kept).

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import enum
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,8 @@ from tokenwise.sampling.guided.params import GuidedDecodingParams
 # Temperatures below this are treated as greedy: dividing logits by ~0 would
 # overflow, and argmax is what such a temperature means anyway.
 _SAMPLING_EPS = 1e-5
+# A logit_bias key that int() reads (Unicode decimal digits, as int() takes them).
+_INT_TEXT = re.compile(r"\s*-?\d+\s*")
 # OpenAI's range for a logit bias.
 _MAX_LOGIT_BIAS = 100.0
 # What torch.Generator.manual_seed accepts. Sample i of a request with n > 1 is seeded with
@@ -47,7 +50,7 @@ def _is_real(value: Any) -> bool:
 
 def _token_key(key: Any) -> Any:
     """A logit_bias key as a token id: JSON object keys are strings ("50256")."""
-    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+    if isinstance(key, str) and _INT_TEXT.fullmatch(key):
         return int(key)
     return key
 
