@@ -80,17 +80,9 @@ def test_strict_mode_refuses_the_unknown_field_by_name() -> None:
 @pytest.mark.parametrize(
     ("make", "field", "value"),
     [
-        (completion, "echo", True),
-        (chat, "echo", True),
-        (completion, "logit_bias", {"5": 100.0}),
+        (chat, "echo", True),  # vLLM's chat echo (the last message) is not built
         (completion, "suffix", "return x"),
-        (completion, "prompt_logprobs", 0),
-        (chat, "prompt_logprobs", 1),
-        (completion, "best_of", 3),
         (completion, "use_beam_search", True),
-        (completion, "allowed_token_ids", [1, 2]),
-        (chat, "bad_words", ["no"]),
-        (completion, "truncate_prompt_tokens", 8),
         (chat, "chat_template", "{{ messages }}"),
     ],
 )
@@ -107,14 +99,30 @@ def test_no_op_values_of_refused_fields_pass_without_a_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     bodies = [
-        completion(echo=False, logit_bias={}, suffix="", best_of=1, bad_words=[]),
-        completion(n=2, best_of=2, prompt_logprobs=None, use_beam_search=False),
-        chat(echo=False, logit_bias={}, chat_template=None, truncate_prompt_tokens=None),
+        completion(echo=False, suffix=""),
+        completion(n=2, use_beam_search=False),
+        chat(echo=False, chat_template=None),
     ]
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         for body in bodies:
             accept_fields(body, strict=True, request_id="r", route="/x")
     assert warnings_of(caplog) == []
+
+
+def test_implemented_fields_pass_without_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """Once refused, now implemented: their values reach SamplingParams, which judges them."""
+    bodies = [
+        completion(echo=True, logprobs=1, max_tokens=0, prompt_logprobs=2, best_of=3),
+        completion(logit_bias={"5": 100.0}, allowed_token_ids=[1, 2], truncate_prompt_tokens=8),
+        chat(bad_words=["no"], prompt_logprobs=1, logit_bias={"7": -100.0}),
+    ]
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        for body in bodies:
+            accept_fields(body, strict=True, request_id="r", route="/x")
+    assert warnings_of(caplog) == []
+    assert REFUSED.keys().isdisjoint(
+        {"logit_bias", "prompt_logprobs", "best_of", "allowed_token_ids", "bad_words"}
+    )
 
 
 def test_harmless_fields_are_ignored_with_the_warning(caplog: pytest.LogCaptureFixture) -> None:

@@ -223,12 +223,10 @@ def test_unknown_and_ignored_fields_are_accepted_and_named_once(
 @pytest.mark.parametrize(
     ("path", "field", "value", "says"),
     [
-        ("/v1/completions", "echo", True, "not supported yet"),
+        ("/v1/chat/completions", "echo", True, "not supported yet"),
         ("/v1/completions", "suffix", "    return x", "not supported yet"),
-        ("/v1/completions", "logit_bias", {"5": 100}, "not supported yet"),
-        ("/v1/completions", "prompt_logprobs", 1, "not supported yet"),
-        ("/v1/chat/completions", "logit_bias", {"5": -100}, "not supported yet"),
-        ("/v1/chat/completions", "best_of", 2, "not supported yet"),
+        ("/v1/chat/completions", "use_beam_search", True, "not supported yet"),
+        ("/v1/chat/completions", "best_of", 2, "best_of must be None or equal to n"),
         # Declared fields keep their types, implemented or not.
         ("/v1/completions", "echo", "yes", "boolean"),
         ("/v1/chat/completions", "chat_template_kwargs", "enable_thinking", "dictionary"),
@@ -396,6 +394,8 @@ def test_access_log_has_one_line_per_http_request(server: RemoteServer, client: 
     response = httpx.get(server.url("/no/such/route"), timeout=10)
     assert response.status_code == 404
     assert log_lines(server, '"GET /no/such/route" 404 id=')
-    error_of(post(server, "/v1/completions", {"model": NAME, "prompt": "x", "echo": True}), "echo")
+    error_of(
+        post(server, "/v1/completions", {"model": NAME, "prompt": "x", "suffix": "y"}), "suffix"
+    )
     lines = log_lines(server, '"POST /v1/completions" 400 id=cmpl-')
     assert lines and "output_tokens" not in lines[-1]  # refused before any token was counted

@@ -93,7 +93,19 @@ CHAT = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tok
             {"stream_options": {"include_usage": True, "x": 1}},
             "stream_options",
         ),
-        ("/v1/completions", {"echo": True}, "echo"),  # known, not implemented yet
+        ("/v1/chat/completions", {"echo": True}, "echo"),  # known, not implemented for chat
+        ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
+        ("/v1/completions", {"logit_bias": {"five": 1.0}}, "logit_bias"),
+        ("/v1/completions", {"logit_bias": {"1000000": 1.0}}, "logit_bias"),  # > vocab
+        ("/v1/completions", {"allowed_token_ids": []}, "allowed_token_ids"),
+        ("/v1/completions", {"allowed_token_ids": [10**6]}, "allowed_token_ids"),
+        ("/v1/chat/completions", {"bad_words": [""]}, "bad_words"),
+        ("/v1/completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ("/v1/completions", {"prompt_logprobs": -1}, "prompt_logprobs"),
+        ("/v1/completions", {"prompt_logprobs": 6}, "prompt_logprobs"),  # over --max-logprobs
+        ("/v1/completions", {"echo": True, "logprobs": 6}, "logprobs"),
+        ("/v1/chat/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        ("/v1/completions", {"best_of": 2}, "best_of"),  # no best-of-n (n is 1)
         ("/v1/completions", {"prompt": 123}, "prompt"),
         ("/v1/completions", {"prompt": []}, "prompt"),
         ("/v1/completions", {"prompt": [10**6]}, "prompt"),  # token id out of range

@@ -9,13 +9,17 @@ entries (the sampled token is always included); chat wants a list of objects who
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from tokenwise.entrypoints.openai.protocol import (
     ChatLogprobs,
     CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobsField,
     TokenLogprob,
     TopLogprob,
 )
-from tokenwise.outputs import Logprob, SampleLogprobs
+from tokenwise.outputs import Logprob, PromptLogprobs, SampleLogprobs
 
 
 def _text(token_id: int, logprob: Logprob | None) -> str:
@@ -26,17 +30,29 @@ def _text(token_id: int, logprob: Logprob | None) -> str:
 
 
 def completion_logprobs(
-    token_ids: list[int], logprobs: SampleLogprobs, offset: int
+    token_ids: list[int],
+    logprobs: list[dict[int, Logprob] | None],
+    offset: int,
+    decode: Callable[[int], str] | None = None,
 ) -> tuple[CompletionLogprobs, int]:
     """Logprobs of `token_ids`, whose text starts at character `offset` of the completion;
-    also returns the offset after them (a stream continues from there in its next chunk)."""
+    also returns the offset after them (a stream continues from there in its next chunk).
+
+    An entry may be None (an echoed prompt's first token: nothing comes before it): its
+    logprob and top logprobs are null and its text comes from `decode`, when given."""
     out = CompletionLogprobs()
     for token_id, entry in zip(token_ids, logprobs, strict=False):
-        chosen = entry.get(token_id)
-        text = _text(token_id, chosen)
-        out.tokens.append(text)
-        out.token_logprobs.append(chosen.logprob if chosen is not None else None)
-        out.top_logprobs.append(_top_dict(entry))
+        if entry is None:
+            text = decode(token_id) if decode is not None else _text(token_id, None)
+            out.tokens.append(text)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+        else:
+            chosen = entry.get(token_id)
+            text = _text(token_id, chosen)
+            out.tokens.append(text)
+            out.token_logprobs.append(chosen.logprob if chosen is not None else None)
+            out.top_logprobs.append(_top_dict(entry))
         out.text_offset.append(offset)
         offset += len(text)
     return out, offset
@@ -79,3 +95,18 @@ def chat_logprobs(token_ids: list[int], logprobs: SampleLogprobs, top_n: int) ->
             )
         )
     return ChatLogprobs(content=content)
+
+
+def prompt_logprobs_field(logprobs: PromptLogprobs | None) -> PromptLogprobsField:
+    """The engine's prompt logprobs in vLLM's response shape (token ids as keys)."""
+    if logprobs is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            t: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+            for t, lp in entry.items()
+        }
+        for entry in logprobs
+    ]

@@ -6,7 +6,8 @@ by `request_fields` (ignored with a warning, or refused when they would change t
 `--strict-request-fields` refuses unknown ones). Messages take extra keys by design: chat
 templates may read them (`name`, `tool_calls`), and the template runs in a sandbox.
 Field names and defaults follow OpenAI's API; vLLM's sampling extensions (`top_k`, `min_p`,
-`ignore_eos`, `repetition_penalty`, `min_tokens`, `stop_token_ids`) are accepted too, and so
+`ignore_eos`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `allowed_token_ids`,
+`bad_words`, `truncate_prompt_tokens`, `prompt_logprobs`) are accepted too, and so
 are structured outputs: OpenAI's `response_format` and vLLM's `guided_json`, `guided_regex`,
 `guided_choice` and `guided_grammar`; chat requests also take `tools` and `tool_choice`, and
 vLLM's `chat_template_kwargs`, `continue_final_message` and `include_reasoning`.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -73,17 +74,21 @@ class GenerationRequest(RequestModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    # Accepted, not implemented: `request_fields.IGNORED` (warned about) and `REFUSED` (a 400
-    # unless the value is a no-op). Typed, so a malformed value is still a 400 naming it.
-    echo: bool = False
+    # OpenAI's token id (a JSON key: a string) -> bias in [-100, 100]; vLLM's processors and
+    # prompt fields. All go to SamplingParams, which names a bad value.
     logit_bias: dict[str, float] | None = None
-    best_of: int | None = None
-    use_beam_search: bool = False
-    length_penalty: float = 1.0
-    prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    # Not with `stream` (as in vLLM); completions' `echo` streams them in `logprobs`.
+    prompt_logprobs: int | None = None
+    best_of: int | None = None  # None or n: there is no best-of-n (as in vLLM V1)
+    # Accepted, not implemented: `request_fields.IGNORED` (warned about) and `REFUSED` (a 400
+    # unless the value is a no-op). Typed, so a malformed value is still a 400 naming it.
+    # `echo` is implemented for completions only (`implemented_fields`).
+    echo: bool = False
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     priority: int = 0
     request_id: str | None = None
     cache_salt: str | None = None
@@ -93,6 +98,9 @@ class GenerationRequest(RequestModel):
 
 
 class CompletionRequest(GenerationRequest):
+    # `REFUSED` fields this endpoint implements: echo returns the prompt before the text (with
+    # its tokens' logprobs in `logprobs` when asked for; max_tokens 0: the prompt alone).
+    implemented_fields: ClassVar[frozenset[str]] = frozenset({"echo"})
     # A string, a batch of strings, token ids, or a batch of token-id lists.
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
@@ -238,12 +246,25 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's shape of one token's entry in `prompt_logprobs`."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt token (the first is null): token id -> its logprob, for the token and the top-N.
+PromptLogprobsField = list[dict[int, PromptLogprob] | None] | None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsField = None  # vLLM's extension, per choice
 
 
 class CompletionResponse(OpenAIResponse):
@@ -298,6 +319,7 @@ class ChatChoice(BaseModel):
 class ChatCompletionResponse(OpenAIResponse):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
+    prompt_logprobs: PromptLogprobsField = None  # vLLM's extension, for the whole request
 
 
 class DeltaFunctionCall(BaseModel):

@@ -12,7 +12,7 @@ fields that change nothing, so, as vLLM does, request bodies take any field:
   value cannot change the reply a client reads (metadata, a scheduling hint, a beam-search
   knob without beam search): accepted, and named in the same warning when not at their default;
 - `REFUSED`: fields not implemented yet whose value would change the reply in a way a client
-  relies on (`echo`, `logit_bias`, `suffix`, prompt logprobs, ...): any value other than a no-op
+  relies on (`suffix`, beam search, a custom chat template, ...): any value other than a no-op
   is a 400 naming the field, rather than a reply that silently lacks what was asked for.
 
 Fields the server does implement keep their strict types (`RequestModel`): a bad value there is
@@ -62,21 +62,13 @@ def _is_empty(name: str, value: Any, body: BaseModel) -> bool:
     return not value
 
 
-def _is_n(name: str, value: Any, body: BaseModel) -> bool:
-    return value is None or value == getattr(body, "n", 1)
-
-
 # field -> (is this value a no-op?, what a no-op value is, for the message)
+# (A request model's `implemented_fields` names those of these it implements: completions'
+# echo. vLLM's chat `echo` is another feature, still refused.)
 REFUSED: dict[str, tuple[Callable[[str, Any, BaseModel], bool], str | None]] = {
     "echo": (_is_default, None),
-    "logit_bias": (_is_empty, "null or {}"),
     "suffix": (_is_empty, 'null or ""'),
-    "prompt_logprobs": (_is_default, None),
-    "best_of": (_is_n, "null or equal to n"),
     "use_beam_search": (_is_default, None),
-    "allowed_token_ids": (_is_default, None),
-    "bad_words": (_is_empty, "null or []"),
-    "truncate_prompt_tokens": (_is_default, None),
     "chat_template": (_is_default, None),
 }
 
@@ -105,8 +97,9 @@ def _noop_text(name: str, body: BaseModel, hint: str | None) -> str:
 def refuse_unsupported(body: BaseModel) -> None:
     """A 400 for the first `REFUSED` field whose value is not a no-op."""
     declared = type(body).model_fields
+    implemented = getattr(type(body), "implemented_fields", frozenset())
     for name, (is_noop, hint) in REFUSED.items():
-        if name in declared and name in body.model_fields_set:
+        if name in declared and name in body.model_fields_set and name not in implemented:
             if not is_noop(name, getattr(body, name), body):
                 raise OpenAIError(
                     400,

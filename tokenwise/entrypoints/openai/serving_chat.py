@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenwise.entrypoints.openai.chat_rendering import render_chat
 from tokenwise.entrypoints.openai.errors import OpenAIError
-from tokenwise.entrypoints.openai.logprobs import chat_logprobs
+from tokenwise.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_field
 from tokenwise.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -40,7 +40,7 @@ from tokenwise.entrypoints.openai.structured_outputs import (
     resolve_tool_mode,
 )
 from tokenwise.entrypoints.openai.tool_calls import ToolCallReader
-from tokenwise.outputs import CompletionOutput
+from tokenwise.outputs import CompletionOutput, RequestOutput
 from tokenwise.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -67,7 +67,9 @@ class ChatServing(OpenAIServing[ChatCompletionRequest, ChatLogprobs]):
             max_tokens = body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         guided = guided_decoding_for(body, resolve_tool_mode(body))
-        params = build_sampling_params(body, self.config, max_tokens, logprobs, guided)
+        params = build_sampling_params(
+            body, self.config, max_tokens, logprobs, guided, body.prompt_logprobs
+        )
         return [render_chat(self.engine.engine.tokenizer, body)], params
 
     def _logprobs(
@@ -77,6 +79,14 @@ class ChatServing(OpenAIServing[ChatCompletionRequest, ChatLogprobs]):
             return None, offset
         top_n = body.top_logprobs or 0
         return chat_logprobs(output.token_ids, output.logprobs or [], top_n), offset
+
+    def _extras(
+        self, body: ChatCompletionRequest, merged: dict[int, RequestOutput], choices: list
+    ) -> dict[str, Any]:
+        # vLLM's `prompt_logprobs`: one prompt, so one list, on the response itself.
+        if body.prompt_logprobs is None or 0 not in merged:
+            return {}
+        return {"prompt_logprobs": prompt_logprobs_field(merged[0].prompt_logprobs)}
 
     def _reader(self, body: ChatCompletionRequest) -> ToolCallReader:
         """A fresh reader of one choice's reply (the request was checked in `_prepare`)."""

@@ -67,9 +67,22 @@ def build_sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     guided_decoding: GuidedDecodingParams | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
-    """SamplingParams from the request; OpenAI's defaults where the request says nothing."""
+    """SamplingParams from the request; OpenAI's defaults where the request says nothing.
+
+    `prompt_logprobs` is what the engine scores (completions' echo asks for them itself);
+    the request's own field cannot stream, as in vLLM (the response carries them whole).
+    """
     check_cap("n", body.n, config.max_n, "--max-n")
+    check_cap("prompt_logprobs", prompt_logprobs, config.max_logprobs, "--max-logprobs")
+    if body.stream and body.prompt_logprobs is not None:
+        raise OpenAIError(
+            400,
+            "prompt_logprobs are not available when stream is true (completions' echo with "
+            "logprobs streams the prompt's)",
+            param="prompt_logprobs",
+        )
     optional = {k: getattr(body, k) for k in _OPTIONAL_SAMPLING if getattr(body, k) is not None}
     try:
         return SamplingParams(
@@ -84,6 +97,12 @@ def build_sampling_params(
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
             guided_decoding=guided_decoding,
+            prompt_logprobs=prompt_logprobs,
+            logit_bias=body.logit_bias,
+            allowed_token_ids=body.allowed_token_ids,
+            bad_words=body.bad_words,
+            truncate_prompt_tokens=body.truncate_prompt_tokens,
+            best_of=body.best_of,
             **optional,
         )
     except ValueError as exc:
@@ -242,6 +261,21 @@ class OpenAIServing(ABC, Generic[RequestT, LogprobsT]):
     ) -> BaseModel:
         """The choice of a collected (non-streaming) response."""
 
+    def _present(
+        self, body: RequestT, out: RequestOutput, output: CompletionOutput, first: bool
+    ) -> tuple[CompletionOutput, int]:
+        """A choice's output (a delta of it, when streaming) as the client sees it, and the
+        completion tokens it counts. `first`: the choice's first piece, where completions'
+        echo puts the prompt (`out` is its request's output, `prompt_logprobs` included)."""
+        return output, len(output.token_ids)
+
+    def _extras(
+        self, body: RequestT, merged: dict[int, RequestOutput], choices: list
+    ) -> dict[str, Any]:
+        """Fields of a collected response beyond its choices and usage, from the merged
+        outputs (by prompt index); may also fill fields of the `choices` made."""
+        return {}
+
     def _stream_choice(
         self,
         body: RequestT,
@@ -279,14 +313,16 @@ class OpenAIServing(ABC, Generic[RequestT, LogprobsT]):
         for index in sorted(merged):
             out = merged[index]
             for c in out.outputs:
-                usage.add(index, len(out.prompt_token_ids), len(c.token_ids))
-                logprobs, _ = self._logprobs(body, c, 0)
-                choices.append(self._choice(body, index * body.n + c.index, c, logprobs))
+                shown, counted = self._present(body, out, c, True)
+                usage.add(index, len(out.prompt_token_ids), counted)
+                logprobs, _ = self._logprobs(body, shown, 0)
+                choices.append(self._choice(body, index * body.n + c.index, shown, logprobs))
         return self.response_cls(
             id=request_id,
             model=self.config.served_model_name,
             choices=choices,
             usage=usage.usage(),
+            **self._extras(body, merged, choices),
         )
 
     async def _stream(
@@ -304,6 +340,8 @@ class OpenAIServing(ABC, Generic[RequestT, LogprobsT]):
 
         offsets: dict[int, int] = {}  # choice -> text offset of its next token
         state: dict[int, Any] = {}
+        # Prompt index -> its prompt logprobs: they come once, maybe before a choice's first piece.
+        prompt_logprobs: dict[int, Any] = {}
         try:
             opening = self._stream_opening(body)
             if opening:
@@ -312,9 +350,13 @@ class OpenAIServing(ABC, Generic[RequestT, LogprobsT]):
                 if delta.error is not None:
                     yield stream_error(generation_failed(delta.error, code=None))
                     break
+                if delta.prompt_logprobs is not None:
+                    prompt_logprobs[index] = delta.prompt_logprobs
+                delta.prompt_logprobs = prompt_logprobs.get(index)
                 for c in delta.outputs:
-                    usage.add(index, len(delta.prompt_token_ids), len(c.token_ids))
                     choice = index * body.n + c.index
+                    c, counted = self._present(body, delta, c, choice not in offsets)
+                    usage.add(index, len(delta.prompt_token_ids), counted)
                     logprobs, offsets[choice] = self._logprobs(body, c, offsets.get(choice, 0))
                     if not c.text and c.finish_reason is None:
                         if logprobs is None or not c.token_ids:
