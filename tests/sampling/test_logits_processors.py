@@ -21,6 +21,7 @@ import torch
 from tests.engine._fixtures import LLAMA, NUM_BLOCKS, checkpoint, hf_greedy, hf_model, mixed_prompts
 from tests.engine._fixtures import tokenizer as tiny_tokenizer
 from tokenwise import LLM, SamplingParams
+from tokenwise.sampling.logits_processors import apply_logits_processors
 
 MAX_TOKENS = 16
 K = 3
@@ -56,6 +57,26 @@ def greedy(**kwargs: Any) -> SamplingParams:
 def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_processors_on_rows_of_logits() -> None:
+    """Only the rows that ask are touched; a masked token stays -inf whatever its bias."""
+    logits = torch.zeros(4, 10)
+    params = [
+        SamplingParams(logit_bias={3: 2.5, 5: -1.0}),
+        SamplingParams(),
+        SamplingParams(logit_bias={5: 100.0}, allowed_token_ids=[1, 2]),
+        SamplingParams(bad_words=["x"]),
+    ]
+    params[3]._bad_words_token_ids = [[7], [8, 9], [4, 9]]  # as resolve_bad_words would set
+    past = {3: [1, 8]}
+    apply_logits_processors(logits, params, lambda i: past.get(i, []))
+    want = torch.zeros(4, 10)
+    want[0, 3], want[0, 5] = 2.5, -1.0
+    want[2] = float("-inf")
+    want[2, [1, 2]] = 0.0
+    want[3, [7, 9]] = float("-inf")  # 7 always; 9 after 8, not after 4
+    assert torch.equal(logits, want)
 
 
 def test_logit_bias_plus_100_makes_greedy_output_that_token(llm: LLM, llama: str) -> None:

@@ -31,7 +31,7 @@ from tokenwise.engine.prompts import (
 )
 from tokenwise.engine.request import Request, RequestStatus
 from tokenwise.engine.stats import EngineStats, StatLogger
-from tokenwise.engine.step_outputs import ModelRunnerOutput, PromptLogprobs
+from tokenwise.engine.step_outputs import ModelRunnerOutput, ScoredPromptTokens
 from tokenwise.engine.stop_rules import hides_token
 from tokenwise.lora.request import LoRARequest
 from tokenwise.models.registry import is_moe_architecture
@@ -307,7 +307,7 @@ class LLMEngine:
             self._stats.generation_tokens_total += kept
             row += len(tokens)
 
-    def _route_prompt_logprobs(self, scored: PromptLogprobs) -> None:
+    def _route_prompt_logprobs(self, scored: ScoredPromptTokens) -> None:
         """Append a step's prompt-token logprobs to their requests' lists, in prompt order.
 
         Only a token right after a list's end is taken, so a prompt scored again (it cannot

@@ -67,7 +67,7 @@ class SchedulerOutput:
 
 
 @dataclass
-class PromptLogprobs:
+class ScoredPromptTokens:
     """The prompt-token logprobs a step computed (`SamplingParams.prompt_logprobs`).
 
     `requests[k] = (request, first, count)`: the next `count` rows of `logprobs` score that
@@ -98,4 +98,4 @@ class ModelRunnerOutput:
     pooled_requests: list[ScheduledRequest] = field(default_factory=list)
     pooler_output: torch.Tensor | None = None
     # Prompt-token logprobs computed this step (a prompt chunk's), for the requests asking.
-    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs: ScoredPromptTokens | None = None

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from tokenwise.engine.request import Request
-from tokenwise.engine.step_outputs import PromptLogprobs
+from tokenwise.engine.step_outputs import ScoredPromptTokens
 from tokenwise.runner.input_batch import StepInputs
 from tokenwise.sampling.sampler import gather_logprobs
 
@@ -30,7 +30,7 @@ from tokenwise.sampling.sampler import gather_logprobs
 @dataclass
 class PromptLogprobRows:
     """The rows a step scores: `flat_indices[k]` is the hidden row whose logits score prompt
-    token `token_ids[k]`; `requests` as in `PromptLogprobs`."""
+    token `token_ids[k]`; `requests` as in `ScoredPromptTokens`."""
 
     requests: list[tuple[Request, int, int]]
     flat_indices: list[int]
@@ -69,12 +69,12 @@ def plan_prompt_logprobs(step: StepInputs) -> PromptLogprobRows | None:
     return rows if rows.requests else None
 
 
-def score_prompt_tokens(rows: PromptLogprobRows, logits: torch.Tensor) -> PromptLogprobs:
+def score_prompt_tokens(rows: PromptLogprobRows, logits: torch.Tensor) -> ScoredPromptTokens:
     """Log-softmax of the rows' raw logits (float32): each prompt token's logprob and rank,
     and the top-N."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     tokens = torch.tensor(rows.token_ids, dtype=torch.int64, device=logits.device)
-    return PromptLogprobs(rows.requests, gather_logprobs(logprobs, tokens, rows.num_logprobs))
+    return ScoredPromptTokens(rows.requests, gather_logprobs(logprobs, tokens, rows.num_logprobs))
 
 
 __all__ = ["PromptLogprobRows", "plan_prompt_logprobs", "score_prompt_tokens"]

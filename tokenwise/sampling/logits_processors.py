@@ -31,7 +31,8 @@ def apply_logits_processors(
     draft row, its accepted output plus the drafts before the row); `bad_words` reads it.
     Bias comes first, so a banned or disallowed token stays at -inf whatever its bias.
     """
-    rows = [i for i, p in enumerate(params) if p.has_logits_processors]
+    # `has_logits_processors`, inlined: this runs for every row of every step.
+    rows = [i for i, p in enumerate(params) if p.logit_bias or p.allowed_token_ids or p.bad_words]
     if not rows:
         return
     _add_logit_bias(logits, [(i, params[i].logit_bias) for i in rows if params[i].logit_bias])
