@@ -52,6 +52,9 @@ class Layer:
 
 # Lowest first: a module may import its own layer and the layers above it in this list.
 LAYERS: tuple[Layer, ...] = (
+    # Checkpoint-file readers that need nothing of tokenwise (GGUF metadata -> a transformers
+    # config, tensors -> HF names, the tokenizer): the model configuration reads them.
+    Layer("checkpoint formats", ("tokenwise.gguf.*",)),
     # Plain settings and records with no tokenwise dependency; and this checker, which must
     # keep working when the rest of the package does not import.
     Layer(
