@@ -91,4 +91,7 @@ def iterate_gguf(
             values = unpermute_qk(values, heads)
         elif arch in PERMUTED_QK and ".attn_k." in tensor.name:
             values = unpermute_qk(values, kv_heads)
-        yield hf_name, torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
+        values = np.ascontiguousarray(values)
+        if not values.flags.writeable:  # F32 tensors are views of the read-only file mapping
+            values = values.copy()
+        yield hf_name, torch.from_numpy(values).to(dtype)
