@@ -13,7 +13,9 @@ name map and (numpy) quantizers:
 - tensors under llama.cpp's names (`blk.N.attn_q.weight`, ...), with Llama's q/k rows
   permuted as llama.cpp's converter permutes them (written here from its description, so the
   loader's inverse is checked against an independent statement of it); 1-D tensors stay F32 as
-  llama.cpp keeps them, matrices get `qtype`; `output.weight` only when not tied.
+  llama.cpp keeps them, matrices get `qtype`; `output.weight` only when not tied. gguf-py has
+  no numpy quantizer for the K-quants, so those matrices get random valid blocks instead (the
+  reference then is transformers reading the same blocks, not the original weights).
 """
 
 from __future__ import annotations
@@ -69,7 +71,9 @@ def write_gguf(
     architecture: str | None = None,
     extra_tensors: dict[str, np.ndarray] | None = None,
 ) -> str:
-    """Write the checkpoint in `hf_dir` to `out_path`; matrices in `qtype` (default F32)."""
+    """Write the checkpoint in `hf_dir` to `out_path`; matrices in `qtype` (default F32).
+
+    `extra_tensors` are written as given, replacing the checkpoint's tensor of the same name."""
     import gguf
 
     qtype = qtype if qtype is not None else gguf.GGMLQuantizationType.F32
@@ -113,14 +117,40 @@ def write_gguf(
             data = llamacpp_permute(data, heads)
         elif arch == "llama" and ".attn_k." in gguf_name:
             data = llamacpp_permute(data, kv_heads)
+        if gguf_name in (extra_tensors or {}):
+            continue  # replaced below
         _add(writer, gguf_name, data, qtype)
     for name, data in (extra_tensors or {}).items():
-        _add(writer, name, data, gguf.GGMLQuantizationType.F32)
+        writer.add_tensor(name, data)  # as given (an int8 array is written as I8)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out_path
+
+
+# K-quants gguf-py can dequantize but not quantize: byte offsets of each block's fp16 scales
+# (Q4_K / Q5_K: d and dmin first; Q6_K: d last) and a value for them, so that random blocks
+# decode to weights of at most ~0.1-0.2 (Q4_K: d * 63 * 15 - dmin * 63; Q6_K: d * 128 * 32).
+K_QUANT_SCALES = {"Q4_K": ((0, 2), 1e-4), "Q5_K": ((0, 2), 5e-5), "Q6_K": ((-2,), 2e-5)}
+
+
+def random_k_blocks(shape: tuple[int, ...], qtype: Any, seed: int) -> np.ndarray:
+    """Random but valid blocks of a K-quant type for a (rows, cols) matrix: random quants and
+    sub-block scales, block scales from `K_QUANT_SCALES` (values of trained weights' size)."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = shape
+    assert cols % block == 0, f"{qtype.name} needs rows of a multiple of {block} values"
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    offsets, value = K_QUANT_SCALES[qtype.name]
+    scale = np.frombuffer(np.float16(value).tobytes(), dtype=np.uint8)
+    for offset in offsets:
+        start = offset % size
+        blocks[:, :, start : start + 2] = scale
+    return blocks.reshape(rows, -1)
 
 
 def _add(writer: Any, name: str, data: np.ndarray, qtype: Any) -> None:
@@ -129,5 +159,9 @@ def _add(writer: Any, name: str, data: np.ndarray, qtype: Any) -> None:
     if data.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
         writer.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
         return
-    packed = gguf.quants.quantize(data, qtype)
+    if qtype.name in K_QUANT_SCALES:
+        seed = int.from_bytes(name.encode()[-4:], "little")
+        packed = random_k_blocks(data.shape, qtype, seed)
+    else:
+        packed = gguf.quants.quantize(data, qtype)
     writer.add_tensor(name, packed, raw_shape=packed.shape, raw_dtype=qtype)
