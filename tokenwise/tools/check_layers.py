@@ -52,15 +52,15 @@ class Layer:
 
 # Lowest first: a module may import its own layer and the layers above it in this list.
 LAYERS: tuple[Layer, ...] = (
-    # Checkpoint-file readers that need nothing of tokenwise (GGUF metadata -> a transformers
-    # config, tensors -> HF names, the tokenizer): the model configuration reads them.
-    Layer("checkpoint formats", ("tokenwise.gguf.*",)),
     # Plain settings and records with no tokenwise dependency; and this checker, which must
-    # keep working when the rest of the package does not import.
+    # keep working when the rest of the package does not import. The GGUF readers are here
+    # too (metadata -> a transformers config, tensors -> HF names, the tokenizer): they need
+    # nothing else of tokenwise, and the model configuration reads them.
     Layer(
         "foundation",
         (
             "tokenwise.config",
+            "tokenwise.gguf.*",
             "tokenwise.model_config",
             "tokenwise.platform",
             "tokenwise.outputs",
