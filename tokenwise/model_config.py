@@ -1,4 +1,4 @@
-"""Model settings resolved from a local Hugging Face checkpoint directory.
+"""Model settings resolved from a local Hugging Face checkpoint directory or a GGUF file.
 
 transformers 4.x and 5.x write `config.json` differently (`torch_dtype` vs `dtype`,
 `rope_theta`/`rope_scaling` vs `rope_parameters`); the accessors here accept both so that model
