@@ -1,4 +1,5 @@
-"""Build a model for an `EngineConfig` and fill its weights from safetensors (or dummy values).
+"""Build a model for an `EngineConfig` and fill its weights from safetensors, a GGUF file
+(`tokenwise.gguf`, dequantized on load) or dummy values.
 
 Parameters are created directly in the target dtype and device (by making those the defaults
 while the model is constructed), so a bf16 model on a GPU never exists as an fp32 CPU copy.
@@ -28,6 +29,7 @@ from torch import nn
 
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.tp_state import get_tp_size
+from tokenwise.gguf.weights import iterate_gguf
 from tokenwise.layers.weight_utils import (
     CheckpointTensor,
     LazyTensor,
@@ -125,9 +127,23 @@ def load_model(config: EngineConfig, device: str | torch.device = "cpu") -> nn.M
         weights = iterate_safetensors(safetensors_files(model_config.model), lazy=lazy)
         loaded = model.load_weights(weights)
         _check_complete(model, loaded)
+    elif model_config.load_format == "gguf":
+        # Dequantized on load to the model's dtype (no quantized kernels yet): tokenwise.gguf.
+        expected = _expected_checkpoint_names(model)
+        loaded = model.load_weights(iterate_gguf(model_config.model, expected, model_config.dtype))
+        _check_complete(model, loaded)
     else:
         raise ValueError(f"unknown load_format {model_config.load_format!r}")
     return model.eval().requires_grad_(False)
+
+
+def _expected_checkpoint_names(model: nn.Module) -> list[str]:
+    """The checkpoint (HF) names of every parameter, fused ones split into their parts."""
+    mapping: StackedMapping = getattr(model, "stacked_params_mapping", ())
+    names: list[str] = []
+    for name, _ in model.named_parameters():
+        names.extend(checkpoint_names(name, mapping).values())
+    return names
 
 
 def _check_complete(model: nn.Module, loaded: set[str]) -> None:

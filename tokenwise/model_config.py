@@ -1,4 +1,4 @@
-"""Model settings resolved from a local Hugging Face checkpoint directory.
+"""Model settings resolved from a local Hugging Face checkpoint directory or a GGUF file.
 
 transformers 4.x and 5.x write `config.json` differently (`torch_dtype` vs `dtype`,
 `rope_theta`/`rope_scaling` vs `rope_parameters`); the accessors here accept both so that model
@@ -15,6 +15,9 @@ from typing import Any
 import torch
 
 from tokenwise.config import PoolerConfig
+from tokenwise.gguf.hf_config import gguf_hf_config
+from tokenwise.gguf.reader import is_gguf_path
+from tokenwise.gguf.tokenizer import prepare_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +129,19 @@ def max_position_embeddings(hf_config: Any) -> int | None:
     return None
 
 
+def _read_hf_config(model: str) -> Any:
+    from transformers import AutoConfig
+
+    if not os.path.isdir(model):
+        raise FileNotFoundError(
+            f"model directory {model!r} does not exist (tokenwise loads local Hugging Face "
+            "checkpoint directories and GGUF files)"
+        )
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise FileNotFoundError(f"model directory {model!r} has no config.json")
+    return AutoConfig.from_pretrained(model, local_files_only=True)
+
+
 @dataclass
 class ModelConfig:
     """What the engine needs to know about the model it serves."""
@@ -186,19 +202,22 @@ class ModelConfig:
         tokenizer: str | None = None,
         skip_tokenizer_init: bool = False,
     ) -> ModelConfig:
-        """Read `config.json` from a local directory (never from the network)."""
-        from transformers import AutoConfig
-
-        if not os.path.isdir(model):
-            raise FileNotFoundError(
-                f"model directory {model!r} does not exist (tokenwise loads local Hugging Face "
-                "checkpoint directories only)"
+        """Read `config.json` from a local directory (never from the network), or the metadata
+        of a GGUF file (`model.gguf`; see `tokenwise.gguf`: its tokenizer directory is prepared
+        here, with the file's chat template, so every engine process loads the same one)."""
+        if load_format not in ("auto", "safetensors", "gguf", "dummy"):
+            raise ValueError(
+                f"load_format must be auto, safetensors, gguf or dummy, got {load_format!r}"
             )
-        if not os.path.isfile(os.path.join(model, "config.json")):
-            raise FileNotFoundError(f"model directory {model!r} has no config.json")
-        if load_format not in ("auto", "safetensors", "dummy"):
-            raise ValueError(f"load_format must be auto, safetensors or dummy, got {load_format!r}")
-        hf_config = AutoConfig.from_pretrained(model, local_files_only=True)
+        if load_format == "gguf" or is_gguf_path(model):
+            if load_format == "safetensors":
+                raise ValueError(f"{model!r} is a GGUF file; use load_format='gguf' or 'auto'")
+            hf_config = gguf_hf_config(model)
+            load_format = "dummy" if load_format == "dummy" else "gguf"
+            if not skip_tokenizer_init:
+                tokenizer = prepare_tokenizer(model, tokenizer)
+        else:
+            hf_config = _read_hf_config(model)
         limit = max_position_embeddings(hf_config)
         if max_model_len is None:
             max_model_len = limit or 2048

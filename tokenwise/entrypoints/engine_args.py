@@ -119,7 +119,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model",
         default=None,
-        help="local Hugging Face checkpoint directory (default: the built-in model)",
+        help="local Hugging Face checkpoint directory or GGUF file (default: the built-in model)",
+    )
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer directory (default: the model's; for a GGUF file, its metadata's, "
+        "where transformers can convert it)",
     )
     g.add_argument(
         "--task",
@@ -193,8 +199,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--load-format",
         default="auto",
-        choices=["auto", "safetensors", "dummy"],
-        help="dummy = random weights from --seed, for benchmarks (default: auto)",
+        choices=["auto", "safetensors", "gguf", "dummy"],
+        help="dummy = random weights from --seed, for benchmarks; auto = gguf for a .gguf "
+        "file, else safetensors (default: auto)",
     )
     g.add_argument(
         "--enforce-eager",
@@ -328,6 +335,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "num_gpu_blocks": args.num_gpu_blocks,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "load_format": args.load_format,
+        "tokenizer": getattr(args, "tokenizer", None),
         "enforce_eager": args.enforce_eager,
         "enable_prefix_caching": args.enable_prefix_caching,
         "device": args.device,

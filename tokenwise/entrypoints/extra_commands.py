@@ -16,6 +16,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
         "/detokenize, /health, /ping, /version and /metrics for one model.",
     )
+    serve.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model (checkpoint directory or GGUF file), as vLLM takes it; same as --model",
+    )
     add_server_args(serve)
     add_engine_args(serve)
     add_request_log_args(serve)
@@ -29,4 +36,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _run_serve(args: argparse.Namespace) -> int:
     from tokenwise.entrypoints.openai.api_server import run_server
 
-    return run_server(args)
+    return run_server(resolve_model_tag(args))
+
+
+def resolve_model_tag(args: argparse.Namespace) -> argparse.Namespace:
+    """`serve MODEL` (vLLM's form) sets `--model`; giving two different models is an error."""
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if args.model is not None and args.model != tag:
+            raise ValueError(f"two models given: {tag!r} and --model {args.model!r}")
+        args.model = tag
+    return args

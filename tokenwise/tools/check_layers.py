@@ -53,11 +53,14 @@ class Layer:
 # Lowest first: a module may import its own layer and the layers above it in this list.
 LAYERS: tuple[Layer, ...] = (
     # Plain settings and records with no tokenwise dependency; and this checker, which must
-    # keep working when the rest of the package does not import.
+    # keep working when the rest of the package does not import. The GGUF readers are here
+    # too (metadata -> a transformers config, tensors -> HF names, the tokenizer): they need
+    # nothing else of tokenwise, and the model configuration reads them.
     Layer(
         "foundation",
         (
             "tokenwise.config",
+            "tokenwise.gguf.*",
             "tokenwise.model_config",
             "tokenwise.platform",
             "tokenwise.outputs",

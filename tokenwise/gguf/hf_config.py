@@ -1,0 +1,113 @@
+"""A transformers config rebuilt from a GGUF file's metadata (llama, qwen2, qwen3).
+
+A GGUF file has no `config.json`: its metadata is the config, under llama.cpp's key names
+(`llama.embedding_length`, `qwen3.attention.head_count_kv`, ...). The engine's models read a
+transformers config object, so this builds one with `AutoConfig.for_model`, and every model
+then runs unchanged. Everything the file states is set explicitly, even where it equals the
+config class's default, since those defaults are one checkpoint's values and would silently
+apply to another (transformers' own GGUF loader leaves Qwen3's `head_dim` at the class default
+of 128, for one).
+
+Unsupported files fail here, before anything is built: an architecture with no entry below,
+and rope scaling this reader does not translate (llama.cpp bakes Llama 3's frequency factors
+into a `rope_freqs` tensor, which is not handled yet).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenwise.gguf.reader import read_metadata
+
+# llama.cpp architecture -> (transformers model_type, architecture class name).
+# Mistral-style files are written as "llama" by llama.cpp, and load as Llama.
+ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+
+def gguf_architecture(metadata: dict[str, Any], path: str) -> str:
+    """The file's `general.architecture`, checked against the ones supported."""
+    arch = metadata.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise NotImplementedError(
+            f"GGUF file {path!r} holds a {arch!r} model; tokenwise loads GGUF files of the "
+            f"architectures {', '.join(sorted(ARCHITECTURES))} (others need a Hugging Face "
+            "checkpoint directory)"
+        )
+    return arch
+
+
+def _rope_scaling(metadata: dict[str, Any], arch: str, names: tuple[str, ...], path: str) -> Any:
+    if "rope_freqs.weight" in names:
+        raise NotImplementedError(
+            f"GGUF file {path!r} scales rope with per-frequency factors (a rope_freqs tensor, "
+            "as llama.cpp writes Llama 3.1+ models); tokenwise does not read those yet: load "
+            "the Hugging Face checkpoint directory instead"
+        )
+    kind = metadata.get(f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(metadata[f"{arch}.rope.scaling.factor"])}
+    raise NotImplementedError(
+        f"GGUF file {path!r} uses rope scaling {kind!r}; only linear scaling is read from "
+        "GGUF metadata so far"
+    )
+
+
+def gguf_hf_config(path: str) -> Any:
+    """The transformers config of the model in the GGUF file at `path`."""
+    from transformers import AutoConfig
+
+    metadata, names = read_metadata(path)
+    arch = gguf_architecture(metadata, path)
+    model_type, architecture = ARCHITECTURES[arch]
+
+    def key(name: str, default: Any = None) -> Any:
+        value = metadata.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ValueError(f"GGUF file {path!r} lacks the metadata key {arch}.{name}")
+        return value
+
+    heads = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    vocab_size = metadata.get(f"{arch}.vocab_size") or (len(tokens) if tokens else None)
+    if vocab_size is None:
+        raise ValueError(f"GGUF file {path!r} states no vocabulary size and has no token list")
+    # head_dim: llama.cpp writes attention.key_length when it differs from hidden / heads
+    # (Qwen3), and rope.dimension_count for Llama (the full head is rotated in all three).
+    head_dim = metadata.get(f"{arch}.attention.key_length") or metadata.get(
+        f"{arch}.rope.dimension_count", hidden // heads
+    )
+    kwargs: dict[str, Any] = {
+        "architectures": [architecture],
+        "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "head_dim": int(head_dim),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": int(key("context_length")),
+        "vocab_size": int(vocab_size),
+        # llama.cpp writes the output projection only when it is not the embedding matrix.
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
+    }
+    theta = metadata.get(f"{arch}.rope.freq_base")
+    if theta is not None:
+        kwargs["rope_theta"] = float(theta)
+    scaling = _rope_scaling(metadata, arch, names, path)
+    if scaling is not None:
+        kwargs["rope_scaling"] = scaling
+    if arch in ("llama", "qwen3"):  # Qwen2 always has q/k/v biases; these two may
+        kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
+    if arch == "llama":
+        kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in names
+    return AutoConfig.for_model(model_type, **kwargs)

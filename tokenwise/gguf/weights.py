@@ -1,0 +1,97 @@
+"""A GGUF file's tensors under Hugging Face names, dequantized to the engine's dtype.
+
+Names: gguf-py's `TensorNameMap` maps Hugging Face module names to llama.cpp's
+(`model.layers.3.self_attn.q_proj` -> `blk.3.attn_q`). It is many-to-one (it knows several
+checkpoint spellings), so it is run forwards over the names the model being loaded asks for
+(`expected_names`), and the result inverted. A tensor in the file with no counterpart is an
+error, as a missing or unknown tensor is in the safetensors loader.
+
+Permutation: llama.cpp's converter reorders the rows of Llama's q and k projections (each
+head's rotary halves interleaved, as its rope kernel wants). `unpermute_qk` undoes that exactly:
+per head, rows (2, d/2) were swapped into (d/2, 2); swapping back restores HF's order. Qwen2 and
+Qwen3 files are written unpermuted.
+
+Dequantization: `gguf.quants.dequantize` (gguf-py's numpy dequantizers: F32, F16, BF16, Q8_0,
+Q4_0/1, Q5_0/1, the K-quants, IQ types, ...) turns each tensor into float32, then it is cast to
+the engine's dtype, one tensor at a time. No quantized kernel runs: the model holds the
+dequantized weights, so a Q4 file takes as much memory as its bf16 or fp32 weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from tokenwise.gguf.hf_config import gguf_architecture
+from tokenwise.gguf.reader import open_gguf, read_metadata
+
+# Architectures whose q/k rows llama.cpp's converter permutes.
+PERMUTED_QK = ("llama",)
+
+
+def gguf_to_hf_names(arch: str, num_layers: int, expected_names: Iterable[str]) -> dict[str, str]:
+    """`{gguf tensor name: HF tensor name}` for the HF names a model expects."""
+    import gguf
+
+    arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    name_map = gguf.get_tensor_name_map(arch_enum, num_layers)
+    mapping: dict[str, str] = {}
+    for hf_name in expected_names:
+        base, _, suffix = hf_name.rpartition(".")
+        gguf_base = name_map.get_name(base)
+        if gguf_base is not None:
+            mapping[f"{gguf_base}.{suffix}"] = hf_name
+    return mapping
+
+
+def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (weights and biases alike)."""
+    half = weight.shape[0] // num_heads // 2
+    # The converter did reshape(h, 2, d/2).swapaxes(1, 2): read as (h, d/2, 2), swap back.
+    permuted = weight.reshape(num_heads, half, 2, *weight.shape[1:])
+    return permuted.swapaxes(1, 2).reshape(weight.shape)
+
+
+def dequantize_tensor(tensor: Any, path: str) -> np.ndarray:
+    """A reader tensor as float32 numpy, in HF's (rows, columns) order."""
+    from gguf.quants import dequantize
+
+    try:
+        return np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    except NotImplementedError as exc:
+        raise NotImplementedError(
+            f"GGUF tensor {tensor.name!r} in {path!r} has type {tensor.tensor_type.name}, "
+            f"which gguf-py cannot dequantize ({exc})"
+        ) from exc
+
+
+def iterate_gguf(
+    path: str, expected_names: Iterable[str], dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(HF name, tensor in dtype)` for every tensor of the file, one at a time."""
+    metadata, _ = read_metadata(path)
+    arch = gguf_architecture(metadata, path)
+    num_layers = int(metadata[f"{arch}.block_count"])
+    heads = int(metadata[f"{arch}.attention.head_count"])
+    kv_heads = int(metadata.get(f"{arch}.attention.head_count_kv", heads))
+    mapping = gguf_to_hf_names(arch, num_layers, expected_names)
+    reader = open_gguf(path)
+    for tensor in reader.tensors:
+        hf_name = mapping.get(tensor.name)
+        if hf_name is None:
+            raise ValueError(
+                f"GGUF tensor {tensor.name!r} in {path!r} matches no parameter of the {arch} "
+                "model being loaded"
+            )
+        values = dequantize_tensor(tensor, path)
+        if arch in PERMUTED_QK and ".attn_q." in tensor.name:
+            values = unpermute_qk(values, heads)
+        elif arch in PERMUTED_QK and ".attn_k." in tensor.name:
+            values = unpermute_qk(values, kv_heads)
+        values = np.ascontiguousarray(values)
+        if not values.flags.writeable:  # F32 tensors are views of the read-only file mapping
+            values = values.copy()
+        yield hf_name, torch.from_numpy(values).to(dtype)
