@@ -194,12 +194,7 @@ class EngineCoreClient:
                 self._wake_rx.recv()
         if self._outbox not in ready:
             return outputs
-        while True:
-            try:
-                frame = self._outbox.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return outputs
-            self._handle(msg.decode_from_core(frame), outputs)
+        return self._read_outbox()
 
     @property
     def output_fd(self) -> int:
@@ -211,6 +206,9 @@ class EngineCoreClient:
     def drain(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         """Every output that has arrived, without waiting (raises if a core died)."""
         self.check_health()
+        return self._read_outbox()
+
+    def _read_outbox(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         outputs: list[RequestOutput | EmbeddingRequestOutput] = []
         while True:
             try:

@@ -269,8 +269,11 @@ class Scheduler:
         budget and the model length, and no more tokens may be emitted than `max_tokens`
         allows (the drafts plus one drawn token). The request's proposal is consumed either way.
         """
-        spec, req.spec_token_ids = req.spec_token_ids, []
-        if not spec or num_new != 1:
+        spec = req.spec_token_ids
+        if not spec:  # every step of every request without drafts: no allocation here
+            return []
+        req.spec_token_ids = []
+        if num_new != 1:
             return []
         room = min(budget - 1, self.max_model_len - req.num_tokens)
         max_tokens = req.sampling_params.max_tokens

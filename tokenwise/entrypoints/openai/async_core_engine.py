@@ -26,6 +26,7 @@ from tokenwise.entrypoints.openai.async_engine import (
     AsyncEngine,
     _Abort,
     _Add,
+    _Sink,
 )
 from tokenwise.entrypoints.openai.errors import EngineDeadError, ServerOverloadedError
 from tokenwise.outputs import EmbeddingRequestOutput, RequestOutput
@@ -106,16 +107,12 @@ class AsyncCoreEngine(AsyncEngine):
     def _publish(self, outputs: list[RequestOutput | EmbeddingRequestOutput]) -> None:
         for output in outputs:
             self._no_output.discard(output.request_id)
-            if self._observer is not None:
-                try:
-                    self._observer(output)
-                except Exception:  # metrics must never take the engine down
-                    logger.exception("output observer failed")
-            sink = self._sinks.get(output.request_id)
-            if output.finished:
-                self._sinks.pop(output.request_id, None)
-            if sink is not None:
-                sink.stream.queue.put_nowait((sink.index, output))
+        super()._publish(outputs)
+
+    def _deliver(
+        self, sink: _Sink, item: tuple[int, RequestOutput | EmbeddingRequestOutput]
+    ) -> None:
+        sink.stream.queue.put_nowait(item)  # already on the stream's loop
 
     async def _watch_health(self) -> None:
         """While nothing arrives, a core killed between requests is still noticed."""

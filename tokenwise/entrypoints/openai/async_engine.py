@@ -293,7 +293,13 @@ class AsyncEngine:
             if output.finished:
                 self._sinks.pop(output.request_id, None)
             if sink is not None:
-                sink.put((sink.index, output))
+                self._deliver(sink, (sink.index, output))
+
+    def _deliver(
+        self, sink: _Sink, item: tuple[int, RequestOutput | EmbeddingRequestOutput]
+    ) -> None:
+        """Hand one output to its request's stream (from the engine thread: through the loop)."""
+        sink.put(item)
 
     def _fail_everything(self, exc: BaseException, unapplied: list[_Add | _Abort]) -> None:
         with self._wakeup:
