@@ -137,3 +137,18 @@ def test_an_idle_dead_core_is_noticed(monkeypatch: pytest.MonkeyPatch) -> None:
         engine.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_a_request_after_an_unnoticed_death_is_a_dead_engine_not_a_bad_request() -> None:
+    async def scenario() -> None:
+        cores = _FakeCores()
+        deaths: list[BaseException] = []
+        engine = AsyncCoreEngine(cores, on_dead=deaths.append)  # type: ignore[arg-type]
+        engine.start()
+        cores.failure = RuntimeError("the engine core (pid 1) exited with code -9")
+        with pytest.raises(EngineDeadError, match="exited with code -9"):
+            await engine.submit("a", ["p"], PARAMS)
+        assert cores.added == [] and len(deaths) == 1 and not engine.is_healthy
+        engine.shutdown()
+
+    asyncio.run(scenario())

@@ -85,6 +85,9 @@ class AsyncCoreEngine(AsyncEngine):
         if self._error is not None or self._stopping:
             return  # an abort after the end: nothing is running any more
         try:
+            # A core that died since the last check must end the server, not fail this request
+            # as if its input were bad (`_apply` hands the client's errors to the handler).
+            self.engine.check_health()
             self._apply(command)
         except BaseException as exc:  # the client found a core dead while sending
             self._die(exc)
