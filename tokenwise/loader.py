@@ -1,5 +1,6 @@
 """Build a model for an `EngineConfig` and fill its weights from safetensors, a GGUF file
-(`tokenwise.gguf`, dequantized on load) or dummy values.
+(`tokenwise.gguf`) or dummy values, then quantize its linear layers when `quantization` says so
+(`tokenwise.layers.quantization`: int8 / int4 on load, or a GGUF file's own bit widths).
 
 Parameters are created directly in the target dtype and device (by making those the defaults
 while the model is constructed), so a bf16 model on a GPU never exists as an fp32 CPU copy.
@@ -30,6 +31,8 @@ from torch import nn
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.tp_state import get_tp_size
 from tokenwise.gguf.weights import iterate_gguf
+from tokenwise.layers.quantization.gguf_layers import GGUFLayerQuantizer
+from tokenwise.layers.quantization.schemes import INT4, INT8, quantize_model
 from tokenwise.layers.weight_utils import (
     CheckpointTensor,
     LazyTensor,
@@ -37,6 +40,7 @@ from tokenwise.layers.weight_utils import (
     checkpoint_names,
 )
 from tokenwise.models.registry import resolve_model_class
+from tokenwise.quantization_config import CPU_METHODS
 
 SAFETENSORS_SINGLE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -117,6 +121,7 @@ def load_model(config: EngineConfig, device: str | torch.device = "cpu") -> nn.M
     if model_config is None:
         raise ValueError("load_model needs config.model (a tokenwise.model_config.ModelConfig)")
     model_cls = resolve_model_class(model_config.architectures)
+    gguf_layers: GGUFLayerQuantizer | None = None
     with _build_in(model_config.dtype, torch.device(device)):
         model = model_cls(config)
     if model_config.load_format == "dummy":
@@ -128,13 +133,32 @@ def load_model(config: EngineConfig, device: str | torch.device = "cpu") -> nn.M
         loaded = model.load_weights(weights)
         _check_complete(model, loaded)
     elif model_config.load_format == "gguf":
-        # Dequantized on load to the model's dtype (no quantized kernels yet): tokenwise.gguf.
+        # Dequantized on load, then (on CPU) quantized again with the file's bit widths.
         expected = _expected_checkpoint_names(model)
-        loaded = model.load_weights(iterate_gguf(model_config.model, expected, model_config.dtype))
+        gguf_layers = GGUFLayerQuantizer(model, keep_exact=get_tp_size() == 1)
+        weights = iterate_gguf(
+            model_config.model, expected, model_config.dtype, gguf_layers.observe
+        )
+        loaded = model.load_weights(weights)
         _check_complete(model, loaded)
     else:
         raise ValueError(f"unknown load_format {model_config.load_format!r}")
+    _quantize(model, model_config.quantization, torch.device(device), gguf_layers)
     return model.eval().requires_grad_(False)
+
+
+def _quantize(
+    model: nn.Module,
+    method: str | None,
+    device: torch.device,
+    gguf_layers: GGUFLayerQuantizer | None,
+) -> None:
+    """Apply `quantization` (`tokenwise.layers.quantization.schemes`) to the loaded model."""
+    if method in CPU_METHODS:
+        scheme = INT8 if method == "int8" else INT4
+        quantize_model(model, lambda name, module: scheme)
+    elif method == "gguf" and device.type == "cpu" and gguf_layers is not None:
+        quantize_model(model, gguf_layers.scheme_for, gguf_layers.exact)
 
 
 def _expected_checkpoint_names(model: nn.Module) -> list[str]:

@@ -18,6 +18,7 @@ from tokenwise.config import PoolerConfig
 from tokenwise.gguf.hf_config import gguf_hf_config
 from tokenwise.gguf.reader import is_gguf_path
 from tokenwise.gguf.tokenizer import prepare_tokenizer
+from tokenwise.quantization_config import resolve_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +159,8 @@ class ModelConfig:
     task: str = "generate"
     # The resolved pooling of an "embed" model (None for generative ones).
     pooler_config: PoolerConfig | None = None
+    # How linear layers are quantized (tokenwise.layers.quantization.schemes), None: dense.
+    quantization: str | None = None
 
     @property
     def is_pooling(self) -> bool:
@@ -201,6 +204,7 @@ class ModelConfig:
         load_format: str = "auto",
         tokenizer: str | None = None,
         skip_tokenizer_init: bool = False,
+        quantization: str | None = None,
     ) -> ModelConfig:
         """Read `config.json` from a local directory (never from the network), or the metadata
         of a GGUF file (`model.gguf`; see `tokenwise.gguf`: its tokenizer directory is prepared
@@ -237,4 +241,5 @@ class ModelConfig:
             tokenizer=tokenizer or model,
             skip_tokenizer_init=skip_tokenizer_init,
             architectures=list(getattr(hf_config, "architectures", None) or []),
+            quantization=resolve_quantization(quantization, hf_config, load_format, device),
         )

@@ -128,6 +128,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "where transformers can convert it)",
     )
     g.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=["int8", "int4", "gguf"],
+        help="quantize the linear layers' weights on load, weight-only, per group of 32 (CPU): "
+        "int8 or int4; gguf (the default for a .gguf file) keeps each tensor's bit width",
+    )
+    g.add_argument(
         "--task",
         default="generate",
         choices=["auto", "generate", "embed"],
@@ -356,6 +364,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         # Only `serve` has the flag; the offline commands keep `LLM`'s default (off).
         "disable_log_requests": getattr(args, "disable_log_requests", True),
         "speculative_config": getattr(args, "speculative_config", None),
+        "quantization": getattr(args, "quantization", None),
     }
 
 

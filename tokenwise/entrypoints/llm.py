@@ -30,6 +30,7 @@ from tokenwise.models.registry import is_encoder_decoder_architecture, is_moe_ar
 from tokenwise.outputs import EmbeddingRequestOutput, RequestOutput
 from tokenwise.pooling.params import PoolingParams
 from tokenwise.pooling.task import check_embed_settings, resolve_pooler_config, resolve_task
+from tokenwise.quantization_config import uses_cpu_kernels
 from tokenwise.sampling.params import SamplingParams
 
 logger = logging.getLogger("tokenwise")
@@ -122,6 +123,7 @@ def build_engine_config(
     override_pooler_config: PoolerConfig | None = None,
     disable_log_requests: bool = True,
     speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
+    quantization: str | None = None,
 ) -> EngineConfig:
     """One place that turns user-facing arguments (LLM, CLI, server) into an EngineConfig."""
     from tokenwise.default_model import resolve_model_path
@@ -140,7 +142,13 @@ def build_engine_config(
         load_format=load_format,
         tokenizer=tokenizer,
         skip_tokenizer_init=skip_tokenizer_init,
+        quantization=quantization,
     )
+    if uses_cpu_kernels(model_config.quantization, device) and not enforce_eager:
+        raise ValueError(
+            f"quantization={model_config.quantization!r} runs its CPU kernels eagerly "
+            "(torch.compile does not trace them): leave enforce_eager at its default or True"
+        )
     model_config.task = resolve_task(task, model_config.architectures)
     if model_config.is_pooling:
         model_config.pooler_config = resolve_pooler_config(

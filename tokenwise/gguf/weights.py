@@ -13,13 +13,13 @@ Qwen3 files are written unpermuted.
 
 Dequantization: `gguf.quants.dequantize` (gguf-py's numpy dequantizers: F32, F16, BF16, Q8_0,
 Q4_0/1, Q5_0/1, the K-quants, IQ types, ...) turns each tensor into float32, then it is cast to
-the engine's dtype, one tensor at a time. No quantized kernel runs: the model holds the
-dequantized weights, so a Q4 file takes as much memory as its bf16 or fp32 weights.
+the engine's dtype, one tensor at a time. On CPU the linear layers are then quantized again
+(`tokenwise.layers.quantization.gguf_layers`), keeping the file's bit widths; on a GPU they stay dense.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -69,9 +69,15 @@ def dequantize_tensor(tensor: Any, path: str) -> np.ndarray:
 
 
 def iterate_gguf(
-    path: str, expected_names: Iterable[str], dtype: torch.dtype
+    path: str,
+    expected_names: Iterable[str],
+    dtype: torch.dtype,
+    observe: Callable[[str, torch.Tensor, str], None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(HF name, tensor in dtype)` for every tensor of the file, one at a time."""
+    """Yield `(HF name, tensor in dtype)` for every tensor of the file, one at a time.
+
+    `observe(HF name, float32 values, GGUF type name)` sees each tensor before the cast (the
+    quantized loader keeps the file's integers from it: `layers.quantization.gguf_layers`)."""
     metadata, _ = read_metadata(path)
     arch = gguf_architecture(metadata, path)
     num_layers = int(metadata[f"{arch}.block_count"])
@@ -94,4 +100,7 @@ def iterate_gguf(
         values = np.ascontiguousarray(values)
         if not values.flags.writeable:  # F32 tensors are views of the read-only file mapping
             values = values.copy()
-        yield hf_name, torch.from_numpy(values).to(dtype)
+        tensor_fp32 = torch.from_numpy(values)
+        if observe is not None:
+            observe(hf_name, tensor_fp32, tensor.tensor_type.name)
+        yield hf_name, tensor_fp32.to(dtype)

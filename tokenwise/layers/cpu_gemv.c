@@ -14,32 +14,7 @@
  * AVX-512 (bf16 weights widened to float32 by a shift), AVX2 + FMA, or plain C. `tw_gemv_isa`
  * says which, so the caller can keep its own path where this one would not be faster.
  */
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define TW_AVX512 1
-#if defined(__AVX512BF16__)
-#define TW_AVX512_BF16 1
-#endif
-#elif defined(__AVX2__) && defined(__FMA__)
-#define TW_AVX2 1
-#endif
-
-#define MAX_M 8
-#define INLINE static inline __attribute__((always_inline))
-
-/* Software prefetch distance in bytes ahead of each weight row's current position. */
-#ifndef TW_PREFETCH
-#define TW_PREFETCH 512
-#endif
+#include "cpu_kernel_common.h"
 
 int tw_gemv_isa(void) {
 #if defined(TW_AVX512_BF16)
@@ -52,46 +27,6 @@ int tw_gemv_isa(void) {
     return 0;
 #endif
 }
-
-INLINE float bf16_to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-INLINE uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-/* Write the R x M dot products of weight rows n..n+R-1 (t[r * M + m]) into y, with bias. */
-INLINE void store(const float *t, int R, int M, int64_t n, int64_t N, const void *bias, void *y,
-                  int bf16) {
-    for (int r = 0; r < R; r++) {
-        float b = 0.0f;
-        if (bias) b = bf16 ? bf16_to_f32(((const uint16_t *)bias)[n + r]) : ((const float *)bias)[n + r];
-        for (int m = 0; m < M; m++) {
-            float v = t[r * M + m] + b;
-            if (bf16)
-                ((uint16_t *)y)[m * N + n + r] = f32_to_bf16(v);
-            else
-                ((float *)y)[m * N + n + r] = v;
-        }
-    }
-}
-
-#ifndef TW_PF_HINT
-#define TW_PF_HINT 3
-#endif
-#if TW_PREFETCH > 0
-#define PREFETCH(p) __builtin_prefetch((const char *)(p) + TW_PREFETCH, 0, TW_PF_HINT)
-#else
-#define PREFETCH(p) ((void)(p))
-#endif
 
 #if defined(TW_AVX512)
 /* float32 weights (or bf16 widened in registers when WBF16), float32 x. */

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenwise.layers import cpu_gemv
+from tokenwise.layers.quantization.weight_only import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,10 @@ def linear(
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)`: decode-sized calls (`cpu_gemv.MAX_ROWS` rows at most)
     through the small-M C kernel where it is available, others through the prepacked weight
-    when the layer has one."""
+    when the layer has one. A quantized layer's `packed` is its `QuantizedWeight` (its
+    `weight` then lives on the meta device), which computes the product itself."""
+    if isinstance(packed, QuantizedWeight):
+        return packed.linear(x, bias)
     # Under torch.compile the row count is symbolic (no guard may depend on it) and the
     # compiler lays out its own matmuls: the traced graph always takes F.linear.
     if x.device.type != "cpu" or x.dtype != weight.dtype or torch.compiler.is_compiling():
@@ -128,6 +132,7 @@ def prepack_linear_weights(model: nn.Module) -> int:
         module
         for module in model.modules()
         if hasattr(module, "packed_weight")
+        and module.packed_weight is None
         and module.weight.device.type == "cpu"
         and module.weight.dim() == 2
         and _packed_dtype(module.weight.dtype) is not None

@@ -76,8 +76,10 @@ def build(compiler: str, source: Path, stem: str, flags: list[str]) -> Path:
     Raises `subprocess.CalledProcessError` (its `stderr` holds the compiler's message),
     `subprocess.TimeoutExpired` or `OSError` when the build fails.
     """
+    # Headers beside the source (`#include "..."`) are part of the key: a changed header rebuilds.
+    headers = b"".join(path.read_bytes() for path in sorted(source.parent.glob("*.h")))
     key = hashlib.sha256(
-        source.read_bytes() + " ".join(flags).encode() + cpu_flags().encode()
+        source.read_bytes() + headers + " ".join(flags).encode() + cpu_flags().encode()
     ).hexdigest()[:16]
     target = cache_dir() / f"{stem}_{key}.so"
     if target.exists():

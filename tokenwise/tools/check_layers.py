@@ -61,6 +61,7 @@ LAYERS: tuple[Layer, ...] = (
         (
             "tokenwise.config",
             "tokenwise.gguf.*",
+            "tokenwise.quantization_config",
             "tokenwise.model_config",
             "tokenwise.platform",
             "tokenwise.outputs",

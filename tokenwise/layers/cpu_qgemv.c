@@ -1,0 +1,292 @@
+/* y = x @ dequant(Q)^T for group-quantized weights (int8 or int4, weight-only), streaming Q once.
+ *
+ * Weights: N rows of K values, in groups of G consecutive values of a row, each group with a
+ * float16 scale s and (optionally) a float16 offset o: w = q * s + o. Without offsets, int8 is
+ * symmetric (o = 0) and int4 is centred on 8 (o = -8 s), as GGUF's Q8_0 and Q4_0 are.
+ *   int8: q is int8 [N, K]; G a multiple of 16.
+ *   int4: q is uint8 [N, K / 2]; each 32 values of a row are 16 bytes, byte j holding value j in
+ *         its low nibble and value j + 16 in its high one (GGUF's Q4_0 order); G a multiple of 32.
+ *   scales, offsets: float16 [N, K / G].
+ * x is [M, K] float32 or bfloat16 (M <= 8), widened to float32 once; y is [M, N] of x's dtype.
+ *
+ * Decode is bound by reading the weights: each group is loaded once, widened to float32 in
+ * registers (w = q * s + o: one fused multiply-add) and multiplied into all M rows of x, R weight
+ * rows at a time; rows are split over OpenMP threads in contiguous ranges, as in cpu_gemv.c.
+ * `tw_qdequant` writes the dense weights, for the larger row counts of prefill.
+ */
+#include "cpu_kernel_common.h"
+
+int tw_qgemv_isa(void) {
+#if defined(TW_AVX512)
+    return 2;
+#elif defined(TW_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Group g's scale and offset of weight row `row` (ng groups per row). */
+INLINE void group_params(const uint16_t *sc, const uint16_t *of, int64_t row, int64_t ng,
+                         int64_t g, int bits, float *s, float *o) {
+    *s = f16_to_f32(sc[row * ng + g]);
+    *o = of ? f16_to_f32(of[row * ng + g]) : (bits == 4 ? -8.0f * *s : 0.0f);
+}
+
+#if defined(TW_AVX512)
+INLINE void qblock512(const uint8_t *q, const uint16_t *sc, const uint16_t *of, int bits,
+                      const float *x, int64_t K, int64_t G, int64_t n, float *t, const int R,
+                      const int M) {
+    __m512 acc[4][MAX_M];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
+    const int64_t ng = K / G, row_bytes = bits == 8 ? K : K / 2;
+    const __m512i low4 = _mm512_set1_epi32(15);
+    for (int64_t g = 0; g < ng; g++) {
+        __m512 s[4], o[4];
+        for (int r = 0; r < R; r++) {
+            float sv, ov;
+            group_params(sc, of, n + r, ng, g, bits, &sv, &ov);
+            s[r] = _mm512_set1_ps(sv);
+            o[r] = _mm512_set1_ps(ov);
+        }
+        if (bits == 8) {
+            for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+                __m512 w[4];
+                for (int r = 0; r < R; r++) {
+                    const uint8_t *p = q + r * row_bytes + k;
+                    if (!(k & 63)) PREFETCH(p);
+                    __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+                    w[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), s[r], o[r]);
+                }
+                for (int m = 0; m < M; m++) {
+                    __m512 xv = _mm512_loadu_ps(x + m * K + k);
+                    for (int r = 0; r < R; r++) acc[r][m] = _mm512_fmadd_ps(w[r], xv, acc[r][m]);
+                }
+            }
+        } else {
+            for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
+                __m512 lo[4], hi[4];
+                for (int r = 0; r < R; r++) {
+                    const uint8_t *p = q + r * row_bytes + k / 2;
+                    if (!(k & 127)) PREFETCH(p);
+                    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+                    __m512 l = _mm512_cvtepi32_ps(_mm512_and_si512(v, low4));
+                    __m512 h = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+                    lo[r] = _mm512_fmadd_ps(l, s[r], o[r]);
+                    hi[r] = _mm512_fmadd_ps(h, s[r], o[r]);
+                }
+                for (int m = 0; m < M; m++) {
+                    __m512 xl = _mm512_loadu_ps(x + m * K + k);
+                    __m512 xh = _mm512_loadu_ps(x + m * K + k + 16);
+                    for (int r = 0; r < R; r++) {
+                        acc[r][m] = _mm512_fmadd_ps(lo[r], xl, acc[r][m]);
+                        acc[r][m] = _mm512_fmadd_ps(hi[r], xh, acc[r][m]);
+                    }
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) t[r * M + m] = _mm512_reduce_add_ps(acc[r][m]);
+}
+#endif
+
+#if defined(TW_AVX2)
+INLINE float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+INLINE void qblock256(const uint8_t *q, const uint16_t *sc, const uint16_t *of, int bits,
+                      const float *x, int64_t K, int64_t G, int64_t n, float *t, const int R,
+                      const int M) {
+    __m256 acc[4][MAX_M];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps();
+    const int64_t ng = K / G, row_bytes = bits == 8 ? K : K / 2;
+    const __m256i low4 = _mm256_set1_epi32(15);
+    for (int64_t g = 0; g < ng; g++) {
+        __m256 s[4], o[4];
+        for (int r = 0; r < R; r++) {
+            float sv, ov;
+            group_params(sc, of, n + r, ng, g, bits, &sv, &ov);
+            s[r] = _mm256_set1_ps(sv);
+            o[r] = _mm256_set1_ps(ov);
+        }
+        if (bits == 8) {
+            for (int64_t k = g * G; k < (g + 1) * G; k += 8) {
+                __m256 w[4];
+                for (int r = 0; r < R; r++) {
+                    const uint8_t *p = q + r * row_bytes + k;
+                    if (!(k & 63)) PREFETCH(p);
+                    __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+                    w[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), s[r], o[r]);
+                }
+                for (int m = 0; m < M; m++) {
+                    __m256 xv = _mm256_loadu_ps(x + m * K + k);
+                    for (int r = 0; r < R; r++) acc[r][m] = _mm256_fmadd_ps(w[r], xv, acc[r][m]);
+                }
+            }
+        } else {
+            /* 32 values in two halves: bytes 8h..8h+7 hold values 8h.. (low) and 16+8h.. (high). */
+            for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
+                for (int half = 0; half < 2; half++) {
+                    __m256 lo[4], hi[4];
+                    for (int r = 0; r < R; r++) {
+                        const uint8_t *p = q + r * row_bytes + k / 2 + 8 * half;
+                        if (!(k & 127) && !half) PREFETCH(p);
+                        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+                        __m256 l = _mm256_cvtepi32_ps(_mm256_and_si256(v, low4));
+                        __m256 h = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+                        lo[r] = _mm256_fmadd_ps(l, s[r], o[r]);
+                        hi[r] = _mm256_fmadd_ps(h, s[r], o[r]);
+                    }
+                    for (int m = 0; m < M; m++) {
+                        __m256 xl = _mm256_loadu_ps(x + m * K + k + 8 * half);
+                        __m256 xh = _mm256_loadu_ps(x + m * K + k + 16 + 8 * half);
+                        for (int r = 0; r < R; r++) {
+                            acc[r][m] = _mm256_fmadd_ps(lo[r], xl, acc[r][m]);
+                            acc[r][m] = _mm256_fmadd_ps(hi[r], xh, acc[r][m]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) t[r * M + m] = hsum256(acc[r][m]);
+}
+#endif
+
+/* Quantized value k of one row (`qrow`: that row's bytes), before scale and offset. */
+INLINE int qint(const uint8_t *qrow, int bits, int64_t k) {
+    if (bits == 8) return ((const int8_t *)qrow)[k];
+    uint8_t byte = qrow[(k / 32) * 16 + (k % 16)];
+    return (k % 32) < 16 ? (byte & 15) : (byte >> 4);
+}
+
+#if !defined(TW_AVX512) && !defined(TW_AVX2)
+static void qblock_scalar(const uint8_t *q, const uint16_t *sc, const uint16_t *of, int bits,
+                          const float *x, int64_t K, int64_t G, int64_t n, float *t, int R,
+                          int M) {
+    const int64_t row_bytes = bits == 8 ? K : K / 2;
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) {
+            float acc = 0.0f;
+            for (int64_t k = 0; k < K; k++) {
+                float s, o;
+                group_params(sc, of, n + r, K / G, k / G, bits, &s, &o);
+                acc += ((float)qint(q + r * row_bytes, bits, k) * s + o) * x[m * K + k];
+            }
+            t[r * M + m] = acc;
+        }
+}
+#endif
+
+/* Rows [n0, n1) in blocks of R (then single rows), for a compile-time M. */
+#define QROWS(BLOCK, RR, MM)                                                               \
+    do {                                                                                   \
+        float t[4 * MAX_M];                                                                \
+        int64_t n = n0;                                                                    \
+        for (; n + (RR) <= n1; n += (RR)) {                                                \
+            BLOCK(q + n * row_bytes, sc, of, bits, xf, K, G, n, t, (RR), (MM));            \
+            store(t, (RR), (MM), n, N, bias, y, ybf16);                                    \
+        }                                                                                  \
+        for (; n < n1; n++) {                                                              \
+            BLOCK(q + n * row_bytes, sc, of, bits, xf, K, G, n, t, 1, (MM));               \
+            store(t, 1, (MM), n, N, bias, y, ybf16);                                       \
+        }                                                                                  \
+    } while (0)
+
+#if defined(TW_AVX512)
+#define QBLOCK qblock512
+#define QR_FOR(M) ((M) <= 2 ? 4 : 2)
+#elif defined(TW_AVX2)
+#define QBLOCK qblock256
+#define QR_FOR(M) ((M) <= 1 ? 4 : (M) <= 2 ? 2 : 1)
+#else
+#define QBLOCK qblock_scalar
+#define QR_FOR(M) 1
+#endif
+
+static void run_rows(const uint8_t *q, const uint16_t *sc, const uint16_t *of, int bits,
+                     const float *xf, int64_t K, int64_t G, int64_t n0, int64_t n1, int Mr,
+                     const void *bias, void *y, int64_t N, int ybf16) {
+    const int64_t row_bytes = bits == 8 ? K : K / 2;
+    switch (Mr) {
+    case 1: QROWS(QBLOCK, QR_FOR(1), 1); break;
+    case 2: QROWS(QBLOCK, QR_FOR(2), 2); break;
+    case 3: QROWS(QBLOCK, QR_FOR(3), 3); break;
+    case 4: QROWS(QBLOCK, QR_FOR(4), 4); break;
+    case 5: QROWS(QBLOCK, QR_FOR(5), 5); break;
+    case 6: QROWS(QBLOCK, QR_FOR(6), 6); break;
+    case 7: QROWS(QBLOCK, QR_FOR(7), 7); break;
+    default: QROWS(QBLOCK, QR_FOR(8), 8); break;
+    }
+}
+
+static int check_shape(int64_t N, int64_t K, int bits, int64_t G) {
+    if (N < 1 || K < 1 || G < 1 || K % G) return -1;
+    if (bits == 8) return G % 16 ? -1 : 0;
+    if (bits == 4) return G % 32 ? -1 : 0;
+    return -1;
+}
+
+/* Contiguous ranges of rows per thread (multiples of 16 rows). */
+#define THREAD_RANGE(N)                                                                   \
+    int tid = omp_get_thread_num(), nth = omp_get_num_threads();                          \
+    int64_t per = (((N) + nth - 1) / nth + 15) & ~(int64_t)15;                            \
+    int64_t n0 = tid * per, n1 = n0 + per < (N) ? n0 + per : (N);
+
+/* y[M, N] = x[M, K] @ dequant(q)^T (+ bias[N]); x, bias and y of one dtype (bf16 when `xbf16`).
+ * Returns 0; -1 for bad sizes; -2 when the float32 copy of a bf16 x cannot be allocated. */
+int tw_qgemv(const void *x, const uint8_t *q, const uint16_t *sc, const uint16_t *of,
+             const void *bias, void *y, int64_t M, int64_t N, int64_t K, int bits, int64_t G,
+             int xbf16, int num_threads) {
+    if (M < 1 || M > MAX_M || check_shape(N, K, bits, G)) return -1;
+    float *widened;
+    const float *xf = x_as_f32(x, M * K, xbf16, &widened);
+    if (!xf) return -2;
+    int Mr = (int)M;
+#ifdef _OPENMP
+    if (num_threads > 1 && N >= 32) {
+#pragma omp parallel num_threads(num_threads)
+        {
+            THREAD_RANGE(N)
+            if (n0 < n1) run_rows(q, sc, of, bits, xf, K, G, n0, n1, Mr, bias, y, N, xbf16);
+        }
+        free(widened);
+        return 0;
+    }
+#endif
+    (void)num_threads;
+    run_rows(q, sc, of, bits, xf, K, G, 0, N, Mr, bias, y, N, xbf16);
+    free(widened);
+    return 0;
+}
+
+/* out[N, K] = dequant(q) as float32, or bfloat16 (rounded to nearest even) when `out_bf16`. */
+int tw_qdequant(const uint8_t *q, const uint16_t *sc, const uint16_t *of, void *out, int64_t N,
+                int64_t K, int bits, int64_t G, int out_bf16, int num_threads) {
+    if (check_shape(N, K, bits, G)) return -1;
+    const int64_t row_bytes = bits == 8 ? K : K / 2, ng = K / G;
+#pragma omp parallel for num_threads(num_threads > 0 ? num_threads : 1) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *qrow = q + n * row_bytes;
+        for (int64_t g = 0; g < ng; g++) {
+            float s, o;
+            group_params(sc, of, n, ng, g, bits, &s, &o);
+            for (int64_t k = g * G; k < (g + 1) * G; k++) {
+                float v = (float)qint(qrow, bits, k) * s + o;
+                if (out_bf16)
+                    ((uint16_t *)out)[n * K + k] = f32_to_bf16(v);
+                else
+                    ((float *)out)[n * K + k] = v;
+            }
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,91 @@
+"""GGUF linear layers kept quantized: each layer's scheme from its file tensors' types, and its
+integers and scales taken from the file's values rather than from the rounded dense weights.
+
+The loader dequantizes every tensor to float32 (`weights.iterate_gguf`) and copies it into the
+model in the model's dtype. `GGUFLayerQuantizer.observe` sees the float32 values first and
+quantizes each tensor of a quantized type with the scheme that holds it (`GGUF_SCHEMES`): for
+Q8_0 and Q4_0 that recovers the file's integers and float16 scales exactly (the largest value of
+a block sets its scale in both quantizers, and float32 holds `d * q` exactly). After loading,
+`exact` assembles each layer's weight from its parts (q, k, v rows of a fused projection, in
+order), and `scheme_for` picks the layer's scheme: the most precise of its parts', dense when
+any part is dense (a float tensor, or a type without an exact scheme). A fused layer whose parts
+differ in scheme (Q8_0 q with Q4_0 k) is quantized from its dense weight with the most precise.
+
+Under tensor parallelism each rank holds a slice, which the per-tensor records do not describe:
+there the layers are quantized from their loaded (sliced) dense weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenwise.layers.quantization.schemes import GGUF_SCHEMES, Scheme
+from tokenwise.layers.quantization.weight_only import QuantizedWeight, quantize
+from tokenwise.layers.weight_utils import StackedMapping, checkpoint_names
+
+
+def scheme_of_type(type_name: str) -> Scheme | None:
+    """The scheme holding a GGUF tensor type's values exactly; None: kept dense."""
+    return GGUF_SCHEMES.get(type_name)
+
+
+class GGUFLayerQuantizer:
+    """Collects the file's tensor types and exact quantized tensors while a GGUF file loads."""
+
+    def __init__(self, model: nn.Module, keep_exact: bool) -> None:
+        self.mapping: StackedMapping = getattr(model, "stacked_params_mapping", ())
+        self.param_names = {id(p): name for name, p in model.named_parameters()}
+        self.keep_exact = keep_exact
+        self.types: dict[str, str] = {}
+        self.records: dict[str, QuantizedWeight] = {}
+
+    def observe(self, hf_name: str, values: torch.Tensor, type_name: str) -> None:
+        self.types[hf_name] = type_name
+        scheme = scheme_of_type(type_name)
+        if (
+            self.keep_exact
+            and scheme is not None
+            and values.dim() == 2
+            and values.shape[1] % scheme.group_size == 0
+        ):
+            self.records[hf_name] = quantize(
+                values, scheme.bits, scheme.group_size, scheme.symmetric
+            )
+
+    def _parts(self, module: nn.Module) -> list[str]:
+        """The checkpoint names of a layer's weight, in the fused layer's row order."""
+        name = self.param_names[id(module.weight)]  # a tied head's weight is the embedding's
+        return list(checkpoint_names(name, self.mapping).values())
+
+    def scheme_for(self, name: str, module: nn.Module) -> Scheme | None:
+        types = [self.types.get(part) for part in self._parts(module)]
+        if any(t is None for t in types):
+            return None
+        schemes = [scheme_of_type(t) for t in types]  # type: ignore[arg-type]
+        if any(s is None for s in schemes):
+            return None
+        return max(schemes, key=lambda s: s.precision)  # type: ignore[union-attr]
+
+    def exact(self, name: str, module: nn.Module, scheme: Scheme) -> QuantizedWeight | None:
+        parts = [self.records.get(part) for part in self._parts(module)]
+        if not parts or any(p is None for p in parts):
+            return None
+        if any((p.bits, p.offsets is None, p.group_size) != _key(scheme) for p in parts):
+            return None
+        if sum(p.shape[0] for p in parts) != module.weight.shape[0]:
+            return None  # a sliced (TP) or padded layer: quantize its own rows
+        first = parts[0]
+        offsets = None if first.offsets is None else torch.cat([p.offsets for p in parts])
+        return QuantizedWeight(
+            qweight=torch.cat([p.qweight for p in parts]),
+            scales=torch.cat([p.scales for p in parts]),
+            offsets=offsets,
+            bits=first.bits,
+            group_size=first.group_size,
+            shape=(sum(p.shape[0] for p in parts), first.shape[1]),
+        )
+
+
+def _key(scheme: Scheme) -> tuple[int, bool, int]:
+    return scheme.bits, scheme.symmetric, scheme.group_size

@@ -1,0 +1,184 @@
+"""Group-quantized linear weights (int8 / int4, weight-only) and their round-to-nearest quantizer.
+
+A weight `[N, K]` is cut into groups of `group_size` consecutive values of a row; each group
+keeps a float16 scale `s` and, when asymmetric, a float16 offset `o`, and each value an integer
+`q`: `w = q * s + o`. Without offsets int8 is symmetric (`o = 0`, q in [-127, 127]) and int4 is
+centred on 8 (`o = -8 s`, q in [0, 15]): those are GGUF's Q8_0 and Q4_0 exactly (float16 scale
+per 32 values), and with offsets int4 is Q4_1's form (GPTQ's and AWQ's too, with `o = -z s`).
+int4 values are packed two per byte in GGUF's order: within each 32 values, byte j holds value j
+(low nibble) and value j + 16 (high nibble). See `cpu_qgemv.c` for the kernel that reads them.
+
+Why weight-only, with activations kept in floating point: results stay close to the dense model
+(the only error is the weights' rounding), and decode, bound by reading weights, gets faster in
+proportion to the bytes saved: int8 reads ~53% of bf16's bytes, int4 ~28% (~31% with offsets).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tokenwise.layers.quantization import cpu_qgemv
+
+BITS = (8, 4)
+# Row counts above which the dense weight is rebuilt for torch's matmul, rather than the kernel
+# run over blocks of 8 rows (each block reads all weights again). Measured in
+# benchmarks/quantized_linear.py: see the module docstring there.
+KERNEL_MAX_ROWS = 32
+
+
+def group_multiple(bits: int) -> int:
+    """What a group size must be a multiple of (the kernel's vector width per group)."""
+    return 16 if bits == 8 else 32
+
+
+@dataclass(eq=False)
+class QuantizedWeight:
+    """One layer's quantized weight; a linear layer holds it in `packed_weight`."""
+
+    qweight: torch.Tensor  # int8 [N, K], or uint8 [N, K / 2] for int4
+    scales: torch.Tensor  # float16 [N, K / group_size]
+    offsets: torch.Tensor | None  # float16 [N, K / group_size], or None (symmetric)
+    bits: int
+    group_size: int
+    shape: tuple[int, int]  # (N, K) of the dense weight
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.qweight, self.scales, self.offsets)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+    def describe(self) -> str:
+        kind = "asymmetric" if self.offsets is not None else "symmetric"
+        return f"int{self.bits} {kind}, groups of {self.group_size}"
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense weight `[N, K]` in `dtype`."""
+        lib = cpu_qgemv.load()
+        if lib is not None and dtype in (torch.float32, torch.bfloat16):
+            args = (self.qweight, self.scales, self.offsets, self.bits, self.group_size)
+            return cpu_qgemv.dequantize(lib, *args, self.shape, dtype)
+        return reference_dequantize(self).to(dtype)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`x @ W^T + bias` for x of any row count, in x's dtype."""
+        rows = x.numel() // self.shape[1] if x.numel() else 0
+        lib = cpu_qgemv.load() if x.dtype in (torch.float32, torch.bfloat16) else None
+        if lib is None or rows == 0 or rows > KERNEL_MAX_ROWS:
+            return F.linear(x, self.dequantize(x.dtype), bias)
+        if rows <= cpu_qgemv.MAX_ROWS:
+            return self._kernel(lib, x, bias)
+        flat = x.reshape(rows, self.shape[1])
+        parts = [self._kernel(lib, flat[i : i + 8], bias) for i in range(0, rows, 8)]
+        return torch.cat(parts).reshape(*x.shape[:-1], self.shape[0])
+
+    def _kernel(self, lib, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
+        args = (self.qweight, self.scales, self.offsets, bias, self.bits, self.group_size)
+        return cpu_qgemv.qgemv(lib, x, *args, self.shape[0])
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 `[N, K / 2]` in GGUF's nibble order -> uint8 values `[N, K]` in 0..15."""
+    n = packed.shape[0]
+    blocks = packed.reshape(n, -1, 16)
+    return torch.stack((blocks & 15, blocks >> 4), dim=2).reshape(n, -1)
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """uint8 values `[N, K]` in 0..15 (K a multiple of 32) -> uint8 `[N, K / 2]`."""
+    n = values.shape[0]
+    halves = values.to(torch.uint8).reshape(n, -1, 2, 16)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, -1).contiguous()
+
+
+def reference_dequantize(weight: QuantizedWeight) -> torch.Tensor:
+    """float32 `[N, K]` with torch ops: the definition the kernels are tested against."""
+    n, k = weight.shape
+    g = weight.group_size
+    if weight.bits == 8:
+        q = weight.qweight.float()
+    else:
+        q = unpack_int4(weight.qweight).float()
+    s = weight.scales.float().repeat_interleave(g, dim=1)
+    if weight.offsets is not None:
+        o = weight.offsets.float().repeat_interleave(g, dim=1)
+    else:
+        o = -8.0 * s if weight.bits == 4 else torch.zeros_like(s)
+    return (q * s + o).reshape(n, k)
+
+
+def quantize(
+    weight: torch.Tensor, bits: int, group_size: int = 32, symmetric: bool = True
+) -> QuantizedWeight:
+    """Round-to-nearest quantization of a dense `[N, K]` weight, per group of `group_size`.
+
+    Symmetric int8 / int4 follow llama.cpp's Q8_0 / Q4_0 quantizers to the bit (integers from
+    the float32 scale, then the scale stored as float16), so a matrix quantizes to the same
+    blocks as `llama-quantize` gives it. With offsets (asymmetric) the scale and offset are
+    rounded to float16 first and the integers chosen against the rounded values.
+    """
+    if bits not in BITS:
+        raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
+    n, k = weight.shape
+    multiple = group_multiple(bits)
+    if group_size < 1 or group_size % multiple or k % group_size:
+        raise ValueError(
+            f"group_size must be a positive multiple of {multiple} dividing the input size "
+            f"{k} for int{bits}, got {group_size}"
+        )
+    w = weight.detach().float().reshape(n, k // group_size, group_size)
+    offsets = None
+    if bits == 8 and symmetric:
+        # llama.cpp's Q8_0: integers from the float32 scale, rounded half away from zero.
+        scale = w.abs().amax(-1) / 127.0
+        q = _round_away(w * _inverse(scale)[..., None]).clamp_(-127, 127).to(torch.int8)
+        scale = _f16(scale)
+    elif bits == 4 and symmetric:
+        # llama.cpp's Q4_0: the value of largest magnitude maps to -8 (the wider side of 0..15).
+        extreme = w.gather(-1, w.abs().argmax(-1, keepdim=True)).squeeze(-1)
+        scale = extreme / -8.0
+        q = torch.trunc(w * _inverse(scale)[..., None] + 8.5).clamp_(0, 15).to(torch.uint8)
+        scale = _f16(scale)
+    else:
+        low, high = w.amin(-1), w.amax(-1)
+        levels, least = (255.0, -128.0) if bits == 8 else (15.0, 0.0)
+        scale = _f16((high - low) / levels)
+        # int8 is stored signed: the offset absorbs the shift, so q runs over -128..127.
+        offset = _f16(low - least * scale.float())
+        q = torch.round((w - offset.float()[..., None]) / _safe(scale)[..., None])
+        q = q.clamp_(least, least + levels).to(torch.int8 if bits == 8 else torch.uint8)
+        offsets = offset.reshape(n, -1).contiguous()
+    q = q.reshape(n, k)
+    qweight = q.contiguous() if bits == 8 else pack_int4(q)
+    return QuantizedWeight(
+        qweight=qweight,
+        scales=scale.reshape(n, -1).contiguous(),
+        offsets=offsets,
+        bits=bits,
+        group_size=group_size,
+        shape=(n, k),
+    )
+
+
+def _f16(values: torch.Tensor) -> torch.Tensor:
+    return values.to(torch.float16)
+
+
+def _inverse(scale: torch.Tensor) -> torch.Tensor:
+    """1 / scale, 0 where the scale is 0 (an all-zero group quantizes to zeros)."""
+    return torch.where(scale == 0, torch.zeros_like(scale), 1.0 / scale)
+
+
+def _round_away(values: torch.Tensor) -> torch.Tensor:
+    """C's roundf: halves away from zero (torch.round rounds them to even)."""
+    return torch.trunc(values + 0.5 * torch.sign(values))
+
+
+def _safe(scale: torch.Tensor) -> torch.Tensor:
+    """Scales as float32 with zeros replaced by 1 (an all-zero group quantizes to zeros)."""
+    s = scale.float()
+    return torch.where(s == 0, torch.ones_like(s), s)
