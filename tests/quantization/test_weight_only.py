@@ -8,6 +8,7 @@ scales for the same values, block for block.
 
 from __future__ import annotations
 
+import dataclasses
 import gguf
 import numpy as np
 import pytest
@@ -67,6 +68,22 @@ def test_dense_weights_from_the_kernel_equal_the_reference(bits: int, symmetric:
     reference = reference_dequantize(qw)
     assert torch.equal(qw.dequantize(torch.float32), reference)
     assert torch.equal(qw.dequantize(torch.bfloat16), reference.to(torch.bfloat16))
+
+
+def test_float32_scales_and_offsets() -> None:
+    """Formats whose scales float16 cannot hold (products such as -z * s) keep float32 ones."""
+    qw = quantize(_weight(40, 128), 4, 32, False)
+    wide = dataclasses.replace(
+        qw, scales=qw.scales.float() * 1.001, offsets=qw.offsets.float() * 0.999
+    )
+    dense = reference_dequantize(wide)
+    assert not torch.equal(dense, reference_dequantize(qw))
+    # q * s is no longer exact in float32, so a fused multiply-add may round differently.
+    torch.testing.assert_close(wide.dequantize(torch.float32), dense, rtol=1e-6, atol=1e-7)
+    x = torch.randn(5, 128)
+    torch.testing.assert_close(wide.linear(x, None), x @ dense.T, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="offsets must have the scales' dtype"):
+        dataclasses.replace(qw, scales=qw.scales.float())
 
 
 def test_torch_fallback_computes_the_same(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,12 +1,12 @@
 /* y = x @ dequant(Q)^T for group-quantized weights (int8 or int4, weight-only), streaming Q once.
  *
  * Weights: N rows of K values, in groups of G consecutive values of a row, each group with a
- * float16 scale s and (optionally) a float16 offset o: w = q * s + o. Without offsets, int8 is
+ * scale s and (optionally) an offset o, both float16 or both float32 (`sf32`): w = q * s + o. Without offsets, int8 is
  * symmetric (o = 0) and int4 is centred on 8 (o = -8 s), as GGUF's Q8_0 and Q4_0 are.
  *   int8: q is int8 [N, K]; G a multiple of 16.
  *   int4: q is uint8 [N, K / 2]; each 32 values of a row are 16 bytes, byte j holding value j in
  *         its low nibble and value j + 16 in its high one (GGUF's Q4_0 order); G a multiple of 32.
- *   scales, offsets: float16 [N, K / G].
+ *   scales, offsets: float16 or float32 [N, K / G].
  * x is [M, K] float32 or bfloat16 (M <= 8), widened to float32 once; y is [M, N] of x's dtype.
  *
  * Decode is bound by reading the weights: each group is loaded once, widened to float32 in
@@ -27,16 +27,20 @@ int tw_qgemv_isa(void) {
 }
 
 /* Group g's scale and offset of weight row `row` (ng groups per row). */
-INLINE void group_params(const uint16_t *sc, const uint16_t *of, int64_t row, int64_t ng,
-                         int64_t g, int bits, float *s, float *o) {
-    *s = f16_to_f32(sc[row * ng + g]);
-    *o = of ? f16_to_f32(of[row * ng + g]) : (bits == 4 ? -8.0f * *s : 0.0f);
+INLINE float param(const void *p, int64_t i, int f32) {
+    return f32 ? ((const float *)p)[i] : f16_to_f32(((const uint16_t *)p)[i]);
+}
+
+INLINE void group_params(const void *sc, const void *of, int64_t row, int64_t ng, int64_t g,
+                         int bits, int sf32, float *s, float *o) {
+    *s = param(sc, row * ng + g, sf32);
+    *o = of ? param(of, row * ng + g, sf32) : (bits == 4 ? -8.0f * *s : 0.0f);
 }
 
 #if defined(TW_AVX512)
-INLINE void qblock512(const uint8_t *q, const uint16_t *sc, const uint16_t *of, int bits,
-                      const float *x, int64_t K, int64_t G, int64_t n, float *t, const int R,
-                      const int M) {
+INLINE void qblock512(const uint8_t *q, const void *sc, const void *of, int bits,
+                      int sf32, const float *x, int64_t K, int64_t G, int64_t n, float *t,
+                      const int R, const int M) {
     __m512 acc[4][MAX_M];
     for (int r = 0; r < R; r++)
         for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
@@ -46,7 +50,7 @@ INLINE void qblock512(const uint8_t *q, const uint16_t *sc, const uint16_t *of, 
         __m512 s[4], o[4];
         for (int r = 0; r < R; r++) {
             float sv, ov;
-            group_params(sc, of, n + r, ng, g, bits, &sv, &ov);
+            group_params(sc, of, n + r, ng, g, bits, sf32, &sv, &ov);
             s[r] = _mm512_set1_ps(sv);
             o[r] = _mm512_set1_ps(ov);
         }
@@ -100,9 +104,9 @@ INLINE float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-INLINE void qblock256(const uint8_t *q, const uint16_t *sc, const uint16_t *of, int bits,
-                      const float *x, int64_t K, int64_t G, int64_t n, float *t, const int R,
-                      const int M) {
+INLINE void qblock256(const uint8_t *q, const void *sc, const void *of, int bits,
+                      int sf32, const float *x, int64_t K, int64_t G, int64_t n, float *t,
+                      const int R, const int M) {
     __m256 acc[4][MAX_M];
     for (int r = 0; r < R; r++)
         for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps();
@@ -112,7 +116,7 @@ INLINE void qblock256(const uint8_t *q, const uint16_t *sc, const uint16_t *of, 
         __m256 s[4], o[4];
         for (int r = 0; r < R; r++) {
             float sv, ov;
-            group_params(sc, of, n + r, ng, g, bits, &sv, &ov);
+            group_params(sc, of, n + r, ng, g, bits, sf32, &sv, &ov);
             s[r] = _mm256_set1_ps(sv);
             o[r] = _mm256_set1_ps(ov);
         }
@@ -169,16 +173,16 @@ INLINE int qint(const uint8_t *qrow, int bits, int64_t k) {
 }
 
 #if !defined(TW_AVX512) && !defined(TW_AVX2)
-static void qblock_scalar(const uint8_t *q, const uint16_t *sc, const uint16_t *of, int bits,
-                          const float *x, int64_t K, int64_t G, int64_t n, float *t, int R,
-                          int M) {
+static void qblock_scalar(const uint8_t *q, const void *sc, const void *of, int bits,
+                          int sf32, const float *x, int64_t K, int64_t G, int64_t n, float *t,
+                          int R, int M) {
     const int64_t row_bytes = bits == 8 ? K : K / 2;
     for (int r = 0; r < R; r++)
         for (int m = 0; m < M; m++) {
             float acc = 0.0f;
             for (int64_t k = 0; k < K; k++) {
                 float s, o;
-                group_params(sc, of, n + r, K / G, k / G, bits, &s, &o);
+                group_params(sc, of, n + r, K / G, k / G, bits, sf32, &s, &o);
                 acc += ((float)qint(q + r * row_bytes, bits, k) * s + o) * x[m * K + k];
             }
             t[r * M + m] = acc;
@@ -192,11 +196,11 @@ static void qblock_scalar(const uint8_t *q, const uint16_t *sc, const uint16_t *
         float t[4 * MAX_M];                                                                \
         int64_t n = n0;                                                                    \
         for (; n + (RR) <= n1; n += (RR)) {                                                \
-            BLOCK(q + n * row_bytes, sc, of, bits, xf, K, G, n, t, (RR), (MM));            \
+            BLOCK(q + n * row_bytes, sc, of, bits, sf32, xf, K, G, n, t, (RR), (MM));            \
             store(t, (RR), (MM), n, N, bias, y, ybf16);                                    \
         }                                                                                  \
         for (; n < n1; n++) {                                                              \
-            BLOCK(q + n * row_bytes, sc, of, bits, xf, K, G, n, t, 1, (MM));               \
+            BLOCK(q + n * row_bytes, sc, of, bits, sf32, xf, K, G, n, t, 1, (MM));               \
             store(t, 1, (MM), n, N, bias, y, ybf16);                                       \
         }                                                                                  \
     } while (0)
@@ -212,7 +216,7 @@ static void qblock_scalar(const uint8_t *q, const uint16_t *sc, const uint16_t *
 #define QR_FOR(M) 1
 #endif
 
-static void run_rows(const uint8_t *q, const uint16_t *sc, const uint16_t *of, int bits,
+static void run_rows(const uint8_t *q, const void *sc, const void *of, int bits, int sf32,
                      const float *xf, int64_t K, int64_t G, int64_t n0, int64_t n1, int Mr,
                      const void *bias, void *y, int64_t N, int ybf16) {
     const int64_t row_bytes = bits == 8 ? K : K / 2;
@@ -243,9 +247,9 @@ static int check_shape(int64_t N, int64_t K, int bits, int64_t G) {
 
 /* y[M, N] = x[M, K] @ dequant(q)^T (+ bias[N]); x, bias and y of one dtype (bf16 when `xbf16`).
  * Returns 0; -1 for bad sizes; -2 when the float32 copy of a bf16 x cannot be allocated. */
-int tw_qgemv(const void *x, const uint8_t *q, const uint16_t *sc, const uint16_t *of,
+int tw_qgemv(const void *x, const uint8_t *q, const void *sc, const void *of,
              const void *bias, void *y, int64_t M, int64_t N, int64_t K, int bits, int64_t G,
-             int xbf16, int num_threads) {
+             int sf32, int xbf16, int num_threads) {
     if (M < 1 || M > MAX_M || check_shape(N, K, bits, G)) return -1;
     float *widened;
     const float *xf = x_as_f32(x, M * K, xbf16, &widened);
@@ -256,21 +260,21 @@ int tw_qgemv(const void *x, const uint8_t *q, const uint16_t *sc, const uint16_t
 #pragma omp parallel num_threads(num_threads)
         {
             THREAD_RANGE(N)
-            if (n0 < n1) run_rows(q, sc, of, bits, xf, K, G, n0, n1, Mr, bias, y, N, xbf16);
+            if (n0 < n1) run_rows(q, sc, of, bits, sf32, xf, K, G, n0, n1, Mr, bias, y, N, xbf16);
         }
         free(widened);
         return 0;
     }
 #endif
     (void)num_threads;
-    run_rows(q, sc, of, bits, xf, K, G, 0, N, Mr, bias, y, N, xbf16);
+    run_rows(q, sc, of, bits, sf32, xf, K, G, 0, N, Mr, bias, y, N, xbf16);
     free(widened);
     return 0;
 }
 
 /* out[N, K] = dequant(q) as float32, or bfloat16 (rounded to nearest even) when `out_bf16`. */
-int tw_qdequant(const uint8_t *q, const uint16_t *sc, const uint16_t *of, void *out, int64_t N,
-                int64_t K, int bits, int64_t G, int out_bf16, int num_threads) {
+int tw_qdequant(const uint8_t *q, const void *sc, const void *of, void *out, int64_t N,
+                int64_t K, int bits, int64_t G, int sf32, int out_bf16, int num_threads) {
     if (check_shape(N, K, bits, G)) return -1;
     const int64_t row_bytes = bits == 8 ? K : K / 2, ng = K / G;
 #pragma omp parallel for num_threads(num_threads > 0 ? num_threads : 1) schedule(static)
@@ -278,7 +282,7 @@ int tw_qdequant(const uint8_t *q, const uint16_t *sc, const uint16_t *of, void *
         const uint8_t *qrow = q + n * row_bytes;
         for (int64_t g = 0; g < ng; g++) {
             float s, o;
-            group_params(sc, of, n, ng, g, bits, &s, &o);
+            group_params(sc, of, n, ng, g, bits, sf32, &s, &o);
             for (int64_t k = g * G; k < (g + 1) * G; k++) {
                 float v = (float)qint(qrow, bits, k) * s + o;
                 if (out_bf16)

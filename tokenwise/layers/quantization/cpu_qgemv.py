@@ -52,9 +52,9 @@ def load() -> ctypes.CDLL | None:
     lib.tw_qgemv_isa.restype = _INT
     lib.tw_qgemv.restype = _INT
     lib.tw_qgemv.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT, _I64]
-    lib.tw_qgemv.argtypes += [_INT, _INT]
+    lib.tw_qgemv.argtypes += [_INT, _INT, _INT]
     lib.tw_qdequant.restype = _INT
-    lib.tw_qdequant.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _INT, _I64, _INT, _INT]
+    lib.tw_qdequant.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _INT, _I64, _INT, _INT, _INT]
     logger.info("quantized CPU linear kernel built for %s", ISA_NAMES.get(lib.tw_qgemv_isa()))
     return lib
 
@@ -96,6 +96,7 @@ def qgemv(
         k,
         bits,
         group_size,
+        int(scales.dtype == torch.float32),
         int(x.dtype == torch.bfloat16),
         torch.get_num_threads(),
     )
@@ -128,6 +129,7 @@ def dequantize(
         shape[1],
         bits,
         group_size,
+        int(scales.dtype == torch.float32),
         int(dtype == torch.bfloat16),
         torch.get_num_threads(),
     )

@@ -2,7 +2,8 @@
 
 A weight `[N, K]` is cut into groups of `group_size` consecutive values of a row; each group
 keeps a float16 scale `s` and, when asymmetric, a float16 offset `o`, and each value an integer
-`q`: `w = q * s + o`. Without offsets int8 is symmetric (`o = 0`, q in [-127, 127]) and int4 is
+`q`: `w = q * s + o`. (Scales and offsets may be float32 instead, for formats whose scales are
+products float16 does not hold, e.g. GPTQ's offsets `-z * s`.) Without offsets int8 is symmetric (`o = 0`, q in [-127, 127]) and int4 is
 centred on 8 (`o = -8 s`, q in [0, 15]): those are GGUF's Q8_0 and Q4_0 exactly (float16 scale
 per 32 values), and with offsets int4 is Q4_1's form (GPTQ's and AWQ's too, with `o = -z s`).
 int4 values are packed two per byte in GGUF's order: within each 32 values, byte j holds value j
@@ -39,11 +40,17 @@ class QuantizedWeight:
     """One layer's quantized weight; a linear layer holds it in `packed_weight`."""
 
     qweight: torch.Tensor  # int8 [N, K], or uint8 [N, K / 2] for int4
-    scales: torch.Tensor  # float16 [N, K / group_size]
-    offsets: torch.Tensor | None  # float16 [N, K / group_size], or None (symmetric)
+    scales: torch.Tensor  # float16 (or float32) [N, K / group_size]
+    offsets: torch.Tensor | None  # like scales, or None (symmetric)
     bits: int
     group_size: int
     shape: tuple[int, int]  # (N, K) of the dense weight
+
+    def __post_init__(self) -> None:
+        if self.scales.dtype not in (torch.float16, torch.float32):
+            raise ValueError(f"scales must be float16 or float32, got {self.scales.dtype}")
+        if self.offsets is not None and self.offsets.dtype != self.scales.dtype:
+            raise ValueError("offsets must have the scales' dtype")
 
     @property
     def nbytes(self) -> int:
