@@ -9,6 +9,7 @@ scales for the same values, block for block.
 from __future__ import annotations
 
 import dataclasses
+
 import gguf
 import numpy as np
 import pytest
