@@ -16,6 +16,10 @@
    the GGUF run one at a time; `tokenwise bench serve`'s client sends both the same workload
    (streaming `/v1/completions`, token-id prompts U[32,384], 128 new tokens, greedy,
    ignore_eos). Workloads: `one` (6 requests in turn) and `48` (48 at once).
+4. `--quant q8_0|q4_0`: the GGUF file is quantized by llama.cpp's `llama-quantize --pure`
+   (built like llama-server) and both servers load that one file: llama-server runs its
+   quantized kernels, tokenwise keeps the layers in the file's integers and scales (int8 /
+   int4, `tokenwise.layers.quantization`) with bf16 (or fp32) activations.
 
 Prints, per workload, the output tok/s of each server and their ratio, and for one stream the
 weight bandwidth each reaches (bytes of weights read per decoded token x 1000 / mean TPOT).
@@ -51,6 +55,8 @@ OUTPUT_LEN = 128
 MAX_MODEL_LEN = 512  # longest prompt + output
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
 SERVERS = ("tokenwise", "llama-server")
+# GGUF types both servers run quantized, and their bytes per weight (a float16 scale per 32).
+QUANT_BYTES = {"q8_0": 34 / 32, "q4_0": 18 / 32}
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=os.path.expanduser("~/.cache/tokenwise/llamacpp"),
         help="llama.cpp source and build, checkpoints, GGUF files, server logs",
     )
+    p.add_argument(
+        "--quant",
+        choices=("none", *QUANT_BYTES),
+        default="none",
+        help="serve one GGUF file quantized by llama-quantize --pure (both servers load it)",
+    )
+    p.add_argument(
+        "--llama-server-args",
+        default="",
+        metavar="ARGS",
+        help="extra llama-server arguments, e.g. --no-repack (its repacking crashes on some CPUs)",
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server -t")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--startup-timeout", type=float, default=600.0, help="per server start, s")
@@ -104,7 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---- pure pieces: weights, flags, tables -------------------------------------------------------
 
 
-def decode_weight_bytes(cfg: dict[str, Any], bytes_per_param: int) -> int:
+def decode_weight_bytes(cfg: dict[str, Any], bytes_per_param: float) -> int:
     """Bytes of weights one decode step reads: every layer, the final norm and the LM head
     (vocab x hidden, tied or not; the embedding lookup reads one row)."""
     h, n_layers, inter = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
@@ -114,7 +132,7 @@ def decode_weight_bytes(cfg: dict[str, Any], bytes_per_param: int) -> int:
     attn = h * n_heads * head_dim + 2 * h * n_kv * head_dim + n_heads * head_dim * h
     norms = 2 * h + (2 * head_dim if cfg.get("model_type", "").startswith("qwen3") else 0)
     params = n_layers * (attn + 3 * h * inter + norms) + h + cfg["vocab_size"] * h
-    return params * bytes_per_param
+    return int(params * bytes_per_param)
 
 
 def cpu_flags(cpuinfo: str) -> list[str]:
@@ -206,9 +224,9 @@ def llama_cpp_source(cache: Path) -> Path:
     return llama_cpp_source(cache)
 
 
-def ensure_llama_server(cache: Path, skip_build: bool) -> Path:
+def ensure_llama_server(cache: Path, skip_build: bool, target: str = "llama-server") -> Path:
     src = llama_cpp_source(cache)
-    binary = src / "build" / "bin" / "llama-server"
+    binary = src / "build" / "bin" / target
     if binary.exists():
         return binary
     if skip_build:
@@ -221,8 +239,8 @@ def ensure_llama_server(cache: Path, skip_build: bool) -> Path:
     configure = ["cmake", "-B", "build", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF"]
     _run([*_nice(), *configure, "-DCMAKE_BUILD_TYPE=Release"], 900, "cmake configure", cwd=src)
     jobs = str(os.cpu_count() or 2)
-    build = ["cmake", "--build", "build", "--target", "llama-server", "-j", jobs]
-    _run([*_nice(), *build], 7200, "building llama-server", cwd=src)
+    build = ["cmake", "--build", "build", "--target", target, "-j", jobs]
+    _run([*_nice(), *build], 7200, f"building {target}", cwd=src)
     if not binary.exists():
         raise SystemExit(f"vs_llamacpp: the build finished without {binary}")
     return binary
@@ -258,6 +276,18 @@ def build_checkpoints(shape: str, dtype: str, cache: Path, seed: int) -> tuple[P
         _run(cmd, 1800, "convert_hf_to_gguf.py")
         tmp_gguf.rename(gguf)
     return hf_dir, gguf
+
+
+def quantized_gguf(gguf: Path, quant: str, quantize_bin: Path) -> Path:
+    """`gguf` quantized to `quant` by llama-quantize --pure (every matrix, the embedding and
+    LM head included, in that one type), cached beside it."""
+    out = gguf.with_name(f"model-{quant}.gguf")
+    if not out.exists():
+        tmp = out.with_suffix(".tmp")
+        cmd = [*_nice(), str(quantize_bin), "--pure", str(gguf), str(tmp), quant.upper()]
+        _run(cmd, 1800, "llama-quantize")
+        tmp.rename(out)
+    return out
 
 
 def build_hf_checkpoint(shape: str, dtype: str, cache: Path, seed: int) -> Path:
@@ -426,9 +456,11 @@ def server_command(
     port = str(free_port())
     if server == "tokenwise":
         kv_mib = kv_cache_mib(args.shape_cfg, args.dtype, w.concurrency)
+        # Quantized: the very GGUF file llama-server loads (its layers stay quantized).
+        model = [str(gguf), "--tokenizer", str(hf_dir)] if args.quant != "none" else [str(hf_dir)]
         return [
             sys.executable, "-m", "tokenwise.entrypoints.cli", "serve",
-            "--model", str(hf_dir), "--dtype", "bfloat16" if args.dtype == "bf16" else "float32",
+            "--model", *model, "--dtype", "bfloat16" if args.dtype == "bf16" else "float32",
             "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(w.concurrency),
             "--kv-cache-memory", f"{kv_mib}MiB", "--disable-log-requests",
             "--host", "127.0.0.1", "--port", port,
@@ -436,7 +468,7 @@ def server_command(
     return [
         str(binary), "-m", str(gguf), "-fa", "on", "-t", str(args.threads),
         "-np", str(w.concurrency), "-c", str(w.concurrency * MAX_MODEL_LEN),
-        "--host", "127.0.0.1", "--port", port,
+        *args.llama_server_args.split(), "--host", "127.0.0.1", "--port", port,
     ]  # fmt: skip
 
 
@@ -503,17 +535,24 @@ def main(argv: list[str] | None = None) -> int:
     else:
         binary = ensure_llama_server(cache, args.skip_build)
     hf_dir, gguf = build_checkpoints(args.shape, args.dtype, cache, args.seed)
+    bytes_per_param: float = 2 if args.dtype == "bf16" else 4
+    if args.quant != "none":
+        quantize_bin = ensure_llama_server(cache, args.skip_build, "llama-quantize")
+        gguf = quantized_gguf(gguf, args.quant, quantize_bin)
+        bytes_per_param = QUANT_BYTES[args.quant]
     results = run_workloads(args, hf_dir, gguf, binary)
-    weight_bytes = decode_weight_bytes(args.shape_cfg, 2 if args.dtype == "bf16" else 4)
+    weight_bytes = decode_weight_bytes(args.shape_cfg, bytes_per_param)
     model_name = next(
         (ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if ln.startswith("model name")),
         "unknown CPU",
     )
     header = (
-        f"{args.shape} (vocab {VOCAB_SIZE}, random weights), {args.dtype}, "
+        f"{args.shape} (vocab {VOCAB_SIZE}, random weights), {args.dtype}"
+        f"{'' if args.quant == 'none' else ' activations, weights ' + args.quant.upper()}, "
         f"{datetime.date.today().isoformat()}, {model_name}, {os.cpu_count()} cores, "
         f"CPU flags: {' '.join(flags) or 'none of ' + ','.join(CPU_FLAGS)}; llama-server from "
-        f"{LLAMA_CPP_PYTHON} (-fa on -t {args.threads}, -np = concurrency)"
+        f"{LLAMA_CPP_PYTHON} (-fa on -t {args.threads}, -np = concurrency"
+        f"{' ' + args.llama_server_args if args.llama_server_args else ''})"
     )
     print()
     print(format_tables(results, weight_bytes, header))
