@@ -47,6 +47,20 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self._free_uncached) + len(self._free_cached)
 
+    @property
+    def num_free_cached(self) -> int:
+        """Free blocks that still hold prefix-cache contents (evicted last)."""
+        return len(self._free_cached)
+
+    def block_states(self) -> bytes:
+        """One byte per block: 2 in use, 1 free but cached, 0 free (the server's KV grid).
+
+        O(blocks): for a periodic snapshot, never for every step.
+        """
+        return bytes(
+            2 if b.ref_cnt else (1 if b.block_hash is not None else 0) for b in self.blocks
+        )
+
     def lookup(self, block_hash: bytes) -> int | None:
         """Return the block registered under ``block_hash``, whether in use or free."""
         return self._hash_to_block.get(block_hash)

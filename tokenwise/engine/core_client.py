@@ -37,6 +37,7 @@ from tokenwise.engine import core_messages as msg
 from tokenwise.engine.core_process import run_engine_core
 from tokenwise.engine.prompts import PromptInput, load_tokenizer, validate_request
 from tokenwise.engine.stats import EngineStats
+from tokenwise.engine.step_records import StepRecords
 from tokenwise.lora.request import LoRARequest
 from tokenwise.models.registry import is_moe_architecture
 from tokenwise.outputs import EmbeddingRequestOutput, RequestOutput
@@ -72,6 +73,10 @@ class EngineCoreClient:
         # as (size, count, median) rows, as `batchsize_stats` logs them.
         self._forward_times: list[dict[int, tuple[int, float]]] = [{} for _ in range(num_cores)]
         self.batchsize_stats: list[list[tuple[int, int, float]]] = [[] for _ in range(num_cores)]
+        # Every core's step records as they arrive (bounded), and each core's latest KV block
+        # states: what the server's engine view shows.
+        self.step_records = StepRecords()
+        self._kv_blocks: list[bytes] = [b"" for _ in range(num_cores)]
         self._stopped = False
         self._failure: str | None = None  # why the client died; every later call says it
         if self._dp:
@@ -252,6 +257,9 @@ class EngineCoreClient:
         if isinstance(message, msg.CoreOutputs):
             rank = message.rank
             self._stats[rank] = message.stats
+            self.step_records.extend(message.steps)
+            if message.kv_blocks is not None:
+                self._kv_blocks[rank] = message.kv_blocks
             if message.forward_times is not None:
                 self._forward_times[rank] = message.forward_times
                 self.batchsize_stats[rank] = [
@@ -305,6 +313,7 @@ class EngineCoreClient:
             if isinstance(message, msg.CoreReady):
                 ready.add(message.rank)
                 self._stats[message.rank].num_total_blocks = message.num_blocks
+                self._kv_blocks[message.rank] = bytes(message.num_blocks)  # all free
             elif isinstance(message, msg.CoreDead) and message.error_type in _CONFIG_ERRORS:
                 # A core refused the configuration (a KV cache too small, an unknown option):
                 # the caller's mistake, raised as such (the CLI prints it, no traceback).
@@ -413,6 +422,10 @@ class EngineCoreClient:
         """batch size -> (forward passes, median ms) as the first core last reported it (the
         server's `/metrics`; forward times are per process, so they come from the core)."""
         return dict(self._forward_times[0])
+
+    def kv_block_states(self) -> list[bytes]:
+        """Per core, each KV block's state as it last sent them (`BlockPool.block_states`)."""
+        return list(self._kv_blocks)
 
     @property
     def rank_pids(self) -> list[int | None]:

@@ -1,7 +1,7 @@
 """The messages between an engine-core process and its client, and their wire format.
 
 Client to core: `AddRequest`, `AbortRequests`, `StopCore`. Core to client: `CoreReady`, then
-one `CoreOutputs` per step that produced outputs, `CoreRejected` for a request the core could
+one `CoreOutputs` per step (its outputs, statistics and step record), `CoreRejected` for a request the core could
 not take, `CoreDead` when the core fails. On a separate request-reply socket the client asks
 `CheckLoRA` and the core answers `LoRAChecked` (a server loading an adapter at run time). Each is a tagged msgspec struct sent as one ZeroMQ
 frame of msgpack: the per-step outputs, the hot path, decode straight into the engine's own
@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 
 from tokenwise.engine.stats import EngineStats
+from tokenwise.engine.step_records import StepRecord
 from tokenwise.outputs import EmbeddingRequestOutput, RequestOutput
 
 
@@ -49,6 +50,10 @@ class CoreOutputs(msgspec.Struct, tag=True):
     # batch size -> (forward passes, median ms): sent at most once a second, and None between.
     forward_times: dict[int, tuple[int, float]] | None = None
     embeddings: list[EmbeddingRequestOutput] = []
+    # The step records since the previous message (`step_records`; usually this step's one),
+    # and each KV block's state, sent with the forward times (at most once a second).
+    steps: list[StepRecord] = []
+    kv_blocks: bytes | None = None
 
 
 class CoreRejected(msgspec.Struct, tag=True):

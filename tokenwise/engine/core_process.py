@@ -122,6 +122,7 @@ class _CoreLoop:
         self.stopping = False
         self.parent = mp.parent_process()
         self._forward_times_sent = 0.0
+        self._records_sent = 0  # cursor into the engine's step records
 
     def run(self) -> None:
         lockstep = self.engine.dp_lockstep
@@ -195,11 +196,13 @@ class _CoreLoop:
         generated = [o for o in outputs if isinstance(o, RequestOutput)]
         embeddings = [o for o in outputs if isinstance(o, EmbeddingRequestOutput)]
         now = time.monotonic()
-        forward_times = None
+        forward_times = kv_blocks = None
         finished = any(o.finished for o in outputs)
         if finished or now - self._forward_times_sent >= FORWARD_TIMES_EVERY_S:
             self._forward_times_sent = now
             forward_times = get_batchsize_forward_time_summary()
+            kv_blocks = self.engine.kv_block_states()[0]
+        records, self._records_sent, _ = self.engine.step_records.since(self._records_sent)
         self._send(
             msg.CoreOutputs(
                 self.rank,
@@ -207,6 +210,8 @@ class _CoreLoop:
                 self.engine.get_stats(),
                 forward_times,
                 embeddings,
+                records,
+                kv_blocks,
             )
         )
 

@@ -32,6 +32,7 @@ from tokenwise.engine.prompts import (
 from tokenwise.engine.request import Request, RequestStatus
 from tokenwise.engine.stats import EngineStats, StatLogger
 from tokenwise.engine.step_outputs import ModelRunnerOutput, ScoredPromptTokens
+from tokenwise.engine.step_records import StepRecorder, StepRecords
 from tokenwise.engine.stop_rules import hides_token
 from tokenwise.lora.request import LoRARequest
 from tokenwise.models.registry import is_moe_architecture
@@ -120,6 +121,9 @@ class LLMEngine:
         self._stats = EngineStats(num_total_blocks=num_blocks)
         self._consecutive_failed_steps = 0
         self._stat_logger = StatLogger()
+        # One record per step for the server's engine view (`step_records`; always on: cheap).
+        self.step_recorder = StepRecorder(config.parallel.data_parallel_rank or 0)
+        self.step_records: StepRecords = self.step_recorder.records
         self.drafter = None
         if config.speculative is not None:
             if self.kind.name != "generate":
@@ -173,8 +177,9 @@ class LLMEngine:
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
         for rid in ids:
             samples = self.groups.get(rid)
-            if samples is not None:
+            if samples is not None and not all(r.is_finished for r in samples):
                 self.scheduler.finish_requests(samples, RequestStatus.FINISHED_ABORTED)
+                self.step_recorder.num_aborted += 1
 
     abort = abort_request
 
@@ -193,8 +198,10 @@ class LLMEngine:
 
     def execute_dummy_batch(self) -> None:
         """One forward pass of a single dummy token: a DP rank with no work joins its peers'."""
+        started = time.perf_counter()
         self.runner.execute_dummy_batch()
         self._stats.num_dummy_steps_total += 1
+        self.step_recorder.dummy(started, self.block_manager.pool)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.groups)
@@ -202,7 +209,9 @@ class LLMEngine:
     # ---- the loop -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
+        started = time.perf_counter()
         sched = self.scheduler.schedule()
+        self.step_recorder.begin(sched, started, self._stats)  # before the pass moves tokens
         touched: dict[str, list[Request]] = {}
         for req, reason in sched.aborted:
             logger.warning("aborting request %s: %s", req.request_id, reason)
@@ -210,6 +219,7 @@ class LLMEngine:
             try:
                 result = self.runner.execute_model(sched)
             except Exception as exc:  # keep serving: fail only the requests of this step
+                self.step_recorder.forward_done(failed=True)
                 if self.dp_lockstep or self.runner.tp.active:
                     # Other ranks may be inside a collective this rank left half-way: the
                     # step sequence cannot be resumed, so the rank fails (the client says so).
@@ -231,6 +241,7 @@ class LLMEngine:
                         f"engine is unusable (last error: {type(exc).__name__}: {exc})"
                     ) from exc
             else:
+                self.step_recorder.forward_done()
                 self._consecutive_failed_steps = 0
                 for item in sched.scheduled:
                     if item.num_new_tokens > 1 or item.request.num_output_tokens == 0:
@@ -260,6 +271,7 @@ class LLMEngine:
             if any(r.is_finished and not r.reported_finish for r in samples):
                 touched[rid] = samples
         outputs = [self._make_output(rid, samples) for rid, samples in touched.items()]
+        self.step_recorder.end(self, sched, outputs)
         self._stat_logger.maybe_log(self.get_stats())
         return outputs
 
@@ -374,6 +386,10 @@ class LLMEngine:
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+    def kv_block_states(self) -> list[bytes]:
+        """Per rank (one here), each KV block's state (`BlockPool.block_states`); unlocked."""
+        return [self.block_manager.pool.block_states()]
 
     def wakeup(self) -> None:
         """Nothing to wake: `step()` never waits for outputs, it computes them."""

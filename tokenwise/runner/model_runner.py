@@ -102,6 +102,8 @@ class ModelRunner(KVCacheSizingMixin):
         # MoE under DP: every forward pass is a collective (see tokenwise.engine.core_process).
         self.dp_lockstep = parallel.data_parallel_size > 1 and bool(parallel.is_moe_model)
         self.num_ubatched_steps = 0
+        # The last step's graph mode and batch descriptor (None: eager), for its step record.
+        self.last_graph: tuple[CUDAGraphMode, Any] = (CUDAGraphMode.NONE, None)
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.num_blocks = 0
         # Layers with the same spec share one metadata object per step.
@@ -233,6 +235,7 @@ class ModelRunner(KVCacheSizingMixin):
             mode, desc = self.graph_runner.plan(num_tokens, uniform, has_lora)
             if mode != CUDAGraphMode.NONE:
                 step = self.input_batch.pad(step, desc.num_tokens)
+        self.last_graph = (mode, desc if mode != CUDAGraphMode.NONE else None)
         attn_metadata, tables = None, {}
         if mode != CUDAGraphMode.FULL:
             tables = self._metadata_tables(step)

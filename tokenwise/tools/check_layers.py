@@ -121,6 +121,7 @@ LAYERS: tuple[Layer, ...] = (
             "tokenwise.engine.detokenizer",
             "tokenwise.engine.prompts",
             "tokenwise.engine.stats",
+            "tokenwise.engine.step_records",
             "tokenwise.engine.drafter",
             "tokenwise.engine.kinds",
             "tokenwise.engine.kinds.encoder_inputs",

@@ -5,7 +5,8 @@ work is in `AsyncEngine` (the engine thread), the `serving_*` modules (request -
 response), `errors` (OpenAI error bodies) and `metrics` (Prometheus).
 
 Open routes: `/health`, `/ping` (vLLM's name for the same probe), `/version` and `/metrics`,
-so probes and scrapers need no secret. Everything under `/v1`, and `/tokenize` and
+so probes and scrapers need no secret; and the web page's static files (`/`, `/ui/*.js|css`),
+which hold no data and must load to ask for the key (its data routes, `/ui/api`, need it). Everything under `/v1`, and `/tokenize` and
 `/detokenize` (vLLM's paths, outside `/v1`), require `Authorization: Bearer <key>` when a key
 is configured.
 """
@@ -51,6 +52,7 @@ from tokenwise.entrypoints.openai.serving_embeddings import EmbeddingServing
 from tokenwise.entrypoints.openai.serving_models import ServingModels
 from tokenwise.entrypoints.openai.serving_tokenization import TokenizationServing
 from tokenwise.entrypoints.openai.serving_transcriptions import TranscriptionServing
+from tokenwise.entrypoints.openai.serving_ui import add_ui_routes
 from tokenwise.models.registry import is_speech_architecture
 
 logger = logging.getLogger("tokenwise.server")
@@ -165,6 +167,8 @@ def build_app(
         return json_response(tokenization.detokenize(body, raw))
 
     app.include_router(tokens)
+    if config.ui:
+        add_ui_routes(app, engine, config, require_api_key)
 
     @app.get("/health")
     async def health() -> Response:
@@ -247,9 +251,10 @@ def run_server(args: argparse.Namespace) -> int:
     metrics.attach_engine(lambda: async_engine.stats, engine.forward_time_table)
     app = build_app(async_engine, config, metrics, models, args.allow_runtime_lora_updating)
     auth = "API key required" if config.api_key else "no API key"
+    page = f"; web page on http://{args.host}:{args.port}/" if config.ui else ""
     print(
         f"tokenwise: serving {config.served_model_name!r} on http://{args.host}:{args.port}/v1 "
-        f"({auth})",
+        f"({auth}){page}",
         file=sys.stderr,
         flush=True,
     )

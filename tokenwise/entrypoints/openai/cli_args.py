@@ -122,6 +122,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "every route and status, errors included",
     )
     g.add_argument(
+        "--disable-ui",
+        action="store_true",
+        help="do not serve the web page at / (a chat playground and a live view of the "
+        "engine's steps and KV cache) nor its data routes under /ui/",
+    )
+    g.add_argument(
         "--lora-modules",
         nargs="+",
         type=parse_lora_module,
@@ -177,4 +183,5 @@ def server_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "strict_request_fields": args.strict_request_fields,
         "reasoning_parser": args.reasoning_parser,
         "access_log": not args.disable_access_log,
+        "ui": not args.disable_ui,
     }

@@ -42,6 +42,8 @@ class ServerConfig:
     reasoning_parser: str | None = None
     # One INFO line per HTTP request on tokenwise.server.access (`access_log`).
     access_log: bool = True
+    # The web page at `/` and its data under `/ui/` (`serving_ui`; off: --disable-ui).
+    ui: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_n", "max_prompts", "max_request_body_bytes"):
