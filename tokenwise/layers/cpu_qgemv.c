@@ -9,10 +9,11 @@
  *   scales, offsets: float16 or float32 [N, K / G].
  * x is [M, K] float32 or bfloat16 (M <= 8), widened to float32 once; y is [M, N] of x's dtype.
  *
- * Decode is bound by reading the weights: each group is loaded once, widened to float32 in
- * registers (w = q * s + o: one fused multiply-add) and multiplied into all M rows of x, R weight
- * rows at a time; rows are split over OpenMP threads in contiguous ranges, as in cpu_gemv.c.
- * `tw_qdequant` writes the dense weights, for the larger row counts of prefill.
+ * Decode is bound by reading the weights: each group is loaded once and multiplied into all M
+ * rows of x, R weight rows at a time; rows are split over OpenMP threads in contiguous ranges,
+ * as in cpu_gemv.c. float32 x: each weight is widened to float32 in registers (w = q * s + o,
+ * one fused multiply-add). bf16 x: the integer path of cpu_qgemv_x16.h, fewer instructions per
+ * weight. `tw_qdequant` writes the dense weights, for the larger row counts of prefill.
  */
 #include "cpu_kernel_common.h"
 
@@ -37,10 +38,29 @@ INLINE void group_params(const void *sc, const void *of, int64_t row, int64_t ng
     *o = of ? param(of, row * ng + g, sf32) : (bits == 4 ? -8.0f * *s : 0.0f);
 }
 
+/* What one call computes: the weights, x (float32, and as int16 for the integer path), y. */
+typedef struct {
+    const uint8_t *q;
+    const void *sc, *of;
+    int bits, sf32;
+    int64_t K, G, N;
+    const float *xf;
+    const int16_t *xq;
+    const float *xs, *xsum;
+    const void *bias;
+    void *y;
+    int ybf16;
+} qctx;
+
+#include "cpu_qgemv_x16.h"
+
 #if defined(TW_AVX512)
-INLINE void qblock512(const uint8_t *q, const void *sc, const void *of, int bits,
-                      int sf32, const float *x, int64_t K, int64_t G, int64_t n, float *t,
-                      const int R, const int M) {
+INLINE void qblock512(const qctx *c, int64_t n, float *t, const int R, const int M) {
+    const uint8_t *q = c->q + n * (c->bits == 8 ? c->K : c->K / 2);
+    const void *sc = c->sc, *of = c->of;
+    const int bits = c->bits, sf32 = c->sf32;
+    const float *x = c->xf;
+    const int64_t K = c->K, G = c->G;
     __m512 acc[4][MAX_M];
     for (int r = 0; r < R; r++)
         for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
@@ -104,9 +124,12 @@ INLINE float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-INLINE void qblock256(const uint8_t *q, const void *sc, const void *of, int bits,
-                      int sf32, const float *x, int64_t K, int64_t G, int64_t n, float *t,
-                      const int R, const int M) {
+INLINE void qblock256(const qctx *c, int64_t n, float *t, const int R, const int M) {
+    const uint8_t *q = c->q + n * (c->bits == 8 ? c->K : c->K / 2);
+    const void *sc = c->sc, *of = c->of;
+    const int bits = c->bits, sf32 = c->sf32;
+    const float *x = c->xf;
+    const int64_t K = c->K, G = c->G;
     __m256 acc[4][MAX_M];
     for (int r = 0; r < R; r++)
         for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps();
@@ -173,9 +196,12 @@ INLINE int qint(const uint8_t *qrow, int bits, int64_t k) {
 }
 
 #if !defined(TW_AVX512) && !defined(TW_AVX2)
-static void qblock_scalar(const uint8_t *q, const void *sc, const void *of, int bits,
-                          int sf32, const float *x, int64_t K, int64_t G, int64_t n, float *t,
-                          int R, int M) {
+static void qblock_scalar(const qctx *c, int64_t n, float *t, int R, int M) {
+    const uint8_t *q = c->q + n * (c->bits == 8 ? c->K : c->K / 2);
+    const void *sc = c->sc, *of = c->of;
+    const int bits = c->bits, sf32 = c->sf32;
+    const float *x = c->xf;
+    const int64_t K = c->K, G = c->G;
     const int64_t row_bytes = bits == 8 ? K : K / 2;
     for (int r = 0; r < R; r++)
         for (int m = 0; m < M; m++) {
@@ -196,14 +222,26 @@ static void qblock_scalar(const uint8_t *q, const void *sc, const void *of, int 
         float t[4 * MAX_M];                                                                \
         int64_t n = n0;                                                                    \
         for (; n + (RR) <= n1; n += (RR)) {                                                \
-            BLOCK(q + n * row_bytes, sc, of, bits, sf32, xf, K, G, n, t, (RR), (MM));            \
-            store(t, (RR), (MM), n, N, bias, y, ybf16);                                    \
+            BLOCK(c, n, t, (RR), (MM));                                                    \
+            store(t, (RR), (MM), n, c->N, c->bias, c->y, c->ybf16);                        \
         }                                                                                  \
         for (; n < n1; n++) {                                                              \
-            BLOCK(q + n * row_bytes, sc, of, bits, sf32, xf, K, G, n, t, 1, (MM));               \
-            store(t, 1, (MM), n, N, bias, y, ybf16);                                       \
+            BLOCK(c, n, t, 1, (MM));                                                       \
+            store(t, 1, (MM), n, c->N, c->bias, c->y, c->ybf16);                           \
         }                                                                                  \
     } while (0)
+
+#define SWITCH_M(BLOCK, R_FOR)                                                             \
+    switch (Mr) {                                                                          \
+    case 1: QROWS(BLOCK, R_FOR(1), 1); break;                                              \
+    case 2: QROWS(BLOCK, R_FOR(2), 2); break;                                              \
+    case 3: QROWS(BLOCK, R_FOR(3), 3); break;                                              \
+    case 4: QROWS(BLOCK, R_FOR(4), 4); break;                                              \
+    case 5: QROWS(BLOCK, R_FOR(5), 5); break;                                              \
+    case 6: QROWS(BLOCK, R_FOR(6), 6); break;                                              \
+    case 7: QROWS(BLOCK, R_FOR(7), 7); break;                                              \
+    default: QROWS(BLOCK, R_FOR(8), 8); break;                                             \
+    }
 
 #if defined(TW_AVX512)
 #define QBLOCK qblock512
@@ -215,21 +253,21 @@ static void qblock_scalar(const uint8_t *q, const void *sc, const void *of, int 
 #define QBLOCK qblock_scalar
 #define QR_FOR(M) 1
 #endif
+/* The integer path keeps R * M int32 and R * M float accumulators live. */
+#define X16R_FOR(M) ((M) <= 2 ? 4 : (M) <= 4 ? 2 : 1)
 
-static void run_rows(const uint8_t *q, const void *sc, const void *of, int bits, int sf32,
-                     const float *xf, int64_t K, int64_t G, int64_t n0, int64_t n1, int Mr,
-                     const void *bias, void *y, int64_t N, int ybf16) {
-    const int64_t row_bytes = bits == 8 ? K : K / 2;
-    switch (Mr) {
-    case 1: QROWS(QBLOCK, QR_FOR(1), 1); break;
-    case 2: QROWS(QBLOCK, QR_FOR(2), 2); break;
-    case 3: QROWS(QBLOCK, QR_FOR(3), 3); break;
-    case 4: QROWS(QBLOCK, QR_FOR(4), 4); break;
-    case 5: QROWS(QBLOCK, QR_FOR(5), 5); break;
-    case 6: QROWS(QBLOCK, QR_FOR(6), 6); break;
-    case 7: QROWS(QBLOCK, QR_FOR(7), 7); break;
-    default: QROWS(QBLOCK, QR_FOR(8), 8); break;
+static void run_rows(const qctx *c, int64_t n0, int64_t n1, int Mr) {
+#if defined(TW_AVX512) || defined(TW_AVX2)
+    if (c->xq) {
+        if (c->bits == 8) {
+            SWITCH_M(q8x16_block, X16R_FOR)
+        } else {
+            SWITCH_M(q4x16_block256, X16R_FOR)
+        }
+        return;
     }
+#endif
+    SWITCH_M(QBLOCK, QR_FOR)
 }
 
 static int check_shape(int64_t N, int64_t K, int bits, int64_t G) {
@@ -246,7 +284,8 @@ static int check_shape(int64_t N, int64_t K, int bits, int64_t G) {
     int64_t n0 = tid * per, n1 = n0 + per < (N) ? n0 + per : (N);
 
 /* y[M, N] = x[M, K] @ dequant(q)^T (+ bias[N]); x, bias and y of one dtype (bf16 when `xbf16`).
- * Returns 0; -1 for bad sizes; -2 when the float32 copy of a bf16 x cannot be allocated. */
+ * bf16 x takes the integer path (cpu_qgemv_x16.h) where the groups allow it.
+ * Returns 0; -1 for bad sizes; -2 when a copy of x cannot be allocated. */
 int tw_qgemv(const void *x, const uint8_t *q, const void *sc, const void *of,
              const void *bias, void *y, int64_t M, int64_t N, int64_t K, int bits, int64_t G,
              int sf32, int xbf16, int num_threads) {
@@ -254,20 +293,36 @@ int tw_qgemv(const void *x, const uint8_t *q, const void *sc, const void *of,
     float *widened;
     const float *xf = x_as_f32(x, M * K, xbf16, &widened);
     if (!xf) return -2;
+    qctx c = {q, sc, of, bits, sf32, K, G, N, xf, NULL, NULL, NULL, bias, y, xbf16};
+    void *x16 = NULL;
+#if defined(TW_AVX512) || defined(TW_AVX2)
+    if (xbf16 && G % 32 == 0 && G <= X16_MAX_GROUP) {
+        const int64_t ng = K / G;
+        x16 = malloc((size_t)(M * K) * sizeof(int16_t) + (size_t)(2 * M * ng) * sizeof(float));
+        if (!x16) {
+            free(widened);
+            return -2;
+        }
+        float *xs = (float *)((int16_t *)x16 + M * K);
+        quantize_x16(xf, M, K, G, (int16_t *)x16, xs, xs + M * ng);
+        c.xq = (const int16_t *)x16;
+        c.xs = xs;
+        c.xsum = xs + M * ng;
+    }
+#endif
     int Mr = (int)M;
 #ifdef _OPENMP
     if (num_threads > 1 && N >= 32) {
 #pragma omp parallel num_threads(num_threads)
         {
             THREAD_RANGE(N)
-            if (n0 < n1) run_rows(q, sc, of, bits, sf32, xf, K, G, n0, n1, Mr, bias, y, N, xbf16);
+            if (n0 < n1) run_rows(&c, n0, n1, Mr);
         }
-        free(widened);
-        return 0;
-    }
+    } else
 #endif
+        run_rows(&c, 0, N, Mr);
     (void)num_threads;
-    run_rows(q, sc, of, bits, sf32, xf, K, G, 0, N, Mr, bias, y, N, xbf16);
+    free(x16);
     free(widened);
     return 0;
 }

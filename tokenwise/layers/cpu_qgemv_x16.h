@@ -1,0 +1,180 @@
+/* The integer path of cpu_qgemv.c: bf16 activations as int16, dot products in int32.
+ *
+ * Widening every weight to float32 costs three instructions per 16 weights before its multiply
+ * (convert to int32, to float, scale), which left the float path compute-bound below the
+ * memory bandwidth. Here x is quantized once per call, per group of G values of each row, to
+ * int16 with its own scale (xs = max|x| / 32767), and each weight group's dot product runs on
+ * integers: int8 (or int4) weights widened to int16 multiply-add with x in pairs into int32
+ * lanes (vpdpwssd with AVX512_VNNI / AVX-VNNI, else vpmaddwd + vpaddd), then once per group
+ * the lanes are converted to float and scaled by s * xs. The offset term o * sum(x) of a group
+ * uses x's exact float sum, computed with the quantization.
+ *
+ * Precision: x loses at most 1/65534 of its group's largest value, 2^-7 of a bf16 value's own
+ * rounding step at that magnitude: for bf16 activations the result is as close as the float
+ * path's, so float32 activations keep the float path (their parity tests are at 1e-4).
+ * Integer range: |q x| <= 128 * 32767 per product, so G <= 256 keeps a group's sum in int32.
+ */
+#ifndef TW_CPU_QGEMV_X16_H
+#define TW_CPU_QGEMV_X16_H
+
+#define X16_MAX_GROUP 256
+
+#if defined(TW_AVX512) || defined(TW_AVX2)
+/* x [M, K] float -> int16 [M, K], scale [M, K / G] and float sum [M, K / G] per group. */
+static void quantize_x16(const float *x, int64_t M, int64_t K, int64_t G, int16_t *xq, float *xs,
+                         float *xsum) {
+    const int64_t ng = K / G;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < ng; g++) {
+            const float *v = x + m * K + g * G;
+            float amax = 0.0f, sum = 0.0f;
+            for (int64_t i = 0; i < G; i++) {
+                float a = v[i] < 0 ? -v[i] : v[i];
+                amax = a > amax ? a : amax;
+                sum += v[i];
+            }
+            float inv = amax > 0 ? 32767.0f / amax : 0.0f;
+            for (int64_t i = 0; i < G; i++) xq[m * K + g * G + i] = (int16_t)__builtin_lrintf(v[i] * inv);
+            xs[m * ng + g] = amax / 32767.0f;
+            xsum[m * ng + g] = sum;
+        }
+}
+
+INLINE __m256i dp16_256(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, a, b);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
+INLINE float hsum256_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Fold one group's integer sums into the float accumulators (and its offset term). */
+#define X16_GROUP_END(VEC_FMA, CVT, SET1)                                                  \
+    for (int r = 0; r < R; r++) {                                                          \
+        float s, o;                                                                        \
+        group_params(c->sc, c->of, n + r, ng, g, c->bits, c->sf32, &s, &o);                \
+        for (int m = 0; m < M; m++) {                                                      \
+            acc[r][m] = VEC_FMA(CVT(gi[r][m]), SET1(s * c->xs[m * ng + g]), acc[r][m]);    \
+            off[r][m] += o * c->xsum[m * ng + g];                                          \
+        }                                                                                  \
+    }
+
+/* int4 weights, 32 values (16 bytes) at a time in 256-bit registers: low nibbles are values
+ * 0..15 of the block, high nibbles 16..31. */
+INLINE void q4x16_block256(const qctx *c, int64_t n, float *t, const int R, const int M) {
+    const int64_t K = c->K, G = c->G, ng = K / G, rb = K / 2;
+    const uint8_t *q = c->q + n * rb;
+    const __m256i low4 = _mm256_set1_epi16(15);
+    __m256 acc[4][MAX_M];
+    float off[4][MAX_M];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps(), off[r][m] = 0.0f;
+    for (int64_t g = 0; g < ng; g++) {
+        __m256i gi[4][MAX_M];
+        for (int r = 0; r < R; r++)
+            for (int m = 0; m < M; m++) gi[r][m] = _mm256_setzero_si256();
+        for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
+            __m256i lo[4], hi[4];
+            for (int r = 0; r < R; r++) {
+                const uint8_t *p = q + r * rb + k / 2;
+                if (!(k & 127)) PREFETCH(p);
+                __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+                lo[r] = _mm256_and_si256(v, low4);
+                hi[r] = _mm256_srli_epi16(v, 4);
+            }
+            for (int m = 0; m < M; m++) {
+                __m256i xl = _mm256_loadu_si256((const __m256i *)(c->xq + m * K + k));
+                __m256i xh = _mm256_loadu_si256((const __m256i *)(c->xq + m * K + k + 16));
+                for (int r = 0; r < R; r++) {
+                    gi[r][m] = dp16_256(gi[r][m], lo[r], xl);
+                    gi[r][m] = dp16_256(gi[r][m], hi[r], xh);
+                }
+            }
+        }
+        X16_GROUP_END(_mm256_fmadd_ps, _mm256_cvtepi32_ps, _mm256_set1_ps)
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) t[r * M + m] = hsum256_ps(acc[r][m]) + off[r][m];
+}
+#endif
+
+#if defined(TW_AVX512)
+INLINE __m512i dp16_512(__m512i acc, __m512i a, __m512i b) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, a, b);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+
+/* int8 weights, 32 values at a time widened to int16 in a 512-bit register. */
+INLINE void q8x16_block(const qctx *c, int64_t n, float *t, const int R, const int M) {
+    const int64_t K = c->K, G = c->G, ng = K / G;
+    const int8_t *q = (const int8_t *)c->q + n * K;
+    __m512 acc[4][MAX_M];
+    float off[4][MAX_M];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps(), off[r][m] = 0.0f;
+    for (int64_t g = 0; g < ng; g++) {
+        __m512i gi[4][MAX_M];
+        for (int r = 0; r < R; r++)
+            for (int m = 0; m < M; m++) gi[r][m] = _mm512_setzero_si512();
+        for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
+            __m512i w[4];
+            for (int r = 0; r < R; r++) {
+                const int8_t *p = q + r * K + k;
+                if (!(k & 63)) PREFETCH(p);
+                w[r] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));
+            }
+            for (int m = 0; m < M; m++) {
+                __m512i xv = _mm512_loadu_si512((const void *)(c->xq + m * K + k));
+                for (int r = 0; r < R; r++) gi[r][m] = dp16_512(gi[r][m], w[r], xv);
+            }
+        }
+        X16_GROUP_END(_mm512_fmadd_ps, _mm512_cvtepi32_ps, _mm512_set1_ps)
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) t[r * M + m] = _mm512_reduce_add_ps(acc[r][m]) + off[r][m];
+}
+#elif defined(TW_AVX2)
+/* int8 weights, 16 values at a time widened to int16 in a 256-bit register. */
+INLINE void q8x16_block(const qctx *c, int64_t n, float *t, const int R, const int M) {
+    const int64_t K = c->K, G = c->G, ng = K / G;
+    const int8_t *q = (const int8_t *)c->q + n * K;
+    __m256 acc[4][MAX_M];
+    float off[4][MAX_M];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps(), off[r][m] = 0.0f;
+    for (int64_t g = 0; g < ng; g++) {
+        __m256i gi[4][MAX_M];
+        for (int r = 0; r < R; r++)
+            for (int m = 0; m < M; m++) gi[r][m] = _mm256_setzero_si256();
+        for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+            __m256i w[4];
+            for (int r = 0; r < R; r++) {
+                const int8_t *p = q + r * K + k;
+                if (!(k & 63)) PREFETCH(p);
+                w[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+            }
+            for (int m = 0; m < M; m++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(c->xq + m * K + k));
+                for (int r = 0; r < R; r++) gi[r][m] = dp16_256(gi[r][m], w[r], xv);
+            }
+        }
+        X16_GROUP_END(_mm256_fmadd_ps, _mm256_cvtepi32_ps, _mm256_set1_ps)
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) t[r * M + m] = hsum256_ps(acc[r][m]) + off[r][m];
+}
+#endif
+
+#endif
