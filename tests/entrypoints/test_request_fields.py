@@ -131,7 +131,7 @@ def test_harmless_fields_are_ignored_with_the_warning(caplog: pytest.LogCaptureF
         store=True,
         service_tier="auto",
         reasoning_effort="low",
-        priority=3,
+        priority=3,  # implemented (the engine refuses it unless it schedules by priority)
         length_penalty=1.0,  # the default: not worth a warning
         user="u1",  # OpenAI's end-user id: nothing to implement
         parallel_tool_calls=False,  # implemented
@@ -139,9 +139,9 @@ def test_harmless_fields_are_ignored_with_the_warning(caplog: pytest.LogCaptureF
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         accept_fields(body, strict=True, request_id="r", route="/x")  # known: strict passes
     (line,) = warnings_of(caplog)
-    for name in ("metadata", "store", "service_tier", "reasoning_effort", "priority"):
+    for name in ("metadata", "store", "service_tier", "reasoning_effort"):
         assert name in line
-    for name in ("length_penalty", "user", "parallel_tool_calls"):
+    for name in ("length_penalty", "user", "parallel_tool_calls", "priority"):
         assert name not in line
 
 

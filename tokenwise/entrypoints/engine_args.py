@@ -240,6 +240,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="do not reuse KV blocks across requests",
     )
     g.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=["fcfs", "priority"],
+        help="fcfs serves requests in arrival order; priority by each request's `priority` "
+        "(lower first, then arrival), preempting less urgent running requests when the KV "
+        "cache or --max-num-seqs is full (default: fcfs)",
+    )
+    g.add_argument(
         "--seed",
         type=int,
         default=0,
@@ -356,6 +364,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         # Only `serve` has the flag; the offline commands keep `LLM`'s default (off).
         "disable_log_requests": getattr(args, "disable_log_requests", True),
         "speculative_config": getattr(args, "speculative_config", None),
+        "scheduling_policy": getattr(args, "scheduling_policy", "fcfs"),
     }
 
 

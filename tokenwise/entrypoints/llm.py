@@ -122,6 +122,7 @@ def build_engine_config(
     override_pooler_config: PoolerConfig | None = None,
     disable_log_requests: bool = True,
     speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
+    scheduling_policy: str = "fcfs",
 ) -> EngineConfig:
     """One place that turns user-facing arguments (LLM, CLI, server) into an EngineConfig."""
     from tokenwise.default_model import resolve_model_path
@@ -204,6 +205,7 @@ def build_engine_config(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill,
+            policy=scheduling_policy,
         ),
         compilation=CompilationConfig(
             use_compile=not enforce_eager,
@@ -264,10 +266,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of `prompts`. A single prompt may be passed without a list.
 
         `lora_request` is one adapter for every prompt or one per prompt (None: base model).
+        `priority` is one integer per prompt (lower is served first), for an engine built with
+        `scheduling_policy="priority"`.
         """
         if self.engine_config.model.is_pooling:
             raise ValueError(
@@ -295,7 +300,14 @@ class LLM:
                     f"got {len(loras)} lora_requests for {len(prompts)} prompts; pass one "
                     "LoRARequest or one per prompt"
                 )
-        return self._run(self._add_all(prompts, params_list, loras), use_tqdm)
+        if priority is not None:
+            priority = list(priority)
+            if len(priority) != len(prompts):
+                raise ValueError(
+                    f"got {len(priority)} priority values for {len(prompts)} prompts; pass one "
+                    "per prompt"
+                )
+        return self._run(self._add_all(prompts, params_list, loras, priority), use_tqdm)
 
     def embed(
         self,
@@ -332,18 +344,24 @@ class LLM:
         prompts: list[PromptInput],
         params_list: list[Any],
         loras: list[LoRARequest | None] | None = None,
+        priorities: list[int] | None = None,
     ) -> list[str]:
         """Add every prompt, or none: a bad one aborts those already added, then raises."""
         engine = self.llm_engine
         ids: list[str] = []
         loras = loras or [None] * len(prompts)
+        priorities = priorities or [0] * len(prompts)
         try:
-            for prompt, params, lora in zip(prompts, params_list, loras, strict=True):
+            for prompt, params, lora, priority in zip(
+                prompts, params_list, loras, priorities, strict=True
+            ):
                 rid = str(next(self._counter))
-                if lora is None:
-                    engine.add_request(rid, prompt, params)
-                else:
-                    engine.add_request(rid, prompt, params, lora_request=lora)
+                kwargs: dict[str, Any] = {}
+                if lora is not None:
+                    kwargs["lora_request"] = lora
+                if priority != 0:  # the default: any engine takes it
+                    kwargs["priority"] = priority
+                engine.add_request(rid, prompt, params, **kwargs)
                 ids.append(rid)
         except Exception:
             engine.abort_request(ids)

@@ -115,6 +115,7 @@ LAYERS: tuple[Layer, ...] = (
             "tokenwise.engine.step_outputs",
             "tokenwise.engine.block_pool",
             "tokenwise.engine.block_manager",
+            "tokenwise.engine.request_queue",
             "tokenwise.engine.scheduler",
             "tokenwise.engine.stop_rules",
             "tokenwise.engine.detokenizer",

@@ -83,13 +83,14 @@ class GenerationRequest(RequestModel):
     # Not with `stream` (as in vLLM); completions' `echo` streams them in `logprobs`.
     prompt_logprobs: int | None = None
     best_of: int | None = None  # None or n: there is no best-of-n (as in vLLM V1)
+    # vLLM's: lower is served first under --scheduling-policy priority (a 400 otherwise).
+    priority: int = 0
     # Accepted, not implemented: `request_fields.IGNORED` (warned about) and `REFUSED` (a 400
     # unless the value is a no-op). Typed, so a malformed value is still a 400 naming it.
     # `echo` is implemented for completions only (`implemented_fields`).
     echo: bool = False
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    priority: int = 0
     request_id: str | None = None
     cache_salt: str | None = None
     metadata: dict[str, str] | None = None

@@ -9,8 +9,8 @@ fields that change nothing, so, as vLLM does, request bodies take any field:
   line per request on the `tokenwise.server` logger; `--strict-request-fields` turns them back
   into 400s naming the field, for who wants typos caught;
 - `IGNORED`: fields of OpenAI's or vLLM's API that the server does not implement and whose
-  value cannot change the reply a client reads (metadata, a scheduling hint, a beam-search
-  knob without beam search): accepted, and named in the same warning when not at their default;
+  value cannot change the reply a client reads (metadata, a beam-search knob without beam
+  search): accepted, and named in the same warning when not at their default;
 - `REFUSED`: fields not implemented yet whose value would change the reply in a way a client
   relies on (`suffix`, beam search, a custom chat template, ...): any value other than a no-op
   is a 400 naming the field, rather than a reply that silently lacks what was asked for.
@@ -47,7 +47,6 @@ IGNORED = (
     "store",
     "service_tier",
     "reasoning_effort",
-    "priority",
     "length_penalty",
     "request_id",
     "cache_salt",
