@@ -22,7 +22,14 @@ from tokenwise.config import (
     SpeculativeConfig,
 )
 from tokenwise.engine.client import create_engine
-from tokenwise.engine.prompts import PromptInput
+from tokenwise.engine.prompts import PromptInput, resolve_eos_token_ids, validate_request
+from tokenwise.entrypoints.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    BeamSearchParams,
+    run_beam_search,
+    top_logprobs,
+)
 from tokenwise.layers.fused_moe.experts import grouped_mm_available
 from tokenwise.lora.request import LoRARequest
 from tokenwise.model_config import ModelConfig
@@ -308,6 +315,42 @@ class LLM:
                     "per prompt"
                 )
         return self._run(self._add_all(prompts, params_list, loras, priority), use_tqdm)
+
+    def beam_search(
+        self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """The `params.beam_width` best beams of each prompt, best first, as vLLM's
+        `LLM.beam_search`; equal to Hugging Face's `generate(num_beams=beam_width,
+        num_return_sequences=beam_width, do_sample=False)` (`entrypoints/beam_search.py`).
+
+        Each step runs every live beam of every prompt as one batch of one-token requests.
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        model = self.engine_config.model
+        if model.is_pooling:
+            raise ValueError("beam search needs a generative model, not task='embed'")
+        tokenizer = self.get_tokenizer()
+        eos = resolve_eos_token_ids(model, tokenizer)
+        searches = []
+        for prompt in _as_prompt_list(prompts):
+            _, token_ids = validate_request(model, tokenizer, prompt, SamplingParams())
+            if len(token_ids) + params.max_tokens > model.max_model_len:
+                raise ValueError(
+                    f"max_tokens={params.max_tokens} with a prompt of {len(token_ids)} tokens "
+                    f"exceeds max_model_len={model.max_model_len}"
+                )
+            searches.append(BeamSearch(token_ids, params, eos))
+
+        def step(beams: list[list[int]], k: int) -> list[dict[int, float]]:
+            one_token = SamplingParams(temperature=0.0, max_tokens=1, logprobs=k, ignore_eos=True)
+            inputs: list[PromptInput] = [{"prompt_token_ids": beam} for beam in beams]
+            outs = self._run(self._add_all(inputs, [one_token] * len(beams)), use_tqdm=False)
+            return [top_logprobs((o.outputs[0].logprobs or [None])[0], k) for o in outs]
+
+        run_beam_search(searches, step)
+        decode = None if tokenizer is None else tokenizer.decode
+        return [search.result(decode) for search in searches]
 
     def embed(
         self,

@@ -158,6 +158,8 @@ LAYERS: tuple[Layer, ...] = (
     ),
     # The engine flags every CLI (and benchmark) shares.
     Layer("engine arguments", ("tokenwise.entrypoints.engine_args",)),
+    # Beam search over any engine's one-token steps: `LLM.beam_search` and the server drive it.
+    Layer("beam search", ("tokenwise.entrypoints.beam_search",)),
     # The offline `LLM` API: what the benchmarks run.
     Layer("offline API", ("tokenwise.entrypoints.llm",)),
     # Benchmarks run `LLM`, and the CLI below registers them: they sit between the two.

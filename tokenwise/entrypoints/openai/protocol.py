@@ -89,8 +89,11 @@ class GenerationRequest(RequestModel):
     # unless the value is a no-op). Typed, so a malformed value is still a 400 naming it.
     # `echo` is implemented for completions only (`implemented_fields`).
     echo: bool = False
+    # vLLM's beam search (completions: `serving_beam_search`), with Hugging Face's
+    # `early_stopping` (false, true or "never"); without it they are ignored.
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    early_stopping: bool | str = False
     request_id: str | None = None
     cache_salt: str | None = None
     metadata: dict[str, str] | None = None
@@ -100,8 +103,9 @@ class GenerationRequest(RequestModel):
 
 class CompletionRequest(GenerationRequest):
     # `REFUSED` fields this endpoint implements: echo returns the prompt before the text (with
-    # its tokens' logprobs in `logprobs` when asked for; max_tokens 0: the prompt alone).
-    implemented_fields: ClassVar[frozenset[str]] = frozenset({"echo"})
+    # its tokens' logprobs in `logprobs` when asked for; max_tokens 0: the prompt alone), and
+    # use_beam_search (`serving_beam_search`).
+    implemented_fields: ClassVar[frozenset[str]] = frozenset({"echo", "use_beam_search"})
     # A string, a batch of strings, token ids, or a batch of token-id lists.
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16

@@ -48,9 +48,14 @@ IGNORED = (
     "service_tier",
     "reasoning_effort",
     "length_penalty",
+    "early_stopping",
     "request_id",
     "cache_salt",
 )
+
+
+# `IGNORED` fields a request does use when another field is set: beam search's knobs.
+USED_WITH = {"length_penalty": "use_beam_search", "early_stopping": "use_beam_search"}
 
 
 def _is_default(name: str, value: Any, body: BaseModel) -> bool:
@@ -112,12 +117,14 @@ def refuse_unsupported(body: BaseModel) -> None:
 def ignored_fields(body: BaseModel) -> list[str]:
     """The `IGNORED` fields this request sets to something other than their default."""
     declared = type(body).model_fields
+    implemented = getattr(type(body), "implemented_fields", frozenset())
     return [
         name
         for name in IGNORED
         if name in declared
         and name in body.model_fields_set
         and not _is_default(name, getattr(body, name), body)
+        and not (USED_WITH.get(name) in implemented and getattr(body, USED_WITH[name], False))
     ]
 
 
