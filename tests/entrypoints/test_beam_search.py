@@ -16,11 +16,13 @@ from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
+import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
 
 from tests.engine._fixtures import assert_pool_clean, tokenizer
+from tests.entrypoints._server import RemoteServer
 from tests.tiny_checkpoints import build_tiny_checkpoint
 from tokenwise import LLM, BeamSearchParams, SamplingParams
 from tokenwise.entrypoints.openai.api_server import build_app
@@ -271,3 +273,24 @@ def test_server_refuses_bad_beam_search_fields(
     response = client.post("/v1/completions", json=body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+@pytest.mark.timeout(240)
+def test_tokenwise_serve_runs_beam_search_and_priorities(llm: LLM, model_dir: str) -> None:
+    """The real server (`tokenwise serve`: its engine in a core process), with the priority
+    policy: beam search through the core client returns `LLM.beam_search`'s beams, and a
+    request's `priority` is taken."""
+    prompts = _prompts()[:2]
+    params = BeamSearchParams(beam_width=2, max_tokens=MAX_TOKENS)
+    expected = [s.text for out in llm.beam_search(prompts, params) for s in out.sequences]
+    args = ("--dtype", "float32", "--max-model-len", "128", "--scheduling-policy", "priority")
+    with RemoteServer(model_dir, *args) as server:
+        body = {"prompt": prompts, "n": 2, "use_beam_search": True, "max_tokens": MAX_TOKENS}
+        reply = httpx.post(server.url("/v1/completions"), json=body, timeout=120.0)
+        assert reply.status_code == 200, reply.text
+        choices = sorted(reply.json()["choices"], key=lambda c: c["index"])
+        assert [c["text"] for c in choices] == expected
+        plain = {"prompt": prompts[0], "max_tokens": 4, "priority": -3}
+        assert (
+            httpx.post(server.url("/v1/completions"), json=plain, timeout=60.0).status_code == 200
+        )

@@ -140,7 +140,7 @@ class Scheduler:
                 victim = self.running.pop(victim_idx)
                 if victim_idx < idx:  # scheduled earlier in this step: take it back out
                     idx -= 1
-                    budget += self._unschedule(out, victim)
+                    budget += out.unschedule(victim)
                 self._preempt(victim)
                 out.num_preempted += 1
                 if victim is req:
@@ -368,19 +368,10 @@ class Scheduler:
         if not self.waiting.displaces(req, victim):
             return None
         self.running.remove(victim)
-        restored = self._unschedule(out, victim)
+        restored = out.unschedule(victim)
         self._preempt(victim)
         out.num_preempted += 1
         return restored
-
-    @staticmethod
-    def _unschedule(out: SchedulerOutput, req: Request) -> int:
-        """Take `req`'s entry out of this step; the budget it had taken (0 if none)."""
-        for i, item in enumerate(out.scheduled):
-            if item.request is req:
-                del out.scheduled[i]
-                return item.num_new_tokens + item.num_encoder_tokens
-        return 0
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req.request_id)

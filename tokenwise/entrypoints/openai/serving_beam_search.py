@@ -3,12 +3,12 @@ the `n` best beams of each prompt are its choices, best first (choice `i * n + j
 of prompt `i`, as with samples).
 
 The search is `entrypoints/beam_search.py`'s, the one `LLM.beam_search` runs: each step submits
-every live beam of every prompt as one-token requests with the top-K logprobs, through the same
-engine as every other request (so the waiting bound and disconnects apply per step). The
-fields it reads: `n`, `max_tokens`, `ignore_eos`, `temperature` (0 or unset),
-`length_penalty`, `early_stopping` (Hugging Face's: false, true or "never"),
-`include_stop_str_in_output`. Streaming, `logprobs` and `echo` are refused with a 400 naming
-them; other sampling fields do not apply to a beam search and are not read.
+every live beam of every prompt as one-token requests with the top-K logprobs (and the
+request's `priority`), through the same engine as every other request (so the waiting bound and
+disconnects apply per step). The fields it reads: `n`, `max_tokens`, `ignore_eos`,
+`temperature` (0 or unset), `length_penalty`, `early_stopping` (Hugging Face's: false, true or
+"never"), `include_stop_str_in_output`. Streaming, `logprobs` and `echo` are refused with a 400
+naming them; other sampling fields do not apply to a beam search and are not read.
 """
 
 from __future__ import annotations
@@ -107,9 +107,8 @@ async def create_beam_search(
     async def step(beams: list[list[int]], k: int) -> list[dict[int, float]]:
         one_token = SamplingParams(temperature=0.0, max_tokens=1, logprobs=k, ignore_eos=True)
         inputs: list[PromptInput] = [{"prompt_token_ids": b} for b in beams]
-        stream = await engine.submit(
-            f"{request_id}-beam{next(steps)}", inputs, one_token, lora_request
-        )
+        rid = f"{request_id}-beam{next(steps)}"
+        stream = await engine.submit(rid, inputs, one_token, lora_request, body.priority)
         merged: dict[int, RequestOutput] = {}
         try:
             async for index, delta in stream:
