@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "SamplingParams",
+    "BeamSearchParams",
     "LoRARequest",
     "PoolingParams",
     "PoolerConfig",
@@ -33,6 +34,10 @@ def __getattr__(name: str) -> Any:
         from tokenwise.sampling.params import SamplingParams
 
         return SamplingParams
+    if name == "BeamSearchParams":
+        from tokenwise.entrypoints.beam_search import BeamSearchParams
+
+        return BeamSearchParams
     if name == "LoRARequest":
         from tokenwise.lora.request import LoRARequest
 

@@ -208,17 +208,28 @@ class CacheConfig:
             )
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass
 class SchedulerConfig:
-    """Per-step limits of the continuous-batching scheduler."""
+    """Per-step limits of the continuous-batching scheduler, and its policy (vLLM's
+    `scheduling_policy`): "fcfs" serves requests in arrival order; "priority" by each request's
+    `priority` (lower first), then arrival (see `tokenwise.engine.request_queue`)."""
 
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got {self.policy!r}"
+            )
 
 
 POOLING_TYPES = ("CLS", "MEAN", "LAST")

@@ -41,6 +41,9 @@ class Workload:
     enable_caching: bool
     requests: list[tuple[list[int], int]]  # (prompt, max_tokens)
     aborts: dict[int, int]  # step -> index of the request to abort then
+    # The scheduling policy, and each request's priority under "priority" (None: all 0).
+    policy: str = "fcfs"
+    priorities: list[int] | None = None
 
 
 @st.composite
@@ -86,11 +89,13 @@ def run_workload(w: Workload) -> tuple[list[Request], dict[str, str], BlockManag
         max_num_seqs=w.max_num_seqs,
         max_num_batched_tokens=w.max_num_batched_tokens,
         enable_chunked_prefill=w.enable_chunked_prefill,
+        policy=w.policy,
     )
     scheduler = Scheduler(config, bm, w.max_model_len)
     accepted: list[Request] = []
     for i, (prompt, max_tokens) in enumerate(w.requests):
         req = Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        req.priority = w.priorities[i] if w.priorities else 0
         try:
             scheduler.add_request(req)  # an error at admission is an allowed ending
         except ValueError:

@@ -82,7 +82,7 @@ def test_strict_mode_refuses_the_unknown_field_by_name() -> None:
     [
         (chat, "echo", True),  # vLLM's chat echo (the last message) is not built
         (completion, "suffix", "return x"),
-        (completion, "use_beam_search", True),
+        (chat, "use_beam_search", True),  # completions only (serving_beam_search)
         (chat, "chat_template", "{{ messages }}"),
     ],
 )
@@ -125,13 +125,26 @@ def test_implemented_fields_pass_without_a_warning(caplog: pytest.LogCaptureFixt
     )
 
 
+def test_beam_search_knobs_are_used_with_beam_search_and_ignored_without(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        body = completion(use_beam_search=True, length_penalty=2.0, early_stopping=True)
+        accept_fields(body, strict=True, request_id="r", route="/x")
+        assert warnings_of(caplog) == []
+        accept_fields(completion(length_penalty=2.0), strict=True, request_id="r", route="/x")
+        accept_fields(chat(early_stopping=True), strict=True, request_id="r", route="/x")
+    first, second = warnings_of(caplog)
+    assert "not implemented length_penalty" in first and "early_stopping" in second
+
+
 def test_harmless_fields_are_ignored_with_the_warning(caplog: pytest.LogCaptureFixture) -> None:
     body = chat(
         metadata={"team": "a"},
         store=True,
         service_tier="auto",
         reasoning_effort="low",
-        priority=3,
+        priority=3,  # implemented (the engine refuses it unless it schedules by priority)
         length_penalty=1.0,  # the default: not worth a warning
         user="u1",  # OpenAI's end-user id: nothing to implement
         parallel_tool_calls=False,  # implemented
@@ -139,9 +152,9 @@ def test_harmless_fields_are_ignored_with_the_warning(caplog: pytest.LogCaptureF
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         accept_fields(body, strict=True, request_id="r", route="/x")  # known: strict passes
     (line,) = warnings_of(caplog)
-    for name in ("metadata", "store", "service_tier", "reasoning_effort", "priority"):
+    for name in ("metadata", "store", "service_tier", "reasoning_effort"):
         assert name in line
-    for name in ("length_penalty", "user", "parallel_tool_calls"):
+    for name in ("length_penalty", "user", "parallel_tool_calls", "priority"):
         assert name not in line
 
 

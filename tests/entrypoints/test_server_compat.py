@@ -209,11 +209,11 @@ def test_unknown_and_ignored_fields_are_accepted_and_named_once(
         **kwargs,
         metadata={"team": "eval"},
         store=False,
-        extra_body={"no_such_field": 1, "stream_options": None, "priority": 5},
+        extra_body={"no_such_field": 1, "stream_options": None, "service_tier": "auto"},
     )
     assert extra.choices[0].message.reasoning_content == plain.choices[0].message.reasoning_content
     (line,) = [line for line in log_lines(server, extra.id) if "WARNING" in line]
-    assert "no_such_field" in line and "metadata" in line and "priority" in line
+    assert "no_such_field" in line and "metadata" in line and "service_tier" in line
     assert "store" in line  # not implemented, and sent other than its default (null)
     assert log_lines(server, plain.id) and not [
         line for line in log_lines(server, plain.id) if "WARNING" in line

@@ -45,9 +45,11 @@ class EngineClient(Protocol):
         params: Any = None,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a request (SamplingParams, or PoolingParams for an embedding model); bad
-        input raises here, naming the problem, before anything is queued."""
+        input raises here, naming the problem, before anything is queued. `priority`: lower
+        is served first under `scheduling_policy="priority"` (must be 0 otherwise)."""
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Abort requests (unknown ids are ignored); a later `step` reports them."""

@@ -36,6 +36,7 @@ from tokenwise.distributed.tp_state import free_port
 from tokenwise.engine import core_messages as msg
 from tokenwise.engine.core_process import run_engine_core
 from tokenwise.engine.prompts import PromptInput, load_tokenizer, validate_request
+from tokenwise.engine.request_queue import check_priority
 from tokenwise.engine.stats import EngineStats
 from tokenwise.engine.step_records import StepRecords
 from tokenwise.lora.request import LoRARequest
@@ -147,16 +148,20 @@ class EngineCoreClient:
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> None:
         params = params or SamplingParams()
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        check_priority(priority, self.config.scheduler.policy)
         text, token_ids = validate_request(self.model_config, self.tokenizer, prompt, params)
         self.check_health()
         rank = min(range(len(self._load)), key=self._load.__getitem__)  # least loaded
         # The core gets token ids: it never tokenizes.
         wire_prompt = {"prompt": text, "prompt_token_ids": token_ids}
-        message = msg.add_request(request_id, wire_prompt, params, cache_salt, lora_request)
+        message = msg.add_request(
+            request_id, wire_prompt, params, cache_salt, lora_request, priority
+        )
         self._inboxes[rank].send(msg.encode(message))
         self.groups[request_id] = (rank, params.n, text, token_ids)
         self._load[rank] += params.n

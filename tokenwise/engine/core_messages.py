@@ -1,9 +1,11 @@
 """The messages between an engine-core process and its client, and their wire format.
 
-Client to core: `AddRequest`, `AbortRequests`, `StopCore`. Core to client: `CoreReady`, then
-one `CoreOutputs` per step (its outputs, statistics and step record), `CoreRejected` for a request the core could
-not take, `CoreDead` when the core fails. On a separate request-reply socket the client asks
-`CheckLoRA` and the core answers `LoRAChecked` (a server loading an adapter at run time). Each is a tagged msgspec struct sent as one ZeroMQ
+Client to core: `AddRequest` (with the request's scheduling `priority`), `AbortRequests`,
+`StopCore`. Core to client: `CoreReady`, then one `CoreOutputs` per step (its outputs,
+statistics and step record), `CoreRejected` for a request the core could not take, `CoreDead`
+when the core fails. On a separate request-reply socket the client asks `CheckLoRA` and the
+core answers `LoRAChecked` (a server loading an adapter at run time). Each is a tagged msgspec
+struct sent as one ZeroMQ
 frame of msgpack: the per-step outputs, the hot path, decode straight into the engine's own
 `RequestOutput` dataclasses without pickle. What is polymorphic and travels once per request
 (the prompt, the sampling parameters with their guided-decoding spec, a LoRA request) is pickled
@@ -28,6 +30,7 @@ from tokenwise.outputs import EmbeddingRequestOutput, RequestOutput
 class AddRequest(msgspec.Struct, tag=True):
     request_id: str
     payload: bytes  # pickle of (prompt, params, cache_salt, lora_request)
+    priority: int = 0
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -99,10 +102,15 @@ def decode_from_core(frame: bytes) -> FromCore:
 
 
 def add_request(
-    request_id: str, prompt: Any, params: Any, cache_salt: str | None, lora_request: Any
+    request_id: str,
+    prompt: Any,
+    params: Any,
+    cache_salt: str | None,
+    lora_request: Any,
+    priority: int = 0,
 ) -> AddRequest:
     payload = pickle.dumps((prompt, params, cache_salt, lora_request), pickle.HIGHEST_PROTOCOL)
-    return AddRequest(request_id, payload)
+    return AddRequest(request_id, payload, priority)
 
 
 def add_request_fields(message: AddRequest) -> tuple[Any, Any, str | None, Any]:

@@ -172,7 +172,9 @@ class _CoreLoop:
         if isinstance(message, msg.AddRequest):
             try:
                 prompt, params, cache_salt, lora = msg.add_request_fields(message)
-                self.engine.add_request(message.request_id, prompt, params, cache_salt, lora)
+                self.engine.add_request(
+                    message.request_id, prompt, params, cache_salt, lora, message.priority
+                )
             except Exception as exc:  # what only the core can check (an adapter that fails)
                 reason = f"{type(exc).__name__}: {exc}"
                 self._send(msg.CoreRejected(self.rank, message.request_id, reason))

@@ -30,6 +30,7 @@ from tokenwise.engine.prompts import (
     resolve_eos_token_ids,
 )
 from tokenwise.engine.request import Request, RequestStatus
+from tokenwise.engine.request_queue import check_priority
 from tokenwise.engine.stats import EngineStats, StatLogger
 from tokenwise.engine.step_outputs import ModelRunnerOutput, ScoredPromptTokens
 from tokenwise.engine.step_records import StepRecorder, StepRecords
@@ -142,15 +143,19 @@ class LLMEngine:
         params: SamplingParams | PoolingParams | None = None,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a request; bad input raises here (naming the problem), before anything is
-        queued. `params` are SamplingParams, or PoolingParams for an embedding model."""
+        queued. `params` are SamplingParams, or PoolingParams for an embedding model.
+        `priority` (lower first) needs `scheduling_policy="priority"` unless it is 0."""
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        check_priority(priority, self.config.scheduler.policy)
         samples = self.kind.make_requests(
             NewRequest(request_id, prompt, params, cache_salt, lora_request)
         )
         for req in samples:
+            req.priority = priority
             self.scheduler.add_request(req)
         # The caller's id -> its samples, until their finished output is made.
         self.groups[request_id] = samples

@@ -9,6 +9,7 @@ kind's fields either: embedding and encoder-decoder requests subclass it (`kinds
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -47,6 +48,9 @@ _FINISH_REASONS = {
 }
 
 
+_SEQ = itertools.count()
+
+
 @dataclass(eq=False)
 class Request:
     """One sequence being generated. `n > 1` requests are split into one Request per sample.
@@ -57,6 +61,10 @@ class Request:
 
     Timestamps live here and only here: `arrival_time` (set when the engine accepts it) and
     `first_token_time` (its first sampled token), which the outputs' metrics read.
+
+    `priority` orders the waiting queue under the "priority" scheduling policy (lower first,
+    then `arrival_time`, then `seq`: the order requests were made in, which keeps the samples
+    of one request, which share an arrival time, in order).
     """
 
     request_id: str
@@ -66,6 +74,8 @@ class Request:
     cache_salt: str | None = None
     lora_request: LoRARequest | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    seq: int = field(default_factory=lambda: next(_SEQ))
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)

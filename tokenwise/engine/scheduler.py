@@ -13,6 +13,11 @@ When a running request needs a block and none is free, the most recently admitte
 request is preempted: its blocks are freed and it goes back to the head of the waiting queue,
 to be recomputed later (its output so far is kept).
 
+That is the "fcfs" policy. Under "priority" (`request_queue`) the queue is ordered by
+`(priority, arrival)`, the victim is the running request with the worst such key (taken back
+out of this step if already scheduled), and a waiting request that does not fit preempts
+running requests of strictly worse priority.
+
 A guided-decoding request waits until its grammar has compiled (on another thread, see
 `tokenwise.sampling.guided.compiler`): waiting requests whose grammar is not ready are passed
 over, keeping their place, and one whose compile failed or timed out ends with an error.
@@ -32,13 +37,13 @@ the scheduler the stop strings its detokenizers found: nothing here calls back i
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
 from tokenwise.config import SchedulerConfig
 from tokenwise.engine.block_manager import BlockManager
 from tokenwise.engine.request import Request, RequestStatus
+from tokenwise.engine.request_queue import create_request_queue
 from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenwise.engine.stop_rules import check_stop
 
@@ -59,7 +64,7 @@ class Scheduler:
         self.max_loras = max_loras
         self.block_manager = block_manager
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()
+        self.waiting = create_request_queue(config.policy)
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._left_since_last_step: list[str] = []
@@ -83,7 +88,7 @@ class Scheduler:
                 f"{self.config.max_num_batched_tokens} with chunked prefill disabled"
             )
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        self.waiting.add_request(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -131,7 +136,11 @@ class Scheduler:
                     budget -= num_new
                     idx += 1
                     break
-                victim = self.running.pop()
+                victim_idx = self.waiting.victim_index(self.running)
+                victim = self.running.pop(victim_idx)
+                if victim_idx < idx:  # scheduled earlier in this step: take it back out
+                    idx -= 1
+                    budget += out.unschedule(victim)
                 self._preempt(victim)
                 out.num_preempted += 1
                 if victim is req:
@@ -143,15 +152,18 @@ class Scheduler:
             adapters = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
         self._poll_grammars()
         not_ready: list[Request] = []  # guided requests still compiling keep their place
-        while (
-            self.waiting
-            and budget > 0
-            and not out.num_preempted
-            and len(self.running) < self.config.max_num_seqs
-        ):
-            req = self.waiting[0]
+        preempted_running = out.num_preempted > 0
+        while self.waiting and budget > 0 and not preempted_running:
+            req = self.waiting.peek_request()
             if req.grammar is not None and not req.grammar.ready:
-                not_ready.append(self.waiting.popleft())
+                not_ready.append(self.waiting.pop_request())
+                continue
+            if len(self.running) >= self.config.max_num_seqs:
+                # Under "priority" a more urgent request takes a less urgent one's slot.
+                restored = self._preempt_for(req, out)
+                if restored is None:
+                    break
+                budget += restored
                 continue
             lora = req.lora_request
             if (
@@ -181,16 +193,21 @@ class Scheduler:
             new_blocks = bm.allocate_slots(
                 req.request_id, req.all_token_ids, 0, num_new, hits, cache_salt=req.cache_salt
             )
-            if new_blocks is None:
-                break
-            # After the self-attention blocks: those took its prefix-cache hits out of the free
-            # queue, so these fresh blocks cannot evict them.
-            extra_blocks = self.allocate_admission_blocks(req)
-            if extra_blocks is None:
-                # Its newly registered blocks were never computed: drop them from the cache.
-                bm.free(req.request_id, discard_cached=True)
-                break
-            self.waiting.popleft()
+            extra_blocks = None
+            if new_blocks is not None:
+                # After the self-attention blocks: those took its prefix-cache hits out of the
+                # free queue, so these fresh blocks cannot evict them.
+                extra_blocks = self.allocate_admission_blocks(req)
+                if extra_blocks is None:
+                    # Its newly registered blocks were never computed: drop them from the cache.
+                    bm.free(req.request_id, discard_cached=True)
+            if new_blocks is None or extra_blocks is None:
+                restored = self._preempt_for(req, out)  # "priority": make room, then retry
+                if restored is None:
+                    break
+                budget += restored
+                continue
+            self.waiting.pop_request()
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
@@ -202,16 +219,16 @@ class Scheduler:
                 self._scheduled(req, num_new, new_blocks, extra_blocks, num_encoder)
             )
             budget -= num_new + num_encoder
-        self.waiting.extendleft(reversed(not_ready))
+        self.waiting.prepend_requests(not_ready)
 
         # 3. Nothing scheduled, nothing running, yet requests wait: the head can never run
         # (requests whose grammar is still compiling are not stuck, just not ready).
-        head = next((r for r in self.waiting if r.grammar is None or r.grammar.ready), None)
-        if out.is_empty and not self.running and head is not None:
-            req = head
-            reason = self._unplaceable_reason(req)
-            self.finish_requests([req], RequestStatus.FINISHED_ABORTED)
-            out.aborted.append((req, reason))
+        if out.is_empty and not self.running:
+            req = next((r for r in self.waiting if r.grammar is None or r.grammar.ready), None)
+            if req is not None:
+                reason = self._unplaceable_reason(req)
+                self.finish_requests([req], RequestStatus.FINISHED_ABORTED)
+                out.aborted.append((req, reason))
         if not out.is_empty:  # an empty step reaches no runner: keep the ids for the next
             out.finished_req_ids, self._left_since_last_step = self._left_since_last_step, []
         return out
@@ -342,6 +359,20 @@ class Scheduler:
             f"{bm.num_blocks} blocks of {bm.block_size} tokens"
         )
 
+    def _preempt_for(self, req: Request, out: SchedulerOutput) -> int | None:
+        """Preempt the policy's victim if waiting `req` may displace it ("priority" only); the
+        budget that gives back (it may be scheduled already), None if nothing was preempted."""
+        if not self.running:
+            return None
+        victim = self.running[self.waiting.victim_index(self.running)]
+        if not self.waiting.displaces(req, victim):
+            return None
+        self.running.remove(victim)
+        restored = out.unschedule(victim)
+        self._preempt(victim)
+        out.num_preempted += 1
+        return restored
+
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req.request_id)
         self._left_since_last_step.append(req.request_id)
@@ -350,7 +381,7 @@ class Scheduler:
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.prepend_request(req)
 
     def finish_requests(
         self, requests: Iterable[Request], status: RequestStatus, discard_cached: bool = False
@@ -360,14 +391,12 @@ class Scheduler:
         `discard_cached` drops the freed blocks from the prefix cache: after a failed forward
         pass their contents are unknown, and no later request may hit them.
         """
-        done = set()
-        for req in requests:
-            if req.is_finished:
-                continue
+        done = [req for req in requests if not req.is_finished]
+        for req in done:
             req.status = status
             self.block_manager.free(req.request_id, discard_cached=discard_cached)
             self._left_since_last_step.append(req.request_id)
-            done.add(id(req))
         if done:
-            self.running = [r for r in self.running if id(r) not in done]
-            self.waiting = deque(r for r in self.waiting if id(r) not in done)
+            ids = {id(r) for r in done}
+            self.running = [r for r in self.running if id(r) not in ids]
+            self.waiting.remove_requests(done)

@@ -65,6 +65,15 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    def unschedule(self, req: Request) -> int:
+        """Take `req`'s entry out of the step (a preemption under the priority policy may hit
+        a request scheduled earlier in it); the token budget it had taken (0 if none)."""
+        for i, item in enumerate(self.scheduled):
+            if item.request is req:
+                del self.scheduled[i]
+                return item.num_new_tokens + item.num_encoder_tokens
+        return 0
+
 
 @dataclass
 class ScoredPromptTokens:

@@ -248,6 +248,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="do not reuse KV blocks across requests",
     )
     g.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=["fcfs", "priority"],
+        help="fcfs serves requests in arrival order; priority by each request's `priority` "
+        "(lower first, then arrival), preempting less urgent running requests when the KV "
+        "cache or --max-num-seqs is full (default: fcfs)",
+    )
+    g.add_argument(
         "--seed",
         type=int,
         default=0,
@@ -365,6 +373,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "disable_log_requests": getattr(args, "disable_log_requests", True),
         "speculative_config": getattr(args, "speculative_config", None),
         "quantization": getattr(args, "quantization", None),
+        "scheduling_policy": getattr(args, "scheduling_policy", "fcfs"),
     }
 
 

@@ -22,7 +22,14 @@ from tokenwise.config import (
     SpeculativeConfig,
 )
 from tokenwise.engine.client import create_engine
-from tokenwise.engine.prompts import PromptInput
+from tokenwise.engine.prompts import PromptInput, resolve_eos_token_ids, validate_request
+from tokenwise.entrypoints.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    BeamSearchParams,
+    run_beam_search,
+    top_logprobs,
+)
 from tokenwise.layers.fused_moe.experts import grouped_mm_available
 from tokenwise.lora.request import LoRARequest
 from tokenwise.model_config import ModelConfig
@@ -124,6 +131,7 @@ def build_engine_config(
     disable_log_requests: bool = True,
     speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
     quantization: str | None = None,
+    scheduling_policy: str = "fcfs",
 ) -> EngineConfig:
     """One place that turns user-facing arguments (LLM, CLI, server) into an EngineConfig."""
     from tokenwise.default_model import resolve_model_path
@@ -212,6 +220,7 @@ def build_engine_config(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill,
+            policy=scheduling_policy,
         ),
         compilation=CompilationConfig(
             use_compile=not enforce_eager,
@@ -272,10 +281,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of `prompts`. A single prompt may be passed without a list.
 
         `lora_request` is one adapter for every prompt or one per prompt (None: base model).
+        `priority` is one integer per prompt (lower is served first), for an engine built with
+        `scheduling_policy="priority"`.
         """
         if self.engine_config.model.is_pooling:
             raise ValueError(
@@ -303,7 +315,50 @@ class LLM:
                     f"got {len(loras)} lora_requests for {len(prompts)} prompts; pass one "
                     "LoRARequest or one per prompt"
                 )
-        return self._run(self._add_all(prompts, params_list, loras), use_tqdm)
+        if priority is not None:
+            priority = list(priority)
+            if len(priority) != len(prompts):
+                raise ValueError(
+                    f"got {len(priority)} priority values for {len(prompts)} prompts; pass one "
+                    "per prompt"
+                )
+        return self._run(self._add_all(prompts, params_list, loras, priority), use_tqdm)
+
+    def beam_search(
+        self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """The `params.beam_width` best beams of each prompt, best first, as vLLM's
+        `LLM.beam_search`; equal to Hugging Face's `generate(num_beams=beam_width,
+        num_return_sequences=beam_width, do_sample=False)` (`entrypoints/beam_search.py`).
+
+        Each step runs every live beam of every prompt as one batch of one-token requests.
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        model = self.engine_config.model
+        if model.is_pooling:
+            raise ValueError("beam search needs a generative model, not task='embed'")
+        tokenizer = self.get_tokenizer()
+        eos = resolve_eos_token_ids(model, tokenizer)
+        searches = []
+        for prompt in _as_prompt_list(prompts):
+            _, token_ids = validate_request(model, tokenizer, prompt, SamplingParams())
+            if len(token_ids) + params.max_tokens > model.max_model_len:
+                raise ValueError(
+                    f"max_tokens={params.max_tokens} with a prompt of {len(token_ids)} tokens "
+                    f"exceeds max_model_len={model.max_model_len}"
+                )
+            searches.append(BeamSearch(token_ids, params, eos))
+
+        def step(beams: list[list[int]], k: int) -> list[dict[int, float]]:
+            one_token = SamplingParams(temperature=0.0, max_tokens=1, logprobs=k, ignore_eos=True)
+            inputs: list[PromptInput] = [{"prompt_token_ids": beam} for beam in beams]
+            outs = self._run(self._add_all(inputs, [one_token] * len(beams)), use_tqdm=False)
+            return [top_logprobs((o.outputs[0].logprobs or [None])[0], k) for o in outs]
+
+        run_beam_search(searches, step)
+        decode = None if tokenizer is None else tokenizer.decode
+        return [search.result(decode) for search in searches]
 
     def embed(
         self,
@@ -340,18 +395,24 @@ class LLM:
         prompts: list[PromptInput],
         params_list: list[Any],
         loras: list[LoRARequest | None] | None = None,
+        priorities: list[int] | None = None,
     ) -> list[str]:
         """Add every prompt, or none: a bad one aborts those already added, then raises."""
         engine = self.llm_engine
         ids: list[str] = []
         loras = loras or [None] * len(prompts)
+        priorities = priorities or [0] * len(prompts)
         try:
-            for prompt, params, lora in zip(prompts, params_list, loras, strict=True):
+            for prompt, params, lora, priority in zip(
+                prompts, params_list, loras, priorities, strict=True
+            ):
                 rid = str(next(self._counter))
-                if lora is None:
-                    engine.add_request(rid, prompt, params)
-                else:
-                    engine.add_request(rid, prompt, params, lora_request=lora)
+                kwargs: dict[str, Any] = {}
+                if lora is not None:
+                    kwargs["lora_request"] = lora
+                if priority != 0:  # the default: any engine takes it
+                    kwargs["priority"] = priority
+                engine.add_request(rid, prompt, params, **kwargs)
                 ids.append(rid)
         except Exception:
             engine.abort_request(ids)

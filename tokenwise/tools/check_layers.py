@@ -116,6 +116,7 @@ LAYERS: tuple[Layer, ...] = (
             "tokenwise.engine.step_outputs",
             "tokenwise.engine.block_pool",
             "tokenwise.engine.block_manager",
+            "tokenwise.engine.request_queue",
             "tokenwise.engine.scheduler",
             "tokenwise.engine.stop_rules",
             "tokenwise.engine.detokenizer",
@@ -159,6 +160,8 @@ LAYERS: tuple[Layer, ...] = (
     ),
     # The engine flags every CLI (and benchmark) shares.
     Layer("engine arguments", ("tokenwise.entrypoints.engine_args",)),
+    # Beam search over any engine's one-token steps: `LLM.beam_search` and the server drive it.
+    Layer("beam search", ("tokenwise.entrypoints.beam_search",)),
     # The offline `LLM` API: what the benchmarks run.
     Layer("offline API", ("tokenwise.entrypoints.llm",)),
     # Benchmarks run `LLM`, and the CLI below registers them: they sit between the two.

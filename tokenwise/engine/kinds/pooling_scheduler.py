@@ -31,16 +31,16 @@ class PoolingScheduler(Scheduler):
                 "shorten the input"
             )
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        self.waiting.add_request(request)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         while self.waiting and len(out.scheduled) < self.config.max_num_seqs:
-            req = self.waiting[0]
+            req = self.waiting.peek_request()
             if req.num_tokens > budget:
                 break
-            self.waiting.popleft()
+            self.waiting.pop_request()
             req.status = RequestStatus.RUNNING
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = 0

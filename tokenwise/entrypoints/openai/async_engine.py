@@ -31,7 +31,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tokenwise.engine.stats import EngineStats
 from tokenwise.entrypoints.openai.errors import EngineDeadError, ServerOverloadedError
@@ -110,6 +110,7 @@ class _Add:
     sink: _Sink
     accepted: concurrent.futures.Future
     lora_request: LoRARequest | None = None
+    priority: int = 0
 
 
 @dataclass
@@ -174,8 +175,10 @@ class AsyncEngine:
         prompts: Sequence[PromptInput],
         params: SamplingParams | PoolingParams,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> RequestStream:
-        """Queue one engine request per prompt; return the stream of their outputs.
+        """Queue one engine request per prompt; return the stream of their outputs (each
+        with the scheduling `priority`, which the engine refuses unless it schedules by it).
 
         Returns only once the engine has accepted every prompt, so invalid input raises here
         (ValueError/TypeError from `LLMEngine.add_request`), before a response has started.
@@ -190,7 +193,8 @@ class AsyncEngine:
                 accepted.append(concurrent.futures.Future())
                 stream.pending.add(rid)
                 sink = _Sink(stream, index)
-                self._post(_Add(rid, prompt, params, sink, accepted[-1], lora_request))
+                add = _Add(rid, prompt, params, sink, accepted[-1], lora_request, priority)
+                self._post(add)
             for future in accepted:
                 await asyncio.wrap_future(future)
         except BaseException:
@@ -274,8 +278,12 @@ class AsyncEngine:
             return  # the handler was cancelled while waiting: don't start the request
         try:
             # Only generation takes an adapter (the embedding engine has no such argument).
-            lora = {"lora_request": command.lora_request} if command.lora_request else {}
-            self.engine.add_request(command.request_id, command.prompt, command.params, **lora)
+            extra: dict[str, Any] = {}
+            if command.lora_request:
+                extra["lora_request"] = command.lora_request
+            if command.priority:
+                extra["priority"] = command.priority
+            self.engine.add_request(command.request_id, command.prompt, command.params, **extra)
         except Exception as exc:  # invalid input: the handler turns it into a 400
             command.accepted.set_exception(exc)
             return

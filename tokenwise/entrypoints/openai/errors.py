@@ -23,7 +23,8 @@ from tokenwise.sampling.params import SamplingParams
 
 logger = logging.getLogger("tokenwise.server")
 
-_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+# ... and the request's scheduling priority, which the engine checks beside them.
+_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)} | {"priority"}
 _LEADING_NAME = re.compile(r"^(\w+)[ =]")
 
 # The `type` OpenAI reports for each status; anything else 4xx is an invalid request.

@@ -83,13 +83,17 @@ class GenerationRequest(RequestModel):
     # Not with `stream` (as in vLLM); completions' `echo` streams them in `logprobs`.
     prompt_logprobs: int | None = None
     best_of: int | None = None  # None or n: there is no best-of-n (as in vLLM V1)
+    # vLLM's: lower is served first under --scheduling-policy priority (a 400 otherwise).
+    priority: int = 0
     # Accepted, not implemented: `request_fields.IGNORED` (warned about) and `REFUSED` (a 400
     # unless the value is a no-op). Typed, so a malformed value is still a 400 naming it.
     # `echo` is implemented for completions only (`implemented_fields`).
     echo: bool = False
+    # vLLM's beam search (completions: `serving_beam_search`), with Hugging Face's
+    # `early_stopping` (false, true or "never"); without it they are ignored.
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    priority: int = 0
+    early_stopping: bool | str = False
     request_id: str | None = None
     cache_salt: str | None = None
     metadata: dict[str, str] | None = None
@@ -99,8 +103,9 @@ class GenerationRequest(RequestModel):
 
 class CompletionRequest(GenerationRequest):
     # `REFUSED` fields this endpoint implements: echo returns the prompt before the text (with
-    # its tokens' logprobs in `logprobs` when asked for; max_tokens 0: the prompt alone).
-    implemented_fields: ClassVar[frozenset[str]] = frozenset({"echo"})
+    # its tokens' logprobs in `logprobs` when asked for; max_tokens 0: the prompt alone), and
+    # use_beam_search (`serving_beam_search`).
+    implemented_fields: ClassVar[frozenset[str]] = frozenset({"echo", "use_beam_search"})
     # A string, a batch of strings, token ids, or a batch of token-id lists.
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16

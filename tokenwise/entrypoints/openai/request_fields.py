@@ -9,8 +9,8 @@ fields that change nothing, so, as vLLM does, request bodies take any field:
   line per request on the `tokenwise.server` logger; `--strict-request-fields` turns them back
   into 400s naming the field, for who wants typos caught;
 - `IGNORED`: fields of OpenAI's or vLLM's API that the server does not implement and whose
-  value cannot change the reply a client reads (metadata, a scheduling hint, a beam-search
-  knob without beam search): accepted, and named in the same warning when not at their default;
+  value cannot change the reply a client reads (metadata, a beam-search knob without beam
+  search): accepted, and named in the same warning when not at their default;
 - `REFUSED`: fields not implemented yet whose value would change the reply in a way a client
   relies on (`suffix`, beam search, a custom chat template, ...): any value other than a no-op
   is a 400 naming the field, rather than a reply that silently lacks what was asked for.
@@ -47,11 +47,15 @@ IGNORED = (
     "store",
     "service_tier",
     "reasoning_effort",
-    "priority",
     "length_penalty",
+    "early_stopping",
     "request_id",
     "cache_salt",
 )
+
+
+# `IGNORED` fields a request does use when another field is set: beam search's knobs.
+USED_WITH = {"length_penalty": "use_beam_search", "early_stopping": "use_beam_search"}
 
 
 def _is_default(name: str, value: Any, body: BaseModel) -> bool:
@@ -113,12 +117,14 @@ def refuse_unsupported(body: BaseModel) -> None:
 def ignored_fields(body: BaseModel) -> list[str]:
     """The `IGNORED` fields this request sets to something other than their default."""
     declared = type(body).model_fields
+    implemented = getattr(type(body), "implemented_fields", frozenset())
     return [
         name
         for name in IGNORED
         if name in declared
         and name in body.model_fields_set
         and not _is_default(name, getattr(body, name), body)
+        and not (USED_WITH.get(name) in implemented and getattr(body, USED_WITH[name], False))
     ]
 
 

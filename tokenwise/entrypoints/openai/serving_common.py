@@ -233,7 +233,9 @@ class OpenAIServing(ABC, Generic[RequestT, LogprobsT]):
         lora_request = self.models.resolve(body.model)
         prompts, params = self._prepare(body)
         try:
-            stream = await self.engine.submit(request_id, prompts, params, lora_request)
+            stream = await self.engine.submit(
+                request_id, prompts, params, lora_request, body.priority
+            )
         except (ValueError, TypeError) as exc:
             # The engine's complaints (prompt too long or empty, bad token ids, parameters this
             # model cannot honour) are 400s about the prompt unless they name a parameter.

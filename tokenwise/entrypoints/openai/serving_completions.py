@@ -20,6 +20,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from tokenwise.engine.prompts import check_text
+from tokenwise.entrypoints.openai.access_log import set_request_id
 from tokenwise.entrypoints.openai.errors import OpenAIError
 from tokenwise.entrypoints.openai.logprobs import completion_logprobs, prompt_logprobs_field
 from tokenwise.entrypoints.openai.protocol import (
@@ -28,6 +29,8 @@ from tokenwise.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
+from tokenwise.entrypoints.openai.request_fields import accept_fields
+from tokenwise.entrypoints.openai.serving_beam_search import create_beam_search
 from tokenwise.entrypoints.openai.serving_common import (
     OpenAIServing,
     build_sampling_params,
@@ -38,6 +41,9 @@ from tokenwise.outputs import CompletionOutput, RequestOutput
 from tokenwise.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
+    from fastapi import Request
+    from fastapi.responses import Response
+
     from tokenwise.engine.prompts import PromptInput
 
 
@@ -71,12 +77,32 @@ def _without_special_tokens(prompt: PromptInput, tokenizer: Any) -> PromptInput:
 
 
 class CompletionServing(OpenAIServing[CompletionRequest, CompletionLogprobs]):
-    """Prompts as given; a stream's chunks have the collected response's shape."""
+    """Prompts as given; a stream's chunks have the collected response's shape; beam search
+    with `use_beam_search` (`serving_beam_search`)."""
 
     request_id_prefix = "cmpl"
     prompt_param = "prompt"
     response_cls = CompletionResponse
     chunk_cls = CompletionResponse
+
+    async def create(self, body: CompletionRequest, raw: Request) -> Response:
+        """As every endpoint, unless `use_beam_search` (`serving_beam_search`)."""
+        if not body.use_beam_search:
+            return await super().create(body, raw)
+        request_id = set_request_id(raw, self.request_id_prefix)
+        accept_fields(body, self.config.strict_request_fields, request_id, raw.url.path)
+        lora_request = self.models.resolve(body.model)
+        prompts, params = self._prepare(body)
+        return await create_beam_search(
+            self.engine,
+            self.config.served_model_name,
+            body,
+            raw,
+            request_id,
+            prompts,
+            params,
+            lora_request,
+        )
 
     def _prepare(self, body: CompletionRequest) -> tuple[list[PromptInput], SamplingParams]:
         check_cap(
