@@ -51,6 +51,11 @@ IGNORED = (
     "length_penalty",
     "request_id",
     "cache_salt",
+    # The Responses API's (`protocol_responses`).
+    "reasoning",
+    "truncation",
+    "prompt_cache_key",
+    "safety_identifier",
 )
 
 
@@ -111,12 +116,15 @@ def refuse_unsupported(body: BaseModel) -> None:
 
 
 def ignored_fields(body: BaseModel) -> list[str]:
-    """The `IGNORED` fields this request sets to something other than their default."""
+    """The `IGNORED` fields this request sets to something other than their default (less
+    those its endpoint implements: the Responses API stores responses and echoes metadata)."""
     declared = type(body).model_fields
+    implemented = getattr(type(body), "implemented_fields", frozenset())
     return [
         name
         for name in IGNORED
         if name in declared
+        and name not in implemented
         and name in body.model_fields_set
         and not _is_default(name, getattr(body, name), body)
     ]
