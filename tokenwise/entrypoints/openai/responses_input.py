@@ -43,8 +43,8 @@ from tokenwise.entrypoints.openai.protocol_responses import (
     OutputText,
     ReasoningItem,
     ReasoningText,
+    RefusalContent,
     ResponsesRequest,
-    TextContent,
     TextFormatJsonObject,
     TextFormatJsonSchema,
 )
@@ -72,7 +72,7 @@ def renamed(exc: OpenAIError) -> OpenAIError:
 def _text(content: str | list[Any]) -> str:
     if isinstance(content, str):
         return content
-    return "\n".join(p.text if isinstance(p, TextContent) else p.refusal for p in content)
+    return "\n".join(p.refusal if isinstance(p, RefusalContent) else p.text for p in content)
 
 
 def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
