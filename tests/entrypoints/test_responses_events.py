@@ -28,6 +28,7 @@ from tokenwise.entrypoints.openai.responses_input import (
     output_items,
     output_messages,
     renamed,
+    without_oldest,
 )
 from tokenwise.entrypoints.openai.responses_store import ResponseStore
 from tokenwise.entrypoints.openai.structured_outputs import ToolMode
@@ -198,3 +199,16 @@ def test_chat_errors_name_the_responses_fields() -> None:
     error = renamed(OpenAIError(400, "max_completion_tokens must be <= 8", "max_completion_tokens"))
     assert error.param == "max_output_tokens" and error.message.startswith("max_output_tokens")
     assert renamed(OpenAIError(400, "x", "temperature")).param == "temperature"
+
+
+def test_truncation_drops_the_oldest_and_the_results_it_orphans() -> None:
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}
+    result = {"role": "tool", "tool_call_id": "c", "content": "r"}
+    last = {"role": "user", "content": "now"}
+    assert without_oldest([call, result, result, last]) == [last]
+    assert without_oldest([{"role": "user", "content": "a"}, call, result, last]) == [
+        call,
+        result,
+        last,
+    ]
+    assert without_oldest([last]) is None

@@ -337,3 +337,27 @@ def test_unknown_model_is_404_and_server_serves_on(server: RemoteServer) -> None
     assert response.status_code == 404 and response.json()["error"]["param"] == "model"
     ok = httpx.post(server.url("/v1/responses"), json={"input": "hi", "max_output_tokens": 2})
     assert ok.status_code == 200 and ok.json()["usage"]["output_tokens"] == 2
+
+
+def test_truncation_auto_drops_the_oldest_messages(server: RemoteServer, client: OpenAI) -> None:
+    """The built-in model's context is 1024 tokens; five long turns overflow it."""
+    turns = [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}: " + "x = 1\n" * 90}
+        for i in range(5)
+    ]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=NAME, input=turns, max_output_tokens=2)
+    assert info.value.body["param"] == "input" and "max_model_len" in info.value.body["message"]
+    out = client.responses.create(
+        model=NAME, input=turns, instructions="Kept.", truncation="auto", max_output_tokens=2
+    )
+    assert out.status == "incomplete" and out.truncation == "auto"
+
+    def count(messages: list[dict]) -> int:
+        body = {"model": NAME, "messages": [{"role": "system", "content": "Kept."}, *messages]}
+        return httpx.post(server.url("/tokenize"), json=body, timeout=60).json()["count"]
+
+    # The longest suffix of the conversation that fits (instructions kept) is what ran.
+    kept = next(k for k in range(len(turns)) if count(turns[k:]) < 1024)
+    assert 0 < kept < len(turns) - 1
+    assert out.usage.input_tokens == count(turns[kept:])

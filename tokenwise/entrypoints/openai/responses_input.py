@@ -18,6 +18,9 @@ The mapping of items to messages:
 - `function_call_output` items -> `tool` messages with the call's `tool_call_id`;
 - `reasoning` items are left out: chat templates drop earlier turns' reasoning too.
 
+`truncation: "auto"` drops the oldest messages (never the instructions, never the last
+message) until the prompt fits the model's context, as OpenAI drops the oldest items.
+
 A forced tool call (`tool_choice` naming a function, or "required") replies with a call, not a
 message, so `text.format` (which shapes messages) is not applied to that reply; the chat
 endpoint would otherwise refuse the two grammars together.
@@ -156,12 +159,20 @@ def _response_format(body: ResponsesRequest) -> dict[str, Any] | None:
     return {"type": "text"}
 
 
+def without_oldest(conversation: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """`truncation: "auto"`: the conversation less its oldest message, and less the tool
+    results that would then answer no call; None when only the last message is left."""
+    rest = conversation[1:]
+    while rest and rest[0]["role"] == "tool":
+        rest = rest[1:]
+    return rest or None
+
+
 def chat_request(
-    body: ResponsesRequest, history: list[dict[str, Any]]
-) -> tuple[ChatCompletionRequest, list[dict[str, Any]]]:
-    """The chat request that runs `body` after the earlier turns `history`, and the
-    conversation (history plus this input, without instructions) to store for the next turn."""
-    conversation = history + input_messages(body.input)
+    body: ResponsesRequest, conversation: list[dict[str, Any]]
+) -> ChatCompletionRequest:
+    """The chat request that runs `body` on `conversation` (the earlier turns and this input,
+    as chat messages, without instructions)."""
     messages = list(conversation)
     if body.instructions is not None:
         messages.insert(0, {"role": "system", "content": body.instructions})
@@ -188,6 +199,6 @@ def chat_request(
     else:
         fields["tool_choice"] = choice
     try:
-        return ChatCompletionRequest.model_validate(fields), conversation
+        return ChatCompletionRequest.model_validate(fields)
     except ValidationError as exc:  # every field was checked already; a guard, not a path
         raise OpenAIError(400, f"the request cannot run as a chat: {exc}", param="input") from exc

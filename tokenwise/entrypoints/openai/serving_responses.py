@@ -17,10 +17,11 @@ message.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import Response
+from pydantic import BaseModel
 
 from tokenwise.entrypoints.openai.access_log import record_usage, set_request_id
 from tokenwise.entrypoints.openai.async_engine import AsyncEngine, RequestStream
@@ -43,9 +44,11 @@ from tokenwise.entrypoints.openai.request_fields import accept_fields
 from tokenwise.entrypoints.openai.responses_events import ResponseEvents
 from tokenwise.entrypoints.openai.responses_input import (
     chat_request,
+    input_messages,
     output_items,
     output_messages,
     renamed,
+    without_oldest,
 )
 from tokenwise.entrypoints.openai.responses_store import ResponseStore
 from tokenwise.entrypoints.openai.server_config import ServerConfig
@@ -58,6 +61,10 @@ from tokenwise.entrypoints.openai.serving_common import (
     respond,
 )
 from tokenwise.entrypoints.openai.serving_models import ServingModels
+from tokenwise.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenwise.engine.prompts import PromptInput
 
 
 def _status(finish_reason: str | None) -> str:
@@ -94,11 +101,8 @@ class ResponsesServing:
         history: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
             history = self.store.previous(body.previous_response_id).conversation
-        chat, conversation = chat_request(body, history)
-        try:
-            prompts, params = self.chat.prepare(chat)
-        except OpenAIError as exc:
-            raise renamed(exc) from exc
+        conversation = history + input_messages(body.input)
+        chat, prompts, params = self._prepare(body, conversation)
         try:
             stream = await self.engine.submit(response_id, prompts, params, lora_request)
         except (ValueError, TypeError) as exc:
@@ -111,6 +115,28 @@ class ResponsesServing:
             return event_stream(events)
         collect = self._collect(body, chat, stream, usage, response, conversation)
         return await respond(raw, stream, collect)
+
+    def _prepare(
+        self, body: ResponsesRequest, conversation: list[dict[str, Any]]
+    ) -> tuple[ChatCompletionRequest, list[PromptInput], SamplingParams]:
+        """The chat request and what it runs; with `truncation: "auto"`, on as much of the
+        conversation as leaves the model room to reply (the oldest messages dropped first)."""
+        while True:
+            chat = chat_request(body, conversation)
+            try:
+                prompts, params = self.chat.prepare(chat)
+            except OpenAIError as exc:
+                raise renamed(exc) from exc
+            if body.truncation != "auto":
+                return chat, prompts, params
+            prompt = prompts[0]
+            assert isinstance(prompt, dict)
+            if len(prompt["prompt_token_ids"]) < self.config.max_model_len:
+                return chat, prompts, params
+            shorter = without_oldest(conversation)
+            if shorter is None:
+                return chat, prompts, params  # the engine refuses it, naming the length
+            conversation = shorter
 
     def retrieve(self, response_id: str) -> Response:
         return json_response(self.store.retrieve(response_id))
@@ -131,7 +157,7 @@ class ResponsesServing:
             store=body.store,
             temperature=1.0 if body.temperature is None else body.temperature,
             text=text,
-            tool_choice=choice.model_dump() if hasattr(choice, "model_dump") else choice or "auto",
+            tool_choice=choice.model_dump() if isinstance(choice, BaseModel) else choice or "auto",
             tools=[t.model_dump(exclude_none=True) for t in body.tools or []],
             top_p=1.0 if body.top_p is None else body.top_p,
             truncation=body.truncation or "disabled",
