@@ -149,12 +149,12 @@ def test_harmless_fields_are_ignored_with_the_warning(caplog: pytest.LogCaptureF
 def test_responses_implement_store_and_metadata(caplog: pytest.LogCaptureFixture) -> None:
     """Ignored by chat, implemented by the Responses endpoint: no warning there."""
     body = ResponsesRequest.model_validate(
-        {"input": "Hi", "store": False, "metadata": {"a": "b"}, "truncation": "auto"}
+        {"input": "Hi", "store": False, "metadata": {"a": "b"}, "prompt_cache_key": "k"}
     )
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         accept_fields(body, strict=True, request_id="r", route="/x")
     (line,) = warnings_of(caplog)
-    assert "truncation" in line and "store" not in line and "metadata" not in line
+    assert "prompt_cache_key" in line and "store" not in line and "metadata" not in line
 
 
 @pytest.mark.parametrize(

@@ -361,3 +361,39 @@ def test_truncation_auto_drops_the_oldest_messages(server: RemoteServer, client:
     kept = next(k for k in range(len(turns)) if count(turns[k:]) < 1024)
     assert 0 < kept < len(turns) - 1
     assert out.usage.input_tokens == count(turns[kept:])
+
+
+def test_reasoning_parser_gives_reasoning_items(tmp_path) -> None:
+    """deepseek_r1 reads a reply as reasoning until `</think>`, which the built-in model never
+    writes: the whole reply is one reasoning item, the chat endpoint's reasoning_content."""
+    model_dir = str(tmp_path / "model")
+    shutil.copytree(DEFAULT_MODEL_DIR, model_dir)
+    with open(os.path.join(model_dir, "chat_template.jinja"), "w") as f:
+        f.write(CHAT_TEMPLATE)
+    args = ("--served-model-name", NAME, "--reasoning-parser", "deepseek_r1")
+    with RemoteServer(model_dir, *args) as srv:
+        client = OpenAI(base_url=srv.url("/v1"), api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "Think."}]
+        chat = client.chat.completions.create(
+            model=NAME, messages=messages, temperature=0.0, max_tokens=12
+        )
+        expected = chat.choices[0].message.reasoning_content
+        assert expected
+        out = client.responses.create(model=NAME, input=messages, **GREEDY)
+        (item,) = out.output
+        assert item.type == "reasoning" and item.id.startswith("rs_")
+        assert item.content[0].type == "reasoning_text" and item.content[0].text == expected
+        assert out.output_text == ""
+        events = list(client.responses.create(model=NAME, input=messages, stream=True, **GREEDY))
+        deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+        assert "".join(deltas) == expected
+        done = next(e for e in events if e.type == "response.reasoning_text.done")
+        assert done.text == expected and events[-1].response.output[0].type == "reasoning"
+        # A guided reply is read without the parser: the message is all JSON.
+        fmt = {"type": "json_schema", "name": "f", "schema": SCHEMA}
+        guided = client.responses.create(
+            model=NAME, input=messages, text={"format": fmt}, max_output_tokens=96,
+            extra_body={"seed": 0},
+        )  # fmt: skip
+        assert [i.type for i in guided.output] == ["message"]
+        jsonschema.validate(json.loads(guided.output_text), SCHEMA)

@@ -53,7 +53,6 @@ IGNORED = (
     "cache_salt",
     # The Responses API's (`protocol_responses`).
     "reasoning",
-    "truncation",
     "prompt_cache_key",
     "safety_identifier",
 )

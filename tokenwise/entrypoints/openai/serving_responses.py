@@ -73,6 +73,8 @@ def _status(finish_reason: str | None) -> str:
 
 
 class ResponsesServing:
+    """Validate, render as chat, submit, then collect one response or stream its events."""
+
     def __init__(
         self,
         engine: AsyncEngine,
