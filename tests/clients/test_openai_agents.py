@@ -6,7 +6,8 @@ client is pointed at the server, and tracing is off, so nothing reaches OpenAI. 
 model writes no useful text, so behaviour is forced and results are checked for structure and
 against the chat endpoint: a plain run ends at a stop string and equals the chat reply, a tool
 is forced by `tool_choice` and its result must reach the next prompt exactly as the chat
-template renders it, and structured outputs are guided by the `output_type`'s schema.
+template renders it, structured outputs are guided by the `output_type`'s schema, and a run
+chained with `previous_response_id` runs on the conversation the server kept.
 """
 
 from __future__ import annotations
@@ -191,3 +192,26 @@ def test_structured_output_type() -> None:
     assert isinstance(result.final_output, Report)
     (response,) = result.raw_responses
     assert Report.model_validate_json(response.output[0].content[0].text) == result.final_output
+
+
+def test_previous_response_id_continues_on_the_server(server: RemoteServer) -> None:
+    """The SDK sends only the new input; the server prepends the stored conversation."""
+    agent = Agent(
+        name="chained",
+        instructions=INSTRUCTIONS,
+        output_type=Report,
+        model_settings=settings(temperature=1.0, max_tokens=96, extra_body={"seed": 2}),
+    )
+    first = Runner.run_sync(agent, "Report.")
+    second = Runner.run_sync(agent, "Again.", previous_response_id=first.last_response_id)
+    assert isinstance(second.final_output, Report)
+    first_text = first.raw_responses[0].output[0].content[0].text
+    messages = [
+        {"role": "system", "content": INSTRUCTIONS},
+        {"role": "user", "content": "Report."},
+        {"role": "assistant", "content": first_text},
+        {"role": "user", "content": "Again."},
+    ]
+    body = {"model": get_default_model(), "messages": messages}
+    counted = httpx.post(server.url("/tokenize"), json=body, timeout=60).json()["count"]
+    assert second.raw_responses[0].usage.input_tokens == counted

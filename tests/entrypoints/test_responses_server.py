@@ -254,6 +254,21 @@ def test_previous_response_id_continues_the_conversation(client: OpenAI) -> None
     fetched = client.responses.retrieve(first.id)
     assert fetched.id == first.id and fetched.output_text == first.output_text
     assert fetched.metadata == {"k": "v"}
+    # A continuation of a continuation renders all three turns.
+    third = client.responses.create(
+        model=NAME, previous_response_id=second.id, input="class C:", **GREEDY
+    )
+    more = [*messages, {"role": "assistant", "content": second.output_text}]
+    expected, prompt_tokens = chat_text(client, [*more, {"role": "user", "content": "class C:"}])
+    assert third.output_text == expected and third.usage.input_tokens == prompt_tokens
+    # Deleted: neither fetched nor continued any more.
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model=NAME, previous_response_id=first.id, input="x")
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(first.id)
 
 
 def test_unstored_and_unknown_responses_cannot_be_continued(

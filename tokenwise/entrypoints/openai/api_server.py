@@ -159,6 +159,10 @@ def build_app(
     async def retrieve_response(response_id: str) -> Response:
         return responses.retrieve(response_id)
 
+    @api.delete("/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        return responses.delete(response_id)
+
     @api.post("/embeddings")
     async def create_embedding(body: EmbeddingRequest, raw: Request) -> Response:
         return await embeddings.create(body, raw)

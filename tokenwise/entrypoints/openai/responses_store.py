@@ -1,5 +1,5 @@
-"""The responses kept for `previous_response_id` and `GET /v1/responses/{id}`: the last N, in
-memory.
+"""The responses kept for `previous_response_id` and `GET|DELETE /v1/responses/{id}`: the last
+N, in memory.
 
 OpenAI keeps stored responses for 30 days; a single-process server cannot promise that, so it
 keeps a bounded number (`--responses-store-size`, 0: none) and forgets the least recently used
@@ -66,12 +66,22 @@ class ResponseStore:
         return entry
 
     def retrieve(self, response_id: str) -> ResponseObject:
+        """`GET /v1/responses/{id}`; a 404 when it is not kept."""
         entry = self.get(response_id)
         if entry is None:
-            raise OpenAIError(
-                404,
-                f"Response with id {response_id!r} not found",
-                param="response_id",
-                code="response_not_found",
-            )
+            raise _not_found(response_id)
         return entry.response
+
+    def delete(self, response_id: str) -> None:
+        """`DELETE /v1/responses/{id}`: forget it (nothing continues it any more)."""
+        if self._entries.pop(response_id, None) is None:
+            raise _not_found(response_id)
+
+
+def _not_found(response_id: str) -> OpenAIError:
+    return OpenAIError(
+        404,
+        f"Response with id {response_id!r} not found",
+        param="response_id",
+        code="response_not_found",
+    )

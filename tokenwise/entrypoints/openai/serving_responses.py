@@ -1,4 +1,5 @@
-"""`POST /v1/responses` and `GET /v1/responses/{id}`: OpenAI's Responses API, run as chat.
+"""`POST /v1/responses` and `GET|DELETE /v1/responses/{id}`: OpenAI's Responses API, run as
+chat.
 
 A request becomes the chat completion request it means (`responses_input`): the chat endpoint
 renders it with the chat template, checks and enforces its tools and structured output, and its
@@ -20,7 +21,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from tokenwise.entrypoints.openai.access_log import record_usage, set_request_id
@@ -142,6 +143,11 @@ class ResponsesServing:
 
     def retrieve(self, response_id: str) -> Response:
         return json_response(self.store.retrieve(response_id))
+
+    def delete(self, response_id: str) -> Response:
+        self.store.delete(response_id)
+        body = {"id": response_id, "object": "response.deleted", "deleted": True}
+        return JSONResponse(body)
 
     def _envelope(self, body: ResponsesRequest, response_id: str) -> ResponseObject:
         """The response before any output: the request's settings, echoed as OpenAI does."""
