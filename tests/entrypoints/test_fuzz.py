@@ -5,11 +5,12 @@ Why: test_server_errors.py checks the invalid inputs someone thought of; this se
 nobody did (odd unions, huge or negative numbers, deep arrays, unknown keys, non-BMP and control
 characters, malformed JSON).
 
-What it promises, for about 140 generated cases (70 per generation route; the GET routes take
-no parameters, so each is one case), positive (schema-valid) and negative (schema-violating):
+What it promises, for about 210 generated cases (70 per generation route; the GET routes take
+few parameters), positive (schema-valid) and negative (schema-violating):
 - no 5xx, and no hang: every call has a 30 s timeout and every test a pytest timeout;
-- every error is OpenAI's body (`error_of`), and a 200 event stream ends with `[DONE]` within
-  the timeout and carries no error event (a 500 inside a stream is invisible to status checks);
+- every error is OpenAI's body (`error_of`), and a 200 event stream ends with `[DONE]` (with
+  `response.completed` or `.incomplete` on /v1/responses) within the timeout and carries no
+  error event (a 500 inside a stream is invisible to status checks);
 - schema-violating bodies are refused with a 4xx (`negative_data_rejection`), and /v1 refuses
   requests without or with a wrong API key (`ignored_auth`, which probes each route once);
 - afterwards nothing is left running or holding KV blocks, and a plain request still works.
@@ -130,6 +131,11 @@ def openai_errors_and_complete_streams(
         return None
     assert not response.stream_cut_short, f"stream did not end within {CALL_TIMEOUT_S}s"
     events = [e for e in response.text.split("\n\n") if e]
+    if case.path == "/v1/responses":  # named events, no [DONE]: the last one ends the response
+        types = [json.loads(e.split("data: ", 1)[1])["type"] for e in events]
+        assert types and types[-1] in ("response.completed", "response.incomplete"), types[-3:]
+        assert "error" not in types and "response.failed" not in types, types
+        return None
     assert events and events[-1] == "data: [DONE]", events[-3:]
     for event in events[:-1]:
         assert event.startswith("data: {"), event

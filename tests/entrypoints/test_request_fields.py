@@ -19,6 +19,7 @@ from tokenwise.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from tokenwise.entrypoints.openai.protocol_responses import ResponsesRequest
 from tokenwise.entrypoints.openai.request_fields import (
     IGNORED,
     REFUSED,
@@ -158,6 +159,17 @@ def test_harmless_fields_are_ignored_with_the_warning(caplog: pytest.LogCaptureF
         assert name not in line
 
 
+def test_responses_implement_store_and_metadata(caplog: pytest.LogCaptureFixture) -> None:
+    """Ignored by chat, implemented by the Responses endpoint: no warning there."""
+    body = ResponsesRequest.model_validate(
+        {"input": "Hi", "store": False, "metadata": {"a": "b"}, "prompt_cache_key": "k"}
+    )
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        accept_fields(body, strict=True, request_id="r", route="/x")
+    (line,) = warnings_of(caplog)
+    assert "prompt_cache_key" in line and "store" not in line and "metadata" not in line
+
+
 @pytest.mark.parametrize(
     ("make", "fields", "where"),
     [
@@ -184,6 +196,7 @@ def test_field_lists_name_declared_request_fields() -> None:
         TokenizeCompletionRequest,
         TokenizeChatRequest,
         DetokenizeRequest,
+        ResponsesRequest,
     ]
     declared = set().union(*(m.model_fields for m in models))
     assert set(IGNORED) <= declared

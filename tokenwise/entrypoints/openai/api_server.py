@@ -43,13 +43,16 @@ from tokenwise.entrypoints.openai.protocol import (
     ModelList,
     UnloadLoRAAdapterRequest,
 )
+from tokenwise.entrypoints.openai.protocol_responses import ResponsesRequest
 from tokenwise.entrypoints.openai.request_fields import accept_fields
+from tokenwise.entrypoints.openai.responses_store import ResponseStore
 from tokenwise.entrypoints.openai.server_config import ServerConfig
 from tokenwise.entrypoints.openai.serving_chat import ChatServing
 from tokenwise.entrypoints.openai.serving_common import json_response
 from tokenwise.entrypoints.openai.serving_completions import CompletionServing
 from tokenwise.entrypoints.openai.serving_embeddings import EmbeddingServing
 from tokenwise.entrypoints.openai.serving_models import ServingModels
+from tokenwise.entrypoints.openai.serving_responses import ResponsesServing
 from tokenwise.entrypoints.openai.serving_tokenization import TokenizationServing
 from tokenwise.entrypoints.openai.serving_transcriptions import TranscriptionServing
 from tokenwise.entrypoints.openai.serving_ui import add_ui_routes
@@ -89,6 +92,8 @@ def build_app(
     models = models or ServingModels(config.served_model_name, config.max_model_len)
     completions = CompletionServing(engine, config, models)
     chat = ChatServing(engine, config, models)
+    store = ResponseStore(config.responses_store_size)
+    responses = ResponsesServing(engine, config, models, chat, store)
     embeddings = EmbeddingServing(engine, config, models)
     transcriptions = TranscriptionServing(engine, config, models)
     tokenization = TokenizationServing(engine, config, models)
@@ -146,6 +151,19 @@ def build_app(
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         require_generative_model()
         return await chat.create(body, raw)
+
+    @api.post("/responses")
+    async def create_response(body: ResponsesRequest, raw: Request) -> Response:
+        require_generative_model()
+        return await responses.create(body, raw)
+
+    @api.get("/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> Response:
+        return responses.retrieve(response_id)
+
+    @api.delete("/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        return responses.delete(response_id)
 
     @api.post("/embeddings")
     async def create_embedding(body: EmbeddingRequest, raw: Request) -> Response:

@@ -24,6 +24,7 @@ from tokenwise.entrypoints.openai.server_config import (
     DEFAULT_MAX_PROMPTS,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_PORT,
+    DEFAULT_RESPONSES_STORE_SIZE,
 )
 
 API_KEY_ENV = "TOKENWISE_API_KEY"
@@ -111,6 +112,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "tool calls are read from the rest (default: off, the tags stay in the content)",
     )
     g.add_argument(
+        "--responses-store-size",
+        type=non_negative_int,
+        default=DEFAULT_RESPONSES_STORE_SIZE,
+        metavar="N",
+        help="keep the last N /v1/responses results in memory, for previous_response_id and "
+        "GET /v1/responses/{id} (least recently used forgotten first; 0: keep none) "
+        f"(default: {DEFAULT_RESPONSES_STORE_SIZE})",
+    )
+    g.add_argument(
         "--disable-access-log",
         "--disable-uvicorn-access-log",
         dest="disable_access_log",
@@ -184,4 +194,5 @@ def server_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "reasoning_parser": args.reasoning_parser,
         "access_log": not args.disable_access_log,
         "ui": not args.disable_ui,
+        "responses_store_size": args.responses_store_size,
     }

@@ -51,6 +51,10 @@ IGNORED = (
     "early_stopping",
     "request_id",
     "cache_salt",
+    # The Responses API's (`protocol_responses`).
+    "reasoning",
+    "prompt_cache_key",
+    "safety_identifier",
 )
 
 
@@ -115,13 +119,15 @@ def refuse_unsupported(body: BaseModel) -> None:
 
 
 def ignored_fields(body: BaseModel) -> list[str]:
-    """The `IGNORED` fields this request sets to something other than their default."""
+    """The `IGNORED` fields this request sets to something other than their default (less
+    those its endpoint implements: the Responses API stores responses and echoes metadata)."""
     declared = type(body).model_fields
     implemented = getattr(type(body), "implemented_fields", frozenset())
     return [
         name
         for name in IGNORED
         if name in declared
+        and name not in implemented
         and name in body.model_fields_set
         and not _is_default(name, getattr(body, name), body)
         and not (USED_WITH.get(name) in implemented and getattr(body, USED_WITH[name], False))

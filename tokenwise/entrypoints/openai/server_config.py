@@ -20,6 +20,7 @@ DEFAULT_MAX_N = 16  # completions per request (--max-n)
 DEFAULT_MAX_PROMPTS = 64  # prompts in one batched /v1/completions request (--max-prompts)
 DEFAULT_MAX_LOGPROBS = 20  # top logprobs per token (--max-logprobs); OpenAI's own cap
 DEFAULT_MAX_REQUEST_BODY_BYTES = 1 << 20  # 1 MiB (--max-request-body-bytes) -> 413 above
+DEFAULT_RESPONSES_STORE_SIZE = 1000  # kept for previous_response_id (--responses-store-size)
 
 
 @dataclass(frozen=True)
@@ -44,11 +45,15 @@ class ServerConfig:
     access_log: bool = True
     # The web page at `/` and its data under `/ui/` (`serving_ui`; off: --disable-ui).
     ui: bool = True
+    # The last N /v1/responses results kept in memory (`responses_store`); 0: none.
+    responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_n", "max_prompts", "max_request_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.responses_store_size < 0:
+            raise ValueError(f"responses_store_size must be >= 0, got {self.responses_store_size}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.max_tokens_cap is not None and self.max_tokens_cap < 1:

@@ -88,7 +88,12 @@ class ChatServing(OpenAIServing[ChatCompletionRequest, ChatLogprobs]):
             return {}
         return {"prompt_logprobs": prompt_logprobs_field(merged[0].prompt_logprobs)}
 
-    def _reader(self, body: ChatCompletionRequest) -> ToolCallReader:
+    def prepare(self, body: ChatCompletionRequest) -> tuple[list[PromptInput], SamplingParams]:
+        """`_prepare`, for the Responses endpoint, which runs its requests as chat requests
+        (`serving_responses`)."""
+        return self._prepare(body)
+
+    def reader(self, body: ChatCompletionRequest) -> ToolCallReader:
         """A fresh reader of one choice's reply (the request was checked in `_prepare`)."""
         mode = resolve_tool_mode(body)
         name = self.config.reasoning_parser
@@ -103,7 +108,7 @@ class ChatServing(OpenAIServing[ChatCompletionRequest, ChatLogprobs]):
         output: CompletionOutput,
         logprobs: ChatLogprobs | None,
     ) -> ChatChoice:
-        reader = self._reader(body)
+        reader = self.reader(body)
         message, finish_reason = reader.message(output.text, output.finish_reason)
         return ChatChoice(
             index=index,
@@ -123,7 +128,7 @@ class ChatServing(OpenAIServing[ChatCompletionRequest, ChatLogprobs]):
     ) -> ChatStreamChoice | None:
         reader = state.get(index)
         if reader is None:
-            reader = state[index] = self._reader(body)
+            reader = state[index] = self.reader(body)
         delta, finish_reason = reader.delta(output.text, output.finish_reason)
         has_logprobs = logprobs is not None and bool(output.token_ids)
         if delta is None and not has_logprobs:

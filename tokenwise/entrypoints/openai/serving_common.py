@@ -193,6 +193,24 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     return None
 
 
+async def collect_outputs(stream: RequestStream) -> dict[int, RequestOutput]:
+    """The deltas folded into one cumulative output per prompt (by prompt index); a failed
+    generation is a 500, a grammar the engine refused a 400."""
+    merged: dict[int, RequestOutput] = {}
+    async for index, delta in stream:
+        if index in merged:
+            merged[index].merge(delta)
+        else:
+            merged[index] = delta
+    for out in merged.values():
+        if out.error is not None and out.error.startswith(GRAMMAR_ERROR_PREFIX):
+            # The request's grammar was refused (too slow to compile): the client's to fix.
+            raise OpenAIError(400, out.error, code="grammar_refused")
+        if out.error is not None:
+            raise generation_failed(out.error)
+    return merged
+
+
 async def respond(
     request: Request, stream: RequestStream, collect: Awaitable[BaseModel]
 ) -> Response:
@@ -298,19 +316,7 @@ class OpenAIServing(ABC, Generic[RequestT, LogprobsT]):
     async def _collect(
         self, body: RequestT, request_id: str, stream: RequestStream, usage: UsageCounter
     ) -> OpenAIResponse:
-        # Fold the deltas into one cumulative output per prompt; a failed generation is a 500.
-        merged: dict[int, RequestOutput] = {}
-        async for index, delta in stream:
-            if index in merged:
-                merged[index].merge(delta)
-            else:
-                merged[index] = delta
-        for out in merged.values():
-            if out.error is not None and out.error.startswith(GRAMMAR_ERROR_PREFIX):
-                # The request's grammar was refused (too slow to compile): the client's to fix.
-                raise OpenAIError(400, out.error, code="grammar_refused")
-            if out.error is not None:
-                raise generation_failed(out.error)
+        merged = await collect_outputs(stream)
         choices = []
         for index in sorted(merged):
             out = merged[index]
