@@ -70,9 +70,12 @@ def write_gguf(
     tokenizer: bool = True,
     architecture: str | None = None,
     extra_tensors: dict[str, np.ndarray] | None = None,
+    types: dict[str, Any] | None = None,
 ) -> str:
     """Write the checkpoint in `hf_dir` to `out_path`; matrices in `qtype` (default F32).
 
+    `types` maps parts of GGUF tensor names to other types for those tensors (a mixed file,
+    as `llama-quantize`'s Q4_K_M writes: `{"attn_v": Q6_K, "ffn_down": Q6_K}`).
     `extra_tensors` are written as given, replacing the checkpoint's tensor of the same name."""
     import gguf
 
@@ -119,7 +122,8 @@ def write_gguf(
             data = llamacpp_permute(data, kv_heads)
         if gguf_name in (extra_tensors or {}):
             continue  # replaced below
-        _add(writer, gguf_name, data, qtype)
+        override = [t for key, t in (types or {}).items() if key in gguf_name]
+        _add(writer, gguf_name, data, override[0] if override else qtype)
     for name, data in (extra_tensors or {}).items():
         writer.add_tensor(name, data)  # as given (an int8 array is written as I8)
     writer.write_header_to_file()

@@ -95,6 +95,28 @@ def test_k_quant_logits_match_hf(tmp_path: Any, arch: str, qtype: Any) -> None:
     _assert_matches_hf(_files(tmp_path, arch, qtype, **WIDE)[1])
 
 
+def test_mixed_k_quant_file_keeps_every_part_quantized(tmp_path: Any) -> None:
+    """A Q4_K_M-style file: q, k, gate, up in Q4_K, v and down in Q6_K. Every layer keeps its
+    file's integers (float32 scales: K-quant scales are products float16 does not hold), the
+    fused q/k/v as per-part formats, and the logits still match HF's dequantization."""
+    from tokenwise.layers.quantization.weight_only import QuantizedParts, QuantizedWeight
+
+    hf_dir = build_tiny_checkpoint(tmp_path, "LlamaForCausalLM", **WIDE)
+    mix = {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K}
+    path = write_gguf(hf_dir, str(tmp_path / "mixed.gguf"), Q.Q4_K, types=mix)
+    _assert_matches_hf(path)
+    config = ModelConfig.from_pretrained(path, dtype="float32", skip_tokenizer_init=True)
+    layer = load_model(EngineConfig(model=config)).model.layers[0]
+    qkv = layer.self_attn.qkv_proj.packed_weight
+    assert isinstance(qkv, QuantizedParts)
+    assert [(p.bits, p.group_size) for p in qkv.parts] == [(4, 32), (4, 32), (8, 16)]
+    gate_up, down = layer.mlp.gate_up_proj.packed_weight, layer.mlp.down_proj.packed_weight
+    assert isinstance(gate_up, QuantizedWeight) and gate_up.bits == 4
+    assert gate_up.scales.dtype == torch.float32 and gate_up.offsets is not None
+    assert isinstance(down, QuantizedWeight) and (down.bits, down.group_size) == (8, 16)
+    assert int(down.qweight.min()) >= -32 and int(down.qweight.max()) <= 31  # Q6_K's range
+
+
 def _assert_matches_hf(path: str) -> None:
     ids = _ids()
     ours = _our_logits(path, ids)

@@ -72,11 +72,12 @@ def iterate_gguf(
     path: str,
     expected_names: Iterable[str],
     dtype: torch.dtype,
-    observe: Callable[[str, torch.Tensor, str], None] | None = None,
+    observe: Callable[[str, torch.Tensor, str, np.ndarray], None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(HF name, tensor in dtype)` for every tensor of the file, one at a time.
 
-    `observe(HF name, float32 values, GGUF type name)` sees each tensor before the cast (the
+    `observe(HF name, float32 values, GGUF type name, bytes as [rows, row bytes])` sees each
+    tensor before the cast (the
     quantized loader keeps the file's integers from it: `layers.quantization.gguf_layers`)."""
     metadata, _ = read_metadata(path)
     arch = gguf_architecture(metadata, path)
@@ -93,14 +94,15 @@ def iterate_gguf(
                 "model being loaded"
             )
         values = dequantize_tensor(tensor, path)
+        raw = tensor.data
         if arch in PERMUTED_QK and ".attn_q." in tensor.name:
-            values = unpermute_qk(values, heads)
+            values, raw = unpermute_qk(values, heads), unpermute_qk(raw, heads)
         elif arch in PERMUTED_QK and ".attn_k." in tensor.name:
-            values = unpermute_qk(values, kv_heads)
+            values, raw = unpermute_qk(values, kv_heads), unpermute_qk(raw, kv_heads)
         values = np.ascontiguousarray(values)
         if not values.flags.writeable:  # F32 tensors are views of the read-only file mapping
             values = values.copy()
         tensor_fp32 = torch.from_numpy(values)
         if observe is not None:
-            observe(hf_name, tensor_fp32, tensor.tensor_type.name)
+            observe(hf_name, tensor_fp32, tensor.tensor_type.name, raw)
         yield hf_name, tensor_fp32.to(dtype)

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenwise.layers import cpu_gemv
-from tokenwise.layers.quantization.weight_only import QuantizedWeight
+from tokenwise.layers.quantization.weight_only import QuantizedParts, QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def linear(
     through the small-M C kernel where it is available, others through the prepacked weight
     when the layer has one. A quantized layer's `packed` is its `QuantizedWeight` (its
     `weight` then lives on the meta device), which computes the product itself."""
-    if isinstance(packed, QuantizedWeight):
+    if isinstance(packed, (QuantizedWeight, QuantizedParts)):
         return packed.linear(x, bias)
     # Under torch.compile the row count is symbolic (no guard may depend on it) and the
     # compiler lays out its own matmuls: the traced graph always takes F.linear.

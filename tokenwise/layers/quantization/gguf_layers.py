@@ -17,11 +17,13 @@ there the layers are quantized from their loaded (sliced) dense weights.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
+from tokenwise.layers.quantization.gguf_kquants import KQUANTS, kquant_weight
 from tokenwise.layers.quantization.schemes import GGUF_SCHEMES, Scheme
-from tokenwise.layers.quantization.weight_only import QuantizedWeight, quantize
+from tokenwise.layers.quantization.weight_only import QuantizedParts, QuantizedWeight, quantize
 from tokenwise.layers.weight_utils import StackedMapping, checkpoint_names
 
 
@@ -40,15 +42,14 @@ class GGUFLayerQuantizer:
         self.types: dict[str, str] = {}
         self.records: dict[str, QuantizedWeight] = {}
 
-    def observe(self, hf_name: str, values: torch.Tensor, type_name: str) -> None:
+    def observe(self, hf_name: str, values: torch.Tensor, type_name: str, raw: np.ndarray) -> None:
         self.types[hf_name] = type_name
         scheme = scheme_of_type(type_name)
-        if (
-            self.keep_exact
-            and scheme is not None
-            and values.dim() == 2
-            and values.shape[1] % scheme.group_size == 0
-        ):
+        if not self.keep_exact or scheme is None or values.dim() != 2:
+            return
+        if type_name in KQUANTS:
+            self.records[hf_name] = kquant_weight(values, raw, type_name)
+        elif values.shape[1] % scheme.group_size == 0:
             self.records[hf_name] = quantize(
                 values, scheme.bits, scheme.group_size, scheme.symmetric
             )
@@ -67,15 +68,19 @@ class GGUFLayerQuantizer:
             return None
         return max(schemes, key=lambda s: s.precision)  # type: ignore[union-attr]
 
-    def exact(self, name: str, module: nn.Module, scheme: Scheme) -> QuantizedWeight | None:
+    def exact(
+        self, name: str, module: nn.Module, scheme: Scheme
+    ) -> QuantizedWeight | QuantizedParts | None:
         parts = [self.records.get(part) for part in self._parts(module)]
         if not parts or any(p is None for p in parts):
             return None
-        if any((p.bits, p.offsets is None, p.group_size) != _key(scheme) for p in parts):
-            return None
         if sum(p.shape[0] for p in parts) != module.weight.shape[0]:
             return None  # a sliced (TP) or padded layer: quantize its own rows
+        if len(parts) == 1:
+            return parts[0]
         first = parts[0]
+        if any(_format(p) != _format(first) for p in parts):
+            return QuantizedParts(parts)  # type: ignore[arg-type]
         offsets = None if first.offsets is None else torch.cat([p.offsets for p in parts])
         return QuantizedWeight(
             qweight=torch.cat([p.qweight for p in parts]),
@@ -87,5 +92,5 @@ class GGUFLayerQuantizer:
         )
 
 
-def _key(scheme: Scheme) -> tuple[int, bool, int]:
-    return scheme.bits, scheme.symmetric, scheme.group_size
+def _format(weight: QuantizedWeight) -> tuple[int, bool, int, torch.dtype]:
+    return weight.bits, weight.offsets is None, weight.group_size, weight.scales.dtype

@@ -59,6 +59,11 @@ GGUF_SCHEMES: dict[str, Scheme | None] = {
     "Q8_0": INT8,
     "Q4_0": Scheme(4, True),
     "Q4_1": INT4,
+    # K-quants: exact with float32 scales (gguf_kquants); re-quantized from the dense weight
+    # under tensor parallelism.
+    "Q4_K": INT4,
+    "Q5_K": INT8,
+    "Q6_K": Scheme(8, True, 16),
 }
 
 

@@ -88,6 +88,34 @@ class QuantizedWeight:
         return cpu_qgemv.qgemv(lib, x, *args, self.shape[0])
 
 
+@dataclass(eq=False)
+class QuantizedParts:
+    """A fused layer whose parts (q / k / v rows, gate / up) are quantized in different formats
+    (a GGUF file may store v as Q6_K beside q and k in Q4_K): one product per part, outputs
+    side by side. The same interface as `QuantizedWeight`."""
+
+    parts: list[QuantizedWeight]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def describe(self) -> str:
+        return " | ".join(p.describe() for p in self.parts)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) for p in self.parts])
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        sizes = [p.shape[0] for p in self.parts]
+        biases = [None] * len(sizes) if bias is None else list(bias.split(sizes))
+        return torch.cat([p.linear(x, b) for p, b in zip(self.parts, biases, strict=True)], -1)
+
+
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """uint8 `[N, K / 2]` in GGUF's nibble order -> uint8 values `[N, K]` in 0..15."""
     n = packed.shape[0]
