@@ -72,11 +72,10 @@ def reader(model: nn.Module, qc: dict[str, Any], keep_exact: bool) -> Prequantiz
         if isinstance(scheme, list):
             raise ValueError(f"compressed-tensors config_groups.{group_name}: not a scheme")
         _check_scheme(group_name, scheme, scheme.format or config.format)
-        schemes.append((scheme, scheme.format or config.format))
+        schemes.append(scheme)
 
     def convert(name: str, parts: dict[str, torch.Tensor]) -> Converted:
-        scheme, fmt = _scheme_for(name, schemes)
-        return _convert(name, parts, scheme.weights)
+        return _convert(name, parts, _scheme_for(name, schemes).weights)
 
     return PrequantizedCheckpoint(model, SUFFIXES, MARKER, convert, keep_exact, DROPPED)
 
@@ -110,17 +109,17 @@ def _check_scheme(group: str, scheme: Any, fmt: str) -> None:
         )
 
 
-def _scheme_for(name: str, schemes: list[tuple[Any, str]]) -> tuple[Any, str]:
+def _scheme_for(name: str, schemes: list[Any]) -> Any:
     """The config group whose targets name this layer (a regex or its name), else the one
     targeting every `Linear`; compressed-tensors' own name matching."""
     from compressed_tensors.utils.match import match_name
 
-    for scheme, fmt in schemes:
+    for scheme in schemes:
         if any(match_name(name, target) for target in scheme.targets):
-            return scheme, fmt
-    for scheme, fmt in schemes:
+            return scheme
+    for scheme in schemes:
         if "Linear" in scheme.targets:
-            return scheme, fmt
+            return scheme
     raise ValueError("no config group targets this layer")
 
 
