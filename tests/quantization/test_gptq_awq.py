@@ -313,3 +313,84 @@ def test_a_quantization_setting_that_contradicts_the_checkpoint_names_both(
     with pytest.raises(ValueError, match="quantization='int4' does not match"):
         LLM(quantized, quantization="int4")
     assert _load(quantized, quantization="gptq_marlin") is not None  # vLLM's kernel name
+
+
+def test_gptq_8bit_layers_keep_their_integers() -> None:
+    """8 bits: four values per word; v1's midpoint zero (128, stored 127) needs no offsets."""
+    from tokenwise.layers.quantization import gptq
+    from tokenwise.layers.quantization.weight_only import reference_dequantize
+    from tokenwise.quantization_config import int_checkpoint_config
+
+    gen = torch.Generator().manual_seed(0)
+    n, k = 48, 64
+    q = torch.randint(0, 256, (n, k), generator=gen)
+    s = (torch.rand(n, k // GROUP, generator=gen) / 50).half()
+    words = torch.zeros(k // 4, n, dtype=torch.int64)
+    for j in range(4):
+        words |= q.t()[j::4] << (8 * j)
+    zeros = torch.full((k // GROUP, n // 4), 0x7F7F7F7F, dtype=torch.int32)  # 127 each
+    parts = {
+        "qweight": torch.where(words >= 2**31, words - 2**32, words).to(torch.int32),
+        "qzeros": zeros,
+        "scales": s.t().contiguous(),
+    }
+    config = int_checkpoint_config("gptq", {"bits": 8, "group_size": GROUP})
+    converted = gptq.convert(config, "layer", parts)
+    expected = (q - 128).float() * s.float().repeat_interleave(GROUP, dim=1)
+    assert torch.equal(converted.dense, expected)
+    record = converted.record
+    assert record is not None and record.bits == 8 and record.offsets is None
+    assert torch.equal(record.qweight.long(), q - 128)
+    assert torch.equal(reference_dequantize(record), expected)
+
+
+def test_fused_parts_in_different_input_orders_stay_dense(tmp_path: Any) -> None:
+    """vLLM's act-order kernels assume q, k and v share one g_idx; where a checkpoint's differ
+    the fused layer cannot permute one input for all three: it stays dense, with the exact
+    dequantized weights."""
+    quantized, reference, _ = _checkpoints(tmp_path, "gptq", act_order=True, fmt="gptq_v2")
+    state = load_file(os.path.join(quantized, "model.safetensors"))
+    k_rows = {}
+    for layer in (0, 1):  # rebuild k_proj with another column order: same values, new g_idx
+        prefix = f"model.layers.{layer}.self_attn.k_proj"
+        w = load_file(os.path.join(reference, "model.safetensors"))[f"{prefix}.weight"]
+        groups = _groups(f"{prefix}.other.weight", w.shape[1], True)
+        q, z, s = _quantize(w, groups, sym=False)
+        state[f"{prefix}.qweight"] = _pack(q).t().contiguous()
+        state[f"{prefix}.qzeros"] = _pack(z.t())
+        state[f"{prefix}.scales"] = s.t().contiguous()
+        state[f"{prefix}.g_idx"] = groups.to(torch.int32)
+        k_rows[layer] = (q - z[:, groups]).float() * s.float()[:, groups]
+    save_file(state, os.path.join(quantized, "model.safetensors"), metadata={"format": "pt"})
+    model = _load(quantized)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert not isinstance(qkv.packed_weight, QuantizedWeight)
+    n = qkv.weight.shape[1]  # q's rows (hidden size), then k's
+    assert torch.equal(qkv.weight[n : n + k_rows[0].shape[0]], k_rows[0])
+    assert isinstance(model.model.layers[0].self_attn.o_proj.packed_weight, QuantizedWeight)
+
+
+def test_without_the_records_layers_are_quantized_with_the_checkpoints_scheme(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under tensor parallelism a rank's slices are not what the records describe: the loader
+    reads lazily, keeps no records, and each layer is quantized from its dense weight with the
+    checkpoint's scheme (int4 with offsets, groups of 32), rounded again: what
+    `quantization="int4"` makes of the dense weights (but the float LM head), not the
+    checkpoint's integers."""
+    import tokenwise.loader
+    from tokenwise.layers.quantization.schemes import INT4, quantize_model
+
+    monkeypatch.setattr(tokenwise.loader, "get_tp_size", lambda: 2)  # the loader's view only
+    quantized, reference, _ = _checkpoints(tmp_path, "gptq", act_order=True, fmt="gptq_v2")
+    packed = _load(quantized).model.layers[0].self_attn.qkv_proj.packed_weight
+    assert isinstance(packed, QuantizedWeight) and packed.input_perm is None
+    assert (packed.bits, packed.group_size, packed.offsets is not None) == (4, GROUP, True)
+    ids = _ids()
+    again = _logits(quantized, ids)
+    expected = _load(reference)
+    quantize_model(expected, lambda name, module: None if name == "lm_head" else INT4)
+    with torch.no_grad():
+        rounded = expected.compute_logits(expected(ids, torch.arange(ids.numel())))
+    torch.testing.assert_close(again, rounded, atol=ATOL, rtol=0)
+    assert (again - _logits(reference, ids)).abs().max() > 1e-3

@@ -175,6 +175,8 @@ class PrequantizedCheckpoint:
         self.keep_exact = keep_exact
         self.dropped = dropped
         self.records: dict[str, QuantizedWeight] = {}
+        # Each recorded tensor's scheme, kept under TP too (there the records are not).
+        self.schemes: dict[str, _Kind] = {}
 
     def wrap(
         self, weights: Iterable[tuple[str, CheckpointTensor]], names: Iterable[str]
@@ -210,40 +212,47 @@ class PrequantizedCheckpoint:
             converted = self.convert(layer, parts)
         except ValueError as e:
             raise ValueError(f"cannot convert the quantized tensors of {layer!r}: {e}") from e
-        if self.keep_exact and converted.record is not None:
-            self.records[f"{layer}.weight"] = converted.record
+        record = converted.record
+        if record is not None:
+            self.schemes[f"{layer}.weight"] = _Kind(
+                record.bits, record.offsets is None, record.group_size, record.input_perm
+            )
+            if self.keep_exact:
+                self.records[f"{layer}.weight"] = record
         return converted.dense
 
-    def _parts(self, module: nn.Module) -> list[QuantizedWeight | None]:
-        """The records of a layer's weight, in the fused layer's row order."""
-        name = self.param_names[id(module.weight)]
-        return [self.records.get(part) for part in checkpoint_names(name, self.mapping).values()]
+    def _names(self, module: nn.Module) -> list[str]:
+        """The checkpoint names of a layer's weight, in the fused layer's row order."""
+        name = self.param_names[id(module.weight)]  # a tied head's weight is the embedding's
+        return list(checkpoint_names(name, self.mapping).values())
 
     def scheme_for(self, name: str, module: nn.Module) -> Scheme | None:
         """The checkpoint's scheme for a layer whose parts were all recorded alike; None (kept
         dense) otherwise, e.g. an unquantized LM head or parts with different input orders."""
-        parts = self._parts(module)
-        if not parts or any(p is None for p in parts):
+        kinds = [self.schemes.get(part) for part in self._names(module)]
+        if not kinds or any(k is None for k in kinds):
             return None
-        first = parts[0]
+        first = kinds[0]
         assert first is not None
-        for part in parts[1:]:
-            assert part is not None
-            if (part.bits, part.group_size) != (first.bits, first.group_size) or not _same_perm(
-                part.input_perm, first.input_perm
-            ):
+        for kind in kinds[1:]:
+            assert kind is not None
+            same = (kind.bits, kind.group_size) == (first.bits, first.group_size)
+            if not same or not _same_perm(kind.input_perm, first.input_perm):
                 logger.info("%s stays dense: its fused parts are quantized differently", name)
                 return None
-        symmetric = all(p.offsets is None for p in parts)  # type: ignore[union-attr]
+        symmetric = all(k.symmetric for k in kinds)  # type: ignore[union-attr]
         return Scheme(first.bits, symmetric, first.group_size)
 
     def exact(self, name: str, module: nn.Module, scheme: Scheme) -> QuantizedWeight | None:
-        parts = [p for p in self._parts(module) if p is not None]
-        if (
-            sum(p.shape[0] for p in parts) != module.weight.shape[0]
-            or parts[0].shape[1] != (module.weight.shape[1])
-        ):
-            return None  # a sliced (TP) or padded layer: quantize its own rows
+        """The layer's recorded weight, its parts concatenated; None where there is no record
+        (TP) or the layer holds other rows than the records (a slice, padding)."""
+        found = [self.records.get(part) for part in self._names(module)]
+        parts = [p for p in found if p is not None]
+        if not parts or len(parts) != len(found):
+            return None
+        rows = sum(p.shape[0] for p in parts)
+        if (rows, parts[0].shape[1]) != tuple(module.weight.shape):
+            return None
         dtype = torch.float32 if any(p.scales.dtype == torch.float32 for p in parts) else None
         dtype = dtype or torch.float16
         offsets = None
@@ -256,9 +265,19 @@ class PrequantizedCheckpoint:
             offsets=offsets,
             bits=first.bits,
             group_size=first.group_size,
-            shape=(sum(p.shape[0] for p in parts), first.shape[1]),
+            shape=(rows, first.shape[1]),
             input_perm=first.input_perm,
         )
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """What `scheme_for` needs of a record: its scheme, and its input order."""
+
+    bits: int
+    symmetric: bool
+    group_size: int
+    input_perm: torch.Tensor | None
 
 
 def _offsets(weight: QuantizedWeight) -> torch.Tensor:
