@@ -394,3 +394,51 @@ def test_without_the_records_layers_are_quantized_with_the_checkpoints_scheme(
         rounded = expected.compute_logits(expected(ids, torch.arange(ids.numel())))
     torch.testing.assert_close(again, rounded, atol=ATOL, rtol=0)
     assert (again - _logits(reference, ids)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8, 20, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_permuted_input_layers_compute_their_dense_weight(rows: int, dtype: torch.dtype) -> None:
+    """`input_perm` on every path: the kernel (up to 8 rows, blocks of 8 up to 32) and the
+    dequantized matmul beyond; `dequantize` and `reference_dequantize` undo the order."""
+    from tokenwise.layers.quantization.prequantized import group_dense, integer_weight
+    from tokenwise.layers.quantization.weight_only import reference_dequantize
+
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 48, 128
+    groups = _groups("model.layers.0.mlp.down_proj.weight", k, act_order=True)
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    z = torch.randint(0, 16, (n, k // GROUP), generator=gen)
+    s = (torch.rand(n, k // GROUP, generator=gen) / 10).half()
+    record = integer_weight("layer", q, z, s, 4, groups, signed=False)
+    dense = group_dense(q, z, s, groups)
+    assert record is not None and record.input_perm is not None
+    assert torch.equal(reference_dequantize(record), dense)
+    assert torch.equal(record.dequantize(torch.float32), dense)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    expected = torch.nn.functional.linear(x.float(), dense, bias.float())
+    # bfloat16: outputs of ~20 rounded to 8 bits (and, past 32 rows, the weights too).
+    atol, rtol = (1e-4, 0.0) if dtype == torch.float32 else (5e-2, 1e-2)
+    torch.testing.assert_close(record.linear(x, bias).float(), expected, atol=atol, rtol=rtol)
+
+
+def test_tensor_parallel_ranks_quantize_their_slices_with_the_checkpoints_scheme(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TP=2 (a spawned worker) generates what one process generates from the same layers
+    quantized again with the checkpoint's scheme (groups of 32 fall inside each rank's half)."""
+    import tokenwise.loader
+
+    quantized, _, _ = _checkpoints(tmp_path, "gptq", act_order=True, fmt="gptq_v2")
+    prompts = mixed_prompts()[:6]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    llm = LLM(quantized, dtype="float32", tensor_parallel_size=2, num_gpu_blocks=64)
+    try:
+        parallel = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    monkeypatch.setattr(tokenwise.loader, "get_tp_size", lambda: 2)  # no records, as a rank
+    llm = LLM(quantized, dtype="float32", num_gpu_blocks=64)
+    single = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert parallel == single
