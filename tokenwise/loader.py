@@ -1,6 +1,7 @@
 """Build a model for an `EngineConfig` and fill its weights from safetensors, a GGUF file
 (`tokenwise.gguf`) or dummy values, then quantize its linear layers when `quantization` says so
-(`tokenwise.layers.quantization`: int8 / int4 on load, or a GGUF file's own bit widths).
+(`tokenwise.layers.quantization`: int8 / int4 on load, a GGUF file's own bit widths, or a GPTQ,
+AWQ or compressed-tensors checkpoint's own integers, `prequantized`).
 
 Parameters are created directly in the target dtype and device (by making those the defaults
 while the model is constructed), so a bf16 model on a GPU never exists as an fp32 CPU copy.
@@ -31,7 +32,9 @@ from torch import nn
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.tp_state import get_tp_size
 from tokenwise.gguf.weights import iterate_gguf
+from tokenwise.layers.quantization import awq, compressed_tensors, gptq
 from tokenwise.layers.quantization.gguf_layers import GGUFLayerQuantizer
+from tokenwise.layers.quantization.prequantized import PrequantizedCheckpoint
 from tokenwise.layers.quantization.schemes import INT4, INT8, quantize_model
 from tokenwise.layers.weight_utils import (
     CheckpointTensor,
@@ -39,8 +42,14 @@ from tokenwise.layers.weight_utils import (
     StackedMapping,
     checkpoint_names,
 )
+from tokenwise.model_config import ModelConfig
 from tokenwise.models.registry import resolve_model_class
-from tokenwise.quantization_config import CPU_METHODS
+from tokenwise.quantization_config import (
+    CPU_METHODS,
+    PREQUANTIZED,
+    checkpoint_quantization_config,
+    int_checkpoint_config,
+)
 
 SAFETENSORS_SINGLE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -85,6 +94,15 @@ def iterate_safetensors(
                     yield name, f.get_tensor(name)
 
 
+def safetensors_names(files: Iterable[str]) -> set[str]:
+    """Every tensor name in the files (their headers only)."""
+    names: set[str] = set()
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            names.update(f.keys())
+    return names
+
+
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
     """Deterministic stand-in weights: N(0, 0.02) matrices, unit norm weights, zero biases.
@@ -122,6 +140,7 @@ def load_model(config: EngineConfig, device: str | torch.device = "cpu") -> nn.M
         raise ValueError("load_model needs config.model (a tokenwise.model_config.ModelConfig)")
     model_cls = resolve_model_class(model_config.architectures)
     gguf_layers: GGUFLayerQuantizer | None = None
+    prequantized: PrequantizedCheckpoint | None = None
     with _build_in(model_config.dtype, torch.device(device)):
         model = model_cls(config)
     if model_config.load_format == "dummy":
@@ -129,7 +148,12 @@ def load_model(config: EngineConfig, device: str | torch.device = "cpu") -> nn.M
     elif model_config.load_format in ("auto", "safetensors"):
         # Under TP every rank reads only its slices of the checkpoint tensors.
         lazy = get_tp_size() > 1
-        weights = iterate_safetensors(safetensors_files(model_config.model), lazy=lazy)
+        files = safetensors_files(model_config.model)
+        weights = iterate_safetensors(files, lazy=lazy)
+        if model_config.quantization in PREQUANTIZED:
+            # The format's tensors become dense weights here; their integers are kept aside.
+            prequantized = _prequantized_reader(model, model_config, keep_exact=not lazy)
+            weights = prequantized.wrap(weights, safetensors_names(files))
         loaded = model.load_weights(weights)
         _check_complete(model, loaded)
     elif model_config.load_format == "gguf":
@@ -143,22 +167,38 @@ def load_model(config: EngineConfig, device: str | torch.device = "cpu") -> nn.M
         _check_complete(model, loaded)
     else:
         raise ValueError(f"unknown load_format {model_config.load_format!r}")
-    _quantize(model, model_config.quantization, torch.device(device), gguf_layers)
+    _quantize(model, model_config.quantization, torch.device(device), gguf_layers or prequantized)
     return model.eval().requires_grad_(False)
+
+
+def _prequantized_reader(
+    model: nn.Module, model_config: ModelConfig, keep_exact: bool
+) -> PrequantizedCheckpoint:
+    """The reader of a GPTQ, AWQ or compressed-tensors checkpoint's quantized layers."""
+    method = model_config.quantization
+    qc = checkpoint_quantization_config(model_config.hf_config) or {}
+    if method == "compressed-tensors":
+        return compressed_tensors.reader(model, qc, keep_exact)
+    config = int_checkpoint_config(str(method), qc)
+    fmt = gptq if method == "gptq" else awq
+    convert = functools.partial(fmt.convert, config)
+    return PrequantizedCheckpoint(model, fmt.SUFFIXES, fmt.MARKER, convert, keep_exact)
 
 
 def _quantize(
     model: nn.Module,
     method: str | None,
     device: torch.device,
-    gguf_layers: GGUFLayerQuantizer | None,
+    recorded: GGUFLayerQuantizer | PrequantizedCheckpoint | None,
 ) -> None:
-    """Apply `quantization` (`tokenwise.layers.quantization.schemes`) to the loaded model."""
+    """Apply `quantization` (`tokenwise.layers.quantization.schemes`) to the loaded model: on
+    load (int8, int4), or with the file's own integers (GGUF and quantized checkpoints, kept
+    on CPU only: elsewhere they stay dequantized to the model's dtype)."""
     if method in CPU_METHODS:
         scheme = INT8 if method == "int8" else INT4
         quantize_model(model, lambda name, module: scheme)
-    elif method == "gguf" and device.type == "cpu" and gguf_layers is not None:
-        quantize_model(model, gguf_layers.scheme_for, gguf_layers.exact)
+    elif device.type == "cpu" and recorded is not None:
+        quantize_model(model, recorded.scheme_for, recorded.exact)
 
 
 def _expected_checkpoint_names(model: nn.Module) -> list[str]:

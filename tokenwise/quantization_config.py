@@ -1,35 +1,96 @@
 """The `quantization` setting (vLLM's name): which methods exist, and the one a model gets.
 
 Decided when the model's config is read, before any layer exists, so it lives below the layers;
-`tokenwise.layers.quantization.schemes` says what each method does to the layers. Checkpoints
-that carry a `quantization_config` (GPTQ, AWQ, compressed-tensors, FP8) are refused by name
-until their loaders exist, rather than failing later on unknown tensor names.
+`tokenwise.layers.quantization.schemes` says what each method does to the layers. A checkpoint
+whose config.json carries a `quantization_config` gets its `quant_method` (GPTQ, AWQ,
+compressed-tensors); `quantization=` may name it too, and a different name is an error naming
+both. GPTQ's and AWQ's settings are checked here (`int_checkpoint_config`), so a checkpoint
+tokenwise cannot read fails when it is opened, naming the field, not halfway through loading.
+Formats not built yet (fp8, bitsandbytes) are refused by name.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 CPU_METHODS = ("int8", "int4")
-METHODS = (*CPU_METHODS, "gguf")
+# Checkpoints stored quantized, loaded by `tokenwise.layers.quantization.prequantized`.
+PREQUANTIZED = ("gptq", "awq", "compressed-tensors")
+METHODS = (*CPU_METHODS, "gguf", *PREQUANTIZED)
+# vLLM's names for GPU kernels of these formats: the same checkpoints.
+ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
 # vLLM's names of formats tokenwise does not load yet (a checkpoint's quant_method included).
-NOT_BUILT = (
-    "gptq",
-    "awq",
-    "compressed-tensors",
-    "fp8",
-    "bitsandbytes",
-    "gptq_marlin",
-    "awq_marlin",
-)
+NOT_BUILT = ("fp8", "bitsandbytes")
+GPTQ_FORMATS = ("gptq", "gptq_v2")
 
 
-def _checkpoint_method(hf_config: Any) -> str | None:
-    qc = getattr(hf_config, "quantization_config", None)
+@dataclass(frozen=True)
+class IntCheckpointConfig:
+    """A GPTQ or AWQ checkpoint's settings, as the loader needs them."""
+
+    method: str  # "gptq" or "awq"
+    bits: int
+    group_size: int  # -1: one group per row (GPTQ)
+    # GPTQ's original format ("gptq", v1) stores each zero point minus one; "gptq_v2" does not.
+    zeros_minus_one: bool
+
+
+def _field(qc: dict[str, Any], *names: str, default: Any = None) -> Any:
+    for name in names:
+        if name in qc:
+            return qc[name]
+    return default
+
+
+def int_checkpoint_config(method: str, qc: dict[str, Any]) -> IntCheckpointConfig:
+    """Check a GPTQ / AWQ `quantization_config`; errors name the field."""
+    where = f"{method} quantization_config"
+    bits = _field(qc, "bits", "w_bit")
+    allowed = (4, 8) if method == "gptq" else (4,)
+    if bits not in allowed:
+        raise ValueError(f"{where}: bits={bits!r} is not supported; tokenwise reads {allowed}")
+    group_size = _field(qc, "group_size", "q_group_size", default=-1 if method == "gptq" else 128)
+    if not isinstance(group_size, int) or not (group_size > 0 or group_size == -1):
+        raise ValueError(
+            f"{where}: group_size must be a positive integer or -1, got {group_size!r}"
+        )
+    zeros_minus_one = False
+    if method == "gptq":
+        fmt = _field(qc, "checkpoint_format", "format", default="gptq") or "gptq"
+        if fmt not in GPTQ_FORMATS:
+            raise ValueError(
+                f"{where}: checkpoint_format={fmt!r} is not supported; tokenwise reads "
+                f"{GPTQ_FORMATS}"
+            )
+        if qc.get("dynamic"):
+            raise ValueError(f"{where}: per-module overrides (dynamic) are not supported")
+        zeros_minus_one = fmt == "gptq"
+    else:
+        version = str(_field(qc, "version", default="gemm")).lower()
+        if version != "gemm":
+            raise ValueError(
+                f"{where}: version={version!r} is not supported; tokenwise reads AWQ's GEMM layout"
+            )
+        if _field(qc, "zero_point", default=True) is not True:
+            raise ValueError(f"{where}: zero_point must be true (AWQ without zero points)")
+    return IntCheckpointConfig(method, bits, group_size, zeros_minus_one)
+
+
+def checkpoint_method(hf_config: Any) -> str | None:
+    """The checkpoint's `quantization_config.quant_method`, or None for a float checkpoint."""
+    qc = checkpoint_quantization_config(hf_config)
     if qc is None:
         return None
-    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
-    return str(getattr(method, "value", method) or "unknown")
+    method = qc.get("quant_method")
+    return str(getattr(method, "value", method) or "unknown").lower()
+
+
+def checkpoint_quantization_config(hf_config: Any) -> dict[str, Any] | None:
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None or isinstance(qc, dict):
+        return qc
+    return qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc))
 
 
 def resolve_quantization(
@@ -39,17 +100,34 @@ def resolve_quantization(
     if quantization is not None and not isinstance(quantization, str):
         raise ValueError(f"quantization must be a string or None, got {quantization!r}")
     method = quantization.lower() if quantization else None
-    in_checkpoint = _checkpoint_method(hf_config)
+    method = ALIASES.get(method, method) if method else None
+    in_checkpoint = checkpoint_method(hf_config)
     if in_checkpoint is not None:
-        raise ValueError(
-            f"this checkpoint is quantized with quant_method={in_checkpoint!r} (its "
-            f"config.json's quantization_config), which tokenwise does not load yet; "
-            f"supported: quantization in {METHODS} over float checkpoints and GGUF files"
-        )
+        in_checkpoint = ALIASES.get(in_checkpoint, in_checkpoint)
+        if in_checkpoint not in PREQUANTIZED:
+            raise ValueError(
+                f"this checkpoint is quantized with quant_method={in_checkpoint!r} (its "
+                f"config.json's quantization_config), which tokenwise does not load yet; "
+                f"supported: {PREQUANTIZED}, and quantization in {CPU_METHODS} over float "
+                "checkpoints and GGUF files"
+            )
+        if method is not None and method != in_checkpoint:
+            raise ValueError(
+                f"quantization={quantization!r} does not match the checkpoint's "
+                f"quant_method={in_checkpoint!r} (config.json's quantization_config)"
+            )
+        if in_checkpoint != "compressed-tensors":
+            int_checkpoint_config(in_checkpoint, checkpoint_quantization_config(hf_config) or {})
+        return in_checkpoint
     if method in NOT_BUILT:
         raise ValueError(f"quantization={quantization!r} is not built yet; supported: {METHODS}")
     if method is not None and method not in METHODS:
         raise ValueError(f"quantization must be one of {METHODS} (or None), got {quantization!r}")
+    if method in PREQUANTIZED:
+        raise ValueError(
+            f"quantization={quantization!r} needs a checkpoint quantized with it (config.json's "
+            "quantization_config names its quant_method); this one has none"
+        )
     if method == "gguf" and load_format != "gguf":
         raise ValueError("quantization='gguf' needs a .gguf model file")
     if method is None and load_format == "gguf":
@@ -63,5 +141,6 @@ def resolve_quantization(
 
 
 def uses_cpu_kernels(method: str | None, device: str) -> bool:
-    """Whether a model loaded with `method` on `device` runs the quantized CPU kernels."""
-    return method in CPU_METHODS or (method == "gguf" and device.startswith("cpu"))
+    """Whether a model loaded with `method` on `device` runs the quantized CPU kernels (on a
+    GPU, GGUF and quantized checkpoints are dequantized to the model's dtype on load)."""
+    return method in CPU_METHODS or (method in ("gguf", *PREQUANTIZED) and device.startswith("cpu"))

@@ -165,7 +165,9 @@ def test_bad_quantization_settings_name_the_field(tmp_path: Any) -> None:
     path = _checkpoint(tmp_path)
     with pytest.raises(ValueError, match="quantization must be one of"):
         LLM(path, quantization="int3")
-    with pytest.raises(ValueError, match="quantization='gptq' is not built yet"):
+    with pytest.raises(ValueError, match="quantization='fp8' is not built yet"):
+        LLM(path, quantization="fp8")
+    with pytest.raises(ValueError, match="quantization='gptq' needs a checkpoint quantized"):
         LLM(path, quantization="gptq")
     with pytest.raises(ValueError, match="quantization='gguf' needs a .gguf"):
         LLM(path, quantization="gguf")
@@ -175,7 +177,22 @@ def test_bad_quantization_settings_name_the_field(tmp_path: Any) -> None:
         resolve_quantization("int4", None, "auto", "cuda")
 
 
-def test_checkpoint_with_a_quantization_config_is_refused_by_name(tmp_path: Any) -> None:
-    path = _checkpoint(tmp_path, quantization_config={"quant_method": "awq", "bits": 4})
-    with pytest.raises(ValueError, match="quant_method='awq'"):
+def test_checkpoint_with_an_unsupported_quantization_config_is_refused_by_name(
+    tmp_path: Any,
+) -> None:
+    """GPTQ, AWQ and compressed-tensors load (tests/quantization/test_gptq_awq.py and
+    test_compressed_tensors.py); other formats are refused naming their quant_method."""
+    config = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    path = _checkpoint(tmp_path, quantization_config=config)
+    with pytest.raises(ValueError, match="quant_method='bitsandbytes'"):
         LLM(path)
+    assert resolve_quantization(None, _Config({"quant_method": "awq", "bits": 4}), "auto", "cpu")
+    assert (
+        resolve_quantization(None, _Config({"quant_method": "awq", "bits": 4}), "auto", "cuda")
+        == "awq"
+    )
+
+
+class _Config:
+    def __init__(self, quantization_config: dict[str, Any]) -> None:
+        self.quantization_config = quantization_config

@@ -11,6 +11,9 @@ Methods built:
   (the K-quants, Q5_*, IQ*) are dequantized to the model's dtype for now: their scales are
   products (`d * sc`) that float16 does not hold, so re-quantizing them would move the weights.
   On a GPU every GGUF weight is dequantized to the model's dtype.
+- `gptq`, `awq`, `compressed-tensors` (from the checkpoint's `quantization_config`): each layer
+  keeps the checkpoint's own integers and scales (`prequantized`, with `gptq`, `awq` and
+  `compressed_tensors` reading the formats); FP8 and what the kernels cannot take stay dense.
 Which method a model gets is decided in `tokenwise.quantization_config` (below the layers).
 
 Layers: every linear layer (`ReplicatedLinear` and its parallel kinds) and the LM head. The

@@ -9,6 +9,11 @@ per 32 values), and with offsets int4 is Q4_1's form (GPTQ's and AWQ's too, with
 int4 values are packed two per byte in GGUF's order: within each 32 values, byte j holds value j
 (low nibble) and value j + 16 (high nibble). See `cpu_qgemv.c` for the kernel that reads them.
 
+`input_perm` (GPTQ's act-order, `g_idx`): a checkpoint may group input columns that are not
+consecutive. The columns are then stored sorted by group, so each group is consecutive again,
+and the layer reads its input in that order: `x[..., input_perm] @ W[:, input_perm]^T` is
+`x @ W^T`. One gather of the activations per call, instead of giving up the kernel.
+
 Why weight-only, with activations kept in floating point: results stay close to the dense model
 (the only error is the weights' rounding), and decode, bound by reading weights, gets faster in
 proportion to the bytes saved: int8 reads ~53% of bf16's bytes, int4 ~28% (~31% with offsets).
@@ -45,6 +50,8 @@ class QuantizedWeight:
     bits: int
     group_size: int
     shape: tuple[int, int]  # (N, K) of the dense weight
+    # Column j of qweight / scales is input column input_perm[j] (int64 [K]); None: in order.
+    input_perm: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.scales.dtype not in (torch.float16, torch.float32):
@@ -54,27 +61,34 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        parts = (self.qweight, self.scales, self.offsets)
+        parts = (self.qweight, self.scales, self.offsets, self.input_perm)
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def describe(self) -> str:
         kind = "asymmetric" if self.offsets is not None else "symmetric"
-        return f"int{self.bits} {kind}, groups of {self.group_size}"
+        order = ", permuted input" if self.input_perm is not None else ""
+        return f"int{self.bits} {kind}, groups of {self.group_size}{order}"
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The dense weight `[N, K]` in `dtype`."""
+        """The dense weight `[N, K]` in `dtype`, columns in the input's order."""
+        return _unpermute(self._stored_dense(dtype), self.input_perm)
+
+    def _stored_dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dense weight with its columns in storage order (`input_perm` not undone)."""
         lib = cpu_qgemv.load()
         if lib is not None and dtype in (torch.float32, torch.bfloat16):
             args = (self.qweight, self.scales, self.offsets, self.bits, self.group_size)
             return cpu_qgemv.dequantize(lib, *args, self.shape, dtype)
-        return reference_dequantize(self).to(dtype)
+        return _stored_reference(self).to(dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`x @ W^T + bias` for x of any row count, in x's dtype."""
         rows = x.numel() // self.shape[1] if x.numel() else 0
+        if self.input_perm is not None:
+            x = x.index_select(-1, self.input_perm)
         lib = cpu_qgemv.load() if x.dtype in (torch.float32, torch.bfloat16) else None
         if lib is None or rows == 0 or rows > KERNEL_MAX_ROWS:
-            return F.linear(x, self.dequantize(x.dtype), bias)
+            return F.linear(x, self._stored_dense(x.dtype), bias)
         if rows <= cpu_qgemv.MAX_ROWS:
             return self._kernel(lib, x, bias)
         flat = x.reshape(rows, self.shape[1])
@@ -132,6 +146,19 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
 
 def reference_dequantize(weight: QuantizedWeight) -> torch.Tensor:
     """float32 `[N, K]` with torch ops: the definition the kernels are tested against."""
+    return _unpermute(_stored_reference(weight), weight.input_perm)
+
+
+def _unpermute(stored: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
+    """Columns in storage order -> in the input's order (column perm[j] is stored column j)."""
+    if perm is None:
+        return stored
+    dense = torch.empty_like(stored)
+    dense[:, perm] = stored
+    return dense
+
+
+def _stored_reference(weight: QuantizedWeight) -> torch.Tensor:
     n, k = weight.shape
     g = weight.group_size
     if weight.bits == 8:
