@@ -56,7 +56,9 @@ def main() -> None:
             if wanted and name not in wanted:
                 continue
             for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
-                _measure(f"{model} | {name} | {n} x {k} | {str(dtype)[6:]}", n, k, dtype, rows, args)
+                _measure(
+                    f"{model} | {name} | {n} x {k} | {str(dtype)[6:]}", n, k, dtype, rows, args
+                )
 
 
 def _measure(
@@ -77,7 +79,9 @@ def _measure(
         paths = {"dense": lambda i, x=x: cpu_prepack.linear(x, weights[i % copies], None, None)}
         for fmt, layers in quantized.items():
             paths[fmt] = lambda i, x=x, ls=layers: ls[i % len(ls)].linear(x, None)
-        times = _best_seconds(paths, max(copies, *(len(v) for v in quantized.values())), args.budget)
+        times = _best_seconds(
+            paths, max(copies, *(len(v) for v in quantized.values())), args.budget
+        )
         dense = times["dense"]
         cells = [f"{dense * 1e6:.0f} ({dense_bytes / dense / 1e9:.1f})"]
         for fmt, layers in quantized.items():
