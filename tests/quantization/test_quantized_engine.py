@@ -34,7 +34,10 @@ from tokenwise.model_config import ModelConfig
 from tokenwise.quantization_config import resolve_quantization
 
 SCHEMES = {"int8": (8, True), "int4": (4, False)}
-LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+LINEAR = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head",
+    "embed_tokens",
+)  # fmt: skip
 MAX_TOKENS = 8
 # Widths that are multiples of the group size (32), so every linear layer is quantized.
 SHAPE = {"hidden_size": 64, "intermediate_size": 128}
@@ -123,17 +126,24 @@ def test_layers_hold_quantized_weights_only(tmp_path: Any) -> None:
     layer = model.model.layers[0].self_attn.qkv_proj
     assert isinstance(layer.packed_weight, QuantizedWeight)
     assert layer.packed_weight.bits == 4 and layer.weight.device.type == "meta"
-    # The tied head is quantized, but its weight is the embedding's and stays for lookups.
-    assert isinstance(model.lm_head.packed_weight, QuantizedWeight)
-    assert model.model.embed_tokens.weight.device.type == "cpu"
+    # The tied head and the embedding share one quantized table; no dense copy stays.
+    assert model.lm_head.packed_weight is model.model.embed_tokens.quant_table
+    assert model.model.embed_tokens.weight.device.type == "meta"
     resident = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
-    quantized = sum(
-        m.packed_weight.nbytes
+    tables = {
+        id(held): held
         for m in model.modules()
-        if isinstance(getattr(m, "packed_weight", None), QuantizedWeight)
-    )
+        for held in (getattr(m, "packed_weight", None), getattr(m, "quant_table", None))
+        if isinstance(held, QuantizedWeight)
+    }
+    quantized = sum(t.nbytes for t in tables.values())
     dense = sum(p.numel() * 2 for p in model.parameters())  # bf16 bytes of every weight
-    assert quantized > 0 and resident + quantized < 0.6 * dense
+    # int4 with offsets is 20 bytes per 32 weights (31%); the norms stay dense.
+    assert quantized > 0 and resident + quantized < 0.33 * dense
+    ids = torch.tensor([[3, 17], [250, 3]])
+    looked_up = model.model.embed_tokens(ids)
+    table = model.model.embed_tokens.quant_table.dequantize(torch.float32)
+    assert torch.equal(looked_up, table[ids].to(torch.bfloat16))
 
 
 @pytest.mark.parametrize(

@@ -57,14 +57,32 @@ INLINE float hsum256_ps(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* Fold one group's integer sums into the float accumulators (and its offset term). */
-#define X16_GROUP_END(VEC_FMA, CVT, SET1)                                                  \
+/* Eight consecutive group parameters as floats (fewer when `valid` < 8: the rest are 0). */
+INLINE __m256 load8(const void *p, int64_t i, int valid, int f32) {
+#if defined(__F16C__)
+    if (valid == 8)
+        return f32 ? _mm256_loadu_ps((const float *)p + i)
+                   : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+#endif
+    float tmp[8] = {0};
+    for (int j = 0; j < valid; j++) tmp[j] = param(p, i + j, f32);
+    return _mm256_loadu_ps(tmp);
+}
+
+/* Groups are folded eight at a time: the weights' scales (and offsets) of groups g0..g0+7
+ * of each row are loaded as one vector and multiplied by x's group scales once, so a group's
+ * fold is a lane broadcast, a conversion and a multiply-add; the offset term o * sum(x) of all
+ * eight is one multiply-add. `prod[r][m]` lane j = s(r, g0 + j) * xs(m, g0 + j). */
+#define X16_CHUNK_BEGIN()                                                                  \
+    const int valid = ng - g0 < 8 ? (int)(ng - g0) : 8;                                    \
+    __m256 prod[4][MAX_M];                                                                 \
     for (int r = 0; r < R; r++) {                                                          \
-        float s, o;                                                                        \
-        group_params(c->sc, c->of, n + r, ng, g, c->bits, c->sf32, &s, &o);                \
+        __m256 s8 = load8(c->sc, (n + r) * ng + g0, valid, c->sf32);                       \
+        __m256 o8 = c->of ? load8(c->of, (n + r) * ng + g0, valid, c->sf32)                \
+                          : _mm256_mul_ps(s8, _mm256_set1_ps(c->bits == 4 ? -8.0f : 0.0f)); \
         for (int m = 0; m < M; m++) {                                                      \
-            acc[r][m] = VEC_FMA(CVT(gi[r][m]), SET1(s * c->xs[m * ng + g]), acc[r][m]);    \
-            off[r][m] += o * c->xsum[m * ng + g];                                          \
+            prod[r][m] = _mm256_mul_ps(s8, load8(c->xs, m * ng + g0, valid, 1));           \
+            off[r][m] = _mm256_fmadd_ps(o8, load8(c->xsum, m * ng + g0, valid, 1), off[r][m]); \
         }                                                                                  \
     }
 
@@ -74,38 +92,45 @@ INLINE void q4x16_block256(const qctx *c, int64_t n, float *t, const int R, cons
     const int64_t K = c->K, G = c->G, ng = K / G, rb = K / 2;
     const uint8_t *q = c->q + n * rb;
     const __m256i low4 = _mm256_set1_epi16(15);
-    __m256 acc[4][MAX_M];
-    float off[4][MAX_M];
+    __m256 acc[4][MAX_M], off[4][MAX_M];
     for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps(), off[r][m] = 0.0f;
-    for (int64_t g = 0; g < ng; g++) {
-        __m256i gi[4][MAX_M];
-        for (int r = 0; r < R; r++)
-            for (int m = 0; m < M; m++) gi[r][m] = _mm256_setzero_si256();
-        for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
-            __m256i lo[4], hi[4];
-            for (int r = 0; r < R; r++) {
-                const uint8_t *p = q + r * rb + k / 2;
-                if (!(k & 127)) PREFETCH(p);
-                __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
-                lo[r] = _mm256_and_si256(v, low4);
-                hi[r] = _mm256_srli_epi16(v, 4);
-            }
-            for (int m = 0; m < M; m++) {
-                __m256i xl = _mm256_loadu_si256((const __m256i *)(c->xq + m * K + k));
-                __m256i xh = _mm256_loadu_si256((const __m256i *)(c->xq + m * K + k + 16));
+        for (int m = 0; m < M; m++) acc[r][m] = off[r][m] = _mm256_setzero_ps();
+    for (int64_t g0 = 0; g0 < ng; g0 += 8) {
+        X16_CHUNK_BEGIN()
+        for (int j = 0; j < valid; j++) {
+            const int64_t g = g0 + j;
+            __m256i gi[4][MAX_M];
+            for (int r = 0; r < R; r++)
+                for (int m = 0; m < M; m++) gi[r][m] = _mm256_setzero_si256();
+            for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
+                __m256i lo[4], hi[4];
                 for (int r = 0; r < R; r++) {
-                    gi[r][m] = dp16_256(gi[r][m], lo[r], xl);
-                    gi[r][m] = dp16_256(gi[r][m], hi[r], xh);
+                    const uint8_t *p = q + r * rb + k / 2;
+                    if (!(k & 127)) PREFETCH(p);
+                    __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+                    lo[r] = _mm256_and_si256(v, low4);
+                    hi[r] = _mm256_srli_epi16(v, 4);
+                }
+                for (int m = 0; m < M; m++) {
+                    __m256i xl = _mm256_loadu_si256((const __m256i *)(c->xq + m * K + k));
+                    __m256i xh = _mm256_loadu_si256((const __m256i *)(c->xq + m * K + k + 16));
+                    for (int r = 0; r < R; r++) {
+                        gi[r][m] = dp16_256(gi[r][m], lo[r], xl);
+                        gi[r][m] = dp16_256(gi[r][m], hi[r], xh);
+                    }
                 }
             }
+            const __m256i lane = _mm256_set1_epi32(j);
+            for (int r = 0; r < R; r++)
+                for (int m = 0; m < M; m++)
+                    acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(gi[r][m]),
+                                                _mm256_permutevar8x32_ps(prod[r][m], lane),
+                                                acc[r][m]);
         }
-        X16_GROUP_END(_mm256_fmadd_ps, _mm256_cvtepi32_ps, _mm256_set1_ps)
     }
     for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) t[r * M + m] = hsum256_ps(acc[r][m]) + off[r][m];
+        for (int m = 0; m < M; m++) t[r * M + m] = hsum256_ps(_mm256_add_ps(acc[r][m], off[r][m]));
 }
-#endif
 
 #if defined(TW_AVX512)
 INLINE __m512i dp16_512(__m512i acc, __m512i a, __m512i b) {
@@ -121,60 +146,81 @@ INLINE void q8x16_block(const qctx *c, int64_t n, float *t, const int R, const i
     const int64_t K = c->K, G = c->G, ng = K / G;
     const int8_t *q = (const int8_t *)c->q + n * K;
     __m512 acc[4][MAX_M];
-    float off[4][MAX_M];
+    __m256 off[4][MAX_M];
     for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps(), off[r][m] = 0.0f;
-    for (int64_t g = 0; g < ng; g++) {
-        __m512i gi[4][MAX_M];
-        for (int r = 0; r < R; r++)
-            for (int m = 0; m < M; m++) gi[r][m] = _mm512_setzero_si512();
-        for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
-            __m512i w[4];
-            for (int r = 0; r < R; r++) {
-                const int8_t *p = q + r * K + k;
-                if (!(k & 63)) PREFETCH(p);
-                w[r] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));
+        for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps(), off[r][m] = _mm256_setzero_ps();
+    for (int64_t g0 = 0; g0 < ng; g0 += 8) {
+        X16_CHUNK_BEGIN()
+        for (int j = 0; j < valid; j++) {
+            const int64_t g = g0 + j;
+            __m512i gi[4][MAX_M];
+            for (int r = 0; r < R; r++)
+                for (int m = 0; m < M; m++) gi[r][m] = _mm512_setzero_si512();
+            for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
+                __m512i w[4];
+                for (int r = 0; r < R; r++) {
+                    const int8_t *p = q + r * K + k;
+                    if (!(k & 63)) PREFETCH(p);
+                    w[r] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));
+                }
+                for (int m = 0; m < M; m++) {
+                    __m512i xv = _mm512_loadu_si512((const void *)(c->xq + m * K + k));
+                    for (int r = 0; r < R; r++) gi[r][m] = dp16_512(gi[r][m], w[r], xv);
+                }
             }
-            for (int m = 0; m < M; m++) {
-                __m512i xv = _mm512_loadu_si512((const void *)(c->xq + m * K + k));
-                for (int r = 0; r < R; r++) gi[r][m] = dp16_512(gi[r][m], w[r], xv);
-            }
+            const __m512i lane = _mm512_set1_epi32(j);
+            for (int r = 0; r < R; r++)
+                for (int m = 0; m < M; m++)
+                    acc[r][m] = _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(gi[r][m]),
+                        _mm512_permutexvar_ps(lane, _mm512_castps256_ps512(prod[r][m])),
+                        acc[r][m]);
         }
-        X16_GROUP_END(_mm512_fmadd_ps, _mm512_cvtepi32_ps, _mm512_set1_ps)
     }
     for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) t[r * M + m] = _mm512_reduce_add_ps(acc[r][m]) + off[r][m];
+        for (int m = 0; m < M; m++)
+            t[r * M + m] = _mm512_reduce_add_ps(acc[r][m]) + hsum256_ps(off[r][m]);
 }
 #elif defined(TW_AVX2)
 /* int8 weights, 16 values at a time widened to int16 in a 256-bit register. */
 INLINE void q8x16_block(const qctx *c, int64_t n, float *t, const int R, const int M) {
     const int64_t K = c->K, G = c->G, ng = K / G;
     const int8_t *q = (const int8_t *)c->q + n * K;
-    __m256 acc[4][MAX_M];
-    float off[4][MAX_M];
+    __m256 acc[4][MAX_M], off[4][MAX_M];
     for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps(), off[r][m] = 0.0f;
-    for (int64_t g = 0; g < ng; g++) {
-        __m256i gi[4][MAX_M];
-        for (int r = 0; r < R; r++)
-            for (int m = 0; m < M; m++) gi[r][m] = _mm256_setzero_si256();
-        for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
-            __m256i w[4];
-            for (int r = 0; r < R; r++) {
-                const int8_t *p = q + r * K + k;
-                if (!(k & 63)) PREFETCH(p);
-                w[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+        for (int m = 0; m < M; m++) acc[r][m] = off[r][m] = _mm256_setzero_ps();
+    for (int64_t g0 = 0; g0 < ng; g0 += 8) {
+        X16_CHUNK_BEGIN()
+        for (int j = 0; j < valid; j++) {
+            const int64_t g = g0 + j;
+            __m256i gi[4][MAX_M];
+            for (int r = 0; r < R; r++)
+                for (int m = 0; m < M; m++) gi[r][m] = _mm256_setzero_si256();
+            for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+                __m256i w[4];
+                for (int r = 0; r < R; r++) {
+                    const int8_t *p = q + r * K + k;
+                    if (!(k & 63)) PREFETCH(p);
+                    w[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+                }
+                for (int m = 0; m < M; m++) {
+                    __m256i xv = _mm256_loadu_si256((const __m256i *)(c->xq + m * K + k));
+                    for (int r = 0; r < R; r++) gi[r][m] = dp16_256(gi[r][m], w[r], xv);
+                }
             }
-            for (int m = 0; m < M; m++) {
-                __m256i xv = _mm256_loadu_si256((const __m256i *)(c->xq + m * K + k));
-                for (int r = 0; r < R; r++) gi[r][m] = dp16_256(gi[r][m], w[r], xv);
-            }
+            const __m256i lane = _mm256_set1_epi32(j);
+            for (int r = 0; r < R; r++)
+                for (int m = 0; m < M; m++)
+                    acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(gi[r][m]),
+                                                _mm256_permutevar8x32_ps(prod[r][m], lane),
+                                                acc[r][m]);
         }
-        X16_GROUP_END(_mm256_fmadd_ps, _mm256_cvtepi32_ps, _mm256_set1_ps)
     }
     for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) t[r * M + m] = hsum256_ps(acc[r][m]) + off[r][m];
+        for (int m = 0; m < M; m++) t[r * M + m] = hsum256_ps(_mm256_add_ps(acc[r][m], off[r][m]));
 }
+#endif
+
 #endif
 
 #endif

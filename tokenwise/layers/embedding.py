@@ -12,6 +12,7 @@ the padding dropped) before sampling.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -70,13 +71,20 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings_per_partition = rows
         self.weight = nn.Parameter(torch.empty(rows, embedding_dim), requires_grad=False)
         self.weight.weight_loader = vocab_weight_loader(num_embeddings, self.tp_rank, self.tp_size)
+        # A quantized table (`layers.quantization`): rows are dequantized as they are looked up.
+        self.quant_table: Any = None
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant_table is None:
+            return F.embedding(ids, self.weight)
+        return self.quant_table.rows(ids, self.weight.dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         # Ids of other ranks look up row 0 and are zeroed; the all-reduce fills them in.
         mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
-        out = F.embedding(torch.where(mine, input_ids - self.vocab_start, 0), self.weight)
+        out = self._lookup(torch.where(mine, input_ids - self.vocab_start, 0))
         return tp_all_reduce(out.masked_fill_(~mine.unsqueeze(-1), 0))
 
     def extra_repr(self) -> str:

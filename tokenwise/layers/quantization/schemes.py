@@ -27,11 +27,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from tokenwise.layers.quantization.weight_only import QuantizedWeight, quantize
+from tokenwise.layers.quantization.weight_only import quantize
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +72,13 @@ GGUF_SCHEMES: dict[str, Scheme | None] = {
 
 
 def quantizable_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every linear layer the methods quantize: the modules that can hold a
-    `packed_weight` with a 2-D weight (the linear layers and the LM head)."""
+    """(name, module) of every layer the methods quantize: the modules that can hold a
+    `packed_weight` (linear layers, the LM head) or a `quant_table` (the token embedding)
+    with a 2-D weight."""
     return [
         (name, module)
         for name, module in model.named_modules()
-        if hasattr(module, "packed_weight")
+        if (hasattr(module, "packed_weight") or hasattr(module, "quant_table"))
         and isinstance(getattr(module, "weight", None), torch.Tensor)
         and module.weight.dim() == 2
     ]
@@ -85,53 +87,71 @@ def quantizable_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def quantize_model(
     model: nn.Module,
     scheme_for: Callable[[str, nn.Module], Scheme | None],
-    exact: Callable[[str, nn.Module, Scheme], QuantizedWeight | None] | None = None,
+    exact: Callable[[str, nn.Module, Scheme], Any] | None = None,
 ) -> int:
     """Quantize every layer `scheme_for(name, module)` gives a scheme; returns how many.
 
     `exact(name, module, scheme)` may supply the layer's quantized weight ready-made (GGUF: the
-    file's own integers); otherwise it is quantized from the loaded dense weight. The dense
-    weight is then dropped (kept on the "meta" device, so its shape and dtype still answer),
-    except where another module shares it (a tied LM head's embedding).
+    file's own integers); otherwise it is quantized from the loaded dense weight. A weight two
+    modules share (a tied embedding and LM head) is quantized once and used by both. The dense
+    weight is then dropped (kept on the "meta" device, so its shape and dtype still answer)
+    unless a module holding it stays dense.
     """
-    shared = _shared_weights(model)
-    count = 0
-    dense_bytes = quant_bytes = 0
+    holders: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is not None:
+            holders.setdefault(id(weight), []).append(module)
+    done: dict[int, tuple[Scheme, Any]] = {}
+    count = dense_bytes = quant_bytes = 0
     for name, module in quantizable_layers(model):
         scheme = scheme_for(name, module)
-        if scheme is None:
-            continue
         weight = module.weight
-        group = _group_size(scheme, weight.shape[1])
-        if group is None:
-            logger.info(
-                "%s stays dense: its input size %d is not a multiple of int%d's group size %d",
-                name,
-                weight.shape[1],
-                scheme.bits,
-                scheme.group_size,
-            )
+        group = None if scheme is None else _group_size(scheme, weight.shape[1])
+        if scheme is None or group is None:
+            if scheme is not None:
+                logger.info(
+                    "%s stays dense: its input size %d is not a multiple of int%d's group "
+                    "size %d", name, weight.shape[1], scheme.bits, scheme.group_size,
+                )  # fmt: skip
             continue
         if group != scheme.group_size:
             scheme = Scheme(scheme.bits, scheme.symmetric, group)
-        packed = exact(name, module, scheme) if exact is not None else None
-        if packed is None:
-            packed = quantize(weight, scheme.bits, scheme.group_size, scheme.symmetric)
-        module.packed_weight = packed
-        dense_bytes += weight.numel() * weight.element_size()
-        quant_bytes += packed.nbytes
-        if id(weight) not in shared:
-            meta = torch.empty(weight.shape, dtype=weight.dtype, device="meta")
-            module.weight = nn.Parameter(meta, requires_grad=False)
+        previous = done.get(id(weight))
+        if previous is not None and previous[0] == scheme:
+            packed = previous[1]
+        else:
+            packed = exact(name, module, scheme) if exact is not None else None
+            if packed is None:
+                packed = quantize(weight, scheme.bits, scheme.group_size, scheme.symmetric)
+            done[id(weight)] = (scheme, packed)
+            dense_bytes += weight.numel() * weight.element_size()
+            quant_bytes += packed.nbytes
+        setattr(
+            module, "quant_table" if hasattr(module, "quant_table") else "packed_weight", packed
+        )
         count += 1
+    for key, modules in holders.items():
+        if key in done and all(_is_quantized(m) for m in modules):
+            weight = modules[0].weight
+            meta = nn.Parameter(
+                torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False
+            )
+            for module in modules:
+                module.weight = meta
     if count:
         logger.info(
-            "quantized %d linear layers: %.1f MiB of weights instead of %.1f MiB",
+            "quantized %d layers: %.1f MiB of weights instead of %.1f MiB",
             count,
             quant_bytes / 2**20,
             dense_bytes / 2**20,
         )
     return count
+
+
+def _is_quantized(module: nn.Module) -> bool:
+    held = getattr(module, "quant_table", None) or getattr(module, "packed_weight", None)
+    return held is not None and not isinstance(held, torch.Tensor)
 
 
 def _group_size(scheme: Scheme, in_features: int) -> int | None:
@@ -142,13 +162,3 @@ def _group_size(scheme: Scheme, in_features: int) -> int | None:
     if scheme.bits == 8 and in_features % 16 == 0:
         return 16
     return None
-
-
-def _shared_weights(model: nn.Module) -> set[int]:
-    """ids of weights held by more than one module (tied embeddings and LM heads)."""
-    owners: dict[int, int] = {}
-    for module in model.modules():
-        weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
-        if weight is not None:
-            owners[id(weight)] = owners.get(id(weight), 0) + 1
-    return {key for key, n in owners.items() if n > 1}

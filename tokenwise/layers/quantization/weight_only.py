@@ -81,6 +81,18 @@ class QuantizedWeight:
             return cpu_qgemv.dequantize(lib, *args, self.shape, dtype)
         return _stored_reference(self).to(dtype)
 
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of the dense weight in `dtype` (an embedding lookup: `[*ids.shape, K]`)."""
+        if self.input_perm is not None:
+            raise ValueError("a quantized embedding cannot have a permuted input")
+        flat = ids.reshape(-1)
+        offsets = None if self.offsets is None else self.offsets[flat]
+        picked = QuantizedWeight(
+            self.qweight[flat], self.scales[flat], offsets, self.bits, self.group_size,
+            (flat.numel(), self.shape[1]),
+        )  # fmt: skip
+        return reference_dequantize(picked).to(dtype).reshape(*ids.shape, self.shape[1])
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`x @ W^T + bias` for x of any row count, in x's dtype."""
         rows = x.numel() // self.shape[1] if x.numel() else 0
