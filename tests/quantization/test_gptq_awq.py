@@ -379,7 +379,7 @@ def test_without_the_records_layers_are_quantized_with_the_checkpoints_scheme(
     `quantization="int4"` makes of the dense weights (but the float LM head and embedding), not the
     checkpoint's integers."""
     import tokenwise.loader
-    from tokenwise.layers.quantization.schemes import INT4, quantize_model
+    from tokenwise.layers.quantization.schemes import Scheme, quantize_model
 
     monkeypatch.setattr(tokenwise.loader, "get_tp_size", lambda: 2)  # the loader's view only
     quantized, reference, _ = _checkpoints(tmp_path, "gptq", act_order=True, fmt="gptq_v2")
@@ -390,7 +390,8 @@ def test_without_the_records_layers_are_quantized_with_the_checkpoints_scheme(
     again = _logits(quantized, ids)
     expected = _load(reference)
     dense_names = ("lm_head", "model.embed_tokens")
-    quantize_model(expected, lambda name, module: None if name in dense_names else INT4)
+    scheme = Scheme(4, False, GROUP)  # the checkpoint's: int4 with offsets
+    quantize_model(expected, lambda name, module: None if name in dense_names else scheme)
     with torch.no_grad():
         rounded = expected.compute_logits(expected(ids, torch.arange(ids.numel())))
     torch.testing.assert_close(again, rounded, atol=ATOL, rtol=0)
