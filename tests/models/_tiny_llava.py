@@ -30,7 +30,8 @@ CHAT_TEMPLATE = (
     "{% if m['content'] is string %}{{ m['content'] }}"
     "{% else %}{% for part in m['content'] %}"
     "{% if part['type'] == 'text' %}{{ part['text'] }}{% else %}" + IMAGE_TOKEN + "{% endif %}"
-    "{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    "{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
 

@@ -20,7 +20,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from tests.engine._fixtures import assert_pool_clean
-from tests.models._tiny_llava import build_tiny_llava, make_image
+from tests.models._tiny_llava import TOKENS_PER_IMAGE, build_tiny_llava, make_image
 from tokenwise.entrypoints.llm import LLM
 from tokenwise.models.llava import checkpoint_name
 from tokenwise.sampling.params import SamplingParams
@@ -117,6 +117,7 @@ def test_prefix_cache_hits_same_image_and_never_another(llava_dir: str) -> None:
     assert engine.runner.num_encoder_runs == 1  # the hit covered the image: not encoded again
     # Same text, another image: only the blocks before the image may be shared.
     offset = first.prompt_token_ids.index(engine.kind.image_token_id)
+    assert first.prompt_token_ids.count(engine.kind.image_token_id) == TOKENS_PER_IMAGE
     other_specs = ((5, 40, 50),)
     other = llm.generate(engine_prompt(prompt, other_specs), GREEDY, use_tqdm=False)[0]
     assert other.prompt_token_ids == first.prompt_token_ids  # the token ids are the same
