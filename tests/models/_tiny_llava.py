@@ -43,12 +43,18 @@ def llava_tokenizer() -> Any:
     return tok
 
 
-def build_tiny_llava(out_dir: str, seed: int = 0) -> str:
-    """Write the checkpoint and its processor into `out_dir`; returns it."""
+def build_tiny_llava(out_dir: str, seed: int = 0, tower: str = "clip") -> str:
+    """Write the checkpoint and its processor into `out_dir`; returns it.
+
+    `tower="siglip"`: a SigLIP tower (no class token, so the "full" strategy: 16 rows per
+    image) read at its last layer, with a `SiglipImageProcessor` (32x32, no crop).
+    """
     import transformers
 
     tok = llava_tokenizer()
-    vision = transformers.CLIPVisionConfig(
+    siglip = tower == "siglip"
+    vision_cls = transformers.SiglipVisionConfig if siglip else transformers.CLIPVisionConfig
+    vision = vision_cls(
         image_size=IMAGE_SIZE,
         patch_size=PATCH,
         hidden_size=32,
@@ -75,8 +81,8 @@ def build_tiny_llava(out_dir: str, seed: int = 0) -> str:
         vision_config=vision,
         text_config=text,
         image_token_index=tok.convert_tokens_to_ids(IMAGE_TOKEN),
-        vision_feature_layer=-2,
-        vision_feature_select_strategy="default",
+        vision_feature_layer=-1 if siglip else -2,
+        vision_feature_select_strategy="full" if siglip else "default",
         initializer_range=0.2,
     )
     config.architectures = ["LlavaForConditionalGeneration"]
@@ -92,15 +98,21 @@ def build_tiny_llava(out_dir: str, seed: int = 0) -> str:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
-    image_processor = transformers.CLIPImageProcessor(
-        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
-    )
+    if siglip:
+        image_processor = transformers.SiglipImageProcessor(
+            size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+        )
+    else:
+        image_processor = transformers.CLIPImageProcessor(
+            size={"shortest_edge": IMAGE_SIZE},
+            crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        )
     processor = transformers.LlavaProcessor(
         image_processor=image_processor,
         tokenizer=tok,
         patch_size=PATCH,
-        vision_feature_select_strategy="default",
-        num_additional_image_tokens=1,
+        vision_feature_select_strategy="full" if siglip else "default",
+        num_additional_image_tokens=0 if siglip else 1,
         chat_template=CHAT_TEMPLATE,
     )
     processor.save_pretrained(out_dir)

@@ -221,3 +221,21 @@ def test_transformers_5_checkpoint_layout_loads(llava_dir: str, tmp_path: Any) -
     save_file(renamed, str(moved / "model.safetensors"), metadata={"format": "pt"})
     llm = LLM(str(moved), dtype="float32", num_gpu_blocks=16, block_size=8, max_model_len=128)
     assert run(llm, CASES[:1]) == [hf_greedy(llava_dir, *CASES[0])]
+
+
+def test_siglip_tower_equals_hf(tmp_path: Any) -> None:
+    """A SigLIP tower (no class token, "full" strategy, last layer), chunks cutting images."""
+    path = build_tiny_llava(str(tmp_path / "siglip"), tower="siglip")
+    llm = LLM(
+        path,
+        dtype="float32",
+        num_gpu_blocks=32,
+        block_size=8,
+        max_model_len=128,
+        max_num_batched_tokens=12,
+    )
+    cases = CASES[:3]
+    assert run(llm, cases) == [hf_greedy(path, *c) for c in cases]
+    # (Its checkpoint has a pooling head and post_layernorm, skipped: LLaVA never reads them.)
+    assert llm.llm_engine.runner.num_encoder_runs == 3
+    assert_pool_clean(llm.llm_engine)

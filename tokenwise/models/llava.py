@@ -1,4 +1,5 @@
-"""LLaVA (`LlavaForConditionalGeneration`): a CLIP vision tower, a projector, a Llama decoder.
+"""LLaVA (`LlavaForConditionalGeneration`): a CLIP (or SigLIP) vision tower, a projector, a
+Llama decoder.
 
 An image becomes `num_image_tokens` rows of the decoder's embedding space: the vision tower's
 hidden states of `vision_feature_layer` (one row per patch, plus the class token, which the
@@ -91,11 +92,6 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         self._text_cls = TEXT_MODELS[text_type]
         super().__init__(config, prefix)
         vision = mm.vision_config
-        if getattr(vision, "model_type", "clip_vision_model") != "clip_vision_model":
-            raise ValueError(
-                f"LLaVA's vision tower must be CLIP (clip_vision_model), got "
-                f"{vision.model_type!r}; SigLIP towers are not supported yet"
-            )
         layers = mm.vision_feature_layer
         layers = [int(layers)] if isinstance(layers, int) else [int(i) for i in layers]
         self.select_strategy = str(mm.vision_feature_select_strategy)
@@ -119,14 +115,15 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
 
     @property
     def num_image_tokens(self) -> int:
-        """Placeholder tokens (embedding rows) per image."""
-        return self.vision_tower.num_patches + (self.select_strategy == "full")
+        """Placeholder tokens (embedding rows) per image: the tower's rows, less the first
+        under the "default" strategy (CLIP's class token; HF drops it for SigLIP too)."""
+        return self.vision_tower.seq_len - (self.select_strategy == "default")
 
     def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """`[images, 3, size, size]` -> `[images, num_image_tokens, hidden]`."""
         features = self.vision_tower(pixel_values)
         if self.select_strategy == "default":
-            features = features[:, 1:]  # the class token is not an image row
+            features = features[:, 1:]  # CLIP's class token is not an image row
         return self.multi_modal_projector(features)
 
     def forward(
