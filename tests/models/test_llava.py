@@ -127,6 +127,13 @@ def test_prefix_cache_hits_same_image_and_never_another(llava_dir: str) -> None:
         llava_dir, prompt, other_specs
     )
     assert engine.runner.num_encoder_runs == 2
+    # The same image with other text after it: the hit ends inside the image, and the step
+    # that follows computes the image's remaining rows from a fresh encoding.
+    tail = ("USER: <image>Who is it? ASSISTANT:", specs)
+    third = llm.generate(engine_prompt(*tail), GREEDY, use_tqdm=False)[0]
+    assert offset < third.num_cached_tokens < offset + TOKENS_PER_IMAGE
+    assert strip_eos(list(third.outputs[0].token_ids), eos) == hf_greedy(llava_dir, *tail)
+    assert engine.runner.num_encoder_runs == 3
     assert_pool_clean(engine)
 
 
@@ -138,7 +145,7 @@ def test_same_image_in_one_batch_is_encoded_once(llava_dir: str) -> None:
     assert run(llm, cases) == [hf_greedy(llava_dir, *c) for c in cases]
     runner = llm.llm_engine.runner
     assert runner.num_encoder_runs == 1
-    assert runner.encoder_cache.num_hits == 0 and runner.encoder_cache.num_misses == 2
+    assert runner.encoder_cache.num_hits == 1 and runner.encoder_cache.num_misses == 1
     assert_pool_clean(llm.llm_engine)
 
 

@@ -363,6 +363,9 @@ class LLM:
         eos = resolve_eos_token_ids(model, tokenizer)
         searches = []
         for prompt in _as_prompt_list(prompts):
+            if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+                # Each beam step sends token ids, which would leave the images behind.
+                raise ValueError("beam search takes text prompts only, not multi_modal_data")
             _, token_ids = validate_request(model, tokenizer, prompt, SamplingParams())
             if len(token_ids) + params.max_tokens > model.max_model_len:
                 raise ValueError(

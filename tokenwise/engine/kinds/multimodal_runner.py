@@ -101,6 +101,7 @@ class MultiModalModelRunner(ModelRunner):
                 found[key] = cached
             elif key in missing:  # a second request needs it this step: encoded once
                 missing[key][1].append(request_id)
+                self.encoder_cache.served_by_pending()
             else:
                 missing[key] = (image, [request_id])
         if missing:
