@@ -161,6 +161,11 @@ class ModelConfig:
     pooler_config: PoolerConfig | None = None
     # How linear layers are quantized (tokenwise.layers.quantization.schemes), None: dense.
     quantization: str | None = None
+    # A vision-language checkpoint's whole config (LLaVA: vision_config, image token, ...);
+    # `hf_config` is then its `text_config`, which everything sized by the decoder reads.
+    hf_multimodal_config: Any = None
+    # Most items of each modality one prompt may carry (`{"image": 2}`); None: no limit.
+    limit_mm_per_prompt: dict[str, int] | None = None
 
     @property
     def is_pooling(self) -> bool:
@@ -222,6 +227,7 @@ class ModelConfig:
                 tokenizer = prepare_tokenizer(model, tokenizer)
         else:
             hf_config = _read_hf_config(model)
+        multimodal, hf_config = split_multimodal_config(hf_config)
         limit = max_position_embeddings(hf_config)
         if max_model_len is None:
             max_model_len = limit or 2048
@@ -240,6 +246,19 @@ class ModelConfig:
             load_format=load_format,
             tokenizer=tokenizer or model,
             skip_tokenizer_init=skip_tokenizer_init,
-            architectures=list(getattr(hf_config, "architectures", None) or []),
+            architectures=list(getattr(multimodal or hf_config, "architectures", None) or []),
             quantization=resolve_quantization(quantization, hf_config, load_format, device),
+            hf_multimodal_config=multimodal,
         )
+
+
+def split_multimodal_config(hf_config: Any) -> tuple[Any, Any]:
+    """`(whole config, text config)` of a vision-language checkpoint (one with a
+    `vision_config` and a `text_config`), `(None, hf_config)` of any other. The text config
+    takes the checkpoint's dtype when it names none, as transformers reads it."""
+    text = getattr(hf_config, "text_config", None)
+    if getattr(hf_config, "vision_config", None) is None or text is None:
+        return None, hf_config
+    if checkpoint_dtype(text) is None and checkpoint_dtype(hf_config) is not None:
+        text.dtype = checkpoint_dtype(hf_config)
+    return hf_config, text

@@ -36,20 +36,37 @@ SELF_ATTN = 0
 CROSS_ATTN = 1
 
 
+#: `(offset, length, content hash)` of each image of a prompt (its placeholder tokens).
+ImageSpans = Sequence[tuple[int, int, bytes]]
+
+
 def hash_block_tokens(
-    parent_hash: bytes, token_ids: Sequence[int], cache_salt: str | None = None
+    parent_hash: bytes,
+    token_ids: Sequence[int],
+    cache_salt: str | None = None,
+    extra_keys: bytes = b"",
 ) -> bytes:
     """Chain hash of one full block.
 
     Including the parent hash makes the hash identify the whole prefix, not just this block's
     tokens.  Tokens are packed as little-endian int64 so the hash does not depend on the host.
     The salt only needs to enter the root block: every later hash inherits it via the chain.
+    `extra_keys` is what the tokens alone do not say about the block's K/V: the content
+    hashes of the images whose placeholder tokens it covers (placeholders of two images are
+    the same token ids).
     """
     data = parent_hash
     if cache_salt:
         data += cache_salt.encode("utf-8")
+    if extra_keys:
+        data += b"\x00images:" + extra_keys
     data += struct.pack(f"<{len(token_ids)}q", *token_ids)
     return hashlib.sha256(data).digest()
+
+
+def block_extra_keys(images: ImageSpans, start: int, end: int) -> bytes:
+    """The hashes of the images with placeholder tokens in `[start, end)`, in order."""
+    return b"".join(h for offset, length, h in images if offset < end and offset + length > start)
 
 
 @dataclass
@@ -103,7 +120,11 @@ class BlockManager:
     # ------------------------------------------------------------------ queries
 
     def get_computed_blocks(
-        self, request_id: str, token_ids: Sequence[int], cache_salt: str | None = None
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        images: ImageSpans = (),
     ) -> tuple[list[int], int]:
         """Longest run of cached full blocks matching the start of ``token_ids``.
 
@@ -117,7 +138,7 @@ class BlockManager:
         max_hit_blocks = max(0, (len(token_ids) - 1) // self.block_size)
         hits: list[int] = []
         for i in range(max_hit_blocks):
-            block_id = self.pool.lookup(self._block_hash(state, token_ids, i, cache_salt))
+            block_id = self.pool.lookup(self._block_hash(state, token_ids, i, cache_salt, images))
             if block_id is None:
                 break
             hits.append(block_id)
@@ -164,6 +185,7 @@ class BlockManager:
         num_new_tokens: int,
         new_computed_blocks: Sequence[int] = (),
         cache_salt: str | None = None,
+        images: ImageSpans = (),
     ) -> list[int] | None:
         """Grow the request's table to cover computed + cached + new tokens.
 
@@ -208,7 +230,8 @@ class BlockManager:
         if self.enable_caching:
             num_full = min(num_tokens, len(token_ids)) // bs
             for i in range(state.num_registered, num_full):
-                self.pool.register(table[i], self._block_hash(state, token_ids, i, cache_salt))
+                block_hash = self._block_hash(state, token_ids, i, cache_salt, images)
+                self.pool.register(table[i], block_hash)
             state.num_registered = max(state.num_registered, num_full)
         return table[num_before:]
 
@@ -287,7 +310,12 @@ class BlockManager:
     # ------------------------------------------------------------------ helpers
 
     def _block_hash(
-        self, state: _RequestBlocks, token_ids: Sequence[int], index: int, cache_salt: str | None
+        self,
+        state: _RequestBlocks,
+        token_ids: Sequence[int],
+        index: int,
+        cache_salt: str | None,
+        images: ImageSpans = (),
     ) -> bytes:
         """Hash of block ``index``, extending the request's memoised chain as needed."""
         bs = self.block_size
@@ -296,7 +324,8 @@ class BlockManager:
             i = len(hashes)
             parent = hashes[-1] if hashes else ROOT_PARENT_HASH
             salt = cache_salt if i == 0 else None
-            hashes.append(hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], salt))
+            extra = block_extra_keys(images, i * bs, (i + 1) * bs) if images else b""
+            hashes.append(hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], salt, extra))
         return hashes[index]
 
     def check_invariants(self) -> None:

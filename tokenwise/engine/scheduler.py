@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
 from tokenwise.config import SchedulerConfig
-from tokenwise.engine.block_manager import BlockManager
+from tokenwise.engine.block_manager import BlockManager, ImageSpans
 from tokenwise.engine.request import Request, RequestStatus
 from tokenwise.engine.request_queue import create_request_queue
 from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -108,6 +108,10 @@ class Scheduler:
         """Allocate those blocks, all or nothing (None: the pool is short)."""
         return []
 
+    def image_spans(self, request: Request) -> ImageSpans:
+        """The images of the request's prompt, which key its blocks' hashes (none here)."""
+        return ()
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
@@ -130,6 +134,7 @@ class Scheduler:
                     req.num_computed_tokens,
                     num_new,
                     cache_salt=req.cache_salt,
+                    images=self.image_spans(req),
                 )
                 if new_blocks is not None:
                     out.scheduled.append(self._scheduled(req, num_new, new_blocks, spec=spec))
@@ -183,7 +188,7 @@ class Scheduler:
             # block does not keep: such a request computes its whole prompt itself (as in vLLM).
             if req.sampling_params.prompt_logprobs is None:
                 hits, num_hit = bm.get_computed_blocks(
-                    req.request_id, req.all_token_ids, req.cache_salt
+                    req.request_id, req.all_token_ids, req.cache_salt, self.image_spans(req)
                 )
             num_new = req.num_tokens - num_hit
             if num_new > budget - num_encoder:
@@ -191,7 +196,13 @@ class Scheduler:
                     break
                 num_new = budget - num_encoder
             new_blocks = bm.allocate_slots(
-                req.request_id, req.all_token_ids, 0, num_new, hits, cache_salt=req.cache_salt
+                req.request_id,
+                req.all_token_ids,
+                0,
+                num_new,
+                hits,
+                cache_salt=req.cache_salt,
+                images=self.image_spans(req),
             )
             extra_blocks = None
             if new_blocks is not None:

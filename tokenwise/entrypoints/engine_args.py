@@ -57,6 +57,19 @@ positive_int = bounded_int(1)
 non_negative_int = bounded_int(0)
 
 
+def parse_json_dict(text: str) -> dict[str, Any]:
+    """An argparse `type` for a JSON object flag (`--limit-mm-per-prompt '{"image": 2}'`)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def parse_cudagraph_mode(text: str) -> str:
     """A `CUDAGraphMode` name, any case; the error lists the valid names."""
     from tokenwise.config import CUDAGraphMode
@@ -134,6 +147,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=["int8", "int4", "gguf"],
         help="quantize the linear layers' weights on load, weight-only, per group of 32 (CPU): "
         "int8 or int4; gguf (the default for a .gguf file) keeps each tensor's bit width",
+    )
+    g.add_argument(
+        "--limit-mm-per-prompt",
+        type=parse_json_dict,
+        default=None,
+        metavar="JSON",
+        help="most images one prompt may carry, as vLLM takes it: '{\"image\": 2}' "
+        "(default: no limit)",
     )
     g.add_argument(
         "--task",
@@ -374,6 +395,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "speculative_config": getattr(args, "speculative_config", None),
         "quantization": getattr(args, "quantization", None),
         "scheduling_policy": getattr(args, "scheduling_policy", "fcfs"),
+        "limit_mm_per_prompt": getattr(args, "limit_mm_per_prompt", None),
     }
 
 

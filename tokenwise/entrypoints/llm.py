@@ -22,6 +22,10 @@ from tokenwise.config import (
     SpeculativeConfig,
 )
 from tokenwise.engine.client import create_engine
+from tokenwise.engine.kinds.multimodal_settings import (
+    check_multimodal_settings,
+    parse_limit_mm_per_prompt,
+)
 from tokenwise.engine.prompts import PromptInput, resolve_eos_token_ids, validate_request
 from tokenwise.entrypoints.beam_search import (
     BeamSearch,
@@ -33,7 +37,11 @@ from tokenwise.entrypoints.beam_search import (
 from tokenwise.layers.fused_moe.experts import grouped_mm_available
 from tokenwise.lora.request import LoRARequest
 from tokenwise.model_config import ModelConfig
-from tokenwise.models.registry import is_encoder_decoder_architecture, is_moe_architecture
+from tokenwise.models.registry import (
+    is_encoder_decoder_architecture,
+    is_moe_architecture,
+    is_multimodal_architecture,
+)
 from tokenwise.outputs import EmbeddingRequestOutput, RequestOutput
 from tokenwise.pooling.params import PoolingParams
 from tokenwise.pooling.task import check_embed_settings, resolve_pooler_config, resolve_task
@@ -132,6 +140,7 @@ def build_engine_config(
     speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
     quantization: str | None = None,
     scheduling_policy: str = "fcfs",
+    limit_mm_per_prompt: dict[str, int] | None = None,
 ) -> EngineConfig:
     """One place that turns user-facing arguments (LLM, CLI, server) into an EngineConfig."""
     from tokenwise.default_model import resolve_model_path
@@ -172,12 +181,24 @@ def build_engine_config(
             # Compiled and graphed only when a graph mode is asked for: that path is tested on
             # CPU with capture faked, not yet on a GPU (tokenwise.engine.kinds.encoder_decoder_runner).
             enforce_eager = True
+    if is_multimodal_architecture(model_config.architectures):
+        check_multimodal_settings(
+            model_config, limit_mm_per_prompt, data_parallel_size, tensor_parallel_size
+        )
+        enforce_eager, cudagraph_mode = True, None  # see engine/kinds/multimodal_runner.py
+    else:  # a text-only model refuses every image, whatever the limit says
+        model_config.limit_mm_per_prompt = parse_limit_mm_per_prompt(limit_mm_per_prompt)
     speculative = None
     if speculative_config is not None:
         speculative = SpeculativeConfig.from_dict(speculative_config)
-        if model_config.is_pooling or is_encoder_decoder_architecture(model_config.architectures):
+        archs = model_config.architectures
+        if (
+            model_config.is_pooling
+            or is_encoder_decoder_architecture(archs)
+            or is_multimodal_architecture(archs)
+        ):
             raise ValueError(
-                "speculative_config applies to decoder-only generation models, not to "
+                "speculative_config applies to text-only decoder generation models, not to "
                 f"{', '.join(model_config.architectures)}"
             )
     is_moe = is_moe_architecture(model_config.architectures)
@@ -342,6 +363,9 @@ class LLM:
         eos = resolve_eos_token_ids(model, tokenizer)
         searches = []
         for prompt in _as_prompt_list(prompts):
+            if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+                # Each beam step sends token ids, which would leave the images behind.
+                raise ValueError("beam search takes text prompts only, not multi_modal_data")
             _, token_ids = validate_request(model, tokenizer, prompt, SamplingParams())
             if len(token_ids) + params.max_tokens > model.max_model_len:
                 raise ValueError(

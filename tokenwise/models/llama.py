@@ -210,8 +210,15 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`inputs_embeds` (a multimodal model's text embeddings with its image embeddings
+        merged in) replaces the lookup of `input_ids`."""
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual)

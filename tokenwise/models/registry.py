@@ -11,6 +11,7 @@ from tokenwise.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCau
 from tokenwise.models.gemma2 import Gemma2ForCausalLM
 from tokenwise.models.gemma3 import Gemma3ForCausalLM
 from tokenwise.models.llama import LlamaForCausalLM
+from tokenwise.models.llava import LlavaForConditionalGeneration
 from tokenwise.models.mistral import MistralForCausalLM
 from tokenwise.models.mixtral import MixtralForCausalLM
 from tokenwise.models.qwen2 import Qwen2ForCausalLM
@@ -31,6 +32,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     # Encoder-decoder models (task "generate"): class attribute `is_encoder_decoder`.
     "BartForConditionalGeneration": BartForConditionalGeneration,
     "WhisperForConditionalGeneration": WhisperForConditionalGeneration,
+    # Vision-language models (task "generate"): class attribute `is_multimodal`.
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     # Decoders (task "generate").
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
@@ -85,6 +88,15 @@ def is_encoder_decoder_architecture(architectures: list[str]) -> bool:
     except ValueError:
         return False
     return bool(getattr(model_cls, "is_encoder_decoder", False))
+
+
+def is_multimodal_architecture(architectures: list[str]) -> bool:
+    """Whether the model takes images in its prompts (LLaVA)."""
+    try:
+        model_cls = resolve_model_class(architectures)
+    except ValueError:
+        return False
+    return bool(getattr(model_cls, "is_multimodal", False))
 
 
 def is_speech_architecture(architectures: list[str]) -> bool:

@@ -126,6 +126,7 @@ LAYERS: tuple[Layer, ...] = (
             "tokenwise.engine.drafter",
             "tokenwise.engine.kinds",
             "tokenwise.engine.kinds.encoder_inputs",
+            "tokenwise.engine.kinds.image_inputs",
             "tokenwise.engine.kinds.requests",
             "tokenwise.engine.kinds.audio",
             "tokenwise.engine.kinds.pooling_scheduler",

@@ -33,6 +33,12 @@ class GenerateKind(ModelKind):
     ) -> tuple[str | None, list[int], dict[str, Any]]:
         """(prompt text, prompt token ids, extra fields of the requests): none here."""
         engine = self.engine
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            kinds = ", ".join(sorted(prompt["multi_modal_data"])) or "multi-modal data"
+            raise ValueError(
+                f"this model ({', '.join(engine.model_config.architectures) or 'text-only'}) "
+                f"takes text only; the prompt carries {kinds}"
+            )
         return (*validate_request(engine.model_config, engine.tokenizer, prompt, params), {})
 
     def request_cls(self) -> type[Request]:

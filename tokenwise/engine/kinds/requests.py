@@ -1,4 +1,4 @@
-"""The requests of the kinds that need more than `Request`: embeddings and encoder-decoder.
+"""The requests of the kinds that need more than `Request`: embeddings, encoder-decoder, images.
 
 `Request` is what every kind shares (tokens, progress, sampling, output state). A kind whose
 requests carry more subclasses it here, below the scheduler and the runner that read the extra
@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenwise.engine.kinds.encoder_inputs import EncoderInputs
+from tokenwise.engine.kinds.image_inputs import ImageInput, hash_spans
 from tokenwise.engine.request import Request
 from tokenwise.pooling.params import PoolingParams
 
@@ -36,3 +37,18 @@ class EncoderDecoderRequest(Request):
     def num_encoder_tokens(self) -> int:
         """Rows of cross K/V the encoder makes."""
         return 0 if self.encoder_inputs is None else self.encoder_inputs.num_tokens
+
+
+@dataclass(eq=False)
+class MultiModalRequest(Request):
+    """A prompt with images: each image's placeholder run, pixels and content hash.
+
+    The runner embeds an image when the request's prefill reaches its placeholders; the
+    scheduler keys the prefix cache by the hashes of the images each block covers.
+    """
+
+    images: list[ImageInput] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.image_hash_spans = hash_spans(self.images)

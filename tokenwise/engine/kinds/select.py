@@ -1,4 +1,4 @@
-"""Which model kind a configuration serves: embed, encoder-decoder, or generate."""
+"""Which model kind a configuration serves: embed, encoder-decoder, multimodal, or generate."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ from tokenwise.config import EngineConfig
 from tokenwise.engine.kinds.base import ModelKind
 from tokenwise.engine.kinds.encoder_decoder import EncoderDecoderKind
 from tokenwise.engine.kinds.generate import GenerateKind
+from tokenwise.engine.kinds.multimodal import MultiModalKind
 from tokenwise.engine.kinds.pooling import EmbedKind
-from tokenwise.models.registry import is_encoder_decoder_architecture
+from tokenwise.models.registry import is_encoder_decoder_architecture, is_multimodal_architecture
 
 
 def model_kind_for(config: EngineConfig) -> type[ModelKind]:
@@ -19,4 +20,6 @@ def model_kind_for(config: EngineConfig) -> type[ModelKind]:
         return EmbedKind
     if is_encoder_decoder_architecture(config.model.architectures):
         return EncoderDecoderKind
+    if is_multimodal_architecture(config.model.architectures):
+        return MultiModalKind
     return GenerateKind

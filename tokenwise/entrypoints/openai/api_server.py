@@ -56,7 +56,7 @@ from tokenwise.entrypoints.openai.serving_responses import ResponsesServing
 from tokenwise.entrypoints.openai.serving_tokenization import TokenizationServing
 from tokenwise.entrypoints.openai.serving_transcriptions import TranscriptionServing
 from tokenwise.entrypoints.openai.serving_ui import add_ui_routes
-from tokenwise.models.registry import is_speech_architecture
+from tokenwise.models.registry import is_multimodal_architecture, is_speech_architecture
 
 logger = logging.getLogger("tokenwise.server")
 
@@ -208,6 +208,17 @@ def build_app(
     return app
 
 
+def image_settings(engine: Any) -> tuple[str | None, int | None]:
+    """A vision-language engine's image placeholder and per-prompt image limit; (None, None)
+    for a model that reads no images. Such an engine runs in this process (its kind is not
+    the plain generative one), so its processor is at hand."""
+    model_config = engine.model_config
+    if not is_multimodal_architecture(model_config.architectures):
+        return None, None
+    limit = (model_config.limit_mm_per_prompt or {}).get("image")
+    return engine.kind.prompts.image_token, limit
+
+
 def run_server(args: argparse.Namespace) -> int:
     """`tokenwise serve`: load the model, start the engine thread, serve until interrupted."""
     import uvicorn
@@ -231,11 +242,14 @@ def run_server(args: argparse.Namespace) -> int:
     # The engine core runs in its own process (one per DP rank): this process keeps HTTP,
     # tokenization and streaming, and never takes the interpreter lock from the engine loop.
     engine = create_engine(engine_config, core_process=True)
+    image_token, image_limit = image_settings(engine)
     config = ServerConfig(
         served_model_name=args.served_model_name or args.model or "default",
         max_model_len=engine.model_config.max_model_len,
         task=engine.model_config.task,
         supports_audio=is_speech_architecture(engine.model_config.architectures),
+        image_token=image_token,
+        limit_images_per_prompt=image_limit,
         **server_config_kwargs(args),
     )
     lora = engine_config.lora
@@ -248,6 +262,7 @@ def run_server(args: argparse.Namespace) -> int:
         lora_modules,
         lora.max_lora_rank if lora is not None else None,
         engine.check_lora,  # adapters are checked against the model when loaded
+        ["text", "image"] if image_token is not None else ["text"],
     )
     metrics = ServerMetrics(config.served_model_name)
     server: uvicorn.Server | None = None

@@ -61,8 +61,46 @@ def template_kwargs(tokenizer: Any, body: ChatTemplateFields) -> dict[str, Any]:
     return extra
 
 
-def render_chat(tokenizer: Any, body: ChatTemplateFields) -> dict[str, Any]:
-    """The engine prompt ({"prompt", "prompt_token_ids"}) for the request's messages."""
+def _messages(body: ChatTemplateFields, image_token: str | None) -> list[dict[str, Any]]:
+    """The messages as the template gets them. Without images a list content is its texts
+    joined; with images either Hugging Face's multimodal form (`{"type": "image"}` parts,
+    `image_token` None) or one string with `image_token` where each image was."""
+    messages = []
+    for m in body.messages:
+        message = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):
+            texts = [getattr(part, "text", None) for part in m.content]
+            if not any(t is None for t in texts):
+                message["content"] = "\n".join(t for t in texts if t is not None)
+            elif image_token is None:
+                message["content"] = [
+                    {"type": "image"} if t is None else {"type": "text", "text": t} for t in texts
+                ]
+            else:
+                message["content"] = "\n".join(image_token if t is None else t for t in texts)
+        messages.append(message)
+    return messages
+
+
+def _apply(tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
+        raise OpenAIError(
+            400, f"the chat template failed on these messages: {exc}", param="messages"
+        ) from exc
+
+
+def render_chat(
+    tokenizer: Any, body: ChatTemplateFields, image_token: str | None = None, num_images: int = 0
+) -> dict[str, Any]:
+    """The engine prompt ({"prompt", "prompt_token_ids"}) for the request's messages.
+
+    With `num_images` image parts, the template renders Hugging Face's multimodal message
+    form when it knows it (LLaVA's templates write the placeholder for each image part); one
+    that does not (it reads `content` as a string) gets the placeholder `image_token` written
+    into the text where each image was, as vLLM does for such templates.
+    """
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise OpenAIError(
             400,
@@ -70,19 +108,23 @@ def render_chat(tokenizer: Any, body: ChatTemplateFields) -> dict[str, Any]:
             param="messages",
             code="no_chat_template",
         )
-    messages = []
-    for m in body.messages:
-        message = m.model_dump(exclude_none=True)
-        if isinstance(m.content, list):
-            message["content"] = "\n".join(part.text for part in m.content)
-        messages.append(message)
     kwargs = template_kwargs(tokenizer, body)
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
-    except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
-        raise OpenAIError(
-            400, f"the chat template failed on these messages: {exc}", param="messages"
-        ) from exc
+    if not num_images or image_token is None:
+        text = _apply(tokenizer, _messages(body, None), kwargs)
+    else:
+        try:
+            text = _apply(tokenizer, _messages(body, None), kwargs)
+        except OpenAIError:  # a template that concatenates `content` as a string
+            text = ""
+        if text.count(image_token) != num_images:
+            text = _apply(tokenizer, _messages(body, image_token), kwargs)
+        if text.count(image_token) != num_images:
+            raise OpenAIError(
+                400,
+                f"the chat template placed {text.count(image_token)} image placeholders "
+                f"({image_token!r}) for {num_images} images",
+                param="messages",
+            )
     try:
         check_text(text, "messages")
     except ValueError as exc:  # else the tokenizer's TypeError would be a 500

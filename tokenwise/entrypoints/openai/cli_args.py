@@ -138,6 +138,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "engine's steps and KV cache) nor its data routes under /ui/",
     )
     g.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        metavar="DIR",
+        help="let chat image_url parts name local files (file:// URLs or paths) under DIR "
+        "(default: off; data: URLs always work)",
+    )
+    g.add_argument(
         "--lora-modules",
         nargs="+",
         type=parse_lora_module,
@@ -195,4 +202,5 @@ def server_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "access_log": not args.disable_access_log,
         "ui": not args.disable_ui,
         "responses_store_size": args.responses_store_size,
+        "allowed_local_media_path": args.allowed_local_media_path,
     }

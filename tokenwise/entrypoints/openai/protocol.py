@@ -131,11 +131,21 @@ class TextPart(RequestModel):
     text: str
 
 
+class ImageURL(RequestModel):
+    url: str  # a data: URL (base64) or, under --allowed-local-media-path, file:// or a path
+    detail: str | None = None  # OpenAI's resolution hint; the model's processor decides
+
+
+class ImagePart(RequestModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
 
 
 class FunctionDefinition(RequestModel):
@@ -368,6 +378,8 @@ class ModelCard(BaseModel):
     max_model_len: int
     root: str | None = None  # a LoRA adapter's directory
     parent: str | None = None  # a LoRA adapter's base model
+    # What a prompt may hold: ["text"], or ["text", "image"] for a vision-language model.
+    input_modalities: list[str] = Field(default_factory=lambda: ["text"])
 
 
 class LoadLoRAAdapterRequest(RequestModel):

@@ -37,6 +37,12 @@ class ServerConfig:
     task: str = "generate"
     # A speech model (Whisper) also serves /v1/audio/transcriptions.
     supports_audio: bool = False
+    # A vision-language model's image placeholder (`<image>`); None: the model reads no images.
+    image_token: str | None = None
+    # Images one chat request may carry (--limit-mm-per-prompt '{"image": N}'); None: any.
+    limit_images_per_prompt: int | None = None
+    # Chat images may be local files under this directory (--allowed-local-media-path).
+    allowed_local_media_path: str | None = None
     # Unknown request fields: False ignores them with a warning, True refuses them (400).
     strict_request_fields: bool = False
     # Splits chat replies' <think> part into reasoning_content (`reasoning`); None: off.

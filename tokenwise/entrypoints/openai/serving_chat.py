@@ -1,6 +1,9 @@
 """`POST /v1/chat/completions`: messages rendered with the tokenizer's chat template
 (`chat_rendering`), the reply read back as an assistant message (`tool_calls`).
 
+`image_url` content parts (a vision-language model) are decoded here (`chat_images`) and go to
+the engine with the rendered text as `multi_modal_data`.
+
 With `tools`, the template receives them (`tools=`, as Hugging Face templates expect), the
 reply is read for tool calls according to `tool_choice` (`tool_calls`), and a forced call is
 enforced with guided decoding (`structured_outputs`).
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from tokenwise.entrypoints.openai.chat_images import load_chat_images
 from tokenwise.entrypoints.openai.chat_rendering import render_chat
 from tokenwise.entrypoints.openai.errors import OpenAIError
 from tokenwise.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_field
@@ -70,7 +74,17 @@ class ChatServing(OpenAIServing[ChatCompletionRequest, ChatLogprobs]):
         params = build_sampling_params(
             body, self.config, max_tokens, logprobs, guided, body.prompt_logprobs
         )
-        return [render_chat(self.engine.engine.tokenizer, body)], params
+        config = self.config
+        images = load_chat_images(
+            body.messages,
+            config.image_token is not None,
+            config.limit_images_per_prompt,
+            config.allowed_local_media_path,
+        )
+        prompt = render_chat(self.engine.engine.tokenizer, body, config.image_token, len(images))
+        if images:  # the engine's processor tokenizes it, expanding each image's placeholder
+            return [{"prompt": prompt["prompt"], "multi_modal_data": {"image": images}}], params
+        return [prompt], params
 
     def _logprobs(
         self, body: ChatCompletionRequest, output: CompletionOutput, offset: int

@@ -27,11 +27,13 @@ class ServingModels:
         lora_modules: dict[str, str] | None = None,
         max_lora_rank: int | None = None,
         validate: Callable[[LoRARequest], None] | None = None,
+        input_modalities: list[str] | None = None,
     ) -> None:
         """`validate` (the engine's `check_lora`) checks an adapter against the model, so a
         target module the model lacks is refused when the adapter is loaded, not when used."""
         self.base_model_name = base_model_name
         self.max_model_len = max_model_len
+        self.input_modalities = input_modalities or ["text"]
         self.max_lora_rank = max_lora_rank  # None: the engine serves no adapters
         self.validate = validate
         self._ids = itertools.count(1)
@@ -59,11 +61,15 @@ class ServingModels:
         return adapter
 
     def cards(self) -> list[ModelCard]:
-        base = ModelCard(id=self.base_model_name, max_model_len=self.max_model_len)
+        modalities = self.input_modalities
+        base = ModelCard(
+            id=self.base_model_name, max_model_len=self.max_model_len, input_modalities=modalities
+        )
         return [base] + [
             ModelCard(
                 id=name,
                 max_model_len=self.max_model_len,
+                input_modalities=modalities,
                 root=adapter.lora_path,
                 parent=self.base_model_name,
             )

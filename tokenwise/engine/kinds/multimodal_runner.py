@@ -1,0 +1,115 @@
+"""The runner of a vision-language model (LLaVA): the decoder runner plus image embeddings.
+
+A step is laid out as for any decoder (prefills first, one flat token stream). What a
+multimodal step adds is, for each prompt chunk that covers placeholder tokens of an image, the
+image's embedding rows for exactly those tokens: a chunked prefill may start or stop inside
+an image, so the chunk takes the slice `[max(computed, offset), min(computed + new, end))` of
+the image's rows. The model gets the rows and their indices in the flat stream
+(`image_embeds`, `image_token_rows`) and writes them over the placeholders' text embeddings.
+
+Embeddings come from the `EncoderCache`: the vision tower runs once per image (all images a
+step misses, in one batch) when a prefill first reaches its placeholders, and the rows stay
+there until the request has prefilled past them. A request that hits the prefix cache past an
+image never needs it; one preempted and resumed takes it again (recomputing it if no other
+request kept it).
+
+Steps with image rows run eagerly on the uncompiled model (their extra inputs have a shape no
+graph was captured for); the configuration turns compilation and graphs off for these models
+altogether for now, since no graphed path has been tested with them. One rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tokenwise.compilation.compile import CompiledModel
+from tokenwise.engine.kinds.encoder_cache import EncoderCache
+from tokenwise.engine.kinds.image_inputs import ImageInput
+from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenwise.runner.input_batch import StepInputs
+from tokenwise.runner.model_runner import MetadataByLayer, ModelRunner
+
+# One image's part of a step: (request id, image, first and end prompt position, flat index).
+ImageSlice = tuple[str, ImageInput, int, int, int]
+
+
+def image_slices(ordered: list[ScheduledRequest]) -> list[ImageSlice]:
+    """The placeholder tokens each scheduled chunk computes, image by image, in step order."""
+    slices: list[ImageSlice] = []
+    start = 0
+    for item in ordered:
+        req = item.request
+        computed, new = req.num_computed_tokens, item.num_new_tokens
+        for image in getattr(req, "images", ()):
+            lo, hi = max(computed, image.offset), min(computed + new, image.end)
+            if lo < hi:
+                slices.append((req.request_id, image, lo, hi, start + lo - computed))
+        start += new
+    return slices
+
+
+class MultiModalModelRunner(ModelRunner):
+    def _setup_kind(self) -> None:
+        if self.tp_size > 1:
+            raise ValueError("vision-language models run on one rank")
+        self.encoder_cache = EncoderCache()
+        self.num_encoder_runs = 0  # images the vision tower encoded, over the runner's life
+        model = self.model
+        self.eager_model = model.model if isinstance(model, CompiledModel) else model
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        # Requests that left the batch (finished, aborted, preempted) let go of their images.
+        for request_id in scheduler_output.finished_req_ids:
+            self.encoder_cache.release_request(request_id)
+        return super().execute_model(scheduler_output)
+
+    def _may_replay_graphs(self, ordered: list[ScheduledRequest]) -> bool:
+        return not image_slices(ordered)
+
+    def _forward_model(self, model_kwargs: dict[str, Any] | None) -> Any:
+        return self.eager_model if model_kwargs else self.model
+
+    def _model_inputs(self, step: StepInputs, attn_metadata: MetadataByLayer) -> dict[str, Any]:
+        slices = image_slices(step.scheduled)
+        if not slices:
+            return {}
+        embeds = self._embeddings(slices)
+        rows: list[torch.Tensor] = []
+        indices: list[torch.Tensor] = []
+        for request_id, image, lo, hi, flat in slices:
+            key = image.content_hash
+            rows.append(embeds[key][lo - image.offset : hi - image.offset])
+            indices.append(torch.arange(flat, flat + hi - lo))
+            if hi == image.end:  # this chunk reaches the image's end: the request is done
+                self.encoder_cache.release(request_id, key)
+        return {
+            "image_embeds": torch.cat(rows),
+            "image_token_rows": torch.cat(indices).to(self.device),
+        }
+
+    def _embeddings(self, slices: list[ImageSlice]) -> dict[bytes, torch.Tensor]:
+        """Each image's embeddings, encoding in one batch those the cache does not hold."""
+        found: dict[bytes, torch.Tensor] = {}
+        missing: dict[bytes, tuple[ImageInput, list[str]]] = {}
+        for request_id, image, *_ in slices:
+            key = image.content_hash
+            cached = self.encoder_cache.get(request_id, key)
+            if cached is not None:
+                found[key] = cached
+            elif key in missing:  # a second request needs it this step: encoded once
+                missing[key][1].append(request_id)
+                self.encoder_cache.served_by_pending()
+            else:
+                missing[key] = (image, [request_id])
+        if missing:
+            pixels = torch.stack([image.pixel_values for image, _ in missing.values()])
+            encoded = self.eager_model.embed_images(pixels.to(self.device))
+            self.num_encoder_runs += len(missing)
+            for (key, (_, holders)), embeds in zip(missing.items(), encoded, strict=True):
+                for request_id in holders:
+                    self.encoder_cache.put(request_id, key, embeds)
+                found[key] = embeds
+        return found

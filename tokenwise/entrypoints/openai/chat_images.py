@@ -1,0 +1,136 @@
+"""The images of a chat request: `image_url` content parts, fetched and decoded, or a 400.
+
+Every problem is the client's to fix and is named: an image sent to a model that reads none,
+more images than `--limit-mm-per-prompt` allows, a URL of a kind the server does not fetch, a
+local file outside `--allowed-local-media-path` (or no such path configured: local files are
+off by default, as in vLLM, since they let a client read the server's disk), a base64 payload
+that does not decode, or bytes that are not an image PIL can read.
+
+Sources: `data:image/...;base64,...` URLs (what the openai client sends for a local image),
+and `file://` URLs or plain paths under the allowed directory. http(s) URLs are refused for
+now (a fetch with size and time limits is the next step).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+from tokenwise.entrypoints.openai.errors import OpenAIError
+from tokenwise.entrypoints.openai.protocol import ImagePart
+
+PARAM = "messages"
+
+
+def image_parts(messages: list[Any]) -> list[ImagePart]:
+    """The request's image parts, in message order."""
+    return [
+        part
+        for m in messages
+        if isinstance(m.content, list)
+        for part in m.content
+        if isinstance(part, ImagePart)
+    ]
+
+
+def load_chat_images(
+    messages: list[Any],
+    supports_images: bool,
+    limit: int | None,
+    allowed_local_media_path: str | None,
+) -> list[Any]:
+    """PIL images of the request's image parts (none: an empty list), checked."""
+    parts = image_parts(messages)
+    if not parts:
+        return []
+    if not supports_images:
+        raise OpenAIError(
+            400,
+            "this model takes text only: it cannot read the image_url content part(s)",
+            param=PARAM,
+            code="images_not_supported",
+        )
+    if limit is not None and len(parts) > limit:
+        raise OpenAIError(
+            400,
+            f"the request has {len(parts)} images, more than the {limit} per prompt this "
+            "server allows (--limit-mm-per-prompt)",
+            param=PARAM,
+            code="too_many_images",
+        )
+    return [
+        decode_image(read_image_bytes(part.image_url.url, allowed_local_media_path), i)
+        for i, part in enumerate(parts)
+    ]
+
+
+def read_image_bytes(url: str, allowed_local_media_path: str | None) -> bytes:
+    if url.startswith("data:"):
+        header, sep, payload = url.partition(",")
+        if not sep or not header.endswith(";base64"):
+            raise OpenAIError(
+                400, "an image data URL must be data:<type>;base64,<data>", param=PARAM
+            )
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise OpenAIError(
+                400, f"the image's base64 data does not decode: {exc}", param=PARAM
+            ) from None
+    scheme = urlparse(url).scheme
+    if scheme in ("http", "https"):
+        raise OpenAIError(
+            400,
+            "http(s) image URLs are not fetched by this server; send the image as a "
+            "data:<type>;base64 URL",
+            param=PARAM,
+        )
+    if scheme not in ("", "file"):
+        raise OpenAIError(400, f"unsupported image URL scheme {scheme!r}", param=PARAM)
+    return read_local_file(unquote(urlparse(url).path) if scheme else url, allowed_local_media_path)
+
+
+def read_local_file(path: str, allowed: str | None) -> bytes:
+    """A local image, only from under the allowed directory (symlinks resolved first)."""
+    if allowed is None:
+        raise OpenAIError(
+            400,
+            "local image files are off: start the server with --allowed-local-media-path DIR "
+            "to read images from DIR",
+            param=PARAM,
+        )
+    root = os.path.realpath(allowed)
+    real = os.path.realpath(path)
+    if os.path.commonpath([root, real]) != root:
+        raise OpenAIError(
+            400, f"image path {path!r} is outside --allowed-local-media-path", param=PARAM
+        )
+    try:
+        with open(real, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise OpenAIError(
+            400, f"cannot read image file {path!r}: {exc.strerror}", param=PARAM
+        ) from None
+
+
+def decode_image(data: bytes, index: int) -> Any:
+    """RGB PIL image from encoded bytes (PNG, JPEG, ...); decoded fully here, so a truncated
+    file fails now, as a 400, rather than inside the engine."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.load()
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise OpenAIError(
+            400,
+            f"image {index} could not be decoded as an image: {exc}",
+            param=PARAM,
+            code="invalid_image",
+        ) from exc
