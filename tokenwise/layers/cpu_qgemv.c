@@ -261,6 +261,10 @@ static void run_rows(const qctx *c, int64_t n0, int64_t n1, int Mr) {
     if (c->xq) {
         if (c->bits == 8) {
             SWITCH_M(q8x16_block, X16R_FOR)
+#if defined(TW_AVX512)
+        } else if (q4_wide(c->K, c->G)) {
+            SWITCH_M(q4x16_block512, X16R_FOR)
+#endif
         } else {
             SWITCH_M(q4x16_block256, X16R_FOR)
         }
@@ -305,6 +309,9 @@ int tw_qgemv(const void *x, const uint8_t *q, const void *sc, const void *of,
         }
         float *xs = (float *)((int16_t *)x16 + M * K);
         quantize_x16(xf, M, K, G, (int16_t *)x16, xs, xs + M * ng);
+#if defined(TW_AVX512)
+        if (bits == 4 && q4_wide(K, G)) x4_order((int16_t *)x16, M * K);
+#endif
         c.xq = (const int16_t *)x16;
         c.xs = xs;
         c.xsum = xs + M * ng;

@@ -141,6 +141,71 @@ INLINE __m512i dp16_512(__m512i acc, __m512i a, __m512i b) {
 #endif
 }
 
+/* Whether int4 weights take the 512-bit path: 64 values (two 32-value blocks) per step, which
+ * needs steps that never straddle two groups' folds (G 32, or a multiple of 64). */
+INLINE int q4_wide(int64_t K, int64_t G) { return K % 64 == 0 && (G == 32 || G % 64 == 0); }
+
+/* x in the 512-bit int4 order: per 64 values [0..15, 32..47, 16..31, 48..63], so that the low
+ * nibbles of two blocks (their values 0..15) meet x's first 32 and the high ones the rest. */
+static void x4_order(int16_t *xq, int64_t count) {
+    int16_t tmp[64];
+    for (int64_t c = 0; c < count; c += 64) {
+        memcpy(tmp, xq + c, sizeof tmp);
+        memcpy(xq + c + 16, tmp + 32, 16 * sizeof(int16_t));
+        memcpy(xq + c + 32, tmp + 16, 16 * sizeof(int16_t));
+    }
+}
+
+/* int4 weights, 64 values (32 bytes) per step in 512-bit registers: int32 lanes 0..7 hold the
+ * first block's sums, 8..15 the second's (for G = 32, two groups folded at once). */
+INLINE void q4x16_block512(const qctx *c, int64_t n, float *t, const int R, const int M) {
+    const int64_t K = c->K, G = c->G, ng = K / G, rb = K / 2;
+    const uint8_t *q = c->q + n * rb;
+    const __m512i low4 = _mm512_set1_epi16(15);
+    __m512 acc[4][MAX_M];
+    __m256 off[4][MAX_M];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps(), off[r][m] = _mm256_setzero_ps();
+    for (int64_t g0 = 0; g0 < ng; g0 += 8) {
+        X16_CHUNK_BEGIN()
+        __m512i gi[4][MAX_M];
+        for (int r = 0; r < R; r++)
+            for (int m = 0; m < M; m++) gi[r][m] = _mm512_setzero_si512();
+        for (int64_t k = g0 * G; k < (g0 + valid) * G; k += 64) {
+            __m512i lo[4], hi[4];
+            for (int r = 0; r < R; r++) {
+                const uint8_t *p = q + r * rb + k / 2;
+                if (!(k & 127)) PREFETCH(p);
+                __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+                lo[r] = _mm512_and_si512(v, low4);
+                hi[r] = _mm512_srli_epi16(v, 4);
+            }
+            for (int m = 0; m < M; m++) {
+                __m512i xl = _mm512_loadu_si512((const void *)(c->xq + m * K + k));
+                __m512i xh = _mm512_loadu_si512((const void *)(c->xq + m * K + k + 32));
+                for (int r = 0; r < R; r++) {
+                    gi[r][m] = dp16_512(gi[r][m], lo[r], xl);
+                    gi[r][m] = dp16_512(gi[r][m], hi[r], xh);
+                }
+            }
+            if (G == 32 || (k + 64) % G == 0) {
+                const int a = (int)(k / G - g0), b = (int)((k + 32) / G - g0);
+                const __m512i lane =
+                    _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(a), _mm512_set1_epi32(b));
+                for (int r = 0; r < R; r++)
+                    for (int m = 0; m < M; m++) {
+                        __m512 scale = _mm512_permutexvar_ps(lane, _mm512_castps256_ps512(prod[r][m]));
+                        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(gi[r][m]), scale, acc[r][m]);
+                        gi[r][m] = _mm512_setzero_si512();
+                    }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++)
+            t[r * M + m] = _mm512_reduce_add_ps(acc[r][m]) + hsum256_ps(off[r][m]);
+}
+
 /* int8 weights, 32 values at a time widened to int16 in a 512-bit register. */
 INLINE void q8x16_block(const qctx *c, int64_t n, float *t, const int R, const int M) {
     const int64_t K = c->K, G = c->G, ng = K / G;
