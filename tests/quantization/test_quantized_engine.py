@@ -206,3 +206,45 @@ def test_checkpoint_with_an_unsupported_quantization_config_is_refused_by_name(
 class _Config:
     def __init__(self, quantization_config: dict[str, Any]) -> None:
         self.quantization_config = quantization_config
+
+
+def test_lora_on_a_quantized_base_equals_peft_on_its_dequantized_weights(tmp_path: Any) -> None:
+    """Adapters add their delta to the quantized layer's output: the same tokens as PEFT's
+    adapter over transformers holding the dequantized weights, mixed with base requests."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tokenwise import LoRARequest
+
+    path = _checkpoint(tmp_path)
+    reference = _dequantized_copy(path, str(tmp_path / "dequantized"), *SCHEMES["int8"])
+    torch.manual_seed(0)
+    targets = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    adapter = str(tmp_path / "adapter")
+    get_peft_model(model, config).save_pretrained(adapter)
+
+    llm = LLM(path, dtype="float32", quantization="int8", enable_lora=True, max_lora_rank=4)
+    prompts = mixed_prompts()[:4]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    lora = LoRARequest("a", 1, adapter)
+    outputs = llm.generate(
+        prompts * 2, params, use_tqdm=False, lora_request=[lora] * 4 + [None] * 4
+    )
+    peft = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32), adapter
+    ).eval()
+    for prompt, out in zip(prompts, outputs[:4], strict=True):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            want = peft.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, pad_token_id=0,
+            )  # fmt: skip
+        assert out.outputs[0].token_ids == want[0, len(prompt) :].tolist()
+    for prompt, out in zip(prompts, outputs[4:], strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(reference, prompt, MAX_TOKENS)
+    assert [o.outputs[0].token_ids for o in outputs[:4]] != [
+        o.outputs[0].token_ids for o in outputs[4:]
+    ]
