@@ -35,7 +35,13 @@ from tokenwise.gguf.weights import iterate_gguf
 from tokenwise.layers.quantization import awq, compressed_tensors, gptq
 from tokenwise.layers.quantization.gguf_layers import GGUFLayerQuantizer
 from tokenwise.layers.quantization.prequantized import PrequantizedCheckpoint
-from tokenwise.layers.quantization.schemes import INT4, INT8, quantize_model
+from tokenwise.layers.quantization.schemes import (
+    INT4,
+    INT8,
+    on_load_scheme,
+    quantize_experts,
+    quantize_model,
+)
 from tokenwise.layers.weight_utils import (
     CheckpointTensor,
     LazyTensor,
@@ -196,7 +202,8 @@ def _quantize(
     on CPU only: elsewhere they stay dequantized to the model's dtype)."""
     if method in CPU_METHODS:
         scheme = INT8 if method == "int8" else INT4
-        quantize_model(model, lambda name, module: scheme)
+        quantize_model(model, on_load_scheme(scheme))
+        quantize_experts(model, scheme)
     elif device.type == "cpu" and recorded is not None:
         quantize_model(model, recorded.scheme_for, recorded.exact)
 

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenwise.layers.activation import SiluAndMul
+from tokenwise.layers.quantization.weight_only import QuantizedExperts
 
 
 def fused_experts(
@@ -45,6 +46,7 @@ def fused_experts(
     first_expert: int = 0,
     weights_in_fp32: bool = False,
     use_grouped_mm: bool | None = None,
+    quantized: QuantizedExperts | None = None,
 ) -> torch.Tensor:
     """`sum_k w[t,k] * expert_{id[t,k]}(x[t])` over the experts held in `w13` / `w2`.
 
@@ -53,7 +55,8 @@ def fused_experts(
     scaled by the float32 weights (Mixtral: the product is promoted to fp32 and rounded once);
     otherwise the weights are first rounded to the activation dtype (Qwen-MoE), and so is the
     product. The sum over a token's experts is float32 either way. `use_grouped_mm=None`
-    picks the grouped matmul where `grouped_mm_supported` says it runs.
+    picks the grouped matmul where `grouped_mm_supported` says it runs. `quantized` experts
+    (`w13` / `w2` then only give shapes) run one at a time through their quantized layers.
     """
     num_tokens, top_k = topk_ids.shape
     num_local = w13.shape[0]
@@ -69,7 +72,9 @@ def fused_experts(
     local_ids = torch.where(held, local_ids, torch.full_like(local_ids, num_local))
     # Stable, so each expert sees its tokens in token order (deterministic sums).
     order = torch.argsort(local_ids, stable=True)
-    if use_grouped_mm is None:
+    if quantized is not None:
+        use_grouped_mm = False
+    elif use_grouped_mm is None:
         use_grouped_mm = grouped_mm_supported(hidden_states) and _grouped_mm_fits(hidden_states, w2)
     if use_grouped_mm:
         pair_out = _grouped_pairs(hidden_states, w13, w2, local_ids, held, order, act_and_mul)
@@ -84,7 +89,11 @@ def fused_experts(
             continue
         tokens = sorted_tokens[start : start + count]
         rows = hidden_states.index_select(0, tokens)
-        rows = F.linear(act_and_mul(F.linear(rows, w13[expert])), w2[expert])
+        if quantized is not None:
+            gate_up = quantized.w13[expert].linear(rows, None)
+            rows = quantized.w2[expert].linear(act_and_mul(gate_up), None)
+        else:
+            rows = F.linear(act_and_mul(F.linear(rows, w13[expert])), w2[expert])
         rows = rows * sorted_weights[start : start + count, None]
         out.index_add_(0, tokens, rows.to(acc_dtype))
         start += count
@@ -154,7 +163,7 @@ def _grouped_pairs(
     return pair_out
 
 
-_SILU_AND_MUL = SiluAndMul()
+SILU_AND_MUL = SiluAndMul()
 
 
 @torch.library.custom_op("tokenwise::moe_experts", mutates_args=())
@@ -174,7 +183,7 @@ def moe_experts(
         w2,
         topk_weights,
         topk_ids,
-        _SILU_AND_MUL,
+        SILU_AND_MUL,
         first_expert=first_expert,
         weights_in_fp32=weights_in_fp32,
     )

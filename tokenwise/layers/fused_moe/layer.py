@@ -15,9 +15,10 @@ from torch import nn
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.tp_state import get_tp_size, tp_all_reduce
 from tokenwise.forward_context import get_forward_context, is_forward_context_available
-from tokenwise.layers.fused_moe.experts import moe_experts
+from tokenwise.layers.fused_moe.experts import SILU_AND_MUL, fused_experts, moe_experts
 from tokenwise.layers.fused_moe.router import GroupedRouting, select_experts
 from tokenwise.layers.fused_moe.sharding import ExpertShard
+from tokenwise.layers.quantization.weight_only import QuantizedExperts
 from tokenwise.layers.weight_utils import CheckpointTensor, check_full_shape, copy_checked
 
 
@@ -69,6 +70,8 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(
             torch.empty(local_e, hidden_size, local_i), requires_grad=False
         )
+        # Set by `layers.quantization` (the weights then live on the meta device).
+        self.quant_experts: QuantizedExperts | None = None
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """The full MoE output for this rank's tokens: the DP exchange, then the TP sum."""
@@ -114,6 +117,18 @@ class FusedMoE(nn.Module):
         topk_weights, topk_ids = select_experts(
             router_logits, self.top_k, self.renormalize, self.routing
         )
+        if self.quant_experts is not None:  # eager only, as every quantized layer
+            return fused_experts(
+                hidden_states,
+                self.w13_weight,
+                self.w2_weight,
+                topk_weights,
+                topk_ids,
+                SILU_AND_MUL,
+                first_expert=self.shard.first_expert,
+                weights_in_fp32=self.weights_in_fp32,
+                quantized=self.quant_experts,
+            )
         return moe_experts(
             hidden_states,
             self.w13_weight,

@@ -16,8 +16,9 @@ Methods built:
   `compressed_tensors` reading the formats); FP8 and what the kernels cannot take stay dense.
 Which method a model gets is decided in `tokenwise.quantization_config` (below the layers).
 
-Layers: every linear layer (`ReplicatedLinear` and its parallel kinds) and the LM head. The
-token embedding stays dense (a lookup reads a few rows, not the matrix). Under tensor
+Layers: every linear layer (`ReplicatedLinear` and its parallel kinds), the LM head, the token
+embedding (rows dequantized as they are looked up; a tied embedding and head share one table)
+and, with `int8` / `int4`, each routed expert of an MoE layer (`quantize_experts`). Under tensor
 parallelism each rank quantizes the slice it holds. A layer whose input size is not a multiple
 of the group size takes the largest smaller group that fits (32, then 16 for int8), else stays
 dense with a log line naming it.
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenwise.layers.quantization.weight_only import group_multiple, quantize
+from tokenwise.layers.quantization.weight_only import QuantizedExperts, group_multiple, quantize
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,16 @@ GGUF_SCHEMES: dict[str, Scheme | None] = {
     "Q5_K": INT8,
     "Q6_K": Scheme(8, True, 16),
 }
+
+
+# MoE routers stay dense: tiny layers whose logits pick the experts (a rounding there changes
+# which experts run, not just their output).
+ROUTERS = ("gate", "shared_expert_gate")
+
+
+def on_load_scheme(scheme: Scheme) -> Callable[[str, nn.Module], Scheme | None]:
+    """`scheme_for` of the int8 / int4 methods: every layer but the MoE routers."""
+    return lambda name, module: None if name.rpartition(".")[2] in ROUTERS else scheme
 
 
 def quantizable_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -151,6 +162,33 @@ def quantize_model(
             quant_bytes / 2**20,
             dense_bytes / 2**20,
         )
+    return count
+
+
+def quantize_experts(model: nn.Module, scheme: Scheme) -> int:
+    """Quantize the routed experts of every MoE layer (modules with `quant_experts`), each
+    expert's two weights on their own; returns how many layers. Layers whose hidden or
+    intermediate size fits no group stay dense."""
+    count = 0
+    for name, module in model.named_modules():
+        if not hasattr(module, "quant_experts"):
+            continue
+        w13, w2 = module.w13_weight, module.w2_weight
+        g13, g2 = _group_size(scheme, w13.shape[2]), _group_size(scheme, w2.shape[2])
+        if g13 is None or g2 is None:
+            logger.info("%s's experts stay dense: no int%d group fits them", name, scheme.bits)
+            continue
+        module.quant_experts = QuantizedExperts(
+            [quantize(w, scheme.bits, g13, scheme.symmetric) for w in w13],
+            [quantize(w, scheme.bits, g2, scheme.symmetric) for w in w2],
+        )
+        for attr in ("w13_weight", "w2_weight"):
+            dense = getattr(module, attr)
+            meta = torch.empty(dense.shape, dtype=dense.dtype, device="meta")
+            setattr(module, attr, nn.Parameter(meta, requires_grad=False))
+        count += 1
+    if count:
+        _release_freed_memory()
     return count
 
 

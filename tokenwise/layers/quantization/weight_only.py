@@ -142,6 +142,19 @@ class QuantizedParts:
         return torch.cat([p.linear(x, b) for p, b in zip(self.parts, biases, strict=True)], -1)
 
 
+@dataclass(eq=False)
+class QuantizedExperts:
+    """An MoE layer's routed experts, each expert's gate/up and down weights quantized alone
+    (`w13[e]`: `[2 I, H]`, `w2[e]`: `[H, I]`); `FusedMoE` runs them one expert at a time."""
+
+    w13: list[QuantizedWeight]
+    w2: list[QuantizedWeight]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in (*self.w13, *self.w2))
+
+
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """uint8 `[N, K / 2]` in GGUF's nibble order -> uint8 values `[N, K]` in 0..15."""
     n = packed.shape[0]
