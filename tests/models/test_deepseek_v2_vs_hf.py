@@ -141,9 +141,13 @@ def test_missing_tensor_is_named(tmp_path: Path, name: str) -> None:
     assert name in str(info.value)
 
 
-def test_tensor_parallelism_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tp_state, "_tp_size", 2)
-    with pytest.raises(ValueError, match=r"multi-head latent attention.*tensor_parallel_size=2"):
+def test_tp_size_that_does_not_divide_the_heads_is_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """MLA shards whole heads (tests/engine/test_mla_tensor_parallel.py runs TP=2): 4 heads
+    cannot be split 3 ways, and the error says which count and which size."""
+    monkeypatch.setattr(tp_state, "_tp_size", 3)
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\).*tensor_parallel_size \(3\)"):
         _load(checkpoint(V2))
 
 
