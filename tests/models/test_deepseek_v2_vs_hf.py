@@ -151,6 +151,28 @@ def test_tp_size_that_does_not_divide_the_heads_is_refused_by_name(
         _load(checkpoint(V2))
 
 
+def test_moe_under_tp_all_reduces_routed_and_shared_experts_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Both expert outputs are TP-partial sums over the same tokens: one all-reduce adds them
+    (two would double the collective traffic of every MoE layer). Rank 0 of 2, faked here; the
+    sums themselves are checked against HF by tests/engine/test_mla_tensor_parallel.py."""
+    calls: list[tuple[int, ...]] = []
+    monkeypatch.setattr(tp_state, "_tp_size", 2)
+    monkeypatch.setattr(tp_state, "_tp_group", object())
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda x, group: calls.append(x.shape))
+    config = EngineConfig(model=ModelConfig.from_pretrained(checkpoint(V3), dtype="float32"))
+    hf = config.model.hf_config
+    moe = DeepseekMoE(config, "model.layers.1.mlp", is_v3=True)
+    assert moe.shared_experts is not None
+    shared_width = hf.n_shared_experts * hf.moe_intermediate_size // 2
+    assert moe.shared_experts.down_proj.weight.shape == (hf.hidden_size, shared_width)
+    for param in moe.parameters():
+        param.data.normal_(generator=torch.Generator().manual_seed(1))
+    moe(torch.randn(5, hf.hidden_size))
+    assert calls == [(5, hf.hidden_size)]
+
+
 def test_bad_grouping_is_refused_by_name(tmp_path: Path) -> None:
     path = build_tiny_checkpoint(tmp_path, V2, **GROUPED)
     config = ModelConfig.from_pretrained(path, dtype="float32")
