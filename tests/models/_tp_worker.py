@@ -36,10 +36,14 @@ def run_case(path: str) -> dict[str, Any]:
     with torch.no_grad():
         logits = model.compute_logits(model(ids, torch.arange(ids.numel())))
     attn = model.model.layers[0].self_attn.attn
+    if hasattr(attn, "dims"):  # MLA: its heads, and the width of one cached latent row
+        heads = (attn.dims.num_heads, attn.kv_cache_shape(1, 16)[-1])
+    else:
+        heads = (attn.num_heads, attn.num_kv_heads)
     return {
         "logits": logits.numpy().copy(),
         "params": {name: p.detach().numpy().copy() for name, p in model.named_parameters()},
-        "attn_heads": (attn.num_heads, attn.num_kv_heads),
+        "attn_heads": heads,
     }
 
 

@@ -141,10 +141,36 @@ def test_missing_tensor_is_named(tmp_path: Path, name: str) -> None:
     assert name in str(info.value)
 
 
-def test_tensor_parallelism_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tp_state, "_tp_size", 2)
-    with pytest.raises(ValueError, match=r"multi-head latent attention.*tensor_parallel_size=2"):
+def test_tp_size_that_does_not_divide_the_heads_is_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """MLA shards whole heads (tests/engine/test_mla_tensor_parallel.py runs TP=2): 4 heads
+    cannot be split 3 ways, and the error says which count and which size."""
+    monkeypatch.setattr(tp_state, "_tp_size", 3)
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\).*tensor_parallel_size \(3\)"):
         _load(checkpoint(V2))
+
+
+def test_moe_under_tp_all_reduces_routed_and_shared_experts_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Both expert outputs are TP-partial sums over the same tokens: one all-reduce adds them
+    (two would double the collective traffic of every MoE layer). Rank 0 of 2, faked here; the
+    sums themselves are checked against HF by tests/engine/test_mla_tensor_parallel.py."""
+    calls: list[tuple[int, ...]] = []
+    monkeypatch.setattr(tp_state, "_tp_size", 2)
+    monkeypatch.setattr(tp_state, "_tp_group", object())
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda x, group: calls.append(x.shape))
+    config = EngineConfig(model=ModelConfig.from_pretrained(checkpoint(V3), dtype="float32"))
+    hf = config.model.hf_config
+    moe = DeepseekMoE(config, "model.layers.1.mlp", is_v3=True)
+    assert moe.shared_experts is not None
+    shared_width = hf.n_shared_experts * hf.moe_intermediate_size // 2
+    assert moe.shared_experts.down_proj.weight.shape == (hf.hidden_size, shared_width)
+    for param in moe.parameters():
+        param.data.normal_(generator=torch.Generator().manual_seed(1))
+    moe(torch.randn(5, hf.hidden_size))
+    assert calls == [(5, hf.hidden_size)]
 
 
 def test_bad_grouping_is_refused_by_name(tmp_path: Path) -> None:

@@ -7,7 +7,8 @@ of the checkpoint tensor it should be (derived here from the head / vocab layout
 layers' own code). The cases cover GQA with KV heads split (Llama with q/k/v/o and MLP biases,
 Qwen3), KV heads replicated (Qwen3 with one KV head, plus a vocabulary of odd size, tied to
 the LM head), an MoE model with a shared expert (Qwen2-MoE), and every other family (Qwen2,
-Mistral, Mixtral, Qwen3-MoE).
+Mistral, Mixtral, Qwen3-MoE), and DeepSeek-V2 / V3 (multi-head latent attention: per-head
+projections split, the latent projections and the cached latent whole on each rank).
 
 Single-process tests below check that nothing distributed runs with one rank.
 """
@@ -50,6 +51,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     # and two RoPE tables in Gemma 3).
     "gemma2": ("Gemma2ForCausalLM", {}),
     "gemma3": ("Gemma3ForCausalLM", {}),
+    # Latent attention: heads split, the latent path replicated; V3 through q_lora_rank.
+    "deepseek-v2": ("DeepseekV2ForCausalLM", {}),
+    "deepseek-v3-q-lora": ("DeepseekV3ForCausalLM", {"q_lora_rank": 24}),
 }
 # Mixtral's checkpoint names its MoE block differently (`block_sparse_moe`, `w1/w2/w3`): its
 # shards are checked through the logits only.
@@ -95,6 +99,11 @@ def expected_shard(
             full = ckpt[module.replace("qkv_proj", proj) + "." + kind]
             parts += [full[_rows(h * head_dim, head_dim)] for h in used]
         return torch.cat(parts)
+    if module.endswith(("self_attn.q_proj", "q_b_proj", "kv_b_proj")):
+        # MLA: rows are grouped per head, so a rank's heads are one run of rows.
+        full = ckpt[name]
+        local = full.shape[0] // tp
+        return full[_rows(rank * local, local)]
     if module.endswith("gate_up_proj"):
         gate = ckpt[module.replace("gate_up_proj", "gate_proj") + "." + kind]
         up = ckpt[module.replace("gate_up_proj", "up_proj") + "." + kind]
@@ -107,7 +116,8 @@ def expected_shard(
     if name.endswith(("experts.w13_weight", "experts.w2_weight")):
         layer = name.rpartition(".")[0]
         per_expert = []
-        for e in range(hf.num_experts):
+        num_experts = getattr(hf, "n_routed_experts", None) or hf.num_experts
+        for e in range(num_experts):
             gate, up, down = (
                 ckpt[f"{layer}.{e}.{proj}.weight"] for proj in ("gate_proj", "up_proj", "down_proj")
             )
@@ -136,8 +146,12 @@ def test_two_ranks_give_hf_logits_and_hold_their_shards(tmp_path: Path) -> None:
             logits = torch.from_numpy(report["logits"])
             assert logits.dtype == torch.float32 and logits.shape == ref.shape, case
             torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4, msg=case)
-            # The attention layer (and so the KV cache) is sized for this rank's heads.
-            kv = max(1, hf.num_key_value_heads // TP)
+            # The attention layer (and so the KV cache) is sized for this rank's heads; an MLA
+            # layer caches the whole latent whatever its share of the heads.
+            if hasattr(hf, "kv_lora_rank"):
+                kv = hf.kv_lora_rank + hf.qk_rope_head_dim
+            else:
+                kv = max(1, hf.num_key_value_heads // TP)
             assert report["attn_heads"] == (hf.num_attention_heads // TP, kv), case
             params = report["params"]
             assert ("lm_head.weight" in params) != bool(hf.tie_word_embeddings), case

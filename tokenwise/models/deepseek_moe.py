@@ -12,6 +12,12 @@ What differs from Qwen2-MoE's block, and why it has its own file:
 - the `n_shared_experts` shared experts are one dense SwiGLU MLP of `n_shared_experts *
   moe_intermediate_size`, added without a gate.
 
+Under tensor parallelism (and DP x TP) the routed experts are sharded by `FusedMoE` (slices of
+every expert's intermediate dimension, or whole experts with expert parallelism) and the shared
+experts like a dense MLP (their intermediate dimension split over the TP ranks). Both outputs
+are then partial sums over the same tokens, so they are added first and all-reduced once, not
+once each. The router is replicated: every rank routes every token identically.
+
 Module names follow the checkpoints (`mlp.gate.weight`, `mlp.gate.e_score_correction_bias`,
 `mlp.experts.<e>.gate_proj.weight`, `mlp.shared_experts.gate_proj.weight`, ...).
 """
@@ -25,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenwise.config import EngineConfig
+from tokenwise.distributed.tp_state import get_tp_size, tp_all_reduce
 from tokenwise.layers.fused_moe import FusedMoE, GroupedRouting
 from tokenwise.models.llama import LlamaMLP
 
@@ -104,18 +111,28 @@ class DeepseekMoE(nn.Module):
             routing=routing,
         )
         shared = int(getattr(hf, "n_shared_experts", 0) or 0)
+        bias = bool(getattr(hf, "mlp_bias", False))
+        # One all-reduce for routed + shared under TP; a biased shared MLP must add its bias
+        # after its own reduce, so it keeps reducing itself (DeepSeek's MLPs have no bias).
+        self.reduce_once = shared > 0 and not bias and get_tp_size() > 1
         self.shared_experts: LlamaMLP | None = None
         if shared:
             self.shared_experts = LlamaMLP(
                 hf.hidden_size,
                 intermediate * shared,
                 hf.hidden_act,
-                bool(getattr(hf, "mlp_bias", False)),
+                bias,
+                reduce_results=not self.reduce_once,
                 size_name="n_shared_experts * moe_intermediate_size",
             )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        routed = self.experts(hidden_states, self.gate(hidden_states))
+        router_logits = self.gate(hidden_states)
+        if self.reduce_once:
+            assert self.shared_experts is not None
+            routed = self.experts.forward_partial(hidden_states, router_logits)
+            return tp_all_reduce(routed + self.shared_experts(hidden_states))
+        routed = self.experts(hidden_states, router_logits)
         if self.shared_experts is None:
             return routed
         return routed + self.shared_experts(hidden_states)

@@ -14,7 +14,13 @@ Feed-forward: the first `first_k_dense_replace` layers are dense SwiGLU MLPs, th
 `DeepseekMoE` (transformers ignores `moe_layer_freq`, and so does this file when it is 1;
 other values are refused).
 
-Not supported: tensor parallelism (heads are not sharded; refused with an error).
+Tensor parallelism (as vLLM keeps MLA): the heads are split over the ranks. `q_proj` /
+`q_b_proj` and `kv_b_proj` are column-parallel (their rows are per head, so a contiguous slice
+of rows is a contiguous run of heads) and `o_proj` row-parallel. The latent path is replicated:
+`q_a_proj`, `kv_a_proj_with_mqa` and their norms are the same on every rank, so every rank
+caches the *whole* latent of its tokens (it is one vector per token, shared by all heads:
+there is nothing per head to split) and absorbs / expands it with its own heads' slice of
+`kv_b_proj`. The MoE layers shard as `DeepseekMoE` says.
 """
 
 from __future__ import annotations
@@ -29,16 +35,18 @@ from tokenwise.attention.backends.mla_backend import MLAHeadDims
 from tokenwise.attention.mla import MLAAttention
 from tokenwise.attention.utils import get_mla_dims
 from tokenwise.config import EngineConfig
-from tokenwise.distributed.tp_state import get_tp_size
 from tokenwise.layers import (
+    ColumnParallelLinear,
     ParallelLMHead,
     ReplicatedLinear,
     RMSNorm,
     RotaryEmbedding,
+    RowParallelLinear,
     VocabParallelEmbedding,
     get_rope_config,
 )
 from tokenwise.layers.fused_moe import load_weights_with_experts, make_expert_params_mapping
+from tokenwise.layers.linear import divide
 from tokenwise.layers.rope_yarn import yarn_get_mscale
 from tokenwise.models.deepseek_moe import DeepseekMoE
 from tokenwise.models.llama import LlamaMLP
@@ -55,10 +63,15 @@ def mla_softmax_scale(qk_head_dim: int, rope_scaling: dict[str, Any] | None) -> 
 
 
 class DeepseekV2Attention(nn.Module):
-    """MLA's projections around `MLAAttention`.
+    """MLA's projections around `MLAAttention`, holding this TP rank's heads.
 
     `rope_in_fp32`: rotate in float32 and round back, as transformers' DeepSeek-V2 does (V3
     rotates in the activation dtype); it changes only bf16/fp16 results.
+
+    Under TP the per-head projections are sliced by heads and the latent projections are
+    replicated (see the module docstring); `self.dims.num_heads` is the local head count, so
+    the attention layer (and its latent cache, whose width does not depend on heads) is this
+    rank's. `num_attention_heads` must divide by the TP size: a head is never split.
     """
 
     def __init__(
@@ -73,30 +86,33 @@ class DeepseekV2Attention(nn.Module):
         self.rope_in_fp32 = rope_in_fp32
         hf = config.model.hf_config
         d = get_mla_dims(hf)
+        total_heads = int(hf.num_attention_heads)
+        # Checked on the head count (not on the row counts below, which may divide although
+        # the heads do not), so the error names what the user has to change.
         self.dims = MLAHeadDims(
-            int(hf.num_attention_heads),
+            divide(total_heads, "num_attention_heads"),
             d.qk_nope_head_dim,
             d.qk_rope_head_dim,
             d.v_head_dim,
             d.kv_lora_rank,
         )
-        heads, qk_head_dim = self.dims.num_heads, d.qk_nope_head_dim + d.qk_rope_head_dim
+        qk_head_dim = d.qk_nope_head_dim + d.qk_rope_head_dim
         bias = bool(getattr(hf, "attention_bias", False))
         self.q_lora_rank = d.q_lora_rank
         if d.q_lora_rank is None:
-            self.q_proj = ReplicatedLinear(hf.hidden_size, heads * qk_head_dim)
+            self.q_proj = ColumnParallelLinear(hf.hidden_size, total_heads * qk_head_dim)
         else:
             self.q_a_proj = ReplicatedLinear(hf.hidden_size, d.q_lora_rank, bias)
             self.q_a_layernorm = RMSNorm(d.q_lora_rank, hf.rms_norm_eps)
-            self.q_b_proj = ReplicatedLinear(d.q_lora_rank, heads * qk_head_dim)
+            self.q_b_proj = ColumnParallelLinear(d.q_lora_rank, total_heads * qk_head_dim)
         self.kv_a_proj_with_mqa = ReplicatedLinear(
             hf.hidden_size, d.kv_lora_rank + d.qk_rope_head_dim, bias
         )
         self.kv_a_layernorm = RMSNorm(d.kv_lora_rank, hf.rms_norm_eps)
-        self.kv_b_proj = ReplicatedLinear(
-            d.kv_lora_rank, heads * (d.qk_nope_head_dim + d.v_head_dim)
+        self.kv_b_proj = ColumnParallelLinear(
+            d.kv_lora_rank, total_heads * (d.qk_nope_head_dim + d.v_head_dim)
         )
-        self.o_proj = ReplicatedLinear(heads * d.v_head_dim, hf.hidden_size, bias)
+        self.o_proj = RowParallelLinear(total_heads * d.v_head_dim, hf.hidden_size, bias)
         self.rotary_emb = rotary_emb  # shared by all layers
         self.attn = MLAAttention(self.dims, scale, prefix=f"{prefix}.attn", config=config)
 
@@ -204,12 +220,6 @@ class DeepseekV2ForCausalLM(nn.Module):
     def __init__(self, config: EngineConfig, prefix: str = "") -> None:
         super().__init__()
         hf = config.model.hf_config
-        if get_tp_size() > 1:
-            raise ValueError(
-                f"{type(self).__name__} (multi-head latent attention) does not support tensor "
-                f"parallelism yet: tensor_parallel_size={get_tp_size()}; use "
-                "tensor_parallel_size=1 (data parallelism works)"
-            )
         freq = int(getattr(hf, "moe_layer_freq", 1) or 1)
         if freq != 1:
             raise ValueError(f"moe_layer_freq must be 1 (as transformers assumes), got {freq}")
