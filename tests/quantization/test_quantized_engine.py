@@ -36,7 +36,7 @@ from tokenwise.quantization_config import resolve_quantization
 SCHEMES = {"int8": (8, True, 32), "int4": (4, False, 64)}
 LINEAR = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head",
-    "embed_tokens",
+    "embed_tokens", "kv_a_proj_with_mqa",
 )  # fmt: skip
 MAX_TOKENS = 8
 # Widths that are multiples of the group size (32), so every linear layer is quantized.
@@ -92,6 +92,23 @@ def test_quantized_model_computes_its_dequantized_weights(
         mlp = load_model(EngineConfig(model=config)).model.layers[0].mlp
         assert mlp.experts.quant_experts is not None
         assert mlp.experts.w13_weight.is_meta and mlp.gate.packed_weight is None
+
+
+def test_latent_attention_keeps_its_absorbed_projection_dense(tmp_path: Any) -> None:
+    """DeepSeek's attention reads kv_b_proj's weight itself: it stays dense, the rest is int8,
+    and the model still computes its (partly) dequantized weights."""
+    path = build_tiny_checkpoint(tmp_path, "DeepseekV2ForCausalLM", **SHAPE)
+    config = ModelConfig.from_pretrained(path, dtype="float32", quantization="int8")
+    model = load_model(EngineConfig(model=config))
+    attn = model.model.layers[0].self_attn
+    assert attn.kv_b_proj.packed_weight is None and attn.kv_b_proj.weight.device.type == "cpu"
+    assert isinstance(attn.o_proj.packed_weight, QuantizedWeight)
+    reference = _dequantized_copy(path, str(tmp_path / "dequantized"), *SCHEMES["int8"])
+    ids = _ids()
+    with torch.no_grad():
+        logits = model.compute_logits(model(ids, torch.arange(ids.numel())))
+    torch.testing.assert_close(logits, _logits(reference, ids), atol=1e-4, rtol=0)
+    assert (logits - _logits(path, ids)).abs().max() > 1e-3  # quantized, not the dense model
 
 
 def test_int4_moves_logits_more_than_int8(tmp_path: Any) -> None:

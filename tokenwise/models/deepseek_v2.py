@@ -112,6 +112,8 @@ class DeepseekV2Attention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(
             d.kv_lora_rank, total_heads * (d.qk_nope_head_dim + d.v_head_dim)
         )
+        # The attention reads this weight itself (absorbed into q and the output): stays dense.
+        self.kv_b_proj.quant_exempt = True
         self.o_proj = RowParallelLinear(total_heads * d.v_head_dim, hf.hidden_size, bias)
         self.rotary_emb = rotary_emb  # shared by all layers
         self.attn = MLAAttention(self.dims, scale, prefix=f"{prefix}.attn", config=config)

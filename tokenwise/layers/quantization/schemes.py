@@ -94,6 +94,7 @@ def quantizable_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
         (name, module)
         for name, module in model.named_modules()
         if (hasattr(module, "packed_weight") or hasattr(module, "quant_table"))
+        and not getattr(module, "quant_exempt", False)  # a layer whose weight is read as such
         and isinstance(getattr(module, "weight", None), torch.Tensor)
         and module.weight.dim() == 2
     ]
