@@ -151,7 +151,9 @@ def add_ui_routes(
         body = _json.encode(steps_reply(need_records(), since))
         return Response(body, media_type="application/json")
 
-    @data.get("/steps/stream")
+    # Out of the OpenAPI schema: an endless event stream (the page reads it until it leaves),
+    # which schema-driven clients and fuzzers would wait on forever.
+    @data.get("/steps/stream", include_in_schema=False)
     async def steps_stream(since: int = Query(0)) -> StreamingResponse:
         ring = need_records()
         if since < 0:
