@@ -2,7 +2,8 @@
 
 guidellm's default request format is streamed `/v1/chat/completions` with
 `stream_options.continuous_usage_stats` and `ignore_eos`, and it counts tokens from the
-server's usage. It runs offline here: synthetic prompts of a set token length, the built-in
+server's usage. guidellm has no default load profile; a concurrent one (4 streams) keeps the
+run short. It runs offline here: synthetic prompts of a set token length, the built-in
 model's tokenizer directory as the processor (nothing is downloaded), a fixed request count.
 The test reads guidellm's JSON report: every request completed, none errored or incomplete,
 each produced exactly the requested output tokens, and each prompt's token count equals what
@@ -44,9 +45,7 @@ def test_default_chat_workload_completes_every_request(server: RemoteServer, tmp
         "--disable-console",
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run(
-        cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
     (benchmark,) = json.loads(report.read_text())["benchmarks"]

@@ -60,14 +60,15 @@ def test_tools_mode_extracts_through_a_forced_tool_call(server: RemoteServer, se
     check_person(person)
     (call,) = completion.choices[0].message.tool_calls
     assert call.function.name == "Person"
-    assert Person.model_validate(json.loads(call.function.arguments)).model_dump() == person.model_dump()
+    assert (
+        Person.model_validate(json.loads(call.function.arguments)).model_dump()
+        == person.model_dump()
+    )
     assert completion.usage.completion_tokens > 0
 
 
 @pytest.mark.parametrize("seed", [0])
-def test_json_schema_mode_extracts_through_response_format(
-    server: RemoteServer, seed: int
-) -> None:
+def test_json_schema_mode_extracts_through_response_format(server: RemoteServer, seed: int) -> None:
     person, completion = client(server, instructor.Mode.JSON_SCHEMA).create_with_completion(
         model=SERVED_NAME,
         response_model=Person,

@@ -67,7 +67,9 @@ def test_streamed_completion_matches_the_server(server: RemoteServer, expected) 
     )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == expected.choices[0].message.content
-    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finish == ["length"]
     # The stream's usage, and litellm's rebuilt response, carry the server's counts.
     usage = next(c.usage for c in reversed(chunks) if getattr(c, "usage", None))

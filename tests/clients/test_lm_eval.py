@@ -97,13 +97,13 @@ def continuation_logprob(server: RemoteServer, context: str, continuation: str) 
     )["logprobs"]
     offsets, values = logprobs["text_offset"], logprobs["token_logprobs"]
     prompt_end = len(context + continuation)
-    return sum(v for o, v in zip(offsets, values) if len(context) <= o < prompt_end)
+    return sum(v for o, v in zip(offsets, values, strict=True) if len(context) <= o < prompt_end)
 
 
 def greedy(server: RemoteServer, prompt: str) -> str:
-    return complete(
-        server, prompt=prompt, max_tokens=MAX_GEN_TOKS, stop=["\n"], temperature=0.0
-    )["text"]
+    return complete(server, prompt=prompt, max_tokens=MAX_GEN_TOKS, stop=["\n"], temperature=0.0)[
+        "text"
+    ]
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -117,7 +117,7 @@ def run(server: RemoteServer, tmp_path_factory: pytest.TempPathFactory) -> dict:
     completions = [greedy(server, prompt) for prompt in GEN_PROMPTS]
     gen_docs = [
         {"question": p, "answer": c if i % 2 == 0 else "<no match>"}
-        for i, (p, c) in enumerate(zip(GEN_PROMPTS, completions))
+        for i, (p, c) in enumerate(zip(GEN_PROMPTS, completions, strict=True))
     ]
     write_jsonl(work / "mc.jsonl", MC_DOCS)
     write_jsonl(work / "gen.jsonl", gen_docs)
@@ -175,7 +175,7 @@ def test_multiple_choice_loglikelihoods_are_the_servers_echo_logprobs(
 ) -> None:
     assert len(run["mc"]) == len(MC_DOCS)
     correct = 0
-    for sample, doc in zip(run["mc"], MC_DOCS):
+    for sample, doc in zip(run["mc"], MC_DOCS, strict=True):
         context = doc["question"]
         reported = [float(loglik) for loglik, _ in sample["filtered_resps"]]
         expected = [continuation_logprob(server, context, " " + c) for c in CHOICES]
@@ -189,7 +189,7 @@ def test_multiple_choice_loglikelihoods_are_the_servers_echo_logprobs(
 
 def test_generate_until_outputs_are_the_servers_greedy_completions(run: dict) -> None:
     assert len(run["gen"]) == len(GEN_PROMPTS)
-    for sample, completion in zip(run["gen"], run["completions"]):
+    for sample, completion in zip(run["gen"], run["completions"], strict=True):
         assert sample["filtered_resps"] == [completion]
         assert "\n" not in completion
     assert run["results"]["tw_gen"]["exact_match,none"] == pytest.approx(0.5)
