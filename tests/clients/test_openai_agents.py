@@ -24,6 +24,7 @@ from openai import AsyncOpenAI, OpenAI
 from pydantic import BaseModel, Field
 
 from tests._optional import require
+from tests.clients._chat_server import CHAT_TEMPLATE
 from tests.entrypoints._server import RemoteServer
 from tokenwise.default_model import DEFAULT_MODEL_DIR
 
@@ -40,13 +41,6 @@ from agents import (  # noqa: E402
 from agents.items import MessageOutputItem, ToolCallItem, ToolCallOutputItem  # noqa: E402
 from agents.models import get_default_model, get_default_model_settings  # noqa: E402
 
-CHAT_TEMPLATE = (
-    "{% if tools %}<|system|>tools: {{ tools | tojson }}\n{% endif %}"
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
-    "{% if m.get('tool_calls') %}{{ m['tool_calls'] | tojson }}{% endif %}"
-    "{% if m.get('tool_call_id') %} ({{ m['tool_call_id'] }}){% endif %}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 INSTRUCTIONS = "You write Python."
 QUESTION = "def fibonacci(n):"
 
