@@ -1,0 +1,113 @@
+"""Pipeline parallelism: which settings it supports, and how a run's stages start.
+
+With `pipeline_parallel_size=P` the engine process is stage 0 (and the driver: it schedules,
+samples and owns every request); it spawns one process per other stage, as tensor parallelism
+spawns its workers (`tp_launch.TPWorkers`), and all of them rendezvous over TCP on 127.0.0.1.
+Each stage builds only its layers (`pp_state.pp_layer_range`) and a KV cache for them.
+
+Not built yet (each refused with an error naming the setting): PP with tensor or data
+parallelism, under torchrun, with LoRA, speculative decoding, torch.compile or CUDA graphs,
+and for models other than the dense decoder-only Llama family.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tokenwise.config import CUDAGraphMode, EngineConfig
+from tokenwise.distributed.pp_state import (
+    init_pp_group,
+    is_pp_initialized,
+    pp_layer_partition,
+)
+from tokenwise.distributed.tp_launch import TPWorkers, WorkerMain, launched_by_torchrun
+from tokenwise.distributed.tp_state import free_port
+
+# Dense decoder-only models whose `LlamaModel` runs as pipeline stages.
+PP_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+def check_pipeline_config(config: EngineConfig) -> None:
+    """Raise ValueError, naming the setting, for a pipeline this slice cannot run."""
+    parallel = config.parallel
+    pp = parallel.pipeline_parallel_size
+    if pp == 1:
+        return
+    model = config.model
+    assert model is not None
+    archs = list(model.architectures or [])
+    if not any(arch in PP_ARCHITECTURES for arch in archs):
+        raise ValueError(
+            f"pipeline_parallel_size={pp} supports dense decoder-only models "
+            f"({', '.join(PP_ARCHITECTURES)}); this model is {', '.join(archs) or 'unknown'}"
+        )
+    pp_layer_partition(int(model.hf_config.num_hidden_layers), pp)
+    refusals = {
+        "tensor_parallel_size": parallel.tensor_parallel_size > 1,
+        "data_parallel_size": parallel.data_parallel_size > 1,
+        "speculative_config": config.speculative is not None,
+        "enable_lora": config.lora is not None,
+        "enforce_eager=False (torch.compile)": config.compilation.use_compile,
+        "cudagraph_mode": config.compilation.cudagraph_mode != CUDAGraphMode.NONE,
+    }
+    for setting, refused in refusals.items():
+        if refused:
+            raise ValueError(
+                f"pipeline_parallel_size={pp} does not combine with {setting} yet; "
+                "run the pipeline on its own (eager, no LoRA, no drafts)"
+            )
+    if launched_by_torchrun():
+        raise ValueError(
+            f"pipeline_parallel_size={pp} under torchrun is not built yet: launch one process; "
+            "it starts its stages itself"
+        )
+
+
+def _stage_name(rank: int) -> str:
+    return f"pipeline stage {rank}"
+
+
+def start_pipeline_parallel(
+    config: EngineConfig, worker_main: WorkerMain | None
+) -> TPWorkers | None:
+    """Check the settings, then (on the driver) spawn the other stages and join the group.
+
+    Called before the model is built: the model reads its layer range at construction.
+    Returns the spawned stages on the driver; None with P = 1 and in a spawned stage, which
+    joined the group before building its runner. `worker_main(config, rank, init_method)` is
+    the stages' entry (`tokenwise.distributed.pp_worker.run_pp_worker`, above the runner).
+    """
+    check_pipeline_config(config)
+    parallel = config.parallel
+    pp = parallel.pipeline_parallel_size
+    if pp == 1 or is_pp_initialized():
+        return None
+    if worker_main is None:
+        raise ValueError(
+            f"pipeline_parallel_size={pp} needs the stage entry point to spawn stages: build "
+            "the runner through LLMEngine"
+        )
+    limit_cpu_threads(config)
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    workers = TPWorkers(config, init_method, worker_main, pp, describe=_stage_name)
+    try:
+        init_pp_group(pp, 1, 0, 0, init_method, config.device)
+    except BaseException:
+        workers.kill()
+        raise
+    return workers
+
+
+def limit_cpu_threads(config: EngineConfig) -> None:
+    """P stages on one CPU share its cores instead of each claiming all of them."""
+    if str(config.device).startswith("cuda") or "OMP_NUM_THREADS" in os.environ:
+        return
+    processes = config.parallel.pipeline_parallel_size * config.parallel.tensor_parallel_size
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
