@@ -8,8 +8,12 @@ time. Gloo on CPU only: the NCCL path needs two GPUs and is untested.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -236,3 +240,21 @@ def test_uneven_partition_then_a_killed_stage_is_named(monkeypatch: pytest.Monke
     finally:
         llm.shutdown()
     assert not torch.distributed.is_initialized()
+
+
+def test_bench_throughput_prints_each_stages_busy_fraction(tmp_path: Any) -> None:
+    out = tmp_path / "t.json"
+    cli = [sys.executable, "-m", "tokenwise.entrypoints.cli", "bench", "throughput"]
+    args = ["--model", pp_checkpoint("LlamaForCausalLM"), "--dtype", "float32",
+            "--num-prompts", "6", "--input-len", "12", "--output-len", "5",
+            "--pipeline-parallel-size", "2", "--output-json", str(out)]  # fmt: skip
+    proc = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = re.search(
+        r"^Pipeline stages busy .*: stage 0 (\d+)%, stage 1 (\d+)%$", proc.stdout, re.M
+    )
+    assert line is not None, proc.stdout
+    fractions = json.loads(out.read_text())["stage_busy_fraction"]
+    assert len(fractions) == 2 and all(0 < f <= 1 for f in fractions)
+    assert [int(p) for p in line.groups()] == [round(100 * f) for f in fractions]
+    assert "Parallel (pipeline_parallel_size=2)" in proc.stdout  # with its one-process baseline

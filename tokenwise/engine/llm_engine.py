@@ -33,7 +33,7 @@ from tokenwise.engine.prompts import (
 )
 from tokenwise.engine.request import Request, RequestStatus
 from tokenwise.engine.request_queue import check_priority
-from tokenwise.engine.stats import EngineStats, StatLogger
+from tokenwise.engine.stats import EngineStats, StatLogger, finished_request_line
 from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput, ScoredPromptTokens
 from tokenwise.engine.step_records import StepRecorder, StepRecords
 from tokenwise.engine.stop_rules import hides_token
@@ -56,25 +56,6 @@ MAX_CONSECUTIVE_FAILED_STEPS = 3
 # A step with nothing to run while guided requests wait for their grammars sleeps on the
 # compiles for at most this long, instead of spinning on the cores the compiles need.
 _GRAMMAR_IDLE_WAIT_S = 0.05
-
-
-def _finished_request_line(request_id: str, samples: list[Request], now: float) -> str:
-    """`request r1 finished: stop, 12 prompt + 40 output tokens, ttft 0.031 s, total 0.412 s`.
-
-    With `n > 1` the output tokens are the samples' sum, the reasons each distinct one (in
-    sample order, "/"-joined) and the ttft the earliest sample's; "ttft -" when no token came
-    (aborted or failed while waiting, or an embedding).
-    """
-    first = samples[0]
-    reasons = dict.fromkeys(r.status.finish_reason or "unknown" for r in samples)
-    output_tokens = sum(r.num_output_tokens for r in samples)
-    first_tokens = [r.first_token_time for r in samples if r.first_token_time is not None]
-    ttft = f"{min(first_tokens) - first.arrival_time:.3f} s" if first_tokens else "-"
-    return (
-        f"request {request_id} finished: {'/'.join(reasons)}, {first.num_prompt_tokens} "
-        f"prompt + {output_tokens} output tokens, ttft {ttft}, "
-        f"total {now - first.arrival_time:.3f} s"
-    )
 
 
 class LLMEngine:
@@ -416,7 +397,7 @@ class LLMEngine:
             self._stats.finished_reasons[reason] = self._stats.finished_reasons.get(reason, 0) + 1
         del self.groups[request_id]
         if self.config.log_requests and logger.isEnabledFor(logging.INFO):
-            logger.info("%s", _finished_request_line(request_id, samples, time.monotonic()))
+            logger.info("%s", finished_request_line(request_id, samples, time.monotonic()))
 
     # ---- observability ------------------------------------------------------------------------
 

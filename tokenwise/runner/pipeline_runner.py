@@ -171,6 +171,7 @@ class PipelineModelRunner(ModelRunner):
             return batch.virtual_engine, ModelRunnerOutput([], [], None, step.num_tokens)
         with self.channel.failures_named():
             logits, self._stage_busy = self.channel.recv_logits()
+        logits = logits.to(self.device)
         self._stage_busy[0] = self._busy_s
         prompt_lps = None
         if batch.prompt_rows is not None:
@@ -229,8 +230,9 @@ class PipelineModelRunner(ModelRunner):
             if message is None:
                 channel.forward_stop()
                 return
-            virtual_engine, payload, intermediate, busy = message
+            virtual_engine, payload, received, busy = message
             step, tables = step_from_payload(payload, self.device)
+            intermediate = IntermediateTensors(*(t.to(self.device) for t in received))
             metadata = self._attn_metadata(step, tables)
             out = self._run_stage(step, metadata, virtual_engine, intermediate)
             busy = [*busy, self._busy_s]
