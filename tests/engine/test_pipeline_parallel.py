@@ -192,22 +192,30 @@ def test_bad_settings_are_refused_naming_the_setting(
         LLM(pp_checkpoint(arch), dtype="float32", pipeline_parallel_size=pp)
 
 
-@pytest.mark.usefixtures("no_group_left")
-def test_pp_with_tensor_parallelism_is_refused_for_now() -> None:
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        pp_llm(pp_checkpoint("LlamaForCausalLM"), tensor_parallel_size=2)
-
-
-def test_uneven_partition_then_a_killed_stage_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Stage 0 with three layers, stage 1 with one (`TOKENWISE_PP_LAYER_PARTITION=3,1`) gives
-    HF's tokens, an abort while its batch is in flight leaves the pool clean, and killing
-    stage 1 fails the next step with an error naming it, in bounded time."""
+def test_pp2_x_tp2_uneven_partition_abort_in_flight_and_a_killed_stage(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Four processes (two stages of two TP ranks), stage 0 with three layers and stage 1 with
+    one (`TOKENWISE_PP_LAYER_PARTITION=3,1`), give HF's tokens; an abort while its batch is in
+    flight leaves the pool clean; killing a rank of stage 1 fails the next step with an error
+    naming it, in bounded time."""
     monkeypatch.setenv(ENV_LAYER_PARTITION, "3,1")
     path = pp_checkpoint("LlamaForCausalLM")
-    llm = pp_llm(path, num_gpu_blocks=64)
+    llm = pp_llm(path, num_gpu_blocks=64, tensor_parallel_size=2)
     try:
         engine = llm.llm_engine
-        assert engine.runner.model.model.end_layer == 3
+        model = engine.runner.model
+        assert (model.model.start_layer, model.model.end_layer) == (0, 3)
+        names = {n for n, _ in model.named_parameters()}
+        assert (
+            "model.layers.3.self_attn.qkv_proj.weight" not in names
+            and "lm_head.weight" not in names
+        )
+        # TP shards within the stage: half the MLP rows and half the vocabulary.
+        hf_intermediate = json.loads(open(os.path.join(path, "config.json")).read())[
+            "intermediate_size"
+        ]
+        assert model.model.layers[0].mlp.gate_up_proj.weight.shape[0] == hf_intermediate
         prompts = mixed_prompts()[:4]
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -230,11 +238,11 @@ def test_uneven_partition_then_a_killed_stage_is_named(monkeypatch: pytest.Monke
         assert reasons == {"a": "abort", "b": "length"}
         assert tokens["b"] == hf_greedy(path, prompts[1], MAX_TOKENS)
         assert_pool_clean(engine)
-        stage1 = engine.runner.channel.workers.procs[0]
-        os.kill(stage1.pid, signal.SIGKILL)
-        stage1.join(timeout=5)
+        stage1_tp1 = engine.runner.channel.workers.procs[2]  # global rank 3
+        os.kill(stage1_tp1.pid, signal.SIGKILL)
+        stage1_tp1.join(timeout=5)
         start = time.monotonic()
-        with pytest.raises(RuntimeError, match=r"pipeline stage 1 \(pid \d+\) exited"):
+        with pytest.raises(RuntimeError, match=r"pipeline stage 1 TP rank 1 \(pid \d+\) exited"):
             llm.generate(prompts[:2], params, use_tqdm=False)
         assert time.monotonic() - start < 20
     finally:

@@ -33,10 +33,11 @@ from tokenwise.distributed.pp_state import (
     stage_rank,
 )
 from tokenwise.distributed.tp_launch import TPWorkers
+from tokenwise.distributed.tp_state import get_tp_rank
 from tokenwise.layers.pipeline import IntermediateTensors
 
 # A message received: (virtual engine, step payload, the activations, busy seconds per stage).
-StageMessage = tuple[int, dict[str, Any], IntermediateTensors, list[float]]
+StageMessage = tuple[int, dict[str, Any], IntermediateTensors | None, list[float]]
 
 
 class PipelineChannel:
@@ -46,6 +47,10 @@ class PipelineChannel:
         self.workers = workers
         self.rank, self.size = get_pp_rank(), get_pp_size()
         self.is_first, self.is_last = self.rank == 0, self.rank == self.size - 1
+        # Under PP x TP rank t of a stage talks to rank t of its neighbours; TP rank 0 of the
+        # last stage sends the logits (every TP rank has them all after the LM head's gather).
+        self.tp_rank = get_tp_rank()
+        self.is_driver = self.is_first and self.tp_rank == 0  # the engine's process
         self.dtype, self.hidden_size = dtype, hidden_size
         self._sends: list[tuple[Any, torch.Tensor]] = []  # in flight: (work, tensor kept alive)
         self._stopped = False
@@ -62,12 +67,12 @@ class PipelineChannel:
         header = pickle.dumps(("step", virtual_engine, payload, busy))
         activations = torch.stack([out.hidden_states, out.residual]).to("cpu").contiguous()
         self._send_header(header)
-        self._isend(activations, stage_rank(self.rank + 1))
+        self._isend(activations, stage_rank(self.rank + 1, self.tp_rank))
 
     def recv_step(self) -> StageMessage | None:
         """The next micro-batch from the previous stage; None when told to stop."""
         group = get_pp_idle_group()
-        src = stage_rank(self.rank - 1)
+        src = stage_rank(self.rank - 1, self.tp_rank)
         length = torch.zeros(1, dtype=torch.int64)
         dist.recv(length, src=src, group=group)
         data = torch.empty(int(length.item()), dtype=torch.uint8)
@@ -82,7 +87,7 @@ class PipelineChannel:
         return virtual_engine, payload, IntermediateTensors(activations[0], activations[1]), busy
 
     def _send_header(self, header: bytes) -> None:
-        dst = stage_rank(self.rank + 1)
+        dst = stage_rank(self.rank + 1, self.tp_rank)
         self._isend(torch.tensor([len(header)], dtype=torch.int64), dst)
         self._isend(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst)
 
@@ -94,6 +99,8 @@ class PipelineChannel:
     # ---- back: the last stage's logits to the driver ---------------------------------------
 
     def send_logits(self, logits: torch.Tensor, busy: list[float]) -> None:
+        if self.tp_rank != 0:
+            return
         logits = logits.to("cpu", torch.float32).contiguous()
         header = torch.tensor([*logits.shape, *busy], dtype=torch.float64)
         for tensor in (header, logits):
@@ -156,7 +163,7 @@ class PipelineChannel:
 
     def stop(self) -> None:
         """Driver: stop every stage (each passes it on), wait for them, leave the group. Once."""
-        if self._stopped or not self.is_first:
+        if self._stopped or not self.is_driver:
             return
         self._stopped = True
         if self.workers is None or self.workers.dead_worker() is None:

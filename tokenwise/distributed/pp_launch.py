@@ -5,14 +5,16 @@ samples and owns every request); it spawns one process per other stage, as tenso
 spawns its workers (`tp_launch.TPWorkers`), and all of them rendezvous over TCP on 127.0.0.1.
 Each stage builds only its layers (`pp_state.pp_layer_range`) and a KV cache for them.
 
-Not built yet (each refused with an error naming the setting): PP with tensor or data
-parallelism, under torchrun, with LoRA, speculative decoding, torch.compile or CUDA graphs,
+Under PP x TP the world has P * T processes (global rank `stage * T + tp_rank`); the engine is
+rank 0 and spawns all the others. Not built yet (each refused with an error naming the
+setting): PP with data parallelism, under torchrun, with LoRA, speculative decoding, torch.compile or CUDA graphs,
 and for models other than the dense decoder-only Llama family.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -50,7 +52,6 @@ def check_pipeline_config(config: EngineConfig) -> None:
         )
     pp_layer_partition(int(model.hf_config.num_hidden_layers), pp)
     refusals = {
-        "tensor_parallel_size": parallel.tensor_parallel_size > 1,
         "data_parallel_size": parallel.data_parallel_size > 1,
         "speculative_config": config.speculative is not None,
         "enable_lora": config.lora is not None,
@@ -70,8 +71,11 @@ def check_pipeline_config(config: EngineConfig) -> None:
         )
 
 
-def _stage_name(rank: int) -> str:
-    return f"pipeline stage {rank}"
+def _stage_namer(tp_size: int) -> Callable[[int], str]:
+    """How errors name a spawned process: its stage (and TP rank under PP x TP)."""
+    if tp_size == 1:
+        return lambda rank: f"pipeline stage {rank}"
+    return lambda rank: f"pipeline stage {rank // tp_size} TP rank {rank % tp_size}"
 
 
 def start_pipeline_parallel(
@@ -96,9 +100,10 @@ def start_pipeline_parallel(
         )
     limit_cpu_threads(config)
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    workers = TPWorkers(config, init_method, worker_main, pp, describe=_stage_name)
+    tp = parallel.tensor_parallel_size
+    workers = TPWorkers(config, init_method, worker_main, pp * tp, describe=_stage_namer(tp))
     try:
-        init_pp_group(pp, 1, 0, 0, init_method, config.device)
+        init_pp_group(pp, tp, 0, 0, init_method, config.device)
     except BaseException:
         workers.kill()
         raise

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from tokenwise.attention.metadata import AttentionMetadata
 from tokenwise.config import EngineConfig
-from tokenwise.distributed.pp_channel import PipelineChannel
+from tokenwise.distributed.pp_channel import PipelineChannel, StageMessage
 from tokenwise.distributed.pp_launch import start_pipeline_parallel
 from tokenwise.distributed.pp_state import get_pp_rank, get_pp_size
 from tokenwise.distributed.tp_channel import step_from_payload, step_payload
@@ -87,7 +87,7 @@ class PipelineModelRunner(ModelRunner):
         except BaseException:
             self.channel.abandon()  # the stages fail the same way; do not leave them waiting
             raise
-        if self.channel.is_first:
+        if self.channel.is_driver:
             weakref.finalize(self, self.channel.stop)  # the stages leave their loop with it
         self.pp_rank, self.pp_size = get_pp_rank(), get_pp_size()
         batch = self.input_batch
@@ -156,9 +156,11 @@ class PipelineModelRunner(ModelRunner):
         if prompt_rows is not None:  # after the sampling rows; the last stage computes them
             step.logits_indices = step.logits_indices + prompt_rows.flat_indices
         tables = self._metadata_tables(step)
-        out = self._run_stage(step, self._attn_metadata(step, tables), virtual_engine, None)
         payload = _owned(step_payload(step, tables))
         with self.channel.failures_named():
+            if self.tp.active:  # stage 0's other TP ranks run the same batch
+                self.tp.broadcast(("pp_step", virtual_engine, payload))
+            out = self._run_stage(step, self._attn_metadata(step, tables), virtual_engine, None)
             self.channel.send_step(virtual_engine, payload, out, [self._busy_s])
         self._in_flight.append(_InFlight(virtual_engine, step, num_sample_rows, prompt_rows))
 
@@ -221,18 +223,32 @@ class PipelineModelRunner(ModelRunner):
         self._busy_s += time.perf_counter() - started
         return out
 
+    def _next_batch(self) -> StageMessage | None:
+        """The next micro-batch: from the previous stage, or (stage 0's other TP ranks) from
+        the driver's TP broadcast, which carries no activations. None: stop."""
+        if not self.channel.is_first:
+            return self.channel.recv_step()
+        message = self.tp.receive()
+        if message[0] == "stop":
+            return None
+        _, virtual_engine, payload = message
+        return virtual_engine, payload, None, [self._busy_s]
+
     @torch.inference_mode()
     def serve_pipeline_steps(self) -> None:
-        """A later stage's loop: run each micro-batch the previous stage sends, until stop."""
+        """A stage's loop (every process but the driver): run each micro-batch it receives
+        under its virtual engine and send it on, until told to stop (which it passes on)."""
         channel = self.channel
         while True:
-            message = channel.recv_step()
+            message = self._next_batch()
             if message is None:
                 channel.forward_stop()
                 return
             virtual_engine, payload, received, busy = message
             step, tables = step_from_payload(payload, self.device)
-            intermediate = IntermediateTensors(*(t.to(self.device) for t in received))
+            intermediate = None
+            if received is not None:
+                intermediate = IntermediateTensors(*(t.to(self.device) for t in received))
             metadata = self._attn_metadata(step, tables)
             out = self._run_stage(step, metadata, virtual_engine, intermediate)
             busy = [*busy, self._busy_s]
@@ -249,4 +265,5 @@ class PipelineModelRunner(ModelRunner):
 
     def shutdown(self) -> None:
         """Stop the stages (driver); they leave their loops and exit."""
+        self.tp.stop()  # stage 0's TP ranks (they pass the stop on to their next stage)
         self.channel.stop()
