@@ -167,6 +167,13 @@ def no_group_left() -> Iterator[None]:
 
 
 @pytest.mark.usefixtures("no_group_left")
+def test_a_pool_too_small_per_virtual_engine_is_refused_and_the_stages_stopped() -> None:
+    # 32 blocks of 16 tokens hold one 512-token sequence, but each virtual engine gets 16.
+    with pytest.raises(ValueError, match=r"per virtual engine: pipeline_parallel_size=2 .* 2 "):
+        pp_llm(pp_checkpoint("LlamaForCausalLM"), num_gpu_blocks=32, max_model_len=512)
+
+
+@pytest.mark.usefixtures("no_group_left")
 @pytest.mark.parametrize(
     ("arch", "pp", "env", "match"),
     [
@@ -266,3 +273,30 @@ def test_bench_throughput_prints_each_stages_busy_fraction(tmp_path: Any) -> Non
     assert len(fractions) == 2 and all(0 < f <= 1 for f in fractions)
     assert [int(p) for p in line.groups()] == [round(100 * f) for f in fractions]
     assert "Parallel (pipeline_parallel_size=2)" in proc.stdout  # with its one-process baseline
+
+
+def test_an_engine_core_process_runs_the_pipeline() -> None:
+    """`tokenwise serve`'s engine-core process starts its stages too (it must not be a daemon,
+    which may not start processes) and streams HF's tokens."""
+    from tokenwise.engine.client import create_engine
+    from tokenwise.entrypoints.llm import build_engine_config
+
+    path = pp_checkpoint("LlamaForCausalLM")
+    config = build_engine_config(path, dtype="float32", num_gpu_blocks=64, pipeline_parallel_size=2)
+    core = create_engine(config, core_process=True)
+    try:
+        prompts = mixed_prompts()[:3]
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        tokens: dict[str, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            core.add_request(str(i), prompt, params)
+            tokens[str(i)] = []
+        deadline = time.monotonic() + 60
+        while any(core.has_request(rid) for rid in tokens):
+            assert time.monotonic() < deadline, "requests did not finish"
+            for delta in core.step():
+                tokens[delta.request_id] += delta.outputs[0].token_ids
+        for i, prompt in enumerate(prompts):
+            assert tokens[str(i)] == hf_greedy(path, prompt, MAX_TOKENS)
+    finally:
+        core.shutdown()

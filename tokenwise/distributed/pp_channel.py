@@ -20,6 +20,7 @@ from __future__ import annotations
 import pickle
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ from tokenwise.distributed.pp_state import (
     get_pp_size,
     stage_rank,
 )
-from tokenwise.distributed.tp_launch import TPWorkers
+from tokenwise.distributed.tp_launch import STOP_TIMEOUT_S, TPWorkers
 from tokenwise.distributed.tp_state import get_tp_rank
 from tokenwise.layers.pipeline import IntermediateTensors
 
@@ -157,8 +158,8 @@ class PipelineChannel:
         """Pass the stop on to the next stage (nothing to do on the last)."""
         if not self.is_last:
             self._send_header(pickle.dumps(("stop",)))
-        for work, _ in self._sends:
-            work.wait()
+        for work, _ in self._sends:  # bounded: a stuck peer must not hold the shutdown
+            work.wait(timeout=timedelta(seconds=STOP_TIMEOUT_S))
         self._sends.clear()
 
     def stop(self) -> None:

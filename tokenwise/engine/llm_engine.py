@@ -100,7 +100,16 @@ class LLMEngine:
         self.kind = kind_cls(self)
         self.dp_lockstep = self.runner.dp_lockstep
         num_blocks = self.runner.determine_num_blocks()  # per virtual engine
-        self.kind.check_kv_capacity(num_blocks)
+        try:
+            self.kind.check_kv_capacity(num_blocks)
+        except ValueError as exc:
+            self.runner.shutdown()
+            if pp == 1:
+                raise
+            raise ValueError(
+                f"{exc}; that is per virtual engine: pipeline_parallel_size={pp} splits the "
+                f"KV cache {pp} ways, so num_gpu_blocks must be {pp} times as large"
+            ) from None
         self.runner.initialize_kv_cache(num_blocks)
         max_loras = config.lora.max_loras if config.lora is not None else None
         managers = [self.kind.make_block_manager(num_blocks) for _ in range(pp)]
