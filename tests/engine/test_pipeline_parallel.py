@@ -31,6 +31,7 @@ from tests.engine._fixtures import (
 )
 from tokenwise import LLM, SamplingParams
 from tokenwise.distributed.pp_state import ENV_LAYER_PARTITION, pp_layer_partition
+from tokenwise.distributed.tp_state import free_port
 
 MAX_TOKENS = 6
 
@@ -257,22 +258,24 @@ def test_pp2_x_tp2_uneven_partition_abort_in_flight_and_a_killed_stage(
     assert not torch.distributed.is_initialized()
 
 
-def test_bench_throughput_prints_each_stages_busy_fraction(tmp_path: Any) -> None:
+def test_bench_throughput_prints_each_stages_busy_fraction(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tokenwise.entrypoints.cli import main
+
     out = tmp_path / "t.json"
-    cli = [sys.executable, "-m", "tokenwise.entrypoints.cli", "bench", "throughput"]
-    args = ["--model", pp_checkpoint("LlamaForCausalLM"), "--dtype", "float32",
-            "--num-prompts", "6", "--input-len", "12", "--output-len", "5",
-            "--pipeline-parallel-size", "2", "--output-json", str(out)]  # fmt: skip
-    proc = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = re.search(
-        r"^Pipeline stages busy .*: stage 0 (\d+)%, stage 1 (\d+)%$", proc.stdout, re.M
-    )
-    assert line is not None, proc.stdout
+    args = ["bench", "throughput", "--model", pp_checkpoint("LlamaForCausalLM"),
+            "--dtype", "float32", "--num-prompts", "6", "--input-len", "12",
+            "--output-len", "5", "--pipeline-parallel-size", "2", "--output-json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    stdout = capsys.readouterr().out
+    line = re.search(r"^Pipeline stages busy .*: stage 0 (\d+)%, stage 1 (\d+)%$", stdout, re.M)
+    assert line is not None, stdout
     fractions = json.loads(out.read_text())["stage_busy_fraction"]
     assert len(fractions) == 2 and all(0 < f <= 1 for f in fractions)
     assert [int(p) for p in line.groups()] == [round(100 * f) for f in fractions]
-    assert "Parallel (pipeline_parallel_size=2)" in proc.stdout  # with its one-process baseline
+    assert "Parallel (pipeline_parallel_size=2)" in stdout  # with its one-process baseline
+    assert not torch.distributed.is_initialized()
 
 
 def test_an_engine_core_process_runs_the_pipeline() -> None:
@@ -300,3 +303,27 @@ def test_an_engine_core_process_runs_the_pipeline() -> None:
             assert tokens[str(i)] == hf_greedy(path, prompt, MAX_TOKENS)
     finally:
         core.shutdown()
+
+
+def test_torchrun_launch_generates_the_same_text() -> None:
+    """Two torchrun processes (as on two machines, one stage each): rank 0 is the engine,
+    rank 1 serves as stage 1 and exits with status 0 when rank 0 shuts down."""
+    path = pp_checkpoint("LlamaForCausalLM")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    torchrun += ["--master-port", str(free_port()), "-m", "tokenwise.entrypoints.cli"]
+    args = ["generate", "--model", path, "--dtype", "float32", "--max-tokens", "8",
+            "--temperature", "0", "--ignore-eos", "--pipeline-parallel-size", "2",
+            "Hello world"]  # fmt: skip
+    launched = subprocess.run(
+        [*torchrun, *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+    )
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    one = LLM(path, dtype="float32")  # the same text from one process (its detokenizer too)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    expected = one.generate("Hello world", params, use_tqdm=False)[0].outputs[0].text
+    assert "Hello world" + expected in launched.stdout
+    assert launched.stdout.count("--- prompt:") == 1  # only rank 0 prints: one engine

@@ -3,11 +3,14 @@
 With `pipeline_parallel_size=P` the engine process is stage 0 (and the driver: it schedules,
 samples and owns every request); it spawns one process per other stage, as tensor parallelism
 spawns its workers (`tp_launch.TPWorkers`), and all of them rendezvous over TCP on 127.0.0.1.
+Under torchrun (`torchrun_pp_rank`) every process runs the same command: rank 0 becomes the
+engine and the others stages (`tp_worker.maybe_serve_torchrun_worker`), over torchrun's
+rendezvous, so stages may sit on different machines.
 Each stage builds only its layers (`pp_state.pp_layer_range`) and a KV cache for them.
 
 Under PP x TP the world has P * T processes (global rank `stage * T + tp_rank`); the engine is
 rank 0 and spawns all the others. Not built yet (each refused with an error naming the
-setting): PP with data parallelism, under torchrun, with LoRA, speculative decoding, torch.compile or CUDA graphs,
+setting): PP with data parallelism, with LoRA, speculative decoding, torch.compile or CUDA graphs,
 and for models other than the dense decoder-only Llama family.
 """
 
@@ -64,11 +67,23 @@ def check_pipeline_config(config: EngineConfig) -> None:
                 f"pipeline_parallel_size={pp} does not combine with {setting} yet; "
                 "run the pipeline on its own (eager, no LoRA, no drafts)"
             )
-    if launched_by_torchrun():
+
+
+def torchrun_pp_rank(config: EngineConfig) -> int | None:
+    """This process's global rank when torchrun launched a pipeline-parallel run, else None.
+
+    torchrun must start exactly `pipeline_parallel_size * tensor_parallel_size` processes
+    (e.g. `--nnodes P --nproc-per-node T`: a stage per machine, TP within it)."""
+    parallel = config.parallel
+    if parallel.pipeline_parallel_size == 1 or not launched_by_torchrun():
+        return None
+    world = parallel.pipeline_parallel_size * parallel.tensor_parallel_size
+    if int(os.environ["WORLD_SIZE"]) != world:
         raise ValueError(
-            f"pipeline_parallel_size={pp} under torchrun is not built yet: launch one process; "
-            "it starts its stages itself"
+            f"torchrun started {os.environ['WORLD_SIZE']} processes, but "
+            f"pipeline_parallel_size * tensor_parallel_size is {world}: start that many"
         )
+    return int(os.environ["RANK"])
 
 
 def _stage_namer(tp_size: int) -> Callable[[int], str]:
@@ -93,6 +108,11 @@ def start_pipeline_parallel(
     pp = parallel.pipeline_parallel_size
     if pp == 1 or is_pp_initialized():
         return None
+    tp = parallel.tensor_parallel_size
+    if torchrun_pp_rank(config) is not None:  # rank 0: the other ranks are stages already
+        limit_cpu_threads(config)
+        init_pp_group(pp, tp, 0, 0, None, config.device)
+        return None
     if worker_main is None:
         raise ValueError(
             f"pipeline_parallel_size={pp} needs the stage entry point to spawn stages: build "
@@ -100,7 +120,6 @@ def start_pipeline_parallel(
         )
     limit_cpu_threads(config)
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    tp = parallel.tensor_parallel_size
     workers = TPWorkers(config, init_method, worker_main, pp * tp, describe=_stage_namer(tp))
     try:
         init_pp_group(pp, tp, 0, 0, init_method, config.device)
