@@ -79,9 +79,11 @@ class PipelineModelRunner(ModelRunner):
     ) -> None:
         """`pp_worker_main` is what each spawned stage runs (`tokenwise.distributed.pp_worker.
         run_pp_worker`, handed in by the engine); None in a spawned stage, which has joined."""
+        if config.model is None:
+            raise ValueError("PipelineModelRunner needs EngineConfig.model (a ModelConfig)")
         workers = start_pipeline_parallel(config, pp_worker_main)
-        hf = config.model.hf_config if config.model is not None else None
-        self.channel = PipelineChannel(workers, config.model.dtype, int(hf.hidden_size))
+        hidden_size = int(config.model.hf_config.hidden_size)
+        self.channel = PipelineChannel(workers, config.model.dtype, hidden_size)
         try:
             super().__init__(config, device, tp_worker_main)
         except BaseException:
