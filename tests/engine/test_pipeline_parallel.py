@@ -168,10 +168,23 @@ def no_group_left() -> Iterator[None]:
 
 
 @pytest.mark.usefixtures("no_group_left")
-def test_a_pool_too_small_per_virtual_engine_is_refused_and_the_stages_stopped() -> None:
+def test_a_pool_too_small_per_virtual_engine_is_refused() -> None:
     # 32 blocks of 16 tokens hold one 512-token sequence, but each virtual engine gets 16.
-    with pytest.raises(ValueError, match=r"per virtual engine: pipeline_parallel_size=2 .* 2 "):
+    with pytest.raises(ValueError, match=r"num_gpu_blocks=32 gives each .* at least 64"):
         pp_llm(pp_checkpoint("LlamaForCausalLM"), num_gpu_blocks=32, max_model_len=512)
+
+
+@pytest.mark.usefixtures("no_group_left")
+def test_stages_that_split_the_layers_differently_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As when torchrun's machines set different partitions: here only the engine's process
+    (stage 0) is patched to hold one layer, while stage 1 splits evenly (layers 2-3)."""
+    monkeypatch.setattr(pp_state, "pp_layer_partition", lambda n, p: [1, 3])
+    with pytest.raises(
+        ValueError, match=rf"do not cover the layers in order.*{ENV_LAYER_PARTITION}"
+    ):
+        pp_llm(pp_checkpoint("LlamaForCausalLM"), num_gpu_blocks=64)
 
 
 @pytest.mark.usefixtures("no_group_left")

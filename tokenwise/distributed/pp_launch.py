@@ -54,6 +54,15 @@ def check_pipeline_config(config: EngineConfig) -> None:
             f"({', '.join(PP_ARCHITECTURES)}); this model is {', '.join(archs) or 'unknown'}"
         )
     pp_layer_partition(int(model.hf_config.num_hidden_layers), pp)
+    blocks, block_size = config.cache.num_gpu_blocks, config.cache.block_size
+    needed = -(-model.max_model_len // block_size)
+    if blocks is not None and blocks // pp < needed:
+        raise ValueError(
+            f"num_gpu_blocks={blocks} gives each of the {pp} virtual engines {blocks // pp} "
+            f"blocks, fewer than one sequence of max_model_len={model.max_model_len} needs "
+            f"({needed}): pipeline_parallel_size={pp} splits the KV cache {pp} ways, so give "
+            f"num_gpu_blocks at least {needed * pp} or lower max_model_len"
+        )
     refusals = {
         "data_parallel_size": parallel.data_parallel_size > 1,
         "speculative_config": config.speculative is not None,

@@ -31,7 +31,7 @@ from tokenwise.attention.metadata import AttentionMetadata
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.pp_channel import PipelineChannel, StageMessage
 from tokenwise.distributed.pp_launch import start_pipeline_parallel
-from tokenwise.distributed.pp_state import get_pp_rank, get_pp_size
+from tokenwise.distributed.pp_state import ENV_LAYER_PARTITION, get_pp_rank, get_pp_size
 from tokenwise.distributed.tp_channel import step_from_payload, step_payload
 from tokenwise.distributed.tp_launch import WorkerMain
 from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
@@ -86,6 +86,7 @@ class PipelineModelRunner(ModelRunner):
         self.channel = PipelineChannel(workers, config.model.dtype, hidden_size)
         try:
             super().__init__(config, device, tp_worker_main)
+            self._check_layer_ranges()
         except BaseException:
             self.channel.abandon()  # the stages fail the same way; do not leave them waiting
             raise
@@ -107,6 +108,22 @@ class PipelineModelRunner(ModelRunner):
         self._busy_s = 0.0
         # Every stage's busy seconds as of the last batch collected (driver).
         self._stage_busy = [0.0] * self.pp_size
+
+    def _check_layer_ranges(self) -> None:
+        """Every process read the partition itself (torchrun: on its own machine); refuse
+        stages whose layer ranges do not follow each other (collective, at start-up)."""
+        model = self.model.model
+        ranges: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(ranges, (get_pp_rank(), model.start_layer, model.end_layer))
+        ends = {stage: end for stage, _, end in ranges}
+        for stage, start, end in ranges:
+            if start != (ends[stage - 1] if stage else 0) or (
+                stage == get_pp_size() - 1 and end != len(model.layers)
+            ):
+                raise ValueError(
+                    f"the stages' layer ranges (stage, start, end) {sorted(set(ranges))} do not "
+                    f"cover the layers in order: set the same {ENV_LAYER_PARTITION} everywhere"
+                )
 
     # ---- KV cache: one slice per virtual engine ---------------------------------------------
 
