@@ -73,11 +73,14 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
 
 @dataclass
 class ParallelConfig:
-    """Data and tensor parallelism. `is_moe_model=None` means unknown (treated like MoE)."""
+    """Data, tensor and pipeline parallelism. `is_moe_model=None` means unknown (treated like
+    MoE). `pipeline_parallel_size` stages split the layers (`tokenwise.distributed.pp_state`)
+    and as many virtual engines keep that many batches in flight."""
 
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     is_moe_model: bool | None = None
     # MoE layers under DP > 1: True gives each rank whole experts (num_experts / dp_size of
     # them); False shards every expert's intermediate dimension over the DP ranks instead.
@@ -93,6 +96,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         _check_int("data_parallel_size", self.data_parallel_size, 1)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
         _check_int("data_parallel_rank", self.data_parallel_rank, 0)
         if self.data_parallel_rank >= self.data_parallel_size:
             raise ValueError(

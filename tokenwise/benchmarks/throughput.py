@@ -40,13 +40,14 @@ def run(args: argparse.Namespace) -> int:
     ranks = {
         "data_parallel_size": args.data_parallel_size,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "pipeline_parallel_size": args.pipeline_parallel_size,
     }
     parallel = {name: size for name, size in ranks.items() if size > 1}
     if parallel:
         # The same workload on one process first, so the figure comes with its own baseline.
-        one = {**kwargs, "data_parallel_size": 1, "tensor_parallel_size": 1}
-        baseline, _, _ = _timed_run(args, one, input_range, output_range)
-    elapsed, outputs, model_config = _timed_run(args, kwargs, input_range, output_range)
+        one = {**kwargs, **dict.fromkeys(ranks, 1)}
+        baseline, _, _, _ = _timed_run(args, one, input_range, output_range)
+    elapsed, outputs, model_config, busy = _timed_run(args, kwargs, input_range, output_range)
 
     num_prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     num_output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
@@ -68,6 +69,10 @@ def run(args: argparse.Namespace) -> int:
         "output_len": list(output_range),
         "seed": args.seed,
     }
+    if busy is not None:
+        shares = ", ".join(f"stage {i} {100 * b:.0f}%" for i, b in enumerate(busy))
+        print(f"Pipeline stages busy (share of the run spent computing): {shares}")
+        results["stage_busy_fraction"] = busy
     if baseline is not None:
         ratio = baseline / max(elapsed, 1e-9)
         what = ", ".join(f"{name}={size}" for name, size in parallel.items())
@@ -86,8 +91,11 @@ def _timed_run(
     kwargs: dict[str, Any],
     input_range: tuple[int, int],
     output_range: tuple[int, int],
-) -> tuple[float, list[Any], Any]:
-    """Build an engine, run the workload once (loading not timed), shut the engine down."""
+) -> tuple[float, list[Any], Any, list[float] | None]:
+    """Build an engine, run the workload once (loading not timed), shut the engine down.
+
+    Under pipeline parallelism also each stage's busy fraction: the seconds it spent
+    computing during the run over the run's wall time (None otherwise)."""
     from tokenwise.entrypoints.llm import LLM
     from tokenwise.sampling.params import SamplingParams
 
@@ -101,13 +109,20 @@ def _timed_run(
     params = [
         SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests
     ]
+    busy_seconds = getattr(llm.llm_engine.runner, "stage_busy_seconds", None)
     try:
+        before = busy_seconds() if busy_seconds is not None else None
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
+        busy = None
+        if busy_seconds is not None and before is not None:
+            busy = [
+                (b - a) / max(elapsed, 1e-9) for a, b in zip(before, busy_seconds(), strict=True)
+            ]
     finally:
         llm.shutdown()
-    return elapsed, outputs, model_config
+    return elapsed, outputs, model_config, busy
 
 
 def throughput_results(

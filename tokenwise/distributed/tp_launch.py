@@ -61,17 +61,33 @@ def torchrun_tp_rank(config: EngineConfig) -> int | None:
     return int(os.environ["RANK"])
 
 
-class TPWorkers:
-    """The N-1 spawned worker processes of one engine; the driver checks on them every step."""
+def _tp_worker_name(rank: int) -> str:
+    return f"tensor-parallel worker {rank}"
 
-    def __init__(self, config: EngineConfig, init_method: str, worker_main: WorkerMain) -> None:
-        size = config.parallel.tensor_parallel_size
+
+class TPWorkers:
+    """The N-1 spawned worker processes of one engine; the driver checks on them every step.
+
+    `world_size` (default: the TP size) processes in all, this one being rank 0;
+    `describe(rank)` names a worker in errors (the pipeline's workers are stages, not TP ranks).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        init_method: str,
+        worker_main: WorkerMain,
+        world_size: int | None = None,
+        describe: Callable[[int], str] = _tp_worker_name,
+    ) -> None:
+        size = world_size or config.parallel.tensor_parallel_size
+        self.describe = describe
         ctx = mp.get_context("spawn")  # fork would copy torch's threads and locks
         self.procs = [
             ctx.Process(
                 target=worker_main,
                 args=(config, rank, init_method),
-                name=f"tokenwise-tp-{rank}",
+                name=f"tokenwise-rank-{rank}",
                 daemon=True,
             )
             for rank in range(1, size)
@@ -84,10 +100,7 @@ class TPWorkers:
         """A sentence naming the first worker that has exited, if any has."""
         for rank, proc in enumerate(self.procs, start=1):
             if proc.exitcode is not None:
-                return (
-                    f"tensor-parallel worker {rank} (pid {proc.pid}) exited with code "
-                    f"{proc.exitcode}"
-                )
+                return f"{self.describe(rank)} (pid {proc.pid}) exited with code {proc.exitcode}"
         return None
 
     def kill(self) -> None:

@@ -25,6 +25,8 @@ import traceback
 
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.parallel_state import destroy_dp_group
+from tokenwise.distributed.pp_launch import torchrun_pp_rank
+from tokenwise.distributed.pp_worker import run_pp_worker
 from tokenwise.distributed.tp_launch import join_parallel_groups, torchrun_tp_rank
 from tokenwise.distributed.tp_state import destroy_tp_group
 from tokenwise.models.registry import is_moe_architecture
@@ -72,6 +74,9 @@ def maybe_serve_torchrun_worker(config: EngineConfig) -> None:
     rank 0, which goes on to build the engine. The engine constructors call this before
     building anything, so a worker rank never holds an engine.
     """
+    if config.parallel.pipeline_parallel_size > 1:
+        _maybe_serve_torchrun_stage(config)
+        return
     rank = torchrun_tp_rank(config)
     if rank is None or rank == 0:
         return
@@ -82,4 +87,15 @@ def maybe_serve_torchrun_worker(config: EngineConfig) -> None:
     )
     run_tp_worker(config, rank, None)
     logger.info("tensor-parallel rank %d: the driver shut down; exiting", rank)
+    sys.exit(0)
+
+
+def _maybe_serve_torchrun_stage(config: EngineConfig) -> None:
+    """The same for a torchrun pipeline: every rank but 0 serves as its stage, then exits."""
+    rank = torchrun_pp_rank(config)
+    if rank is None or rank == 0:
+        return
+    logger.info("pipeline rank %d (torchrun): serving rank 0's micro-batches", rank)
+    run_pp_worker(config, rank, None)
+    logger.info("pipeline rank %d: the driver shut down; exiting", rank)
     sys.exit(0)

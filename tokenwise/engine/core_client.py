@@ -125,9 +125,9 @@ class EngineCoreClient:
                     f"ipc://{self._ipc_dir}/control" if rank == 0 else f"inproc://none-{rank}",
                 ),
                 name=f"tokenwise-dp-{rank}" if self._dp else "tokenwise-engine-core",
-                # A daemon may not start processes, and under TP each core starts its workers;
-                # cores also stop by themselves when this process is gone (`core_process`).
-                daemon=parallel.tensor_parallel_size == 1,
+                # A daemon may not start processes, and under TP (PP) each core starts its
+                # workers (stages); cores also stop by themselves when this process is gone.
+                daemon=parallel.tensor_parallel_size == 1 and parallel.pipeline_parallel_size == 1,
             )
             for rank in range(num_cores)
         ]

@@ -20,10 +20,12 @@ from typing import Any
 
 from tokenwise.batchsize_stats import get_batchsize_forward_time_summary
 from tokenwise.config import EngineConfig
+from tokenwise.distributed.pp_worker import run_pp_worker
 from tokenwise.distributed.tp_worker import maybe_serve_torchrun_worker, run_tp_worker
 from tokenwise.engine.drafter import Drafter
 from tokenwise.engine.kinds.base import ModelKind, NewRequest
 from tokenwise.engine.kinds.select import model_kind_for
+from tokenwise.engine.pipeline_loop import PipelineLoop
 from tokenwise.engine.prompts import (
     PromptInput,
     load_tokenizer,
@@ -31,15 +33,17 @@ from tokenwise.engine.prompts import (
 )
 from tokenwise.engine.request import Request, RequestStatus
 from tokenwise.engine.request_queue import check_priority
-from tokenwise.engine.stats import EngineStats, StatLogger
-from tokenwise.engine.step_outputs import ModelRunnerOutput, ScoredPromptTokens
+from tokenwise.engine.stats import EngineStats, StatLogger, finished_request_line
+from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput, ScoredPromptTokens
 from tokenwise.engine.step_records import StepRecorder, StepRecords
 from tokenwise.engine.stop_rules import hides_token
+from tokenwise.engine.virtual_engines import VirtualEngineBlockManagers, VirtualEngineSchedulers
 from tokenwise.lora.request import LoRARequest
 from tokenwise.models.registry import is_moe_architecture
 from tokenwise.outputs import EmbeddingRequestOutput, Logprob, RequestOutput
 from tokenwise.platform import configure_cpu_allocator
 from tokenwise.pooling.params import PoolingParams
+from tokenwise.runner.pipeline_runner import PipelineModelRunner
 from tokenwise.sampling.guided.compiler import GrammarCompileCache, grammar_compile_timeout_s
 from tokenwise.sampling.params import SamplingParams
 
@@ -52,25 +56,6 @@ MAX_CONSECUTIVE_FAILED_STEPS = 3
 # A step with nothing to run while guided requests wait for their grammars sleeps on the
 # compiles for at most this long, instead of spinning on the cores the compiles need.
 _GRAMMAR_IDLE_WAIT_S = 0.05
-
-
-def _finished_request_line(request_id: str, samples: list[Request], now: float) -> str:
-    """`request r1 finished: stop, 12 prompt + 40 output tokens, ttft 0.031 s, total 0.412 s`.
-
-    With `n > 1` the output tokens are the samples' sum, the reasons each distinct one (in
-    sample order, "/"-joined) and the ttft the earliest sample's; "ttft -" when no token came
-    (aborted or failed while waiting, or an embedding).
-    """
-    first = samples[0]
-    reasons = dict.fromkeys(r.status.finish_reason or "unknown" for r in samples)
-    output_tokens = sum(r.num_output_tokens for r in samples)
-    first_tokens = [r.first_token_time for r in samples if r.first_token_time is not None]
-    ttft = f"{min(first_tokens) - first.arrival_time:.3f} s" if first_tokens else "-"
-    return (
-        f"request {request_id} finished: {'/'.join(reasons)}, {first.num_prompt_tokens} "
-        f"prompt + {output_tokens} output tokens, ttft {ttft}, "
-        f"total {now - first.arrival_time:.3f} s"
-    )
 
 
 class LLMEngine:
@@ -105,21 +90,44 @@ class LLMEngine:
         kind_cls = kind or model_kind_for(config)
         self.grammar_timeout_s = grammar_compile_timeout_s()
         self._grammars: GrammarCompileCache | None = None  # made at the first guided request
-        self.runner = kind_cls.runner_cls(config, device, tp_worker_main=run_tp_worker)
+        pp = parallel.pipeline_parallel_size
+        if pp > 1:  # stage 0 of a pipeline (`engine/virtual_engines.py`, `pipeline_loop.py`)
+            self.runner = PipelineModelRunner(
+                config, device, tp_worker_main=run_tp_worker, pp_worker_main=run_pp_worker
+            )
+        else:
+            self.runner = kind_cls.runner_cls(config, device, tp_worker_main=run_tp_worker)
         self.kind = kind_cls(self)
         self.dp_lockstep = self.runner.dp_lockstep
-        num_blocks = self.runner.determine_num_blocks()
-        self.kind.check_kv_capacity(num_blocks)
+        num_blocks = self.runner.determine_num_blocks()  # per virtual engine
+        try:
+            self.kind.check_kv_capacity(num_blocks)
+        except ValueError as exc:
+            self.runner.shutdown()
+            if pp == 1:
+                raise
+            raise ValueError(
+                f"{exc}; that is per virtual engine: pipeline_parallel_size={pp} splits the "
+                f"KV cache {pp} ways, so num_gpu_blocks must be {pp} times as large"
+            ) from None
         self.runner.initialize_kv_cache(num_blocks)
-        self.block_manager = self.kind.make_block_manager(num_blocks)
         max_loras = config.lora.max_loras if config.lora is not None else None
-        self.scheduler = kind_cls.scheduler_cls(
-            config.scheduler, self.block_manager, config.model.max_model_len, max_loras
-        )
+        managers = [self.kind.make_block_manager(num_blocks) for _ in range(pp)]
+        schedulers = [
+            kind_cls.scheduler_cls(config.scheduler, bm, config.model.max_model_len, max_loras)
+            for bm in managers
+        ]
+        self.block_manager: Any = managers[0]
+        self.scheduler: Any = schedulers[0]
+        self.pipeline: PipelineLoop | None = None
+        if pp > 1:
+            self.block_manager = VirtualEngineBlockManagers(managers)
+            self.scheduler = VirtualEngineSchedulers(schedulers)
+            self.pipeline = PipelineLoop(self, self.runner, schedulers)
         # The caller's request id -> its samples (one `Request` each, `n` of them); the
         # requests themselves carry their output state, so there is no other record of them.
         self.groups: dict[str, list[Request]] = {}
-        self._stats = EngineStats(num_total_blocks=num_blocks)
+        self._stats = EngineStats(num_total_blocks=num_blocks * pp)
         self._consecutive_failed_steps = 0
         self._stat_logger = StatLogger()
         # One record per step for the server's engine view (`step_records`; always on: cheap).
@@ -183,7 +191,10 @@ class LLMEngine:
         for rid in ids:
             samples = self.groups.get(rid)
             if samples is not None and not all(r.is_finished for r in samples):
-                self.scheduler.finish_requests(samples, RequestStatus.FINISHED_ABORTED)
+                if self.pipeline is not None:  # not while a batch of theirs is in flight
+                    self.pipeline.finish_when_idle(samples, RequestStatus.FINISHED_ABORTED)
+                else:
+                    self.scheduler.finish_requests(samples, RequestStatus.FINISHED_ABORTED)
                 self.step_recorder.num_aborted += 1
 
     abort = abort_request
@@ -214,12 +225,13 @@ class LLMEngine:
     # ---- the loop -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
+        if self.pipeline is not None:  # P batches in flight, one per virtual engine
+            return self.pipeline.step()
         started = time.perf_counter()
         sched = self.scheduler.schedule()
         self.step_recorder.begin(sched, started, self._stats)  # before the pass moves tokens
         touched: dict[str, list[Request]] = {}
-        for req, reason in sched.aborted:
-            logger.warning("aborting request %s: %s", req.request_id, reason)
+        self.warn_aborted(sched)
         if not sched.is_empty:
             try:
                 result = self.runner.execute_model(sched)
@@ -247,30 +259,51 @@ class LLMEngine:
                     ) from exc
             else:
                 self.step_recorder.forward_done()
-                self._consecutive_failed_steps = 0
-                for item in sched.scheduled:
-                    if item.num_new_tokens > 1 or item.request.num_output_tokens == 0:
-                        self._stats.prompt_tokens_total += item.num_new_tokens
-                sampled = self.scheduler.update_from_output(sched, result, self._detokenize)
-                self._route_samples(sampled, result, touched)
-                if result.prompt_logprobs is not None:
-                    self._route_prompt_logprobs(result.prompt_logprobs)
-                if self.drafter is not None:
-                    self.drafter.record(result, self._stats)
-                for req in self.kind.record_pooled(result):
-                    touched[req.group_id] = self.groups[req.group_id]
+                self.apply_result(sched, result, touched)
         elif self.dp_lockstep:
             self.execute_dummy_batch()
         else:
-            compiling = self.scheduler.waiting_grammars()
-            if compiling:
-                concurrent.futures.wait(
-                    compiling, _GRAMMAR_IDLE_WAIT_S, concurrent.futures.FIRST_COMPLETED
-                )
+            self.wait_for_grammars()
+        return self.end_step(sched, touched, sched.num_preempted)
+
+    def warn_aborted(self, sched: SchedulerOutput) -> None:
+        for req, reason in sched.aborted:
+            logger.warning("aborting request %s: %s", req.request_id, reason)
+
+    def wait_for_grammars(self) -> None:
+        """Nothing to run: sleep briefly on guided requests' grammar compiles, if any."""
+        compiling = self.scheduler.waiting_grammars()
+        if compiling:
+            concurrent.futures.wait(
+                compiling, _GRAMMAR_IDLE_WAIT_S, concurrent.futures.FIRST_COMPLETED
+            )
+
+    def apply_result(
+        self, sched: SchedulerOutput, result: ModelRunnerOutput, touched: dict[str, list[Request]]
+    ) -> None:
+        """A forward pass's output into the scheduler and its requests (`touched`: by group)."""
+        self._consecutive_failed_steps = 0
+        for item in sched.scheduled:
+            if item.num_new_tokens > 1 or item.request.num_output_tokens == 0:
+                self._stats.prompt_tokens_total += item.num_new_tokens
+        sampled = self.scheduler.update_from_output(sched, result, self._detokenize)
+        self._route_samples(sampled, result, touched)
+        if result.prompt_logprobs is not None:
+            self._route_prompt_logprobs(result.prompt_logprobs)
+        if self.drafter is not None:
+            self.drafter.record(result, self._stats)
+        for req in self.kind.record_pooled(result):
+            touched[req.group_id] = self.groups[req.group_id]
+
+    def end_step(
+        self, sched: SchedulerOutput, touched: dict[str, list[Request]], num_preempted: int
+    ) -> list[RequestOutput | EmbeddingRequestOutput]:
+        """The step's outputs (every request `touched` or newly finished), its record and
+        statistics; `sched` is the step the record describes."""
         if self.drafter is not None:
             self.drafter.propose(self.scheduler.running)
         self._stats.num_steps_total += 1
-        self._stats.num_preemptions_total += sched.num_preempted
+        self._stats.num_preemptions_total += num_preempted
         # Aborted or errored requests surface here even if nothing was scheduled for them.
         for rid, samples in self.groups.items():
             if any(r.is_finished and not r.reported_finish for r in samples):
@@ -373,7 +406,7 @@ class LLMEngine:
             self._stats.finished_reasons[reason] = self._stats.finished_reasons.get(reason, 0) + 1
         del self.groups[request_id]
         if self.config.log_requests and logger.isEnabledFor(logging.INFO):
-            logger.info("%s", _finished_request_line(request_id, samples, time.monotonic()))
+            logger.info("%s", finished_request_line(request_id, samples, time.monotonic()))
 
     # ---- observability ------------------------------------------------------------------------
 

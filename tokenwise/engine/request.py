@@ -92,6 +92,8 @@ class Request:
     grammar: GrammarState | None = None
     # Why the request ended with FINISHED_ERROR (its grammar, or a failed forward pass).
     error: str | None = None
+    # Pipeline parallelism: the virtual engine (scheduler, KV cache slice) it lives on, always.
+    virtual_engine: int = 0
     # ---- what the engine reports (its output state) -------------------------------------
     # The caller's request id (shared by the samples of an `n > 1` request; defaults to
     # `request_id`), this sample's index among them, and the prompt's text if it had one.

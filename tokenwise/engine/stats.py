@@ -10,6 +10,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from tokenwise.engine.request import Request
+
 logger = logging.getLogger("tokenwise.engine")
 
 
@@ -93,3 +95,22 @@ class StatLogger:
             f", Spec decode: acceptance rate {accepted / max(proposed, 1) * 100:.1f}%, "
             f"mean acceptance length {1 + accepted / drafts:.2f}, per position [{rates}]"
         )
+
+
+def finished_request_line(request_id: str, samples: list[Request], now: float) -> str:
+    """`request r1 finished: stop, 12 prompt + 40 output tokens, ttft 0.031 s, total 0.412 s`.
+
+    With `n > 1` the output tokens are the samples' sum, the reasons each distinct one (in
+    sample order, "/"-joined) and the ttft the earliest sample's; "ttft -" when no token came
+    (aborted or failed while waiting, or an embedding).
+    """
+    first = samples[0]
+    reasons = dict.fromkeys(r.status.finish_reason or "unknown" for r in samples)
+    output_tokens = sum(r.num_output_tokens for r in samples)
+    first_tokens = [r.first_token_time for r in samples if r.first_token_time is not None]
+    ttft = f"{min(first_tokens) - first.arrival_time:.3f} s" if first_tokens else "-"
+    return (
+        f"request {request_id} finished: {'/'.join(reasons)}, {first.num_prompt_tokens} "
+        f"prompt + {output_tokens} output tokens, ttft {ttft}, "
+        f"total {now - first.arrival_time:.3f} s"
+    )

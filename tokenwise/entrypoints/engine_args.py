@@ -307,6 +307,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "processes torchrun starts (default: 1)",
     )
     p.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=bounded_int(1),
+        default=1,
+        help="split the layers into this many stages, one process each, with as many batches "
+        "in flight (dense Llama/Qwen models; TOKENWISE_PP_LAYER_PARTITION='4,4' sets the "
+        "split; default: 1)",
+    )
+    p.add_argument(
         "--data-parallel-size",
         "-dp",
         type=bounded_int(1),
@@ -380,6 +389,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "cudagraph_capture_sizes": args.cudagraph_capture_sizes,
         "data_parallel_size": args.data_parallel_size,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "pipeline_parallel_size": args.pipeline_parallel_size,
         "data_parallel_address": args.data_parallel_address,
         "data_parallel_port": args.data_parallel_port,
         "enable_expert_parallel": args.enable_expert_parallel,

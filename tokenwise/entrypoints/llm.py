@@ -125,6 +125,7 @@ def build_engine_config(
     cudagraph_capture_sizes: list[int] | None = None,
     data_parallel_size: int = 1,
     tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
     data_parallel_address: str = "127.0.0.1",
     data_parallel_port: int | None = None,
     enable_expert_parallel: bool = False,
@@ -203,10 +204,11 @@ def build_engine_config(
             )
     is_moe = is_moe_architecture(model_config.architectures)
     collectives = (data_parallel_size > 1 and is_moe) or tensor_parallel_size > 1
+    collectives = collectives or pipeline_parallel_size > 1
     if collectives and not enforce_eager:
         # Layers that talk to other ranks run eagerly for now: captured collectives are
         # not verified yet (no GPU was at hand when this was built).
-        logger.info("tensor parallelism, or DP with an MoE model, runs eagerly (no graphs)")
+        logger.info("tensor or pipeline parallelism, or DP with MoE, runs eagerly (no graphs)")
         enforce_eager, cudagraph_mode = True, None
     hf = model_config.hf_config
     moe_needs_host = False
@@ -219,6 +221,7 @@ def build_engine_config(
     parallel = ParallelConfig(
         data_parallel_size=data_parallel_size,
         tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
         is_moe_model=is_moe,
         enable_expert_parallel=enable_expert_parallel,
         enable_microbatching=enable_microbatching,

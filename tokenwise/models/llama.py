@@ -11,6 +11,7 @@ per-head q/k norms); a subclass only overrides `decoder_variant`, and an MoE mod
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from torch import nn
 
 from tokenwise.attention.layer import Attention
 from tokenwise.config import EngineConfig
+from tokenwise.distributed.pp_state import is_first_pp_stage, is_last_pp_stage, pp_layer_range
 from tokenwise.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -31,7 +33,10 @@ from tokenwise.layers import (
     get_act_and_mul,
     get_rope_config,
 )
+from tokenwise.layers.pipeline import IntermediateTensors, StageAbsent
 from tokenwise.layers.weight_utils import load_stacked_weights
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -187,6 +192,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The decoder stack; under pipeline parallelism only this stage's part of it.
+
+    A stage holds the decoder layers `[start_layer, end_layer)` (`pp_state.pp_layer_range`),
+    the embedding if it is the first stage and the final norm if it is the last; the rest are
+    `StageAbsent` placeholders, so names and indices stay the checkpoint's. A stage other than
+    the first starts from the previous stage's `IntermediateTensors`; one other than the last
+    returns its own instead of normalized hidden states.
+    """
+
     def __init__(
         self,
         config: EngineConfig,
@@ -197,7 +211,13 @@ class LlamaModel(nn.Module):
         super().__init__()
         mc = config.model
         hf = mc.hf_config
-        self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size)
+        self.is_first_stage, self.is_last_stage = is_first_pp_stage(), is_last_pp_stage()
+        self.start_layer, self.end_layer = pp_layer_range(hf.num_hidden_layers)
+        self.embed_tokens: nn.Module = (
+            VocabParallelEmbedding(hf.vocab_size, hf.hidden_size)
+            if self.is_first_stage
+            else StageAbsent()
+        )
         rope_theta, rope_scaling = get_rope_config(hf)
         # Positions never reach max_model_len, so the table need not cover the full
         # max_position_embeddings (128k rows for Llama 3.1).
@@ -206,22 +226,37 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(
                 config, variant, self.rotary_emb, i, _join(prefix, f"layers.{i}"), make_mlp
             )
+            if self.start_layer <= i < self.end_layer
+            else StageAbsent()
             for i in range(hf.num_hidden_layers)
         )
-        self.norm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
+        self.norm: nn.Module = (
+            RMSNorm(hf.hidden_size, hf.rms_norm_eps) if self.is_last_stage else StageAbsent()
+        )
 
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
         """`inputs_embeds` (a multimodal model's text embeddings with its image embeddings
-        merged in) replaces the lookup of `input_ids`."""
-        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
+        merged in) replaces the lookup of `input_ids`; `intermediate_tensors` (the previous
+        pipeline stage's output) replaces both on a later stage."""
+        if intermediate_tensors is not None:
+            hidden_states, residual = intermediate_tensors
+        else:
+            if inputs_embeds is None:
+                hidden_states = self.embed_tokens(input_ids)
+            else:
+                hidden_states = inputs_embeds
+            residual = None
+        for i in range(self.start_layer, self.end_layer):
+            hidden_states, residual = self.layers[i](positions, hidden_states, residual)
+        if not self.is_last_stage:
+            assert residual is not None
+            return IntermediateTensors(hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -242,8 +277,14 @@ class LlamaForCausalLM(nn.Module):
         variant = self.decoder_variant(hf)
         self.model = LlamaModel(config, variant, _join(prefix, "model"), self.make_mlp)
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
-        tie_to = self.model.embed_tokens if self.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(hf.vocab_size, hf.hidden_size, tie_to=tie_to)
+        first, last = self.model.is_first_stage, self.model.is_last_stage
+        # A tied LM head on a last stage without the embedding owns its copy, loaded from the
+        # embedding's checkpoint tensor.
+        self._head_from_embedding = self.tie_word_embeddings and last and not first
+        tie_to = self.model.embed_tokens if self.tie_word_embeddings and first else None
+        self.lm_head: nn.Module = (
+            ParallelLMHead(hf.vocab_size, hf.hidden_size, tie_to=tie_to) if last else StageAbsent()
+        )
 
     @classmethod
     def decoder_variant(cls, hf_config: Any) -> DecoderVariant:
@@ -255,8 +296,13 @@ class LlamaForCausalLM(nn.Module):
         """The feed-forward block of layer `layer_idx`; None means the dense LlamaMLP."""
         return None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, intermediate_tensors=intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """float32 logits for the rows the runner chose to sample (not every token)."""
@@ -265,9 +311,29 @@ class LlamaForCausalLM(nn.Module):
     def _ignored(self, name: str) -> bool:
         if name.endswith(("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")):
             return True
-        return self.tie_word_embeddings and name == "lm_head.weight"
+        if self.tie_word_embeddings and name == "lm_head.weight":
+            return True
+        return not self._on_this_stage(name)
+
+    def _on_this_stage(self, name: str) -> bool:
+        """Whether the tensor belongs to a module this pipeline stage holds."""
+        model = self.model
+        match = _LAYER_INDEX.search(name)
+        if match is not None:
+            return model.start_layer <= int(match.group(1)) < model.end_layer
+        if "embed_tokens." in name:
+            return model.is_first_stage or self._head_from_embedding
+        if name.startswith("lm_head.") or name.endswith("norm.weight"):  # the final norm
+            return model.is_last_stage
+        return True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors in; returns the names of the parameters fully filled."""
+        """Copy HF-named tensors in (this pipeline stage's only); returns the names of the
+        parameters fully filled."""
         kept = ((name, tensor) for name, tensor in weights if not self._ignored(name))
+        if self._head_from_embedding:
+            kept = (
+                ("lm_head.weight" if "embed_tokens." in name else name, tensor)
+                for name, tensor in kept
+            )
         return load_stacked_weights(self, kept, self.stacked_params_mapping)

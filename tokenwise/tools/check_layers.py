@@ -70,8 +70,9 @@ LAYERS: tuple[Layer, ...] = (
             "tokenwise.tools.*",
         ),
     ),
-    # Tensor-parallel rank, size and collectives: what parallel layers read at construction.
-    Layer("process groups", ("tokenwise.distributed.tp_state",)),
+    # Tensor-parallel rank, size and collectives: what parallel layers read at construction;
+    # the pipeline stage and its layer range, which models read at construction.
+    Layer("process groups", ("tokenwise.distributed.tp_state", "tokenwise.distributed.pp_state")),
     # Plain PyTorch building blocks and weight-copy helpers: no engine state, no context.
     Layer("layers", ("tokenwise.layers.*",)),
     # The DP group and batch coordination, which the forward context calls into.
@@ -124,6 +125,7 @@ LAYERS: tuple[Layer, ...] = (
             "tokenwise.engine.stats",
             "tokenwise.engine.step_records",
             "tokenwise.engine.drafter",
+            "tokenwise.engine.virtual_engines",
             "tokenwise.engine.kinds",
             "tokenwise.engine.kinds.encoder_inputs",
             "tokenwise.engine.kinds.image_inputs",
@@ -135,16 +137,29 @@ LAYERS: tuple[Layer, ...] = (
     ),
     # The TP workers' processes and the per-step channel to them, which carries the runner's
     # step inputs: the runner drives both.
-    Layer("tensor-parallel launch", ("tokenwise.distributed.tp_launch",)),
+    # Pipeline stages are spawned the same way; their channel carries activations between them.
+    Layer(
+        "tensor-parallel launch",
+        (
+            "tokenwise.distributed.tp_launch",
+            "tokenwise.distributed.pp_launch",
+            "tokenwise.distributed.pp_channel",
+        ),
+    ),
     # Input batch, model runner, CUDA graphs, KV cache sizing: a scheduled step to sampled
     # tokens. The TP channel sends the runner's step inputs, so it lives beside them.
     Layer("runner", ("tokenwise.runner.*", "tokenwise.distributed.tp_channel")),
     # A TP worker's start-up (spawned or torchrun): it builds a runner, and the engine
     # constructors call it (a torchrun rank other than 0 turns into a worker before any engine).
-    Layer("tensor-parallel worker entry", ("tokenwise.distributed.tp_worker",)),
+    Layer(
+        "tensor-parallel worker entry",
+        ("tokenwise.distributed.tp_worker", "tokenwise.distributed.pp_worker"),
+    ),
     # Model kinds as strategies (generate, embed, encoder-decoder): each names its runner and
     # scheduler and supplies prompt processing, KV-cache groups and outputs to the one loop.
     Layer("model kinds", ("tokenwise.engine.kinds.*",)),
+    # Pipeline parallelism's loop: P micro-batches in flight over the virtual engines.
+    Layer("pipeline loop", ("tokenwise.engine.pipeline_loop",)),
     # The engine loop: the same for every kind.
     Layer("engine loop", ("tokenwise.engine.llm_engine",)),
     # Engines callers drive (`EngineClient`): the in-process engine, and the client of

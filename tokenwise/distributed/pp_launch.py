@@ -1,0 +1,146 @@
+"""Pipeline parallelism: which settings it supports, and how a run's stages start.
+
+With `pipeline_parallel_size=P` the engine process is stage 0 (and the driver: it schedules,
+samples and owns every request); it spawns one process per other stage, as tensor parallelism
+spawns its workers (`tp_launch.TPWorkers`), and all of them rendezvous over TCP on 127.0.0.1.
+Under torchrun (`torchrun_pp_rank`) every process runs the same command: rank 0 becomes the
+engine and the others stages (`tp_worker.maybe_serve_torchrun_worker`), over torchrun's
+rendezvous, so stages may sit on different machines.
+Each stage builds only its layers (`pp_state.pp_layer_range`) and a KV cache for them.
+
+Under PP x TP the world has P * T processes (global rank `stage * T + tp_rank`); the engine is
+rank 0 and spawns all the others. Not built yet (each refused with an error naming the
+setting): PP with data parallelism, with LoRA, speculative decoding, torch.compile or CUDA graphs,
+and for models other than the dense decoder-only Llama family.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+from tokenwise.config import CUDAGraphMode, EngineConfig
+from tokenwise.distributed.pp_state import (
+    init_pp_group,
+    is_pp_initialized,
+    pp_layer_partition,
+)
+from tokenwise.distributed.tp_launch import TPWorkers, WorkerMain, launched_by_torchrun
+from tokenwise.distributed.tp_state import free_port
+
+# Dense decoder-only models whose `LlamaModel` runs as pipeline stages.
+PP_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+def check_pipeline_config(config: EngineConfig) -> None:
+    """Raise ValueError, naming the setting, for a pipeline this slice cannot run."""
+    parallel = config.parallel
+    pp = parallel.pipeline_parallel_size
+    if pp == 1:
+        return
+    model = config.model
+    assert model is not None
+    archs = list(model.architectures or [])
+    if not any(arch in PP_ARCHITECTURES for arch in archs):
+        raise ValueError(
+            f"pipeline_parallel_size={pp} supports dense decoder-only models "
+            f"({', '.join(PP_ARCHITECTURES)}); this model is {', '.join(archs) or 'unknown'}"
+        )
+    pp_layer_partition(int(model.hf_config.num_hidden_layers), pp)
+    blocks, block_size = config.cache.num_gpu_blocks, config.cache.block_size
+    needed = -(-model.max_model_len // block_size)
+    if blocks is not None and blocks // pp < needed:
+        raise ValueError(
+            f"num_gpu_blocks={blocks} gives each of the {pp} virtual engines {blocks // pp} "
+            f"blocks, fewer than one sequence of max_model_len={model.max_model_len} needs "
+            f"({needed}): pipeline_parallel_size={pp} splits the KV cache {pp} ways, so give "
+            f"num_gpu_blocks at least {needed * pp} or lower max_model_len"
+        )
+    refusals = {
+        "data_parallel_size": parallel.data_parallel_size > 1,
+        "speculative_config": config.speculative is not None,
+        "enable_lora": config.lora is not None,
+        "enforce_eager=False (torch.compile)": config.compilation.use_compile,
+        "cudagraph_mode": config.compilation.cudagraph_mode != CUDAGraphMode.NONE,
+    }
+    for setting, refused in refusals.items():
+        if refused:
+            raise ValueError(
+                f"pipeline_parallel_size={pp} does not combine with {setting} yet; "
+                "run the pipeline on its own (eager, no LoRA, no drafts)"
+            )
+
+
+def torchrun_pp_rank(config: EngineConfig) -> int | None:
+    """This process's global rank when torchrun launched a pipeline-parallel run, else None.
+
+    torchrun must start exactly `pipeline_parallel_size * tensor_parallel_size` processes
+    (e.g. `--nnodes P --nproc-per-node T`: a stage per machine, TP within it)."""
+    parallel = config.parallel
+    if parallel.pipeline_parallel_size == 1 or not launched_by_torchrun():
+        return None
+    world = parallel.pipeline_parallel_size * parallel.tensor_parallel_size
+    if int(os.environ["WORLD_SIZE"]) != world:
+        raise ValueError(
+            f"torchrun started {os.environ['WORLD_SIZE']} processes, but "
+            f"pipeline_parallel_size * tensor_parallel_size is {world}: start that many"
+        )
+    return int(os.environ["RANK"])
+
+
+def _stage_namer(tp_size: int) -> Callable[[int], str]:
+    """How errors name a spawned process: its stage (and TP rank under PP x TP)."""
+    if tp_size == 1:
+        return lambda rank: f"pipeline stage {rank}"
+    return lambda rank: f"pipeline stage {rank // tp_size} TP rank {rank % tp_size}"
+
+
+def start_pipeline_parallel(
+    config: EngineConfig, worker_main: WorkerMain | None
+) -> TPWorkers | None:
+    """Check the settings, then (on the driver) spawn the other stages and join the group.
+
+    Called before the model is built: the model reads its layer range at construction.
+    Returns the spawned stages on the driver; None with P = 1 and in a spawned stage, which
+    joined the group before building its runner. `worker_main(config, rank, init_method)` is
+    the stages' entry (`tokenwise.distributed.pp_worker.run_pp_worker`, above the runner).
+    """
+    check_pipeline_config(config)
+    parallel = config.parallel
+    pp = parallel.pipeline_parallel_size
+    if pp == 1 or is_pp_initialized():
+        return None
+    tp = parallel.tensor_parallel_size
+    if torchrun_pp_rank(config) is not None:  # rank 0: the other ranks are stages already
+        limit_cpu_threads(config)
+        init_pp_group(pp, tp, 0, 0, None, config.device)
+        return None
+    if worker_main is None:
+        raise ValueError(
+            f"pipeline_parallel_size={pp} needs the stage entry point to spawn stages: build "
+            "the runner through LLMEngine"
+        )
+    limit_cpu_threads(config)
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    workers = TPWorkers(config, init_method, worker_main, pp * tp, describe=_stage_namer(tp))
+    try:
+        init_pp_group(pp, tp, 0, 0, init_method, config.device)
+    except BaseException:
+        workers.kill()
+        raise
+    return workers
+
+
+def limit_cpu_threads(config: EngineConfig) -> None:
+    """P stages on one CPU share its cores instead of each claiming all of them."""
+    if str(config.device).startswith("cuda") or "OMP_NUM_THREADS" in os.environ:
+        return
+    processes = config.parallel.pipeline_parallel_size * config.parallel.tensor_parallel_size
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))

@@ -1,0 +1,288 @@
+"""The model runner of one pipeline stage, with one virtual engine per micro-batch in flight.
+
+Every stage holds its layers only (`pp_state.pp_layer_range`) and, for each attention layer,
+one KV cache per virtual engine: `layer.kv_cache[k]` is virtual engine k's slice, which the
+attention op picks with `ForwardContext.virtual_engine` (SPEC §1). Virtual engine k is the k-th
+of `pipeline_parallel_size` batches in flight; each has its own scheduler and block pool in the
+engine (`engine/virtual_engines.py`) and its own input batch here, because its requests, block
+tables and step buffers are its own.
+
+The driver (stage 0, the engine's runner) splits a step in two: `submit(sched, k)` prepares the
+batch, runs stage 0's layers and sends the activations on without waiting; `collect()` receives
+the oldest batch's logits from the last stage and samples them. Between the two the driver may
+submit the next virtual engine's batch, so stage 0 computes batch k + 1 while stage 1 computes
+batch k. Every other stage runs `serve_pipeline_steps`: receive, run its layers under the same
+virtual engine, send on (or, the last stage, compute the sampled rows' logits and send them
+back). Each stage counts the seconds it spends computing (`stage_busy_seconds`).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tokenwise.attention.metadata import AttentionMetadata
+from tokenwise.config import EngineConfig
+from tokenwise.distributed.pp_channel import PipelineChannel, StageMessage
+from tokenwise.distributed.pp_launch import start_pipeline_parallel
+from tokenwise.distributed.pp_state import ENV_LAYER_PARTITION, get_pp_rank, get_pp_size
+from tokenwise.distributed.tp_channel import step_from_payload, step_payload
+from tokenwise.distributed.tp_launch import WorkerMain
+from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
+from tokenwise.forward_context import set_forward_context
+from tokenwise.layers.pipeline import IntermediateTensors
+from tokenwise.runner.input_batch import InputBatch, StepInputs
+from tokenwise.runner.model_runner import ModelRunner
+from tokenwise.runner.prompt_logprobs import (
+    PromptLogprobRows,
+    plan_prompt_logprobs,
+    score_prompt_tokens,
+)
+from tokenwise.runner.sample_step import sample_step
+
+
+@dataclass
+class _InFlight:
+    """A micro-batch the driver submitted and has not collected yet."""
+
+    virtual_engine: int
+    step: StepInputs
+    num_sample_rows: int
+    prompt_rows: PromptLogprobRows | None
+
+
+def _owned(payload: dict[str, Any]) -> dict[str, Any]:
+    """The payload with its tensors copied out of the input batch's buffers (which the next
+    step of the same virtual engine overwrites, and whose whole storage pickle would send)."""
+
+    def own(value: Any) -> Any:
+        return value.clone() if isinstance(value, torch.Tensor) else value
+
+    out = {key: own(value) for key, value in payload.items()}
+    out["tables"] = {spec: (own(t), first) for spec, (t, first) in payload["tables"].items()}
+    return out
+
+
+class PipelineModelRunner(ModelRunner):
+    def __init__(
+        self,
+        config: EngineConfig,
+        device: str | torch.device = "cpu",
+        tp_worker_main: WorkerMain | None = None,
+        pp_worker_main: WorkerMain | None = None,
+    ) -> None:
+        """`pp_worker_main` is what each spawned stage runs (`tokenwise.distributed.pp_worker.
+        run_pp_worker`, handed in by the engine); None in a spawned stage, which has joined."""
+        if config.model is None:
+            raise ValueError("PipelineModelRunner needs EngineConfig.model (a ModelConfig)")
+        workers = start_pipeline_parallel(config, pp_worker_main)
+        hidden_size = int(config.model.hf_config.hidden_size)
+        self.channel = PipelineChannel(workers, config.model.dtype, hidden_size)
+        try:
+            super().__init__(config, device, tp_worker_main)
+            self._check_layer_ranges()
+        except BaseException:
+            self.channel.abandon()  # the stages fail the same way; do not leave them waiting
+            raise
+        if self.channel.is_driver:
+            weakref.finalize(self, self.channel.stop)  # the stages leave their loop with it
+        self.pp_rank, self.pp_size = get_pp_rank(), get_pp_size()
+        batch = self.input_batch
+        self._input_batches = [batch] + [
+            InputBatch(
+                batch.max_num_reqs,
+                batch.max_num_tokens,
+                batch.max_model_len,
+                batch.block_size,
+                self.device,
+            )
+            for _ in range(self.pp_size - 1)
+        ]
+        self._in_flight: deque[_InFlight] = deque()
+        self._busy_s = 0.0
+        # Every stage's busy seconds as of the last batch collected (driver).
+        self._stage_busy = [0.0] * self.pp_size
+
+    def _check_layer_ranges(self) -> None:
+        """Every process read the partition itself (torchrun: on its own machine); refuse
+        stages whose layer ranges do not follow each other (collective, at start-up)."""
+        model = self.model.model
+        ranges: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(ranges, (get_pp_rank(), model.start_layer, model.end_layer))
+        ends = {stage: end for stage, _, end in ranges}
+        for stage, start, end in ranges:
+            if start != (ends[stage - 1] if stage else 0) or (
+                stage == get_pp_size() - 1 and end != len(model.layers)
+            ):
+                raise ValueError(
+                    f"the stages' layer ranges (stage, start, end) {sorted(set(ranges))} do not "
+                    f"cover the layers in order: set the same {ENV_LAYER_PARTITION} everywhere"
+                )
+
+    # ---- KV cache: one slice per virtual engine ---------------------------------------------
+
+    def determine_num_blocks(self) -> int:
+        """Blocks of each virtual engine's slice: the pool (`num_gpu_blocks`, or what the
+        memory budget holds for this stage's layers) split over the P virtual engines, the
+        smallest over the stages (collective: every stage calls it once, in the same order)."""
+        per_engine = torch.tensor([super().determine_num_blocks() // self.pp_size])
+        dist.all_reduce(per_engine, op=dist.ReduceOp.MIN)
+        num_blocks = int(per_engine.item())
+        if num_blocks < 1:
+            raise ValueError(
+                f"the KV cache holds fewer blocks than pipeline_parallel_size={self.pp_size} "
+                "virtual engines; raise num_gpu_blocks or kv_cache_memory"
+            )
+        return num_blocks
+
+    def _bind_kv_cache(self, num_blocks: int) -> None:
+        """Each cache layer gets P tensors of `num_blocks` blocks: `kv_cache[k]` for virtual
+        engine k. `kv_caches` keeps virtual engine 0's; `ve_kv_caches[k]` all of k's."""
+        self.ve_kv_caches: list[dict[str, torch.Tensor]] = [{} for _ in range(self.pp_size)]
+        for name, layer in self.cache_layers().items():
+            shape = layer.kv_cache_shape(num_blocks, self.block_size)
+            caches = [
+                torch.zeros(shape, dtype=self.model_config.dtype, device=self.device)
+                for _ in range(self.pp_size)
+            ]
+            for ve, cache in enumerate(caches):
+                self.ve_kv_caches[ve][name] = cache
+            self.kv_caches[name] = caches[0]
+            layer.kv_cache = caches
+
+    # ---- the driver: submit, then collect ---------------------------------------------------
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    @torch.inference_mode()
+    def submit(self, sched: SchedulerOutput, virtual_engine: int) -> None:
+        """Run stage 0 of virtual engine `virtual_engine`'s batch and send it on (no wait)."""
+        self.channel.check_stages()
+        self.input_batch = self._input_batches[virtual_engine]
+        self.input_batch.remove_requests(sched.finished_req_ids)
+        ordered = sorted(sched.scheduled, key=lambda s: s.num_new_tokens == 1)
+        step = self.input_batch.prepare(ordered)
+        num_sample_rows = len(step.logits_indices)
+        prompt_rows = plan_prompt_logprobs(step)
+        if prompt_rows is not None:  # after the sampling rows; the last stage computes them
+            step.logits_indices = step.logits_indices + prompt_rows.flat_indices
+        tables = self._metadata_tables(step)
+        payload = _owned(step_payload(step, tables))
+        with self.channel.failures_named():
+            if self.tp.active:  # stage 0's other TP ranks run the same batch
+                self.tp.broadcast(("pp_step", virtual_engine, payload))
+            out = self._run_stage(step, self._attn_metadata(step, tables), virtual_engine, None)
+            self.channel.send_step(virtual_engine, payload, out, [self._busy_s])
+        self._in_flight.append(_InFlight(virtual_engine, step, num_sample_rows, prompt_rows))
+
+    @torch.inference_mode()
+    def collect(self) -> tuple[int, ModelRunnerOutput]:
+        """The oldest batch in flight, finished: (its virtual engine, its sampled output)."""
+        batch = self._in_flight.popleft()
+        step = batch.step
+        if not step.logits_indices:  # a prompt chunk that samples nothing: no logits come
+            return batch.virtual_engine, ModelRunnerOutput([], [], None, step.num_tokens)
+        with self.channel.failures_named():
+            logits, self._stage_busy = self.channel.recv_logits()
+        logits = logits.to(self.device)
+        self._stage_busy[0] = self._busy_s
+        prompt_lps = None
+        if batch.prompt_rows is not None:
+            prompt_lps = score_prompt_tokens(batch.prompt_rows, logits[batch.num_sample_rows :])
+        sampled = step.sampled
+        token_ids: list[list[int]] = []
+        logprobs = None
+        if sampled:
+            token_ids, logprobs = sample_step(
+                self.sampler,
+                logits[: batch.num_sample_rows],
+                sampled,
+                self.model_config.vocab_size,
+                self.device,
+            )
+        output = ModelRunnerOutput(
+            sampled, token_ids, logprobs, step.num_tokens, prompt_logprobs=prompt_lps
+        )
+        return batch.virtual_engine, output
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One batch through the whole pipeline on virtual engine 0, nothing overlapped."""
+        if self._in_flight:
+            raise RuntimeError("execute_model with micro-batches in flight: collect them first")
+        self.submit(scheduler_output, 0)
+        return self.collect()[1]
+
+    def stage_busy_seconds(self) -> list[float]:
+        """Seconds each stage has spent computing, as of the last batch that sampled (the
+        later stages report theirs with their logits)."""
+        return list(self._stage_busy)
+
+    # ---- every stage ------------------------------------------------------------------------
+
+    def _run_stage(
+        self,
+        step: StepInputs,
+        attn_metadata: dict[str, AttentionMetadata],
+        virtual_engine: int,
+        intermediate: IntermediateTensors | None,
+    ) -> Any:
+        started = time.perf_counter()
+        with set_forward_context(
+            attn_metadata, self.config, virtual_engine=virtual_engine, num_tokens=step.num_tokens
+        ):
+            out = self.model(step.input_ids, step.positions, intermediate_tensors=intermediate)
+        self._busy_s += time.perf_counter() - started
+        return out
+
+    def _next_batch(self) -> StageMessage | None:
+        """The next micro-batch: from the previous stage, or (stage 0's other TP ranks) from
+        the driver's TP broadcast, which carries no activations. None: stop."""
+        if not self.channel.is_first:
+            return self.channel.recv_step()
+        message = self.tp.receive()
+        if message[0] == "stop":
+            return None
+        _, virtual_engine, payload = message
+        return virtual_engine, payload, None, [self._busy_s]
+
+    @torch.inference_mode()
+    def serve_pipeline_steps(self) -> None:
+        """A stage's loop (every process but the driver): run each micro-batch it receives
+        under its virtual engine and send it on, until told to stop (which it passes on)."""
+        channel = self.channel
+        while True:
+            message = self._next_batch()
+            if message is None:
+                channel.forward_stop()
+                return
+            virtual_engine, payload, received, busy = message
+            step, tables = step_from_payload(payload, self.device)
+            intermediate = None
+            if received is not None:
+                intermediate = IntermediateTensors(*(t.to(self.device) for t in received))
+            metadata = self._attn_metadata(step, tables)
+            out = self._run_stage(step, metadata, virtual_engine, intermediate)
+            busy = [*busy, self._busy_s]
+            if not channel.is_last:
+                channel.send_step(virtual_engine, payload, out, busy)
+            elif step.logits_indices:
+                started = time.perf_counter()
+                logits = self._logits(out, step.logits_indices)
+                self._busy_s += time.perf_counter() - started
+                channel.send_logits(logits, [*busy[:-1], self._busy_s])
+
+    def execute_dummy_batch(self, num_tokens: int = 1) -> None:
+        raise RuntimeError("pipeline parallelism runs no dummy batches (it refuses DP)")
+
+    def shutdown(self) -> None:
+        """Stop the stages (driver); they leave their loops and exit."""
+        self.tp.stop()  # stage 0's TP ranks (they pass the stop on to their next stage)
+        self.channel.stop()
