@@ -1,6 +1,7 @@
-"""Speculative decoding (n-gram prompt lookup) against plain decoding, in one run.
+"""Speculative decoding (n-gram prompt lookup, or a draft model) against plain decoding.
 
     python benchmarks/spec_decode.py [--model DIR] [--k 2,4,8] [--streams 1,2,4,8,16,32]
+    python benchmarks/spec_decode.py --draft DIR [--k 2,4] [--workload fresh] [--streams ""]
 
 The workload is repetitive, as in code editing: each prompt is a function from the Python
 standard library (what the built-in model was trained on), a blank line, and the function's
@@ -13,6 +14,13 @@ first lines again, so a model that copies continues with text the prompt already
 2. Several streams: the same prompts `--streams` at a time, with and without the best `k`
    (`disable_by_batch_size` off, so every step speculates): where the ratio falls below 1 is
    where speculation stops paying, which is what `disable_by_batch_size` should be.
+
+With `--draft DIR` (a checkpoint with the target's tokenizer, e.g. one trained by
+`tools/train_default_model.py --tokenizer tokenwise/models_data/default`), the one-stream table
+also has a "draft k=..." row per `--k`: the draft model proposes greedily. `--workload fresh`
+prompts with the functions' first lines only, so the model writes code the prompt does not
+hold (where prompt lookup has little to copy and a draft model has to predict). `--streams ""`
+skips part 2.
 
 Modes take turns round after round (`--rounds`) so machine noise hits them alike; the median
 round is printed. The CPU flags are printed with the figures.
@@ -69,10 +77,24 @@ def repeat_prompts(count: int, head_lines: int = 3) -> list[str]:
     ]
 
 
-def build(model: str | None, k: int, threshold: int | None, max_num_seqs: int) -> LLM:
-    spec = None
-    if k:
+def fresh_prompts(count: int, head_lines: int = 3) -> list[str]:
+    """Each function's first `head_lines` lines only: the rest is for the model to write."""
+    return ["\n".join(code.splitlines()[:head_lines]) + "\n" for code in stdlib_functions(count)]
+
+
+def build(
+    model: str | None,
+    k: int,
+    threshold: int | None,
+    max_num_seqs: int,
+    draft: str | None = None,
+) -> LLM:
+    spec: dict[str, Any] | None = None
+    if k and draft is not None:
+        spec = {"model": draft, "num_speculative_tokens": k}
+    elif k:
         spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}
+    if spec is not None:
         spec["disable_by_batch_size"] = threshold
     return LLM(model, speculative_config=spec, max_num_seqs=max_num_seqs)
 
@@ -119,13 +141,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", default="1,2,4,8,16,32")
     p.add_argument("--prompts", type=int, default=8, help="prompts in the one-stream part")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--draft", default=None, help="also a draft model (checkpoint directory)")
+    p.add_argument("--workload", choices=["repeat", "fresh"], default="repeat")
     args = p.parse_args(argv)
     ks = [int(x) for x in args.k.split(",")]
-    print(f"CPU flags: {cpu_flag_summary()}; model: {args.model or 'built-in'}")
+    print(
+        f"CPU flags: {cpu_flag_summary()}; model: {args.model or 'built-in'}; "
+        f"draft: {args.draft or '-'}; workload: {args.workload}"
+    )
 
-    one = repeat_prompts(args.prompts)
+    prompts = repeat_prompts if args.workload == "repeat" else fresh_prompts
+    one = prompts(args.prompts)
     engines = {"off": build(args.model, 0, None, 1)}
     engines.update({f"k={k}": build(args.model, k, None, 1) for k in ks})
+    if args.draft is not None:
+        engines.update({f"draft k={k}": build(args.model, k, None, 1, args.draft) for k in ks})
     for llm in engines.values():
         timed(llm, one[:1], 1)  # warm-up
     result = rounds(engines, one, 1, args.rounds)
@@ -140,8 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     best = max(ks, key=lambda k: result[f"k={k}"][0])
 
+    if not args.streams:
+        return 0
     streams = [int(x) for x in args.streams.split(",")]
-    many = repeat_prompts(max(streams))
+    many = prompts(max(streams))
     print(f"\n## Streams at once, k={best} against off (speculating at every batch size)")
     print("| streams | off out tok/s | k out tok/s | ratio |")
     print("|---|---|---|---|")
