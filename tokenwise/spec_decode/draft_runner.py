@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenwise.attention.layer import AttentionLayerBase
+from tokenwise.attention.layer import Attention, AttentionLayerBase
 from tokenwise.attention.metadata import AttentionMetadata, CommonMetadataBuilder
 from tokenwise.attention.utils import AttentionType
 from tokenwise.config import (
@@ -41,6 +41,9 @@ from tokenwise.layer_registry import get_layers_from_config
 from tokenwise.layers.cpu_prepack import prepack_linear_weights
 from tokenwise.loader import load_model
 from tokenwise.model_config import ModelConfig
+
+# Catch-up queries this long or shorter, after a context, run as decode rows (on CPU).
+MAX_QUERY_AS_DECODE_ROWS = 16
 
 
 @dataclass
@@ -126,6 +129,9 @@ class DraftRunner:
             cache = torch.zeros(shape, dtype=dtype, device=self.device)
             self.kv_caches[name] = cache
             layer.kv_cache = [cache]
+        self._decode_rows_ok = self.device.type == "cpu" and all(
+            type(layer) is Attention for layer in layers.values()
+        )
         # Layers with the same spec (sliding window) share one metadata object per pass.
         self._spec_of = {name: layer.sliding_window for name, layer in layers.items()}
         self._builders = {
@@ -158,7 +164,14 @@ class DraftRunner:
         for row, (s, n) in enumerate(zip(ordered, seq_lens.tolist(), strict=True)):
             used = -(-n // bs)
             tables[row, :used] = s.table[:used]
-        metadata = self._metadata(seq_lens, query, slots, tables)
+        if self._as_decode_rows(query, context):
+            # One decode row per token, the i-th seeing its own position + 1 keys: the CPU
+            # backend writes all of a pass's K/V before it attends, so this is the same
+            # causal attention, through the decode kernel instead of the prefill path.
+            owner = np.repeat(np.arange(len(ordered)), query)
+            metadata = self._metadata(positions + 1, np.ones_like(positions), slots, tables[owner])
+        else:
+            metadata = self._metadata(seq_lens, query, slots, tables)
         dev = self.device
         ids = torch.from_numpy(input_ids).to(dev)
         pos = torch.from_numpy(positions.astype(np.int64)).to(dev)
@@ -175,6 +188,18 @@ class DraftRunner:
         picked = iter(logits.argmax(dim=-1).tolist())
         by_row = {order[r]: next(picked) for r, s in enumerate(ordered) if s.sample}
         return [by_row[i] for i in range(len(seqs)) if seqs[i].sample]
+
+    def _as_decode_rows(self, query: np.ndarray, context: np.ndarray) -> bool:
+        """Whether a pass's short queries after a context run as decode rows (CPU only, as
+        `runner.verify_rows` does for the target): the draft's catch-up after a step is such
+        a pass, and the prefill path costs it about twice as much."""
+        longer = query > 1
+        return (
+            self._decode_rows_ok
+            and bool(longer.any())
+            and int(query.max()) <= MAX_QUERY_AS_DECODE_ROWS
+            and bool(context[longer].all())
+        )
 
     def _metadata(
         self, seq_lens: np.ndarray, query: np.ndarray, slots: np.ndarray, tables: np.ndarray
