@@ -508,6 +508,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "native bf16); weights are always saved in fp32",
     )
     args = p.parse_args(argv)
+    if args.tokenizer is not None and Path(args.tokenizer).resolve() == Path(args.out).resolve():
+        p.error("--out would overwrite the checkpoint whose tokenizer is reused: give --out")
     if args.num_heads % args.num_kv_heads or args.hidden_size % args.num_heads:
         p.error("hidden size must divide into heads, and heads into KV heads")
     return args
