@@ -251,3 +251,23 @@ def test_data_parallel_ranks_each_run_their_own_draft(hf_refs: list[list[int]]) 
         assert total.num_free_blocks == total.num_total_blocks
     finally:
         llm.shutdown()
+
+
+def test_a_greedy_draft_is_a_one_hot_proposal_to_verification() -> None:
+    """Verification without draft probabilities (what the draft model passes) decides exactly
+    as with the one-hot distribution of a greedy draft: same acceptances, same residual draws."""
+    from tokenwise.sampling.metadata import SamplingMetadata, make_generator
+
+    vocab, drafts = 7, [[3, 1], [0, 5, 2]]
+    logits = torch.randn(7, vocab, generator=torch.Generator().manual_seed(3))  # 2+1, 3+1 rows
+    one_hot = torch.nn.functional.one_hot(torch.tensor([3, 1, 0, 5, 2]), vocab).float()
+    outs = []
+    for probs in (None, one_hot):
+        params = [SamplingParams(temperature=1.0, seed=11)] * 7
+        gens = [make_generator(11 + i) for i in range(7)]
+        metadata = SamplingMetadata.from_params(params, gens, vocab_size=vocab)
+        outs.append(
+            [rejection.verify(logits, drafts, metadata, probs).token_ids for _ in range(20)]
+        )
+    assert outs[0] == outs[1]
+    assert any(len(t[0]) < 3 for t in outs[0])  # rejections, so residual draws, happened
