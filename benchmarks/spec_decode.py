@@ -20,7 +20,8 @@ With `--draft DIR` (a checkpoint with the target's tokenizer, e.g. one trained b
 also has a "draft k=..." row per `--k`: the draft model proposes greedily. `--workload fresh`
 prompts with the functions' first lines only, so the model writes code the prompt does not
 hold (where prompt lookup has little to copy and a draft model has to predict). `--streams ""`
-skips part 2.
+skips part 2. `--costs` also times each kind of step over one more pass of the one-stream
+prompts (the fastest and the median: on a shared machine the fastest is the least disturbed).
 
 Modes take turns round after round (`--rounds`) so machine noise hits them alike; the median
 round is printed. The CPU flags are printed with the figures.
@@ -120,6 +121,50 @@ def timed(llm: LLM, prompts: list[str], streams: int) -> tuple[float, dict[str, 
     return generated / elapsed, spec
 
 
+def step_costs(llm: LLM, prompts: list[str]) -> str:
+    """Fastest and median milliseconds of the target's decode and verifying steps and of the
+    draft model's passes over one run of `prompts`: what decides whether speculation pays
+    (a verifying step emitting `L` tokens on average must cost less than `L` decode steps,
+    the draft's passes included). The fastest is the figure least disturbed by other load."""
+    engine = llm.llm_engine
+    steps: list[tuple[float, int]] = []
+    passes: list[tuple[float, int]] = []
+
+    def timing(fn: Any, into: list[tuple[float, int]], size: Any) -> Any:
+        def wrapped(arg: Any) -> Any:
+            start = time.perf_counter()
+            out = fn(arg)
+            into.append((time.perf_counter() - start, size(arg)))
+            return out
+
+        return wrapped
+
+    runner = engine.runner
+
+    def kind(step: Any) -> int:  # 1: a decode step, 2: a verifying one, 0: with a prefill
+        if any(x.spec_token_ids for x in step.scheduled):
+            return 2
+        return 1 if all(x.num_new_tokens == 1 for x in step.scheduled) else 0
+
+    runner.execute_model = timing(runner.execute_model, steps, kind)  # type: ignore[method-assign]
+    draft = engine.drafter.draft_model if engine.drafter is not None else None
+    if draft is not None:
+        draft.runner.run = timing(  # type: ignore[method-assign]
+            draft.runner.run, passes, lambda seqs: max(len(q.tokens) for q in seqs)
+        )
+    params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
+    for prompt in prompts:
+        llm.generate([prompt], params, use_tqdm=False)
+
+    def ms(values: list[tuple[float, int]], lo: int, hi: int) -> str:
+        picked = [t * 1e3 for t, n in values if lo <= n <= hi]
+        if not picked:
+            return "-"
+        return f"{min(picked):.2f} / {statistics.median(picked):.2f}"
+
+    return f"| {ms(steps, 1, 1)} | {ms(steps, 2, 2)} | {ms(passes, 1, 1)} | {ms(passes, 2, 16)} |"
+
+
 def rounds(
     engines: dict[str, LLM], prompts: list[str], streams: int, n: int
 ) -> dict[str, tuple[float, dict[str, float]]]:
@@ -146,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--draft", default=None, help="also a draft model (checkpoint directory)")
     p.add_argument("--workload", choices=["repeat", "fresh"], default="repeat")
+    p.add_argument("--costs", action="store_true", help="also time each kind of step")
     args = p.parse_args(argv)
     ks = [int(x) for x in args.k.split(",")]
     print(
@@ -176,6 +222,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{spec['mean_len']:.2f} |"
         )
     best = max(ks, key=lambda k: result[f"k={k}"][0])
+    if args.costs:
+        print("\n## Step costs, ms (fastest / median), one stream")
+        print(
+            "| mode | decode step | verifying step | draft pass, 1 token a sequence | "
+            "draft pass, 2+ tokens (catch-up) |"
+        )
+        print("|---|---|---|---|---|")
+        for name, llm in engines.items():
+            print(f"| {name} {step_costs(llm, one)}")
 
     if not args.streams:
         return 0
