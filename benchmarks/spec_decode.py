@@ -1,6 +1,7 @@
-"""Speculative decoding (n-gram prompt lookup) against plain decoding, in one run.
+"""Speculative decoding (n-gram prompt lookup, or a draft model) against plain decoding.
 
     python benchmarks/spec_decode.py [--model DIR] [--k 2,4,8] [--streams 1,2,4,8,16,32]
+    python benchmarks/spec_decode.py --draft DIR [--k 2,4] [--workload fresh] [--streams ""]
 
 The workload is repetitive, as in code editing: each prompt is a function from the Python
 standard library (what the built-in model was trained on), a blank line, and the function's
@@ -13,6 +14,14 @@ first lines again, so a model that copies continues with text the prompt already
 2. Several streams: the same prompts `--streams` at a time, with and without the best `k`
    (`disable_by_batch_size` off, so every step speculates): where the ratio falls below 1 is
    where speculation stops paying, which is what `disable_by_batch_size` should be.
+
+With `--draft DIR` (a checkpoint with the target's tokenizer, e.g. one trained by
+`tools/train_default_model.py --tokenizer tokenwise/models_data/default`), the one-stream table
+also has a "draft k=..." row per `--k`: the draft model proposes greedily. `--workload fresh`
+prompts with the functions' first lines only, so the model writes code the prompt does not
+hold (where prompt lookup has little to copy and a draft model has to predict). `--streams ""`
+skips part 2. `--costs` also times each kind of step over one more pass of the one-stream
+prompts (the fastest and the median: on a shared machine the fastest is the least disturbed).
 
 Modes take turns round after round (`--rounds`) so machine noise hits them alike; the median
 round is printed. The CPU flags are printed with the figures.
@@ -69,10 +78,24 @@ def repeat_prompts(count: int, head_lines: int = 3) -> list[str]:
     ]
 
 
-def build(model: str | None, k: int, threshold: int | None, max_num_seqs: int) -> LLM:
-    spec = None
-    if k:
+def fresh_prompts(count: int, head_lines: int = 3) -> list[str]:
+    """Each function's first `head_lines` lines only: the rest is for the model to write."""
+    return ["\n".join(code.splitlines()[:head_lines]) + "\n" for code in stdlib_functions(count)]
+
+
+def build(
+    model: str | None,
+    k: int,
+    threshold: int | None,
+    max_num_seqs: int,
+    draft: str | None = None,
+) -> LLM:
+    spec: dict[str, Any] | None = None
+    if k and draft is not None:
+        spec = {"model": draft, "num_speculative_tokens": k}
+    elif k:
         spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}
+    if spec is not None:
         spec["disable_by_batch_size"] = threshold
     return LLM(model, speculative_config=spec, max_num_seqs=max_num_seqs)
 
@@ -98,9 +121,56 @@ def timed(llm: LLM, prompts: list[str], streams: int) -> tuple[float, dict[str, 
     return generated / elapsed, spec
 
 
+def step_costs(llm: LLM, prompts: list[str]) -> str:
+    """Fastest and median milliseconds of the target's decode and verifying steps and of the
+    draft model's passes over one run of `prompts`: what decides whether speculation pays
+    (a verifying step emitting `L` tokens on average must cost less than `L` decode steps,
+    the draft's passes included). The fastest is the figure least disturbed by other load."""
+    engine = llm.llm_engine
+    steps: list[tuple[float, int]] = []
+    passes: list[tuple[float, int]] = []
+
+    def timing(fn: Any, into: list[tuple[float, int]], size: Any) -> Any:
+        def wrapped(arg: Any) -> Any:
+            start = time.perf_counter()
+            out = fn(arg)
+            into.append((time.perf_counter() - start, size(arg)))
+            return out
+
+        return wrapped
+
+    runner = engine.runner
+
+    def kind(step: Any) -> int:  # 1: a decode step, 2: a verifying one, 0: with a prefill
+        if any(x.spec_token_ids for x in step.scheduled):
+            return 2
+        return 1 if all(x.num_new_tokens == 1 for x in step.scheduled) else 0
+
+    runner.execute_model = timing(runner.execute_model, steps, kind)  # type: ignore[method-assign]
+    draft = engine.drafter.draft_model if engine.drafter is not None else None
+    if draft is not None:
+        draft.runner.run = timing(  # type: ignore[method-assign]
+            draft.runner.run, passes, lambda seqs: max(len(q.tokens) for q in seqs)
+        )
+    params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
+    for prompt in prompts:
+        llm.generate([prompt], params, use_tqdm=False)
+
+    def ms(values: list[tuple[float, int]], lo: int, hi: int) -> str:
+        picked = [t * 1e3 for t, n in values if lo <= n <= hi]
+        if not picked:
+            return "-"
+        return f"{min(picked):.2f} / {statistics.median(picked):.2f}"
+
+    return f"| {ms(steps, 1, 1)} | {ms(steps, 2, 2)} | {ms(passes, 1, 1)} | {ms(passes, 2, 16)} |"
+
+
 def rounds(
     engines: dict[str, LLM], prompts: list[str], streams: int, n: int
 ) -> dict[str, tuple[float, dict[str, float]]]:
+    """Per mode: the median round's out tok/s and the last round's speculation figures, plus
+    the best round's tok/s (as `spec["best"]`): on a shared machine other processes only ever
+    slow a round down, so the best round is the least disturbed one."""
     runs: dict[str, list[tuple[float, dict[str, float]]]] = {name: [] for name in engines}
     for _ in range(n):
         for name, llm in engines.items():
@@ -108,7 +178,7 @@ def rounds(
     result = {}
     for name, values in runs.items():
         median = statistics.median(v[0] for v in values)
-        result[name] = (median, values[-1][1])
+        result[name] = (median, {**values[-1][1], "best": max(v[0] for v in values)})
     return result
 
 
@@ -119,29 +189,53 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", default="1,2,4,8,16,32")
     p.add_argument("--prompts", type=int, default=8, help="prompts in the one-stream part")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--draft", default=None, help="also a draft model (checkpoint directory)")
+    p.add_argument("--workload", choices=["repeat", "fresh"], default="repeat")
+    p.add_argument("--costs", action="store_true", help="also time each kind of step")
     args = p.parse_args(argv)
     ks = [int(x) for x in args.k.split(",")]
-    print(f"CPU flags: {cpu_flag_summary()}; model: {args.model or 'built-in'}")
+    print(
+        f"CPU flags: {cpu_flag_summary()}; model: {args.model or 'built-in'}; "
+        f"draft: {args.draft or '-'}; workload: {args.workload}"
+    )
 
-    one = repeat_prompts(args.prompts)
+    prompts = repeat_prompts if args.workload == "repeat" else fresh_prompts
+    one = prompts(args.prompts)
     engines = {"off": build(args.model, 0, None, 1)}
     engines.update({f"k={k}": build(args.model, k, None, 1) for k in ks})
+    if args.draft is not None:
+        engines.update({f"draft k={k}": build(args.model, k, None, 1, args.draft) for k in ks})
     for llm in engines.values():
         timed(llm, one[:1], 1)  # warm-up
     result = rounds(engines, one, 1, args.rounds)
-    base = result["off"][0]
+    base, base_best = result["off"][0], result["off"][1]["best"]
     print(f"\n## One stream ({len(one)} prompts in turn, {OUTPUT_LEN} tokens each)")
-    print("| mode | out tok/s | vs off | acceptance rate | mean acceptance length |")
-    print("|---|---|---|---|---|")
+    print(
+        "| mode | out tok/s (median) | vs off | best round | vs off (best) | acceptance rate "
+        "| mean acceptance length |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for name, (tps, spec) in result.items():
         print(
-            f"| {name} | {tps:.1f} | {tps / base:.2f}x | {spec['acceptance'] * 100:.1f}% | "
+            f"| {name} | {tps:.1f} | {tps / base:.2f}x | {spec['best']:.1f} | "
+            f"{spec['best'] / base_best:.2f}x | {spec['acceptance'] * 100:.1f}% | "
             f"{spec['mean_len']:.2f} |"
         )
     best = max(ks, key=lambda k: result[f"k={k}"][0])
+    if args.costs:
+        print("\n## Step costs, ms (fastest / median), one stream")
+        print(
+            "| mode | decode step | verifying step | draft pass, 1 token a sequence | "
+            "draft pass, 2+ tokens (catch-up) |"
+        )
+        print("|---|---|---|---|---|")
+        for name, llm in engines.items():
+            print(f"| {name} {step_costs(llm, one)}")
 
+    if not args.streams:
+        return 0
     streams = [int(x) for x in args.streams.split(",")]
-    many = repeat_prompts(max(streams))
+    many = prompts(max(streams))
     print(f"\n## Streams at once, k={best} against off (speculating at every batch size)")
     print("| streams | off out tok/s | k out tok/s | ratio |")
     print("|---|---|---|---|")

@@ -9,6 +9,7 @@ can be used (and tested) without any model.
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -293,7 +294,7 @@ class LoRAConfig:
 
 
 SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
-SPEC_METHODS_BUILT = ("ngram",)
+SPEC_METHODS_BUILT = ("ngram", "draft_model")
 # Where speculation stops paying on CPU (benchmarks/spec_decode.py, Llama ~100M shape, bf16,
 # k=4): at 98% acceptance it still gave 1.84x at 32 streams, down from 2.9x at one; at a more
 # usual ~50-60% acceptance that extrapolates to about break-even at 32 streams.
@@ -306,10 +307,12 @@ class SpeculativeConfig:
 
     `method` "ngram" proposes up to `num_speculative_tokens` drafts by prompt lookup: the
     tokens that followed the most recent earlier occurrence of the sequence's last
-    `prompt_lookup_min`..`prompt_lookup_max` tokens. No proposal is made while
+    `prompt_lookup_min`..`prompt_lookup_max` tokens. `model` (a checkpoint directory; method
+    "draft_model", implied by `model`) has a smaller model with the target's vocabulary
+    propose them greedily (`tokenwise.spec_decode.draft_model`). No proposal is made while
     `disable_by_batch_size` or more requests are running (verification then costs more than
-    it saves). Draft models, EAGLE and MTP are named here so their configs are recognised,
-    and refused until they are built.
+    it saves). EAGLE and MTP are named here so their configs are recognised, and refused
+    until they are built.
     """
 
     num_speculative_tokens: int
@@ -333,6 +336,12 @@ class SpeculativeConfig:
                 f"speculative_config.method {self.method!r} is not supported yet; "
                 f"supported: {', '.join(SPEC_METHODS_BUILT)}"
             )
+        if self.method == "draft_model":
+            self._check_draft_model()
+        elif self.model is not None:
+            raise ValueError(
+                f"speculative_config.model applies to method 'draft_model', not {self.method!r}"
+            )
         if self.method == "ngram":
             if self.prompt_lookup_min is None:
                 self.prompt_lookup_min = 1
@@ -347,6 +356,27 @@ class SpeculativeConfig:
                 )
         if self.disable_by_batch_size is not None:
             _check_int("speculative_config.disable_by_batch_size", self.disable_by_batch_size, 1)
+
+    def _check_draft_model(self) -> None:
+        """A draft model needs its checkpoint directory; prompt lookup settings are n-gram's.
+
+        The draft's vocabulary is checked against the target's when the engine loads it
+        (`tokenwise.spec_decode.draft_model`): only then are both configs read."""
+        if self.model is None:
+            raise ValueError(
+                "speculative_config.model is required for method 'draft_model' (the draft "
+                "checkpoint directory)"
+            )
+        if not isinstance(self.model, str) or not os.path.isdir(self.model):
+            raise ValueError(
+                f"speculative_config.model must be a checkpoint directory; {self.model!r} is not "
+                "a directory"
+            )
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            if getattr(self, name) is not None:
+                raise ValueError(
+                    f"speculative_config.{name} applies to method 'ngram', not 'draft_model'"
+                )
 
     @classmethod
     def from_dict(cls, fields: Any) -> SpeculativeConfig:

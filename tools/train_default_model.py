@@ -468,6 +468,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="reuse this checkpoint directory's tokenizer.json instead of training one (a "
+        "draft model for speculative decoding: e.g. tokenwise/models_data/default)",
+    )
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--intermediate-size", type=int, default=688)
     p.add_argument("--num-layers", type=int, default=4)
@@ -502,6 +508,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "native bf16); weights are always saved in fp32",
     )
     args = p.parse_args(argv)
+    if args.tokenizer is not None and Path(args.tokenizer).resolve() == Path(args.out).resolve():
+        p.error("--out would overwrite the checkpoint whose tokenizer is reused: give --out")
     if args.num_heads % args.num_kv_heads or args.hidden_size % args.num_heads:
         p.error("hidden size must divide into heads, and heads into KV heads")
     return args
@@ -527,8 +535,14 @@ def main(argv: list[str] | None = None) -> None:
     train_docs, val_docs = read_documents(train_files), read_documents(val_files)
     log(f"{stdlib}: {len(train_docs)} train / {len(val_docs)} val files")
 
-    # 2. Tokenizer (trained on training files only, so validation is honest).
-    tok = train_tokenizer(train_docs, args.vocab_size)
+    # 2. Tokenizer (trained on training files only, so validation is honest), or an existing
+    # model's: a draft model for speculative decoding must share its target's vocabulary.
+    if args.tokenizer is not None:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(Path(args.tokenizer) / "tokenizer.json"))
+    else:
+        tok = train_tokenizer(train_docs, args.vocab_size)
     eos_id, bos_id = tok.token_to_id(EOS_TOKEN), tok.token_to_id(BOS_TOKEN)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, model_max_length=1024

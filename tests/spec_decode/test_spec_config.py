@@ -25,7 +25,13 @@ def test_ngram_defaults_and_method_inference() -> None:
         ({"method": "ngram"}, "num_speculative_tokens is required"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
         ({"num_speculative_tokens": 2, "method": "medusa"}, "method must be one of"),
-        ({"num_speculative_tokens": 2, "model": "./draft"}, "'draft_model' is not supported yet"),
+        ({"num_speculative_tokens": 2, "model": "./no-such-draft"}, "model must be a checkpoint"),
+        ({"num_speculative_tokens": 2, "method": "draft_model"}, "model is required"),
+        ({"num_speculative_tokens": 2, "method": "ngram", "model": "."}, "model applies to"),
+        (
+            {"num_speculative_tokens": 2, "model": ".", "prompt_lookup_max": 3},
+            "prompt_lookup_max applies to method 'ngram'",
+        ),
         ({"num_speculative_tokens": 2, "method": "eagle3"}, "'eagle3' is not supported yet"),
         ({"num_speculative_tokens": 2, "lookup_max": 3}, "unknown field\\(s\\) lookup_max"),
         (

@@ -12,6 +12,10 @@ before it, and the scheduler's matcher only ever accepts the tokens verification
 A request whose drafts keep failing (recent acceptance under `MIN_ACCEPTANCE`) backs off for
 `BACKOFF_STEPS` steps before it is tried again.
 
+The proposer is n-gram lookup (one request at a time, from its token ids) or a draft model
+(`spec_decode.draft_model`: one batch for all the requests that draft, which also needs each
+request's block table, since the draft's KV cache is addressed by the target's block ids).
+
 The proposals land on `Request.spec_token_ids`; the scheduler takes them into the next step,
 the runner verifies them (`tokenwise.sampling.rejection`), and the scheduler keeps the accepted
 ones. The `Drafter` then counts what was proposed and accepted (vLLM's `spec_decode_*` figures).
@@ -21,12 +25,15 @@ proposal never converts the whole sequence again.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import numpy as np
 
 from tokenwise.config import SpeculativeConfig
 from tokenwise.engine.request import Request, RequestStatus
 from tokenwise.engine.stats import EngineStats
 from tokenwise.engine.step_outputs import ModelRunnerOutput
+from tokenwise.spec_decode.draft_model import DraftModelProposer, DraftRequest
 from tokenwise.spec_decode.ngram import NgramProposer
 
 # Acceptance-aware back-off: a request whose drafts keep being rejected (an exponential
@@ -52,12 +59,28 @@ class _Track:
 
 
 class Drafter:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
-        assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        max_model_len: int,
+        draft_model: DraftModelProposer | None = None,
+        block_table: Callable[[str], Sequence[int]] | None = None,
+    ) -> None:
+        """`draft_model` (with `block_table`, a request id's target block table) for method
+        "draft_model"; n-gram lookup otherwise."""
         self.config = config
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer(self.k, config.prompt_lookup_min, config.prompt_lookup_max)
+        self.draft_model = draft_model
+        self.block_table = block_table
+        if config.method == "draft_model":
+            if draft_model is None or block_table is None:
+                raise ValueError("method 'draft_model' needs the draft model and block tables")
+        else:
+            assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
+            self.proposer = NgramProposer(
+                self.k, config.prompt_lookup_min, config.prompt_lookup_max
+            )
         self._tokens: dict[str, tuple[np.ndarray, int]] = {}  # request id -> (buffer, length)
         self._tracks: dict[str, _Track] = {}
 
@@ -66,6 +89,7 @@ class Drafter:
         limit = self.config.disable_by_batch_size
         if limit is not None and len(running) >= limit:
             return
+        chosen: list[tuple[Request, int]] = []
         for req in running:
             room = self._room(req)
             if room <= 0:
@@ -74,11 +98,34 @@ class Drafter:
             if track is not None and track.skip > 0:
                 track.skip -= 1
                 continue
-            req.spec_token_ids = self.proposer.propose(self._token_array(req), room)
+            chosen.append((req, room))
+        if self.draft_model is not None and chosen:
+            self._propose_with_draft_model(chosen)
+        else:
+            for req, room in chosen:
+                req.spec_token_ids = self.proposer.propose(self._token_array(req), room)
         if len(self._tokens) > 2 * len(running) + 16:  # forget requests that left
             alive = {r.request_id for r in running}
             self._tokens = {rid: v for rid, v in self._tokens.items() if rid in alive}
             self._tracks = {rid: v for rid, v in self._tracks.items() if rid in alive}
+            if self.draft_model is not None:
+                self.draft_model.forget(alive)
+
+    def _propose_with_draft_model(self, chosen: list[tuple[Request, int]]) -> None:
+        """One draft-model batch for every request that drafts this step."""
+        assert self.draft_model is not None and self.block_table is not None
+        batch = [
+            DraftRequest(
+                req.request_id,
+                self._token_array(req),
+                self.block_table(req.request_id),
+                room,
+                req.num_preemptions,
+            )
+            for req, room in chosen
+        ]
+        for (req, _), drafts in zip(chosen, self.draft_model.propose_batch(batch), strict=True):
+            req.spec_token_ids = drafts
 
     def _room(self, req: Request) -> int:
         """How many drafts `req` may verify next step (0: none)."""

@@ -46,6 +46,7 @@ from tokenwise.pooling.params import PoolingParams
 from tokenwise.runner.pipeline_runner import PipelineModelRunner
 from tokenwise.sampling.guided.compiler import GrammarCompileCache, grammar_compile_timeout_s
 from tokenwise.sampling.params import SamplingParams
+from tokenwise.spec_decode.draft_model import DraftModelProposer
 
 logger = logging.getLogger("tokenwise.engine")
 
@@ -140,7 +141,16 @@ class LLMEngine:
                     "speculative_config applies to decoder-only generation models; this "
                     f"model's kind is {self.kind.name!r}"
                 )
-            self.drafter = Drafter(config.speculative, config.model.max_model_len)
+            draft_model = None
+            if config.speculative.method == "draft_model":
+                # Its own weights and KV cache, addressed by the target's block ids.
+                draft_model = DraftModelProposer(config, num_blocks, self.runner.device)
+            self.drafter = Drafter(
+                config.speculative,
+                config.model.max_model_len,
+                draft_model,
+                self.block_manager.get_block_table,
+            )
 
     # ---- requests -----------------------------------------------------------------------------
 

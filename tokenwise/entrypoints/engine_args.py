@@ -294,8 +294,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="speculative decoding, as JSON with vLLM's names: "
         '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-        '"prompt_lookup_min": 1}\' (n-gram prompt lookup; "disable_by_batch_size": N stops '
-        "proposing while N or more requests run)",
+        '"prompt_lookup_min": 1}\' (n-gram prompt lookup), or \'{"model": "./draft", '
+        '"num_speculative_tokens": 4}\' (a draft model with the same vocabulary); '
+        '"disable_by_batch_size": N stops proposing while N or more requests run',
     )
     p = parser.add_argument_group("parallelism (one process per rank)")
     p.add_argument(
