@@ -76,12 +76,14 @@ INLINE __m256 load8(const void *p, int64_t i, int valid, int f32) {
 #define X16_CHUNK_BEGIN()                                                                  \
     const int valid = ng - g0 < 8 ? (int)(ng - g0) : 8;                                    \
     __m256 prod[4][MAX_M];                                                                 \
+    float pbuf[4][MAX_M][8];                                                               \
     for (int r = 0; r < R; r++) {                                                          \
         __m256 s8 = load8(c->sc, (n + r) * ng + g0, valid, c->sf32);                       \
         __m256 o8 = c->of ? load8(c->of, (n + r) * ng + g0, valid, c->sf32)                \
                           : _mm256_mul_ps(s8, _mm256_set1_ps(c->bits == 4 ? -8.0f : 0.0f)); \
         for (int m = 0; m < M; m++) {                                                      \
             prod[r][m] = _mm256_mul_ps(s8, load8(c->xs, m * ng + g0, valid, 1));           \
+            _mm256_storeu_ps(pbuf[r][m], prod[r][m]);                                      \
             off[r][m] = _mm256_fmadd_ps(o8, load8(c->xsum, m * ng + g0, valid, 1), off[r][m]); \
         }                                                                                  \
     }
@@ -120,12 +122,10 @@ INLINE void q4x16_block256(const qctx *c, int64_t n, float *t, const int R, cons
                     }
                 }
             }
-            const __m256i lane = _mm256_set1_epi32(j);
             for (int r = 0; r < R; r++)
                 for (int m = 0; m < M; m++)
                     acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(gi[r][m]),
-                                                _mm256_permutevar8x32_ps(prod[r][m], lane),
-                                                acc[r][m]);
+                                                _mm256_set1_ps(pbuf[r][m][j]), acc[r][m]);
         }
     }
     for (int r = 0; r < R; r++)
@@ -233,13 +233,12 @@ INLINE void q8x16_block(const qctx *c, int64_t n, float *t, const int R, const i
                     for (int r = 0; r < R; r++) gi[r][m] = dp16_512(gi[r][m], w[r], xv);
                 }
             }
-            const __m512i lane = _mm512_set1_epi32(j);
+            /* The scale is broadcast from memory (a load port), not shuffled out of `prod`:
+             * the shuffle port already widens every weight vector. */
             for (int r = 0; r < R; r++)
                 for (int m = 0; m < M; m++)
-                    acc[r][m] = _mm512_fmadd_ps(
-                        _mm512_cvtepi32_ps(gi[r][m]),
-                        _mm512_permutexvar_ps(lane, _mm512_castps256_ps512(prod[r][m])),
-                        acc[r][m]);
+                    acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(gi[r][m]),
+                                                _mm512_set1_ps(pbuf[r][m][j]), acc[r][m]);
         }
     }
     for (int r = 0; r < R; r++)
@@ -273,12 +272,10 @@ INLINE void q8x16_block(const qctx *c, int64_t n, float *t, const int R, const i
                     for (int r = 0; r < R; r++) gi[r][m] = dp16_256(gi[r][m], w[r], xv);
                 }
             }
-            const __m256i lane = _mm256_set1_epi32(j);
             for (int r = 0; r < R; r++)
                 for (int m = 0; m < M; m++)
                     acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(gi[r][m]),
-                                                _mm256_permutevar8x32_ps(prod[r][m], lane),
-                                                acc[r][m]);
+                                                _mm256_set1_ps(pbuf[r][m][j]), acc[r][m]);
         }
     }
     for (int r = 0; r < R; r++)
