@@ -3,7 +3,8 @@
     python benchmarks/vs_llamacpp.py --shape llama-100m --workloads one,48
 
 1. llama.cpp comes from the `llama-cpp-python` source package on PyPI (it vendors llama.cpp
-   under `vendor/llama.cpp`); only `llama-server` is built, with cmake, in a cache directory
+   under `vendor/llama.cpp`); only `llama-server` is built, with cmake (for this CPU's vector
+   ISA, AMX off: `ggml_isa_flags`), in a cache directory
    (default `~/.cache/tokenwise/llamacpp`); a built binary is reused.
 2. A random-weight Hugging Face checkpoint of the shape (`benchmarks/configs/<shape>`, with the
    built-in model's byte-level BPE tokenizer, vocab 4096) is saved in bf16 where the CPU has
@@ -224,6 +225,31 @@ def llama_cpp_source(cache: Path) -> Path:
     return llama_cpp_source(cache)
 
 
+# /proc/cpuinfo flag -> ggml's cmake option. AMX stays off: on the development VMs the AMX tile
+# kernels are listed but raise SIGILL as soon as llama.cpp repacks Q8_0 / Q4_0 weights.
+GGML_ISA = {
+    "avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C",
+    "bmi2": "GGML_BMI2", "avx512f": "GGML_AVX512", "avx512vbmi": "GGML_AVX512_VBMI",
+    "avx512_vnni": "GGML_AVX512_VNNI", "avx512_bf16": "GGML_AVX512_BF16", "avx_vnni": "GGML_AVX_VNNI",
+}  # fmt: skip
+
+
+def ggml_isa_flags() -> list[str]:
+    """cmake options for this CPU's vector ISA, without AMX (GGML_NATIVE would turn it on)."""
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    present = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            present |= set(line.split(":", 1)[1].split())
+    flags = [
+        "-DGGML_NATIVE=OFF",
+        "-DGGML_AMX_TILE=OFF",
+        "-DGGML_AMX_INT8=OFF",
+        "-DGGML_AMX_BF16=OFF",
+    ]
+    return flags + [f"-D{opt}={'ON' if cpu in present else 'OFF'}" for cpu, opt in GGML_ISA.items()]
+
+
 def ensure_llama_server(cache: Path, skip_build: bool, target: str = "llama-server") -> Path:
     src = llama_cpp_source(cache)
     binary = src / "build" / "bin" / target
@@ -236,7 +262,7 @@ def ensure_llama_server(cache: Path, skip_build: bool, target: str = "llama-serv
             "vs_llamacpp: cmake is missing; install it (apt-get update && apt-get install -y "
             "cmake) and run again"
         )
-    configure = ["cmake", "-B", "build", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF"]
+    configure = ["cmake", "-B", "build", "-DLLAMA_CURL=OFF", *ggml_isa_flags()]
     _run([*_nice(), *configure, "-DCMAKE_BUILD_TYPE=Release"], 900, "cmake configure", cwd=src)
     jobs = str(os.cpu_count() or 2)
     build = ["cmake", "--build", "build", "--target", target, "-j", jobs]
