@@ -240,7 +240,7 @@ def test_seeded_sampling_with_drafts_is_reproducible(llama: str) -> None:
 
 
 def test_speculation_is_refused_for_models_it_cannot_serve() -> None:
-    with pytest.raises(ValueError, match="speculative_config applies to decoder-only"):
+    with pytest.raises(ValueError, match="speculative_config applies to text-only decoder"):
         make_llm(checkpoint("BertModel"), task="embed")
 
 
