@@ -85,13 +85,6 @@ INLINE void block512_dpbf16(const uint16_t *w, const uint16_t *x, int64_t K, flo
 #endif
 
 #if defined(TW_AVX2)
-INLINE float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 INLINE void block256_f32(const void *wv, int wbf16, const float *x, int64_t K, float *t,
                          const int R, const int M) {
     __m256 acc[4][MAX_M];

@@ -78,6 +78,16 @@ INLINE float f16_to_f32(uint16_t h) {
 #endif
 }
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+/* The sum of a 256-bit vector's eight floats. */
+INLINE float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
 /* Write the R x M dot products of weight rows n..n+R-1 (t[r * M + m]) into y, with bias. */
 INLINE void store(const float *t, int R, int M, int64_t n, int64_t N, const void *bias, void *y,
                   int bf16) {

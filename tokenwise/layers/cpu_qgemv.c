@@ -117,13 +117,6 @@ INLINE void qblock512(const qctx *c, int64_t n, float *t, const int R, const int
 #endif
 
 #if defined(TW_AVX2)
-INLINE float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 INLINE void qblock256(const qctx *c, int64_t n, float *t, const int R, const int M) {
     const uint8_t *q = c->q + n * (c->bits == 8 ? c->K : c->K / 2);
     const void *sc = c->sc, *of = c->of;

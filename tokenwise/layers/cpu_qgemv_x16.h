@@ -50,13 +50,6 @@ INLINE __m256i dp16_256(__m256i acc, __m256i a, __m256i b) {
 #endif
 }
 
-INLINE float hsum256_ps(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* Eight consecutive group parameters as floats (fewer when `valid` < 8: the rest are 0). */
 INLINE __m256 load8(const void *p, int64_t i, int valid, int f32) {
 #if defined(__F16C__)
@@ -129,7 +122,7 @@ INLINE void q4x16_block256(const qctx *c, int64_t n, float *t, const int R, cons
         }
     }
     for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) t[r * M + m] = hsum256_ps(_mm256_add_ps(acc[r][m], off[r][m]));
+        for (int m = 0; m < M; m++) t[r * M + m] = hsum256(_mm256_add_ps(acc[r][m], off[r][m]));
 }
 
 #if defined(TW_AVX512)
@@ -203,7 +196,7 @@ INLINE void q4x16_block512(const qctx *c, int64_t n, float *t, const int R, cons
     }
     for (int r = 0; r < R; r++)
         for (int m = 0; m < M; m++)
-            t[r * M + m] = _mm512_reduce_add_ps(acc[r][m]) + hsum256_ps(off[r][m]);
+            t[r * M + m] = _mm512_reduce_add_ps(acc[r][m]) + hsum256(off[r][m]);
 }
 
 /* int8 weights, 32 values at a time widened to int16 in a 512-bit register. */
@@ -243,7 +236,7 @@ INLINE void q8x16_block(const qctx *c, int64_t n, float *t, const int R, const i
     }
     for (int r = 0; r < R; r++)
         for (int m = 0; m < M; m++)
-            t[r * M + m] = _mm512_reduce_add_ps(acc[r][m]) + hsum256_ps(off[r][m]);
+            t[r * M + m] = _mm512_reduce_add_ps(acc[r][m]) + hsum256(off[r][m]);
 }
 #elif defined(TW_AVX2)
 /* int8 weights, 16 values at a time widened to int16 in a 256-bit register. */
@@ -279,7 +272,7 @@ INLINE void q8x16_block(const qctx *c, int64_t n, float *t, const int R, const i
         }
     }
     for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) t[r * M + m] = hsum256_ps(_mm256_add_ps(acc[r][m], off[r][m]));
+        for (int m = 0; m < M; m++) t[r * M + m] = hsum256(_mm256_add_ps(acc[r][m], off[r][m]));
 }
 #endif
 
