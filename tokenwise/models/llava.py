@@ -126,6 +126,10 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
             features = features[:, 1:]  # CLIP's class token is not an image row
         return self.multi_modal_projector(features)
 
+    def embed_image_list(self, pixel_values: list[torch.Tensor], grids: list[Any]) -> torch.Tensor:
+        """The runner's entry: images of one size, so they stack (`grids` are unused)."""
+        return self.embed_images(torch.stack(pixel_values))
+
     def forward(
         self,
         input_ids: torch.Tensor,

@@ -15,6 +15,7 @@ from tokenwise.models.llava import LlavaForConditionalGeneration
 from tokenwise.models.mistral import MistralForCausalLM
 from tokenwise.models.mixtral import MixtralForCausalLM
 from tokenwise.models.qwen2 import Qwen2ForCausalLM
+from tokenwise.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from tokenwise.models.qwen2_moe import Qwen2MoeForCausalLM
 from tokenwise.models.qwen3 import Qwen3ForCausalLM
 from tokenwise.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -34,6 +35,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "WhisperForConditionalGeneration": WhisperForConditionalGeneration,
     # Vision-language models (task "generate"): class attribute `is_multimodal`.
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     # Decoders (task "generate").
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
@@ -91,7 +93,7 @@ def is_encoder_decoder_architecture(architectures: list[str]) -> bool:
 
 
 def is_multimodal_architecture(architectures: list[str]) -> bool:
-    """Whether the model takes images in its prompts (LLaVA)."""
+    """Whether the model takes images in its prompts (LLaVA, Qwen2.5-VL)."""
     try:
         model_cls = resolve_model_class(architectures)
     except ValueError:

@@ -34,18 +34,21 @@ class ImageInput:
     offset: int
     length: int
     content_hash: bytes
-    pixel_values: torch.Tensor  # [channels, height, width], as the processor made them
+    # LLaVA: [channels, height, width]; Qwen2.5-VL: [patches, flattened patch]
+    pixel_values: torch.Tensor
+    # Frames, rows and columns of patches (Qwen2.5-VL, whose images keep their aspect).
+    grid_thw: tuple[int, int, int] | None = None
 
     @property
     def end(self) -> int:
         return self.offset + self.length
 
 
-def hash_pixels(pixel_values: torch.Tensor) -> bytes:
-    """sha256 of the processed pixels (shape and dtype included): equal digests, equal
-    embeddings, whatever file or size the image came from."""
+def hash_pixels(pixel_values: torch.Tensor, layout: str = "") -> bytes:
+    """sha256 of the processed pixels (shape, dtype and `layout`, e.g. a patch grid,
+    included): equal digests, equal embeddings, whatever file or size the image came from."""
     array = pixel_values.detach().cpu().contiguous()
-    digest = hashlib.sha256(f"{tuple(array.shape)}|{array.dtype}|".encode())
+    digest = hashlib.sha256(f"{tuple(array.shape)}|{array.dtype}|{layout}|".encode())
     digest.update(array.numpy().tobytes())
     return digest.digest()
 

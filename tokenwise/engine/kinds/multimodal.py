@@ -1,4 +1,4 @@
-"""The vision-language kind (LLaVA): generation from prompts that may hold images.
+"""The vision-language kind (LLaVA, Qwen2.5-VL): generation from prompts that may hold images.
 
 Generation, outputs and the KV cache are the decoder's; this kind changes three things:
 
@@ -11,6 +11,10 @@ Generation, outputs and the KV cache are the decoder's; this kind changes three 
 - the runner (`multimodal_runner.py`): image embeddings replace the placeholders' embeddings,
   chunk by chunk, from an encoder cache.
 
+A model with M-RoPE (Qwen2.5-VL, `uses_mrope`) has images of any size (`grid_image_inputs.py`)
+and 3-D positions, computed here once per prompt (`mrope_positions.py`) and stored on the
+request for the runner.
+
 Text-only prompts run as on the text model.
 """
 
@@ -20,7 +24,9 @@ from typing import Any
 
 from tokenwise.engine.block_manager import ImageSpans
 from tokenwise.engine.kinds.generate import GenerateKind
+from tokenwise.engine.kinds.grid_image_inputs import GridImagePrompts
 from tokenwise.engine.kinds.image_inputs import ImagePrompts, as_image_list
+from tokenwise.engine.kinds.mrope_positions import prompt_mrope_positions
 from tokenwise.engine.kinds.multimodal_runner import MultiModalModelRunner
 from tokenwise.engine.kinds.requests import MultiModalRequest
 from tokenwise.engine.prompts import PromptInput, check_text, validate_request
@@ -57,7 +63,15 @@ class MultiModalKind(GenerateKind):
         mc = engine.model_config
         model = engine.runner.eager_model
         self.image_token_id = image_token_id(mc.hf_multimodal_config)
-        self.prompts = ImagePrompts(mc.model, self.image_token_id, int(model.num_image_tokens))
+        self.uses_mrope = bool(getattr(model, "uses_mrope", False))
+        self.prompts: ImagePrompts | GridImagePrompts
+        if self.uses_mrope:
+            self.merge_size = int(model.spatial_merge_size)
+            self.prompts = GridImagePrompts(
+                mc.model, engine.tokenizer, self.image_token_id, self.merge_size
+            )
+        else:
+            self.prompts = ImagePrompts(mc.model, self.image_token_id, int(model.num_image_tokens))
 
     def request_cls(self) -> type[Request]:
         return MultiModalRequest
@@ -102,4 +116,8 @@ class MultiModalKind(GenerateKind):
         check_text(text, "prompt")
         ids, image_inputs = self.prompts.process(text, images)
         validate_request(engine.model_config, engine.tokenizer, {"prompt_token_ids": ids}, params)
-        return text, ids, {"images": image_inputs}
+        extra: dict[str, Any] = {"images": image_inputs}
+        if self.uses_mrope:
+            positions, delta = prompt_mrope_positions(len(ids), image_inputs, self.merge_size)
+            extra.update(mrope_positions=positions, mrope_position_delta=delta)
+        return text, ids, extra

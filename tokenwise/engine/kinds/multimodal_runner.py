@@ -1,4 +1,5 @@
-"""The runner of a vision-language model (LLaVA): the decoder runner plus image embeddings.
+"""The runner of a vision-language model (LLaVA, Qwen2.5-VL): the decoder runner plus image
+embeddings (and 3-D positions).
 
 A step is laid out as for any decoder (prefills first, one flat token stream). What a
 multimodal step adds is, for each prompt chunk that covers placeholder tokens of an image, the
@@ -12,6 +13,10 @@ step misses, in one batch) when a prefill first reaches its placeholders, and th
 there until the request has prefilled past them. A request that hits the prefix cache past an
 image never needs it; one preempted and resumed takes it again (recomputing it if no other
 request kept it).
+
+A model with M-RoPE (Qwen2.5-VL) gets every step's `[3, T]` positions (`mrope_positions`),
+filled from the requests' precomputed prompt positions and their deltas into a persistent
+buffer beside the 1-D one (`mrope_positions.py`).
 
 Steps with image rows run eagerly on the uncompiled model (their extra inputs have a shape no
 graph was captured for); the configuration turns compilation and graphs off for these models
@@ -27,8 +32,9 @@ import torch
 from tokenwise.compilation.compile import CompiledModel
 from tokenwise.engine.kinds.encoder_cache import EncoderCache
 from tokenwise.engine.kinds.image_inputs import ImageInput
+from tokenwise.engine.kinds.mrope_positions import step_mrope_positions
 from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from tokenwise.runner.input_batch import StepInputs
+from tokenwise.runner.input_batch import CpuGpuBuffer, StepInputs
 from tokenwise.runner.model_runner import MetadataByLayer, ModelRunner
 
 # One image's part of a step: (request id, image, first and end prompt position, flat index).
@@ -58,6 +64,10 @@ class MultiModalModelRunner(ModelRunner):
         self.num_encoder_runs = 0  # images the vision tower encoded, over the runner's life
         model = self.model
         self.eager_model = model.model if isinstance(model, CompiledModel) else model
+        self.mrope_buffer: CpuGpuBuffer | None = None
+        if getattr(self.eager_model, "uses_mrope", False):
+            rows = self.input_batch.max_num_tokens
+            self.mrope_buffer = CpuGpuBuffer(rows, 3, dtype=torch.int64, device=self.device)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -67,12 +77,22 @@ class MultiModalModelRunner(ModelRunner):
         return super().execute_model(scheduler_output)
 
     def _may_replay_graphs(self, ordered: list[ScheduledRequest]) -> bool:
-        return not image_slices(ordered)
+        return self.mrope_buffer is None and not image_slices(ordered)
 
     def _forward_model(self, model_kwargs: dict[str, Any] | None) -> Any:
         return self.eager_model if model_kwargs else self.model
 
     def _model_inputs(self, step: StepInputs, attn_metadata: MetadataByLayer) -> dict[str, Any]:
+        inputs = self._image_inputs(step)
+        if self.mrope_buffer is not None:
+            buffer = self.mrope_buffer
+            n = step_mrope_positions(
+                buffer.np, self.input_batch.positions.np, step.scheduled
+            ).shape[0]
+            inputs["mrope_positions"] = buffer.copy_to_device(n).t()
+        return inputs
+
+    def _image_inputs(self, step: StepInputs) -> dict[str, Any]:
         slices = image_slices(step.scheduled)
         if not slices:
             return {}
@@ -105,8 +125,11 @@ class MultiModalModelRunner(ModelRunner):
             else:
                 missing[key] = (image, [request_id])
         if missing:
-            pixels = torch.stack([image.pixel_values for image, _ in missing.values()])
-            encoded = self.eager_model.embed_images(pixels.to(self.device))
+            images = [image for image, _ in missing.values()]
+            encoded = self.eager_model.embed_image_list(
+                [image.pixel_values.to(self.device) for image in images],
+                [image.grid_thw for image in images],
+            )
             self.num_encoder_runs += len(missing)
             for (key, (_, holders)), embeds in zip(missing.items(), encoded, strict=True):
                 for request_id in holders:

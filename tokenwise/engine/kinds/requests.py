@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from tokenwise.engine.kinds.encoder_inputs import EncoderInputs
 from tokenwise.engine.kinds.image_inputs import ImageInput, hash_spans
 from tokenwise.engine.request import Request
@@ -44,10 +46,15 @@ class MultiModalRequest(Request):
     """A prompt with images: each image's placeholder run, pixels and content hash.
 
     The runner embeds an image when the request's prefill reaches its placeholders; the
-    scheduler keys the prefix cache by the hashes of the images each block covers.
+    scheduler keys the prefix cache by the hashes of the images each block covers. (The 3-D
+    positions follow from the token ids and the images, so they need no key of their own.)
     """
 
     images: list[ImageInput] = field(default_factory=list)
+    # M-RoPE models (Qwen2.5-VL): the prompt's [3, prompt_len] positions (None for a
+    # text-only prompt) and the offset of every later token's position from its index.
+    mrope_positions: np.ndarray | None = None
+    mrope_position_delta: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -1,0 +1,110 @@
+"""Images in Qwen2.5-VL prompts: any size, so each image has its own number of tokens.
+
+The checkpoint's image processor (`Qwen2VLImageProcessor`, its PIL/numpy implementation:
+the fast one needs torchvision) resizes an image to multiples of `patch_size *
+merge_size` within its pixel budget, keeping the aspect ratio, and cuts it into flattened
+patches; `image_grid_thw` says how many frames, rows and columns of patches it has. The
+prompt's placeholder (`<|image_pad|>`, normally between `<|vision_start|>` and
+`<|vision_end|>`) is expanded into one token per merged block of patches, as HF's
+`Qwen2_5_VLProcessor` does, and the text is tokenized with the checkpoint's tokenizer.
+HF's processor itself is not used: transformers refuses to build it without its video
+processor, which needs torchvision.
+
+Each image becomes an `ImageInput` with its grid; its hash covers the pixels and the grid.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tokenwise.engine.kinds.image_inputs import PREPROCESSOR_FILES, ImageInput, hash_pixels
+
+Grid = tuple[int, int, int]
+
+
+def load_image_processor(model_dir: str) -> Any:
+    """The checkpoint's Qwen2-VL image processor, the PIL/numpy one (5.x: `...Pil`; 4.x: the
+    slow class)."""
+    try:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil as ImageProcessor,
+        )
+    except ImportError:  # transformers 4.x
+        from transformers import Qwen2VLImageProcessor as ImageProcessor  # type: ignore[no-redef]
+    try:
+        return ImageProcessor.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(
+            f"could not load the image processor of {model_dir!r} ({exc}); a "
+            f"vision-language checkpoint needs its processor files "
+            f"({', '.join(PREPROCESSOR_FILES)}) next to the weights"
+        ) from exc
+
+
+class GridImagePrompts:
+    """Turns prompts with images into token ids and `ImageInput`s (one per engine)."""
+
+    def __init__(
+        self, model_dir: str, tokenizer: Any, image_token_id: int, merge_size: int
+    ) -> None:
+        self.model_dir = model_dir
+        self.tokenizer = tokenizer
+        self.image_token_id = image_token_id
+        self.merge_size = merge_size
+        self.image_token = str(tokenizer.convert_ids_to_tokens(image_token_id))
+        self._processor: Any = None
+
+    @property
+    def processor(self) -> Any:
+        """The image processor, loaded when the first image arrives."""
+        if self._processor is None:
+            self._processor = load_image_processor(self.model_dir)
+        return self._processor
+
+    def process(self, text: str, images: list[Any]) -> tuple[list[int], list[ImageInput]]:
+        """Token ids of `text` with each image's placeholder expanded, and the images."""
+        pieces = text.split(self.image_token)
+        if len(pieces) - 1 != len(images):
+            raise ValueError(
+                f"the prompt has {len(pieces) - 1} image placeholder(s) ({self.image_token!r}) "
+                f"but {len(images)} image(s) were given; put one {self.image_token!r} where "
+                "each image goes"
+            )
+        try:
+            batch = self.processor(
+                images=[image.convert("RGB") for image in images], return_tensors="pt"
+            )
+        except (ValueError, OSError, TypeError) as exc:
+            raise ValueError(f"the image processor refused the input: {exc}") from exc
+        grids: list[Grid] = [
+            (int(t), int(h), int(w)) for t, h, w in batch["image_grid_thw"].tolist()
+        ]
+        counts = [t * h * w // self.merge_size**2 for t, h, w in grids]
+        expanded = pieces[0]
+        for count, piece in zip(counts, pieces[1:], strict=True):
+            expanded += self.image_token * count + piece
+        ids = [int(t) for t in self.tokenizer(expanded)["input_ids"]]
+        pixels = batch["pixel_values"].split([t * h * w for t, h, w in grids])
+        return ids, self.locate(ids, list(pixels), grids, counts)
+
+    def locate(
+        self, ids: list[int], pixels: list[Any], grids: list[Grid], counts: list[int]
+    ) -> list[ImageInput]:
+        """Each image's run of placeholder tokens, in order; they must be whole runs."""
+        where = np.flatnonzero(np.asarray(ids) == self.image_token_id)
+        if len(where) != sum(counts):
+            raise ValueError(
+                f"the prompt holds {len(where)} image placeholder tokens, but its images need "
+                f"{sum(counts)} ({self.image_token!r} may appear in the text only as a placeholder)"
+            )
+        images, start = [], 0
+        for i, (count, grid, pix) in enumerate(zip(counts, grids, pixels, strict=True)):
+            run = where[start : start + count]
+            if run[-1] - run[0] != count - 1:
+                raise ValueError(f"image {i}'s placeholder tokens are not contiguous")
+            content = hash_pixels(pix, layout=f"grid{grid}")
+            images.append(ImageInput(int(run[0]), count, content, pix, grid))
+            start += count
+        return images
