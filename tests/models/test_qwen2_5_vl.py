@@ -1,0 +1,227 @@
+"""Qwen2.5-VL against Hugging Face: prompts with images of any size give HF's greedy tokens,
+however the engine cuts, shares or recomputes them, and the 3-D (M-RoPE) positions are HF's.
+
+The tiny checkpoint (`_tiny_qwen25vl.py`) turns a 40x56 image into a 5x7 grid of tokens cut
+into 3x4 attention windows, a 70x33 one into 9x4 and a 20x24 one into 3x3. References are
+HF `generate` (fp32) on the inputs of HF's `Qwen2_5_VLProcessor`. Each engine setting forces
+one path: a token budget smaller than an image (chunks start and stop inside images), a
+repeated image (prefix-cache hits through the image), the same text with another image (no
+false sharing), and a pool too small for the batch (preemption, then recomputation).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from tests.engine._fixtures import assert_pool_clean
+from tests.models._tiny_llava import make_image
+from tests.models._tiny_qwen25vl import IMAGE, build_tiny_qwen25vl, hf_processor
+from tokenwise.engine.kinds.mrope_positions import prompt_mrope_positions
+from tokenwise.entrypoints.llm import LLM
+from tokenwise.sampling.params import SamplingParams
+
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+Specs = tuple[tuple[int, int, int], ...]  # (seed, width, height) of each image
+
+CASES: list[tuple[str, Specs]] = [
+    ("USER: " + IMAGE + "What is in the picture? ASSISTANT:", ((0, 40, 56),)),
+    ("The cat " + IMAGE + " and the dog " + IMAGE + " sat on the", ((1, 70, 33), (2, 20, 24))),
+    ("Hello world! Hello tokenwise, a small", ()),
+]
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_tiny_qwen25vl(str(tmp_path_factory.mktemp("qwen25vl") / "ckpt"))
+
+
+@cache
+def hf_parts(path: str) -> tuple[Any, Any]:
+    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        path, dtype=torch.float32
+    )
+    return model.eval(), hf_processor(path)
+
+
+def images_of(specs: Specs) -> list[Any]:
+    return [make_image(*spec) for spec in specs]
+
+
+def hf_inputs(path: str, prompt: str, specs: Specs) -> Any:
+    return hf_parts(path)[1](images=images_of(specs) or None, text=prompt, return_tensors="pt")
+
+
+def strip_eos(tokens: list[int], eos: int) -> list[int]:
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+@cache
+def hf_greedy(path: str, prompt: str, specs: Specs) -> list[int]:
+    model = hf_parts(path)[0]
+    inputs = hf_inputs(path, prompt, specs)
+    with torch.no_grad():
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_TOKENS)
+    eos = model.config.text_config.eos_token_id
+    return strip_eos(out[0, inputs["input_ids"].shape[1] :].tolist(), eos)
+
+
+def engine_prompt(prompt: str, specs: Specs) -> Any:
+    if not specs:
+        return prompt
+    images = images_of(specs)
+    return {
+        "prompt": prompt,
+        "multi_modal_data": {"image": images[0] if len(images) == 1 else images},
+    }
+
+
+def run(llm: LLM, cases: list[tuple[str, Specs]]) -> list[list[int]]:
+    outs = llm.generate([engine_prompt(*c) for c in cases], GREEDY, use_tqdm=False)
+    eos = llm.llm_engine.eos_token_ids[0]
+    return [strip_eos(list(o.outputs[0].token_ids), eos) for o in outs]
+
+
+def record_image_cuts(llm: LLM) -> list[bool]:
+    """Spy on the runner: one flag per scheduled chunk that starts or ends inside an image."""
+    runner = llm.llm_engine.runner
+    cuts: list[bool] = []
+    execute = runner.execute_model
+
+    def spy(scheduler_output: Any) -> Any:
+        for item in scheduler_output.scheduled:
+            lo = item.request.num_computed_tokens
+            hi = lo + item.num_new_tokens
+            for image in getattr(item.request, "images", ()):
+                cuts.append(image.offset < lo < image.end or image.offset < hi < image.end)
+        return execute(scheduler_output)
+
+    runner.execute_model = spy
+    return cuts
+
+
+@pytest.mark.parametrize("budget", [512, 12], ids=["whole-prompts", "chunks-cut-images"])
+def test_mixed_batch_equals_hf(qwen_dir: str, budget: int) -> None:
+    llm = LLM(
+        qwen_dir, dtype="float32", num_gpu_blocks=64, block_size=8, max_num_batched_tokens=budget
+    )
+    cuts = record_image_cuts(llm)
+    outs = llm.generate([engine_prompt(*c) for c in CASES], GREEDY, use_tqdm=False)
+    eos = llm.llm_engine.eos_token_ids[0]
+    got = [strip_eos(list(o.outputs[0].token_ids), eos) for o in outs]
+    assert got == [hf_greedy(qwen_dir, *c) for c in CASES]
+    # The processor's expansion is HF's: same token ids, one run of placeholders per image.
+    for out, case in zip(outs, CASES, strict=True):
+        assert out.prompt_token_ids == hf_inputs(qwen_dir, *case)["input_ids"][0].tolist()
+    assert any(cuts) == (budget == 12)
+    # The images do steer the model: the same text with another image answers differently.
+    other = [(CASES[0][0], ((9, 40, 56),))]
+    assert run(llm, other) == [hf_greedy(qwen_dir, *other[0])] != [got[0]]
+    runner = llm.llm_engine.runner
+    assert runner.num_encoder_runs == 4  # each distinct image once, however many chunks
+    assert len(runner.encoder_cache) == 0
+    assert_pool_clean(llm.llm_engine)
+
+
+def test_mrope_positions_equal_hf_get_rope_index(qwen_dir: str) -> None:
+    """The prompt's 3-D positions and delta are HF's, for grids wider than tall and taller
+    than wide; and they differ from 1-D positions (what the parity above rests on)."""
+    model = hf_parts(qwen_dir)[0]
+    llm = LLM(qwen_dir, dtype="float32", num_gpu_blocks=16, block_size=8, max_model_len=128)
+    kind = llm.llm_engine.kind
+    for prompt, specs in CASES[:2]:
+        inputs = hf_inputs(qwen_dir, prompt, specs)
+        want, delta = model.model.get_rope_index(
+            inputs["input_ids"],
+            mm_token_type_ids=inputs["mm_token_type_ids"],
+            image_grid_thw=inputs["image_grid_thw"],
+        )
+        ids, images = kind.prompts.process(prompt, images_of(specs))
+        got, got_delta = prompt_mrope_positions(len(ids), images, kind.merge_size)
+        np.testing.assert_array_equal(got, want[:, 0].numpy())
+        assert got_delta == int(delta) < 0
+        assert not np.array_equal(got, np.broadcast_to(np.arange(len(ids)), got.shape))
+        grids = {image.grid_thw[1] != image.grid_thw[2] for image in images}
+        assert grids == {True}  # non-square: height and width axes differ
+
+
+def test_one_d_positions_would_not_equal_hf(qwen_dir: str) -> None:
+    """The same engine fed 1-D positions (the model's fallback) answers otherwise: the parity
+    tests could not pass without the 3-D positions."""
+    llm = LLM(qwen_dir, dtype="float32", num_gpu_blocks=32, block_size=8, max_model_len=128)
+    cases = CASES[:2]
+    assert run(llm, cases) == [hf_greedy(qwen_dir, *c) for c in cases]
+    llm.llm_engine.runner.mrope_buffer = None  # the model then rotates by the 1-D positions
+    flat = run(llm, cases)
+    assert flat != [hf_greedy(qwen_dir, *c) for c in cases]
+
+
+def test_prefix_cache_hits_same_image_and_never_another(qwen_dir: str) -> None:
+    llm = LLM(qwen_dir, dtype="float32", num_gpu_blocks=64, block_size=8)
+    engine = llm.llm_engine
+    hits = engine.scheduler.block_manager
+    prompt, specs = CASES[0]
+    first = llm.generate(engine_prompt(prompt, specs), GREEDY, use_tqdm=False)[0]
+    before = hits.prefix_cache_hits
+    again = llm.generate(engine_prompt(prompt, specs), GREEDY, use_tqdm=False)[0]
+    n = len(first.prompt_token_ids)
+    assert first.num_cached_tokens == 0
+    assert again.num_cached_tokens == (n - 1) // 8 * 8  # every full block, through the image
+    assert hits.prefix_cache_hits - before == again.num_cached_tokens
+    assert list(again.outputs[0].token_ids) == list(first.outputs[0].token_ids)
+    assert engine.runner.num_encoder_runs == 1  # the hit covered the image
+    # Same text, another image of the same size: only the blocks before the image are shared.
+    image_id = engine.kind.image_token_id
+    offset = first.prompt_token_ids.index(image_id)
+    other_specs = ((5, 40, 56),)
+    other = llm.generate(engine_prompt(prompt, other_specs), GREEDY, use_tqdm=False)[0]
+    assert other.prompt_token_ids == first.prompt_token_ids
+    assert other.num_cached_tokens == offset // 8 * 8
+    eos = engine.eos_token_ids[0]
+    assert strip_eos(list(other.outputs[0].token_ids), eos) == hf_greedy(
+        qwen_dir, prompt, other_specs
+    )
+    # The same image with other text after it: the hit ends inside the image, and the rest of
+    # the image (and its 3-D positions) is computed from there.
+    tail = ("USER: " + IMAGE + "Who is it? ASSISTANT:", specs)
+    third = llm.generate(engine_prompt(*tail), GREEDY, use_tqdm=False)[0]
+    count = first.prompt_token_ids.count(image_id)
+    assert offset < third.num_cached_tokens < offset + count
+    assert strip_eos(list(third.outputs[0].token_ids), eos) == hf_greedy(qwen_dir, *tail)
+    assert engine.runner.num_encoder_runs == 3
+    assert_pool_clean(engine)
+
+
+def test_preempting_pool_equals_hf(qwen_dir: str) -> None:
+    # 12 blocks of 8 tokens for prompts of 71, 62 and 23 tokens (+10 generated), prefilled
+    # 16 tokens a step: preemptions, one of a request past its image.
+    llm = LLM(
+        qwen_dir,
+        dtype="float32",
+        num_gpu_blocks=12,
+        block_size=8,
+        max_model_len=96,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=False,
+    )
+    assert run(llm, CASES) == [hf_greedy(qwen_dir, *c) for c in CASES]
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert llm.llm_engine.runner.num_encoder_runs > 3  # re-embedded after a preemption
+    assert len(llm.llm_engine.runner.encoder_cache) == 0
+    assert_pool_clean(llm.llm_engine)
+
+
+def test_bad_image_prompts_are_refused_by_name(qwen_dir: str) -> None:
+    llm = LLM(qwen_dir, dtype="float32", num_gpu_blocks=16, block_size=8, max_model_len=128)
+    image = make_image(0, 10, 10)
+    with pytest.raises(ValueError, match="1 image"):
+        llm.generate({"prompt": "no placeholder", "multi_modal_data": {"image": image}})
+    with pytest.raises(ValueError, match="no image was given"):
+        llm.generate("<|image_pad|> without an image", GREEDY, use_tqdm=False)
+    assert_pool_clean(llm.llm_engine)
