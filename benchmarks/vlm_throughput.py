@@ -1,7 +1,9 @@
-"""Throughput of a batch of image prompts on a LLaVA checkpoint: images/s and output tok/s.
+"""Throughput of a batch of image prompts on a LLaVA or Qwen2.5-VL checkpoint: images/s and
+output tok/s.
 
-    python benchmarks/vlm_throughput.py [--model PATH] [--num-requests 32]
-        [--distinct-images 8] [--max-tokens 32] [--max-num-batched-tokens 2048]
+    python benchmarks/vlm_throughput.py [--model PATH] [--arch llava|qwen2_5_vl]
+        [--num-requests 32] [--distinct-images 8] [--max-tokens 32]
+        [--max-num-batched-tokens 2048]
 
 N requests ask about images drawn from K distinct ones (request i gets image i mod K), greedy,
 `ignore_eos` so every request makes `--max-tokens` tokens. Printed: images/s and output tok/s
@@ -12,8 +14,11 @@ tower).
 
 Without `--model` a random LLaVA is built in a temporary directory: a CLIP ViT of 224x224
 images in 14x14 patches (256 image tokens, hidden 384, 6 layers) and the built-in model's
-Llama configuration and tokenizer (hidden 256, 4 layers) with an `<image>` token added. Its
-weights are random: the figures are the engine's cost, not the answers' quality.
+Llama configuration and tokenizer (hidden 256, 4 layers) with an `<image>` token added.
+`--arch qwen2_5_vl` builds a random Qwen2.5-VL instead: a windowed ViT in 14x14 patches
+(hidden 384, 8 blocks, full attention in blocks 3 and 7, 112-pixel windows) whose 300x400
+images become 22x28 patches, 154 tokens, and a Qwen2 decoder of the built-in model's sizes with
+M-RoPE. Weights are random: the figures are the engine's cost, not the answers' quality.
 """
 
 from __future__ import annotations
@@ -72,9 +77,75 @@ def build_random_llava(out_dir: str) -> str:
     return out_dir
 
 
+def build_random_qwen2_5_vl(out_dir: str) -> str:
+    import torch
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    from tokenwise.default_model import resolve_model_path
+
+    base = resolve_model_path(None)
+    tok = transformers.AutoTokenizer.from_pretrained(base)
+    vision_tokens = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+    tok.add_special_tokens({"additional_special_tokens": vision_tokens})
+    llama = transformers.AutoConfig.from_pretrained(base)
+    text = {
+        name: getattr(llama, name)
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "rms_norm_eps",
+            "bos_token_id",
+            "eos_token_id",
+            "max_position_embeddings",
+        )
+    }
+    text["vocab_size"] = len(tok)
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    text["rope_parameters"]["mrope_section"] = [8, 12, 12]  # head_dim 64
+    vision = {
+        "depth": 8,
+        "hidden_size": 384,
+        "intermediate_size": 1536,
+        "num_heads": 6,
+        "fullatt_block_indexes": [3, 7],
+        "out_hidden_size": llama.hidden_size,
+    }
+    ids = {t: tok.convert_tokens_to_ids(t) for t in vision_tokens}
+    config = transformers.Qwen2_5_VLConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    torch.manual_seed(0)
+    transformers.Qwen2_5_VLForConditionalGeneration(config).save_pretrained(out_dir)
+    Qwen2VLImageProcessorPil().save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+BUILDERS = {"llava": build_random_llava, "qwen2_5_vl": build_random_qwen2_5_vl}
+IMAGE_PLACEHOLDER = {
+    "llava": "<image>\n",
+    "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="a LLaVA checkpoint (default: random)")
+    parser.add_argument("--model", default=None, help="a checkpoint (default: random)")
+    parser.add_argument(
+        "--arch", choices=sorted(BUILDERS), default="llava", help="the random model's kind"
+    )
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--distinct-images", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -83,7 +154,7 @@ def main() -> None:
     args = parser.parse_args()
     from PIL import Image
 
-    model = args.model or build_random_llava(tempfile.mkdtemp(prefix="tokenwise-llava-"))
+    model = args.model or BUILDERS[args.arch](tempfile.mkdtemp(prefix=f"tokenwise-{args.arch}-"))
     rng = np.random.default_rng(0)
     images = [
         Image.fromarray(rng.integers(0, 256, (300, 400, 3), dtype=np.uint8))
@@ -91,7 +162,7 @@ def main() -> None:
     ]
     prompts = [
         {
-            "prompt": "USER: <image>\nWhat is in this picture? ASSISTANT:",
+            "prompt": f"USER: {IMAGE_PLACEHOLDER[args.arch]}What is in this picture? ASSISTANT:",
             "multi_modal_data": {"image": images[i % len(images)]},
         }
         for i in range(args.num_requests)

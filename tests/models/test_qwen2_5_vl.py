@@ -225,3 +225,53 @@ def test_bad_image_prompts_are_refused_by_name(qwen_dir: str) -> None:
     with pytest.raises(ValueError, match="no image was given"):
         llm.generate("<|image_pad|> without an image", GREEDY, use_tqdm=False)
     assert_pool_clean(llm.llm_engine)
+
+
+def test_both_checkpoint_layouts_load(qwen_dir: str, tmp_path: Any) -> None:
+    """`visual.*` / `model.*` (what transformers writes) and `model.visual.*` /
+    `model.language_model.*` (the in-memory names of newer transformers) load into the same
+    model: same greedy tokens."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tokenwise.models.qwen2_5_vl import checkpoint_name
+
+    moved = tmp_path / "renamed"
+    shutil.copytree(qwen_dir, moved)
+    tensors = load_file(str(moved / "model.safetensors"))
+    assert any(k.startswith("visual.") for k in tensors)
+    renamed = {}
+    for name, tensor in tensors.items():
+        if name.startswith("visual."):
+            new = "model." + name
+        elif name.startswith("model."):
+            new = "model.language_model." + name[len("model.") :]
+        else:
+            new = name
+        assert checkpoint_name(new) == name
+        renamed[new] = tensor
+    save_file(renamed, str(moved / "model.safetensors"), metadata={"format": "pt"})
+    llm = LLM(str(moved), dtype="float32", num_gpu_blocks=16, block_size=8, max_model_len=128)
+    assert run(llm, CASES[:1]) == [hf_greedy(qwen_dir, *CASES[0])]
+
+
+def test_chat_image_parts_render_and_answer(qwen_dir: str) -> None:
+    """A chat message's image parts go through the chat template to Qwen's placeholders, and
+    the prompt with its images answers as HF does (what the server's chat route runs)."""
+    from tokenwise.entrypoints.openai.api_server import image_settings
+    from tokenwise.entrypoints.openai.chat_rendering import render_chat
+    from tokenwise.entrypoints.openai.protocol import ChatCompletionRequest
+
+    llm = LLM(qwen_dir, dtype="float32", num_gpu_blocks=32, block_size=8, max_model_len=128)
+    engine = llm.llm_engine
+    image_token, limit = image_settings(engine)
+    assert (image_token, limit) == ("<|image_pad|>", None)
+    parts = [{"type": "text", "text": "Two:"}] + [
+        {"type": "image_url", "image_url": {"url": u}} for u in ("data:,a", "data:,b")
+    ]
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": parts}], model="m")
+    prompt = render_chat(engine.tokenizer, body, image_token, 2)["prompt"]
+    assert prompt == f"<|user|>Two:{IMAGE}{IMAGE}\n<|assistant|>"
+    specs = CASES[1][1]
+    assert run(llm, [(prompt, specs)]) == [hf_greedy(qwen_dir, prompt, specs)]
