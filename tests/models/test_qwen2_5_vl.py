@@ -151,6 +151,62 @@ def test_mrope_positions_equal_hf_get_rope_index(qwen_dir: str) -> None:
         assert grids == {True}  # non-square: height and width axes differ
 
 
+def test_mrope_layer_equals_hf_rotary() -> None:
+    """`MRotaryEmbedding` on `[3, T]` positions rotates q and k as HF's M-RoPE does (bands of
+    a head_dim-128 rotary taken from three different axes), and 1-D positions as plain RoPE."""
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf_qwen
+
+    from tokenwise.layers.mrope import MRotaryEmbedding
+    from tokenwise.layers.rotary_embedding import RotaryEmbedding
+
+    section = [16, 24, 24]
+    config = transformers.Qwen2_5_VLTextConfig(
+        hidden_size=256,
+        num_attention_heads=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": section},
+    )
+    hf_rope = hf_qwen.Qwen2_5_VLRotaryEmbedding(config)
+    ours = MRotaryEmbedding(128, 512, 1e6, section)
+    generator = torch.Generator().manual_seed(0)
+    positions = torch.randint(0, 500, (3, 7), generator=generator)
+    q = torch.randn(7, 2, 128, generator=generator)
+    k = torch.randn(7, 1, 128, generator=generator)
+    cos, sin = hf_rope(q, positions[:, None, :])
+    # HF: [batch, heads, T, head_dim] with cos/sin [batch, T, head_dim].
+    want_q, want_k = hf_qwen.apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin
+    )
+    got_q, got_k = ours(positions, q, k)
+    torch.testing.assert_close(got_q, want_q[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_k, want_k[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+    flat = positions[0]
+    plain = RotaryEmbedding(128, 512, 1e6)
+    for a, b in zip(ours(flat, q, k), plain(flat, q, k), strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="mrope_section"):
+        MRotaryEmbedding(128, 512, 1e6, [16, 24, 16])
+
+
+def test_vision_tower_equals_hf(qwen_dir: str) -> None:
+    """The tower's rows for images of three sizes, run as one batch, are HF's
+    `get_image_features` (windows, the full-attention block, 2-D rotary, merger)."""
+    model = hf_parts(qwen_dir)[0]
+    llm = LLM(qwen_dir, dtype="float32", num_gpu_blocks=16, block_size=8, max_model_len=128)
+    images = images_of(((1, 70, 33), (2, 20, 24), (0, 40, 56)))
+    inputs = hf_parts(qwen_dir)[1].image_processor(images=images, return_tensors="pt")
+    with torch.no_grad():
+        want = model.model.get_image_features(
+            inputs["pixel_values"], inputs["image_grid_thw"], return_dict=True
+        ).pooler_output
+    grids = [tuple(g) for g in inputs["image_grid_thw"].tolist()]
+    pixels = list(inputs["pixel_values"].split([t * h * w for t, h, w in grids]))
+    with torch.inference_mode():
+        got = llm.llm_engine.runner.eager_model.embed_image_list(pixels, grids)
+    assert [g.shape for g in got] == [w.shape for w in want]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
 def test_one_d_positions_would_not_equal_hf(qwen_dir: str) -> None:
     """The same engine fed 1-D positions (the model's fallback) answers otherwise: the parity
     tests could not pass without the 3-D positions."""
