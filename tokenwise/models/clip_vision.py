@@ -13,6 +13,8 @@ checkpoint tensors skipped (`CLIPVisionTower.skips`).
 
 SigLIP's tower is the same transformer with other embeddings (the patch convolution has a
 bias, there is no class token) and no `pre_layrnorm`; its pooling `head` is never used here.
+Gemma 3 reads SigLIP's `last_hidden_state`, which is after `post_layernorm`
+(`post_layernorm=True`: every layer and the final norm are built).
 
 Names follow the checkpoint (`embeddings.patch_embedding`, `pre_layrnorm` with HF's spelling,
 `encoder.layers.N.self_attn.q_proj`, ...), so weights load by name.
@@ -153,7 +155,7 @@ class CLIPVisionTower(nn.Module):
     `pre_layrnorm` for CLIP; entry i: after encoder layer i), negative from its end as in HF.
     """
 
-    def __init__(self, cfg: Any, feature_layers: list[int]) -> None:
+    def __init__(self, cfg: Any, feature_layers: list[int], post_layernorm: bool = False) -> None:
         super().__init__()
         model_type = getattr(cfg, "model_type", "clip_vision_model")
         if model_type not in TOWER_TYPES:
@@ -163,6 +165,11 @@ class CLIPVisionTower(nn.Module):
         num_layers = int(cfg.num_hidden_layers)
         self.feature_layers = [i % (num_layers + 1) for i in feature_layers]
         self.num_built = max(self.feature_layers)
+        if post_layernorm and self.feature_layers != [num_layers]:
+            raise ValueError("post_layernorm applies to the last layer's output only")
+        self.post_layernorm: nn.Module | None = None
+        if post_layernorm:
+            self.post_layernorm = nn.LayerNorm(int(cfg.hidden_size), eps=float(cfg.layer_norm_eps))
         self.siglip = model_type == "siglip_vision_model"
         if self.siglip:
             self.embeddings: nn.Module = SiglipVisionEmbeddings(cfg)
@@ -182,7 +189,9 @@ class CLIPVisionTower(nn.Module):
         """Whether a checkpoint tensor (name relative to the tower) belongs to a part not
         built: layers after the deepest feature layer, `post_layernorm`, SigLIP's pooling
         `head`, or HF's `position_ids` buffer (a plain arange, saved by older transformers)."""
-        if name.startswith(("post_layernorm.", "head.")) or name.endswith("position_ids"):
+        if name.startswith("post_layernorm."):
+            return self.post_layernorm is None
+        if name.startswith("head.") or name.endswith("position_ids"):
             return True
         if name.startswith("encoder.layers."):
             return int(name.split(".")[2]) >= self.num_built
@@ -195,4 +204,6 @@ class CLIPVisionTower(nn.Module):
         for layer in self.encoder.layers:
             x = layer(x)
             states.append(x)
+        if self.post_layernorm is not None:
+            return self.post_layernorm(x)
         return torch.cat([states[i] for i in self.feature_layers], dim=-1)

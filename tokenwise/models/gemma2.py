@@ -157,10 +157,20 @@ class GemmaModel(nn.Module):
         )
         self.norm = GemmaRMSNorm(hf.hidden_size, hf.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings times `sqrt(hidden_size)`, rounded to the activations' dtype (as HF)."""
         hidden_states = self.embed_tokens(input_ids)
-        # HF rounds the scale to the activations' dtype before multiplying.
-        hidden_states = hidden_states * torch.tensor(self.embed_scale, dtype=hidden_states.dtype)
+        return hidden_states * torch.tensor(self.embed_scale, dtype=hidden_states.dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`inputs_embeds` (already scaled; Gemma 3 writes image rows into them) replace the
+        embedding of `input_ids` when given."""
+        hidden_states = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         for layer in self.layers:
             hidden_states = layer(positions, hidden_states)
         return self.norm(hidden_states)

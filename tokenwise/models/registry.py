@@ -10,6 +10,7 @@ from tokenwise.models.bert import BertEmbeddingModel, XLMRobertaEmbeddingModel
 from tokenwise.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from tokenwise.models.gemma2 import Gemma2ForCausalLM
 from tokenwise.models.gemma3 import Gemma3ForCausalLM
+from tokenwise.models.gemma3_vl import Gemma3ForConditionalGeneration
 from tokenwise.models.llama import LlamaForCausalLM
 from tokenwise.models.llava import LlavaForConditionalGeneration
 from tokenwise.models.mistral import MistralForCausalLM
@@ -35,6 +36,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "WhisperForConditionalGeneration": WhisperForConditionalGeneration,
     # Vision-language models (task "generate"): class attribute `is_multimodal`.
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     # Decoders (task "generate").
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
