@@ -57,6 +57,10 @@ class AttentionMetadata:
     max_encoder_seq_len: int | None = None
     cross_slot_mapping: torch.Tensor | None = None  # [num_encoder_tokens] int64
     cross_block_tables: torch.Tensor | None = None  # [num_seqs, max_cross_blocks] int32
+    # Gemma 3 (None otherwise): for each prefill row, the (start, end) prompt positions of the
+    # images its queries reach, whose tokens attend to each other both ways
+    # (`backends/image_mask.py`); set by the multimodal runner once per step.
+    bidirectional_spans: list[list[tuple[int, int]]] | None = None
 
     @classmethod
     def for_sequences(
@@ -171,7 +175,7 @@ class AttentionMetadata:
         def cut(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[seq_lo:seq_hi]
 
-        return AttentionMetadata.for_sequences(
+        sliced = AttentionMetadata.for_sequences(
             self.query_lens[seq_lo:seq_hi],
             self.context_lens[seq_lo:seq_hi],
             self.slot_mapping[tok_lo:tok_hi],
@@ -185,6 +189,9 @@ class AttentionMetadata:
             host_seq_lens=self.seq_lens is not None,
             max_decode_seq_len=self.max_decode_seq_len if decode else 0,
         )
+        if self.bidirectional_spans is not None and not decode:
+            sliced.bidirectional_spans = self.bidirectional_spans[seq_lo:seq_hi]
+        return sliced
 
 
 class CommonMetadataBuilder:

@@ -112,6 +112,11 @@ class Scheduler:
         """The images of the request's prompt, which key its blocks' hashes (none here)."""
         return ()
 
+    def limit_chunk(self, request: Request, num_computed: int, num_new: int) -> int:
+        """How many of `num_new` tokens the request's next chunk may take (all, here; 0: none
+        this step). A kind whose inputs must not be cut shortens chunks to end before them."""
+        return num_new
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
@@ -122,6 +127,7 @@ class Scheduler:
         while idx < len(self.running) and budget > 0:
             req = self.running[idx]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self.limit_chunk(req, req.num_computed_tokens, num_new)
             if num_new <= 0:
                 idx += 1
                 continue
@@ -195,6 +201,9 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget - num_encoder
+            num_new = self.limit_chunk(req, num_hit, num_new)
+            if num_new <= 0:
+                break  # its next chunk fits a later step's budget (limit_chunk)
             new_blocks = bm.allocate_slots(
                 req.request_id,
                 req.all_token_ids,

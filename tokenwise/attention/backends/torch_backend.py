@@ -10,7 +10,8 @@ with cached context the keys come from the cache and the causal mask is aligned 
 Decode on CPU: a small C kernel (`cpu_kernels.py`) streams each sequence's blocks once, in
 place, for all sequences in one call; without it (no compiler, non-fp32 cache) each sequence's
 blocks are gathered and attended with a grouped-query matmul. Decode on GPU / under CUDA graphs:
-one padded batched gather. KV heads are never repeated.
+one padded batched gather. KV heads are never repeated. Prefill rows whose metadata lists image
+spans (Gemma 3) widen the causal mask to "bidirectional within an image" (`image_mask.py`).
 
 The interface is tensor-only: an impl holds its plain settings (heads, head size, scale,
 window) from construction, and `forward` gets tensors, the cache and the step's metadata, never
@@ -19,7 +20,7 @@ the attention layer, so this package sits below `attention.layer` and never impo
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from tokenwise.attention.backends import cpu_kernels
 from tokenwise.attention.backends.encoder_only import encoder_only_attention
+from tokenwise.attention.backends.image_mask import Span, same_span, visible_keys
 from tokenwise.attention.backends.paged_reference import paged_decode_reference
 from tokenwise.attention.backends.single_sequence import single_sequence_attention
 from tokenwise.attention.backends.softcap import causal_mask, soft_cap, softcapped_attention
@@ -161,6 +163,7 @@ class TorchAttentionImpl:
         output: torch.Tensor,
     ) -> None:
         block_size = md.block_size
+        all_spans = md.bidirectional_spans or []
         start = 0
         for i in range(md.num_prefills):
             q_len, ctx_len = md.query_lens[i], md.context_lens[i]
@@ -173,7 +176,10 @@ class TorchAttentionImpl:
                 n_keys = ctx_len + q_len - key_offset
                 keys = key_cache.index_select(0, table).flatten(0, 1)[:n_keys]
                 values = value_cache.index_select(0, table).flatten(0, 1)[:n_keys]
-            output[start:end] = self._attend(q[start:end], keys, values, ctx_len, key_offset)
+            spans = all_spans[i] if i < len(all_spans) else ()
+            output[start:end] = self._attend(
+                q[start:end], keys, values, ctx_len, key_offset, spans
+            )
             start = end
 
     def _prefill_packed(
@@ -218,7 +224,11 @@ class TorchAttentionImpl:
         j = torch.arange(width, device=dev)[None, None, :]
         q_pos = ctx[:, None, None] + i
         k_pos = key_offset[:, None, None] + j
-        mask = (j < n_keys[:, None, None]) & (k_pos <= q_pos)
+        seen = k_pos <= q_pos
+        spans = md.bidirectional_spans
+        if spans and any(spans[:num]):  # Gemma 3: an image's tokens see each other
+            seen |= torch.stack([same_span(q_pos[r], k_pos[r], spans[r]) for r in range(num)])
+        mask = (j < n_keys[:, None, None]) & seen
         if self.sliding_window is not None:
             mask &= k_pos > q_pos - self.sliding_window
         mask |= (i >= q_lens[:, None, None]) & (j == 0)
@@ -240,17 +250,35 @@ class TorchAttentionImpl:
         output[: q.shape[0]] = out.index_select(0, rows)
 
     def _attend(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ctx_len: int, offset: int
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        ctx_len: int,
+        offset: int,
+        spans: Sequence[Span] = (),
     ) -> torch.Tensor:
-        """Causal attention of queries at positions ctx_len.. over keys at offset.."""
+        """Causal attention of queries at positions ctx_len.. over keys at offset.. (and
+        bidirectional within each of `spans`, an image's positions)."""
         q_len, n_keys = q.shape[0], keys.shape[0]
-        if self.logits_soft_cap:
+        if self.logits_soft_cap or spans:
             dev = q.device
-            visible = causal_mask(
-                torch.arange(ctx_len, ctx_len + q_len, device=dev),
-                torch.arange(offset, offset + n_keys, device=dev),
-                self.sliding_window,
-            )
+            q_pos = torch.arange(ctx_len, ctx_len + q_len, device=dev)
+            k_pos = torch.arange(offset, offset + n_keys, device=dev)
+            if spans:
+                visible = visible_keys(q_pos, k_pos, spans, self.sliding_window)
+            else:
+                visible = causal_mask(q_pos, k_pos, self.sliding_window)
+            if not self.logits_soft_cap:
+                out = F.scaled_dot_product_attention(
+                    q.transpose(0, 1)[None],
+                    keys.transpose(0, 1)[None],
+                    values.transpose(0, 1)[None],
+                    attn_mask=visible,
+                    scale=self.scale,
+                    enable_gqa=self.group > 1,
+                )
+                return out[0].transpose(0, 1)
             out = softcapped_attention(
                 q.transpose(0, 1),
                 keys.transpose(0, 1),

@@ -11,6 +11,10 @@ Generation, outputs and the KV cache are the decoder's; this kind changes three 
 - the runner (`multimodal_runner.py`): image embeddings replace the placeholders' embeddings,
   chunk by chunk, from an encoder cache.
 
+A model whose image tokens attend to each other both ways (Gemma 3,
+`bidirectional_image_attention`) marks its requests `whole_images`: the scheduler never cuts
+such an image across chunks, and the runner puts the images' spans on the attention metadata.
+
 A model with M-RoPE (Qwen2.5-VL, `uses_mrope`) has images of any size (`grid_image_inputs.py`)
 and 3-D positions, computed here once per prompt (`mrope_positions.py`) and stored on the
 request for the runner.
@@ -37,8 +41,37 @@ from tokenwise.sampling.params import SamplingParams
 
 
 class MultiModalScheduler(Scheduler):
+    """Image hashes key the prefix cache; images that must be computed whole stay whole.
+
+    A request with `whole_images` (Gemma 3: an image's tokens attend to each other both
+    ways) never has a chunk end inside an image: the chunk stops before the image, or, if it
+    starts inside or at it, runs to its end or waits for a step with budget for it (vLLM's
+    `disable_chunked_mm_input`). A prefix-cache hit may end inside such an image: those
+    cached tokens were computed with the whole image, so the rest of it is still exact.
+    """
+
     def image_spans(self, request: Request) -> ImageSpans:
         return getattr(request, "image_hash_spans", ())
+
+    def add_request(self, request: Request) -> None:
+        budget = self.config.max_num_batched_tokens
+        if getattr(request, "whole_images", False):
+            longest = max((im.length for im in getattr(request, "images", ())), default=0)
+            if longest > budget:
+                raise ValueError(
+                    f"an image of {longest} tokens must be computed in one step, more than "
+                    f"max_num_batched_tokens={budget}; raise max_num_batched_tokens"
+                )
+        super().add_request(request)
+
+    def limit_chunk(self, request: Request, num_computed: int, num_new: int) -> int:
+        if not getattr(request, "whole_images", False):
+            return num_new
+        end = num_computed + num_new
+        for image in getattr(request, "images", ()):
+            if image.offset < end < image.end:  # the chunk would cut this image
+                return max(image.offset - num_computed, 0)
+        return num_new
 
 
 def multi_modal_data(prompt: PromptInput) -> dict[str, Any] | None:
@@ -64,6 +97,7 @@ class MultiModalKind(GenerateKind):
         model = engine.runner.eager_model
         self.image_token_id = image_token_id(mc.hf_multimodal_config)
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
+        self.whole_images = bool(getattr(model, "bidirectional_image_attention", False))
         self.prompts: ImagePrompts | GridImagePrompts
         if self.uses_mrope:
             self.merge_size = int(model.spatial_merge_size)
@@ -116,7 +150,7 @@ class MultiModalKind(GenerateKind):
         check_text(text, "prompt")
         ids, image_inputs = self.prompts.process(text, images)
         validate_request(engine.model_config, engine.tokenizer, {"prompt_token_ids": ids}, params)
-        extra: dict[str, Any] = {"images": image_inputs}
+        extra: dict[str, Any] = {"images": image_inputs, "whole_images": self.whole_images}
         if self.uses_mrope:
             positions, delta = prompt_mrope_positions(len(ids), image_inputs, self.merge_size)
             extra.update(mrope_positions=positions, mrope_position_delta=delta)

@@ -14,6 +14,10 @@ there until the request has prefilled past them. A request that hits the prefix 
 image never needs it; one preempted and resumed takes it again (recomputing it if no other
 request kept it).
 
+A model whose image tokens attend to each other both ways (Gemma 3,
+`bidirectional_image_attention`) gets each prefill row's image spans on the step's attention
+metadata (`image_spans_by_row`), which every layer's backend reads from the forward context.
+
 A model with M-RoPE (Qwen2.5-VL) gets every step's `[3, T]` positions (`mrope_positions`),
 filled from the requests' precomputed prompt positions and their deltas into a persistent
 buffer beside the 1-D one (`mrope_positions.py`).
@@ -56,6 +60,21 @@ def image_slices(ordered: list[ScheduledRequest]) -> list[ImageSlice]:
     return slices
 
 
+def image_spans_by_row(ordered: list[ScheduledRequest]) -> list[list[tuple[int, int]]]:
+    """Per prefill row (step order; prefills lead): the images its query tokens touch, as
+    `(start, end)` prompt positions. Earlier images need none: their tokens are all cached, and
+    the query tokens after an image see it causally anyway."""
+    spans: list[list[tuple[int, int]]] = []
+    for item in ordered:
+        if item.num_new_tokens == 1:  # a decode row (the scheduler never leaves one image
+            break  # token alone in a chunk, unless it is the image's last: causal suffices)
+        lo = item.request.num_computed_tokens
+        hi = lo + item.num_new_tokens
+        images = getattr(item.request, "images", ())
+        spans.append([(im.offset, im.end) for im in images if im.offset < hi and im.end > lo])
+    return spans
+
+
 class MultiModalModelRunner(ModelRunner):
     def _setup_kind(self) -> None:
         if self.tp_size > 1:
@@ -65,6 +84,9 @@ class MultiModalModelRunner(ModelRunner):
         model = self.model
         self.eager_model = model.model if isinstance(model, CompiledModel) else model
         self.mrope_buffer: CpuGpuBuffer | None = None
+        self.bidirectional_images = bool(
+            getattr(self.eager_model, "bidirectional_image_attention", False)
+        )
         if getattr(self.eager_model, "uses_mrope", False):
             rows = self.input_batch.max_num_tokens
             self.mrope_buffer = CpuGpuBuffer(rows, 3, dtype=torch.int64, device=self.device)
@@ -84,6 +106,11 @@ class MultiModalModelRunner(ModelRunner):
 
     def _model_inputs(self, step: StepInputs, attn_metadata: MetadataByLayer) -> dict[str, Any]:
         inputs = self._image_inputs(step)
+        if self.bidirectional_images and attn_metadata:
+            spans = image_spans_by_row(step.scheduled)
+            if any(spans):
+                for md in {id(md): md for md in attn_metadata.values()}.values():
+                    md.bidirectional_spans = spans
         if self.mrope_buffer is not None:
             buffer = self.mrope_buffer
             n = step_mrope_positions(

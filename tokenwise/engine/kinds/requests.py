@@ -55,6 +55,9 @@ class MultiModalRequest(Request):
     # text-only prompt) and the offset of every later token's position from its index.
     mrope_positions: np.ndarray | None = None
     mrope_position_delta: int = 0
+    # Gemma 3: each image's tokens attend to each other both ways, so a chunk never ends
+    # inside an image (`MultiModalScheduler.limit_chunk`).
+    whole_images: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -1,0 +1,235 @@
+"""Gemma 3 with images against Hugging Face: prompts with images give HF's greedy tokens and
+logprobs, however the engine chunks, shares or recomputes them.
+
+The tiny checkpoint (`_tiny_gemma3_vl.py`) has 16 soft tokens per image and sliding layers
+with a window of 8. References are HF `generate` (fp32) on the inputs of the checkpoint's own
+processor, with its `token_type_ids` (the bidirectional image mask). Each engine setting
+forces one path: a token budget that would cut every image (the scheduler moves the chunk
+boundary before it), a repeated image (prefix-cache hits through and into the image), a pool
+too small for the batch (preemption, recomputation). One test pins the mask itself: with a
+causal mask over the images the logprobs would be off by far more than the tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from tests.engine._fixtures import assert_pool_clean
+from tests.models._tiny_gemma3_vl import TOKENS_PER_IMAGE, build_tiny_gemma3_vl
+from tests.models._tiny_llava import make_image
+from tokenwise.entrypoints.llm import LLM
+from tokenwise.models.llava import checkpoint_name
+from tokenwise.sampling.params import SamplingParams
+
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+Specs = tuple[tuple[int, int, int], ...]
+
+# (prompt, image specs (seed, width, height)): one image, two, text only, an image first.
+CASES: list[tuple[str, Specs]] = [
+    ("USER: <start_of_image> what is it? ASSISTANT:", ((0, 40, 50),)),
+    ("The cat <start_of_image> and the dog <start_of_image> sat on", ((1, 70, 33), (2, 20, 24))),
+    ("Hello world! Hello tokenwise, a small", ()),
+    ("<start_of_image>def fibonacci(n):", ((3, 64, 64),)),
+]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_tiny_gemma3_vl(str(tmp_path_factory.mktemp("gemma3vl") / "ckpt"))
+
+
+@cache
+def hf_parts(path: str) -> tuple[Any, Any]:
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(
+        path, dtype=torch.float32
+    )
+    processor = transformers.AutoProcessor.from_pretrained(path, backend="pil")
+    return model.eval(), processor
+
+
+def hf_inputs(path: str, prompt: str, specs: Specs) -> Any:
+    _, processor = hf_parts(path)
+    images = [make_image(*s) for s in specs] or None
+    return processor(images=images, text=prompt, return_tensors="pt")
+
+
+def strip_eos(tokens: list[int], eos: int) -> list[int]:
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+@cache
+def hf_greedy(path: str, prompt: str, specs: Specs) -> list[int]:
+    model, _ = hf_parts(path)
+    inputs = hf_inputs(path, prompt, specs)
+    with torch.no_grad():
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_TOKENS)
+    eos = model.config.text_config.eos_token_id
+    return strip_eos(out[0, inputs["input_ids"].shape[1] :].tolist(), eos)
+
+
+def engine_prompt(prompt: str, specs: Specs) -> Any:
+    if not specs:
+        return prompt
+    images = [make_image(*s) for s in specs]
+    return {"prompt": prompt, "multi_modal_data": {"image": images}}
+
+
+def run(llm: LLM, cases: list[tuple[str, Specs]]) -> list[list[int]]:
+    outs = llm.generate([engine_prompt(*c) for c in cases], GREEDY, use_tqdm=False)
+    eos = llm.llm_engine.eos_token_ids[0]
+    return [strip_eos(list(o.outputs[0].token_ids), eos) for o in outs]
+
+
+def chunk_ends(llm: LLM) -> list[tuple[int, list[tuple[int, int]]]]:
+    """Spy on the scheduler: where each scheduled chunk ends, and its request's images."""
+    seen: list[tuple[int, list[tuple[int, int]]]] = []
+    sched = llm.llm_engine.scheduler
+    original = sched.limit_chunk
+
+    def spy(request: Any, num_computed: int, num_new: int) -> int:
+        n = original(request, num_computed, num_new)
+        if n > 0:
+            seen.append((num_computed + n, [(im.offset, im.end) for im in request.images]))
+        return n
+
+    sched.limit_chunk = spy  # type: ignore[method-assign]
+    return seen
+
+
+@pytest.mark.parametrize("budget", [512, 20], ids=["whole-prompts", "chunks-around-images"])
+def test_mixed_batch_equals_hf(ckpt: str, budget: int) -> None:
+    # A budget of 20 would end the first chunk of every image prompt inside its image.
+    llm = LLM(ckpt, dtype="float32", num_gpu_blocks=64, block_size=8, max_num_batched_tokens=budget)
+    ends = chunk_ends(llm)
+    got = run(llm, CASES)
+    assert got == [hf_greedy(ckpt, *c) for c in CASES]
+    # The images do steer the model: the same text with another image answers differently.
+    other = [(CASES[0][0], ((9, 30, 30),))]
+    assert run(llm, other) == [hf_greedy(ckpt, *other[0])] != [got[0]]
+    if budget == 20:  # prompts were chunked, and no chunk ended inside an image
+        prefill_ends = [end for end, images in ends if images]
+        assert len(prefill_ends) > 5
+        assert not any(s < end < e for end, images in ends for s, e in images)
+    runner = llm.llm_engine.runner
+    assert runner.num_encoder_runs == 5
+    assert len(runner.encoder_cache) == 0
+    assert_pool_clean(llm.llm_engine)
+
+
+def test_first_logprobs_equal_hf_and_need_the_image_mask(ckpt: str) -> None:
+    """The engine's logprobs of the first generated token equal HF's (1e-4); HF without its
+    image mask (token_type_ids dropped: causal over the images) is off by far more."""
+    llm = LLM(ckpt, dtype="float32", num_gpu_blocks=64, block_size=8, max_num_batched_tokens=24)
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    model, _ = hf_parts(ckpt)
+    for prompt, specs in CASES[:2]:
+        out = llm.generate(engine_prompt(prompt, specs), params, use_tqdm=False)[0]
+        got = out.outputs[0].logprobs[0]
+        inputs = hf_inputs(ckpt, prompt, specs)
+        causal = {k: v for k, v in inputs.items() if k != "token_type_ids"}
+        with torch.no_grad():
+            ref = torch.log_softmax(model(**inputs).logits[0, -1], -1)
+            wrong = torch.log_softmax(model(**causal).logits[0, -1], -1)
+        assert len(got) >= 5
+        for token, lp in got.items():
+            value = lp.logprob if hasattr(lp, "logprob") else lp
+            assert math.isclose(value, ref[token].item(), abs_tol=1e-4)
+        assert (ref - wrong).abs().max().item() > 1e-2  # the mask matters for this prompt
+    assert_pool_clean(llm.llm_engine)
+
+
+def test_prefix_cache_hits_through_and_into_images(ckpt: str) -> None:
+    llm = LLM(ckpt, dtype="float32", num_gpu_blocks=64, block_size=8)
+    engine = llm.llm_engine
+    prompt, specs = CASES[0]
+    first = llm.generate(engine_prompt(prompt, specs), GREEDY, use_tqdm=False)[0]
+    again = llm.generate(engine_prompt(prompt, specs), GREEDY, use_tqdm=False)[0]
+    n = len(first.prompt_token_ids)
+    assert first.num_cached_tokens == 0
+    assert again.num_cached_tokens == (n - 1) // 8 * 8  # every full block, through the image
+    eos = engine.eos_token_ids[0]
+    assert strip_eos(list(again.outputs[0].token_ids), eos) == hf_greedy(ckpt, prompt, specs)
+    assert engine.runner.num_encoder_runs == 1  # the hit covered the image
+    # The same image, other text after it: the hit ends inside the image, whose cached K/V
+    # were computed with the whole image; the rest of the image runs in one chunk.
+    image_id = engine.kind.image_token_id
+    offset = first.prompt_token_ids.index(image_id)
+    tail = ("USER: <start_of_image> who is this? ASSISTANT:", specs)
+    third = llm.generate(engine_prompt(*tail), GREEDY, use_tqdm=False)[0]
+    assert offset < third.num_cached_tokens < offset + TOKENS_PER_IMAGE
+    assert strip_eos(list(third.outputs[0].token_ids), eos) == hf_greedy(ckpt, *tail)
+    assert_pool_clean(engine)
+
+
+def test_preempting_pool_recomputes_images(ckpt: str) -> None:
+    llm = LLM(
+        ckpt,
+        dtype="float32",
+        num_gpu_blocks=10,
+        block_size=8,
+        max_model_len=72,
+        max_num_batched_tokens=32,
+        enable_prefix_caching=False,
+    )
+    # This order makes the one-image prompt the victim after its image was computed.
+    cases = [CASES[i] for i in (2, 0, 3, 1)]
+    assert run(llm, cases) == [hf_greedy(ckpt, *c) for c in cases]
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    # A preempted request lost its K/V: its image was embedded again when it came back.
+    assert llm.llm_engine.runner.num_encoder_runs > 4
+    assert_pool_clean(llm.llm_engine)
+
+
+def test_image_longer_than_the_budget_is_refused(ckpt: str) -> None:
+    llm = LLM(
+        ckpt, dtype="float32", num_gpu_blocks=16, block_size=8, max_model_len=64,
+        max_num_batched_tokens=12,
+    )
+    with pytest.raises(ValueError, match="max_num_batched_tokens=12"):
+        llm.generate(engine_prompt(*CASES[0]), GREEDY, use_tqdm=False)
+    assert run(llm, CASES[2:3]) == [hf_greedy(ckpt, *CASES[2])]  # text still runs, chunked
+
+
+def v4_name(ours: str) -> str:
+    """Published Gemma 3 checkpoints (transformers 4.x)."""
+    if ours.startswith("vision_tower."):
+        return "vision_tower.vision_model." + ours[len("vision_tower.") :]
+    if ours.startswith(("model.", "lm_head.")):
+        return "language_model." + ours
+    return ours
+
+
+def v5_name(ours: str) -> str:
+    """transformers 5.x's module names."""
+    if ours.startswith("model."):
+        return "model.language_model." + ours[len("model.") :]
+    if ours.startswith(("vision_tower.", "multi_modal_projector.")):
+        return "model." + ours
+    return ours
+
+
+@pytest.mark.parametrize("rename", [v4_name, v5_name], ids=["4.x", "5.x"])
+def test_checkpoint_layouts_load(ckpt: str, tmp_path: Any, rename: Any) -> None:
+    """Either layout's names load into the same model: same greedy tokens."""
+    import shutil
+
+    moved = tmp_path / "moved"
+    shutil.copytree(ckpt, moved)
+    renamed = {}
+    for name, tensor in load_file(str(moved / "model.safetensors")).items():
+        ours = checkpoint_name(name)
+        new = rename(ours)
+        assert checkpoint_name(new) == ours
+        renamed[new] = tensor
+    assert len({n.split(".")[0] for n in renamed}) >= (2 if rename is v5_name else 3)
+    save_file(renamed, str(moved / "model.safetensors"), metadata={"format": "pt"})
+    llm = LLM(str(moved), dtype="float32", num_gpu_blocks=16, block_size=8, max_model_len=128)
+    assert run(llm, CASES[:1]) == [hf_greedy(ckpt, *CASES[0])]
