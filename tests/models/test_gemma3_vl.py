@@ -48,9 +48,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @cache
 def hf_parts(path: str) -> tuple[Any, Any]:
-    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(
-        path, dtype=torch.float32
-    )
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
     processor = transformers.AutoProcessor.from_pretrained(path, backend="pil")
     return model.eval(), processor
 
@@ -190,7 +188,11 @@ def test_preempting_pool_recomputes_images(ckpt: str) -> None:
 
 def test_image_longer_than_the_budget_is_refused(ckpt: str) -> None:
     llm = LLM(
-        ckpt, dtype="float32", num_gpu_blocks=16, block_size=8, max_model_len=64,
+        ckpt,
+        dtype="float32",
+        num_gpu_blocks=16,
+        block_size=8,
+        max_model_len=64,
         max_num_batched_tokens=12,
     )
     with pytest.raises(ValueError, match="max_num_batched_tokens=12"):

@@ -177,9 +177,7 @@ class TorchAttentionImpl:
                 keys = key_cache.index_select(0, table).flatten(0, 1)[:n_keys]
                 values = value_cache.index_select(0, table).flatten(0, 1)[:n_keys]
             spans = all_spans[i] if i < len(all_spans) else ()
-            output[start:end] = self._attend(
-                q[start:end], keys, values, ctx_len, key_offset, spans
-            )
+            output[start:end] = self._attend(q[start:end], keys, values, ctx_len, key_offset, spans)
             start = end
 
     def _prefill_packed(
