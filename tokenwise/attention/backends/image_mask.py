@@ -26,8 +26,8 @@ def same_span(q_pos: torch.Tensor, k_pos: torch.Tensor, spans: Sequence[Span]) -
     `q_pos` broadcasts as `[..., q, 1]` and `k_pos` as `[..., 1, k]`, so one call serves a
     single sequence's mask and a padded batch row alike.
     """
-    out = torch.zeros(torch.broadcast_shapes(q_pos.shape, k_pos.shape), dtype=torch.bool)
-    out = out.to(q_pos.device)
+    shape = torch.broadcast_shapes(q_pos.shape, k_pos.shape)
+    out = torch.zeros(shape, dtype=torch.bool, device=q_pos.device)
     for start, end in spans:
         out |= (q_pos >= start) & (q_pos < end) & (k_pos >= start) & (k_pos < end)
     return out
