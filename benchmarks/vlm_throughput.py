@@ -1,7 +1,7 @@
-"""Throughput of a batch of image prompts on a LLaVA or Qwen2.5-VL checkpoint: images/s and
-output tok/s.
+"""Throughput of a batch of image prompts on a LLaVA, Qwen2.5-VL or Gemma 3 checkpoint:
+images/s and output tok/s.
 
-    python benchmarks/vlm_throughput.py [--model PATH] [--arch llava|qwen2_5_vl]
+    python benchmarks/vlm_throughput.py [--model PATH] [--arch llava|qwen2_5_vl|gemma3]
         [--num-requests 32] [--distinct-images 8] [--max-tokens 32]
         [--max-num-batched-tokens 2048]
 
@@ -18,7 +18,11 @@ Llama configuration and tokenizer (hidden 256, 4 layers) with an `<image>` token
 `--arch qwen2_5_vl` builds a random Qwen2.5-VL instead: a windowed ViT in 14x14 patches
 (hidden 384, 8 blocks, full attention in blocks 3 and 7, 112-pixel windows) whose 300x400
 images become 22x28 patches, 154 tokens, and a Qwen2 decoder of the built-in model's sizes with
-M-RoPE. Weights are random: the figures are the engine's cost, not the answers' quality.
+M-RoPE. `--arch gemma3` builds a random Gemma 3: a SigLIP ViT of 224x224 images in 14x14
+patches (hidden 384, 6 layers) pooled to 64 tokens per image, and a Gemma 3 text model of the
+built-in model's sizes (sliding window 512 in five of every six layers; image tokens attend to
+each other both ways, and no chunk cuts an image). Weights are random: the figures are the
+engine's cost, not the answers' quality.
 """
 
 from __future__ import annotations
@@ -133,10 +137,71 @@ def build_random_qwen2_5_vl(out_dir: str) -> str:
     return out_dir
 
 
-BUILDERS = {"llava": build_random_llava, "qwen2_5_vl": build_random_qwen2_5_vl}
+def build_random_gemma3(out_dir: str) -> str:
+    import torch
+    import transformers
+
+    from tokenwise.default_model import resolve_model_path
+
+    base = resolve_model_path(None)
+    names = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>"}
+    names["eoi_token"] = "<end_of_image>"
+    tok = transformers.AutoTokenizer.from_pretrained(base, extra_special_tokens=names)
+    tok.add_special_tokens({"extra_special_tokens": list(names.values())})
+    llama = transformers.AutoConfig.from_pretrained(base)
+    heads = llama.num_attention_heads
+    text = transformers.Gemma3TextConfig(
+        hidden_size=llama.hidden_size,
+        intermediate_size=llama.intermediate_size,
+        num_hidden_layers=llama.num_hidden_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=llama.num_key_value_heads,
+        head_dim=llama.hidden_size // heads,
+        vocab_size=len(tok),
+        max_position_embeddings=llama.max_position_embeddings,
+        sliding_window=512,
+        bos_token_id=llama.bos_token_id,
+        eos_token_id=llama.eos_token_id,
+    )
+    vision = transformers.SiglipVisionConfig(
+        image_size=224,
+        patch_size=14,
+        hidden_size=384,
+        intermediate_size=1536,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        vision_use_head=False,
+    )
+    ids = {key: tok.convert_tokens_to_ids(t) for key, t in names.items()}
+    config = transformers.Gemma3Config(
+        vision_config=vision,
+        text_config=text,
+        mm_tokens_per_image=64,
+        image_token_index=ids["image_token"],
+        boi_token_index=ids["boi_token"],
+        eoi_token_index=ids["eoi_token"],
+    )
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    torch.manual_seed(0)
+    transformers.Gemma3ForConditionalGeneration(config).save_pretrained(out_dir)
+    processor = transformers.Gemma3Processor(
+        image_processor=transformers.Gemma3ImageProcessorPil(size={"height": 224, "width": 224}),
+        tokenizer=tok,
+        image_seq_length=64,
+    )
+    processor.save_pretrained(out_dir)
+    return out_dir
+
+
+BUILDERS = {
+    "llava": build_random_llava,
+    "qwen2_5_vl": build_random_qwen2_5_vl,
+    "gemma3": build_random_gemma3,
+}
 IMAGE_PLACEHOLDER = {
     "llava": "<image>\n",
     "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "gemma3": "<start_of_image>",
 }
 
 
