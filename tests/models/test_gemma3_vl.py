@@ -122,9 +122,17 @@ def test_mixed_batch_equals_hf(ckpt: str, budget: int) -> None:
     assert_pool_clean(llm.llm_engine)
 
 
-def test_first_logprobs_equal_hf_and_need_the_image_mask(ckpt: str) -> None:
+@pytest.mark.parametrize("prefill", ["per_sequence", "packed"])
+def test_first_logprobs_equal_hf_and_need_the_image_mask(
+    ckpt: str, prefill: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The engine's logprobs of the first generated token equal HF's (1e-4); HF without its
-    image mask (token_type_ids dropped: causal over the images) is off by far more."""
+    image mask (token_type_ids dropped: causal over the images) is off by far more. "packed"
+    forces the GPU's one-call prefill on CPU."""
+    if prefill == "packed":
+        from tokenwise.attention.backends.torch_backend import TorchAttentionImpl
+
+        monkeypatch.setattr(TorchAttentionImpl, "_prefill", TorchAttentionImpl._prefill_packed)
     llm = LLM(ckpt, dtype="float32", num_gpu_blocks=64, block_size=8, max_num_batched_tokens=24)
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
     model, _ = hf_parts(ckpt)

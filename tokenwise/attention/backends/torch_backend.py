@@ -30,7 +30,8 @@ from torch.nn.attention.bias import causal_lower_right
 
 from tokenwise.attention.backends import cpu_kernels
 from tokenwise.attention.backends.encoder_only import encoder_only_attention
-from tokenwise.attention.backends.image_mask import Span, same_span, visible_keys
+from tokenwise.attention.backends.image_mask import Span, visible_keys
+from tokenwise.attention.backends.packed_prefill import packed_prefill
 from tokenwise.attention.backends.paged_reference import paged_decode_reference
 from tokenwise.attention.backends.single_sequence import single_sequence_attention
 from tokenwise.attention.backends.softcap import causal_mask, soft_cap, softcapped_attention
@@ -190,62 +191,19 @@ class TorchAttentionImpl:
         md: AttentionMetadata,
         output: torch.Tensor,
     ) -> None:
-        """Every prefill of the step in one SDPA call (the GPU path; `_prefill` on CPU).
-
-        Per-sequence calls cost ~10 kernel launches each, per layer: on an H100 a step with
-        16 prefills spent 436 ms of CPU in attention for 28 layers. Here queries are padded into
-        `[prefills, longest query]`, keys gathered from the cache (this step's were written
-        there first) through the block tables, and one mask per sequence says which keys each
-        query sees: causal from its position, inside the sliding window, within the sequence.
-        Padded query rows see key 0 only (never an empty row) and are dropped.
-        """
-        num, block_size, dev = md.num_prefills, md.block_size, q.device
-        q_lens = torch.tensor(md.query_lens[:num], device=dev)
-        ctx = torch.tensor(md.context_lens[:num], device=dev)
-        key_offset = torch.tensor(md.block_table_first_block[:num], device=dev) * block_size
-        n_keys = ctx + q_lens - key_offset
-        max_q = max(md.query_lens[:num])
-        tables = md.block_tables[:num].to(torch.int64)
-        width = tables.shape[1] * block_size
-        flat = tables.reshape(-1)
-        shape = (num, width, self.num_kv_heads, self.head_size)
-        keys = key_cache.index_select(0, flat).view(shape).transpose(1, 2)
-        values = value_cache.index_select(0, flat).view(shape).transpose(1, 2)
-        # Query token t of sequence s goes to row s * max_q + (t - start of s).
-        starts = torch.cumsum(q_lens, 0) - q_lens
-        owner = torch.repeat_interleave(torch.arange(num, device=dev), q_lens)
-        local = torch.arange(q.shape[0], device=dev) - starts[owner]
-        rows = owner * max_q + local
-        padded = q.new_zeros(num * max_q, self.num_heads, self.head_size)
-        padded.index_copy_(0, rows, q)
-        i = torch.arange(max_q, device=dev)[None, :, None]
-        j = torch.arange(width, device=dev)[None, None, :]
-        q_pos = ctx[:, None, None] + i
-        k_pos = key_offset[:, None, None] + j
-        seen = k_pos <= q_pos
-        spans = md.bidirectional_spans
-        if spans and any(spans[:num]):  # Gemma 3: an image's tokens see each other
-            seen |= torch.stack([same_span(q_pos[r], k_pos[r], spans[r]) for r in range(num)])
-        mask = (j < n_keys[:, None, None]) & seen
-        if self.sliding_window is not None:
-            mask &= k_pos > q_pos - self.sliding_window
-        mask |= (i >= q_lens[:, None, None]) & (j == 0)
-        queries = padded.view(num, max_q, self.num_heads, self.head_size).transpose(1, 2)
-        if self.logits_soft_cap:
-            out = softcapped_attention(
-                queries, keys, values, scale=self.scale, softcap=self.logits_soft_cap, mask=mask
-            )
-        else:
-            out = F.scaled_dot_product_attention(
-                queries,
-                keys,
-                values,
-                attn_mask=mask[:, None],
-                scale=self.scale,
-                enable_gqa=self.group > 1,
-            )
-        out = out.transpose(1, 2).reshape(num * max_q, self.num_heads, self.head_size)
-        output[: q.shape[0]] = out.index_select(0, rows)
+        """Every prefill of the step in one SDPA call (the GPU path; `_prefill` on CPU):
+        `packed_prefill.py` (this step's K/V are in the cache already)."""
+        packed_prefill(
+            q,
+            key_cache,
+            value_cache,
+            md,
+            output,
+            num_kv_heads=self.num_kv_heads,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+            softcap=self.logits_soft_cap,
+        )
 
     def _attend(
         self,
