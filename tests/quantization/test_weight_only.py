@@ -52,9 +52,15 @@ def test_kernel_matches_the_reference_at_every_row_count(
 
 
 @pytest.mark.parametrize(("bits", "symmetric"), FORMATS)
-def test_bf16_activations_are_as_close_as_bf16_allows(bits: int, symmetric: bool) -> None:
-    """bf16 x runs the integer path: x as int16 per group (an error of at most 2^-16 of the
-    group's largest value), sums in int32, one bf16 rounding at the end."""
+def test_bf16_activations_are_as_close_as_bf16_allows(
+    bits: int, symmetric: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 x with TOKENWISE_CPU_QUANT_ACTIVATIONS=int16 runs the int16 path: x as int16 per
+    group (an error of at most 2^-16 of the group's largest value), sums in int32, one bf16
+    rounding at the end. (The default int8 path: test_qgemv_activations.py.)"""
+    monkeypatch.setenv(cpu_qgemv.ACTIVATIONS_ENV, "int16")
+    cpu_qgemv.activation_bits.cache_clear()
+    monkeypatch.setattr(cpu_qgemv, "activation_bits", lambda: 16)
     qw = quantize(_weight(64, 128), bits, 32, symmetric)
     dense = reference_dequantize(qw)
     for rows in (1, 3, 8):

@@ -35,6 +35,7 @@ from tokenwise.entrypoints.beam_search import (
     top_logprobs,
 )
 from tokenwise.layers.fused_moe.experts import grouped_mm_available
+from tokenwise.layers.quantization import cpu_qgemv
 from tokenwise.lora.request import LoRARequest
 from tokenwise.model_config import ModelConfig
 from tokenwise.models.registry import (
@@ -162,11 +163,13 @@ def build_engine_config(
         skip_tokenizer_init=skip_tokenizer_init,
         quantization=quantization,
     )
-    if uses_cpu_kernels(model_config.quantization, device) and not enforce_eager:
-        raise ValueError(
-            f"quantization={model_config.quantization!r} runs its CPU kernels eagerly "
-            "(torch.compile does not trace them): leave enforce_eager at its default or True"
-        )
+    if uses_cpu_kernels(model_config.quantization, device):
+        if not enforce_eager:
+            raise ValueError(
+                f"quantization={model_config.quantization!r} runs its CPU kernels eagerly "
+                "(torch.compile does not trace them): leave enforce_eager at its default or True"
+            )
+        cpu_qgemv.activation_bits()  # a bad TOKENWISE_CPU_QUANT_ACTIVATIONS fails here
     model_config.task = resolve_task(task, model_config.architectures)
     if model_config.is_pooling:
         model_config.pooler_config = resolve_pooler_config(

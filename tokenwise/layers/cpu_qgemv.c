@@ -46,13 +46,18 @@ typedef struct {
     int64_t K, G, N;
     const float *xf;
     const int16_t *xq;
+    const int8_t *xq8;
+    const int32_t *xcorr;
     const float *xs, *xsum;
     const void *bias;
     void *y;
     int ybf16;
+    int64_t ng;     /* groups per row */
+    int x8_tshift; /* the int8-activation path's parameter layout (cpu_qgemv_x8.h) */
 } qctx;
 
 #include "cpu_qgemv_x16.h"
+#include "cpu_qgemv_x8.h"
 
 #if defined(TW_AVX512)
 INLINE void qblock512(const qctx *c, int64_t n, float *t, const int R, const int M) {
@@ -251,6 +256,13 @@ static void qblock_scalar(const qctx *c, int64_t n, float *t, int R, int M) {
 
 static void run_rows(const qctx *c, int64_t n0, int64_t n1, int Mr) {
 #if defined(TW_AVX512) || defined(TW_AVX2)
+    if (c->xq8) {
+        if (c->bits == 8)
+            SWITCH_M(q8x8_block, X16R_FOR)
+        else
+            SWITCH_M(q4x8_block, X16R_FOR)
+        return;
+    }
     if (c->xq) {
         if (c->bits == 8) {
             SWITCH_M(q8x16_block, X16R_FOR)
@@ -281,19 +293,39 @@ static int check_shape(int64_t N, int64_t K, int bits, int64_t G) {
     int64_t n0 = tid * per, n1 = n0 + per < (N) ? n0 + per : (N);
 
 /* y[M, N] = x[M, K] @ dequant(q)^T (+ bias[N]); x, bias and y of one dtype (bf16 when `xbf16`).
- * bf16 x takes the integer path (cpu_qgemv_x16.h) where the groups allow it.
+ * bf16 x takes an integer path where the groups allow it: x as int8 per 32 values when
+ * `xbits` is 8 (cpu_qgemv_x8.h), else as int16 per group (cpu_qgemv_x16.h).
  * Returns 0; -1 for bad sizes; -2 when a copy of x cannot be allocated. */
 int tw_qgemv(const void *x, const uint8_t *q, const void *sc, const void *of,
              const void *bias, void *y, int64_t M, int64_t N, int64_t K, int bits, int64_t G,
-             int sf32, int xbf16, int num_threads) {
+             int sf32, int xbf16, int xbits, int num_threads) {
     if (M < 1 || M > MAX_M || check_shape(N, K, bits, G)) return -1;
     float *widened;
     const float *xf = x_as_f32(x, M * K, xbf16, &widened);
     if (!xf) return -2;
-    qctx c = {q, sc, of, bits, sf32, K, G, N, xf, NULL, NULL, NULL, bias, y, xbf16};
+    qctx c = {q, sc, of, bits, sf32, K, G, N, xf, NULL, NULL, NULL, NULL, NULL, bias, y, xbf16,
+              K / G, -1};
     void *x16 = NULL;
 #if defined(TW_AVX512) || defined(TW_AVX2)
-    if (xbf16 && G % 32 == 0 && G <= X16_MAX_GROUP) {
+    if (xbf16 && xbits == 8 && x8_fits(bits, K, G)) {
+        const int64_t nb = K / X8_BLOCK;
+        /* int8 x, then (4-byte aligned: M * K is a multiple of 64) the lanes' corrections and
+         * the blocks' scales and scaled sums */
+        x16 = malloc((size_t)(M * K) + (size_t)(M * K / 4) * sizeof(int32_t) +
+                     (size_t)(2 * M * nb) * sizeof(float));
+        if (!x16) {
+            free(widened);
+            return -2;
+        }
+        int32_t *corr = (int32_t *)((int8_t *)x16 + M * K);
+        float *xs = (float *)(corr + M * K / 4);
+        quantize_x8(xf, M, K, bits, of != NULL, (int8_t *)x16, xs, xs + M * nb, corr);
+        c.xq8 = (const int8_t *)x16;
+        c.xcorr = corr;
+        c.xs = xs;
+        c.xsum = xs + M * nb;
+        x8_setup(&c);
+    } else if (xbf16 && G % 32 == 0 && G <= X16_MAX_GROUP) {
         const int64_t ng = K / G;
         x16 = malloc((size_t)(M * K) * sizeof(int16_t) + (size_t)(2 * M * ng) * sizeof(float));
         if (!x16) {

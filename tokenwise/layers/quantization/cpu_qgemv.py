@@ -1,7 +1,11 @@
 """The C kernels of group-quantized linear layers on CPU (`cpu_qgemv.c`), loaded through ctypes.
 
 `tw_qgemv` multiplies up to 8 rows of activations by int8 or int4 weights, widening each group
-in registers (decode: bound by reading the weights, so fewer bytes per weight is faster);
+in registers (decode: bound by reading the weights, so fewer bytes per weight is faster).
+bfloat16 activations run on integers: by default quantized to int8 per 32 values, llama.cpp's
+arithmetic for its Q8_0 / Q4_0 dot products (`TOKENWISE_CPU_QUANT_ACTIVATIONS=int16` keeps 16
+bits instead: 1/65534 of a group's largest value rather than 1/254, and 1.3-1.8x slower on
+AVX512_VNNI); float32 activations always take the exact float path;
 `tw_qdequant` writes the dense weights for larger row counts (prefill), which then run through
 torch's matmul. Built at first use for this CPU by `native_build`, like `cpu_gemv`, and used
 under the same conditions (libgomp, so the kernel runs on torch's OpenMP threads). Where it is
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import subprocess
 from functools import cache
 from pathlib import Path
@@ -25,6 +30,8 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent.parent / "cpu_qgemv.c"
 MAX_ROWS = 8
 ISA_NAMES = {0: "plain C", 1: "AVX2", 2: "AVX-512"}
+ACTIVATIONS_ENV = "TOKENWISE_CPU_QUANT_ACTIVATIONS"
+ACTIVATION_BITS = {"int8": 8, "int16": 16}
 
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
@@ -42,21 +49,41 @@ def load() -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("no C compiler found: quantized layers dequantize with torch ops")
         return None
-    flags = [*native_build.BASE_FLAGS, "-fopenmp"]
     try:
-        lib = ctypes.CDLL(str(native_build.build(compiler, SOURCE, "qgemv", flags)))
+        lib = open_library(native_build.build(compiler, SOURCE, "qgemv", flags()))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         logger.warning("quantized CPU linear kernel build failed, using torch ops: %s", detail)
         return None
+    logger.info("quantized CPU linear kernel built for %s", ISA_NAMES.get(lib.tw_qgemv_isa()))
+    return lib
+
+
+def flags() -> list[str]:
+    return [*native_build.BASE_FLAGS, "-fopenmp"]
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """The built kernels at `path`, their functions typed."""
+    lib = ctypes.CDLL(str(path))
     lib.tw_qgemv_isa.restype = _INT
     lib.tw_qgemv.restype = _INT
     lib.tw_qgemv.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT, _I64]
-    lib.tw_qgemv.argtypes += [_INT, _INT, _INT]
+    lib.tw_qgemv.argtypes += [_INT, _INT, _INT, _INT]
     lib.tw_qdequant.restype = _INT
     lib.tw_qdequant.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _INT, _I64, _INT, _INT, _INT]
-    logger.info("quantized CPU linear kernel built for %s", ISA_NAMES.get(lib.tw_qgemv_isa()))
     return lib
+
+
+@cache
+def activation_bits() -> int:
+    """The bits bfloat16 activations are quantized to (`TOKENWISE_CPU_QUANT_ACTIVATIONS`)."""
+    name = os.environ.get(ACTIVATIONS_ENV, "int8").strip().lower()
+    if name not in ACTIVATION_BITS:
+        raise ValueError(
+            f"{ACTIVATIONS_ENV} must be one of {', '.join(ACTIVATION_BITS)}, got {name!r}"
+        )
+    return ACTIVATION_BITS[name]
 
 
 def _ptr(tensor: torch.Tensor | None) -> int | None:
@@ -73,9 +100,11 @@ def qgemv(
     bits: int,
     group_size: int,
     out_features: int,
+    x_bits: int | None = None,
 ) -> torch.Tensor:
     """`x @ dequant(W)^T + bias` for x of at most `MAX_ROWS` rows (over its last dim), x float32
-    or bfloat16 (bias of x's dtype); all tensors contiguous CPU tensors."""
+    or bfloat16 (bias of x's dtype); all tensors contiguous CPU tensors. `x_bits` (8 or 16,
+    default `activation_bits()`) is what bfloat16 x is quantized to where the shapes allow."""
     k = x.shape[-1]
     rows = x.numel() // k
     x2 = x.reshape(rows, k)
@@ -98,6 +127,7 @@ def qgemv(
         group_size,
         int(scales.dtype == torch.float32),
         int(x.dtype == torch.bfloat16),
+        activation_bits() if x_bits is None else x_bits,
         torch.get_num_threads(),
     )
     if status != 0:

@@ -1,0 +1,159 @@
+"""bfloat16 activations in the quantized CPU kernel: int8 per 32 values (llama.cpp's arithmetic,
+the default) or int16 per group, on every vector path this CPU can build.
+
+The int8 path must compute exactly the dot product of the dequantized weights with x rounded
+to int8 per block of 32 (scale max|x| / 127, round half to even): that reference is written
+here from the definition with torch ops, so only float summation order and the final bf16
+rounding separate it from the kernel.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenwise.layers import native_build
+from tokenwise.layers.quantization import cpu_qgemv
+from tokenwise.layers.quantization.weight_only import quantize, reference_dequantize
+
+FORMATS = [(8, True), (8, False), (4, True), (4, False)]
+# The narrower builds a CPU with fewer extensions gets: no VNNI (byte products through
+# vpmaddubsw, int8 weights by the sign trick), AVX2 with AVX-VNNI, plain AVX2.
+VARIANTS = {
+    "native": [],
+    "avx512-no-vnni": ["-mno-avx512vnni", "-mno-avxvnni"],
+    "avx2-vnni": ["-mno-avx512f"],
+    "avx2": ["-mno-avx512f", "-mno-avxvnni", "-mno-avx512vnni"],
+}
+EXPECTED_ISA = {"avx512-no-vnni": 2, "avx2-vnni": 1, "avx2": 1}
+
+
+@pytest.fixture(scope="module")
+def native():
+    lib = cpu_qgemv.load()
+    if lib is None or lib.tw_qgemv_isa() == 0:
+        pytest.skip("no vector build of the quantized kernel here (no compiler, AVX2 or libgomp)")
+    return lib
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def lib(request, native):
+    if request.param == "native":
+        return native
+    flags = [*cpu_qgemv.flags(), *VARIANTS[request.param]]
+    path = native_build.build(native_build.find_compiler(), cpu_qgemv.SOURCE, "qgemv", flags)
+    variant = cpu_qgemv.open_library(path)
+    if variant.tw_qgemv_isa() != EXPECTED_ISA[request.param]:
+        pytest.skip(f"this CPU has no {request.param} path")
+    return variant
+
+
+def _weight(n: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) + 0.01
+
+
+def _x(rows: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 4
+    x[0, 5] = 0.0
+    if k >= 64:
+        x[:, 32:64] = 0.0  # an all-zero block: scale 0
+    return x.to(torch.bfloat16)
+
+
+def _int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel sees it on the int8 path: per 32 values, round(x * 127 / max|x|) * scale."""
+    rows, k = x.shape
+    blocks = x.float().reshape(rows, k // 32, 32)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    # full_like: torch computes `scalar / tensor` through a reciprocal, not rounded as C does
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv)  # half to even, as the kernel's lrintf
+    assert q.abs().max() <= 127
+    return (q * (amax / torch.full_like(amax, 127.0))).reshape(rows, k)
+
+
+def _close_to(out: torch.Tensor, x_used: torch.Tensor, dense: torch.Tensor, bias) -> None:
+    expected = x_used.double() @ dense.double().T + (0 if bias is None else bias.double())
+    magnitude = x_used.double().abs() @ dense.double().abs().T
+    # float32 summation over K terms, then one bf16 rounding of the result.
+    allowed = expected.abs() * 2**-8 + magnitude * 1e-5 + 1e-6
+    assert out.dtype == torch.bfloat16
+    assert ((out.double() - expected).abs() <= allowed).all()
+
+
+@pytest.mark.parametrize(("bits", "symmetric"), FORMATS)
+@pytest.mark.parametrize(("k", "group"), [(256, 32), (640, 64), (768, 128), (512, 256)])
+def test_int8_path_is_the_product_with_int8_rounded_x(
+    lib, bits: int, symmetric: bool, k: int, group: int
+) -> None:
+    """K 640 and 768 end in a part-filled chunk of blocks; groups of 64-256 spread one scale
+    over several blocks of x. 67 weight rows: blocks of 4 rows, then single ones."""
+    qw = quantize(_weight(67, k, seed=k + bits), bits, group, symmetric)
+    dense = reference_dequantize(qw)
+    bias = torch.randn(67).to(torch.bfloat16)
+    for rows in (1, 2, 3, 5, 8):
+        x = _x(rows, k, seed=rows)
+        for b in (None, bias):
+            args = (qw.qweight, qw.scales, qw.offsets, b, bits, group, 67)
+            out = cpu_qgemv.qgemv(lib, x, *args, x_bits=8)
+            _close_to(out, _int8_rounded(x), dense, None if b is None else b.float())
+
+
+@pytest.mark.parametrize(("bits", "symmetric"), FORMATS)
+def test_int8_path_error_is_what_int8_x_allows(lib, bits: int, symmetric: bool) -> None:
+    """Against the exact float product the int8 path is off by x's rounding (half a step of
+    max|x| / 127 per block) and no more; the int16 path by 1/256 of that."""
+    qw = quantize(_weight(40, 512, seed=3), bits, 32, symmetric)
+    dense = reference_dequantize(qw).double()
+    x = _x(4, 512, seed=9)
+    exact = x.double() @ dense.T
+    step = x.float().reshape(4, 16, 32).abs().amax(-1, keepdim=True).expand(4, 16, 32) / 127
+    x_err = (step.reshape(4, 512).double() / 2) @ dense.abs().T
+    for x_bits, scale in ((8, 1.0), (16, 1 / 256)):
+        args = (qw.qweight, qw.scales, qw.offsets, None, bits, 32, 40)
+        out = cpu_qgemv.qgemv(lib, x, *args, x_bits=x_bits).double()
+        allowed = exact.abs() * 2**-8 + x_err * scale + 1e-5
+        assert ((out - exact).abs() <= allowed).all()
+    # and the int8 path really is coarser: its error exceeds the int16 bound somewhere.
+    out8 = cpu_qgemv.qgemv(lib, x, *args, x_bits=8).double()
+    assert ((out8 - exact).abs() > exact.abs() * 2**-8 + x_err / 256 + 1e-5).any()
+
+
+@pytest.mark.parametrize(("bits", "k"), [(4, 96), (8, 48)])
+def test_shapes_the_int8_path_cannot_take_keep_int16(lib, bits: int, k: int) -> None:
+    """int4 rows that are not whole 128-value steps (64 on AVX2), and int8 groups of 16, go to
+    the int16 path even when int8 is asked for: int16's error bound holds."""
+    group = 32 if bits == 4 else 16
+    qw = quantize(_weight(20, k, seed=1), bits, group, True)
+    dense = reference_dequantize(qw)
+    x = _x(3, k, seed=2)
+    args = (qw.qweight, qw.scales, qw.offsets, None, bits, group, 20)
+    out8 = cpu_qgemv.qgemv(lib, x, *args, x_bits=8)
+    out16 = cpu_qgemv.qgemv(lib, x, *args, x_bits=16)
+    assert torch.equal(out8, out16)
+    _close_to(out8, x.float(), dense, None)
+
+
+def test_float32_x_stays_exact(native) -> None:
+    qw = quantize(_weight(33, 256, seed=4), 4, 32, True)
+    x = _x(2, 256, seed=5).float()
+    out = cpu_qgemv.qgemv(native, x, qw.qweight, qw.scales, None, None, 4, 32, 33, x_bits=8)
+    torch.testing.assert_close(out, x @ reference_dequantize(qw).T, rtol=1e-5, atol=1e-5)
+
+
+def test_activation_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu_qgemv.activation_bits.cache_clear()
+    try:
+        monkeypatch.delenv(cpu_qgemv.ACTIVATIONS_ENV, raising=False)
+        assert cpu_qgemv.activation_bits() == 8
+        cpu_qgemv.activation_bits.cache_clear()
+        monkeypatch.setenv(cpu_qgemv.ACTIVATIONS_ENV, "int16")
+        assert cpu_qgemv.activation_bits() == 16
+        cpu_qgemv.activation_bits.cache_clear()
+        monkeypatch.setenv(cpu_qgemv.ACTIVATIONS_ENV, "fp8")
+        with pytest.raises(ValueError, match="TOKENWISE_CPU_QUANT_ACTIVATIONS.*int8, int16"):
+            cpu_qgemv.activation_bits()
+    finally:
+        cpu_qgemv.activation_bits.cache_clear()
