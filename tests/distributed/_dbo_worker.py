@@ -91,14 +91,15 @@ def _run(rank: int, port: int, path: str) -> dict[str, Any]:
         os.environ["TOKENWISE_DBO_SEQUENTIAL"] = sequential
         logits_of_step.clear()
         split_steps.clear()
-        outputs: dict[str, list[int]] = {}
+        outputs: dict[str, list[int]] = {}  # steps return the tokens new since the last
+        finished = 0
         for i, p in enumerate(my_prompts):
             engine.add_request(f"{mode}-{i}", p, params)
         for _ in range(50):  # collect each request's tokens as the engine finishes it
             for out in _step_all(engine, get_dp_group(), traces, runner):
-                if out.finished:
-                    outputs[out.request_id] = out.outputs[0].token_ids
-            if len(outputs) == len(my_prompts):
+                outputs.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+                finished += int(out.finished)
+            if finished == len(my_prompts):
                 break
         else:
             raise RuntimeError(f"{mode}: requests still unfinished after 50 steps")
