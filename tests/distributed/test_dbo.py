@@ -13,11 +13,13 @@ from tokenwise.distributed.dbo import (
     DualBatchRunner,
     collective_delay_s,
     dbo_current_ubatch,
+    dbo_timeout_s,
     dbo_yield,
     wait_collective,
 )
 from tokenwise.entrypoints.engine_args import add_engine_args, engine_kwargs
 from tokenwise.entrypoints.llm import build_engine_config
+from tokenwise.runner.ubatch_runner import dbo_sequential
 
 
 def _segments(log: list[tuple[int, int]], active: list[int], n: int) -> Any:
@@ -78,8 +80,14 @@ def test_a_failure_before_the_first_yield_never_starts_the_other() -> None:
 
 
 def test_a_turn_held_too_long_is_a_timeout_naming_the_waiting_micro_batch() -> None:
-    with pytest.raises(TimeoutError, match=r"micro-batch 1 on DP rank 0 waited more than 0.2s"):
-        DualBatchRunner(2, timeout_s=0.2).run([lambda: time.sleep(0.6), lambda: None])
+    # 0.6 s: past micro-batch 1's 0.3 s bound, within the step's 3 x 0.3 s one.
+    with pytest.raises(TimeoutError, match=r"micro-batch 1 on DP rank 0 waited more than 0.3s"):
+        DualBatchRunner(2, timeout_s=0.3).run([lambda: time.sleep(0.6), lambda: None])
+
+
+def test_a_segment_that_never_ends_is_abandoned_with_a_timeout() -> None:
+    with pytest.raises(TimeoutError, match=r"micro-batch 0 on DP rank 0 did not finish"):
+        DualBatchRunner(1, timeout_s=0.1).run([lambda: time.sleep(1.0)])
 
 
 class _Work:
@@ -112,11 +120,21 @@ def test_a_collective_that_never_completes_names_itself() -> None:
         wait_collective(_Work(fail=True), time.perf_counter(), "MoE combine")
 
 
-@pytest.mark.parametrize("bad", ["-1", "fast"])
-def test_bad_delay_is_rejected_by_name(monkeypatch: pytest.MonkeyPatch, bad: str) -> None:
-    monkeypatch.setenv("TOKENWISE_MOE_COLLECTIVE_DELAY_MS", bad)
-    with pytest.raises(ValueError, match="TOKENWISE_MOE_COLLECTIVE_DELAY_MS"):
-        collective_delay_s()
+@pytest.mark.parametrize(
+    ("name", "bad", "read"),
+    [
+        ("TOKENWISE_MOE_COLLECTIVE_DELAY_MS", "-1", collective_delay_s),
+        ("TOKENWISE_MOE_COLLECTIVE_DELAY_MS", "fast", collective_delay_s),
+        ("TOKENWISE_DBO_TIMEOUT_S", "0", dbo_timeout_s),
+        ("TOKENWISE_DBO_SEQUENTIAL", "maybe", dbo_sequential),
+    ],
+)
+def test_bad_settings_are_rejected_by_name(
+    monkeypatch: pytest.MonkeyPatch, name: str, bad: str, read: Any
+) -> None:
+    monkeypatch.setenv(name, bad)
+    with pytest.raises(ValueError, match=name):
+        read()
 
 
 def test_enable_dbo_is_an_alias_of_enable_microbatching() -> None:
