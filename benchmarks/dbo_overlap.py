@@ -14,7 +14,10 @@ every step has the same shape), and each step runs in one of three modes:
 
 Each mode runs with the delay and without it. The latency a mode *exposes* is the difference
 of its two step times; the latency *injected* is the delay times the MoE collectives of a step
-(counted); the fraction hidden is 1 - exposed / injected. The six (mode, delay) configurations
+(counted); the fraction hidden is 1 - exposed / injected. The exposed latency is measured two
+ways: from the step times, and from the time the ranks spend inside the collectives' waits
+(less noisy on a shared CPU: another process's burst of compute lengthens a step, but a
+wait only insofar as it delays the peer rank). The six (mode, delay) configurations
 take turns step by step, in a shuffled order each round (the same on both ranks), so a noisy
 neighbour hurts them alike; each figure is the median over rounds. One torch thread per rank.
 """
@@ -99,39 +102,52 @@ def _run_rank(rank: int, port: int, path: str, args: argparse.Namespace) -> dict
         issue(work, what)
 
     moe_dispatch._issued_then_waited = counting
+    waited = [0.0]  # seconds inside the MoE collectives' waits (where the delay shows up)
+    wait = moe_dispatch.wait_collective
+
+    def timed_wait(work: Any, issued_at: float, what: str) -> None:
+        start = time.perf_counter()
+        wait(work, issued_at, what)
+        waited[0] += time.perf_counter() - start
+
+    moe_dispatch.wait_collective = timed_wait
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     g = torch.Generator().manual_seed(rank)
     for i in range(args.batch):
         prompt = torch.randint(3, SHAPE["vocab_size"], (PROMPT_LEN,), generator=g).tolist()
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
 
-    def step(mode: str, delay: float) -> float:
+    def step(mode: str, delay: float) -> tuple[float, float]:
         config.parallel.enable_microbatching = MODES[mode][0]
         os.environ["TOKENWISE_DBO_SEQUENTIAL"] = MODES[mode][1]
         os.environ["TOKENWISE_MOE_COLLECTIVE_DELAY_MS"] = str(delay)
         flags = torch.ones(1, dtype=torch.int32)
         dist.all_reduce(flags, group=get_dp_group())  # the ranks start each step together
-        start = time.perf_counter()
+        start, waited_before = time.perf_counter(), waited[0]
         engine.step()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, waited[0] - waited_before
 
     step("unsplit", 0.0)  # the prefill
     for _ in range(WARMUP_STEPS):
         for mode in MODES:
             step(mode, 0.0)
     times: dict[tuple[str, float], list[float]] = {c: [] for c in configs}
+    waits: dict[tuple[str, float], list[float]] = {c: [] for c in configs}
     collectives: dict[str, int] = {}
     order = random.Random(0)  # the same on both ranks: their collectives must pair up
     for _ in range(args.rounds):
         order.shuffle(configs)
         for mode, delay in configs:
             before, split = issued[0], engine.runner.num_ubatched_steps
-            times[(mode, delay)].append(step(mode, delay))
+            step_s, wait_s = step(mode, delay)
+            times[(mode, delay)].append(step_s)
+            waits[(mode, delay)].append(wait_s)
             if (engine.runner.num_ubatched_steps > split) != MODES[mode][0]:
                 raise RuntimeError(f"a {mode} step was {'not ' * MODES[mode][0]}split")
             collectives[mode] = issued[0] - before
     return {
         "times": {k: statistics.median(v) for k, v in times.items()},
+        "waits": {k: statistics.median(v) for k, v in waits.items()},
         "collectives": collectives,
     }
 
@@ -179,29 +195,35 @@ def main() -> None:
     for rank, report in got.items():
         if "error" in report:
             raise SystemExit(f"rank {rank}:\n{report['error']}")
-    report_table(got[0], args)
+    report_table(got, args)
 
 
-def report_table(report: dict[str, Any], args: argparse.Namespace) -> None:
-    times, counts = report["times"], report["collectives"]
+def report_table(got: dict[int, Any], args: argparse.Namespace) -> None:
+    """One row per mode; figures are the mean of the two ranks' medians."""
+
+    def mean(key: str, config: tuple[str, float]) -> float:
+        return sum(r[key][config] for r in got.values()) / len(got) * 1e3
+
+    counts = got[0]["collectives"]
     print(
         f"DP=2 EP over gloo, Mixtral shape {SHAPE['num_hidden_layers']} layers x "
         f"{SHAPE['num_local_experts']} experts, hidden {SHAPE['hidden_size']}, "
-        f"decode of {args.batch} requests/rank, delay {args.delay_ms:g} ms per MoE collective"
+        f"decode of {args.batch} requests/rank, delay {args.delay_ms:g} ms per MoE collective, "
+        f"median of {args.rounds} steps"
     )
     print(
-        "| mode | step, no delay (ms) | step, delayed (ms) | collectives/step | injected (ms) "
-        "| exposed (ms) | hidden |"
+        "| mode | collectives/step | injected (ms) | step, no delay (ms) | step, delayed (ms) "
+        "| hidden (step time) | waits, no delay (ms) | waits, delayed (ms) | hidden (waits) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for mode in MODES:
-        t0, t1 = times[(mode, 0.0)] * 1e3, times[(mode, args.delay_ms)] * 1e3
         injected = counts[mode] * args.delay_ms
-        exposed = t1 - t0
-        hidden = 1 - exposed / injected if injected else float("nan")
+        t0, t1 = mean("times", (mode, 0.0)), mean("times", (mode, args.delay_ms))
+        w0, w1 = mean("waits", (mode, 0.0)), mean("waits", (mode, args.delay_ms))
         print(
-            f"| {mode} | {t0:.1f} | {t1:.1f} | {counts[mode]} | {injected:.0f} | "
-            f"{exposed:.1f} | {hidden:.0%} |"
+            f"| {mode} | {counts[mode]} | {injected:.0f} | {t0:.1f} | {t1:.1f} | "
+            f"{1 - (t1 - t0) / injected:.0%} | {w0:.1f} | {w1:.1f} | "
+            f"{1 - (w1 - w0) / injected:.0%} |"
         )
 
 
