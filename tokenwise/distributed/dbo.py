@@ -248,8 +248,8 @@ def wait_collective(work: Any, issued_at: float, what: str) -> None:
     except RuntimeError as exc:
         who = "the step" if current is None else current[0]._who(current[1])
         raise TimeoutError(
-            f"{what} of {who} did not complete within {timeout:g}s ({exc}); is every DP rank "
-            "running the same step?"
+            f"{what} of {who} failed or did not complete within {timeout:g}s ({exc}); is "
+            "every DP rank running the same step?"
         ) from exc
     delay = collective_delay_s()
     if delay:
