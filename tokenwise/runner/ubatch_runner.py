@@ -64,7 +64,10 @@ def run_ubatches(
 
     def job(ubatch: Any, metadata: Any, across: torch.Tensor) -> Callable[[], torch.Tensor]:
         def run() -> torch.Tensor:
-            # Inference mode and the forward context are per thread: install both here.
+            # Inference mode, the forward context and the current CUDA device are per
+            # thread: install them here (the CUDA path is unverified: no GPU to test on).
+            if step.input_ids.is_cuda:
+                torch.cuda.set_device(step.input_ids.device)
             with (
                 torch.inference_mode(),
                 set_forward_context(
