@@ -19,8 +19,15 @@ MAX_TOKENS = 3
 # Prompt lengths per rank: similar totals (43 and 40 tokens), so that prefill and decode steps
 # split (half the larger count stays below the smaller); rank 0's cut falls inside a request.
 PROMPT_LENS = [(20, 9, 14), (17, 11, 12)]
-# (enable_microbatching, TOKENWISE_DBO_SEQUENTIAL)
-MODES = {"unsplit": (False, "0"), "sequential": (True, "1"), "dbo": (True, "0")}
+# (enable_microbatching, TOKENWISE_DBO_SEQUENTIAL, TOKENWISE_MOE_DP_CHUNK_SIZE): the last mode
+# exchanges 3 tokens per rank at a time, so the two micro-batches yield different numbers of
+# times per layer (7 and 8 chunks in the prefill).
+MODES = {
+    "unsplit": (False, "0", ""),
+    "sequential": (True, "1", ""),
+    "dbo": (True, "0", ""),
+    "dbo_chunked": (True, "0", "3"),
+}
 
 
 def prompts(rank: int, vocab: int) -> list[list[int]]:
@@ -86,9 +93,10 @@ def _run(rank: int, port: int, path: str) -> dict[str, Any]:
     my_prompts = prompts(rank, config.model.vocab_size)
     report: dict[str, Any] = {"prompts": my_prompts}
     logits_by_mode = {}
-    for mode, (split, sequential) in MODES.items():
+    for mode, (split, sequential, chunk) in MODES.items():
         config.parallel.enable_microbatching = split
         os.environ["TOKENWISE_DBO_SEQUENTIAL"] = sequential
+        os.environ["TOKENWISE_MOE_DP_CHUNK_SIZE"] = chunk
         logits_of_step.clear()
         split_steps.clear()
         outputs: dict[str, list[int]] = {}  # steps return the tokens new since the last
@@ -108,7 +116,8 @@ def _run(rank: int, port: int, path: str) -> dict[str, Any]:
             "tokens": [list(outputs[f"{mode}-{i}"]) for i in range(len(my_prompts))],
             "split_steps": list(split_steps),
         }
-    for mode in ("sequential", "dbo"):
+    os.environ["TOKENWISE_MOE_DP_CHUNK_SIZE"] = ""
+    for mode in ("sequential", "dbo", "dbo_chunked"):
         pairs = zip(logits_by_mode[mode], logits_by_mode["unsplit"], strict=True)
         report[mode]["max_logit_diff"] = max((a - b).abs().max().item() for a, b in pairs)
     report["dbo_traces"] = traces

@@ -1,7 +1,8 @@
 """Dual-batch overlap at DP=2 with expert parallelism over gloo: same results, real overlap.
 
 One spawn of two ranks serves the whole module (`_dbo_worker.py`): each rank runs the same
-greedy requests without micro-batches, with sequential micro-batches and with DBO, and ends
+greedy requests without micro-batches, with sequential micro-batches and with DBO (also with
+the MoE exchange in chunks of 3 tokens per rank, so several yields per layer), and ends
 with a DBO step that fails inside micro-batch 1. The steps split are prefills (rank 0's cut
 falls inside a request) and decodes.
 """
@@ -28,7 +29,7 @@ def test_dbo_gives_the_unsplit_logits_and_hf_tokens(reports: tuple[str, dict[int
     for rank, report in by_rank.items():
         hf = [hf_greedy(path, p, MAX_TOKENS) for p in report["prompts"]]
         assert report["unsplit"]["tokens"] == hf, rank
-        for mode in ("sequential", "dbo"):
+        for mode in ("sequential", "dbo", "dbo_chunked"):
             assert report[mode]["tokens"] == hf, (rank, mode)
             assert report[mode]["max_logit_diff"] <= 1e-5, (rank, mode)
             kinds = {decode for _, decode in report[mode]["split_steps"]}
@@ -40,7 +41,8 @@ def test_the_micro_batches_interleave(reports: tuple[str, dict[int, Any]]) -> No
     _, by_rank = reports
     for rank, report in by_rank.items():
         traces = report["dbo_traces"]
-        assert len(traces) == len(report["dbo"]["split_steps"]), rank
+        num_split = len(report["dbo"]["split_steps"]) + len(report["dbo_chunked"]["split_steps"])
+        assert len(traces) == num_split, rank
         for events in traces:
             index = {(u, kind): events.index((u, kind, d)) for u, kind, d in reversed(events)}
             # Micro-batch 1 computed (and issued its own dispatch) after micro-batch 0 issued
