@@ -3,13 +3,15 @@ with overlapped micro-batches (its own module so `spawn` can import it by name).
 
 Each mode runs the same prompts greedily; the rank records the logits of every step (wrapping
 the runner's `_logits`), the tokens, which steps were split, and the DBO event trace of every
-overlapped step. Last, one DBO step fails inside micro-batch 1 on both ranks (a failure on
-one rank only would leave the other waiting for a collective until its timeout). Reports are
-plain Python values; logits are compared here, on the rank, and only the differences travel.
+overlapped step. Last, one DBO step fails inside micro-batch 1 on rank 1 only: rank 1's step
+must raise that error, and rank 0, left waiting for a collective rank 1 never issues, must fail
+within its (shortened) DBO timeout. Reports are plain Python values; logits are compared here,
+on the rank, and only the differences travel.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import traceback
@@ -42,6 +44,11 @@ def run_rank(rank: int, port: int, path: str, results: Any) -> None:
         results.put((rank, _run(rank, port, path)))
     except BaseException:
         results.put((rank, {"error": traceback.format_exc()}))
+    # Leave at once: rank 0's gloo group may still hold the collective rank 1 abandoned, and
+    # tearing it down would wait for gloo's own timeout.
+    results.close()
+    results.join_thread()
+    os._exit(0)
 
 
 def _run(rank: int, port: int, path: str) -> dict[str, Any]:
@@ -122,9 +129,11 @@ def _run(rank: int, port: int, path: str) -> dict[str, Any]:
         report[mode]["max_logit_diff"] = max((a - b).abs().max().item() for a, b in pairs)
     report["dbo_traces"] = traces
 
-    # A failure inside micro-batch 1 must end the step with that error, not hang it.
+    # A failure inside micro-batch 1 of rank 1 must end both ranks' steps, not hang them.
+    os.environ["TOKENWISE_DBO_TIMEOUT_S"] = "5"
+
     def failing(self: FusedMoE, hidden: torch.Tensor, router_logits: torch.Tensor) -> Any:
-        if dbo_current_ubatch() == 1:
+        if rank == 1 and dbo_current_ubatch() == 1:
             raise RuntimeError("injected expert failure")
         return FusedMoE.forward_local(self, hidden, router_logits)
 
@@ -137,8 +146,9 @@ def _run(rank: int, port: int, path: str) -> dict[str, Any]:
     try:
         engine.step()
         report["failure"] = None
-    except RuntimeError as exc:
+    except Exception as exc:
         report["failure"] = {
+            "type": type(exc).__name__,
             "message": str(exc),
             "notes": list(getattr(exc, "__notes__", [])),
             "seconds": time.monotonic() - started,
