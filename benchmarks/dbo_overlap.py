@@ -97,17 +97,17 @@ def _run_rank(rank: int, port: int, path: str, args: argparse.Namespace) -> dict
     issued = [0]
     issue = moe_dispatch._issued_then_waited
 
-    def counting(work: Any, what: str) -> None:
+    def counting(work: Any, what: str, on_cpu: bool) -> None:
         issued[0] += 1
-        issue(work, what)
+        issue(work, what, on_cpu)
 
     moe_dispatch._issued_then_waited = counting
     waited = [0.0]  # seconds inside the MoE collectives' waits (where the delay shows up)
     wait = moe_dispatch.wait_collective
 
-    def timed_wait(work: Any, issued_at: float, what: str) -> None:
+    def timed_wait(work: Any, issued_at: float, what: str, on_cpu: bool) -> None:
         start = time.perf_counter()
-        wait(work, issued_at, what)
+        wait(work, issued_at, what, on_cpu)
         waited[0] += time.perf_counter() - start
 
     moe_dispatch.wait_collective = timed_wait

@@ -233,18 +233,24 @@ def dbo_record(kind: str, detail: str = "") -> None:
         runner.record(ubatch, kind, detail)
 
 
-def wait_collective(work: Any, issued_at: float, what: str) -> None:
+def wait_collective(work: Any, issued_at: float, what: str, on_cpu: bool = True) -> None:
     """Wait for an async collective, bounded, then honour the injected latency.
 
     `work` is what `torch.distributed` returned for `async_op=True`; `issued_at` the
-    `time.perf_counter()` when it was issued. The wait's error names the collective and the
-    micro-batch, so a rank that never joins shows up as an error instead of a hang.
+    `time.perf_counter()` when it was issued. On CPU (gloo) the wait has the DBO bound and its
+    error names the collective and the micro-batch, so a rank that never joins shows up as an
+    error instead of a hang. On a GPU (`on_cpu=False`) a bounded NCCL wait would block the
+    host until the kernel finishes, so the wait only orders the stream and NCCL's own watchdog
+    (the DP group's timeout) is the bound (unverified here: no GPU).
     """
     current = _current.get()
     timeout = dbo_timeout_s() if current is None else current[0].timeout_s
     dbo_record("wait", what)
     try:
-        work.wait(timeout=timedelta(seconds=timeout))
+        if on_cpu:
+            work.wait(timeout=timedelta(seconds=timeout))
+        else:
+            work.wait()
     except RuntimeError as exc:
         who = "the step" if current is None else current[0]._who(current[1])
         raise TimeoutError(

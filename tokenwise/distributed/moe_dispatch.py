@@ -113,7 +113,8 @@ def _all_gather_varlen(
     padded = local.new_zeros(width, local.shape[-1])
     padded[: local.shape[0]] = local
     buffer = local.new_empty(len(sizes) * width, local.shape[-1])
-    _issued_then_waited(_all_gather(buffer, padded, group=group, async_op=True), "dispatch")
+    work = _all_gather(buffer, padded, group=group, async_op=True)
+    _issued_then_waited(work, "dispatch", local.device.type == "cpu")
     parts = buffer.view(len(sizes), width, -1)
     return torch.cat([parts[r, :n] for r, n in enumerate(sizes)])
 
@@ -128,13 +129,14 @@ def _reduce_scatter_varlen(
         padded[r, : part.shape[0]] = part
     mine = partial.new_empty(width, partial.shape[-1])
     flat = padded.view(len(sizes) * width, -1)
-    _issued_then_waited(_reduce_scatter(mine, flat, group=group, async_op=True), "combine")
+    work = _reduce_scatter(mine, flat, group=group, async_op=True)
+    _issued_then_waited(work, "combine", partial.device.type == "cpu")
     return mine[: sizes[rank]]
 
 
-def _issued_then_waited(work: Any, what: str) -> None:
+def _issued_then_waited(work: Any, what: str, on_cpu: bool) -> None:
     """The yield point between an issued collective and its wait (see the module doc)."""
     issued_at = time.perf_counter()
     dbo_record("issue", what)
     dbo_yield(what)
-    wait_collective(work, issued_at, f"MoE {what}")
+    wait_collective(work, issued_at, f"MoE {what}", on_cpu)
