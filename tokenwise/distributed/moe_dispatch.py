@@ -11,19 +11,26 @@ collective is needed to learn them. A rank with one huge prefill would make ever
 all of it at once, so the exchange runs in chunks of at most `TOKENWISE_MOE_DP_CHUNK_SIZE`
 tokens per rank (`DPMetadata.chunked_sizes`); every rank runs the same number of chunks (set by
 the largest rank), and a rank that has run out of tokens joins with one dummy row.
+
+Both collectives are issued asynchronously and waited for through `dbo.wait_collective`
+(bounded, and where `TOKENWISE_MOE_COLLECTIVE_DELAY_MS` injects latency). Between issue and wait
+sits a DBO yield point: when the step runs as two overlapped micro-batches (`dbo.py`), the other
+micro-batch computes while this one's exchange is in flight; otherwise the yield is a no-op.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from tokenwise.config import ParallelConfig
+from tokenwise.distributed.dbo import dbo_record, dbo_yield, wait_collective
 from tokenwise.distributed.parallel_state import get_dp_device_group
 
 if TYPE_CHECKING:  # the forward context sits above this module; only its type is needed
@@ -106,7 +113,8 @@ def _all_gather_varlen(
     padded = local.new_zeros(width, local.shape[-1])
     padded[: local.shape[0]] = local
     buffer = local.new_empty(len(sizes) * width, local.shape[-1])
-    _all_gather(buffer, padded, group=group)
+    work = _all_gather(buffer, padded, group=group, async_op=True)
+    _issued_then_waited(work, "dispatch", local.device.type == "cpu")
     parts = buffer.view(len(sizes), width, -1)
     return torch.cat([parts[r, :n] for r, n in enumerate(sizes)])
 
@@ -120,5 +128,15 @@ def _reduce_scatter_varlen(
     for r, part in enumerate(partial.split(sizes)):
         padded[r, : part.shape[0]] = part
     mine = partial.new_empty(width, partial.shape[-1])
-    _reduce_scatter(mine, padded.view(len(sizes) * width, -1), group=group)
+    flat = padded.view(len(sizes) * width, -1)
+    work = _reduce_scatter(mine, flat, group=group, async_op=True)
+    _issued_then_waited(work, "combine", partial.device.type == "cpu")
     return mine[: sizes[rank]]
+
+
+def _issued_then_waited(work: Any, what: str, on_cpu: bool) -> None:
+    """The yield point between an issued collective and its wait (see the module doc)."""
+    issued_at = time.perf_counter()
+    dbo_record("issue", what)
+    dbo_yield(what)
+    wait_collective(work, issued_at, f"MoE {what}", on_cpu)

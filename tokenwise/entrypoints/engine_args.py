@@ -341,8 +341,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--enable-microbatching",
+        "--enable-dbo",
+        dest="enable_microbatching",
         action="store_true",
-        help="MoE under DP: run large steps as two micro-batches",
+        help="MoE under DP: run large steps as two micro-batches whose MoE exchanges overlap "
+        "each other's compute (dual-batch overlap; --enable-dbo is vLLM's name)",
     )
 
     lora = parser.add_argument_group("LoRA adapters")

@@ -132,6 +132,9 @@ def build_engine_config(
     enable_expert_parallel: bool = False,
     enable_microbatching: bool = False,
     microbatching_token_threshold: int | None = None,
+    enable_dbo: bool = False,
+    dbo_decode_token_threshold: int | None = None,
+    dbo_prefill_token_threshold: int | None = None,
     enable_lora: bool = False,
     max_loras: int = 1,
     max_lora_rank: int = 16,
@@ -234,13 +237,26 @@ def build_engine_config(
         pipeline_parallel_size=pipeline_parallel_size,
         is_moe_model=is_moe,
         enable_expert_parallel=enable_expert_parallel,
-        enable_microbatching=enable_microbatching,
+        # vLLM's name for the same switch (dual-batch overlap).
+        enable_microbatching=enable_microbatching or enable_dbo,
         data_parallel_master_ip=data_parallel_address,
         data_parallel_master_port=data_parallel_port,
     )
     if microbatching_token_threshold is not None:
         parallel.microbatching_decode_token_threshold = microbatching_token_threshold
         parallel.microbatching_prefill_token_threshold = microbatching_token_threshold
+    for name, value in (
+        ("dbo_decode_token_threshold", dbo_decode_token_threshold),
+        ("dbo_prefill_token_threshold", dbo_prefill_token_threshold),
+    ):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if dbo_decode_token_threshold is not None:
+        parallel.microbatching_decode_token_threshold = dbo_decode_token_threshold
+    if dbo_prefill_token_threshold is not None:
+        parallel.microbatching_prefill_token_threshold = dbo_prefill_token_threshold
     return EngineConfig(
         model=model_config,
         cache=CacheConfig(

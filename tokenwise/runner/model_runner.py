@@ -17,7 +17,6 @@ import torch
 from tokenwise.attention.backends.selector import get_attn_backend
 from tokenwise.attention.layer import Attention, AttentionLayerBase
 from tokenwise.attention.metadata import AttentionMetadata, CommonMetadataBuilder
-from tokenwise.attention.ubatch_metadata import split_metadata_by_layer
 from tokenwise.attention.utils import AttentionType
 from tokenwise.compilation.compile import compile_model
 from tokenwise.config import CUDAGraphMode, EngineConfig
@@ -25,7 +24,6 @@ from tokenwise.distributed.dp_coordination import DPStepCounts, coordinate_step_
 from tokenwise.distributed.tp_channel import SpecTables, TPDriver, step_from_payload, step_payload
 from tokenwise.distributed.tp_launch import WorkerMain, start_tensor_parallel
 from tokenwise.distributed.tp_state import get_tp_size
-from tokenwise.distributed.ubatching import create_ubatch_slices
 from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenwise.forward_context import set_forward_context
 from tokenwise.layer_registry import get_layers_from_config
@@ -38,6 +36,7 @@ from tokenwise.runner.input_batch import InputBatch, StepInputs
 from tokenwise.runner.kv_cache_sizing import KVCacheSizingMixin
 from tokenwise.runner.prompt_logprobs import plan_prompt_logprobs, score_prompt_tokens
 from tokenwise.runner.sample_step import sample_step
+from tokenwise.runner.ubatch_runner import Trace, run_ubatches
 from tokenwise.runner.verify_rows import as_decode_rows, is_verify_step
 from tokenwise.sampling.sampler import Sampler
 
@@ -102,6 +101,7 @@ class ModelRunner(KVCacheSizingMixin):
         # MoE under DP: every forward pass is a collective (see tokenwise.engine.core_process).
         self.dp_lockstep = parallel.data_parallel_size > 1 and bool(parallel.is_moe_model)
         self.num_ubatched_steps = 0
+        self.last_ubatch_trace: Trace = None
         # The last step's graph mode and batch descriptor (None: eager), for its step record.
         self.last_graph: tuple[CUDAGraphMode, Any] = (CUDAGraphMode.NONE, None)
         self.kv_caches: dict[str, torch.Tensor] = {}
@@ -352,26 +352,13 @@ class ModelRunner(KVCacheSizingMixin):
     def _run_ubatches(
         self, step: StepInputs, attn_metadata: dict[str, AttentionMetadata], counts: DPStepCounts
     ) -> torch.Tensor:
-        """Run the step as two micro-batches cut at `counts.ubatch_split`; outputs as for one.
-
-        Both micro-batches' DP counts come from the step's one coordination: every rank's first
-        micro-batch has `ubatch_split` tokens and its second the rest of its own count
-        (`DPStepCounts.ubatch_counts`), so no micro-batch coordinates again.
-        """
-        slices = create_ubatch_slices(step.query_lens_np.tolist(), counts.ubatch_split)
-        outputs = []
-        for ubatch, across in zip(slices, counts.ubatch_counts(), strict=True):
-            with set_forward_context(
-                split_metadata_by_layer(attn_metadata, ubatch),
-                self.config,
-                num_tokens=ubatch.num_tokens,
-                num_tokens_across_dp=across,
-                ubatch_slices=slices,
-            ):
-                tokens = ubatch.token_slice
-                outputs.append(self.model(step.input_ids[tokens], step.positions[tokens]))
+        """Run the step as two micro-batches (`ubatch_runner`); outputs as for one batch.
+        The DBO event trace of the step is kept in `last_ubatch_trace` (None: sequential)."""
+        hidden, self.last_ubatch_trace = run_ubatches(
+            self.model, self.config, step, attn_metadata, counts
+        )
         self.num_ubatched_steps += 1
-        return torch.cat(outputs)
+        return hidden
 
     @torch.inference_mode()
     def execute_dummy_batch(self, num_tokens: int = 1) -> None:
