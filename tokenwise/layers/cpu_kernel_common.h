@@ -79,6 +79,10 @@ INLINE float f16_to_f32(uint16_t h) {
 }
 
 #if defined(__AVX2__) || defined(__AVX512F__)
+/* v rounded to the nearest integer, ties to even (the default rounding mode), in one
+ * instruction: lrintf is a library call unless errno handling is switched off. */
+INLINE int round_even(float v) { return _mm_cvtss_si32(_mm_set_ss(v)); }
+
 /* The sum of a 256-bit vector's eight floats. */
 INLINE float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -34,7 +34,7 @@ static void quantize_x16(const float *x, int64_t M, int64_t K, int64_t G, int16_
                 sum += v[i];
             }
             float inv = amax > 0 ? 32767.0f / amax : 0.0f;
-            for (int64_t i = 0; i < G; i++) xq[m * K + g * G + i] = (int16_t)__builtin_lrintf(v[i] * inv);
+            for (int64_t i = 0; i < G; i++) xq[m * K + g * G + i] = (int16_t)round_even(v[i] * inv);
             xs[m * ng + g] = amax / 32767.0f;
             xsum[m * ng + g] = sum;
         }

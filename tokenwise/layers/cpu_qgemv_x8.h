@@ -82,27 +82,48 @@ static void x8_corrections(const int8_t *xq, int64_t M, int64_t K, int bits, int
  * the blocks' values 0..15 first, then 16..31), the scale xs and xs * sum(int8 x) per block,
  * and the lanes' corrections (`corr`: M * K / 4 int32 for int8, M * K / 8 for int4; for the
  * -8 of symmetric int4 only when the weights have no stored `offsets`). */
+/* One block of 32 values to int8: returns the scale, writes the values and their sum. */
+INLINE float quantize_block8(const float *v, int8_t *out, int *sum) {
+#if defined(TW_AVX512)
+    const __m512 a0 = _mm512_loadu_ps(v), a1 = _mm512_loadu_ps(v + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
+    const __m512 inv = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+    const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(a0, inv)); /* ties to even */
+    const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(a1, inv));
+    _mm_storeu_si128((__m128i *)out, _mm512_cvtepi32_epi8(i0));
+    _mm_storeu_si128((__m128i *)(out + 16), _mm512_cvtepi32_epi8(i1));
+    *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+#else
+    float amax = 0.0f;
+    for (int i = 0; i < X8_BLOCK; i++) {
+        float a = v[i] < 0 ? -v[i] : v[i];
+        amax = a > amax ? a : amax;
+    }
+    const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+    int s = 0;
+    for (int i = 0; i < X8_BLOCK; i++) {
+        int qv = round_even(v[i] * inv);
+        out[i] = (int8_t)qv;
+        s += qv;
+    }
+    *sum = s;
+#endif
+    return amax / 127.0f;
+}
+
+/* x [M, K] float -> int8 [M, K] (int4: each step's values in the order its nibbles come out,
+ * the blocks' values 0..15 first, then 16..31), the scale xs and xs * sum(int8 x) per block,
+ * and the lanes' corrections (`corr`: M * K / 4 int32 for int8, M * K / 8 for int4; for the
+ * -8 of symmetric int4 only when the weights have no stored `offsets`). */
 static void quantize_x8(const float *x, int64_t M, int64_t K, int bits, int offsets, int8_t *xq,
                         float *xs, float *xsum, int32_t *corr) {
     const int64_t nb = K / X8_BLOCK;
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < nb; b++) {
-            const float *v = x + m * K + b * X8_BLOCK;
-            float amax = 0.0f;
-            for (int i = 0; i < X8_BLOCK; i++) {
-                float a = v[i] < 0 ? -v[i] : v[i];
-                amax = a > amax ? a : amax;
-            }
-            const float inv = amax > 0 ? 127.0f / amax : 0.0f;
-            int sum = 0;
-            int8_t *out = xq + m * K + b * X8_BLOCK;
-            for (int i = 0; i < X8_BLOCK; i++) {
-                int qv = (int)__builtin_lrintf(v[i] * inv);
-                out[i] = (int8_t)qv;
-                sum += qv;
-            }
-            xs[m * nb + b] = amax / 127.0f;
-            xsum[m * nb + b] = (amax / 127.0f) * (float)sum;
+            int sum;
+            const float scale = quantize_block8(x + m * K + b * X8_BLOCK, xq + m * K + b * X8_BLOCK, &sum);
+            xs[m * nb + b] = scale;
+            xsum[m * nb + b] = scale * (float)sum;
         }
     if (bits == 4) {
         const int64_t S = X8_Q4_STEP, bps = S / X8_BLOCK;

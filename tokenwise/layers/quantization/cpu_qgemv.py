@@ -105,16 +105,17 @@ def qgemv(
     """`x @ dequant(W)^T + bias` for x of at most `MAX_ROWS` rows (over its last dim), x float32
     or bfloat16 (bias of x's dtype); all tensors contiguous CPU tensors. `x_bits` (8 or 16,
     default `activation_bits()`) is what bfloat16 x is quantized to where the shapes allow."""
+    # Every Python step here runs once per layer per decode step: no reshape (a contiguous x
+    # of any shape is the flat [rows, K] the kernel reads), one allocation.
     k = x.shape[-1]
     rows = x.numel() // k
-    x2 = x.reshape(rows, k)
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
-    out = torch.empty((*x.shape[:-1], out_features), dtype=x.dtype)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    out = torch.empty(x.shape[:-1] + (out_features,), dtype=x.dtype)
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
     status = lib.tw_qgemv(
-        x2.data_ptr(),
+        x.data_ptr(),
         qweight.data_ptr(),
         scales.data_ptr(),
         _ptr(offsets),
