@@ -35,7 +35,9 @@ from tokenwise.config import EngineConfig
 from tokenwise.distributed.tp_state import free_port
 from tokenwise.engine import core_messages as msg
 from tokenwise.engine.core_process import run_engine_core
+from tokenwise.engine.headless import check_hosts_layout
 from tokenwise.engine.prompts import PromptInput, load_tokenizer, validate_request
+from tokenwise.engine.remote_ranks import RemoteRanks, engine_ready_timeout_s
 from tokenwise.engine.request_queue import check_priority
 from tokenwise.engine.stats import EngineStats
 from tokenwise.engine.step_records import StepRecords
@@ -46,7 +48,6 @@ from tokenwise.sampling.params import SamplingParams
 
 logger = logging.getLogger("tokenwise.engine")
 
-START_TIMEOUT_S = 600.0  # every core loads the model; big checkpoints take minutes
 # One step() waits at most this long for outputs; `wakeup()` (a new request to hand over) ends
 # the wait at once, so the caller's thread sleeps between steps instead of polling.
 STEP_WAIT_S = 0.1
@@ -66,6 +67,15 @@ class EngineCoreClient:
         self.tokenizer = None if skip else load_tokenizer(config.model)
         num_cores = parallel.data_parallel_size
         self._dp = num_cores > 1
+        if parallel.spans_hosts and parallel.data_parallel_start_rank != 0:
+            raise ValueError(
+                "data_parallel_start_rank must be 0 where the front end runs (rank 0 runs "
+                f"beside it), got {parallel.data_parallel_start_rank}; the other hosts run "
+                "`tokenwise serve --headless`"
+            )
+        check_hosts_layout(parallel)
+        num_local = parallel.local_dp_size
+        self._ready_timeout_s = engine_ready_timeout_s()
         # Unfinished request id -> (its core, its weight in sequences, prompt text, token ids).
         self.groups: dict[str, tuple[int, int, str | None, list[int]]] = {}
         self._load = [0] * num_cores  # sequences in flight per core
@@ -105,12 +115,30 @@ class EngineCoreClient:
         self._control.setsockopt(zmq.LINGER, 0)
         self._control.bind(f"ipc://{self._ipc_dir}/control")
         self._inboxes = []
-        for rank in range(num_cores):
+        for rank in range(num_local):
             sock = self._zmq.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)  # never block or drop a request: queue it
             sock.bind(f"ipc://{self._ipc_dir}/in{rank}")
             self._inboxes.append(sock)
+        # Ranks on other hosts: they connect over TCP (`remote_ranks`) and are routed to
+        # like the local ones.
+        self._remote: RemoteRanks | None = None
+        remote_sockets: list[Any] = []
+        if parallel.spans_hosts:
+            try:
+                self._remote = RemoteRanks(
+                    self._zmq, config, self._outbox, parallel.data_parallel_master_port
+                )
+            except BaseException:
+                for sock in [*self._inboxes, self._outbox, self._wake_tx, self._wake_rx]:
+                    sock.close(linger=0)
+                self._control.close(linger=0)
+                self._zmq.term()
+                shutil.rmtree(self._ipc_dir, ignore_errors=True)
+                raise
+            remote_sockets = self._remote.sockets
+            self._inboxes += [self._remote.inboxes[r] for r in range(num_local, num_cores)]
         ctx = mp.get_context("spawn")  # fork would copy torch's threads and locks
         self._procs = [
             ctx.Process(
@@ -129,11 +157,12 @@ class EngineCoreClient:
                 # workers (stages); cores also stop by themselves when this process is gone.
                 daemon=parallel.tensor_parallel_size == 1 and parallel.pipeline_parallel_size == 1,
             )
-            for rank in range(num_cores)
+            for rank in range(num_local)
         ]
         for proc in self._procs:
             proc.start()
-        sockets = [*self._inboxes, self._outbox, self._wake_tx, self._wake_rx, self._control]
+        sockets = [*self._inboxes[:num_local], self._outbox, self._wake_tx, self._wake_rx]
+        sockets += [self._control, *remote_sockets]
         self._finalizer = weakref.finalize(
             self, _stop_cores, self._procs, self._inboxes, sockets, self._zmq, self._ipc_dir
         )
@@ -306,13 +335,21 @@ class EngineCoreClient:
 
     def _wait_until_ready(self) -> None:
         ready: set[int] = set()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while len(ready) < len(self._procs):
+        timeout = self._ready_timeout_s
+        deadline = time.monotonic() + timeout
+        while len(ready) < len(self._load):
             self.check_health()
             if time.monotonic() > deadline:
-                missing = sorted(set(range(len(self._procs))) - ready)
-                self._fail(f"{self._name_ranks(missing)} not ready within {START_TIMEOUT_S:.0f} s")
-            if not self._outbox.poll(200):
+                local_missing = sorted(set(range(len(self._procs))) - ready)
+                reasons = []
+                if local_missing:
+                    reasons.append(
+                        f"{self._name_ranks(local_missing)} not ready within {timeout:g} s"
+                    )
+                if self._remote is not None:
+                    reasons.append(self._remote.describe_missing(ready, timeout))
+                self._fail("; ".join(r for r in reasons if r))
+            if not self._outbox.poll(50 if self._remote is not None else 200):
                 continue
             message = msg.decode_from_core(self._outbox.recv())
             if isinstance(message, msg.CoreReady):
@@ -343,6 +380,8 @@ class EngineCoreClient:
             raise RuntimeError(self._failure or "the engine has been shut down")
         if any(not proc.is_alive() for proc in self._procs):
             self._fail(self._diagnose({}))
+        if self._remote is not None and self._remote.poll() is not None:
+            self._fail(self._diagnose({}))
 
     def _diagnose(self, reports: dict[int, str]) -> str:
         """Name the core that caused a failure, not the first one to notice it.
@@ -355,11 +394,19 @@ class EngineCoreClient:
             if isinstance(message, msg.CoreDead):
                 reports.setdefault(message.rank, message.message)
         exited = [r for r, proc in enumerate(self._procs) if proc.exitcode is not None]
+        if self._remote is not None:
+            self._remote.poll()
+            exited += self._remote.lost  # a lost host says nothing either
         silent = [r for r in exited if r not in reports]
         root = silent[0] if silent else min(reports, default=exited[0] if exited else 0)
-        proc = self._procs[root]
-        text = f"{self._name(root)} (pid {proc.pid}) "
-        text += "failed" if proc.exitcode is None else f"exited with code {proc.exitcode}"
+        if root < len(self._procs):
+            proc = self._procs[root]
+            text = f"{self._name(root)} (pid {proc.pid}) "
+            text += "failed" if proc.exitcode is None else f"exited with code {proc.exitcode}"
+        else:
+            assert self._remote is not None
+            text = self._remote.describe(root)
+            text += "" if root in self._remote.lost else " failed"
         if root in reports:
             text += f": {reports[root].splitlines()[0]}"
         text += "; the engine cannot continue"
