@@ -117,10 +117,7 @@ def two_hosts(tmp_path: Path) -> Iterator:
             host.kill()
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("arch", [LLAMA, MIXTRAL], ids=["dense", "moe-lockstep"])
-def test_two_hosts_give_hf_tokens_from_both_ranks(arch: str, two_hosts) -> None:
-    llm, path, host, _ = two_hosts(arch)
+def _assert_hf_tokens_from_both_ranks(llm: LLM, path: str) -> None:
     prompts = mixed_prompts()[:4]
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [
@@ -131,16 +128,21 @@ def test_two_hosts_give_hf_tokens_from_both_ranks(arch: str, two_hosts) -> None:
     # One request: the other rank is idle; under MoE it must still join every exchange.
     out = llm.generate(prompts[1:2], GREEDY, use_tqdm=False)
     assert out[0].outputs[0].token_ids == hf_greedy(path, prompts[1], MAX_TOKENS)
+
+
+@pytest.mark.timeout(180)
+def test_dense_model_on_two_hosts_gives_hf_tokens_and_stops_both(two_hosts) -> None:
+    llm, path, host, _ = two_hosts(LLAMA)
+    _assert_hf_tokens_from_both_ranks(llm, path)
     llm.shutdown()
     assert host.proc.wait(30) == 0, host.output()  # the front end stopped the other host
 
 
 @pytest.mark.timeout(180)
-def test_a_host_killed_mid_request_fails_its_requests_naming_rank_and_address(
-    two_hosts,
-) -> None:
-    # MoE: the surviving rank is inside a collective with the dead one when it dies.
-    llm, _, host, port = two_hosts(MIXTRAL)
+def test_moe_on_two_hosts_steps_in_lockstep_and_a_killed_host_is_named(two_hosts) -> None:
+    llm, path, host, port = two_hosts(MIXTRAL)
+    _assert_hf_tokens_from_both_ranks(llm, path)  # tokens exchanged over gloo across "hosts"
+    # Now the host dies mid-request; the surviving rank is inside a collective with it.
     client = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     for i, prompt in enumerate(mixed_prompts()[:4]):
@@ -152,7 +154,10 @@ def test_a_host_killed_mid_request_fails_its_requests_naming_rank_and_address(
         assert time.monotonic() < deadline, host.output()
     host.kill()
     killed = time.monotonic()
-    expected = rf"data-parallel rank 1 on host \S+ \(pid \d+\) lost its connection to the front end at 127\.0\.0\.1:{port}"
+    expected = (
+        rf"data-parallel rank 1 on host \S+ \(pid {host.proc.pid}\) lost its connection to the "
+        rf"front end at 127\.0\.0\.1:{port}"
+    )
     with pytest.raises(RuntimeError, match=expected):
         while time.monotonic() - killed < 30:
             client.step()

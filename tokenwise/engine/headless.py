@@ -5,8 +5,9 @@ API server, or `LLM`) with ranks [0, L0) and `--data-parallel-size-local L0`; ev
 runs `tokenwise serve MODEL --headless` with its `--data-parallel-start-rank R` and
 `--data-parallel-size-local L`, pointing at the first host (`--data-parallel-address`,
 `--data-parallel-rpc-port`). No torchrun: each host starts its own core processes, which
-connect to the front end (`remote_core`). This process only supervises them: it exits when they
-all have (the front end stopped them, or went away), with status 1 if any failed.
+connect to the front end (`remote_core`). This process only supervises them (or, with one
+rank, is that core itself): it exits when they all have (the front end stopped them, or went
+away), with status 1 if any failed.
 """
 
 from __future__ import annotations
@@ -78,6 +79,11 @@ def run_headless(config: EngineConfig) -> int:
         file=sys.stderr,
         flush=True,
     )
+    if len(ranks) == 1:
+        # One rank: this process is the core (no second interpreter to start, nothing to
+        # supervise); it returns when the front end stops it and raises SystemExit on failure.
+        run_remote_engine_core(config, ranks[0], timeout)
+        return 0
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         for proc in procs:

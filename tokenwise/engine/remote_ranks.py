@@ -90,6 +90,9 @@ class RemoteRanks:
             raise ValueError(f"data_parallel_address {address!r} does not resolve: {exc}") from None
         self._router = context.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
+        # A second core claiming a rank still in its handshake gets the answer (a refusal),
+        # instead of ZeroMQ silently ignoring a duplicate routing id.
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.sockets: list[zmq.Socket] = [self._router]
         self.inboxes: dict[int, zmq.Socket] = {}
         self._monitors: dict[int, zmq.Socket] = {}
