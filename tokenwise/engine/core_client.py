@@ -11,7 +11,9 @@ the request's KV blocks are freed there, with no extra token generated and no ab
 
 Nothing waits without a bound: start-up has a deadline, every wait for outputs is short, and
 each `step()` (or `check_health()`, which a server calls while idle) checks that every core
-process is alive. A core that died (killed, out of memory, a failed collective) stops all the
+process is alive, and that no core on another host lost its connection (`remote_ranks`: with
+`data_parallel_size_local < data_parallel_size` this client runs ranks [0, size_local) and the
+others connect over TCP from hosts running `tokenwise serve --headless`). A core that died (killed, out of memory, a failed collective) stops all the
 others and fails the client with an error naming the core, on this call and every later one.
 """
 
@@ -39,7 +41,7 @@ from tokenwise.engine.headless import check_hosts_layout
 from tokenwise.engine.prompts import PromptInput, load_tokenizer, validate_request
 from tokenwise.engine.remote_ranks import RemoteRanks, engine_ready_timeout_s
 from tokenwise.engine.request_queue import check_priority
-from tokenwise.engine.stats import EngineStats
+from tokenwise.engine.stats import EngineStats, combine_stats
 from tokenwise.engine.step_records import StepRecords
 from tokenwise.lora.request import LoRARequest
 from tokenwise.models.registry import is_moe_architecture
@@ -437,38 +439,7 @@ class EngineCoreClient:
 
     def get_stats(self) -> EngineStats:
         """Counters summed over cores; KV usage is the pooled fraction of all cores' blocks."""
-        if len(self._stats) == 1:
-            return self._stats[0]
-        total = EngineStats()
-        for s in self._stats:
-            for name in (
-                "num_running",
-                "num_waiting",
-                "num_free_blocks",
-                "num_total_blocks",
-                "prefix_cache_queries",
-                "prefix_cache_hits",
-                "prompt_tokens_total",
-                "generation_tokens_total",
-                "num_preemptions_total",
-                "num_steps_total",
-                "num_ubatched_steps_total",
-                "num_dummy_steps_total",
-                "spec_decode_num_drafts",
-                "spec_decode_num_draft_tokens",
-                "spec_decode_num_accepted_tokens",
-            ):
-                setattr(total, name, getattr(total, name) + getattr(s, name))
-            for reason, count in s.finished_reasons.items():
-                total.finished_reasons[reason] = total.finished_reasons.get(reason, 0) + count
-            per_pos = total.spec_decode_num_accepted_tokens_per_pos
-            for pos, count in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
-                if pos == len(per_pos):
-                    per_pos.append(0)
-                per_pos[pos] += count
-        if total.num_total_blocks:
-            total.kv_cache_usage = 1.0 - total.num_free_blocks / total.num_total_blocks
-        return total
+        return combine_stats(self._stats)
 
     def forward_time_table(self) -> dict[int, tuple[int, float]]:
         """batch size -> (forward passes, median ms) as the first core last reported it (the
