@@ -409,6 +409,8 @@ class EngineCoreClient:
             assert self._remote is not None
             text = self._remote.describe(root)
             text += "" if root in self._remote.lost else " failed"
+        if self._remote is not None and len(self._remote.lost) > 1:
+            text += f" (ranks {sorted(self._remote.lost)} lost theirs too)"
         if root in reports:
             text += f": {reports[root].splitlines()[0]}"
         text += "; the engine cannot continue"

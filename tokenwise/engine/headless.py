@@ -99,7 +99,11 @@ def run_headless(config: EngineConfig) -> int:
                 proc.join(5.0)
     failed = [r for r, proc in zip(ranks, procs, strict=True) if proc.exitcode != 0]
     if failed:
-        print(f"tokenwise: headless: ranks {failed} failed", file=sys.stderr, flush=True)
+        print(
+            f"tokenwise: headless: ranks {failed} stopped with an error",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     return 0
 

@@ -82,10 +82,16 @@ def run_remote_engine_core(config: EngineConfig, rank: int, ready_timeout_s: flo
         control.setsockopt(zmq.LINGER, 0)
         control.bind(f"inproc://none-{rank}")
 
+        lost: list[bool] = []
+
         def front_end_lost() -> bool:
-            return bool(monitor.poll(0))  # the one event it watches: a broken connection
+            if monitor.poll(0):  # the one event it watches: a broken connection
+                lost.append(True)
+            return bool(lost)
 
         serve_engine_core(config, rank, inbox, outbox, control, front_end_lost)
+        if lost:  # not stopped by the front end: a supervisor should know
+            raise SystemExit(f"{prefix} lost the front end at {endpoint}; stopped")
     finally:
         for sock in sockets:
             sock.close(linger=0)
