@@ -365,7 +365,10 @@ class EngineCoreClient:
                     proc.kill()
                 self._failure = message.message.splitlines()[0]
                 self.shutdown()
-                raise ValueError(self._failure.removeprefix(f"{message.error_type}: "))
+                reason = self._failure.removeprefix(f"{message.error_type}: ")
+                if message.rank >= len(self._procs) and self._remote is not None:
+                    reason = f"{self._remote.describe(message.rank)}: {reason}"
+                raise ValueError(reason)
             else:
                 self._handle(message, [])
         logger.info("%s ready", self._name_ranks(sorted(ready)))
@@ -409,8 +412,9 @@ class EngineCoreClient:
             assert self._remote is not None
             text = self._remote.describe(root)
             text += "" if root in self._remote.lost else " failed"
-        if self._remote is not None and len(self._remote.lost) > 1:
-            text += f" (ranks {sorted(self._remote.lost)} lost theirs too)"
+        also_lost = sorted(set(self._remote.lost) - {root}) if self._remote is not None else []
+        if also_lost:
+            text += f" (so did ranks {also_lost})"
         if root in reports:
             text += f": {reports[root].splitlines()[0]}"
         text += "; the engine cannot continue"
