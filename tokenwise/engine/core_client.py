@@ -22,10 +22,7 @@ from __future__ import annotations
 import copy
 import logging
 import multiprocessing as mp
-import os
 import pickle
-import shutil
-import tempfile
 import threading
 import time
 import weakref
@@ -37,9 +34,10 @@ from tokenwise.config import EngineConfig
 from tokenwise.distributed.tp_state import free_port
 from tokenwise.engine import core_messages as msg
 from tokenwise.engine.core_process import run_engine_core
+from tokenwise.engine.core_sockets import CoreSockets, stop_cores
 from tokenwise.engine.headless import check_hosts_layout
 from tokenwise.engine.prompts import PromptInput, load_tokenizer, validate_request
-from tokenwise.engine.remote_ranks import RemoteRanks, engine_ready_timeout_s
+from tokenwise.engine.remote_ranks import engine_ready_timeout_s
 from tokenwise.engine.request_queue import check_priority
 from tokenwise.engine.stats import EngineStats, combine_stats
 from tokenwise.engine.step_records import StepRecords
@@ -53,7 +51,6 @@ logger = logging.getLogger("tokenwise.engine")
 # One step() waits at most this long for outputs; `wakeup()` (a new request to hand over) ends
 # the wait at once, so the caller's thread sleeps between steps instead of polling.
 STEP_WAIT_S = 0.1
-STOP_TIMEOUT_S = 10.0
 CHECK_TIMEOUT_S = 120.0  # a question to the core waits for its current step, then a load
 _CONFIG_ERRORS = ("ValueError", "TypeError")
 
@@ -95,52 +92,9 @@ class EngineCoreClient:
         if self._dp:
             ip = parallel.data_parallel_master_ip
             parallel.data_parallel_master_port = parallel.data_parallel_master_port or free_port(ip)
-        self._ipc_dir = tempfile.mkdtemp(prefix="tokenwise-core-")
-        self._zmq = zmq.Context()
-        out_address = f"ipc://{self._ipc_dir}/out"
-        self._outbox = self._zmq.socket(zmq.PULL)
-        self._outbox.setsockopt(zmq.LINGER, 0)
-        self._outbox.bind(out_address)
-        # `wakeup()` may come from any thread; a ZeroMQ socket is not thread-safe, so its end
-        # is used under a lock, and the end that step() polls only by step().
+        self._io = CoreSockets(config, id(self))
         self._wake_lock = threading.Lock()
-        self._wake_tx = self._zmq.socket(zmq.PAIR)
-        self._wake_rx = self._zmq.socket(zmq.PAIR)
-        self._wake_rx.bind(f"inproc://wake-{id(self)}")
-        self._wake_tx.connect(f"inproc://wake-{id(self)}")
-        self._poller = zmq.Poller()
-        self._poller.register(self._outbox, zmq.POLLIN)
-        self._poller.register(self._wake_rx, zmq.POLLIN)
-        # Core 0's request-reply socket, for questions the caller needs answered now.
         self._control_lock = threading.Lock()
-        self._control = self._zmq.socket(zmq.REQ)
-        self._control.setsockopt(zmq.LINGER, 0)
-        self._control.bind(f"ipc://{self._ipc_dir}/control")
-        self._inboxes = []
-        for rank in range(num_local):
-            sock = self._zmq.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 0)  # never block or drop a request: queue it
-            sock.bind(f"ipc://{self._ipc_dir}/in{rank}")
-            self._inboxes.append(sock)
-        # Ranks on other hosts: they connect over TCP (`remote_ranks`) and are routed to
-        # like the local ones.
-        self._remote: RemoteRanks | None = None
-        remote_sockets: list[Any] = []
-        if parallel.spans_hosts:
-            try:
-                self._remote = RemoteRanks(
-                    self._zmq, config, self._outbox, parallel.data_parallel_master_port
-                )
-            except BaseException:
-                for sock in [*self._inboxes, self._outbox, self._wake_tx, self._wake_rx]:
-                    sock.close(linger=0)
-                self._control.close(linger=0)
-                self._zmq.term()
-                shutil.rmtree(self._ipc_dir, ignore_errors=True)
-                raise
-            remote_sockets = self._remote.sockets
-            self._inboxes += [self._remote.inboxes[r] for r in range(num_local, num_cores)]
         ctx = mp.get_context("spawn")  # fork would copy torch's threads and locks
         self._procs = [
             ctx.Process(
@@ -148,11 +102,9 @@ class EngineCoreClient:
                 args=(
                     config,
                     rank,
-                    f"ipc://{self._ipc_dir}/in{rank}",
-                    out_address,
-                    # Only core 0 answers questions (every core holds the same model); the
-                    # others' sockets are never asked.
-                    f"ipc://{self._ipc_dir}/control" if rank == 0 else f"inproc://none-{rank}",
+                    self._io.input_address(rank),
+                    self._io.out_address,
+                    self._io.control_address(rank),
                 ),
                 name=f"tokenwise-dp-{rank}" if self._dp else "tokenwise-engine-core",
                 # A daemon may not start processes, and under TP (PP) each core starts its
@@ -163,11 +115,7 @@ class EngineCoreClient:
         ]
         for proc in self._procs:
             proc.start()
-        sockets = [*self._inboxes[:num_local], self._outbox, self._wake_tx, self._wake_rx]
-        sockets += [self._control, *remote_sockets]
-        self._finalizer = weakref.finalize(
-            self, _stop_cores, self._procs, self._inboxes, sockets, self._zmq, self._ipc_dir
-        )
+        self._finalizer = weakref.finalize(self, stop_cores, self._procs, self._io)
         self._wait_until_ready()
 
     # ---- requests -----------------------------------------------------------------------------
@@ -193,7 +141,7 @@ class EngineCoreClient:
         message = msg.add_request(
             request_id, wire_prompt, params, cache_salt, lora_request, priority
         )
-        self._inboxes[rank].send(msg.encode(message))
+        self._io.inboxes[rank].send(msg.encode(message))
         self.groups[request_id] = (rank, params.n, text, token_ids)
         self._load[rank] += params.n
 
@@ -206,7 +154,7 @@ class EngineCoreClient:
             if rid in self.groups:
                 by_rank.setdefault(self.groups[rid][0], []).append(rid)
         for rank, rank_ids in by_rank.items():
-            self._inboxes[rank].send(msg.encode(msg.AbortRequests(rank_ids)))
+            self._io.inboxes[rank].send(msg.encode(msg.AbortRequests(rank_ids)))
 
     abort = abort_request
 
@@ -229,11 +177,11 @@ class EngineCoreClient:
         self.check_health()
         outputs: list[RequestOutput | EmbeddingRequestOutput] = []
         wait_ms = int(STEP_WAIT_S * 1000) if self.groups else 1
-        ready = dict(self._poller.poll(wait_ms))
-        if self._wake_rx in ready:
-            while self._wake_rx.poll(0):
-                self._wake_rx.recv()
-        if self._outbox not in ready:
+        ready = dict(self._io.poller.poll(wait_ms))
+        if self._io.wake_rx in ready:
+            while self._io.wake_rx.poll(0):
+                self._io.wake_rx.recv()
+        if self._io.outbox not in ready:
             return outputs
         return self._read_outbox()
 
@@ -242,7 +190,7 @@ class EngineCoreClient:
         """A file descriptor that becomes readable when outputs may have arrived: an event loop
         can watch it and call `drain()` (what the server does, so no thread sits in `step()`).
         ZeroMQ signals it on edges: `drain()` reads until nothing is left."""
-        return int(self._outbox.getsockopt(zmq.FD))
+        return int(self._io.outbox.getsockopt(zmq.FD))
 
     def drain(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         """Every output that has arrived, without waiting (raises if a core died)."""
@@ -253,7 +201,7 @@ class EngineCoreClient:
         outputs: list[RequestOutput | EmbeddingRequestOutput] = []
         while True:
             try:
-                frame = self._outbox.recv(zmq.NOBLOCK)
+                frame = self._io.outbox.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return outputs
             self._handle(msg.decode_from_core(frame), outputs)
@@ -263,9 +211,9 @@ class EngineCoreClient:
         answers between two steps). From any thread; a server checks adapters it loads."""
         with self._control_lock:
             self.check_health()
-            self._control.send(msg.encode(msg.CheckLoRA(pickle.dumps(lora_request))))
+            self._io.control.send(msg.encode(msg.CheckLoRA(pickle.dumps(lora_request))))
             deadline = time.monotonic() + CHECK_TIMEOUT_S
-            while not self._control.poll(200):
+            while not self._io.control.poll(200):
                 if time.monotonic() > deadline:
                     raise RuntimeError(
                         f"the engine core did not check adapter {lora_request.lora_name!r} "
@@ -273,7 +221,7 @@ class EngineCoreClient:
                     )
                 if any(not proc.is_alive() for proc in self._procs):
                     raise RuntimeError("the engine core died while checking an adapter")
-            answer = msg.decode_from_core(self._control.recv())
+            answer = msg.decode_from_core(self._io.control.recv())
         if not isinstance(answer, msg.LoRAChecked):
             raise RuntimeError(f"unexpected answer {type(answer).__name__} from the engine core")
         if answer.error is not None:
@@ -285,7 +233,7 @@ class EngineCoreClient:
         with self._wake_lock:
             if not self._stopped:
                 try:
-                    self._wake_tx.send(b"", zmq.NOBLOCK)
+                    self._io.wake_tx.send(b"", zmq.NOBLOCK)
                 except zmq.Again:  # wake-ups already queued: one is enough
                     pass
 
@@ -348,12 +296,12 @@ class EngineCoreClient:
                     reasons.append(
                         f"{self._name_ranks(local_missing)} not ready within {timeout:g} s"
                     )
-                if self._remote is not None:
-                    reasons.append(self._remote.describe_missing(ready, timeout))
+                if self._io.remote is not None:
+                    reasons.append(self._io.remote.describe_missing(ready, timeout))
                 self._fail("; ".join(r for r in reasons if r))
-            if not self._outbox.poll(50 if self._remote is not None else 200):
+            if not self._io.outbox.poll(50 if self._io.remote is not None else 200):
                 continue
-            message = msg.decode_from_core(self._outbox.recv())
+            message = msg.decode_from_core(self._io.outbox.recv())
             if isinstance(message, msg.CoreReady):
                 ready.add(message.rank)
                 self._stats[message.rank].num_total_blocks = message.num_blocks
@@ -366,8 +314,8 @@ class EngineCoreClient:
                 self._failure = message.message.splitlines()[0]
                 self.shutdown()
                 reason = self._failure.removeprefix(f"{message.error_type}: ")
-                if message.rank >= len(self._procs) and self._remote is not None:
-                    reason = f"{self._remote.describe(message.rank)}: {reason}"
+                if message.rank >= len(self._procs) and self._io.remote is not None:
+                    reason = f"{self._io.remote.describe(message.rank)}: {reason}"
                 raise ValueError(reason)
             else:
                 self._handle(message, [])
@@ -385,7 +333,7 @@ class EngineCoreClient:
             raise RuntimeError(self._failure or "the engine has been shut down")
         if any(not proc.is_alive() for proc in self._procs):
             self._fail(self._diagnose({}))
-        if self._remote is not None and self._remote.poll() is not None:
+        if self._io.remote is not None and self._io.remote.poll() is not None:
             self._fail(self._diagnose({}))
 
     def _diagnose(self, reports: dict[int, str]) -> str:
@@ -394,14 +342,14 @@ class EngineCoreClient:
         When one DP rank dies, its peers fail in their next collective and report that; a rank
         that died without reporting (killed, out of memory) is the cause, so it is named first.
         """
-        while self._outbox.poll(0):
-            message = msg.decode_from_core(self._outbox.recv())
+        while self._io.outbox.poll(0):
+            message = msg.decode_from_core(self._io.outbox.recv())
             if isinstance(message, msg.CoreDead):
                 reports.setdefault(message.rank, message.message)
         exited = [r for r, proc in enumerate(self._procs) if proc.exitcode is not None]
-        if self._remote is not None:
-            self._remote.poll()
-            exited += self._remote.lost  # a lost host says nothing either
+        if self._io.remote is not None:
+            self._io.remote.poll()
+            exited += self._io.remote.lost  # a lost host says nothing either
         silent = [r for r in exited if r not in reports]
         root = silent[0] if silent else min(reports, default=exited[0] if exited else 0)
         if root < len(self._procs):
@@ -409,10 +357,12 @@ class EngineCoreClient:
             text = f"{self._name(root)} (pid {proc.pid}) "
             text += "failed" if proc.exitcode is None else f"exited with code {proc.exitcode}"
         else:
-            assert self._remote is not None
-            text = self._remote.describe(root)
-            text += "" if root in self._remote.lost else " failed"
-        also_lost = sorted(set(self._remote.lost) - {root}) if self._remote is not None else []
+            assert self._io.remote is not None
+            text = self._io.remote.describe(root)
+            text += "" if root in self._io.remote.lost else " failed"
+        also_lost = (
+            sorted(set(self._io.remote.lost) - {root}) if self._io.remote is not None else []
+        )
         if also_lost:
             text += f" (so did ranks {also_lost})"
         if root in reports:
@@ -462,26 +412,3 @@ class EngineCoreClient:
 
     def get_rank_stats(self) -> list[EngineStats]:
         return [copy.deepcopy(s) for s in self._stats]
-
-
-def _stop_cores(
-    procs: list[Any], inboxes: list[Any], sockets: list[Any], context: Any, ipc_dir: str
-) -> None:
-    """Ask every core to stop, then make sure: a core stuck in a collective is terminated."""
-    for inbox in inboxes:
-        try:
-            inbox.send(msg.encode(msg.StopCore()), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    for proc in procs:
-        proc.join(timeout=max(0.0, deadline - time.monotonic()))
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=STOP_TIMEOUT_S)
-    for sock in sockets:
-        sock.close(linger=0)
-    context.term()
-    if os.path.isdir(ipc_dir):
-        shutil.rmtree(ipc_dir, ignore_errors=True)

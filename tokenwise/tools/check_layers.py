@@ -170,6 +170,7 @@ LAYERS: tuple[Layer, ...] = (
         (
             "tokenwise.engine.core_messages",
             "tokenwise.engine.remote_ranks",
+            "tokenwise.engine.core_sockets",
             "tokenwise.engine.core_process",
             "tokenwise.engine.remote_core",
             "tokenwise.engine.headless",
