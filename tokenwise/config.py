@@ -89,6 +89,12 @@ class ParallelConfig:
     # Where DP ranks rendezvous (torch.distributed TCP store); port None = a free one.
     data_parallel_master_ip: str = "127.0.0.1"
     data_parallel_master_port: int | None = None
+    # DP across hosts (vLLM's names): this host runs ranks [start_rank, start_rank + size_local)
+    # (size_local None = every rank from start_rank on); the ranks of other hosts connect to
+    # the front end at data_parallel_master_ip:data_parallel_rpc_port (`engine/remote_ranks`).
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int = 0
+    data_parallel_rpc_port: int = 29550
     # Micro-batching ("dual batch overlap") thresholds: below these a batch is not split.
     enable_microbatching: bool = False
     microbatching_decode_token_threshold: int = 32
@@ -104,6 +110,36 @@ class ParallelConfig:
                 f"data_parallel_rank must be in [0, data_parallel_size={self.data_parallel_size}),"
                 f" got {self.data_parallel_rank}"
             )
+        _check_int("data_parallel_start_rank", self.data_parallel_start_rank, 0)
+        _check_int("data_parallel_rpc_port", self.data_parallel_rpc_port, 1)
+        if self.data_parallel_rpc_port > 65535:
+            raise ValueError(
+                f"data_parallel_rpc_port must be in [1, 65535], got {self.data_parallel_rpc_port}"
+            )
+        if self.data_parallel_size_local is not None:
+            _check_int("data_parallel_size_local", self.data_parallel_size_local, 1)
+        end = self.data_parallel_start_rank + self.local_dp_size
+        if self.local_dp_size < 1 or end > self.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_start_rank ({self.data_parallel_start_rank}) + "
+                f"data_parallel_size_local ({self.local_dp_size}) must be <= "
+                f"data_parallel_size ({self.data_parallel_size}), with at least one rank on "
+                f"this host: its ranks are [start_rank, start_rank + size_local) of "
+                f"[0, {self.data_parallel_size})"
+            )
+
+    @property
+    def local_dp_size(self) -> int:
+        """DP ranks on this host: `data_parallel_size_local`, by default every rank from
+        `data_parallel_start_rank` on (all of them on a single host)."""
+        if self.data_parallel_size_local is not None:
+            return self.data_parallel_size_local
+        return self.data_parallel_size - self.data_parallel_start_rank
+
+    @property
+    def spans_hosts(self) -> bool:
+        """Whether some DP ranks run on other hosts (and connect to the front end over TCP)."""
+        return self.local_dp_size != self.data_parallel_size
 
 
 PIECE_BACKENDS = ("inductor", "eager")

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     parallel = {name: size for name, size in ranks.items() if size > 1}
     if parallel:
         # The same workload on one process first, so the figure comes with its own baseline.
-        one = {**kwargs, **dict.fromkeys(ranks, 1)}
+        one = {**kwargs, **dict.fromkeys(ranks, 1), "data_parallel_size_local": None}
         baseline, _, _, _ = _timed_run(args, one, input_range, output_range)
     elapsed, outputs, model_config, busy = _timed_run(args, kwargs, input_range, output_range)
 

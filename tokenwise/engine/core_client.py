@@ -11,7 +11,9 @@ the request's KV blocks are freed there, with no extra token generated and no ab
 
 Nothing waits without a bound: start-up has a deadline, every wait for outputs is short, and
 each `step()` (or `check_health()`, which a server calls while idle) checks that every core
-process is alive. A core that died (killed, out of memory, a failed collective) stops all the
+process is alive, and that no core on another host lost its connection (`remote_ranks`: with
+`data_parallel_size_local < data_parallel_size` this client runs ranks [0, size_local) and the
+others connect over TCP from hosts running `tokenwise serve --headless`). A core that died (killed, out of memory, a failed collective) stops all the
 others and fails the client with an error naming the core, on this call and every later one.
 """
 
@@ -20,10 +22,7 @@ from __future__ import annotations
 import copy
 import logging
 import multiprocessing as mp
-import os
 import pickle
-import shutil
-import tempfile
 import threading
 import time
 import weakref
@@ -35,9 +34,12 @@ from tokenwise.config import EngineConfig
 from tokenwise.distributed.tp_state import free_port
 from tokenwise.engine import core_messages as msg
 from tokenwise.engine.core_process import run_engine_core
+from tokenwise.engine.core_sockets import CoreSockets, stop_cores
+from tokenwise.engine.headless import check_hosts_layout
 from tokenwise.engine.prompts import PromptInput, load_tokenizer, validate_request
+from tokenwise.engine.remote_ranks import engine_ready_timeout_s
 from tokenwise.engine.request_queue import check_priority
-from tokenwise.engine.stats import EngineStats
+from tokenwise.engine.stats import EngineStats, combine_stats
 from tokenwise.engine.step_records import StepRecords
 from tokenwise.lora.request import LoRARequest
 from tokenwise.models.registry import is_moe_architecture
@@ -46,11 +48,9 @@ from tokenwise.sampling.params import SamplingParams
 
 logger = logging.getLogger("tokenwise.engine")
 
-START_TIMEOUT_S = 600.0  # every core loads the model; big checkpoints take minutes
 # One step() waits at most this long for outputs; `wakeup()` (a new request to hand over) ends
 # the wait at once, so the caller's thread sleeps between steps instead of polling.
 STEP_WAIT_S = 0.1
-STOP_TIMEOUT_S = 10.0
 CHECK_TIMEOUT_S = 120.0  # a question to the core waits for its current step, then a load
 _CONFIG_ERRORS = ("ValueError", "TypeError")
 
@@ -66,6 +66,15 @@ class EngineCoreClient:
         self.tokenizer = None if skip else load_tokenizer(config.model)
         num_cores = parallel.data_parallel_size
         self._dp = num_cores > 1
+        if parallel.spans_hosts and parallel.data_parallel_start_rank != 0:
+            raise ValueError(
+                "data_parallel_start_rank must be 0 where the front end runs (rank 0 runs "
+                f"beside it), got {parallel.data_parallel_start_rank}; the other hosts run "
+                "`tokenwise serve --headless`"
+            )
+        check_hosts_layout(parallel)
+        num_local = parallel.local_dp_size
+        self._ready_timeout_s = engine_ready_timeout_s()
         # Unfinished request id -> (its core, its weight in sequences, prompt text, token ids).
         self.groups: dict[str, tuple[int, int, str | None, list[int]]] = {}
         self._load = [0] * num_cores  # sequences in flight per core
@@ -83,34 +92,9 @@ class EngineCoreClient:
         if self._dp:
             ip = parallel.data_parallel_master_ip
             parallel.data_parallel_master_port = parallel.data_parallel_master_port or free_port(ip)
-        self._ipc_dir = tempfile.mkdtemp(prefix="tokenwise-core-")
-        self._zmq = zmq.Context()
-        out_address = f"ipc://{self._ipc_dir}/out"
-        self._outbox = self._zmq.socket(zmq.PULL)
-        self._outbox.setsockopt(zmq.LINGER, 0)
-        self._outbox.bind(out_address)
-        # `wakeup()` may come from any thread; a ZeroMQ socket is not thread-safe, so its end
-        # is used under a lock, and the end that step() polls only by step().
+        self._io = CoreSockets(config, id(self))
         self._wake_lock = threading.Lock()
-        self._wake_tx = self._zmq.socket(zmq.PAIR)
-        self._wake_rx = self._zmq.socket(zmq.PAIR)
-        self._wake_rx.bind(f"inproc://wake-{id(self)}")
-        self._wake_tx.connect(f"inproc://wake-{id(self)}")
-        self._poller = zmq.Poller()
-        self._poller.register(self._outbox, zmq.POLLIN)
-        self._poller.register(self._wake_rx, zmq.POLLIN)
-        # Core 0's request-reply socket, for questions the caller needs answered now.
         self._control_lock = threading.Lock()
-        self._control = self._zmq.socket(zmq.REQ)
-        self._control.setsockopt(zmq.LINGER, 0)
-        self._control.bind(f"ipc://{self._ipc_dir}/control")
-        self._inboxes = []
-        for rank in range(num_cores):
-            sock = self._zmq.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 0)  # never block or drop a request: queue it
-            sock.bind(f"ipc://{self._ipc_dir}/in{rank}")
-            self._inboxes.append(sock)
         ctx = mp.get_context("spawn")  # fork would copy torch's threads and locks
         self._procs = [
             ctx.Process(
@@ -118,25 +102,20 @@ class EngineCoreClient:
                 args=(
                     config,
                     rank,
-                    f"ipc://{self._ipc_dir}/in{rank}",
-                    out_address,
-                    # Only core 0 answers questions (every core holds the same model); the
-                    # others' sockets are never asked.
-                    f"ipc://{self._ipc_dir}/control" if rank == 0 else f"inproc://none-{rank}",
+                    self._io.input_address(rank),
+                    self._io.out_address,
+                    self._io.control_address(rank),
                 ),
                 name=f"tokenwise-dp-{rank}" if self._dp else "tokenwise-engine-core",
                 # A daemon may not start processes, and under TP (PP) each core starts its
                 # workers (stages); cores also stop by themselves when this process is gone.
                 daemon=parallel.tensor_parallel_size == 1 and parallel.pipeline_parallel_size == 1,
             )
-            for rank in range(num_cores)
+            for rank in range(num_local)
         ]
         for proc in self._procs:
             proc.start()
-        sockets = [*self._inboxes, self._outbox, self._wake_tx, self._wake_rx, self._control]
-        self._finalizer = weakref.finalize(
-            self, _stop_cores, self._procs, self._inboxes, sockets, self._zmq, self._ipc_dir
-        )
+        self._finalizer = weakref.finalize(self, stop_cores, self._procs, self._io)
         self._wait_until_ready()
 
     # ---- requests -----------------------------------------------------------------------------
@@ -162,7 +141,7 @@ class EngineCoreClient:
         message = msg.add_request(
             request_id, wire_prompt, params, cache_salt, lora_request, priority
         )
-        self._inboxes[rank].send(msg.encode(message))
+        self._io.inboxes[rank].send(msg.encode(message))
         self.groups[request_id] = (rank, params.n, text, token_ids)
         self._load[rank] += params.n
 
@@ -175,7 +154,7 @@ class EngineCoreClient:
             if rid in self.groups:
                 by_rank.setdefault(self.groups[rid][0], []).append(rid)
         for rank, rank_ids in by_rank.items():
-            self._inboxes[rank].send(msg.encode(msg.AbortRequests(rank_ids)))
+            self._io.inboxes[rank].send(msg.encode(msg.AbortRequests(rank_ids)))
 
     abort = abort_request
 
@@ -198,11 +177,11 @@ class EngineCoreClient:
         self.check_health()
         outputs: list[RequestOutput | EmbeddingRequestOutput] = []
         wait_ms = int(STEP_WAIT_S * 1000) if self.groups else 1
-        ready = dict(self._poller.poll(wait_ms))
-        if self._wake_rx in ready:
-            while self._wake_rx.poll(0):
-                self._wake_rx.recv()
-        if self._outbox not in ready:
+        ready = dict(self._io.poller.poll(wait_ms))
+        if self._io.wake_rx in ready:
+            while self._io.wake_rx.poll(0):
+                self._io.wake_rx.recv()
+        if self._io.outbox not in ready:
             return outputs
         return self._read_outbox()
 
@@ -211,7 +190,7 @@ class EngineCoreClient:
         """A file descriptor that becomes readable when outputs may have arrived: an event loop
         can watch it and call `drain()` (what the server does, so no thread sits in `step()`).
         ZeroMQ signals it on edges: `drain()` reads until nothing is left."""
-        return int(self._outbox.getsockopt(zmq.FD))
+        return int(self._io.outbox.getsockopt(zmq.FD))
 
     def drain(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         """Every output that has arrived, without waiting (raises if a core died)."""
@@ -222,7 +201,7 @@ class EngineCoreClient:
         outputs: list[RequestOutput | EmbeddingRequestOutput] = []
         while True:
             try:
-                frame = self._outbox.recv(zmq.NOBLOCK)
+                frame = self._io.outbox.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return outputs
             self._handle(msg.decode_from_core(frame), outputs)
@@ -232,9 +211,9 @@ class EngineCoreClient:
         answers between two steps). From any thread; a server checks adapters it loads."""
         with self._control_lock:
             self.check_health()
-            self._control.send(msg.encode(msg.CheckLoRA(pickle.dumps(lora_request))))
+            self._io.control.send(msg.encode(msg.CheckLoRA(pickle.dumps(lora_request))))
             deadline = time.monotonic() + CHECK_TIMEOUT_S
-            while not self._control.poll(200):
+            while not self._io.control.poll(200):
                 if time.monotonic() > deadline:
                     raise RuntimeError(
                         f"the engine core did not check adapter {lora_request.lora_name!r} "
@@ -242,7 +221,7 @@ class EngineCoreClient:
                     )
                 if any(not proc.is_alive() for proc in self._procs):
                     raise RuntimeError("the engine core died while checking an adapter")
-            answer = msg.decode_from_core(self._control.recv())
+            answer = msg.decode_from_core(self._io.control.recv())
         if not isinstance(answer, msg.LoRAChecked):
             raise RuntimeError(f"unexpected answer {type(answer).__name__} from the engine core")
         if answer.error is not None:
@@ -254,7 +233,7 @@ class EngineCoreClient:
         with self._wake_lock:
             if not self._stopped:
                 try:
-                    self._wake_tx.send(b"", zmq.NOBLOCK)
+                    self._io.wake_tx.send(b"", zmq.NOBLOCK)
                 except zmq.Again:  # wake-ups already queued: one is enough
                     pass
 
@@ -306,15 +285,23 @@ class EngineCoreClient:
 
     def _wait_until_ready(self) -> None:
         ready: set[int] = set()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while len(ready) < len(self._procs):
+        timeout = self._ready_timeout_s
+        deadline = time.monotonic() + timeout
+        while len(ready) < len(self._load):
             self.check_health()
             if time.monotonic() > deadline:
-                missing = sorted(set(range(len(self._procs))) - ready)
-                self._fail(f"{self._name_ranks(missing)} not ready within {START_TIMEOUT_S:.0f} s")
-            if not self._outbox.poll(200):
+                local_missing = sorted(set(range(len(self._procs))) - ready)
+                reasons = []
+                if local_missing:
+                    reasons.append(
+                        f"{self._name_ranks(local_missing)} not ready within {timeout:g} s"
+                    )
+                if self._io.remote is not None:
+                    reasons.append(self._io.remote.describe_missing(ready, timeout))
+                self._fail("; ".join(r for r in reasons if r))
+            if not self._io.outbox.poll(50 if self._io.remote is not None else 200):
                 continue
-            message = msg.decode_from_core(self._outbox.recv())
+            message = msg.decode_from_core(self._io.outbox.recv())
             if isinstance(message, msg.CoreReady):
                 ready.add(message.rank)
                 self._stats[message.rank].num_total_blocks = message.num_blocks
@@ -326,7 +313,10 @@ class EngineCoreClient:
                     proc.kill()
                 self._failure = message.message.splitlines()[0]
                 self.shutdown()
-                raise ValueError(self._failure.removeprefix(f"{message.error_type}: "))
+                reason = self._failure.removeprefix(f"{message.error_type}: ")
+                if message.rank >= len(self._procs) and self._io.remote is not None:
+                    reason = f"{self._io.remote.describe(message.rank)}: {reason}"
+                raise ValueError(reason)
             else:
                 self._handle(message, [])
         logger.info("%s ready", self._name_ranks(sorted(ready)))
@@ -343,6 +333,8 @@ class EngineCoreClient:
             raise RuntimeError(self._failure or "the engine has been shut down")
         if any(not proc.is_alive() for proc in self._procs):
             self._fail(self._diagnose({}))
+        if self._io.remote is not None and self._io.remote.poll() is not None:
+            self._fail(self._diagnose({}))
 
     def _diagnose(self, reports: dict[int, str]) -> str:
         """Name the core that caused a failure, not the first one to notice it.
@@ -350,16 +342,29 @@ class EngineCoreClient:
         When one DP rank dies, its peers fail in their next collective and report that; a rank
         that died without reporting (killed, out of memory) is the cause, so it is named first.
         """
-        while self._outbox.poll(0):
-            message = msg.decode_from_core(self._outbox.recv())
+        while self._io.outbox.poll(0):
+            message = msg.decode_from_core(self._io.outbox.recv())
             if isinstance(message, msg.CoreDead):
                 reports.setdefault(message.rank, message.message)
         exited = [r for r, proc in enumerate(self._procs) if proc.exitcode is not None]
+        if self._io.remote is not None:
+            self._io.remote.poll()
+            exited += self._io.remote.lost  # a lost host says nothing either
         silent = [r for r in exited if r not in reports]
         root = silent[0] if silent else min(reports, default=exited[0] if exited else 0)
-        proc = self._procs[root]
-        text = f"{self._name(root)} (pid {proc.pid}) "
-        text += "failed" if proc.exitcode is None else f"exited with code {proc.exitcode}"
+        if root < len(self._procs):
+            proc = self._procs[root]
+            text = f"{self._name(root)} (pid {proc.pid}) "
+            text += "failed" if proc.exitcode is None else f"exited with code {proc.exitcode}"
+        else:
+            assert self._io.remote is not None
+            text = self._io.remote.describe(root)
+            text += "" if root in self._io.remote.lost else " failed"
+        also_lost = (
+            sorted(set(self._io.remote.lost) - {root}) if self._io.remote is not None else []
+        )
+        if also_lost:
+            text += f" (so did ranks {also_lost})"
         if root in reports:
             text += f": {reports[root].splitlines()[0]}"
         text += "; the engine cannot continue"
@@ -390,38 +395,7 @@ class EngineCoreClient:
 
     def get_stats(self) -> EngineStats:
         """Counters summed over cores; KV usage is the pooled fraction of all cores' blocks."""
-        if len(self._stats) == 1:
-            return self._stats[0]
-        total = EngineStats()
-        for s in self._stats:
-            for name in (
-                "num_running",
-                "num_waiting",
-                "num_free_blocks",
-                "num_total_blocks",
-                "prefix_cache_queries",
-                "prefix_cache_hits",
-                "prompt_tokens_total",
-                "generation_tokens_total",
-                "num_preemptions_total",
-                "num_steps_total",
-                "num_ubatched_steps_total",
-                "num_dummy_steps_total",
-                "spec_decode_num_drafts",
-                "spec_decode_num_draft_tokens",
-                "spec_decode_num_accepted_tokens",
-            ):
-                setattr(total, name, getattr(total, name) + getattr(s, name))
-            for reason, count in s.finished_reasons.items():
-                total.finished_reasons[reason] = total.finished_reasons.get(reason, 0) + count
-            per_pos = total.spec_decode_num_accepted_tokens_per_pos
-            for pos, count in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
-                if pos == len(per_pos):
-                    per_pos.append(0)
-                per_pos[pos] += count
-        if total.num_total_blocks:
-            total.kv_cache_usage = 1.0 - total.num_free_blocks / total.num_total_blocks
-        return total
+        return combine_stats(self._stats)
 
     def forward_time_table(self) -> dict[int, tuple[int, float]]:
         """batch size -> (forward passes, median ms) as the first core last reported it (the
@@ -438,26 +412,3 @@ class EngineCoreClient:
 
     def get_rank_stats(self) -> list[EngineStats]:
         return [copy.deepcopy(s) for s in self._stats]
-
-
-def _stop_cores(
-    procs: list[Any], inboxes: list[Any], sockets: list[Any], context: Any, ipc_dir: str
-) -> None:
-    """Ask every core to stop, then make sure: a core stuck in a collective is terminated."""
-    for inbox in inboxes:
-        try:
-            inbox.send(msg.encode(msg.StopCore()), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    for proc in procs:
-        proc.join(timeout=max(0.0, deadline - time.monotonic()))
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=STOP_TIMEOUT_S)
-    for sock in sockets:
-        sock.close(linger=0)
-    context.term()
-    if os.path.isdir(ipc_dir):
-        shutil.rmtree(ipc_dir, ignore_errors=True)

@@ -4,7 +4,9 @@ Client to core: `AddRequest` (with the request's scheduling `priority`), `AbortR
 `StopCore`. Core to client: `CoreReady`, then one `CoreOutputs` per step (its outputs,
 statistics and step record), `CoreRejected` for a request the core could not take, `CoreDead`
 when the core fails. On a separate request-reply socket the client asks `CheckLoRA` and the
-core answers `LoRAChecked` (a server loading an adapter at run time). Each is a tagged msgspec
+core answers `LoRAChecked` (a server loading an adapter at run time). A core on another host
+first says `CoreHello` on the front end's RPC port and is answered `Welcome` (where its request
+and output sockets are, the DP rendezvous port), or refused (`Welcome.error`). Each is a tagged msgspec
 struct sent as one ZeroMQ
 frame of msgpack: the per-step outputs, the hot path, decode straight into the engine's own
 `RequestOutput` dataclasses without pickle. What is polymorphic and travels once per request
@@ -81,15 +83,34 @@ class LoRAChecked(msgspec.Struct, tag=True):
     error: str | None  # why the adapter is refused, None when it fits
 
 
+class CoreHello(msgspec.Struct, tag=True):
+    """A remote core's first words: who it is, so the front end can name it if it is lost."""
+
+    rank: int
+    data_parallel_size: int
+    host: str
+    pid: int
+    model: str  # `model_signature`: both ends must serve the same model
+
+
+class Welcome(msgspec.Struct, tag=True):
+    input_address: str = ""
+    output_address: str = ""
+    master_port: int = 0
+    error: str | None = None  # why the front end refuses this core (then nothing else is set)
+
+
 ToCore = AddRequest | AbortRequests | StopCore | CheckLoRA
 FromCore = CoreReady | CoreOutputs | CoreRejected | CoreDead | LoRAChecked
 
 _encoder = msgspec.msgpack.Encoder()
 _to_core = msgspec.msgpack.Decoder(ToCore)
 _from_core = msgspec.msgpack.Decoder(FromCore)
+_hello = msgspec.msgpack.Decoder(CoreHello)
+_welcome = msgspec.msgpack.Decoder(Welcome)
 
 
-def encode(message: ToCore | FromCore) -> bytes:
+def encode(message: ToCore | FromCore | CoreHello | Welcome) -> bytes:
     return _encoder.encode(message)
 
 
@@ -99,6 +120,14 @@ def decode_to_core(frame: bytes) -> ToCore:
 
 def decode_from_core(frame: bytes) -> FromCore:
     return _from_core.decode(frame)
+
+
+def decode_hello(frame: bytes) -> CoreHello:
+    return _hello.decode(frame)
+
+
+def decode_welcome(frame: bytes) -> Welcome:
+    return _welcome.decode(frame)
 
 
 def add_request(

@@ -25,6 +25,7 @@ import os
 import pickle
 import time
 import traceback
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -57,9 +58,7 @@ def run_engine_core(
 ) -> None:
     """Process entry point: build the engine (joining the DP group if any), serve until told to
     stop or the parent is gone."""
-    dp = config.parallel.data_parallel_size
-    prefix = f"[DP rank {rank}]" if dp > 1 else "[engine core]"
-    logging.basicConfig(level=logging.INFO, format=f"{prefix} %(levelname)s %(message)s")
+    _log_as(config, rank)
     context = zmq.Context()
     outbox = context.socket(zmq.PUSH)
     outbox.setsockopt(zmq.LINGER, 2000)  # the last words (outputs, "dead") must get out
@@ -71,11 +70,35 @@ def run_engine_core(
     control.setsockopt(zmq.LINGER, 0)
     control.connect(control_address)
     try:
+        serve_engine_core(config, rank, inbox, outbox, control)
+    finally:
+        context.term()
+
+
+def _log_as(config: EngineConfig, rank: int) -> None:
+    prefix = f"[DP rank {rank}]" if config.parallel.data_parallel_size > 1 else "[engine core]"
+    logging.basicConfig(level=logging.INFO, format=f"{prefix} %(levelname)s %(message)s")
+
+
+def serve_engine_core(
+    config: EngineConfig,
+    rank: int,
+    inbox: zmq.Socket,
+    outbox: zmq.Socket,
+    control: zmq.Socket,
+    front_end_lost: Callable[[], bool] | None = None,
+) -> None:
+    """Join the DP group, build the engine, say ready and serve; report any failure on the
+    outbox, then close these sockets. `front_end_lost` (a core on another host) says whether
+    the front end's connection broke: such a core has no parent process to watch."""
+    dp = config.parallel.data_parallel_size
+    try:
         if dp > 1:
             config.parallel.data_parallel_rank = rank
             if not str(config.device).startswith("cuda") and "OMP_NUM_THREADS" not in os.environ:
                 # N ranks on one CPU: share the cores instead of each claiming all of them.
-                torch.set_num_threads(max(1, (os.cpu_count() or 1) // dp))
+                local = config.parallel.local_dp_size
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
             if config.parallel.tensor_parallel_size == 1:
                 parallel = config.parallel
                 init_dp_group(
@@ -89,7 +112,7 @@ def run_engine_core(
             # dp * tp processes build the TP and DP groups together (`join_parallel_groups`).
         engine = LLMEngine(config, config.device)
         outbox.send(msg.encode(msg.CoreReady(rank, engine.runner.num_blocks)))
-        _CoreLoop(engine, rank, inbox, outbox, control).run()
+        _CoreLoop(engine, rank, inbox, outbox, control, front_end_lost).run()
     except BaseException as exc:  # the client turns this into a clear error for the user
         text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
         outbox.send(msg.encode(msg.CoreDead(rank, text, type(exc).__name__)))
@@ -99,7 +122,6 @@ def run_engine_core(
         inbox.close()
         control.close()
         outbox.close()
-        context.term()
 
 
 class _CoreLoop:
@@ -110,6 +132,7 @@ class _CoreLoop:
         inbox: zmq.Socket,
         outbox: zmq.Socket,
         control: zmq.Socket,
+        front_end_lost: Callable[[], bool] | None = None,
     ) -> None:
         self.engine = engine
         self.rank = rank
@@ -121,6 +144,7 @@ class _CoreLoop:
         self.poller.register(control, zmq.POLLIN)
         self.stopping = False
         self.parent = mp.parent_process()
+        self.front_end_lost = front_end_lost
         self._forward_times_sent = 0.0
         self._records_sent = 0  # cursor into the engine's step records
 
@@ -154,7 +178,8 @@ class _CoreLoop:
 
     def _apply_messages(self, block_s: float | None) -> None:
         """Apply every queued message; with `block_s`, wait that long for the first one."""
-        if self.parent is not None and not self.parent.is_alive():
+        parent_gone = self.parent is not None and not self.parent.is_alive()
+        if parent_gone or (self.front_end_lost is not None and self.front_end_lost()):
             self.stopping = True  # the client is gone: nobody will read our outputs
             return
         if block_s and not self.poller.poll(int(block_s * 1000)):

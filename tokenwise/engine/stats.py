@@ -114,3 +114,40 @@ def finished_request_line(request_id: str, samples: list[Request], now: float) -
         f"prompt + {output_tokens} output tokens, ttft {ttft}, "
         f"total {now - first.arrival_time:.3f} s"
     )
+
+
+def combine_stats(per_core: list[EngineStats]) -> EngineStats:
+    """Counters summed over cores (DP ranks); KV usage is the pooled fraction of all their
+    blocks. One core's stats are returned as they are."""
+    if len(per_core) == 1:
+        return per_core[0]
+    total = EngineStats()
+    for s in per_core:
+        for name in (
+            "num_running",
+            "num_waiting",
+            "num_free_blocks",
+            "num_total_blocks",
+            "prefix_cache_queries",
+            "prefix_cache_hits",
+            "prompt_tokens_total",
+            "generation_tokens_total",
+            "num_preemptions_total",
+            "num_steps_total",
+            "num_ubatched_steps_total",
+            "num_dummy_steps_total",
+            "spec_decode_num_drafts",
+            "spec_decode_num_draft_tokens",
+            "spec_decode_num_accepted_tokens",
+        ):
+            setattr(total, name, getattr(total, name) + getattr(s, name))
+        for reason, count in s.finished_reasons.items():
+            total.finished_reasons[reason] = total.finished_reasons.get(reason, 0) + count
+        per_pos = total.spec_decode_num_accepted_tokens_per_pos
+        for pos, count in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+            if pos == len(per_pos):
+                per_pos.append(0)
+            per_pos[pos] += count
+    if total.num_total_blocks:
+        total.kv_cache_usage = 1.0 - total.num_free_blocks / total.num_total_blocks
+    return total

@@ -324,15 +324,38 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="number of engine ranks; requests go to the least loaded (default: 1)",
     )
     p.add_argument(
+        "--data-parallel-size-local",
+        type=bounded_int(1),
+        default=None,
+        help="data-parallel ranks on this host, for ranks on several hosts (default: every "
+        "rank from --data-parallel-start-rank on, i.e. all of them on one host)",
+    )
+    p.add_argument(
+        "--data-parallel-start-rank",
+        type=bounded_int(0),
+        default=0,
+        help="global rank of this host's first data-parallel rank: 0 on the front end's host, "
+        "the first rank it runs on a --headless host (default: 0)",
+    )
+    p.add_argument(
         "--data-parallel-address",
-        default="127.0.0.1",
-        help="address the ranks rendezvous on (torch.distributed TCP store; default 127.0.0.1)",
+        default=None,
+        help="address of the first host, where the front end runs: the ranks rendezvous "
+        "there (torch.distributed TCP store) and other hosts' ranks connect to it "
+        "(default 127.0.0.1; required with --headless)",
+    )
+    p.add_argument(
+        "--data-parallel-rpc-port",
+        type=bounded_int(1, 65535),
+        default=29550,
+        help="port of the front end that the ranks of other hosts connect to (default 29550)",
     )
     p.add_argument(
         "--data-parallel-port",
         type=bounded_int(1, 65535),
         default=None,
-        help="rendezvous port (default: a free port)",
+        help="rendezvous port on the first host (default: a free port, which the front end "
+        "tells the other hosts' ranks)",
     )
     p.add_argument(
         "--enable-expert-parallel",
@@ -396,6 +419,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "pipeline_parallel_size": args.pipeline_parallel_size,
         "data_parallel_address": args.data_parallel_address,
         "data_parallel_port": args.data_parallel_port,
+        "data_parallel_size_local": args.data_parallel_size_local,
+        "data_parallel_start_rank": args.data_parallel_start_rank,
+        "data_parallel_rpc_port": args.data_parallel_rpc_port,
         "enable_expert_parallel": args.enable_expert_parallel,
         "enable_microbatching": args.enable_microbatching,
         "enable_lora": args.enable_lora,

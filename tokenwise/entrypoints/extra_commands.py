@@ -26,6 +26,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_server_args(serve)
     add_engine_args(serve)
     add_request_log_args(serve)
+    serve.add_argument(
+        "--headless",
+        action="store_true",
+        help="data parallelism across hosts: run only this host's engine cores (ranks "
+        "--data-parallel-start-rank .. + --data-parallel-size-local), no API server; they "
+        "connect to the front end at --data-parallel-address:--data-parallel-rpc-port",
+    )
     serve.set_defaults(func=_run_serve)
 
     from tokenwise.benchmarks import register_bench
@@ -34,9 +41,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    if args.headless:
+        return _run_headless(resolve_model_tag(args))
     from tokenwise.entrypoints.openai.api_server import run_server
 
     return run_server(resolve_model_tag(args))
+
+
+def _run_headless(args: argparse.Namespace) -> int:
+    """`serve --headless`: this host's engine cores only (`tokenwise.engine.headless`)."""
+    from tokenwise.engine.headless import check_headless, run_headless
+    from tokenwise.entrypoints.engine_args import engine_kwargs
+    from tokenwise.entrypoints.llm import build_engine_config
+
+    config = build_engine_config(args.model, **engine_kwargs(args))
+    check_headless(config.parallel, args.data_parallel_address is not None)
+    return run_headless(config)
 
 
 def resolve_model_tag(args: argparse.Namespace) -> argparse.Namespace:

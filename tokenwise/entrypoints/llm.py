@@ -127,8 +127,11 @@ def build_engine_config(
     data_parallel_size: int = 1,
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
-    data_parallel_address: str = "127.0.0.1",
+    data_parallel_address: str | None = None,
     data_parallel_port: int | None = None,
+    data_parallel_size_local: int | None = None,
+    data_parallel_start_rank: int = 0,
+    data_parallel_rpc_port: int = 29550,
     enable_expert_parallel: bool = False,
     enable_microbatching: bool = False,
     microbatching_token_threshold: int | None = None,
@@ -239,8 +242,11 @@ def build_engine_config(
         enable_expert_parallel=enable_expert_parallel,
         # vLLM's name for the same switch (dual-batch overlap).
         enable_microbatching=enable_microbatching or enable_dbo,
-        data_parallel_master_ip=data_parallel_address,
+        data_parallel_master_ip=data_parallel_address or "127.0.0.1",
         data_parallel_master_port=data_parallel_port,
+        data_parallel_size_local=data_parallel_size_local,
+        data_parallel_start_rank=data_parallel_start_rank,
+        data_parallel_rpc_port=data_parallel_rpc_port,
     )
     if microbatching_token_threshold is not None:
         parallel.microbatching_decode_token_threshold = microbatching_token_threshold

@@ -163,13 +163,17 @@ LAYERS: tuple[Layer, ...] = (
     # The engine loop: the same for every kind.
     Layer("engine loop", ("tokenwise.engine.llm_engine",)),
     # Engines callers drive (`EngineClient`): the in-process engine, and the client of
-    # engine-core processes (one, or one per DP rank) with its wire messages; `create_engine`
-    # picks one.
+    # engine-core processes (one, or one per DP rank, some of them on other hosts) with its
+    # wire messages; `create_engine` picks one.
     Layer(
         "engine clients",
         (
             "tokenwise.engine.core_messages",
+            "tokenwise.engine.remote_ranks",
+            "tokenwise.engine.core_sockets",
             "tokenwise.engine.core_process",
+            "tokenwise.engine.remote_core",
+            "tokenwise.engine.headless",
             "tokenwise.engine.core_client",
             "tokenwise.engine.client",
         ),
