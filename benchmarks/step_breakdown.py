@@ -1,6 +1,6 @@
 """Where one batch-1 decode step's time goes, part by part of `LLMEngine.step`.
 
-    python benchmarks/step_breakdown.py --config llama-100m --dtype bfloat16 [--ops 25]
+    python benchmarks/step_breakdown.py --config llama-100m --dtype bfloat16 [--ops 25] [-q int4]
 
 One stream (256-token prompt, 128 greedy tokens, dummy weights, EOS ignored). Each part of the
 step (scheduler, input preparation, attention metadata, the model's forward, logits, sampling
@@ -34,7 +34,8 @@ from tokenwise import LLM, SamplingParams  # noqa: E402
 from tokenwise.attention.backends import cpu_kernels  # noqa: E402
 from tokenwise.layers import cpu_gemv  # noqa: E402
 from tokenwise.model_config import cpu_flag_summary  # noqa: E402
-from tokenwise.runner import model_runner  # noqa: E402
+from tokenwise.layers.quantization import cpu_qgemv  # noqa: E402
+from tokenwise.runner import sample_step  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 OUTPUT_LEN = 128
@@ -100,9 +101,16 @@ def instrument(llm: LLM, timers: Timers) -> None:
     cpu_kernels.paged_decode = timers.wrap("  attention kernel", cpu_kernels.paged_decode)
     if hasattr(cpu_kernels, "decode_step"):  # the one-call decode step, where it exists
         cpu_kernels.decode_step = timers.wrap("  attention kernel", cpu_kernels.decode_step)
-    md_cls = model_runner.SamplingMetadata
+    qgemv = cpu_qgemv.qgemv
+    q_in_forward = timers.wrap("  quantized linear kernels", qgemv)
+
+    def any_qgemv(*args: Any, **kwargs: Any) -> Any:
+        return (q_in_forward if "model forward" in timers.active else qgemv)(*args, **kwargs)
+
+    cpu_qgemv.qgemv = any_qgemv
+    md_cls = sample_step.SamplingMetadata
     from_params = md_cls.from_params
-    model_runner.SamplingMetadata = type(  # type: ignore[misc]
+    sample_step.SamplingMetadata = type(  # type: ignore[misc]
         "TimedSamplingMetadata",
         (md_cls,),
         {"from_params": staticmethod(timers.wrap("sampling metadata", from_params))},
@@ -115,6 +123,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--ops", type=int, default=0, help="also list the top N ops per step")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: as is)")
+    parser.add_argument("--quantization", "-q", default=None, help="e.g. int8, int4 (CPU)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -123,6 +132,7 @@ def main() -> None:
         load_format="dummy",
         dtype=args.dtype,
         skip_tokenizer_init=True,
+        quantization=args.quantization,
     )
     prompt = torch.randint(3, 4000, (256,), generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True)
