@@ -294,7 +294,9 @@ class LoRAConfig:
 
 
 SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
-SPEC_METHODS_BUILT = ("ngram", "draft_model")
+SPEC_METHODS_BUILT = ("ngram", "draft_model", "eagle", "eagle3")
+# Methods whose proposer is a model of its own (a checkpoint directory in `model`).
+SPEC_MODEL_METHODS = ("draft_model", "eagle", "eagle3")
 # Where speculation stops paying on CPU (benchmarks/spec_decode.py, Llama ~100M shape, bf16,
 # k=4): at 98% acceptance it still gave 1.84x at 32 streams, down from 2.9x at one; at a more
 # usual ~50-60% acceptance that extrapolates to about break-even at 32 streams.
@@ -309,10 +311,11 @@ class SpeculativeConfig:
     tokens that followed the most recent earlier occurrence of the sequence's last
     `prompt_lookup_min`..`prompt_lookup_max` tokens. `model` (a checkpoint directory; method
     "draft_model", implied by `model`) has a smaller model with the target's vocabulary
-    propose them greedily (`tokenwise.spec_decode.draft_model`). No proposal is made while
+    propose them greedily (`tokenwise.spec_decode.draft_model`). "eagle" and "eagle3" have an
+    EAGLE head (`model`: its checkpoint directory, in the published layouts) propose them from
+    the target's own hidden states (`tokenwise.spec_decode.eagle`). No proposal is made while
     `disable_by_batch_size` or more requests are running (verification then costs more than
-    it saves). EAGLE and MTP are named here so their configs are recognised, and refused
-    until they are built.
+    it saves). MTP is named here so its config is recognised, and refused until it is built.
     """
 
     num_speculative_tokens: int
@@ -336,11 +339,12 @@ class SpeculativeConfig:
                 f"speculative_config.method {self.method!r} is not supported yet; "
                 f"supported: {', '.join(SPEC_METHODS_BUILT)}"
             )
-        if self.method == "draft_model":
+        if self.method in SPEC_MODEL_METHODS:
             self._check_draft_model()
         elif self.model is not None:
             raise ValueError(
-                f"speculative_config.model applies to method 'draft_model', not {self.method!r}"
+                "speculative_config.model applies to methods "
+                f"{', '.join(SPEC_MODEL_METHODS)}, not {self.method!r}"
             )
         if self.method == "ngram":
             if self.prompt_lookup_min is None:
@@ -358,13 +362,15 @@ class SpeculativeConfig:
             _check_int("speculative_config.disable_by_batch_size", self.disable_by_batch_size, 1)
 
     def _check_draft_model(self) -> None:
-        """A draft model needs its checkpoint directory; prompt lookup settings are n-gram's.
+        """A draft model or EAGLE head needs its checkpoint directory; prompt lookup settings
+        are n-gram's.
 
-        The draft's vocabulary is checked against the target's when the engine loads it
-        (`tokenwise.spec_decode.draft_model`): only then are both configs read."""
+        The draft's vocabulary (and an EAGLE head's hidden size) is checked against the
+        target's when the engine loads it: only then are both configs read."""
         if self.model is None:
+            what = "draft" if self.method == "draft_model" else "EAGLE head's"
             raise ValueError(
-                "speculative_config.model is required for method 'draft_model' (the draft "
+                f"speculative_config.model is required for method {self.method!r} (the {what} "
                 "checkpoint directory)"
             )
         if not isinstance(self.model, str) or not os.path.isdir(self.model):
@@ -375,7 +381,7 @@ class SpeculativeConfig:
         for name in ("prompt_lookup_min", "prompt_lookup_max"):
             if getattr(self, name) is not None:
                 raise ValueError(
-                    f"speculative_config.{name} applies to method 'ngram', not 'draft_model'"
+                    f"speculative_config.{name} applies to method 'ngram', not {self.method!r}"
                 )
 
     @classmethod
