@@ -129,9 +129,7 @@ def _hf_features(path: str, method: str, tokens: list[int]) -> torch.Tensor:
         return torch.cat([seen[i] for i in layers], dim=-1)
 
 
-@pytest.mark.parametrize(
-    ("method", "copy"), [("eagle", False), ("eagle3", False), ("eagle", True)]
-)
+@pytest.mark.parametrize(("method", "copy"), [("eagle", False), ("eagle3", False), ("eagle", True)])
 def test_the_head_is_given_the_targets_hidden_states(method: str, copy: bool) -> None:
     """Every catch-up row the head reads equals transformers' feature at that position of the
     finished sequence: no row of a rejected draft, no shifted position, across prompt chunks
@@ -152,7 +150,7 @@ def test_the_head_is_given_the_targets_hidden_states(method: str, copy: bool) ->
     def spy_run_head(seqs: list[Any], feats: list[torch.Tensor]) -> Any:
         if pending:  # a catch-up pass: one combined block of target rows per sequence
             assert len(pending) == len(seqs)
-            seen.extend((s.start, s.tokens.tolist(), r) for s, r in zip(seqs, pending))
+            seen.extend((s.start, s.tokens.tolist(), r) for s, r in zip(seqs, pending, strict=True))
             pending.clear()
         return run_head(seqs, feats)
 
@@ -160,7 +158,7 @@ def test_the_head_is_given_the_targets_hidden_states(method: str, copy: bool) ->
     prompts = mixed_prompts()
     outputs = generate(llm, prompts)
     assert outputs == hf_refs(path)
-    full = [p + o for p, o in zip(prompts, outputs)]
+    full = [p + o for p, o in zip(prompts, outputs, strict=True)]
     features = [_hf_features(path, method, seq) for seq in full]
     decode_rows = 0
     for start, tokens, rows in seen:
