@@ -294,9 +294,9 @@ class LoRAConfig:
 
 
 SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
-SPEC_METHODS_BUILT = ("ngram", "draft_model", "eagle", "eagle3")
-# Methods whose proposer is a model of its own (a checkpoint directory in `model`).
-SPEC_MODEL_METHODS = ("draft_model", "eagle", "eagle3")
+# Methods whose proposer is a model of its own (a checkpoint directory in `model`; for "mtp"
+# the target's own checkpoint unless `model` names another).
+SPEC_MODEL_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
 # Where speculation stops paying on CPU (benchmarks/spec_decode.py, Llama ~100M shape, bf16,
 # k=4): at 98% acceptance it still gave 1.84x at 32 streams, down from 2.9x at one; at a more
 # usual ~50-60% acceptance that extrapolates to about break-even at 32 streams.
@@ -315,7 +315,8 @@ class SpeculativeConfig:
     EAGLE head (`model`: its checkpoint directory, in the published layouts) propose them from
     the target's own hidden states (`tokenwise.spec_decode.eagle`). No proposal is made while
     `disable_by_batch_size` or more requests are running (verification then costs more than
-    it saves). MTP is named here so its config is recognised, and refused until it is built.
+    it saves). "mtp" runs DeepSeek-V3's multi-token-prediction module, kept in the target's
+    checkpoint, the same way (`tokenwise.models.deepseek_mtp`).
     """
 
     num_speculative_tokens: int
@@ -333,11 +334,6 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config.method must be one of {', '.join(SPEC_METHODS)}, "
                 f"got {self.method!r}"
-            )
-        if self.method not in SPEC_METHODS_BUILT:
-            raise ValueError(
-                f"speculative_config.method {self.method!r} is not supported yet; "
-                f"supported: {', '.join(SPEC_METHODS_BUILT)}"
             )
         if self.method in SPEC_MODEL_METHODS:
             self._check_draft_model()
@@ -367,13 +363,15 @@ class SpeculativeConfig:
 
         The draft's vocabulary (and an EAGLE head's hidden size) is checked against the
         target's when the engine loads it: only then are both configs read."""
-        if self.model is None:
+        if self.model is None and self.method == "mtp":
+            pass  # the MTP module is in the target's checkpoint
+        elif self.model is None:
             what = "draft" if self.method == "draft_model" else "EAGLE head's"
             raise ValueError(
                 f"speculative_config.model is required for method {self.method!r} (the {what} "
                 "checkpoint directory)"
             )
-        if not isinstance(self.model, str) or not os.path.isdir(self.model):
+        elif not isinstance(self.model, str) or not os.path.isdir(self.model):
             raise ValueError(
                 f"speculative_config.model must be a checkpoint directory; {self.model!r} is not "
                 "a directory"

@@ -147,7 +147,7 @@ class LLMEngine:
             if config.speculative.method == "draft_model":
                 # Its own weights and KV cache, addressed by the target's block ids.
                 draft_model = DraftModelProposer(config, num_blocks, self.runner.device)
-            elif config.speculative.method in ("eagle", "eagle3"):
+            elif config.speculative.method in ("eagle", "eagle3", "mtp"):
                 # The same, plus the target's hidden states, which the runner now captures.
                 eagle = EagleProposer(config, num_blocks, self.runner.model, self.runner.device)
                 self.runner.hidden_capture = TargetHiddenCapture(

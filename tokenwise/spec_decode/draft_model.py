@@ -64,7 +64,7 @@ class DraftModelProposer:
         self, target: EngineConfig, num_blocks: int, device: str | torch.device = "cpu"
     ) -> None:
         spec = target.speculative
-        if spec is None or spec.model is None:
+        if spec is None or (spec.model is None and spec.method != "mtp"):
             raise ValueError("DraftModelProposer needs speculative_config.model")
         self.k = spec.num_speculative_tokens
         self.block_size = target.cache.block_size

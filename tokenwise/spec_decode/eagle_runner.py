@@ -1,4 +1,4 @@
-"""An EAGLE head's forward passes: the draft runner's KV cache and layout, the head's inputs.
+"""An EAGLE (or MTP) head's forward passes: the draft runner's KV cache and layout, the head's inputs.
 
 `EagleRunner` is a `DraftRunner` (its own KV cache addressed by the target's block ids plus
 scratch blocks, its own forward context, the same pass layout) whose model is an EAGLE head
@@ -26,6 +26,8 @@ from tokenwise.loader import (
     safetensors_files,
     safetensors_names,
 )
+from tokenwise.models.deepseek_mtp import DeepSeekMTPHead
+from tokenwise.models.deepseek_v2 import DeepseekV2ForCausalLM
 from tokenwise.models.llama_eagle import EagleLlamaHead, strip_model_prefix
 from tokenwise.models.llama_eagle3 import Eagle3LlamaHead, eagle3_aux_layers
 from tokenwise.spec_decode.draft_runner import DraftRunner, DraftSeq
@@ -41,7 +43,7 @@ class EagleRunner(DraftRunner):
         device: str | torch.device = "cpu",
     ) -> None:
         spec = target.speculative
-        assert spec is not None and spec.model is not None and target.model is not None
+        assert spec is not None and target.model is not None
         compilation = target.compilation
         if compilation.use_compile or compilation.cudagraph_mode != CUDAGraphMode.NONE:
             raise ValueError(
@@ -58,7 +60,9 @@ class EagleRunner(DraftRunner):
         self.target_hf = target.model.hf_config
         # EAGLE-3 reads these target layers' inputs (None: EAGLE-1 reads the last hidden state).
         self.aux_layers: tuple[int, ...] | None = None
-        super().__init__(target, spec.model, num_blocks, num_scratch_blocks, device)
+        # MTP's module is in the target's own checkpoint unless `model` names another.
+        head_dir = spec.model or target.model.model
+        super().__init__(target, head_dir, num_blocks, num_scratch_blocks, device)
 
     def _load_model(self, draft_dir: str) -> nn.Module:
         head_hf = self.config.model.hf_config
@@ -67,15 +71,15 @@ class EagleRunner(DraftRunner):
         files = safetensors_files(draft_dir)
         names = {strip_model_prefix(n) for n in safetensors_names(files)}
         with _build_in(self.config.model.dtype, self.device):
-            if self.method == "eagle":
+            if self.method == "mtp":
+                head: nn.Module = self._mtp_head(where, safetensors_names(files))
+            elif self.method == "eagle":
                 if int(head_hf.hidden_size) != target_h:
                     raise ValueError(
                         f"{where}: the EAGLE head's hidden_size is {head_hf.hidden_size}, the "
                         f"target's is {target_h}; an EAGLE-1 head must match the target"
                     )
-                head: nn.Module = EagleLlamaHead(
-                    self.config, self.target_model, fc_bias="fc.bias" in names
-                )
+                head = EagleLlamaHead(self.config, self.target_model, fc_bias="fc.bias" in names)
             else:
                 head_target_h = int(getattr(head_hf, "target_hidden_size", None) or 0) or int(
                     head_hf.hidden_size
@@ -107,6 +111,27 @@ class EagleRunner(DraftRunner):
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from exc
         return head.eval().requires_grad_(False)
+
+    def _mtp_head(self, where: str, names: set[str]) -> nn.Module:
+        """DeepSeek-V3's MTP module, from `model.layers.{num_hidden_layers}` of the checkpoint."""
+        hf = self.config.model.hf_config
+        if not isinstance(self.target_model, DeepseekV2ForCausalLM):
+            raise ValueError(
+                "speculative_config.method 'mtp' runs DeepSeek-V3's MTP module; the target is "
+                f"{type(self.target_model).__name__}"
+            )
+        count = int(getattr(hf, "num_nextn_predict_layers", 0) or 0)
+        index = int(hf.num_hidden_layers)
+        if count < 1 or not any(n.startswith(f"model.layers.{index}.") for n in names):
+            raise ValueError(
+                f"{where}: speculative_config.method 'mtp' needs a checkpoint with an MTP module "
+                f"(num_nextn_predict_layers >= 1, model.layers.{index}.* tensors); its "
+                f"num_nextn_predict_layers is {count}"
+            )
+        own_embedding = f"model.layers.{index}.embed_tokens.weight" in names
+        return DeepSeekMTPHead(
+            self.config, self.target_model, self.target_model.is_v3, own_embedding
+        )
 
     def combine(self, target_rows: torch.Tensor) -> torch.Tensor:
         """The target's rows as the head's feature rows (EAGLE-3: fused by `fc`)."""
