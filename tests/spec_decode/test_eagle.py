@@ -104,6 +104,35 @@ def test_greedy_with_a_random_head_equals_hf(method: str, config: dict[str, Any]
         assert_pool_clean(llm.llm_engine)
 
 
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_features_are_not_kept_while_speculation_is_off(method: str) -> None:
+    """Four requests at a time with `disable_by_batch_size=3`: no drafts and no features kept
+    while three or more run; at the tail the last requests draft again from features they
+    got only from then on (a gap the head starts after), and the output stays HF's."""
+    path, prompts = target(method), mixed_prompts()
+    llm = make_llm(path, method, random_head(method), max_num_seqs=4)
+    llm.llm_engine.drafter.config.disable_by_batch_size = 3
+    proposer = llm.llm_engine.drafter.draft_model
+    kept: list[int] = []
+    observe = proposer.observe
+    proposer.observe = lambda th: (observe(th), kept.append(proposer.num_tracked))[0]
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        [
+            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS + i % 5, ignore_eos=True)
+            for i in range(len(prompts))
+        ],
+        use_tqdm=False,
+    )
+    refs = [hf_greedy(path, p, MAX_TOKENS + i % 5) for i, p in enumerate(prompts)]
+    assert [list(o.outputs[0].token_ids) for o in outputs] == refs
+    # Four run from the first step on: after it (before any proposal) nothing is kept...
+    assert kept[1] == 0
+    assert kept[-1] > 0  # ...until the tail, when fewer than three run
+    assert llm.llm_engine.get_stats().spec_decode_num_drafts > 0
+    assert_pool_clean(llm.llm_engine)
+
+
 def _hf_features(path: str, method: str, tokens: list[int]) -> torch.Tensor:
     """What the head should be given for `tokens`, from transformers: the last hidden state
     (after the final norm) for EAGLE-1; the inputs of layers 2, L // 2, L - 3 for EAGLE-3."""

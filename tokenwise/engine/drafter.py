@@ -88,8 +88,12 @@ class Drafter:
 
     def propose(self, running: list[Request]) -> None:
         """Set `spec_token_ids` on the running requests that should verify drafts next step."""
+        self._forget_left(running)
         limit = self.config.disable_by_batch_size
-        if limit is not None and len(running) >= limit:
+        paused = limit is not None and len(running) >= limit
+        if self.draft_model is not None:
+            self.draft_model.pause(paused)
+        if paused:
             return
         chosen: list[tuple[Request, int]] = []
         for req in running:
@@ -106,6 +110,9 @@ class Drafter:
         else:
             for req, room in chosen:
                 req.spec_token_ids = self.proposer.propose(self._token_array(req), room)
+
+    def _forget_left(self, running: list[Request]) -> None:
+        """Drop what is kept of requests that are no longer running (now and then)."""
         tracked = len(self._tokens)
         if self.draft_model is not None:  # an EAGLE head keeps every request's features
             tracked = max(tracked, self.draft_model.num_tracked)

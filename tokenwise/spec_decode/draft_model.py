@@ -130,6 +130,10 @@ class DraftModelProposer:
     def observe(self, target_hidden: object) -> None:
         """A draft model reads no target features (an EAGLE proposer keeps them)."""
 
+    def pause(self, paused: bool) -> None:
+        """Speculation is off for now (`disable_by_batch_size`); a draft model keeps nothing
+        per step, so there is nothing to stop keeping."""
+
     @property
     def num_tracked(self) -> int:
         """How many requests' state is remembered (for the engine's clean-up)."""

@@ -16,7 +16,9 @@ for positions the drafts were fed at is never right (the target's features there
 head's guesses), so every catch-up starts at `n - 1` of the proposal before: that is the
 rollback. A request restarted by a preemption starts again from its first recomputed position;
 positions no step computed (prefix-cache hits) have no features, and the head starts after them,
-attending to whatever K/V its cache holds at their slots. None of this can change the output,
+attending to whatever K/V its cache holds at their slots; the same holds for the steps run
+while speculation was off (`disable_by_batch_size`), for which no features are kept. None of
+this can change the output,
 only how many drafts are accepted: verification is exact (`tokenwise.sampling.rejection`).
 
 The K/V cache, its addressing by the target's block ids, scratch blocks for look-ahead
@@ -60,6 +62,7 @@ class EagleProposer(DraftModelProposer):
         self._target_model = target_model
         super().__init__(target, num_blocks, device)
         self._features: dict[str, _Features] = {}
+        self._paused = False
 
     def _make_runner(
         self, target: EngineConfig, num_blocks: int, device: str | torch.device
@@ -73,8 +76,18 @@ class EagleProposer(DraftModelProposer):
         assert isinstance(self.runner, EagleRunner)
         return self.runner.aux_layers
 
+    def pause(self, paused: bool) -> None:
+        """While speculation is off (`disable_by_batch_size`: a large batch) keep no features:
+        a large batch's would be the most memory, for drafts nobody asks for. When it resumes,
+        each request's head starts at the first position it gets features for again."""
+        if paused and not self._paused:
+            self._features.clear()
+        self._paused = paused
+
     def observe(self, target_hidden: object) -> None:
         """Keep a step's target features (`runner.target_hidden.TargetHidden`) per request."""
+        if self._paused:
+            return
         rows_all = target_hidden.rows  # type: ignore[attr-defined]
         for span in target_hidden.spans:  # type: ignore[attr-defined]
             rows = rows_all[span.offset : span.offset + span.count].clone()
