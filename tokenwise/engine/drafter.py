@@ -15,7 +15,7 @@ A request whose drafts keep failing (recent acceptance under `MIN_ACCEPTANCE`) b
 The proposer is n-gram lookup (one request at a time, from its token ids), a draft model
 (`spec_decode.draft_model`: one batch for all the requests that draft, which also needs each
 request's block table, since the draft's KV cache is addressed by the target's block ids) or
-an EAGLE head (`spec_decode.eagle`: the same, plus the target's hidden states of every step,
+an EAGLE head or MTP module (`spec_decode.eagle`: the same, plus the target's hidden states of every step,
 which `record` hands it).
 
 The proposals land on `Request.spec_token_ids`; the scheduler takes them into the next step,
@@ -69,7 +69,7 @@ class Drafter:
         block_table: Callable[[str], Sequence[int]] | None = None,
     ) -> None:
         """`draft_model` (with `block_table`, a request id's target block table) for methods
-        "draft_model", "eagle" and "eagle3"; n-gram lookup otherwise."""
+        "draft_model", "eagle", "eagle3" and "mtp"; n-gram lookup otherwise."""
         self.config = config
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
