@@ -4,9 +4,10 @@ Greedy output with a random head must be Hugging Face's greedy output under ever
 that moves requests' blocks or splits their steps; the features the head is given must be the
 target's hidden states as transformers computes them (at the right positions, after rejected
 drafts); a head built to copy `counting_target` must get its drafts accepted (all of them for
-EAGLE-1, the first of each step for EAGLE-3, whose fed-back rows cannot count on); bad heads are
-errors naming the field. Heads are written in the published checkpoint layouts
-(`eagle_heads.py`).
+EAGLE-1; for EAGLE-3 the first of each step, since its later drafts read the head's own output
+row, which the hand-built head cannot advance); no features are kept while speculation is off;
+bad heads are errors naming the field. Heads are written in the published checkpoint layouts
+(`eagle_heads.py`); `test_eagle_reference.py` checks every draft against a reference.
 """
 
 from __future__ import annotations
