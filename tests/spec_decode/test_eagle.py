@@ -278,3 +278,9 @@ def test_eagle_configs_need_a_head_directory() -> None:
         SpeculativeConfig.from_dict(
             {"method": "eagle", "model": ".", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
         )
+
+
+def test_tensor_parallel_with_an_eagle_head_is_refused_before_any_worker_starts() -> None:
+    spec = {"method": "eagle", "model": random_head("eagle"), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="method 'eagle'.* tensor_parallel_size=2"):
+        LLM(target("eagle"), tensor_parallel_size=2, speculative_config=spec)
