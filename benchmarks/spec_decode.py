@@ -15,6 +15,10 @@ first lines again, so a model that copies continues with text the prompt already
    (`disable_by_batch_size` off, so every step speculates): where the ratio falls below 1 is
    where speculation stops paying, which is what `disable_by_batch_size` should be.
 
+`--eagle DIR` / `--eagle3 DIR` add "eagle k=..." / "eagle3 k=..." rows for an EAGLE head of
+the target (the published layouts; see `tokenwise/spec_decode/eagle.py`). Speed with an
+untrained head means nothing without its acceptance, printed beside it.
+
 With `--draft DIR` (a checkpoint with the target's tokenizer, e.g. one trained by
 `tools/train_default_model.py --tokenizer tokenwise/models_data/default`), the one-stream table
 also has a "draft k=..." row per `--k`: the draft model proposes greedily. `--workload fresh`
@@ -89,10 +93,11 @@ def build(
     threshold: int | None,
     max_num_seqs: int,
     draft: str | None = None,
+    method: str = "draft_model",
 ) -> LLM:
     spec: dict[str, Any] | None = None
     if k and draft is not None:
-        spec = {"model": draft, "num_speculative_tokens": k}
+        spec = {"method": method, "model": draft, "num_speculative_tokens": k}
     elif k:
         spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}
     if spec is not None:
@@ -131,9 +136,9 @@ def step_costs(llm: LLM, prompts: list[str]) -> str:
     passes: list[tuple[float, int]] = []
 
     def timing(fn: Any, into: list[tuple[float, int]], size: Any) -> Any:
-        def wrapped(arg: Any) -> Any:
+        def wrapped(arg: Any, *rest: Any) -> Any:
             start = time.perf_counter()
-            out = fn(arg)
+            out = fn(arg, *rest)
             into.append((time.perf_counter() - start, size(arg)))
             return out
 
@@ -148,9 +153,14 @@ def step_costs(llm: LLM, prompts: list[str]) -> str:
 
     runner.execute_model = timing(runner.execute_model, steps, kind)  # type: ignore[method-assign]
     draft = engine.drafter.draft_model if engine.drafter is not None else None
-    if draft is not None:
-        draft.runner.run = timing(  # type: ignore[method-assign]
-            draft.runner.run, passes, lambda seqs: max(len(q.tokens) for q in seqs)
+    if draft is not None:  # an EAGLE head's passes are `run_head`, a draft model's `run`
+        name = "run_head" if hasattr(draft.runner, "run_head") else "run"
+        setattr(
+            draft.runner,
+            name,
+            timing(
+                getattr(draft.runner, name), passes, lambda seqs: max(len(q.tokens) for q in seqs)
+            ),
         )
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
     for prompt in prompts:
@@ -190,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=8, help="prompts in the one-stream part")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--draft", default=None, help="also a draft model (checkpoint directory)")
+    p.add_argument("--eagle", default=None, help="also an EAGLE-1 head (checkpoint directory)")
+    p.add_argument("--eagle3", default=None, help="also an EAGLE-3 head (checkpoint directory)")
     p.add_argument("--workload", choices=["repeat", "fresh"], default="repeat")
     p.add_argument("--costs", action="store_true", help="also time each kind of step")
     args = p.parse_args(argv)
@@ -205,6 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     engines.update({f"k={k}": build(args.model, k, None, 1) for k in ks})
     if args.draft is not None:
         engines.update({f"draft k={k}": build(args.model, k, None, 1, args.draft) for k in ks})
+    for method in ("eagle", "eagle3"):  # a random head's speed says little: read its acceptance
+        head = getattr(args, method)
+        if head is not None:
+            engines.update(
+                {f"{method} k={k}": build(args.model, k, None, 1, head, method) for k in ks}
+            )
     for llm in engines.values():
         timed(llm, one[:1], 1)  # warm-up
     result = rounds(engines, one, 1, args.rounds)

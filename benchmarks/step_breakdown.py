@@ -33,8 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tokenwise import LLM, SamplingParams  # noqa: E402
 from tokenwise.attention.backends import cpu_kernels  # noqa: E402
 from tokenwise.layers import cpu_gemv  # noqa: E402
-from tokenwise.model_config import cpu_flag_summary  # noqa: E402
 from tokenwise.layers.quantization import cpu_qgemv  # noqa: E402
+from tokenwise.model_config import cpu_flag_summary  # noqa: E402
 from tokenwise.runner import sample_step  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")

@@ -330,7 +330,9 @@ class LoRAConfig:
 
 
 SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
-SPEC_METHODS_BUILT = ("ngram", "draft_model")
+# Methods whose proposer is a model of its own (a checkpoint directory in `model`; for "mtp"
+# the target's own checkpoint unless `model` names another).
+SPEC_MODEL_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
 # Where speculation stops paying on CPU (benchmarks/spec_decode.py, Llama ~100M shape, bf16,
 # k=4): at 98% acceptance it still gave 1.84x at 32 streams, down from 2.9x at one; at a more
 # usual ~50-60% acceptance that extrapolates to about break-even at 32 streams.
@@ -345,10 +347,12 @@ class SpeculativeConfig:
     tokens that followed the most recent earlier occurrence of the sequence's last
     `prompt_lookup_min`..`prompt_lookup_max` tokens. `model` (a checkpoint directory; method
     "draft_model", implied by `model`) has a smaller model with the target's vocabulary
-    propose them greedily (`tokenwise.spec_decode.draft_model`). No proposal is made while
+    propose them greedily (`tokenwise.spec_decode.draft_model`). "eagle" and "eagle3" have an
+    EAGLE head (`model`: its checkpoint directory, in the published layouts) propose them from
+    the target's own hidden states (`tokenwise.spec_decode.eagle`). No proposal is made while
     `disable_by_batch_size` or more requests are running (verification then costs more than
-    it saves). EAGLE and MTP are named here so their configs are recognised, and refused
-    until they are built.
+    it saves). "mtp" runs DeepSeek-V3's multi-token-prediction module, kept in the target's
+    checkpoint, the same way (`tokenwise.models.deepseek_mtp`).
     """
 
     num_speculative_tokens: int
@@ -367,16 +371,12 @@ class SpeculativeConfig:
                 f"speculative_config.method must be one of {', '.join(SPEC_METHODS)}, "
                 f"got {self.method!r}"
             )
-        if self.method not in SPEC_METHODS_BUILT:
-            raise ValueError(
-                f"speculative_config.method {self.method!r} is not supported yet; "
-                f"supported: {', '.join(SPEC_METHODS_BUILT)}"
-            )
-        if self.method == "draft_model":
+        if self.method in SPEC_MODEL_METHODS:
             self._check_draft_model()
         elif self.model is not None:
             raise ValueError(
-                f"speculative_config.model applies to method 'draft_model', not {self.method!r}"
+                "speculative_config.model applies to methods "
+                f"{', '.join(SPEC_MODEL_METHODS)}, not {self.method!r}"
             )
         if self.method == "ngram":
             if self.prompt_lookup_min is None:
@@ -394,16 +394,20 @@ class SpeculativeConfig:
             _check_int("speculative_config.disable_by_batch_size", self.disable_by_batch_size, 1)
 
     def _check_draft_model(self) -> None:
-        """A draft model needs its checkpoint directory; prompt lookup settings are n-gram's.
+        """A draft model or EAGLE head needs its checkpoint directory; prompt lookup settings
+        are n-gram's.
 
-        The draft's vocabulary is checked against the target's when the engine loads it
-        (`tokenwise.spec_decode.draft_model`): only then are both configs read."""
-        if self.model is None:
+        The draft's vocabulary (and an EAGLE head's hidden size) is checked against the
+        target's when the engine loads it: only then are both configs read."""
+        if self.model is None and self.method == "mtp":
+            pass  # the MTP module is in the target's checkpoint
+        elif self.model is None:
+            what = "draft" if self.method == "draft_model" else "EAGLE head's"
             raise ValueError(
-                "speculative_config.model is required for method 'draft_model' (the draft "
+                f"speculative_config.model is required for method {self.method!r} (the {what} "
                 "checkpoint directory)"
             )
-        if not isinstance(self.model, str) or not os.path.isdir(self.model):
+        elif not isinstance(self.model, str) or not os.path.isdir(self.model):
             raise ValueError(
                 f"speculative_config.model must be a checkpoint directory; {self.model!r} is not "
                 "a directory"
@@ -411,7 +415,7 @@ class SpeculativeConfig:
         for name in ("prompt_lookup_min", "prompt_lookup_max"):
             if getattr(self, name) is not None:
                 raise ValueError(
-                    f"speculative_config.{name} applies to method 'ngram', not 'draft_model'"
+                    f"speculative_config.{name} applies to method 'ngram', not {self.method!r}"
                 )
 
     @classmethod

@@ -32,7 +32,10 @@ def test_ngram_defaults_and_method_inference() -> None:
             {"num_speculative_tokens": 2, "model": ".", "prompt_lookup_max": 3},
             "prompt_lookup_max applies to method 'ngram'",
         ),
-        ({"num_speculative_tokens": 2, "method": "eagle3"}, "'eagle3' is not supported yet"),
+        (
+            {"num_speculative_tokens": 2, "method": "mtp", "prompt_lookup_min": 2},
+            "prompt_lookup_min applies to method 'ngram', not 'mtp'",
+        ),
         ({"num_speculative_tokens": 2, "lookup_max": 3}, "unknown field\\(s\\) lookup_max"),
         (
             {"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},

@@ -12,9 +12,11 @@ before it, and the scheduler's matcher only ever accepts the tokens verification
 A request whose drafts keep failing (recent acceptance under `MIN_ACCEPTANCE`) backs off for
 `BACKOFF_STEPS` steps before it is tried again.
 
-The proposer is n-gram lookup (one request at a time, from its token ids) or a draft model
+The proposer is n-gram lookup (one request at a time, from its token ids), a draft model
 (`spec_decode.draft_model`: one batch for all the requests that draft, which also needs each
-request's block table, since the draft's KV cache is addressed by the target's block ids).
+request's block table, since the draft's KV cache is addressed by the target's block ids) or
+an EAGLE head or MTP module (`spec_decode.eagle`: the same, plus the target's hidden states of every step,
+which `record` hands it).
 
 The proposals land on `Request.spec_token_ids`; the scheduler takes them into the next step,
 the runner verifies them (`tokenwise.sampling.rejection`), and the scheduler keeps the accepted
@@ -29,7 +31,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from tokenwise.config import SpeculativeConfig
+from tokenwise.config import SPEC_MODEL_METHODS, SpeculativeConfig
 from tokenwise.engine.request import Request, RequestStatus
 from tokenwise.engine.stats import EngineStats
 from tokenwise.engine.step_outputs import ModelRunnerOutput
@@ -66,16 +68,16 @@ class Drafter:
         draft_model: DraftModelProposer | None = None,
         block_table: Callable[[str], Sequence[int]] | None = None,
     ) -> None:
-        """`draft_model` (with `block_table`, a request id's target block table) for method
-        "draft_model"; n-gram lookup otherwise."""
+        """`draft_model` (with `block_table`, a request id's target block table) for methods
+        "draft_model", "eagle", "eagle3" and "mtp"; n-gram lookup otherwise."""
         self.config = config
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
         self.draft_model = draft_model
         self.block_table = block_table
-        if config.method == "draft_model":
+        if config.method in SPEC_MODEL_METHODS:
             if draft_model is None or block_table is None:
-                raise ValueError("method 'draft_model' needs the draft model and block tables")
+                raise ValueError(f"method {config.method!r} needs the draft model and block tables")
         else:
             assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
             self.proposer = NgramProposer(
@@ -86,8 +88,12 @@ class Drafter:
 
     def propose(self, running: list[Request]) -> None:
         """Set `spec_token_ids` on the running requests that should verify drafts next step."""
+        self._forget_left(running)
         limit = self.config.disable_by_batch_size
-        if limit is not None and len(running) >= limit:
+        paused = limit is not None and len(running) >= limit
+        if self.draft_model is not None:
+            self.draft_model.pause(paused)
+        if paused:
             return
         chosen: list[tuple[Request, int]] = []
         for req in running:
@@ -104,7 +110,13 @@ class Drafter:
         else:
             for req, room in chosen:
                 req.spec_token_ids = self.proposer.propose(self._token_array(req), room)
-        if len(self._tokens) > 2 * len(running) + 16:  # forget requests that left
+
+    def _forget_left(self, running: list[Request]) -> None:
+        """Drop what is kept of requests that are no longer running (now and then)."""
+        tracked = len(self._tokens)
+        if self.draft_model is not None:  # an EAGLE head keeps every request's features
+            tracked = max(tracked, self.draft_model.num_tracked)
+        if tracked > 2 * len(running) + 16:  # forget requests that left
             alive = {r.request_id for r in running}
             self._tokens = {rid: v for rid, v in self._tokens.items() if rid in alive}
             self._tracks = {rid: v for rid, v in self._tracks.items() if rid in alive}
@@ -157,7 +169,10 @@ class Drafter:
         return buf[: len(tokens)]
 
     def record(self, result: ModelRunnerOutput, stats: EngineStats) -> None:
-        """Count the step's drafts and how many of them each request kept."""
+        """Count the step's drafts and how many of them each request kept; hand an EAGLE
+        head the target features the step computed."""
+        if result.target_hidden is not None and self.draft_model is not None:
+            self.draft_model.observe(result.target_hidden)
         for item, tokens in zip(result.sampled_requests, result.sampled_token_ids, strict=True):
             num_drafts = len(item.spec_token_ids)
             if not num_drafts:

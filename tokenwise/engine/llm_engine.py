@@ -44,9 +44,11 @@ from tokenwise.outputs import EmbeddingRequestOutput, Logprob, RequestOutput
 from tokenwise.platform import configure_cpu_allocator
 from tokenwise.pooling.params import PoolingParams
 from tokenwise.runner.pipeline_runner import PipelineModelRunner
+from tokenwise.runner.target_hidden import TargetHiddenCapture
 from tokenwise.sampling.guided.compiler import GrammarCompileCache, grammar_compile_timeout_s
 from tokenwise.sampling.params import SamplingParams
 from tokenwise.spec_decode.draft_model import DraftModelProposer
+from tokenwise.spec_decode.eagle import EagleProposer
 
 logger = logging.getLogger("tokenwise.engine")
 
@@ -141,10 +143,17 @@ class LLMEngine:
                     "speculative_config applies to decoder-only generation models; this "
                     f"model's kind is {self.kind.name!r}"
                 )
-            draft_model = None
+            draft_model: DraftModelProposer | None = None
             if config.speculative.method == "draft_model":
                 # Its own weights and KV cache, addressed by the target's block ids.
                 draft_model = DraftModelProposer(config, num_blocks, self.runner.device)
+            elif config.speculative.method in ("eagle", "eagle3", "mtp"):
+                # The same, plus the target's hidden states, which the runner now captures.
+                eagle = EagleProposer(config, num_blocks, self.runner.model, self.runner.device)
+                self.runner.hidden_capture = TargetHiddenCapture(
+                    self.runner.model, eagle.aux_layers
+                )
+                draft_model = eagle
             self.drafter = Drafter(
                 config.speculative,
                 config.model.max_model_len,

@@ -8,6 +8,7 @@ each other nor the engine.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -108,3 +109,6 @@ class ModelRunnerOutput:
     pooler_output: torch.Tensor | None = None
     # Prompt-token logprobs computed this step (a prompt chunk's), for the requests asking.
     prompt_logprobs: ScoredPromptTokens | None = None
+    # EAGLE: the target features this step computed, per request
+    # (`tokenwise.runner.target_hidden.TargetHidden`); None unless an EAGLE head proposes.
+    target_hidden: Any = None

@@ -295,7 +295,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="speculative decoding, as JSON with vLLM's names: "
         '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
         '"prompt_lookup_min": 1}\' (n-gram prompt lookup), or \'{"model": "./draft", '
-        '"num_speculative_tokens": 4}\' (a draft model with the same vocabulary); '
+        '"num_speculative_tokens": 4}\' (a draft model with the same vocabulary), '
+        '\'{"method": "eagle3", "model": "./eagle3-head", "num_speculative_tokens": 4}\' '
+        '(an EAGLE / EAGLE-3 head), \'{"method": "mtp", "num_speculative_tokens": 1}\' '
+        "(DeepSeek-V3's MTP module); "
         '"disable_by_batch_size": N stops proposing while N or more requests run',
     )
     p = parser.add_argument_group("parallelism (one process per rank)")

@@ -11,6 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tokenwise.config import (
+    SPEC_MODEL_METHODS,
     CacheConfig,
     CompilationConfig,
     CUDAGraphMode,
@@ -211,12 +212,13 @@ def build_engine_config(
                 "speculative_config applies to text-only decoder generation models, not to "
                 f"{', '.join(model_config.architectures)}"
             )
-        if speculative.method == "draft_model" and tensor_parallel_size > 1:
-            # The draft runs on the driver alone, unsharded; its layers would read the TP rank.
+        if speculative.method in SPEC_MODEL_METHODS and tensor_parallel_size > 1:
+            # The draft (or EAGLE / MTP head) runs on the driver alone, unsharded; its layers
+            # would read the TP rank.
             raise ValueError(
-                "speculative_config.model: a draft model does not run under "
-                f"tensor_parallel_size={tensor_parallel_size} yet (use data parallelism, where "
-                "each rank runs its own draft, or method 'ngram')"
+                f"speculative_config.method {speculative.method!r}: its draft model does not run "
+                f"under tensor_parallel_size={tensor_parallel_size} yet (use data parallelism, "
+                "where each rank runs its own draft, or method 'ngram')"
             )
     is_moe = is_moe_architecture(model_config.architectures)
     collectives = (data_parallel_size > 1 and is_moe) or tensor_parallel_size > 1

@@ -25,6 +25,7 @@ there is nothing per head to split) and absorbs / expands it with its own heads'
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -50,6 +51,8 @@ from tokenwise.layers.linear import divide
 from tokenwise.layers.rope_yarn import yarn_get_mscale
 from tokenwise.models.deepseek_moe import DeepseekMoE
 from tokenwise.models.llama import LlamaMLP
+
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def mla_softmax_scale(qk_head_dim: int, rope_scaling: dict[str, Any] | None) -> float:
@@ -230,6 +233,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         tie_to = self.model.embed_tokens if self.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(hf.vocab_size, hf.hidden_size, tie_to=tie_to)
         self.num_experts = int(hf.n_routed_experts)
+        self.num_layers = int(hf.num_hidden_layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
@@ -241,6 +245,9 @@ class DeepseekV2ForCausalLM(nn.Module):
     def _ignored(self, name: str) -> bool:
         if name.endswith("rotary_emb.inv_freq"):
             return True
+        match = _LAYER_INDEX.match(name)
+        if match is not None and int(match.group(1)) >= self.num_layers:
+            return True  # V3's MTP module (`tokenwise.models.deepseek_mtp`), not the target's
         return self.tie_word_embeddings and name == "lm_head.weight"
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

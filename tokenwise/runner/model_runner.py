@@ -36,6 +36,7 @@ from tokenwise.runner.input_batch import InputBatch, StepInputs
 from tokenwise.runner.kv_cache_sizing import KVCacheSizingMixin
 from tokenwise.runner.prompt_logprobs import plan_prompt_logprobs, score_prompt_tokens
 from tokenwise.runner.sample_step import sample_step
+from tokenwise.runner.target_hidden import TargetHiddenCapture
 from tokenwise.runner.ubatch_runner import Trace, run_ubatches
 from tokenwise.runner.verify_rows import as_decode_rows, is_verify_step
 from tokenwise.sampling.sampler import Sampler
@@ -106,6 +107,8 @@ class ModelRunner(KVCacheSizingMixin):
         self.last_graph: tuple[CUDAGraphMode, Any] = (CUDAGraphMode.NONE, None)
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.num_blocks = 0
+        # Set by the engine when an EAGLE head proposes drafts: the target features it reads.
+        self.hidden_capture: TargetHiddenCapture | None = None
         # Layers with the same spec share one metadata object per step.
         self._spec_of: dict[str, int | None] = {
             name: layer.sliding_window for name, layer in self.attn_layers.items()
@@ -244,26 +247,37 @@ class ModelRunner(KVCacheSizingMixin):
         if self.tp_size > 1:
             self.tp.check_workers()
             self.tp.broadcast(("step", step_payload(step, tables), loras))
+        capture = self.hidden_capture
+        if capture is not None:
+            capture.begin()
         with self.tp.failures_named():
             if mode != CUDAGraphMode.NONE:
                 assert self.graph_runner is not None
                 hidden = self.graph_runner.execute(mode, desc, attn_metadata, num_tokens)
             else:
                 hidden = self._run_eager(step, attn_metadata, model_kwargs)
+            target_hidden = capture.collect(hidden, ordered) if capture is not None else None
             if not step.logits_indices:
-                return ModelRunnerOutput([], [], None, num_tokens)
+                return ModelRunnerOutput([], [], None, num_tokens, target_hidden=target_hidden)
             logits = self._logits(hidden, step.logits_indices)
         prompt_lps = None
         if prompt_rows is not None:
             prompt_lps = score_prompt_tokens(prompt_rows, logits[num_sample_rows:])
         sampled = step.sampled
         if not sampled:
-            return ModelRunnerOutput([], [], None, num_tokens, prompt_logprobs=prompt_lps)
+            return ModelRunnerOutput(
+                [], [], None, num_tokens, prompt_logprobs=prompt_lps, target_hidden=target_hidden
+            )
         vocab = self.model_config.vocab_size
         logits = logits[:num_sample_rows]
         token_ids, logprobs = sample_step(self.sampler, logits, sampled, vocab, self.device)
         return ModelRunnerOutput(
-            sampled, token_ids, logprobs, num_tokens, prompt_logprobs=prompt_lps
+            sampled,
+            token_ids,
+            logprobs,
+            num_tokens,
+            prompt_logprobs=prompt_lps,
+            target_hidden=target_hidden,
         )
 
     def _model_inputs(self, step: StepInputs, attn_metadata: MetadataByLayer) -> dict[str, Any]:

@@ -64,7 +64,7 @@ class DraftModelProposer:
         self, target: EngineConfig, num_blocks: int, device: str | torch.device = "cpu"
     ) -> None:
         spec = target.speculative
-        if spec is None or spec.model is None:
+        if spec is None or (spec.model is None and spec.method != "mtp"):
             raise ValueError("DraftModelProposer needs speculative_config.model")
         self.k = spec.num_speculative_tokens
         self.block_size = target.cache.block_size
@@ -75,16 +75,40 @@ class DraftModelProposer:
         # Look-ahead positions reach k - 1 past the sequence, whose last token may already be
         # past the allocated blocks: at most this many blocks beyond them.
         self.scratch_per_seq = (self.k - 1) // self.block_size + 2
-        self.runner = DraftRunner(
-            target, spec.model, num_blocks, self.scratch_per_seq * self.max_seqs, device
-        )
+        self.runner = self._make_runner(target, num_blocks, device)
         self._cached: dict[str, _Cached] = {}
+
+    def _make_runner(
+        self, target: EngineConfig, num_blocks: int, device: str | torch.device
+    ) -> DraftRunner:
+        """The runner of the draft's passes (an EAGLE proposer makes an EAGLE runner)."""
+        assert target.speculative is not None and target.speculative.model is not None
+        scratch = self.scratch_per_seq * self.max_seqs
+        return DraftRunner(target, target.speculative.model, num_blocks, scratch, device)
 
     def propose_batch(self, requests: list[DraftRequest]) -> list[list[int]]:
         """Each request's drafts (`num_drafts` of them), with one catch-up pass and at most
         `k - 1` one-token passes for the whole batch."""
         if not requests:
             return []
+        tables, lengths = self._tables(requests)
+        drafts = [[tok] for tok in self._catch_up(requests, tables, lengths)]
+        for j in range(1, max(r.num_drafts for r in requests)):
+            active = [i for i, r in enumerate(requests) if r.num_drafts > j]
+            seqs = [
+                DraftSeq(np.array(drafts[i][-1:], dtype=np.int64), lengths[i] - 1 + j, tables[i])
+                for i in active
+            ]
+            for i, tok in zip(active, self.runner.run(seqs), strict=True):
+                drafts[i].append(tok)
+        for req, n, proposed in zip(requests, lengths, drafts, strict=True):
+            limit = len(req.block_table) * self.block_size
+            self._cached[req.request_id] = _Cached(req.generation, n, proposed[:-1], limit)
+        return drafts
+
+    def _tables(self, requests: list[DraftRequest]) -> tuple[list[np.ndarray], list[int]]:
+        """Each request's block table (its target blocks, then its scratch blocks) and its
+        sequence length; a request whose drafts would not fit is an error."""
         if len(requests) > self.max_seqs:
             raise ValueError(f"{len(requests)} requests, more than max_num_seqs={self.max_seqs}")
         tables, lengths = [], []
@@ -101,19 +125,19 @@ class DraftModelProposer:
                     f"request {req.request_id}: {req.num_drafts} drafts after {n} tokens do not "
                     f"fit its {len(table)} blocks and the draft's scratch blocks"
                 )
-        drafts = [[tok] for tok in self._catch_up(requests, tables, lengths)]
-        for j in range(1, max(r.num_drafts for r in requests)):
-            active = [i for i, r in enumerate(requests) if r.num_drafts > j]
-            seqs = [
-                DraftSeq(np.array(drafts[i][-1:], dtype=np.int64), lengths[i] - 1 + j, tables[i])
-                for i in active
-            ]
-            for i, tok in zip(active, self.runner.run(seqs), strict=True):
-                drafts[i].append(tok)
-        for req, n, proposed in zip(requests, lengths, drafts, strict=True):
-            limit = len(req.block_table) * self.block_size
-            self._cached[req.request_id] = _Cached(req.generation, n, proposed[:-1], limit)
-        return drafts
+        return tables, lengths
+
+    def observe(self, target_hidden: object) -> None:
+        """A draft model reads no target features (an EAGLE proposer keeps them)."""
+
+    def pause(self, paused: bool) -> None:
+        """Speculation is off for now (`disable_by_batch_size`); a draft model keeps nothing
+        per step, so there is nothing to stop keeping."""
+
+    @property
+    def num_tracked(self) -> int:
+        """How many requests' state is remembered (for the engine's clean-up)."""
+        return len(self._cached)
 
     def forget(self, alive: set[str]) -> None:
         """Drop what is remembered of requests that left."""

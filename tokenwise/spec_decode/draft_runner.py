@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,6 +56,25 @@ class DraftSeq:
     start: int
     table: np.ndarray  # int32
     sample: bool = True  # whether the token after the last one is wanted
+
+
+@dataclass
+class DraftPass:
+    """One pass laid out: flat inputs (sequences in `order`), metadata by layer name, and
+    the rows whose next token is wanted (one per sampling sequence, in layout order)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: dict[str, AttentionMetadata]
+    sample_rows: torch.Tensor
+    order: list[int]  # layout slot -> index in the caller's list
+    samples: list[bool]  # per layout slot
+
+    def in_seq_order(self, picked: list[Any]) -> list[Any]:
+        """Per-sampling-row results (layout order) back in the caller's order."""
+        it = iter(picked)
+        by_seq = {self.order[r]: next(it) for r, wanted in enumerate(self.samples) if wanted}
+        return [by_seq[i] for i in sorted(by_seq)]
 
 
 def draft_engine_config(target: EngineConfig, draft_dir: str) -> EngineConfig:
@@ -108,7 +128,7 @@ class DraftRunner:
         self.block_size = target.cache.block_size
         self.num_blocks = num_blocks
         self.vocab_size = target.model.vocab_size if target.model is not None else 0
-        self.model = load_model(self.config, self.device)
+        self.model = self._load_model(draft_dir)
         if self.device.type == "cpu":
             prepack_linear_weights(self.model)
         layers = get_layers_from_config(self.config, AttentionLayerBase)
@@ -139,10 +159,26 @@ class DraftRunner:
             for spec in set(self._spec_of.values())
         }
 
+    def _load_model(self, draft_dir: str) -> torch.nn.Module:
+        """The draft's weights (an EAGLE runner builds its head here instead)."""
+        return load_model(self.config, self.device)
+
     @torch.inference_mode()
     def run(self, seqs: list[DraftSeq]) -> list[int]:
         """One forward pass over `seqs`; the greedy next token of each sequence that samples,
         in the order of `seqs`."""
+        p = self.lay_out(seqs)
+        # A context of its own: the draft's layers, its metadata; no DP coordination (the
+        # draft is local to this rank) and no entry in the target's per-batch-size timings.
+        with override_forward_context(create_forward_context(p.metadata, self.config)):
+            hidden = self.model(p.input_ids, p.positions)
+        if not p.sample_rows.numel():
+            return []
+        logits = self.model.compute_logits(hidden.index_select(0, p.sample_rows))
+        return p.in_seq_order(logits[:, : self.vocab_size].argmax(dim=-1).tolist())
+
+    def lay_out(self, seqs: list[DraftSeq]) -> DraftPass:
+        """A pass's inputs and attention metadata, its sequences laid out prefills first."""
         # Prefills (more than one token) first, as the attention metadata wants them.
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].tokens) == 1)
         ordered = [seqs[i] for i in order]
@@ -173,21 +209,16 @@ class DraftRunner:
         else:
             metadata = self._metadata(seq_lens, query, slots, tables)
         dev = self.device
-        ids = torch.from_numpy(input_ids).to(dev)
-        pos = torch.from_numpy(positions.astype(np.int64)).to(dev)
-        # A context of its own: the draft's layers, its metadata; no DP coordination (the
-        # draft is local to this rank) and no entry in the target's per-batch-size timings.
-        with override_forward_context(create_forward_context(metadata, self.config)):
-            hidden = self.model(ids, pos)
         cu = np.cumsum(query)
         rows = [int(cu[r]) - 1 for r, s in enumerate(ordered) if s.sample]
-        if not rows:
-            return []
-        index = torch.tensor(rows, dtype=torch.int64, device=dev)
-        logits = self.model.compute_logits(hidden.index_select(0, index))[:, : self.vocab_size]
-        picked = iter(logits.argmax(dim=-1).tolist())
-        by_row = {order[r]: next(picked) for r, s in enumerate(ordered) if s.sample}
-        return [by_row[i] for i in range(len(seqs)) if seqs[i].sample]
+        return DraftPass(
+            torch.from_numpy(input_ids).to(dev),
+            torch.from_numpy(positions.astype(np.int64)).to(dev),
+            metadata,
+            torch.tensor(rows, dtype=torch.int64, device=dev),
+            order,
+            [s.sample for s in ordered],
+        )
 
     def _as_decode_rows(self, query: np.ndarray, context: np.ndarray) -> bool:
         """Whether a pass's short queries after a context run as decode rows (CPU only, as
@@ -223,4 +254,4 @@ class DraftRunner:
         return {name: by_spec[spec] for name, spec in self._spec_of.items()}
 
 
-__all__ = ["DraftRunner", "DraftSeq", "draft_engine_config"]
+__all__ = ["DraftPass", "DraftRunner", "DraftSeq", "draft_engine_config"]
