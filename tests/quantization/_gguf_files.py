@@ -18,9 +18,11 @@ Tests need GGUF files without downloading any: this is a small re-statement of w
   reference then is transformers reading the same blocks, not the original weights);
 - Gemma: `attention.sliding_window`, the softcaps, `key_length` always, Gemma 3's global rope
   base, linear scaling and local base (`rope.freq_base_swa`), and every norm weight plus one;
-- Mixtral: `expert_count`, `expert_used_count`, each layer's experts stacked per projection
+- MoE (Mixtral, Qwen2-MoE, Qwen3-MoE): `expert_count`, `expert_used_count`, the experts'
+  widths (`expert_feed_forward_length`, `expert_shared_feed_forward_length`), each layer's experts stacked per projection
   into `ffn_gate_exps` / `ffn_up_exps` / `ffn_down_exps` `[E, rows, cols]`; the router
-  (`ffn_gate_inp`) stays F32, as llama-quantize leaves it.
+  (`ffn_gate_inp`, and Qwen2-MoE's shared-expert gate `ffn_gate_inp_shexp`, one row) stays
+  F32, as llama-quantize leaves it.
 
 `dense_dir` also writes the checkpoint as the file stores it (every tensor dequantized, norms
 without the one): the reference for architectures transformers' GGUF loader cannot read.
@@ -45,8 +47,12 @@ ARCH_OF = {
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
     "mixtral": "llama",
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
 }
-EXPERT = re.compile(r"^(?P<layer>.*\.experts)\.(?P<e>\d+)\.(?P<proj>w[123])\.weight$")
+EXPERT = re.compile(
+    r"^(?P<layer>.*\.experts)\.(?P<e>\d+)\.(?P<proj>w[123]|gate_proj|up_proj|down_proj)\.weight$"
+)
 CONTROL, NORMAL = 3, 1
 
 
@@ -133,9 +139,14 @@ def write_gguf(
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if config.get(key) is not None:
                 getattr(writer, f"add_{key}")(float(config[key]))
-    if config.get("num_local_experts"):
-        writer.add_expert_count(config["num_local_experts"])
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if experts:
+        writer.add_expert_count(experts)
         writer.add_expert_used_count(config["num_experts_per_tok"])
+    if config.get("moe_intermediate_size"):
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if config.get("shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     if tokenizer:
         _tokenizer_metadata(writer, hf_dir)
     if chat_template is not None:
@@ -156,14 +167,17 @@ def write_gguf(
         if gguf_name in (extra_tensors or {}):
             continue  # replaced below
         override = [t for key, t in (types or {}).items() if key in gguf_name]
-        if ".ffn_gate_inp." in gguf_name:
+        if ".ffn_gate_inp" in gguf_name:  # routers (and Qwen2-MoE's shared-expert gate)
             override = [gguf.GGMLQuantizationType.F32]
+        if ".ffn_gate_inp_shexp." in gguf_name:  # [1, H] in HF, one row in the file
+            data = data.reshape(-1)
         values = _add(writer, gguf_name, data, override[0] if override else qtype)
         if arch.startswith("gemma") and gguf_name.endswith("norm.weight"):
             values = values - np.float32(1.0)
         if arch == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
             values = _unpermute(values, heads, kv_heads, gguf_name)
         if EXPERT.match(hf_names[0]) is None:
+            values = values.reshape(state[hf_names[0]].shape)
             stored[hf_names[0]] = torch.from_numpy(np.ascontiguousarray(values))
         else:  # a stacked expert tensor: back to one tensor per expert
             for expert, hf_name in enumerate(hf_names):

@@ -123,6 +123,8 @@ def iterate_gguf(
             values, raw = unpermute_qk(values, kv_heads), unpermute_qk(raw, kv_heads)
         if arch in GEMMA_ARCHS and tensor.name.endswith("norm.weight"):
             values = values - np.float32(1.0)  # stored as 1 + w (see the module docstring)
+        if tensor.name.endswith("ffn_gate_inp_shexp.weight") and values.ndim == 1:
+            values, raw = values[None], raw[None]  # Qwen2-MoE's shared-expert gate: [1, H]
         if "{}" in hf_name:  # a stacked expert tensor: one expert at a time
             parts = [(hf_name.format(e), values[e], raw[e]) for e in range(values.shape[0])]
         else:
