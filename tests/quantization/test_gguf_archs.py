@@ -20,6 +20,7 @@ import os
 from typing import Any
 
 import gguf
+import numpy as np
 import pytest
 import torch
 
@@ -275,3 +276,25 @@ def test_bad_moe_and_gemma_metadata_name_the_key() -> None:
     metadata = {"qwen3moe.expert_count": 4, "qwen3moe.expert_used_count": 5}
     with pytest.raises(ValueError, match=r"qwen3moe.expert_used_count must be in \[1, "):
         moe_kwargs(metadata, "qwen3moe", lambda name: metadata[f"qwen3moe.{name}"])
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0], ids=lambda q: q.name)
+def test_experts_keep_the_files_bytes(tmp_path: Any, qtype: Any) -> None:
+    """Each expert's integers and float16 scales are the very bytes of its slice of the stacked
+    tensors (gate rows then up rows in `w13`), read here straight from the file's blocks."""
+    _, path, _ = _files(tmp_path, "mixtral", qtype)
+    net, _ = _ours(path)
+    experts = net.model.layers[1].mlp.experts.quant_experts
+    block = 34 if qtype == Q.Q8_0 else 18
+    tensors = {t.name: t.data for t in gguf.GGUFReader(path).tensors}
+    for e, (w13, w2) in enumerate(zip(experts.w13, experts.w2, strict=True)):
+        gate, up = tensors["blk.1.ffn_gate_exps.weight"][e], tensors["blk.1.ffn_up_exps.weight"][e]
+        for weight, raw in (
+            (w13, np.concatenate([gate, up])),
+            (w2, tensors["blk.1.ffn_down_exps.weight"][e]),
+        ):
+            blocks = raw.reshape(raw.shape[0], -1, block)
+            scales = torch.from_numpy(blocks[..., :2].copy().view("float16"))[..., 0]
+            data = torch.from_numpy(blocks[..., 2:].reshape(raw.shape[0], -1).copy())
+            assert torch.equal(weight.scales, scales)
+            assert torch.equal(weight.qweight, data.view(torch.int8) if block == 34 else data)
