@@ -33,7 +33,7 @@ from tokenwise.config import EngineConfig
 from tokenwise.distributed.tp_state import get_tp_size
 from tokenwise.gguf.weights import iterate_gguf
 from tokenwise.layers.quantization import awq, compressed_tensors, gptq
-from tokenwise.layers.quantization.gguf_layers import GGUFLayerQuantizer
+from tokenwise.layers.quantization.gguf_layers import GGUFLayerQuantizer, expert_checkpoint_names
 from tokenwise.layers.quantization.prequantized import PrequantizedCheckpoint
 from tokenwise.layers.quantization.schemes import (
     INT4,
@@ -206,14 +206,19 @@ def _quantize(
         quantize_experts(model, scheme)
     elif device.type == "cpu" and recorded is not None:
         quantize_model(model, recorded.scheme_for, recorded.exact)
+        if isinstance(recorded, GGUFLayerQuantizer):
+            recorded.quantize_experts(model)
 
 
 def _expected_checkpoint_names(model: nn.Module) -> list[str]:
-    """The checkpoint (HF) names of every parameter, fused ones split into their parts."""
+    """The checkpoint (HF) names of every parameter, fused ones split into their parts, and
+    one name per expert and projection for MoE experts."""
     mapping: StackedMapping = getattr(model, "stacked_params_mapping", ())
     names: list[str] = []
     for name, _ in model.named_parameters():
         names.extend(checkpoint_names(name, mapping).values())
+    for experts in expert_checkpoint_names(model).values():
+        names.extend(n for expert in experts for n in expert)
     return names
 
 

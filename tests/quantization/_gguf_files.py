@@ -1,8 +1,8 @@
 """Write a tiny Hugging Face checkpoint as a GGUF file, laid out as llama.cpp's converter does.
 
 Tests need GGUF files without downloading any: this is a small re-statement of what
-`convert_hf_to_gguf.py` writes for llama / qwen2 / qwen3 models, with gguf-py's own writer,
-name map and (numpy) quantizers:
+`convert_hf_to_gguf.py` writes for llama / qwen2 / qwen3 / gemma2 / gemma3 models and Mixtral
+(as "llama" with experts), with gguf-py's own writer, name map and (numpy) quantizers:
 
 - metadata: `general.architecture`, `{arch}.*` hyper-parameters (`context_length`,
   `embedding_length`, `feed_forward_length`, `block_count`, `attention.head_count[_kv]`,
@@ -15,20 +15,44 @@ name map and (numpy) quantizers:
   loader's inverse is checked against an independent statement of it); 1-D tensors stay F32 as
   llama.cpp keeps them, matrices get `qtype`; `output.weight` only when not tied. gguf-py has
   no numpy quantizer for the K-quants, so those matrices get random valid blocks instead (the
-  reference then is transformers reading the same blocks, not the original weights).
+  reference then is transformers reading the same blocks, not the original weights);
+- Gemma: `attention.sliding_window`, the softcaps, `key_length` always, Gemma 3's global rope
+  base, linear scaling and local base (`rope.freq_base_swa`), and every norm weight plus one;
+- MoE (Mixtral, Qwen2-MoE, Qwen3-MoE): `expert_count`, `expert_used_count`, the experts'
+  widths (`expert_feed_forward_length`, `expert_shared_feed_forward_length`), each layer's experts stacked per projection
+  into `ffn_gate_exps` / `ffn_up_exps` / `ffn_down_exps` `[E, rows, cols]`; the router
+  (`ffn_gate_inp`, and Qwen2-MoE's shared-expert gate `ffn_gate_inp_shexp`, one row) stays
+  F32, as llama-quantize leaves it.
+
+`dense_dir` also writes the checkpoint as the file stores it (every tensor dequantized, norms
+without the one): the reference for architectures transformers' GGUF loader cannot read.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 from typing import Any
 
 import numpy as np
 import torch
 from safetensors.torch import load_file
 
-ARCH_OF = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCH_OF = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+    "mixtral": "llama",
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
+}
+EXPERT = re.compile(
+    r"^(?P<layer>.*\.experts)\.(?P<e>\d+)\.(?P<proj>w[123]|gate_proj|up_proj|down_proj)\.weight$"
+)
 CONTROL, NORMAL = 3, 1
 
 
@@ -71,6 +95,7 @@ def write_gguf(
     architecture: str | None = None,
     extra_tensors: dict[str, np.ndarray] | None = None,
     types: dict[str, Any] | None = None,
+    dense_dir: str | None = None,
 ) -> str:
     """Write the checkpoint in `hf_dir` to `out_path`; matrices in `qtype` (default F32).
 
@@ -96,13 +121,32 @@ def write_gguf(
     writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     rope = config.get("rope_parameters") or {}
+    if "full_attention" in rope:  # Gemma 3 (transformers 5): global and local parameters
+        local, rope = rope["sliding_attention"], rope["full_attention"]
+        writer.add_rope_freq_base_swa(float(local["rope_theta"]))
+        if rope.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(float(rope["factor"]))
     writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
     writer.add_vocab_size(config["vocab_size"])
     if arch == "llama":
         writer.add_rope_dimension_count(head_dim)
-    if head_dim != hidden // heads:
+    if head_dim != hidden // heads or arch.startswith("gemma"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    if arch.startswith("gemma"):
+        writer.add_sliding_window(config["sliding_window"])
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if config.get(key) is not None:
+                getattr(writer, f"add_{key}")(float(config[key]))
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+    if config.get("moe_intermediate_size"):
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if config.get("shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     if tokenizer:
         _tokenizer_metadata(writer, hf_dir)
     if chat_template is not None:
@@ -112,10 +156,10 @@ def write_gguf(
         next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), config["num_hidden_layers"]
     )
     state = load_file(os.path.join(hf_dir, "model.safetensors"))
-    for hf_name, value in state.items():
-        base, _, suffix = hf_name.rpartition(".")
-        gguf_name = f"{name_map.get_name(base)}.{suffix}"
-        data = value.to(torch.float32).numpy()
+    stored: dict[str, torch.Tensor] = {}
+    for hf_names, gguf_name, data in _llamacpp_tensors(state, name_map):
+        if arch.startswith("gemma") and gguf_name.endswith("norm.weight"):
+            data = data + np.float32(1.0)
         if arch == "llama" and ".attn_q." in gguf_name:
             data = llamacpp_permute(data, heads)
         elif arch == "llama" and ".attn_k." in gguf_name:
@@ -123,9 +167,25 @@ def write_gguf(
         if gguf_name in (extra_tensors or {}):
             continue  # replaced below
         override = [t for key, t in (types or {}).items() if key in gguf_name]
-        _add(writer, gguf_name, data, override[0] if override else qtype)
+        if ".ffn_gate_inp" in gguf_name:  # routers (and Qwen2-MoE's shared-expert gate)
+            override = [gguf.GGMLQuantizationType.F32]
+        if ".ffn_gate_inp_shexp." in gguf_name:  # [1, H] in HF, one row in the file
+            data = data.reshape(-1)
+        values = _add(writer, gguf_name, data, override[0] if override else qtype)
+        if arch.startswith("gemma") and gguf_name.endswith("norm.weight"):
+            values = values - np.float32(1.0)
+        if arch == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+            values = _unpermute(values, heads, kv_heads, gguf_name)
+        if EXPERT.match(hf_names[0]) is None:
+            values = values.reshape(state[hf_names[0]].shape)
+            stored[hf_names[0]] = torch.from_numpy(np.ascontiguousarray(values))
+        else:  # a stacked expert tensor: back to one tensor per expert
+            for expert, hf_name in enumerate(hf_names):
+                stored[hf_name] = torch.from_numpy(np.ascontiguousarray(values[expert]))
     for name, data in (extra_tensors or {}).items():
         writer.add_tensor(name, data)  # as given (an int8 array is written as I8)
+    if dense_dir is not None:
+        _write_dense(hf_dir, dense_dir, state, stored)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -157,15 +217,57 @@ def random_k_blocks(shape: tuple[int, ...], qtype: Any, seed: int) -> np.ndarray
     return blocks.reshape(rows, -1)
 
 
-def _add(writer: Any, name: str, data: np.ndarray, qtype: Any) -> None:
+def _llamacpp_tensors(
+    state: dict[str, torch.Tensor], name_map: Any
+) -> list[tuple[list[str], str, np.ndarray]]:
+    """`(HF names, GGUF name, float32 values)` in llama.cpp's layout: one tensor per HF tensor,
+    but each layer's experts stacked per projection (HF names in expert order)."""
+    out: list[tuple[list[str], str, np.ndarray]] = []
+    stacks: dict[str, dict[int, tuple[str, np.ndarray]]] = {}
+    for hf_name, value in state.items():
+        data = value.to(torch.float32).numpy()
+        expert = EXPERT.match(hf_name)
+        if expert is not None:
+            stacked = f"{name_map.get_name(expert['layer'] + '.' + expert['proj'])}.weight"
+            stacks.setdefault(stacked, {})[int(expert["e"])] = (hf_name, data)
+            continue
+        base, _, suffix = hf_name.rpartition(".")
+        out.append(([hf_name], f"{name_map.get_name(base)}.{suffix}", data))
+    for gguf_name, experts in stacks.items():
+        ordered = [experts[e] for e in sorted(experts)]
+        out.append(([n for n, _ in ordered], gguf_name, np.stack([d for _, d in ordered])))
+    return out
+
+
+def _unpermute(values: np.ndarray, heads: int, kv_heads: int, gguf_name: str) -> np.ndarray:
+    n = heads if ".attn_q." in gguf_name else kv_heads
+    half = values.shape[0] // n // 2
+    return values.reshape(n, half, 2, *values.shape[1:]).swapaxes(1, 2).reshape(values.shape)
+
+
+def _write_dense(hf_dir: str, dense_dir: str, state: dict, stored: dict) -> None:
+    from safetensors.torch import save_file
+
+    assert set(stored) == set(state), "every checkpoint tensor is stored once"
+    os.makedirs(dense_dir, exist_ok=True)
+    for name in os.listdir(hf_dir):
+        if name != "model.safetensors":
+            shutil.copy(os.path.join(hf_dir, name), dense_dir)
+    save_file(stored, os.path.join(dense_dir, "model.safetensors"), metadata={"format": "pt"})
+
+
+def _add(writer: Any, name: str, data: np.ndarray, qtype: Any) -> np.ndarray:
+    """Write one tensor; returns the float32 values the file holds for it."""
     import gguf
 
     if data.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
         writer.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
-        return
+        return data
     if qtype.name in K_QUANT_SCALES:
         seed = int.from_bytes(name.encode()[-4:], "little")
-        packed = random_k_blocks(data.shape, qtype, seed)
+        rows = data.reshape(-1, data.shape[-1])
+        packed = random_k_blocks(rows.shape, qtype, seed).reshape(*data.shape[:-1], -1)
     else:
         packed = gguf.quants.quantize(data, qtype)
     writer.add_tensor(name, packed, raw_shape=packed.shape, raw_dtype=qtype)
+    return np.asarray(gguf.quants.dequantize(packed, qtype), dtype=np.float32)

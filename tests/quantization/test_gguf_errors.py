@@ -59,7 +59,10 @@ def test_unsupported_architecture(tmp_path: Any) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(NotImplementedError, match="'mamba' model.*llama, qwen2, qwen3"):
+    with pytest.raises(
+        NotImplementedError,
+        match="'mamba' model.*gemma2, gemma3, llama, qwen2, qwen2moe, qwen3, qwen3moe",
+    ):
         ModelConfig.from_pretrained(path)
 
 

@@ -1,4 +1,5 @@
-"""A transformers config rebuilt from a GGUF file's metadata (llama, qwen2, qwen3).
+"""A transformers config rebuilt from a GGUF file's metadata (llama, qwen2, qwen3, gemma2,
+gemma3, qwen2moe, qwen3moe; a llama file with experts is Mixtral).
 
 A GGUF file has no `config.json`: its metadata is the config, under llama.cpp's key names
 (`llama.embedding_length`, `qwen3.attention.head_count_kv`, ...). The engine's models read a
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenwise.gguf.gemma_config import gemma_kwargs
+from tokenwise.gguf.moe_config import expert_count, moe_kwargs
 from tokenwise.gguf.reader import read_metadata
 
 # llama.cpp architecture -> (transformers model_type, architecture class name).
@@ -25,7 +28,13 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
+# llama.cpp writes Mixtral as "llama" with `llama.expert_count` and stacked expert tensors.
+MIXTRAL = ("mixtral", "MixtralForCausalLM")
 
 
 def gguf_architecture(metadata: dict[str, Any], path: str) -> str:
@@ -34,8 +43,8 @@ def gguf_architecture(metadata: dict[str, Any], path: str) -> str:
     if arch not in ARCHITECTURES:
         raise NotImplementedError(
             f"GGUF file {path!r} holds a {arch!r} model; tokenwise loads GGUF files of the "
-            f"architectures {', '.join(sorted(ARCHITECTURES))} (others need a Hugging Face "
-            "checkpoint directory)"
+            f"architectures {', '.join(sorted(ARCHITECTURES))} (llama with experts: Mixtral; "
+            "others need a Hugging Face checkpoint directory)"
         )
     return arch
 
@@ -65,6 +74,9 @@ def gguf_hf_config(path: str) -> Any:
     metadata, names = read_metadata(path)
     arch = gguf_architecture(metadata, path)
     model_type, architecture = ARCHITECTURES[arch]
+    experts = expert_count(metadata, arch)
+    if arch == "llama" and experts > 0:
+        model_type, architecture = MIXTRAL
 
     def key(name: str, default: Any = None) -> Any:
         value = metadata.get(f"{arch}.{name}", default)
@@ -106,8 +118,16 @@ def gguf_hf_config(path: str) -> Any:
     scaling = _rope_scaling(metadata, arch, names, path)
     if scaling is not None:
         kwargs["rope_scaling"] = scaling
-    if arch in ("llama", "qwen3"):  # Qwen2 always has q/k/v biases; these two may
+    if model_type in (
+        "llama",
+        "qwen3",
+        "qwen3_moe",
+    ):  # Qwen2 always has q/k/v biases; these two may
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
-    if arch == "llama":
+    if model_type == "llama":
         kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in names
+    if experts > 0:
+        kwargs.update(moe_kwargs(metadata, arch, key))
+    if arch in ("gemma2", "gemma3"):
+        kwargs.update(gemma_kwargs(metadata, arch, kwargs))
     return AutoConfig.for_model(model_type, **kwargs)

@@ -11,6 +11,15 @@ head's rotary halves interleaved, as its rope kernel wants). `unpermute_qk` undo
 per head, rows (2, d/2) were swapped into (d/2, 2); swapping back restores HF's order. Qwen2 and
 Qwen3 files are written unpermuted.
 
+Experts: llama.cpp stacks each MoE layer's experts into one 3-D tensor per projection
+(`blk.N.ffn_gate_exps` `[E, I, H]`, `ffn_up_exps`, `ffn_down_exps` `[E, H, I]`), which the name
+map knows under the stacked HF name (`...block_sparse_moe.experts.w1`). The loader asks for one
+tensor per expert (`...experts.3.w1.weight`), so each stacked tensor is yielded expert by
+expert, its quantized bytes split the same way (every expert's rows are whole blocks).
+
+Gemma: llama.cpp stores Gemma's norm weights plus one (`gemma_config`); they are read back
+minus one, in float32, as transformers' GGUF loader reads them.
+
 Dequantization: `gguf.quants.dequantize` (gguf-py's numpy dequantizers: F32, F16, BF16, Q8_0,
 Q4_0/1, Q5_0/1, the K-quants, IQ types, ...) turns each tensor into float32, then it is cast to
 the engine's dtype, one tensor at a time. On CPU the linear layers are then quantized again
@@ -19,21 +28,26 @@ the engine's dtype, one tensor at a time. On CPU the linear layers are then quan
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
+from tokenwise.gguf.gemma_config import GEMMA_ARCHS
 from tokenwise.gguf.hf_config import gguf_architecture
 from tokenwise.gguf.reader import open_gguf, read_metadata
 
 # Architectures whose q/k rows llama.cpp's converter permutes.
 PERMUTED_QK = ("llama",)
+# An expert's tensor in the checkpoint names the loader asks for: `<layer>.experts.<e>.<proj>`.
+EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>[^.]+)$")
 
 
 def gguf_to_hf_names(arch: str, num_layers: int, expected_names: Iterable[str]) -> dict[str, str]:
-    """`{gguf tensor name: HF tensor name}` for the HF names a model expects."""
+    """`{gguf tensor name: HF tensor name}` for the HF names a model expects. A stacked expert
+    tensor maps to its per-expert name with `{}` in the expert's place."""
     import gguf
 
     arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
@@ -41,6 +55,14 @@ def gguf_to_hf_names(arch: str, num_layers: int, expected_names: Iterable[str]) 
     mapping: dict[str, str] = {}
     for hf_name in expected_names:
         base, _, suffix = hf_name.rpartition(".")
+        expert = EXPERT_NAME.match(base)
+        if expert is not None:
+            stacked = name_map.get_name(f"{expert['prefix']}.{expert['proj']}")
+            if stacked is not None:
+                mapping[f"{stacked}.{suffix}"] = (
+                    f"{expert['prefix']}.{{}}.{expert['proj']}.{suffix}"
+                )
+            continue
         gguf_base = name_map.get_name(base)
         if gguf_base is not None:
             mapping[f"{gguf_base}.{suffix}"] = hf_name
@@ -99,10 +121,19 @@ def iterate_gguf(
             values, raw = unpermute_qk(values, heads), unpermute_qk(raw, heads)
         elif arch in PERMUTED_QK and ".attn_k." in tensor.name:
             values, raw = unpermute_qk(values, kv_heads), unpermute_qk(raw, kv_heads)
-        values = np.ascontiguousarray(values)
-        if not values.flags.writeable:  # F32 tensors are views of the read-only file mapping
-            values = values.copy()
-        tensor_fp32 = torch.from_numpy(values)
-        if observe is not None:
-            observe(hf_name, tensor_fp32, tensor.tensor_type.name, raw)
-        yield hf_name, tensor_fp32.to(dtype)
+        if arch in GEMMA_ARCHS and tensor.name.endswith("norm.weight"):
+            values = values - np.float32(1.0)  # stored as 1 + w (see the module docstring)
+        if tensor.name.endswith("ffn_gate_inp_shexp.weight") and values.ndim == 1:
+            values, raw = values[None], raw[None]  # Qwen2-MoE's shared-expert gate: [1, H]
+        if "{}" in hf_name:  # a stacked expert tensor: one expert at a time
+            parts = [(hf_name.format(e), values[e], raw[e]) for e in range(values.shape[0])]
+        else:
+            parts = [(hf_name, values, raw)]
+        for name, part, part_raw in parts:
+            part = np.ascontiguousarray(part)
+            if not part.flags.writeable:  # F32 tensors are views of the read-only file mapping
+                part = part.copy()
+            tensor_fp32 = torch.from_numpy(part)
+            if observe is not None:
+                observe(name, tensor_fp32, tensor.tensor_type.name, part_raw)
+            yield name, tensor_fp32.to(dtype)

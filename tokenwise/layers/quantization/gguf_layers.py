@@ -11,6 +11,13 @@ order), and `scheme_for` picks the layer's scheme: the most precise of its parts
 any part is dense (a float tensor, or a type without an exact scheme). A fused layer whose parts
 differ in scheme (Q8_0 q with Q4_0 k) is quantized from its dense weight with the most precise.
 
+Routed experts (`quantize_experts`): llama.cpp stacks an MoE layer's experts per projection;
+the loader yields them expert by expert (`gguf.weights`), so each expert's gate, up and down
+tensors are recorded like any other, and each expert's `w13` is its gate and up records joined
+(as q, k, v are), `w2` its down record: a `QuantizedExperts` holding the file's integers, run by
+`FusedMoE` one expert at a time as int8 / int4 experts are. An expert of a dense or unrecorded
+type leaves the layer's experts dense.
+
 Under tensor parallelism each rank holds a slice, which the per-tensor records do not describe:
 there the layers are quantized from their loaded (sliced) dense weights.
 """
@@ -23,7 +30,12 @@ from torch import nn
 
 from tokenwise.layers.quantization.gguf_kquants import KQUANTS, kquant_weight
 from tokenwise.layers.quantization.schemes import GGUF_SCHEMES, Scheme
-from tokenwise.layers.quantization.weight_only import QuantizedParts, QuantizedWeight, quantize
+from tokenwise.layers.quantization.weight_only import (
+    QuantizedExperts,
+    QuantizedParts,
+    QuantizedWeight,
+    quantize,
+)
 from tokenwise.layers.weight_utils import StackedMapping, checkpoint_names
 
 
@@ -54,6 +66,27 @@ class GGUFLayerQuantizer:
                 values, scheme.bits, scheme.group_size, scheme.symmetric
             )
 
+    def quantize_experts(self, model: nn.Module) -> int:
+        """Give every MoE layer whose experts are all recorded its file's integers; returns
+        how many layers (the dense expert weights then move to the meta device)."""
+        count = 0
+        for name, per_expert in expert_checkpoint_names(model).items():
+            module = model.get_submodule(name)
+            records = [[self.records.get(n) for n in names] for names in per_expert]
+            if any(r is None for names in records for r in names):
+                continue
+            w13 = [_joined([gate, up]) for gate, up, _ in records]  # type: ignore[list-item]
+            w2 = [down for _, _, down in records]
+            if any(w.shape != tuple(module.w13_weight.shape[1:]) for w in w13):
+                continue  # sliced (TP) experts: they stay dense
+            module.quant_experts = QuantizedExperts(w13, w2)  # type: ignore[arg-type]
+            for attr in ("w13_weight", "w2_weight"):
+                dense = getattr(module, attr)
+                meta = torch.empty(dense.shape, dtype=dense.dtype, device="meta")
+                setattr(module, attr, nn.Parameter(meta, requires_grad=False))
+            count += 1
+        return count
+
     def _parts(self, module: nn.Module) -> list[str]:
         """The checkpoint names of a layer's weight, in the fused layer's row order."""
         name = self.param_names[id(module.weight)]  # a tied head's weight is the embedding's
@@ -76,20 +109,46 @@ class GGUFLayerQuantizer:
             return None
         if sum(p.shape[0] for p in parts) != module.weight.shape[0]:
             return None  # a sliced (TP) or padded layer: quantize its own rows
-        if len(parts) == 1:
-            return parts[0]
-        first = parts[0]
-        if any(_format(p) != _format(first) for p in parts):
-            return QuantizedParts(parts)  # type: ignore[arg-type]
-        offsets = None if first.offsets is None else torch.cat([p.offsets for p in parts])
-        return QuantizedWeight(
-            qweight=torch.cat([p.qweight for p in parts]),
-            scales=torch.cat([p.scales for p in parts]),
-            offsets=offsets,
-            bits=first.bits,
-            group_size=first.group_size,
-            shape=(sum(p.shape[0] for p in parts), first.shape[1]),
-        )
+        return _joined(parts)  # type: ignore[arg-type]
+
+
+def expert_checkpoint_names(model: nn.Module) -> dict[str, list[tuple[str, str, str]]]:
+    """`{MoE experts module: [(gate, up, down) checkpoint weight names of each local expert]}`
+    (modules with `quant_experts`; names as the model's checkpoints spell them: Mixtral's
+    `block_sparse_moe.experts.3.w1.weight`)."""
+    proj_names = getattr(model, "expert_proj_names", None)
+    if proj_names is None:
+        return {}
+    back = {v: k for k, v in getattr(model, "checkpoint_renames", {}).items()}
+    names: dict[str, list[tuple[str, str, str]]] = {}
+    for name, module in model.named_modules():
+        if not hasattr(module, "quant_experts"):
+            continue
+        prefix = ".".join(back.get(part, part) for part in name.split("."))
+        first, local = module.shard.first_expert, module.shard.num_local_experts
+        names[name] = [
+            tuple(f"{prefix}.{e}.{proj}.weight" for proj in proj_names)  # type: ignore[misc]
+            for e in range(first, first + local)
+        ]
+    return names
+
+
+def _joined(parts: list[QuantizedWeight]) -> QuantizedWeight | QuantizedParts:
+    """Row blocks of one layer as one quantized weight (per-part formats when they differ)."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    if any(_format(p) != _format(first) for p in parts):
+        return QuantizedParts(parts)
+    offsets = None if first.offsets is None else torch.cat([p.offsets for p in parts])
+    return QuantizedWeight(
+        qweight=torch.cat([p.qweight for p in parts]),
+        scales=torch.cat([p.scales for p in parts]),
+        offsets=offsets,
+        bits=first.bits,
+        group_size=first.group_size,
+        shape=(sum(p.shape[0] for p in parts), first.shape[1]),
+    )
 
 
 def _format(weight: QuantizedWeight) -> tuple[int, bool, int, torch.dtype]:
