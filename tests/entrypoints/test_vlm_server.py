@@ -193,6 +193,26 @@ def test_base64_image_answer_equals_offline(
     wait_for_idle(servers[0])
 
 
+def test_images_travel_to_the_engine_core_process(
+    client: OpenAI, dirs: tuple[str, str, str], servers: Any
+) -> None:
+    """The server's engine runs in a core process: the client processes images and sends the
+    pixels; a prompt the processor refuses is a 400 from the front end, and the core keeps
+    serving (its answer is checked against the in-process engine above)."""
+    from tests.entrypoints.test_engine_core_death import _engine_core_pid
+
+    core = _engine_core_pid(servers[0].proc.pid)
+    good = image_message(data_url(ImageHost.image or png(make_image(7, 48, 40))))
+    before = chat(client, good).choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="could not be decoded as an image"):
+        chat(client, image_message("data:image/png;base64,bm90IGFuIGltYWdl"))
+    with pytest.raises(openai.BadRequestError, match="image placeholder token but no image"):
+        chat(client, [{"role": "user", "content": "a <image> without its image"}])
+    assert chat(client, good).choices[0].message.content == before
+    assert _engine_core_pid(servers[0].proc.pid) == core  # the same core, still alive
+    wait_for_idle(servers[0])
+
+
 def test_models_lists_image_input(servers: tuple[RemoteServer, RemoteServer]) -> None:
     import httpx
 

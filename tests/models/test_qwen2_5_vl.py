@@ -331,3 +331,40 @@ def test_chat_image_parts_render_and_answer(qwen_dir: str) -> None:
     assert prompt == f"<|user|>Two:{IMAGE}{IMAGE}\n<|assistant|>"
     specs = CASES[1][1]
     assert run(llm, [(prompt, specs)]) == [hf_greedy(qwen_dir, prompt, specs)]
+
+
+def test_engine_core_process_equals_hf(qwen_dir: str) -> None:
+    """Behind an engine-core process (what `tokenwise serve` uses) the client processes the
+    images and sends pixels, grids and 3-D positions: the answers are HF's, chunks cutting
+    images included; a prompt the processor refuses fails in the caller, by name."""
+    import time
+
+    from tokenwise.engine.client import create_engine
+    from tokenwise.engine.core_client import EngineCoreClient
+    from tokenwise.engine.prompts import resolve_eos_token_ids
+    from tokenwise.entrypoints.llm import build_engine_config
+
+    config = build_engine_config(
+        qwen_dir, dtype="float32", num_gpu_blocks=64, block_size=8, max_num_batched_tokens=12
+    )
+    engine = create_engine(config, core_process=True)
+    try:
+        assert isinstance(engine, EngineCoreClient)
+        with pytest.raises(ValueError, match=r"0 image placeholder\(s\).*but 1 image"):
+            engine.add_request("bad", {**engine_prompt(*CASES[0]), "prompt": "no image"}, GREEDY)
+        for i, case in enumerate(CASES):
+            engine.add_request(str(i), engine_prompt(*case), GREEDY)
+        tokens: dict[str, list[int]] = {str(i): [] for i in range(len(CASES))}
+        done: set[str] = set()
+        deadline = time.monotonic() + 120
+        while len(done) < len(CASES):
+            assert time.monotonic() < deadline, "the core did not finish in 120 s"
+            for out in engine.step():  # each output carries the step's new tokens
+                tokens[out.request_id] += out.outputs[0].token_ids
+                if out.finished:
+                    done.add(out.request_id)
+        eos = resolve_eos_token_ids(config.model, engine.tokenizer)[0]
+        got = [strip_eos(tokens[str(i)], eos) for i in range(len(CASES))]
+        assert got == [hf_greedy(qwen_dir, *c) for c in CASES]
+    finally:
+        engine.shutdown()

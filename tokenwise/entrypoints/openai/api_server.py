@@ -210,13 +210,14 @@ def build_app(
 
 def image_settings(engine: Any) -> tuple[str | None, int | None]:
     """A vision-language engine's image placeholder and per-prompt image limit; (None, None)
-    for a model that reads no images. Such an engine runs in this process (its kind is not
-    the plain generative one), so its processor is at hand."""
+    for a model that reads no images. The processor is the engine's own (in this process) or
+    the core client's (which processes prompts before sending them to the core)."""
     model_config = engine.model_config
     if not is_multimodal_architecture(model_config.architectures):
         return None, None
     limit = (model_config.limit_mm_per_prompt or {}).get("image")
-    return engine.kind.prompts.image_token, limit
+    prompts = getattr(engine, "image_prompts", None) or engine.kind.processor
+    return prompts.image_token, limit
 
 
 def run_server(args: argparse.Namespace) -> int:
