@@ -368,3 +368,58 @@ def test_engine_core_process_equals_hf(qwen_dir: str) -> None:
         assert got == [hf_greedy(qwen_dir, *c) for c in CASES]
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("budget", "chunked", "expected_runs"),
+    [
+        (45, True, [[0], [1, 2]]),  # the second prompt stops before its first image
+        (20, True, [[0], [1], [2]]),  # images larger than the budget run alone
+        (40, False, [[0], [1, 2]]),  # uncut, the second prompt waits, then runs whole (42)
+    ],
+    ids=["cut-before-image", "oversized-alone", "no-chunking"],
+)
+def test_encoder_budget_spreads_tower_runs_and_equals_hf(
+    qwen_dir: str, budget: int, chunked: bool, expected_runs: list[list[int]]
+) -> None:
+    """`max_num_encoder_input_tokens`: no step encodes more image tokens than the budget
+    (unless one image alone is larger), the deferred images run in later steps, and the
+    answers are HF's. The images (CASES[0]'s, then CASES[1]'s two) are 35, 36 and 6 tokens;
+    `expected_runs` names them by index."""
+    llm = LLM(
+        qwen_dir,
+        dtype="float32",
+        num_gpu_blocks=64,
+        block_size=8,
+        max_num_encoder_input_tokens=budget,
+        enable_chunked_prefill=chunked,
+    )
+    engine = llm.llm_engine
+    model = engine.runner.eager_model
+    runs: list[list[int]] = []  # image tokens of each tower run (one run per step)
+    embed = model.embed_image_list
+
+    def spy(pixels: Any, grids: Any) -> Any:
+        runs.append([model.tokens_per_image(grid) for grid in grids])
+        return embed(pixels, grids)
+
+    model.embed_image_list = spy
+    sizes = [
+        image.length
+        for case in CASES[:2]
+        for image in engine.kind.prompts.process(case[0], images_of(case[1]))[1]
+    ]
+    assert sizes == [35, 36, 6]
+    assert run(llm, CASES) == [hf_greedy(qwen_dir, *c) for c in CASES]
+    # Over the budget only alone: one image, or (chunking off) one prompt's images.
+    per_prompt = [sizes[:1], sizes[1:]]
+    assert all(sum(r) <= budget or len(r) == 1 or (not chunked and r in per_prompt) for r in runs)
+    assert runs == [[sizes[i] for i in run_] for run_ in expected_runs]
+    assert len(engine.runner.encoder_cache) == 0
+    assert engine.scheduler.encoder_budget.num_held() == 0
+    assert_pool_clean(engine)
+
+
+def test_max_num_encoder_input_tokens_is_checked(qwen_dir: str) -> None:
+    with pytest.raises(ValueError, match="max_num_encoder_input_tokens must be an integer >= 1"):
+        LLM(qwen_dir, max_num_encoder_input_tokens=0)

@@ -112,6 +112,14 @@ class Scheduler:
         """The images of the request's prompt, which key its blocks' hashes (none here)."""
         return ()
 
+    def limit_chunk(self, request: Request, start: int, num_new: int) -> int:
+        """How many of the `num_new` tokens from `start` the request may run this step, by a
+        kind's own per-step limit (a vision tower's budget); all of them here."""
+        return num_new
+
+    def drop_chunk(self, request: Request) -> None:
+        """The chunk `limit_chunk` allowed is not scheduled after all (no blocks for it)."""
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
@@ -122,6 +130,8 @@ class Scheduler:
         while idx < len(self.running) and budget > 0:
             req = self.running[idx]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new > 0:
+                num_new = self.limit_chunk(req, req.num_computed_tokens, num_new)
             if num_new <= 0:
                 idx += 1
                 continue
@@ -195,6 +205,9 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget - num_encoder
+            num_new = self.limit_chunk(req, num_hit, num_new)
+            if num_new <= 0:
+                break  # its next chunk waits for a later step (it keeps its place)
             new_blocks = bm.allocate_slots(
                 req.request_id,
                 req.all_token_ids,
@@ -213,6 +226,7 @@ class Scheduler:
                     # Its newly registered blocks were never computed: drop them from the cache.
                     bm.free(req.request_id, discard_cached=True)
             if new_blocks is None or extra_blocks is None:
+                self.drop_chunk(req)
                 restored = self._preempt_for(req, out)  # "priority": make room, then retry
                 if restored is None:
                     break

@@ -9,7 +9,8 @@ Generation, outputs and the KV cache are the decoder's; this kind changes three 
   `ProcessedImagePrompt`;
 - the scheduler: every block's prefix-cache hash includes the content hashes of the images
   whose placeholders it covers (`BlockManager`'s extra keys), so the same text with another
-  image never hits, and the same image does;
+  image never hits, and the same image does; and a step encodes at most
+  `max_num_encoder_input_tokens` image tokens (`encoder_budget.py`);
 - the runner (`multimodal_runner.py`): image embeddings replace the placeholders' embeddings,
   chunk by chunk, from an encoder cache.
 
@@ -22,9 +23,12 @@ Text-only prompts run as on the text model.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
+from tokenwise.config import SchedulerConfig
 from tokenwise.engine.block_manager import ImageSpans
+from tokenwise.engine.kinds.encoder_budget import EncoderBudget
 from tokenwise.engine.kinds.generate import GenerateKind
 from tokenwise.engine.kinds.multimodal_prompts import (
     MultiModalPrompts,
@@ -34,15 +38,48 @@ from tokenwise.engine.kinds.multimodal_prompts import (
 from tokenwise.engine.kinds.multimodal_runner import MultiModalModelRunner
 from tokenwise.engine.kinds.requests import MultiModalRequest
 from tokenwise.engine.prompts import PromptInput
-from tokenwise.engine.request import Request
-from tokenwise.engine.scheduler import Scheduler
+from tokenwise.engine.request import Request, RequestStatus
+from tokenwise.engine.scheduler import Scheduler, SchedulerOutput
 from tokenwise.models.llava import image_token_id
 from tokenwise.sampling.params import SamplingParams
 
 
 class MultiModalScheduler(Scheduler):
+    """The decoder's scheduler, with image hashes in the prefix cache's keys and the vision
+    tower's per-step budget (`encoder_budget.py`)."""
+
+    def __init__(self, config: SchedulerConfig, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        assert config.max_num_encoder_input_tokens is not None
+        self.encoder_budget = EncoderBudget(config.max_num_encoder_input_tokens)
+
     def image_spans(self, request: Request) -> ImageSpans:
         return getattr(request, "image_hash_spans", ())
+
+    def schedule(self) -> SchedulerOutput:
+        self.encoder_budget.begin_step()
+        out = super().schedule()
+        self.encoder_budget.commit(out.scheduled)
+        return out
+
+    def limit_chunk(self, request: Request, start: int, num_new: int) -> int:
+        may_cut = self.config.enable_chunked_prefill
+        return self.encoder_budget.limit(request, start, num_new, may_cut)
+
+    def drop_chunk(self, request: Request) -> None:
+        self.encoder_budget.forget(request.request_id)
+
+    def _preempt(self, req: Request) -> None:
+        self.encoder_budget.release_request(req.request_id)
+        super()._preempt(req)
+
+    def finish_requests(
+        self, requests: Iterable[Request], status: RequestStatus, discard_cached: bool = False
+    ) -> None:
+        requests = list(requests)
+        for req in requests:
+            self.encoder_budget.release_request(req.request_id)
+        super().finish_requests(requests, status, discard_cached)
 
 
 class MultiModalKind(GenerateKind):
