@@ -423,3 +423,36 @@ def test_encoder_budget_spreads_tower_runs_and_equals_hf(
 def test_max_num_encoder_input_tokens_is_checked(qwen_dir: str) -> None:
     with pytest.raises(ValueError, match="max_num_encoder_input_tokens must be an integer >= 1"):
         LLM(qwen_dir, max_num_encoder_input_tokens=0)
+
+
+def test_encoder_budget_with_preemption_and_shared_images_equals_hf(qwen_dir: str) -> None:
+    """The budget's view of which images need the tower follows the runner's cache through
+    chunks cutting images, a shared image, prefix-cache hits and preemptions: no step encodes
+    more than the budget (bar one image alone), and the answers are HF's."""
+    cases = [*CASES, ("USER: " + IMAGE + "Who is it? ASSISTANT:", CASES[0][1])]
+    llm = LLM(
+        qwen_dir,
+        dtype="float32",
+        num_gpu_blocks=12,
+        block_size=8,
+        max_model_len=96,
+        max_num_batched_tokens=64,  # unbounded, the tower would run 36 + 6 in one step
+        max_num_encoder_input_tokens=36,
+    )
+    engine = llm.llm_engine
+    model = engine.runner.eager_model
+    runs: list[list[int]] = []
+    embed = model.embed_image_list
+
+    def spy(pixels: Any, grids: Any) -> Any:
+        runs.append([model.tokens_per_image(grid) for grid in grids])
+        return embed(pixels, grids)
+
+    model.embed_image_list = spy
+    assert run(llm, cases) == [hf_greedy(qwen_dir, *c) for c in cases]
+    assert engine.scheduler.num_preemptions > 0
+    assert all(sum(r) <= 36 for r in runs)
+    assert {t for r in runs for t in r} == {6, 35, 36}  # every image ran
+    assert len(engine.runner.encoder_cache) == 0
+    assert engine.scheduler.encoder_budget.num_held() == 0
+    assert_pool_clean(engine)
