@@ -3,8 +3,8 @@
 `tokenwise serve` drives one of these by default (one core), and `LLM(...,
 data_parallel_size=N)` / `serve --data-parallel-size N` one with a core per rank; neither knows
 how many cores serve it. The client keeps everything that needs no model in the caller's
-process: requests are validated and tokenized here (bad input fails in the caller, exactly as
-with an in-process engine), sent to the least-loaded core with their token ids, and their
+process: requests are validated and tokenized here, a vision-language model's images processed
+into pixels too (bad input fails in the caller, exactly as with an in-process engine), sent to the least-loaded core with their token ids, and their
 prompts put back on the outputs that come back (`core_messages`). Detokenization and the stop
 rules stay in the core: a stop string ends its request in the very step that completed it, and
 the request's KV blocks are freed there, with no extra token generated and no abort round trip.
