@@ -193,6 +193,15 @@ def test_base64_image_answer_equals_offline(
     wait_for_idle(servers[0])
 
 
+def test_a_failed_fetch_answers_without_waiting_for_the_others(
+    client: OpenAI, image_host: str
+) -> None:
+    started = time.monotonic()
+    with pytest.raises(openai.BadRequestError, match="HTTP 404"):
+        chat(client, image_message(f"{image_host}/slow.png", f"{image_host}/missing.png"))
+    assert time.monotonic() - started < FETCH_TIMEOUT_S  # the slow fetch was dropped
+
+
 def test_images_travel_to_the_engine_core_process(
     client: OpenAI, dirs: tuple[str, str, str], servers: Any
 ) -> None:

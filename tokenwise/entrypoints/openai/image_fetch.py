@@ -10,8 +10,7 @@ vLLM's `VLLM_MEDIA_URL_ALLOW_REDIRECTS`, refuses redirects altogether). A respon
 is not an image (`Content-Type` other than `image/*` or a bare `application/octet-stream`) and
 an HTTP error status are refused. Each problem is a 400 that names it: the client sent the URL.
 
-The download uses `httpx.AsyncClient` (httpx comes with the openai client, already a
-dependency), so a slow image server holds only its own request; the request's images are
+The download uses `httpx.AsyncClient` (httpx, a small pure-Python dependency), so a slow image server holds only its own request; the request's images are
 fetched concurrently. The bytes are decoded later, with the request's other images
 (`chat_images.py`).
 """
@@ -21,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import os
 from urllib.parse import urlparse
+
+import httpx
 
 from tokenwise.entrypoints.openai.errors import OpenAIError
 
@@ -74,8 +75,6 @@ def check_domain(url: str, allowed: list[str] | None) -> None:
 
 async def fetch_images(urls: list[str], allowed_domains: list[str] | None) -> dict[str, bytes]:
     """The bytes behind each distinct http(s) URL of `urls` (others are skipped), or a 400."""
-    import httpx
-
     remote = list(dict.fromkeys(u for u in urls if is_remote(u)))
     if not remote:
         return {}
@@ -91,13 +90,19 @@ async def fetch_images(urls: list[str], allowed_domains: list[str] | None) -> di
         timeout=httpx.Timeout(timeout),
         event_hooks={"request": [on_request]},
     ) as client:
-        bodies = await asyncio.gather(
-            *(_fetch_one(client, url, timeout, max_bytes) for url in remote)
-        )
+        tasks = [asyncio.ensure_future(_fetch_one(client, u, timeout, max_bytes)) for u in remote]
+        try:
+            bodies = await asyncio.gather(*tasks)
+        except BaseException:
+            # One failed (its 400 is the answer): stop the others before the client closes.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
     return dict(zip(remote, bodies, strict=True))
 
 
-async def _fetch_one(client: object, url: str, timeout: float, max_bytes: int) -> bytes:
+async def _fetch_one(client: httpx.AsyncClient, url: str, timeout: float, max_bytes: int) -> bytes:
     try:
         return await asyncio.wait_for(_download(client, url, max_bytes), timeout)
     except (TimeoutError, asyncio.TimeoutError):
@@ -109,10 +114,7 @@ async def _fetch_one(client: object, url: str, timeout: float, max_bytes: int) -
         ) from None
 
 
-async def _download(client: object, url: str, max_bytes: int) -> bytes:
-    import httpx
-
-    assert isinstance(client, httpx.AsyncClient)
+async def _download(client: httpx.AsyncClient, url: str, max_bytes: int) -> bytes:
     try:
         async with client.stream("GET", url) as response:
             if response.is_redirect:
