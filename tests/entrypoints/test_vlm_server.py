@@ -331,3 +331,17 @@ def test_chat_template_of_either_form_places_the_images(multimodal_template: boo
     prompt = render_chat(tokenizer, body, "<image>", 2)["prompt"]
     expected = "Two:<image><image>" if multimodal_template else "Two:\n<image>\n<image>"
     assert prompt == f"<|user|>{expected}\n<|assistant|>"
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("TOKENWISE_IMAGE_FETCH_TIMEOUT", "soon"), ("TOKENWISE_IMAGE_FETCH_MAX_MB", "0")],
+)
+def test_bad_fetch_limits_are_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    from tokenwise.entrypoints.openai.image_fetch import fetch_limits
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"{name} must be a number > 0, got '{value}'"):
+        fetch_limits()

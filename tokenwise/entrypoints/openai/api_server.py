@@ -33,6 +33,7 @@ from tokenwise.entrypoints.openai.async_core_engine import AsyncCoreEngine
 from tokenwise.entrypoints.openai.async_engine import AsyncEngine
 from tokenwise.entrypoints.openai.body_limit import BodySizeLimitMiddleware
 from tokenwise.entrypoints.openai.errors import OpenAIError, install_error_handlers
+from tokenwise.entrypoints.openai.image_fetch import fetch_limits
 from tokenwise.entrypoints.openai.metrics import ServerMetrics
 from tokenwise.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -242,6 +243,7 @@ def run_server(args: argparse.Namespace) -> int:
     torch.manual_seed(engine_config.model.seed)
     # The engine core runs in its own process (one per DP rank): this process keeps HTTP,
     # tokenization and streaming, and never takes the interpreter lock from the engine loop.
+    fetch_limits()  # a bad TOKENWISE_IMAGE_FETCH_* value fails here, not in a request
     engine = create_engine(engine_config, core_process=True)
     image_token, image_limit = image_settings(engine)
     config = ServerConfig(
