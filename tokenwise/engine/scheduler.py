@@ -108,17 +108,17 @@ class Scheduler:
         """Allocate those blocks, all or nothing (None: the pool is short)."""
         return []
 
+    def drop_chunk(self, request: Request) -> None:
+        """The chunk `limit_chunk` allowed is not scheduled after all (no blocks for it)."""
+
     def image_spans(self, request: Request) -> ImageSpans:
         """The images of the request's prompt, which key its blocks' hashes (none here)."""
         return ()
 
-    def limit_chunk(self, request: Request, start: int, num_new: int) -> int:
-        """How many of the `num_new` tokens from `start` the request may run this step, by a
-        kind's own per-step limit (a vision tower's budget); all of them here."""
+    def limit_chunk(self, request: Request, num_computed: int, num_new: int) -> int:
+        """How many of `num_new` tokens the request's next chunk may take (all, here; 0: none
+        this step). A kind whose inputs must not be cut shortens chunks to end before them."""
         return num_new
-
-    def drop_chunk(self, request: Request) -> None:
-        """The chunk `limit_chunk` allowed is not scheduled after all (no blocks for it)."""
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -130,8 +130,7 @@ class Scheduler:
         while idx < len(self.running) and budget > 0:
             req = self.running[idx]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new > 0:
-                num_new = self.limit_chunk(req, req.num_computed_tokens, num_new)
+            num_new = self.limit_chunk(req, req.num_computed_tokens, num_new)
             if num_new <= 0:
                 idx += 1
                 continue
@@ -207,7 +206,7 @@ class Scheduler:
                 num_new = budget - num_encoder
             num_new = self.limit_chunk(req, num_hit, num_new)
             if num_new <= 0:
-                break  # its next chunk waits for a later step (it keeps its place)
+                break  # its next chunk fits a later step's budget (limit_chunk)
             new_blocks = bm.allocate_slots(
                 req.request_id,
                 req.all_token_ids,

@@ -62,9 +62,9 @@ class MultiModalScheduler(Scheduler):
         self.encoder_budget.commit(out.scheduled)
         return out
 
-    def limit_chunk(self, request: Request, start: int, num_new: int) -> int:
+    def limit_chunk(self, request: Request, num_computed: int, num_new: int) -> int:
         may_cut = self.config.enable_chunked_prefill
-        return self.encoder_budget.limit(request, start, num_new, may_cut)
+        return self.encoder_budget.limit(request, num_computed, num_new, may_cut)
 
     def drop_chunk(self, request: Request) -> None:
         self.encoder_budget.forget(request.request_id)
