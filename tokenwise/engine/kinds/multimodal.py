@@ -14,6 +14,10 @@ Generation, outputs and the KV cache are the decoder's; this kind changes three 
 - the runner (`multimodal_runner.py`): image embeddings replace the placeholders' embeddings,
   chunk by chunk, from an encoder cache.
 
+A model whose image tokens attend to each other both ways (Gemma 3,
+`bidirectional_image_attention`) marks its requests `whole_images`: the scheduler never cuts
+such an image across chunks, and the runner puts the images' spans on the attention metadata.
+
 A model with M-RoPE (Qwen2.5-VL, `uses_mrope`) has images of any size (`grid_image_inputs.py`)
 and 3-D positions, computed here once per prompt (`mrope_positions.py`) and stored on the
 request for the runner.
@@ -45,8 +49,16 @@ from tokenwise.sampling.params import SamplingParams
 
 
 class MultiModalScheduler(Scheduler):
-    """The decoder's scheduler, with image hashes in the prefix cache's keys and the vision
-    tower's per-step budget (`encoder_budget.py`)."""
+    """The decoder's scheduler, with image hashes in the prefix cache's keys, the vision
+    tower's per-step budget (`encoder_budget.py`), and images that must be computed whole.
+
+    A request with `whole_images` (Gemma 3: an image's tokens attend to each other both
+    ways) never has a chunk end inside an image: the chunk stops before the image, or, if it
+    starts inside or at it, runs to its end or waits for a step with budget for it (vLLM's
+    `disable_chunked_mm_input`). A prefix-cache hit may end inside such an image: those
+    cached tokens were computed with the whole image, so the rest of it is still exact. The
+    encoder budget then only ever stops a chunk before an image, so images stay whole.
+    """
 
     def __init__(self, config: SchedulerConfig, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
@@ -56,6 +68,17 @@ class MultiModalScheduler(Scheduler):
     def image_spans(self, request: Request) -> ImageSpans:
         return getattr(request, "image_hash_spans", ())
 
+    def add_request(self, request: Request) -> None:
+        budget = self.config.max_num_batched_tokens
+        if getattr(request, "whole_images", False):
+            longest = max((im.length for im in getattr(request, "images", ())), default=0)
+            if longest > budget:
+                raise ValueError(
+                    f"an image of {longest} tokens must be computed in one step, more than "
+                    f"max_num_batched_tokens={budget}; raise max_num_batched_tokens"
+                )
+        super().add_request(request)
+
     def schedule(self) -> SchedulerOutput:
         self.encoder_budget.begin_step()
         out = super().schedule()
@@ -63,6 +86,12 @@ class MultiModalScheduler(Scheduler):
         return out
 
     def limit_chunk(self, request: Request, num_computed: int, num_new: int) -> int:
+        if getattr(request, "whole_images", False):
+            end = num_computed + num_new
+            for image in getattr(request, "images", ()):
+                if image.offset < end < image.end:  # the chunk would cut this image
+                    num_new = max(image.offset - num_computed, 0)
+                    break
         may_cut = self.config.enable_chunked_prefill
         return self.encoder_budget.limit(request, num_computed, num_new, may_cut)
 
@@ -97,6 +126,7 @@ class MultiModalKind(GenerateKind):
         self.image_token_id = token_id
         self.uses_mrope = self.processor.uses_mrope
         self.merge_size = self.processor.merge_size
+        self.whole_images = self.processor.whole_images
         self.prompts = self.processor.prompts  # the checkpoint's processor, for callers
 
     def prompt_settings(self) -> dict[str, int]:

@@ -3,8 +3,9 @@ end of an engine-core process.
 
 `MultiModalPrompts` checks a prompt's `multi_modal_data`, runs the checkpoint's processor
 (`image_inputs.py`, `grid_image_inputs.py`) and computes M-RoPE positions; it needs the
-configuration, the tokenizer and four numbers the model decides (`prompt_settings`): the
-placeholder token, whether positions are 3-D, the merge size and LLaVA's tokens per image.
+configuration, the tokenizer and a few numbers the model decides (`prompt_settings`): the
+placeholder token, whether positions are 3-D, the merge size, LLaVA's tokens per image, and
+whether images must be computed whole.
 The in-process engine takes them from its model; an `EngineCoreClient` gets them from its core
 when the core is ready, and processes every prompt before sending it, for three reasons:
 
@@ -49,6 +50,8 @@ def prompt_settings(model: Any, image_token_id: int) -> dict[str, int]:
         "uses_mrope": int(uses_mrope),
         "merge_size": int(model.spatial_merge_size) if uses_mrope else 0,
         "num_image_tokens": 0 if uses_mrope else int(model.num_image_tokens),
+        # Gemma 3: an image's tokens attend to each other both ways (chunks never cut one).
+        "whole_images": int(bool(getattr(model, "bidirectional_image_attention", False))),
     }
 
 
@@ -72,6 +75,7 @@ class MultiModalPrompts:
         self.image_token_id = settings["image_token_id"]
         self.uses_mrope = bool(settings["uses_mrope"])
         self.merge_size = settings["merge_size"]
+        self.whole_images = bool(settings.get("whole_images", 0))
         self.prompts: ImagePrompts | GridImagePrompts
         if self.uses_mrope:
             self.prompts = GridImagePrompts(
@@ -128,6 +132,8 @@ class MultiModalPrompts:
         ids, image_inputs = self.prompts.process(text, images)
         validate_request(mc, tokenizer, {"prompt_token_ids": ids}, params)
         extra: dict[str, Any] = {"images": image_inputs}
+        if self.whole_images:  # the request's field (Gemma 3); others keep its default
+            extra["whole_images"] = True
         if self.uses_mrope:
             positions, delta = prompt_mrope_positions(len(ids), image_inputs, self.merge_size)
             extra.update(mrope_positions=positions, mrope_position_delta=delta)
