@@ -262,10 +262,16 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
+    # A vision-language model's vision tower: image tokens it encodes per step at most (None:
+    # `max_num_batched_tokens`, vLLM's default); see `engine/kinds/encoder_budget.py`.
+    max_num_encoder_input_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.max_num_encoder_input_tokens is None:
+            self.max_num_encoder_input_tokens = self.max_num_batched_tokens
+        _check_int("max_num_encoder_input_tokens", self.max_num_encoder_input_tokens, 1)
         if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "

@@ -59,9 +59,12 @@ def test_engine_flags_map_to_llm_kwargs() -> None:
             "3",
             "--no-enable-prefix-caching",
             "--compile",
+            "--max-num-encoder-input-tokens",
+            "64",
         ]
     )
     kwargs = engine_kwargs(args)
+    assert kwargs["max_num_encoder_input_tokens"] == 64
     assert kwargs["dtype"] == "float32"
     assert kwargs["kv_cache_memory"] == 1 << 20
     assert kwargs["max_num_seqs"] == 3
@@ -70,4 +73,5 @@ def test_engine_flags_map_to_llm_kwargs() -> None:
     defaults = engine_kwargs(parser.parse_args([]))
     assert defaults["enforce_eager"] is None  # decided per device
     assert defaults["enable_prefix_caching"] is True
+    assert defaults["max_num_encoder_input_tokens"] is None  # max_num_batched_tokens
     assert parser.parse_args(["--enforce-eager"]).enforce_eager is True

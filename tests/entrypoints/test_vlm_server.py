@@ -12,6 +12,9 @@ from __future__ import annotations
 import base64
 import io
 import os
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import openai
@@ -27,6 +30,8 @@ from tokenwise.sampling.params import SamplingParams
 
 NAME = "tiny-llava"
 MAX_TOKENS = 8
+FETCH_TIMEOUT_S = 1.0
+FETCH_MAX_MB = 0.05  # 52428 bytes
 
 
 def png(image: Any) -> bytes:
@@ -56,6 +61,51 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str, str]:
     return build_tiny_llava(str(root / "llava")), str(media), text_model
 
 
+class ImageHost(BaseHTTPRequestHandler):
+    """A tiny image server: the PNG, a slow one, a huge one, a 404, an HTML page, a redirect."""
+
+    image = b""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        path = self.path
+        if path == "/slow.png":
+            time.sleep(FETCH_TIMEOUT_S * 3)
+        if path in ("/cat.png", "/slow.png"):
+            self._reply(200, "image/png", self.image)
+        elif path == "/huge.png":
+            self._reply(200, "image/png", b"\0" * int(FETCH_MAX_MB * 1024 * 1024 * 3))
+        elif path == "/page.html":
+            self._reply(200, "text/html; charset=utf-8", b"<html>not an image</html>")
+        else:
+            self._reply(404, "text/plain", b"no such image")
+
+    def _reply(self, status: int, kind: str, body: bytes) -> None:
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):  # the engine gave up on it
+            pass
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def image_host(dirs: tuple[str, str, str]):
+    """Base URL of a local HTTP server (127.0.0.1, a thread of this process)."""
+    ImageHost.image = png(make_image(7, 48, 40))
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), ImageHost)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
 @pytest.fixture(scope="module")
 def servers(dirs: tuple[str, str, str]):
     model, media, text_model = dirs
@@ -68,6 +118,12 @@ def servers(dirs: tuple[str, str, str]):
             '{"image": 2}',
             "--allowed-local-media-path",
             media,
+            "--allowed-media-domains",
+            "127.0.0.1",
+            env={
+                "TOKENWISE_IMAGE_FETCH_TIMEOUT": str(FETCH_TIMEOUT_S),
+                "TOKENWISE_IMAGE_FETCH_MAX_MB": str(FETCH_MAX_MB),
+            },
             wait=False,
         ) as vlm,
         RemoteServer(text_model, "--served-model-name", "text", wait=False) as text,
@@ -137,6 +193,35 @@ def test_base64_image_answer_equals_offline(
     wait_for_idle(servers[0])
 
 
+def test_a_failed_fetch_answers_without_waiting_for_the_others(
+    client: OpenAI, image_host: str
+) -> None:
+    started = time.monotonic()
+    with pytest.raises(openai.BadRequestError, match="HTTP 404"):
+        chat(client, image_message(f"{image_host}/slow.png", f"{image_host}/missing.png"))
+    assert time.monotonic() - started < FETCH_TIMEOUT_S  # the slow fetch was dropped
+
+
+def test_images_travel_to_the_engine_core_process(
+    client: OpenAI, dirs: tuple[str, str, str], servers: Any
+) -> None:
+    """The server's engine runs in a core process: the client processes images and sends the
+    pixels; a prompt the processor refuses is a 400 from the front end, and the core keeps
+    serving (its answer is checked against the in-process engine above)."""
+    from tests.entrypoints.test_engine_core_death import _engine_core_pid
+
+    core = _engine_core_pid(servers[0].proc.pid)
+    good = image_message(data_url(ImageHost.image or png(make_image(7, 48, 40))))
+    before = chat(client, good).choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="could not be decoded as an image"):
+        chat(client, image_message("data:image/png;base64,bm90IGFuIGltYWdl"))
+    with pytest.raises(openai.BadRequestError, match="image placeholder token but no image"):
+        chat(client, [{"role": "user", "content": "a <image> without its image"}])
+    assert chat(client, good).choices[0].message.content == before
+    assert _engine_core_pid(servers[0].proc.pid) == core  # the same core, still alive
+    wait_for_idle(servers[0])
+
+
 def test_models_lists_image_input(servers: tuple[RemoteServer, RemoteServer]) -> None:
     import httpx
 
@@ -152,11 +237,11 @@ def test_models_lists_image_input(servers: tuple[RemoteServer, RemoteServer]) ->
         (["data:image/png;base64,bm90IGFuIGltYWdl"], "could not be decoded as an image"),
         (["data:image/png;base64,@@@"], "base64 data does not decode"),
         (["data:image/png,plain"], "data:<type>;base64"),
-        (["http://example.com/cat.png"], "http(s) image URLs are not fetched"),
+        (["ftp://example.com/cat.png"], "unsupported image URL scheme 'ftp'"),
         (["SECRET"], "outside --allowed-local-media-path"),
         (["A", "A", "A"], "3 images, more than the 2 per prompt"),
     ],
-    ids=["not-an-image", "bad-base64", "not-base64", "http", "outside-media-path", "too-many"],
+    ids=["not-an-image", "bad-base64", "not-base64", "ftp", "outside-media-path", "too-many"],
 )
 def test_bad_images_are_400s_naming_the_problem(
     client: OpenAI, dirs: tuple[str, str, str], urls: list[str], match: str
@@ -167,6 +252,55 @@ def test_bad_images_are_400s_naming_the_problem(
     urls = [good if u == "A" else secret if u == "SECRET" else u for u in urls]
     with pytest.raises(openai.BadRequestError, match=match.replace("(", r"\(").replace(")", r"\)")):
         chat(client, image_message(*urls))
+
+
+def test_http_image_answer_equals_data_url(client: OpenAI, image_host: str, servers: Any) -> None:
+    other = data_url(png(make_image(3, 64, 30)))
+    expected = chat(client, image_message(data_url(ImageHost.image), other))
+    fetched = chat(client, image_message(f"{image_host}/cat.png", other))
+    assert fetched.choices[0].message.content == expected.choices[0].message.content
+    assert fetched.usage.prompt_tokens == expected.usage.prompt_tokens
+    wait_for_idle(servers[0])
+
+
+@pytest.mark.parametrize(
+    ("path", "match", "code"),
+    [
+        ("/slow.png", f"took longer than {FETCH_TIMEOUT_S:g} s", "image_fetch_timeout"),
+        ("/huge.png", "more than the 52428 bytes", "image_too_large"),
+        ("/page.html", "'text/html' content, not an image", "invalid_image"),
+        ("/missing.png", "HTTP 404", "image_fetch_failed"),
+        ("LOCALHOST", "'localhost' is not in --allowed-media-domains", "media_domain_not_allowed"),
+    ],
+    ids=["timeout", "too-large", "html", "404", "domain"],
+)
+def test_bad_http_images_are_400s_naming_the_problem(
+    client: OpenAI, servers: Any, image_host: str, path: str, match: str, code: str
+) -> None:
+    url = image_host + path
+    if path == "LOCALHOST":
+        url = image_host.replace("127.0.0.1", "localhost") + "/cat.png"
+    result: dict[str, Any] = {}
+
+    def request() -> None:
+        try:
+            chat(client, image_message(url))
+        except openai.BadRequestError as exc:
+            result["error"] = exc
+
+    worker = threading.Thread(target=request)
+    started = time.monotonic()
+    worker.start()
+    if path == "/slow.png":  # the server keeps serving while the fetch waits
+        import httpx
+
+        assert httpx.get(servers[0].url("/v1/models"), timeout=5).status_code == 200
+        assert time.monotonic() - started < FETCH_TIMEOUT_S
+    worker.join(timeout=30)
+    error = result.get("error")
+    assert error is not None, f"{url} was not refused"
+    assert match in str(error)
+    assert error.code == code
 
 
 def test_text_only_model_refuses_images(servers: tuple[RemoteServer, RemoteServer]) -> None:
@@ -197,3 +331,17 @@ def test_chat_template_of_either_form_places_the_images(multimodal_template: boo
     prompt = render_chat(tokenizer, body, "<image>", 2)["prompt"]
     expected = "Two:<image><image>" if multimodal_template else "Two:\n<image>\n<image>"
     assert prompt == f"<|user|>{expected}\n<|assistant|>"
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("TOKENWISE_IMAGE_FETCH_TIMEOUT", "soon"), ("TOKENWISE_IMAGE_FETCH_MAX_MB", "0")],
+)
+def test_bad_fetch_limits_are_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    from tokenwise.entrypoints.openai.image_fetch import fetch_limits
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"{name} must be a number > 0, got '{value}'"):
+        fetch_limits()

@@ -246,3 +246,37 @@ def test_siglip_tower_equals_hf(tmp_path: Any) -> None:
     # (Its checkpoint has a pooling head and post_layernorm, skipped: LLaVA never reads them.)
     assert llm.llm_engine.runner.num_encoder_runs == 3
     assert_pool_clean(llm.llm_engine)
+
+
+def test_encoder_budget_of_one_image_per_step_equals_hf(llava_dir: str) -> None:
+    """`max_num_encoder_input_tokens` = one image: every step runs the tower on one image at
+    most, through chunks cutting images, an image twice in one prompt and one shared by two
+    prompts; the answers are HF's and nothing stays held."""
+    cases = [
+        *CASES,
+        ("Twice: <image> and <image> again", ((5, 30, 40), (5, 30, 40))),
+        ("Look: <image> it is a", CASES[0][1]),
+    ]
+    llm = LLM(
+        llava_dir,
+        dtype="float32",
+        num_gpu_blocks=64,
+        block_size=8,
+        max_num_batched_tokens=40,  # unbounded, some step would encode two images
+        max_num_encoder_input_tokens=TOKENS_PER_IMAGE,
+    )
+    engine = llm.llm_engine
+    model = engine.runner.eager_model
+    runs: list[int] = []  # images per tower run (one run per step)
+    embed = model.embed_image_list
+
+    def spy(pixels: Any, grids: Any) -> Any:
+        runs.append(len(pixels))
+        return embed(pixels, grids)
+
+    model.embed_image_list = spy
+    assert run(llm, cases) == [hf_greedy(llava_dir, *c) for c in cases]
+    assert runs and max(runs) == 1
+    assert len(engine.runner.encoder_cache) == 0
+    assert engine.scheduler.encoder_budget.num_held() == 0
+    assert_pool_clean(engine)

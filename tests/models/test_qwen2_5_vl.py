@@ -331,3 +331,128 @@ def test_chat_image_parts_render_and_answer(qwen_dir: str) -> None:
     assert prompt == f"<|user|>Two:{IMAGE}{IMAGE}\n<|assistant|>"
     specs = CASES[1][1]
     assert run(llm, [(prompt, specs)]) == [hf_greedy(qwen_dir, prompt, specs)]
+
+
+def test_engine_core_process_equals_hf(qwen_dir: str) -> None:
+    """Behind an engine-core process (what `tokenwise serve` uses) the client processes the
+    images and sends pixels, grids and 3-D positions: the answers are HF's, chunks cutting
+    images included; a prompt the processor refuses fails in the caller, by name."""
+    import time
+
+    from tokenwise.engine.client import create_engine
+    from tokenwise.engine.core_client import EngineCoreClient
+    from tokenwise.engine.prompts import resolve_eos_token_ids
+    from tokenwise.entrypoints.llm import build_engine_config
+
+    config = build_engine_config(
+        qwen_dir, dtype="float32", num_gpu_blocks=64, block_size=8, max_num_batched_tokens=12
+    )
+    engine = create_engine(config, core_process=True)
+    try:
+        assert isinstance(engine, EngineCoreClient)
+        with pytest.raises(ValueError, match=r"0 image placeholder\(s\).*but 1 image"):
+            engine.add_request("bad", {**engine_prompt(*CASES[0]), "prompt": "no image"}, GREEDY)
+        for i, case in enumerate(CASES):
+            engine.add_request(str(i), engine_prompt(*case), GREEDY)
+        tokens: dict[str, list[int]] = {str(i): [] for i in range(len(CASES))}
+        done: set[str] = set()
+        deadline = time.monotonic() + 120
+        while len(done) < len(CASES):
+            assert time.monotonic() < deadline, "the core did not finish in 120 s"
+            for out in engine.step():  # each output carries the step's new tokens
+                tokens[out.request_id] += out.outputs[0].token_ids
+                if out.finished:
+                    done.add(out.request_id)
+        eos = resolve_eos_token_ids(config.model, engine.tokenizer)[0]
+        got = [strip_eos(tokens[str(i)], eos) for i in range(len(CASES))]
+        assert got == [hf_greedy(qwen_dir, *c) for c in CASES]
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("budget", "chunked", "expected_runs"),
+    [
+        (45, True, [[0], [1, 2]]),  # the second prompt stops before its first image
+        (20, True, [[0], [1], [2]]),  # images larger than the budget run alone
+        (40, False, [[0], [1, 2]]),  # uncut, the second prompt waits, then runs whole (42)
+    ],
+    ids=["cut-before-image", "oversized-alone", "no-chunking"],
+)
+def test_encoder_budget_spreads_tower_runs_and_equals_hf(
+    qwen_dir: str, budget: int, chunked: bool, expected_runs: list[list[int]]
+) -> None:
+    """`max_num_encoder_input_tokens`: no step encodes more image tokens than the budget
+    (unless one image alone is larger), the deferred images run in later steps, and the
+    answers are HF's. The images (CASES[0]'s, then CASES[1]'s two) are 35, 36 and 6 tokens;
+    `expected_runs` names them by index."""
+    llm = LLM(
+        qwen_dir,
+        dtype="float32",
+        num_gpu_blocks=64,
+        block_size=8,
+        max_num_encoder_input_tokens=budget,
+        enable_chunked_prefill=chunked,
+    )
+    engine = llm.llm_engine
+    model = engine.runner.eager_model
+    runs: list[list[int]] = []  # image tokens of each tower run (one run per step)
+    embed = model.embed_image_list
+
+    def spy(pixels: Any, grids: Any) -> Any:
+        runs.append([model.tokens_per_image(grid) for grid in grids])
+        return embed(pixels, grids)
+
+    model.embed_image_list = spy
+    sizes = [
+        image.length
+        for case in CASES[:2]
+        for image in engine.kind.prompts.process(case[0], images_of(case[1]))[1]
+    ]
+    assert sizes == [35, 36, 6]
+    assert run(llm, CASES) == [hf_greedy(qwen_dir, *c) for c in CASES]
+    # Over the budget only alone: one image, or (chunking off) one prompt's images.
+    per_prompt = [sizes[:1], sizes[1:]]
+    assert all(sum(r) <= budget or len(r) == 1 or (not chunked and r in per_prompt) for r in runs)
+    assert runs == [[sizes[i] for i in run_] for run_ in expected_runs]
+    assert len(engine.runner.encoder_cache) == 0
+    assert engine.scheduler.encoder_budget.num_held() == 0
+    assert_pool_clean(engine)
+
+
+def test_max_num_encoder_input_tokens_is_checked(qwen_dir: str) -> None:
+    with pytest.raises(ValueError, match="max_num_encoder_input_tokens must be an integer >= 1"):
+        LLM(qwen_dir, max_num_encoder_input_tokens=0)
+
+
+def test_encoder_budget_with_preemption_and_shared_images_equals_hf(qwen_dir: str) -> None:
+    """The budget's view of which images need the tower follows the runner's cache through
+    chunks cutting images, a shared image, prefix-cache hits and preemptions: no step encodes
+    more than the budget (bar one image alone), and the answers are HF's."""
+    cases = [*CASES, ("USER: " + IMAGE + "Who is it? ASSISTANT:", CASES[0][1])]
+    llm = LLM(
+        qwen_dir,
+        dtype="float32",
+        num_gpu_blocks=12,
+        block_size=8,
+        max_model_len=96,
+        max_num_batched_tokens=64,  # unbounded, the tower would run 36 + 6 in one step
+        max_num_encoder_input_tokens=36,
+    )
+    engine = llm.llm_engine
+    model = engine.runner.eager_model
+    runs: list[list[int]] = []
+    embed = model.embed_image_list
+
+    def spy(pixels: Any, grids: Any) -> Any:
+        runs.append([model.tokens_per_image(grid) for grid in grids])
+        return embed(pixels, grids)
+
+    model.embed_image_list = spy
+    assert run(llm, cases) == [hf_greedy(qwen_dir, *c) for c in cases]
+    assert engine.scheduler.num_preemptions > 0
+    assert all(sum(r) <= 36 for r in runs)
+    assert {t for r in runs for t in r} == {6, 35, 36}  # every image ran
+    assert len(engine.runner.encoder_cache) == 0
+    assert engine.scheduler.encoder_budget.num_held() == 0
+    assert_pool_clean(engine)

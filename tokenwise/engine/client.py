@@ -12,9 +12,10 @@ for the interpreter lock, so a second process would only add a hop per step), wh
 serve` asks for a core process (`core_process=True`): there the HTTP handling, tokenization and
 streaming would otherwise take the interpreter lock from the engine loop between and during its
 steps. `TOKENWISE_ENABLE_MULTIPROCESSING=0` (vLLM's `VLLM_ENABLE_V1_MULTIPROCESSING`) keeps the
-server's engine in-process. Embedding and encoder-decoder models are served in-process for now:
-their prompt processing (pooling checks, audio features) runs in the engine, not yet in the
-client.
+server's engine in-process. Vision-language models take a core process too (the client
+processes their images, `kinds/multimodal_prompts.py`). Embedding and encoder-decoder models are
+served in-process for now: their prompt processing (pooling checks, audio features) runs in the
+engine, not yet in the client.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tokenwise.config import EngineConfig
 from tokenwise.distributed.tp_worker import maybe_serve_torchrun_worker
 from tokenwise.engine.core_client import EngineCoreClient
 from tokenwise.engine.kinds.generate import GenerateKind
+from tokenwise.engine.kinds.multimodal import MultiModalKind
 from tokenwise.engine.kinds.select import model_kind_for
 from tokenwise.engine.llm_engine import LLMEngine
 from tokenwise.engine.prompts import PromptInput
@@ -88,7 +90,7 @@ ENV_MULTIPROCESSING = "TOKENWISE_ENABLE_MULTIPROCESSING"
 
 def create_engine(config: EngineConfig, core_process: bool = False) -> EngineClient:
     """One engine in this process, or a front end over engine-core processes: one per
-    data-parallel rank, or (`core_process`, a generative model) one core.
+    data-parallel rank, or (`core_process`, a generative or vision-language model) one core.
 
     The model kind (generate, embed, encoder-decoder) is the engine's to choose from the
     configuration. Under torchrun, on a TP rank other than 0 this never returns: the rank
@@ -98,7 +100,8 @@ def create_engine(config: EngineConfig, core_process: bool = False) -> EngineCli
     maybe_serve_torchrun_worker(config)
     if config.parallel.data_parallel_size > 1:
         return EngineCoreClient(config)
-    if core_process and _multiprocessing_enabled() and model_kind_for(config) is GenerateKind:
+    kind = model_kind_for(config)
+    if core_process and _multiprocessing_enabled() and kind in (GenerateKind, MultiModalKind):
         return EngineCoreClient(config)
     return LLMEngine(config, config.device)
 

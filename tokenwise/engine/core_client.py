@@ -3,8 +3,8 @@
 `tokenwise serve` drives one of these by default (one core), and `LLM(...,
 data_parallel_size=N)` / `serve --data-parallel-size N` one with a core per rank; neither knows
 how many cores serve it. The client keeps everything that needs no model in the caller's
-process: requests are validated and tokenized here (bad input fails in the caller, exactly as
-with an in-process engine), sent to the least-loaded core with their token ids, and their
+process: requests are validated and tokenized here, a vision-language model's images processed
+into pixels too (bad input fails in the caller, exactly as with an in-process engine), sent to the least-loaded core with their token ids, and their
 prompts put back on the outputs that come back (`core_messages`). Detokenization and the stop
 rules stay in the core: a stop string ends its request in the very step that completed it, and
 the request's KV blocks are freed there, with no extra token generated and no abort round trip.
@@ -36,6 +36,7 @@ from tokenwise.engine import core_messages as msg
 from tokenwise.engine.core_process import run_engine_core
 from tokenwise.engine.core_sockets import CoreSockets, stop_cores
 from tokenwise.engine.headless import check_hosts_layout
+from tokenwise.engine.kinds.multimodal_prompts import MultiModalPrompts, ProcessedImagePrompt
 from tokenwise.engine.prompts import PromptInput, load_tokenizer, validate_request
 from tokenwise.engine.remote_ranks import engine_ready_timeout_s
 from tokenwise.engine.request_queue import check_priority
@@ -64,6 +65,9 @@ class EngineCoreClient:
             parallel.is_moe_model = is_moe_architecture(config.model.architectures)
         skip = config.model.skip_tokenizer_init
         self.tokenizer = None if skip else load_tokenizer(config.model)
+        # A vision-language model's prompts are processed here, with what its core reports
+        # when ready (`multimodal_prompts` says why here); None for a text model.
+        self.image_prompts: MultiModalPrompts | None = None
         num_cores = parallel.data_parallel_size
         self._dp = num_cores > 1
         if parallel.spans_hosts and parallel.data_parallel_start_rank != 0:
@@ -133,11 +137,16 @@ class EngineCoreClient:
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         check_priority(priority, self.config.scheduler.policy)
-        text, token_ids = validate_request(self.model_config, self.tokenizer, prompt, params)
+        wire_prompt: Any
+        if self.image_prompts is not None:
+            text, token_ids, extra = self.image_prompts.process(prompt, params)
+            wire_prompt = ProcessedImagePrompt(text, token_ids, extra)
+        else:
+            text, token_ids = validate_request(self.model_config, self.tokenizer, prompt, params)
+            # The core gets token ids: it never tokenizes.
+            wire_prompt = {"prompt": text, "prompt_token_ids": token_ids}
         self.check_health()
         rank = min(range(len(self._load)), key=self._load.__getitem__)  # least loaded
-        # The core gets token ids: it never tokenizes.
-        wire_prompt = {"prompt": text, "prompt_token_ids": token_ids}
         message = msg.add_request(
             request_id, wire_prompt, params, cache_salt, lora_request, priority
         )
@@ -306,6 +315,10 @@ class EngineCoreClient:
                 ready.add(message.rank)
                 self._stats[message.rank].num_total_blocks = message.num_blocks
                 self._kv_blocks[message.rank] = bytes(message.num_blocks)  # all free
+                if message.prompt_settings and self.image_prompts is None:
+                    self.image_prompts = MultiModalPrompts(
+                        self.model_config, self.tokenizer, message.prompt_settings
+                    )
             elif isinstance(message, msg.CoreDead) and message.error_type in _CONFIG_ERRORS:
                 # A core refused the configuration (a KV cache too small, an unknown option):
                 # the caller's mistake, raised as such (the CLI prints it, no traceback).

@@ -46,6 +46,9 @@ class StopCore(msgspec.Struct, tag=True):
 class CoreReady(msgspec.Struct, tag=True):
     rank: int
     num_blocks: int
+    # The model kind's `prompt_settings` (a vision-language model's placeholder token and
+    # image sizes): the client processes prompts with them.
+    prompt_settings: dict[str, int] = {}
 
 
 class CoreOutputs(msgspec.Struct, tag=True):

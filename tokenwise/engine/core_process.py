@@ -111,7 +111,8 @@ def serve_engine_core(
             # else: this rank drives a TP group; its runner starts the TP workers, and all
             # dp * tp processes build the TP and DP groups together (`join_parallel_groups`).
         engine = LLMEngine(config, config.device)
-        outbox.send(msg.encode(msg.CoreReady(rank, engine.runner.num_blocks)))
+        settings = engine.kind.prompt_settings()
+        outbox.send(msg.encode(msg.CoreReady(rank, engine.runner.num_blocks, settings)))
         _CoreLoop(engine, rank, inbox, outbox, control, front_end_lost).run()
     except BaseException as exc:  # the client turns this into a clear error for the user
         text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"

@@ -108,6 +108,9 @@ class Scheduler:
         """Allocate those blocks, all or nothing (None: the pool is short)."""
         return []
 
+    def drop_chunk(self, request: Request) -> None:
+        """The chunk `limit_chunk` allowed is not scheduled after all (no blocks for it)."""
+
     def image_spans(self, request: Request) -> ImageSpans:
         """The images of the request's prompt, which key its blocks' hashes (none here)."""
         return ()
@@ -222,6 +225,7 @@ class Scheduler:
                     # Its newly registered blocks were never computed: drop them from the cache.
                     bm.free(req.request_id, discard_cached=True)
             if new_blocks is None or extra_blocks is None:
+                self.drop_chunk(req)
                 restored = self._preempt_for(req, out)  # "priority": make room, then retry
                 if restored is None:
                     break

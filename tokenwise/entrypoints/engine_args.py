@@ -157,6 +157,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(default: no limit)",
     )
     g.add_argument(
+        "--max-num-encoder-input-tokens",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="image tokens a vision-language model's vision tower encodes per step at most; "
+        "prompts stop before images that would pass it (default: --max-num-batched-tokens)",
+    )
+    g.add_argument(
         "--task",
         default="generate",
         choices=["auto", "generate", "embed"],
@@ -439,6 +447,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "quantization": getattr(args, "quantization", None),
         "scheduling_policy": getattr(args, "scheduling_policy", "fcfs"),
         "limit_mm_per_prompt": getattr(args, "limit_mm_per_prompt", None),
+        "max_num_encoder_input_tokens": getattr(args, "max_num_encoder_input_tokens", None),
     }
 
 

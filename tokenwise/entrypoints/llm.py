@@ -150,6 +150,7 @@ def build_engine_config(
     quantization: str | None = None,
     scheduling_policy: str = "fcfs",
     limit_mm_per_prompt: dict[str, int] | None = None,
+    max_num_encoder_input_tokens: int | None = None,
 ) -> EngineConfig:
     """One place that turns user-facing arguments (LLM, CLI, server) into an EngineConfig."""
     from tokenwise.default_model import resolve_model_path
@@ -279,6 +280,7 @@ def build_engine_config(
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill,
             policy=scheduling_policy,
+            max_num_encoder_input_tokens=max_num_encoder_input_tokens,
         ),
         compilation=CompilationConfig(
             use_compile=not enforce_eager,

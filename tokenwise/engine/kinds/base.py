@@ -94,6 +94,11 @@ class ModelKind:
         """Validate a caller's request and make the requests to schedule; raise on bad input."""
         raise NotImplementedError
 
+    def prompt_settings(self) -> dict[str, int]:
+        """What a front end without the model needs to process prompts as this kind does
+        (an engine-core client gets it from its core); none for a text model."""
+        return {}
+
     def record_pooled(self, result: ModelRunnerOutput) -> list[Request]:
         """Keep what a step pooled for its requests' outputs; the requests it pooled for."""
         return []

@@ -33,6 +33,7 @@ from tokenwise.entrypoints.openai.async_core_engine import AsyncCoreEngine
 from tokenwise.entrypoints.openai.async_engine import AsyncEngine
 from tokenwise.entrypoints.openai.body_limit import BodySizeLimitMiddleware
 from tokenwise.entrypoints.openai.errors import OpenAIError, install_error_handlers
+from tokenwise.entrypoints.openai.image_fetch import fetch_limits
 from tokenwise.entrypoints.openai.metrics import ServerMetrics
 from tokenwise.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -210,13 +211,14 @@ def build_app(
 
 def image_settings(engine: Any) -> tuple[str | None, int | None]:
     """A vision-language engine's image placeholder and per-prompt image limit; (None, None)
-    for a model that reads no images. Such an engine runs in this process (its kind is not
-    the plain generative one), so its processor is at hand."""
+    for a model that reads no images. The processor is the engine's own (in this process) or
+    the core client's (which processes prompts before sending them to the core)."""
     model_config = engine.model_config
     if not is_multimodal_architecture(model_config.architectures):
         return None, None
     limit = (model_config.limit_mm_per_prompt or {}).get("image")
-    return engine.kind.prompts.image_token, limit
+    prompts = getattr(engine, "image_prompts", None) or engine.kind.processor
+    return prompts.image_token, limit
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -241,6 +243,7 @@ def run_server(args: argparse.Namespace) -> int:
     torch.manual_seed(engine_config.model.seed)
     # The engine core runs in its own process (one per DP rank): this process keeps HTTP,
     # tokenization and streaming, and never takes the interpreter lock from the engine loop.
+    fetch_limits()  # a bad TOKENWISE_IMAGE_FETCH_* value fails here, not in a request
     engine = create_engine(engine_config, core_process=True)
     image_token, image_limit = image_settings(engine)
     config = ServerConfig(

@@ -7,8 +7,10 @@ off by default, as in vLLM, since they let a client read the server's disk), a b
 that does not decode, or bytes that are not an image PIL can read.
 
 Sources: `data:image/...;base64,...` URLs (what the openai client sends for a local image),
-and `file://` URLs or plain paths under the allowed directory. http(s) URLs are refused for
-now (a fetch with size and time limits is the next step).
+`file://` URLs or plain paths under the allowed directory, and http(s) URLs, which the chat
+endpoint fetches on the event loop before it prepares the request (`image_fetch.py`,
+`prefetch_chat_images`) and hands over here through a context variable (the preparation is
+synchronous, and the fetched bytes belong to this request's task alone).
 """
 
 from __future__ import annotations
@@ -17,13 +19,17 @@ import base64
 import binascii
 import io
 import os
+from contextvars import ContextVar
 from typing import Any
 from urllib.parse import unquote, urlparse
 
 from tokenwise.entrypoints.openai.errors import OpenAIError
+from tokenwise.entrypoints.openai.image_fetch import fetch_images, is_remote
 from tokenwise.entrypoints.openai.protocol import ImagePart
 
 PARAM = "messages"
+# The bytes of the current request's http(s) image URLs, fetched before it is prepared.
+FETCHED_IMAGES: ContextVar[dict[str, bytes] | None] = ContextVar("fetched_images", default=None)
 
 
 def image_parts(messages: list[Any]) -> list[ImagePart]:
@@ -37,13 +43,8 @@ def image_parts(messages: list[Any]) -> list[ImagePart]:
     ]
 
 
-def load_chat_images(
-    messages: list[Any],
-    supports_images: bool,
-    limit: int | None,
-    allowed_local_media_path: str | None,
-) -> list[Any]:
-    """PIL images of the request's image parts (none: an empty list), checked."""
+def check_image_parts(messages: list[Any], supports_images: bool, limit: int | None) -> list:
+    """The request's image parts, refused if the model reads none or they are too many."""
     parts = image_parts(messages)
     if not parts:
         return []
@@ -62,13 +63,39 @@ def load_chat_images(
             param=PARAM,
             code="too_many_images",
         )
+    return parts
+
+
+async def prefetch_chat_images(
+    messages: list[Any],
+    supports_images: bool,
+    limit: int | None,
+    allowed_media_domains: list[str] | None,
+) -> dict[str, bytes]:
+    """Fetch the request's http(s) image URLs (checked first: no download for a request that
+    is refused anyway); the caller puts the result in `FETCHED_IMAGES`."""
+    parts = check_image_parts(messages, supports_images, limit)
+    return await fetch_images([p.image_url.url for p in parts], allowed_media_domains)
+
+
+def load_chat_images(
+    messages: list[Any],
+    supports_images: bool,
+    limit: int | None,
+    allowed_local_media_path: str | None,
+) -> list[Any]:
+    """PIL images of the request's image parts (none: an empty list), checked."""
+    parts = check_image_parts(messages, supports_images, limit)
+    fetched = FETCHED_IMAGES.get()
     return [
-        decode_image(read_image_bytes(part.image_url.url, allowed_local_media_path), i)
+        decode_image(read_image_bytes(part.image_url.url, allowed_local_media_path, fetched), i)
         for i, part in enumerate(parts)
     ]
 
 
-def read_image_bytes(url: str, allowed_local_media_path: str | None) -> bytes:
+def read_image_bytes(
+    url: str, allowed_local_media_path: str | None, fetched: dict[str, bytes] | None = None
+) -> bytes:
     if url.startswith("data:"):
         header, sep, payload = url.partition(",")
         if not sep or not header.endswith(";base64"):
@@ -82,15 +109,18 @@ def read_image_bytes(url: str, allowed_local_media_path: str | None) -> bytes:
                 400, f"the image's base64 data does not decode: {exc}", param=PARAM
             ) from None
     scheme = urlparse(url).scheme
-    if scheme in ("http", "https"):
+    if is_remote(url):
+        if fetched is None or url not in fetched:  # an endpoint that does not prefetch
+            raise OpenAIError(
+                400, "http(s) image URLs are not fetched by this endpoint", param=PARAM
+            )
+        return fetched[url]
+    if scheme not in ("", "file"):
         raise OpenAIError(
             400,
-            "http(s) image URLs are not fetched by this server; send the image as a "
-            "data:<type>;base64 URL",
+            f"unsupported image URL scheme {scheme!r}: use http(s), data: or a local file",
             param=PARAM,
         )
-    if scheme not in ("", "file"):
-        raise OpenAIError(400, f"unsupported image URL scheme {scheme!r}", param=PARAM)
     return read_local_file(unquote(urlparse(url).path) if scheme else url, allowed_local_media_path)
 
 

@@ -145,6 +145,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "(default: off; data: URLs always work)",
     )
     g.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=None,
+        metavar="HOST",
+        help="fetch chat image_url http(s) URLs only from these hosts (default: any host); "
+        "TOKENWISE_IMAGE_FETCH_TIMEOUT (s, default 5) and TOKENWISE_IMAGE_FETCH_MAX_MB "
+        "(default 20) bound each fetch",
+    )
+    g.add_argument(
         "--lora-modules",
         nargs="+",
         type=parse_lora_module,
@@ -203,4 +212,5 @@ def server_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "ui": not args.disable_ui,
         "responses_store_size": args.responses_store_size,
         "allowed_local_media_path": args.allowed_local_media_path,
+        "allowed_media_domains": args.allowed_media_domains,
     }

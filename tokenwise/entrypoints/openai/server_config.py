@@ -43,6 +43,8 @@ class ServerConfig:
     limit_images_per_prompt: int | None = None
     # Chat images may be local files under this directory (--allowed-local-media-path).
     allowed_local_media_path: str | None = None
+    # Hosts chat image URLs may be fetched from (--allowed-media-domains); None: any host.
+    allowed_media_domains: list[str] | None = None
     # Unknown request fields: False ignores them with a warning, True refuses them (400).
     strict_request_fields: bool = False
     # Splits chat replies' <think> part into reasoning_content (`reasoning`); None: off.

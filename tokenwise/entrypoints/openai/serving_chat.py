@@ -19,7 +19,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tokenwise.entrypoints.openai.chat_images import load_chat_images
+from tokenwise.entrypoints.openai.chat_images import (
+    FETCHED_IMAGES,
+    load_chat_images,
+    prefetch_chat_images,
+)
 from tokenwise.entrypoints.openai.chat_rendering import render_chat
 from tokenwise.entrypoints.openai.errors import OpenAIError
 from tokenwise.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_field
@@ -58,6 +62,22 @@ class ChatServing(OpenAIServing[ChatCompletionRequest, ChatLogprobs]):
     prompt_param = "messages"
     response_cls = ChatCompletionResponse
     chunk_cls = ChatCompletionChunk
+
+    async def create(self, body: ChatCompletionRequest, raw: Any) -> Any:
+        """The common flow, after fetching the request's http(s) images (on the event loop,
+        so a slow image server holds only this request) for `_prepare` to decode."""
+        config = self.config
+        fetched = await prefetch_chat_images(
+            body.messages,
+            config.image_token is not None,
+            config.limit_images_per_prompt,
+            config.allowed_media_domains,
+        )
+        token = FETCHED_IMAGES.set(fetched)
+        try:
+            return await super().create(body, raw)
+        finally:
+            FETCHED_IMAGES.reset(token)
 
     def _prepare(self, body: ChatCompletionRequest) -> tuple[list[PromptInput], SamplingParams]:
         cap = self.config.effective_max_tokens_cap
