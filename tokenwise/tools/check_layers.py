@@ -183,6 +183,7 @@ LAYERS: tuple[Layer, ...] = (
     # Beam search over any engine's one-token steps: `LLM.beam_search` and the server drive it.
     Layer("beam search", ("tokenwise.entrypoints.beam_search",)),
     # The offline `LLM` API: what the benchmarks run.
+    Layer("engine configuration", ("tokenwise.entrypoints.engine_config",)),
     Layer("offline API", ("tokenwise.entrypoints.llm",)),
     # Benchmarks run `LLM`, and the CLI below registers them: they sit between the two.
     Layer("benchmarks", ("tokenwise.benchmarks.*",)),
