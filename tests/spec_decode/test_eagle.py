@@ -284,3 +284,36 @@ def test_tensor_parallel_with_an_eagle_head_is_refused_before_any_worker_starts(
     spec = {"method": "eagle", "model": random_head("eagle"), "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="method 'eagle'.* tensor_parallel_size=2"):
         LLM(target("eagle"), tensor_parallel_size=2, speculative_config=spec)
+
+
+def test_guided_and_lora_requests_with_an_eagle_head() -> None:
+    """A LoRA request and a guided one in the same speculative batches as plain ones: the head
+    proposes for all of them (from the adapted target's hidden states where an adapter is
+    active), verification keeps every output what it is without speculation."""
+    from tests.lora.test_lora_vs_peft import request
+    from tokenwise import GuidedDecodingParams
+
+    path = checkpoint(LLAMA)
+    head = eagle1_head(_dir("eagle-lora"), path, seed=5)
+    prompts = mixed_prompts()[:4]
+    guided = SamplingParams(
+        temperature=0.0, max_tokens=8, guided_decoding=GuidedDecodingParams(regex="(ab|cd)+")
+    )
+    params = [GREEDY, guided, GREEDY, GREEDY]
+    loras = [None, None, request(LLAMA, "all-r8"), None]
+    lora = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
+
+    def run(llm: LLM) -> list[Any]:
+        inputs = [{"prompt_token_ids": p} for p in prompts]
+        return llm.generate(inputs, params, use_tqdm=False, lora_request=loras)
+
+    plain = LLM(path, dtype="float32", num_gpu_blocks=NUM_BLOCKS, seed=0, **lora)
+    ref = run(plain)
+    llm = make_llm(path, "eagle", head, **lora)
+    outs = run(llm)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [
+        list(o.outputs[0].token_ids) for o in ref
+    ]
+    assert outs[1].outputs[0].text == ref[1].outputs[0].text
+    assert llm.llm_engine.get_stats().spec_decode_num_draft_tokens > 0
+    assert_pool_clean(llm.llm_engine)
