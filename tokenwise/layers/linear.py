@@ -254,6 +254,11 @@ class RowParallelLinear(ReplicatedLinear):
         self.full_input_size = input_size
         self.reduce_results = reduce_results
 
+    def source_columns(self) -> tuple[int, int]:
+        """(offset, size) of this rank's columns in the checkpoint's weight (the quantized
+        loaders slice a checkpoint's integers and scales by the same range)."""
+        return self.tp_rank * self.input_size, self.input_size
+
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: object = None
     ) -> None:
@@ -261,8 +266,7 @@ class RowParallelLinear(ReplicatedLinear):
             if shard_id is not None:
                 raise ValueError(f"this parameter is not fused; got shard id {shard_id!r}")
             check_full_shape(loaded_weight, (self.output_size, self.full_input_size))
-            width = self.input_size
-            loaded_weight = loaded_weight.narrow(1, self.tp_rank * width, width)
+            loaded_weight = loaded_weight.narrow(1, *self.source_columns())
         default_weight_loader(param, loaded_weight, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,9 @@ order), and `scheme_for` picks the layer's scheme: the most precise of its parts
 any part is dense (a float tensor, or a type without an exact scheme). A fused layer whose parts
 differ in scheme (Q8_0 q with Q4_0 k) is quantized from its dense weight with the most precise.
 
-Under tensor parallelism each rank holds a slice, which the per-tensor records do not describe:
-there the layers are quantized from their loaded (sliced) dense weights.
+Under tensor parallelism each rank takes its slice of the records (`tp_slice`: rows of the
+column-parallel parts, columns of the row-parallel layers on 32-value block boundaries), the
+file's integers and scales still, not the loaded dense slice rounded again.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import nn
 
 from tokenwise.layers.quantization.gguf_kquants import KQUANTS, kquant_weight
 from tokenwise.layers.quantization.schemes import GGUF_SCHEMES, Scheme
+from tokenwise.layers.quantization.tp_slice import rank_parts
 from tokenwise.layers.quantization.weight_only import QuantizedParts, QuantizedWeight, quantize
 from tokenwise.layers.weight_utils import StackedMapping, checkpoint_names
 
@@ -71,11 +73,14 @@ class GGUFLayerQuantizer:
     def exact(
         self, name: str, module: nn.Module, scheme: Scheme
     ) -> QuantizedWeight | QuantizedParts | None:
-        parts = [self.records.get(part) for part in self._parts(module)]
-        if not parts or any(p is None for p in parts):
+        found = [self.records.get(part) for part in self._parts(module)]
+        if not found or any(p is None for p in found):
             return None
-        if sum(p.shape[0] for p in parts) != module.weight.shape[0]:
-            return None  # a sliced (TP) or padded layer: quantize its own rows
+        parts = rank_parts(name, module, found)  # type: ignore[arg-type]
+        if parts is None:
+            return None  # no exact slice on this rank: quantize its dense slice
+        if (sum(p.shape[0] for p in parts), parts[0].shape[1]) != tuple(module.weight.shape):
+            return None  # a padded layer: quantize its own rows
         if len(parts) == 1:
             return parts[0]
         first = parts[0]

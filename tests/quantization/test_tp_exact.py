@@ -1,0 +1,171 @@
+"""Under tensor parallelism each rank computes with its slice of a quantized checkpoint's own
+integers, scales and offsets (`tp_slice`), not with its dense slice rounded again.
+
+One spawn of two gloo ranks loads five tiny checkpoints: GPTQ (v1, asymmetric), GPTQ with
+act-order, AWQ, a GGUF Q4_0 file with one KV head (replicated on both ranks) and a GGUF K-quant
+file (Q4_K, down_proj in Q6_K: int8 groups of 16). For every quantized layer each rank must
+hold exactly (`torch.equal`) the slice of what one process holds, cut by the head / vocabulary
+layout as `test_tensor_parallel_models.expected_shard` states it independently of the layers;
+its logits must be HF's (fp32, 1e-4) and its greedy tokens HF's and one process's.
+Re-quantizing a slice (what tokenwise did before) gives other scales: these equalities fail.
+
+GPTQ act-order on a row-parallel layer (o_proj, down_proj) has no exact slice (a rank's columns
+lie scattered over all groups): those layers must be what the checkpoint's scheme makes of the
+dense slice, the column-parallel ones still exact slices.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tests.distributed._spawn import run_ranks
+from tests.engine._fixtures import hf_model
+from tests.models.test_tensor_parallel_models import expected_shard
+from tests.quantization import _tp_exact_worker as worker
+from tests.quantization._gguf_files import write_gguf
+from tests.quantization.test_gptq_awq import GROUP, _checkpoints
+from tests.tiny_checkpoints import build_tiny_checkpoint
+from tokenwise.layers.quantization.weight_only import quantize
+
+Q = gguf.GGMLQuantizationType
+TP = worker.TP_SIZE
+ATOL = 1e-4
+FIELDS = ("qweight", "scales", "offsets", "input_perm")
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def _gguf(tmp_path: Path, qtype: Any, types: dict[str, Any] | None = None, **extra: Any) -> str:
+    hf_dir = build_tiny_checkpoint(tmp_path, "LlamaForCausalLM", **extra)
+    return write_gguf(hf_dir, str(tmp_path / f"{qtype.name}.gguf"), qtype, types=types)
+
+
+def _hf_gguf(path: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    directory, name = os.path.split(path)
+    return AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=name, dtype=torch.float32
+    ).eval()
+
+
+@torch.no_grad()
+def _hf_logits_and_greedy(hf: Any) -> tuple[torch.Tensor, list[int]]:
+    seq = worker.prompt_ids()
+    logits = hf(seq[None]).logits[0]
+    tokens: list[int] = []
+    for _ in range(worker.GREEDY_STEPS):
+        tokens.append(int(hf(seq[None]).logits[0, -1].argmax()))
+        seq = torch.cat([seq, torch.tensor(tokens[-1:])])
+    return logits, tokens
+
+
+def _cases(tmp_path: Path) -> dict[str, tuple[str, Any, bool]]:
+    """case -> (checkpoint for tokenwise, HF model of the same weights, act-order)."""
+    cases: dict[str, tuple[str, Any, bool]] = {}
+    for case, method, act_order, fmt in (
+        ("gptq", "gptq", False, "gptq"),
+        ("gptq-act-order", "gptq", True, "gptq_v2"),
+        ("awq", "awq", False, "gptq"),
+    ):
+        (tmp_path / case).mkdir()
+        quantized, reference, _ = _checkpoints(tmp_path / case, method, False, act_order, fmt)
+        cases[case] = (quantized, hf_model(reference), act_order)
+    (tmp_path / "q4_0").mkdir()
+    path = _gguf(tmp_path / "q4_0", Q.Q4_0, num_key_value_heads=1)
+    cases["gguf-q4_0-kv1"] = (path, _hf_gguf(path), False)
+    (tmp_path / "k").mkdir()
+    wide = {"hidden_size": 256, "intermediate_size": 256}
+    path = _gguf(tmp_path / "k", Q.Q4_K, {"ffn_down": Q.Q6_K}, **wide)
+    cases["gguf-q4_k"] = (path, _hf_gguf(path), False)
+    return cases
+
+
+def _per_part(name: str, weight: Any, config: Any) -> dict[str, np.ndarray]:
+    """One process's layer weight as the checkpoint tensors it was made of (a fused layer's
+    rows split into its parts), for `expected_shard`."""
+    if name.endswith("qkv_proj"):
+        head_dim = config.hidden_size // config.num_attention_heads
+        kv = config.num_key_value_heads * head_dim
+        sizes = {"q_proj": config.num_attention_heads * head_dim, "k_proj": kv, "v_proj": kv}
+    elif name.endswith("gate_up_proj"):
+        sizes = dict.fromkeys(("gate_proj", "up_proj"), config.intermediate_size)
+    else:
+        return {f"{name}.weight": weight}
+    start, parts = 0, {}
+    for part, size in sizes.items():
+        fused = name.rpartition(".")[2]
+        parts[f"{name.replace(fused, part)}.weight"] = weight[start : start + size]
+        start += size
+    return parts
+
+
+def _expected(name: str, single: list[Any], config: Any, rank: int) -> list[Any]:
+    """The slice rank `rank` must hold of one process's weight, field by field."""
+    ((qweight, scales, offsets, perm, bits, group),) = single
+    sliced = []
+    for field in (qweight, scales, offsets):
+        if field is None:
+            sliced.append(None)
+            continue
+        parts = {k: torch.from_numpy(v) for k, v in _per_part(name, field, config).items()}
+        shard = expected_shard(f"{name}.weight", parts, config, rank, TP)
+        sliced.append(shard.to(torch.from_numpy(field).dtype).numpy())  # (padding: float zeros)
+    return [(*sliced, perm, bits, group)]
+
+
+def _assert_same(got: list[Any], want: list[Any], where: str) -> None:
+    assert len(got) == len(want), where
+    for got_part, want_part in zip(got, want, strict=True):
+        assert got_part[4:] == want_part[4:], f"{where}: bits / group size"
+        for field, a, b in zip(FIELDS, got_part[:4], want_part[:4], strict=True):
+            assert (a is None) == (b is None), f"{where}: {field} present on one side only"
+            if a is not None:
+                assert a.dtype == b.dtype, f"{where}: {field} dtype {a.dtype} != {b.dtype}"
+                assert np.array_equal(a, b), f"{where}: {field} differs from the slice"
+
+
+def _requantized(name: str, reference: Any, config: Any, rank: int, single: Any) -> list[Any]:
+    """What the checkpoint's scheme makes of rank `rank`'s dense slice of a layer."""
+    dense = dict(reference.named_parameters())[f"{name}.weight"].detach()
+    mine = expected_shard(f"{name}.weight", {f"{name}.weight": dense}, config, rank, TP)
+    symmetric = single[0][2] is None
+    w = quantize(mine, 4, GROUP, symmetric)
+    parts = (w.qweight, w.scales, w.offsets, w.input_perm)
+    return [(*(None if t is None else t.numpy() for t in parts), 4, GROUP)]
+
+
+def test_ranks_hold_their_slice_of_the_checkpoints_integers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TOKENWISE_GGUF_CACHE", str(tmp_path / "tokenizers"))
+    cases = _cases(tmp_path)
+    reports = run_ranks(worker.run_rank, TP, {c: v[0] for c, v in cases.items()}, deadline_s=240.0)
+    for case, (path, hf, act_order) in cases.items():
+        single = worker.load(path, 1)
+        single_packed = worker.packed_layers(single)
+        config = hf.config
+        _, single_tokens = worker.logits_and_greedy(single)
+        hf_logits, hf_tokens = _hf_logits_and_greedy(hf)
+        assert single_tokens == hf_tokens, case
+        for rank in range(TP):
+            report = reports[rank][case]
+            assert report["packed"].keys() == single_packed.keys(), case
+            for name, got in report["packed"].items():
+                where = f"{case} rank {rank} {name}"
+                if act_order and name.endswith(ROW_PARALLEL):
+                    want = _requantized(name, hf, config, rank, single_packed[name])
+                else:
+                    want = _expected(name, single_packed[name], config, rank)
+                _assert_same(got, want, where)
+            if act_order:
+                continue  # its row-parallel layers were rounded again: not HF's weights
+            logits = torch.from_numpy(report["logits"])
+            torch.testing.assert_close(logits, hf_logits, atol=ATOL, rtol=0, msg=case)
+            assert report["tokens"] == hf_tokens == single_tokens, case

@@ -1,0 +1,129 @@
+"""A tensor-parallel rank's slice of a checkpoint's quantized weights: the recorded integers,
+scales and offsets cut exactly as the dense weight loaders cut the dense weight.
+
+Why: a prequantized checkpoint (GPTQ, AWQ, compressed-tensors) or a GGUF file records each
+layer's weight whole. Re-quantizing a rank's dense slice would round it again (round-to-nearest
+with the checkpoint's scheme gives other scales than the checkpoint's, and other integers), so
+a rank computing under TP would differ from one computing alone. Instead each rank takes its
+part of the records, from the layout its layer already knows (`layers.linear`, `embedding`):
+- column-parallel layers (`source_rows`, q/k/v and gate/up): each fused part's rows, the same
+  range the weight loader copies, KV heads replicated past `tp > num_kv_heads` included;
+- row-parallel layers (`source_columns`, o_proj and down_proj): columns, which must begin and
+  end on group boundaries (int4 packs 32 values per 16 bytes, and its groups are multiples of
+  32, so those are byte boundaries too);
+- vocabulary-parallel embeddings and LM heads (`vocab_start` .. `vocab_end`): rows, and the
+  zero padding rows every rank but the last may lack (zero scales and offsets: value 0).
+Where a slice cannot be taken exactly the layer falls back (logged) to quantizing its dense
+slice with the checkpoint's scheme: columns off the group boundaries, or GPTQ act-order
+(`input_perm`) on a row-parallel layer, whose rank's columns lie scattered over every group
+in unequal numbers. (vLLM keeps those exact by giving every rank all the groups' scales and
+its slice of `g_idx`, read per column by its kernels; ours need equal consecutive groups.)
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from tokenwise.layers.quantization.weight_only import QuantizedWeight
+
+logger = logging.getLogger(__name__)
+
+
+def rank_parts(
+    name: str, module: nn.Module, parts: list[QuantizedWeight]
+) -> list[QuantizedWeight] | None:
+    """This rank's slices of a layer's recorded parts (in the fused layer's row order); the
+    parts unchanged on a layer every rank holds whole; None (logged) where no exact slice
+    exists, so the caller quantizes the layer's dense slice instead."""
+    if getattr(module, "tp_size", 1) == 1:
+        return parts
+    if hasattr(module, "source_rows"):  # column-parallel: each part's rows
+        full = list(module.full_output_sizes)
+        if len(parts) == 1 and len(full) > 1 and parts[0].shape[0] == sum(full):
+            starts = [sum(full[:i]) for i in range(len(full))]  # one fused checkpoint tensor
+            parts = [slice_rows(parts[0], s, n) for s, n in zip(starts, full, strict=True)]
+        if [p.shape[0] for p in parts] != full:
+            return _declined(name, f"its parts have {[p.shape[0] for p in parts]} rows, not {full}")
+        return [slice_rows(p, *module.source_rows(i)) for i, p in enumerate(parts)]
+    if hasattr(module, "source_columns"):  # row-parallel: columns
+        start, width = module.source_columns()
+        sliced = []
+        for part in parts:
+            why = _columns_refused(part, start, width)
+            if why is not None:
+                return _declined(name, why)
+            sliced.append(slice_columns(part, start, width))
+        return sliced
+    if hasattr(module, "vocab_start") and len(parts) == 1:  # vocabulary-parallel: rows
+        start, end = module.vocab_start, module.vocab_end
+        mine = slice_rows(parts[0], start, end - start)
+        return [pad_rows(mine, module.weight.shape[0] - (end - start))]
+    return _declined(name, f"{type(module).__name__} has no known tensor-parallel layout")
+
+
+def slice_rows(weight: QuantizedWeight, start: int, size: int) -> QuantizedWeight:
+    """Rows `start .. start + size` (outputs): every row keeps its own groups whole."""
+    rows = slice(start, start + size)
+    offsets = None if weight.offsets is None else weight.offsets[rows].contiguous()
+    return QuantizedWeight(
+        qweight=weight.qweight[rows].contiguous(),
+        scales=weight.scales[rows].contiguous(),
+        offsets=offsets,
+        bits=weight.bits,
+        group_size=weight.group_size,
+        shape=(size, weight.shape[1]),
+        input_perm=weight.input_perm,
+    )
+
+
+def slice_columns(weight: QuantizedWeight, start: int, width: int) -> QuantizedWeight:
+    """Input columns `start .. start + width`, on group boundaries (`_columns_refused`)."""
+    g = weight.group_size
+    groups = slice(start // g, (start + width) // g)
+    per_byte = 2 if weight.bits == 4 else 1  # int4: block-aligned, so bytes in column order
+    stored = slice(start // per_byte, (start + width) // per_byte)
+    offsets = None if weight.offsets is None else weight.offsets[:, groups].contiguous()
+    return QuantizedWeight(
+        qweight=weight.qweight[:, stored].contiguous(),
+        scales=weight.scales[:, groups].contiguous(),
+        offsets=offsets,
+        bits=weight.bits,
+        group_size=g,
+        shape=(weight.shape[0], width),
+    )
+
+
+def pad_rows(weight: QuantizedWeight, count: int) -> QuantizedWeight:
+    """`count` rows of value 0 appended (zero scales and offsets: `q * 0 + 0`, any q)."""
+    if count == 0:
+        return weight
+
+    def grow(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros(count, *t.shape[1:])])
+
+    return QuantizedWeight(
+        qweight=grow(weight.qweight),
+        scales=grow(weight.scales),
+        offsets=None if weight.offsets is None else grow(weight.offsets),
+        bits=weight.bits,
+        group_size=weight.group_size,
+        shape=(weight.shape[0] + count, weight.shape[1]),
+    )
+
+
+def _columns_refused(weight: QuantizedWeight, start: int, width: int) -> str | None:
+    """Why columns `start .. start + width` are no exact slice of `weight`; None if they are."""
+    if weight.input_perm is not None:
+        return "its columns are in act-order (g_idx), so a rank's slice spans every group"
+    g = weight.group_size
+    if start % g or width % g:
+        return f"its slice (columns {start}..{start + width}) is not on its groups of {g}"
+    return None
+
+
+def _declined(name: str, why: str) -> None:
+    logger.info("%s is quantized again from its dense slice on this rank: %s", name, why)
+    return None
