@@ -66,6 +66,7 @@ def rank_parts(
 
 def slice_rows(weight: QuantizedWeight, start: int, size: int) -> QuantizedWeight:
     """Rows `start .. start + size` (outputs): every row keeps its own groups whole."""
+    _check_range("rows", start, size, weight.shape[0])
     rows = slice(start, start + size)
     offsets = None if weight.offsets is None else weight.offsets[rows].contiguous()
     return QuantizedWeight(
@@ -81,6 +82,7 @@ def slice_rows(weight: QuantizedWeight, start: int, size: int) -> QuantizedWeigh
 
 def slice_columns(weight: QuantizedWeight, start: int, width: int) -> QuantizedWeight:
     """Input columns `start .. start + width`, on group boundaries (`_columns_refused`)."""
+    _check_range("columns", start, width, weight.shape[1])
     g = weight.group_size
     groups = slice(start // g, (start + width) // g)
     per_byte = 2 if weight.bits == 4 else 1  # int4: block-aligned, so bytes in column order
@@ -122,6 +124,12 @@ def _columns_refused(weight: QuantizedWeight, start: int, width: int) -> str | N
     if start % g or width % g:
         return f"its slice (columns {start}..{start + width}) is not on its groups of {g}"
     return None
+
+
+def _check_range(what: str, start: int, size: int, total: int) -> None:
+    """A slice past the record's end would hand the kernels a shape its tensors do not have."""
+    if start < 0 or size < 0 or start + size > total:
+        raise ValueError(f"{what} {start}..{start + size} are not within the record's {total}")
 
 
 def _declined(name: str, why: str) -> None:
