@@ -179,40 +179,47 @@ def _layer(**layout: Any) -> Any:
 
 @pytest.mark.parametrize(("bits", "group"), [(4, 32), (4, 64), (8, 16)])
 def test_slices_dequantize_to_the_dense_slices(bits: int, group: int) -> None:
-    """Rows, group-aligned columns (int4: whole 16-byte blocks) and zero padding rows, checked
-    against the dense weight's own slices; parts of other sizes than the layer's are declined."""
-    from tokenwise.layers.quantization.tp_slice import rank_parts, slice_rows
+    """Rows of each fused part (or of one fused checkpoint tensor), group-aligned columns
+    (int4: whole 16-byte blocks) and zero padding rows, checked against the dense weight's own
+    slices; a part of another size than the layer's is declined."""
+    from tokenwise.layers.quantization.tp_slice import rank_part, slice_rows
 
     w = torch.randn(12, 256, generator=torch.Generator().manual_seed(bits + group))
     record = quantize(w, bits, group, symmetric=bits == 8)
     dense = record.dequantize()
     row = _layer(source_columns=lambda: (128, 128))
-    (cols,) = rank_parts("down_proj", row, [record])  # type: ignore[misc]
-    assert torch.equal(cols.dequantize(), dense[:, 128:])
-    column = _layer(source_rows=lambda i: (4 * i, 4), full_output_sizes=[8, 8])
-    first, second = quantize(w[:8], bits, group), quantize(w[4:], bits, group)
-    parts = rank_parts("gate_up_proj", column, [first, second])
-    assert parts is not None
-    assert torch.equal(parts[0].dequantize(), first.dequantize()[:4])
-    assert torch.equal(parts[1].dequantize(), second.dequantize()[4:8])
-    assert rank_parts("gate_up_proj", column, [first, quantize(w[8:], bits, group)]) is None
-    with pytest.raises(ValueError, match="rows 4..8 are not within the record's 4"):
-        slice_rows(quantize(w[8:], bits, group), 4, 4)  # never a shape its tensors lack
+    cols = rank_part("down_proj", row, None, 1, record)
+    assert cols is not None and torch.equal(cols.dequantize(), dense[:, 128:])
+    column = _layer(
+        source_rows=lambda i: (2 * i, 2 + 2 * i), full_output_sizes=[4, 8], shard_index=int
+    )
+    gate, up = quantize(w[:4], bits, group), quantize(w[4:], bits, group)
+    mine = rank_part("gate_up_proj", column, 1, 2, up)
+    assert mine is not None and torch.equal(mine.dequantize(), up.dequantize()[2:6])
+    fused = rank_part("gate_up_proj", column, None, 1, record)  # [gate | up] in one tensor
+    assert fused is not None
+    assert torch.equal(fused.dequantize(), torch.cat([dense[:2], dense[6:10]]))
+    assert rank_part("gate_up_proj", column, 0, 2, up) is None  # 8 rows where gate has 4
     vocab = _layer(vocab_start=9, vocab_end=12, weight=torch.empty(6, 256))
-    (table,) = rank_parts("embed_tokens", vocab, [record])  # type: ignore[misc]
+    table = rank_part("embed_tokens", vocab, None, 1, record)
+    assert table is not None
     assert torch.equal(table.dequantize(), torch.cat([dense[9:], torch.zeros(3, 256)]))
+    with pytest.raises(ValueError, match="rows 4..8 are not within the record's 4"):
+        slice_rows(gate, 4, 4)  # never a shape its tensors lack
 
 
 def test_slices_that_are_not_exact_are_declined_and_logged(caplog: Any) -> None:
     """Act-order columns on a row-parallel layer, and columns off the groups: None (the caller
     quantizes the dense slice), with the layer and the reason in the log."""
-    from tokenwise.layers.quantization.tp_slice import rank_parts
+    from tokenwise.layers.quantization.tp_slice import rank_part
 
     record = quantize(torch.randn(8, 128), 4, 64, symmetric=False)
     permuted = quantize(torch.randn(8, 128), 4, 32, symmetric=False)
     permuted.input_perm = torch.randperm(128)
     with caplog.at_level("INFO"):
-        assert rank_parts("l0.o_proj", _layer(source_columns=lambda: (64, 64)), [permuted]) is None
-        assert rank_parts("l1.o_proj", _layer(source_columns=lambda: (32, 32)), [record]) is None
+        half = _layer(source_columns=lambda: (64, 64))
+        assert rank_part("l0.o_proj", half, None, 1, permuted) is None
+        quarter = _layer(source_columns=lambda: (32, 32))
+        assert rank_part("l1.o_proj", quarter, None, 1, record) is None
     assert "l0.o_proj" in caplog.text and "act-order" in caplog.text
     assert "l1.o_proj" in caplog.text and "columns 32..64" in caplog.text

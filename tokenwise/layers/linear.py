@@ -116,6 +116,10 @@ class MergedColumnParallelLinear(ReplicatedLinear):
             )
         return sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id]
 
+    def shard_index(self, shard_id: object) -> int:
+        """The position in `output_sizes` of a checkpoint shard id (`load_weights`' ids)."""
+        return shard_id  # type: ignore[return-value]
+
     def source_rows(self, shard_id: int) -> tuple[int, int]:
         """(offset, size) of this rank's rows in the checkpoint tensor of shard `shard_id`."""
         size = self.output_sizes[shard_id]
@@ -215,12 +219,15 @@ class QKVParallelLinear(MergedColumnParallelLinear):
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: object = None
     ) -> None:
-        index = shard_id
-        if shard_id is not None and not isinstance(shard_id, int):
-            if shard_id not in self._SHARDS:
-                raise ValueError(f"QKV shard id must be 'q', 'k' or 'v', got {shard_id!r}")
-            index = self._SHARDS[shard_id]  # type: ignore[index]
+        index = None if shard_id is None else self.shard_index(shard_id)
         super().weight_loader(param, loaded_weight, index)
+
+    def shard_index(self, shard_id: object) -> int:
+        if isinstance(shard_id, int):
+            return shard_id
+        if shard_id not in self._SHARDS:
+            raise ValueError(f"QKV shard id must be 'q', 'k' or 'v', got {shard_id!r}")
+        return self._SHARDS[shard_id]  # type: ignore[index]
 
     def extra_repr(self) -> str:
         return (

@@ -24,7 +24,7 @@ from torch import nn
 
 from tokenwise.layers.quantization.gguf_kquants import KQUANTS, kquant_weight
 from tokenwise.layers.quantization.schemes import GGUF_SCHEMES, Scheme
-from tokenwise.layers.quantization.tp_slice import rank_parts
+from tokenwise.layers.quantization.tp_slice import RankSlices
 from tokenwise.layers.quantization.weight_only import QuantizedParts, QuantizedWeight, quantize
 from tokenwise.layers.weight_utils import StackedMapping, checkpoint_names
 
@@ -43,6 +43,7 @@ class GGUFLayerQuantizer:
         self.keep_exact = keep_exact
         self.types: dict[str, str] = {}
         self.records: dict[str, QuantizedWeight] = {}
+        self.slices = RankSlices(model, self.mapping)
 
     def observe(self, hf_name: str, values: torch.Tensor, type_name: str, raw: np.ndarray) -> None:
         self.types[hf_name] = type_name
@@ -50,11 +51,14 @@ class GGUFLayerQuantizer:
         if not self.keep_exact or scheme is None or values.dim() != 2:
             return
         if type_name in KQUANTS:
-            self.records[hf_name] = kquant_weight(values, raw, type_name)
+            record = kquant_weight(values, raw, type_name)
         elif values.shape[1] % scheme.group_size == 0:
-            self.records[hf_name] = quantize(
-                values, scheme.bits, scheme.group_size, scheme.symmetric
-            )
+            record = quantize(values, scheme.bits, scheme.group_size, scheme.symmetric)
+        else:
+            return
+        mine = self.slices.take(hf_name, record)  # this rank's slice (`tp_slice`)
+        if mine is not None:
+            self.records[hf_name] = mine
 
     def _parts(self, module: nn.Module) -> list[str]:
         """The checkpoint names of a layer's weight, in the fused layer's row order."""
@@ -73,12 +77,9 @@ class GGUFLayerQuantizer:
     def exact(
         self, name: str, module: nn.Module, scheme: Scheme
     ) -> QuantizedWeight | QuantizedParts | None:
-        found = [self.records.get(part) for part in self._parts(module)]
-        if not found or any(p is None for p in found):
-            return None
-        parts = rank_parts(name, module, found)  # type: ignore[arg-type]
-        if parts is None:
-            return None  # no exact slice on this rank: quantize its dense slice
+        parts = [self.records.get(part) for part in self._parts(module)]
+        if not parts or any(p is None for p in parts):
+            return None  # a dense part, or no exact slice on this rank: quantize the layer
         if (sum(p.shape[0] for p in parts), parts[0].shape[1]) != tuple(module.weight.shape):
             return None  # a padded layer: quantize its own rows
         if len(parts) == 1:

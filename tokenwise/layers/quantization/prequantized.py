@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from tokenwise.layers.quantization.schemes import Scheme
-from tokenwise.layers.quantization.tp_slice import rank_parts
+from tokenwise.layers.quantization.tp_slice import RankSlices
 from tokenwise.layers.quantization.weight_only import QuantizedWeight, group_multiple, pack_int4
 from tokenwise.layers.weight_utils import (
     CheckpointTensor,
@@ -177,6 +177,7 @@ class PrequantizedCheckpoint:
         self.keep_exact = keep_exact
         self.dropped = dropped
         self.records: dict[str, QuantizedWeight] = {}
+        self.slices = RankSlices(model, self.mapping)
         # Each recorded tensor's scheme (what a layer without an exact record is quantized with).
         self.schemes: dict[str, _Kind] = {}
 
@@ -219,8 +220,9 @@ class PrequantizedCheckpoint:
             self.schemes[f"{layer}.weight"] = _Kind(
                 record.bits, record.offsets is None, record.group_size, record.input_perm
             )
-            if self.keep_exact:
-                self.records[f"{layer}.weight"] = record
+            mine = self.slices.take(f"{layer}.weight", record) if self.keep_exact else None
+            if mine is not None:
+                self.records[f"{layer}.weight"] = mine  # this rank's slice (`tp_slice`)
         return converted.dense
 
     def _names(self, module: nn.Module) -> list[str]:
@@ -246,14 +248,11 @@ class PrequantizedCheckpoint:
         return Scheme(first.bits, symmetric, first.group_size)
 
     def exact(self, name: str, module: nn.Module, scheme: Scheme) -> QuantizedWeight | None:
-        """The layer's recorded weight (this rank's slice of it under TP, `tp_slice`), its parts
-        concatenated; None where there is no record, no exact slice, or the layer holds another
-        shape than that."""
+        """The layer's recorded weight (under TP this rank's slice of it), its parts concatenated;
+        None where a part has no record (no exact slice) or the layer holds another shape."""
         found = [self.records.get(part) for part in self._names(module)]
-        if not found or any(p is None for p in found):
-            return None
-        parts = rank_parts(name, module, found)  # type: ignore[arg-type]
-        if parts is None:
+        parts = [p for p in found if p is not None]
+        if not parts or len(parts) != len(found):
             return None
         rows = sum(p.shape[0] for p in parts)
         if (rows, parts[0].shape[1]) != tuple(module.weight.shape):

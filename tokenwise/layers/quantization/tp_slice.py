@@ -13,7 +13,8 @@ part of the records, from the layout its layer already knows (`layers.linear`, `
   32, so those are byte boundaries too);
 - vocabulary-parallel embeddings and LM heads (`vocab_start` .. `vocab_end`): rows, and the
   zero padding rows every rank but the last may lack (zero scales and offsets: value 0).
-Where a slice cannot be taken exactly the layer falls back (logged) to quantizing its dense
+Records are cut as they are read (`RankSlices`), so a rank never holds more of them than its
+slice. Where a slice cannot be taken exactly the layer falls back (logged) to quantizing its dense
 slice with the checkpoint's scheme: columns off the group boundaries, or GPTQ act-order
 (`input_perm`) on a row-parallel layer, whose rank's columns lie scattered over every group
 in unequal numbers. (vLLM keeps those exact by giving every rank all the groups' scales and
@@ -28,39 +29,65 @@ import torch
 from torch import nn
 
 from tokenwise.layers.quantization.weight_only import QuantizedWeight
+from tokenwise.layers.weight_utils import StackedMapping, checkpoint_names
 
 logger = logging.getLogger(__name__)
 
 
-def rank_parts(
-    name: str, module: nn.Module, parts: list[QuantizedWeight]
-) -> list[QuantizedWeight] | None:
-    """This rank's slices of a layer's recorded parts (in the fused layer's row order); the
-    parts unchanged on a layer every rank holds whole; None (logged) where no exact slice
-    exists, so the caller quantizes the layer's dense slice instead."""
+class RankSlices:
+    """Which layer, and which of its fused parts, each checkpoint weight loads into: so that a
+    record is cut to this rank's slice as soon as it is read, and no rank keeps the whole
+    model's records (one process: every record whole)."""
+
+    def __init__(self, model: nn.Module, mapping: StackedMapping) -> None:
+        names = {id(p): name for name, p in model.named_parameters()}
+        # checkpoint name -> (layer name, layer, its shard id, how many checkpoint tensors)
+        self.owners: dict[str, tuple[str, nn.Module, object, int]] = {}
+        for name, module in model.named_modules():
+            weight = module._parameters.get("weight")
+            if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+                continue
+            parts = checkpoint_names(names[id(weight)], mapping)
+            for shard, part in parts.items():
+                self.owners.setdefault(part, (name, module, shard, len(parts)))
+
+    def take(self, checkpoint_name: str, record: QuantizedWeight) -> QuantizedWeight | None:
+        """This rank's slice of the record of `checkpoint_name`; None (logged) where there is
+        no exact one, so that its layer is quantized from its dense slice instead."""
+        owner = self.owners.get(checkpoint_name)
+        if owner is None:
+            return record  # no layer weight (the loader refuses it, or it stays unused)
+        return rank_part(*owner, record)
+
+
+def rank_part(
+    name: str, module: nn.Module, shard: object, count: int, part: QuantizedWeight
+) -> QuantizedWeight | None:
+    """This rank's slice of one recorded checkpoint tensor of layer `module` (`shard`: its
+    shard id in the model's `load_weights`, None for an unfused one; `count`: how many
+    checkpoint tensors the layer's weight has); None (logged) where no exact slice exists."""
     if getattr(module, "tp_size", 1) == 1:
-        return parts
-    if hasattr(module, "source_rows"):  # column-parallel: each part's rows
+        return part
+    if hasattr(module, "source_rows"):  # column-parallel: the part's rows
         full = list(module.full_output_sizes)
-        if len(parts) == 1 and len(full) > 1 and parts[0].shape[0] == sum(full):
-            starts = [sum(full[:i]) for i in range(len(full))]  # one fused checkpoint tensor
-            parts = [slice_rows(parts[0], s, n) for s, n in zip(starts, full, strict=True)]
-        if [p.shape[0] for p in parts] != full:
-            return _declined(name, f"its parts have {[p.shape[0] for p in parts]} rows, not {full}")
-        return [slice_rows(p, *module.source_rows(i)) for i, p in enumerate(parts)]
+        if count == 1 and len(full) > 1:  # one fused checkpoint tensor: its parts in order
+            if part.shape[0] != sum(full):
+                return _declined(name, f"it has {part.shape[0]} rows, not {sum(full)}")
+            starts = [sum(full[:i]) for i in range(len(full))]
+            pieces = [slice_rows(part, s, n) for s, n in zip(starts, full, strict=True)]
+            return _cat_rows([slice_rows(p, *module.source_rows(i)) for i, p in enumerate(pieces)])
+        index = 0 if shard is None else module.shard_index(shard)
+        if part.shape[0] != full[index]:
+            return _declined(name, f"part {shard} has {part.shape[0]} rows, not {full[index]}")
+        return slice_rows(part, *module.source_rows(index))
     if hasattr(module, "source_columns"):  # row-parallel: columns
         start, width = module.source_columns()
-        sliced = []
-        for part in parts:
-            why = _columns_refused(part, start, width)
-            if why is not None:
-                return _declined(name, why)
-            sliced.append(slice_columns(part, start, width))
-        return sliced
-    if hasattr(module, "vocab_start") and len(parts) == 1:  # vocabulary-parallel: rows
+        why = _columns_refused(part, start, width)
+        return _declined(name, why) if why is not None else slice_columns(part, start, width)
+    if hasattr(module, "vocab_start"):  # vocabulary-parallel: rows, and zero padding rows
         start, end = module.vocab_start, module.vocab_end
-        mine = slice_rows(parts[0], start, end - start)
-        return [pad_rows(mine, module.weight.shape[0] - (end - start))]
+        mine = slice_rows(part, start, end - start)
+        return pad_rows(mine, module.weight.shape[0] - (end - start))
     return _declined(name, f"{type(module).__name__} has no known tensor-parallel layout")
 
 
@@ -113,6 +140,21 @@ def pad_rows(weight: QuantizedWeight, count: int) -> QuantizedWeight:
         bits=weight.bits,
         group_size=weight.group_size,
         shape=(weight.shape[0] + count, weight.shape[1]),
+    )
+
+
+def _cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Slices of one record stacked again (same format: one checkpoint tensor's)."""
+    first = parts[0]
+    offsets = None if first.offsets is None else torch.cat([p.offsets for p in parts])
+    return QuantizedWeight(
+        qweight=torch.cat([p.qweight for p in parts]),
+        scales=torch.cat([p.scales for p in parts]),
+        offsets=offsets,
+        bits=first.bits,
+        group_size=first.group_size,
+        shape=(sum(p.shape[0] for p in parts), first.shape[1]),
+        input_perm=first.input_perm,
     )
 
 
