@@ -200,6 +200,10 @@ def test_slices_dequantize_to_the_dense_slices(bits: int, group: int) -> None:
     assert fused is not None
     assert torch.equal(fused.dequantize(), torch.cat([dense[:2], dense[6:10]]))
     assert rank_part("gate_up_proj", column, 0, 2, up) is None  # 8 rows where gate has 4
+    channelwise = quantize(w, bits, 256, symmetric=bits == 8)  # GPTQ's group_size=-1
+    cols = rank_part("down_proj", row, None, 1, channelwise)
+    assert cols is not None and cols.group_size == 128
+    assert torch.equal(cols.dequantize(), channelwise.dequantize()[:, 128:])
     vocab = _layer(vocab_start=9, vocab_end=12, weight=torch.empty(6, 256))
     table = rank_part("embed_tokens", vocab, None, 1, record)
     assert table is not None

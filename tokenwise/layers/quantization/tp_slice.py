@@ -10,7 +10,8 @@ part of the records, from the layout its layer already knows (`layers.linear`, `
   range the weight loader copies, KV heads replicated past `tp > num_kv_heads` included;
 - row-parallel layers (`source_columns`, o_proj and down_proj): columns, which must begin and
   end on group boundaries (int4 packs 32 values per 16 bytes, and its groups are multiples of
-  32, so those are byte boundaries too);
+  32, so those are byte boundaries too); a channelwise record (one group per row,
+  `group_size=-1`) gives each rank one group of its own width, with the row's scale;
 - vocabulary-parallel embeddings and LM heads (`vocab_start` .. `vocab_end`): rows, and the
   zero padding rows every rank but the last may lack (zero scales and offsets: value 0).
 Records are cut as they are read (`RankSlices`), so a rank never holds more of them than its
@@ -28,7 +29,7 @@ import logging
 import torch
 from torch import nn
 
-from tokenwise.layers.quantization.weight_only import QuantizedWeight
+from tokenwise.layers.quantization.weight_only import QuantizedWeight, group_multiple
 from tokenwise.layers.weight_utils import StackedMapping, checkpoint_names
 
 logger = logging.getLogger(__name__)
@@ -111,7 +112,8 @@ def slice_columns(weight: QuantizedWeight, start: int, width: int) -> QuantizedW
     """Input columns `start .. start + width`, on group boundaries (`_columns_refused`)."""
     _check_range("columns", start, width, weight.shape[1])
     g = weight.group_size
-    groups = slice(start // g, (start + width) // g)
+    channelwise = g == weight.shape[1]  # one group per row: every slice keeps its scale
+    groups = slice(0, 1) if channelwise else slice(start // g, (start + width) // g)
     per_byte = 2 if weight.bits == 4 else 1  # int4: block-aligned, so bytes in column order
     stored = slice(start // per_byte, (start + width) // per_byte)
     offsets = None if weight.offsets is None else weight.offsets[:, groups].contiguous()
@@ -120,7 +122,7 @@ def slice_columns(weight: QuantizedWeight, start: int, width: int) -> QuantizedW
         scales=weight.scales[:, groups].contiguous(),
         offsets=offsets,
         bits=weight.bits,
-        group_size=g,
+        group_size=width if channelwise else g,
         shape=(weight.shape[0], width),
     )
 
@@ -163,6 +165,11 @@ def _columns_refused(weight: QuantizedWeight, start: int, width: int) -> str | N
     if weight.input_perm is not None:
         return "its columns are in act-order (g_idx), so a rank's slice spans every group"
     g = weight.group_size
+    if g == weight.shape[1]:  # channelwise: the slice is one group of its own width
+        multiple = group_multiple(weight.bits)
+        if start % multiple or width % multiple:
+            return f"its slice (columns {start}..{start + width}) is not in blocks of {multiple}"
+        return None
     if start % g or width % g:
         return f"its slice (columns {start}..{start + width}) is not on its groups of {g}"
     return None
