@@ -13,7 +13,7 @@ part of the records, from the layout its layer already knows (`layers.linear`, `
   32, so those are byte boundaries too); a channelwise record (one group per row,
   `group_size=-1`) gives each rank one group of its own width, with the row's scale;
 - vocabulary-parallel embeddings and LM heads (`vocab_start` .. `vocab_end`): rows, and the
-  zero padding rows every rank but the last may lack (zero scales and offsets: value 0).
+  zero padding rows the last rank(s) hold past the vocabulary (zero scales and offsets: 0).
 Records are cut as they are read (`RankSlices`), so a rank never holds more of them than its
 slice. Where a slice cannot be taken exactly the layer falls back (logged) to quantizing its dense
 slice with the checkpoint's scheme: columns off the group boundaries, or GPTQ act-order
