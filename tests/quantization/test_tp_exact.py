@@ -3,7 +3,8 @@ integers, scales and offsets (`tp_slice`), not with its dense slice rounded agai
 
 One spawn of two gloo ranks loads five tiny checkpoints: GPTQ (v1, asymmetric), GPTQ with
 act-order, AWQ, a GGUF Q4_0 file with one KV head (replicated on both ranks) and a GGUF K-quant
-file (Q4_K, down_proj in Q6_K: int8 groups of 16). For every quantized layer each rank must
+file as Q4_K_M mixes it (Q4_K; v and down_proj in Q6_K, int8 groups of 16: q/k/v then keeps
+one weight per part). For every quantized layer each rank must
 hold exactly (`torch.equal`) the slice of what one process holds, cut by the head / vocabulary
 layout as `test_tensor_parallel_models.expected_shard` states it independently of the layers;
 its logits must be HF's (fp32, 1e-4) and its greedy tokens HF's and one process's.
@@ -82,7 +83,7 @@ def _cases(tmp_path: Path) -> dict[str, tuple[str, Any, bool]]:
     cases["gguf-q4_0-kv1"] = (path, _hf_gguf(path), False)
     (tmp_path / "k").mkdir()
     wide = {"hidden_size": 256, "intermediate_size": 256}
-    path = _gguf(tmp_path / "k", Q.Q4_K, {"ffn_down": Q.Q6_K}, **wide)
+    path = _gguf(tmp_path / "k", Q.Q4_K, {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K}, **wide)
     cases["gguf-q4_k"] = (path, _hf_gguf(path), False)
     return cases
 
@@ -108,6 +109,8 @@ def _per_part(name: str, weight: Any, config: Any) -> dict[str, np.ndarray]:
 
 def _expected(name: str, single: list[Any], config: Any, rank: int) -> list[Any]:
     """The slice rank `rank` must hold of one process's weight, field by field."""
+    if len(single) > 1:
+        return _expected_parts(name, single, config, rank)
     ((qweight, scales, offsets, perm, bits, group),) = single
     sliced = []
     for field in (qweight, scales, offsets):
@@ -118,6 +121,21 @@ def _expected(name: str, single: list[Any], config: Any, rank: int) -> list[Any]
         shard = expected_shard(f"{name}.weight", parts, config, rank, TP)
         sliced.append(shard.to(torch.from_numpy(field).dtype).numpy())  # (padding: float zeros)
     return [(*sliced, perm, bits, group)]
+
+
+def _expected_parts(name: str, single: list[Any], config: Any, rank: int) -> list[Any]:
+    """A fused layer whose parts differ in format (q, k in Q4_K, v in Q6_K): `expected_shard`
+    applied to the rows' numbers says which rows of each part the rank holds."""
+    numbers = torch.arange(sum(p[0].shape[0] for p in single), dtype=torch.float64)[:, None]
+    rows = expected_shard(f"{name}.weight", _per_part(name, numbers, config), config, rank, TP)
+    rows = rows[:, 0].long()
+    out, start = [], 0
+    for part in single:
+        end = start + part[0].shape[0]
+        mine = (rows[(rows >= start) & (rows < end)] - start).numpy()
+        out.append(tuple(None if t is None else t[mine] for t in part[:3]) + part[3:])
+        start = end
+    return out
 
 
 def _assert_same(got: list[Any], want: list[Any], where: str) -> None:
@@ -150,6 +168,8 @@ def test_ranks_hold_their_slice_of_the_checkpoints_integers(
     for case, (path, hf, act_order) in cases.items():
         single = worker.load(path, 1)
         single_packed = worker.packed_layers(single)
+        if case == "gguf-q4_k":  # q, k in Q4_K beside v in Q6_K: one weight per part
+            assert len(single_packed["model.layers.0.self_attn.qkv_proj"]) == 3
         config = hf.config
         _, single_tokens = worker.logits_and_greedy(single)
         hf_logits, hf_tokens = _hf_logits_and_greedy(hf)
