@@ -2,7 +2,8 @@
 integers, scales and offsets (`tp_slice`), not with its dense slice rounded again.
 
 One spawn of two gloo ranks loads five tiny checkpoints: GPTQ (v1, asymmetric), GPTQ with
-act-order, AWQ, a GGUF Q4_0 file with one KV head (replicated on both ranks) and a GGUF K-quant
+act-order, AWQ, compressed-tensors int8 per channel (one group per row, where the package is
+installed), a GGUF Q4_0 file with one KV head (replicated on both ranks) and a GGUF K-quant
 file as Q4_K_M mixes it (Q4_K; v and down_proj in Q6_K, int8 groups of 16: q/k/v then keeps
 one weight per part). For every quantized layer each rank must
 hold exactly (`torch.equal`) the slice of what one process holds, cut by the head / vocabulary
@@ -17,6 +18,7 @@ dense slice, the column-parallel ones still exact slices.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any
@@ -78,6 +80,12 @@ def _cases(tmp_path: Path) -> dict[str, tuple[str, Any, bool]]:
         (tmp_path / case).mkdir()
         quantized, reference, _ = _checkpoints(tmp_path / case, method, False, act_order, fmt)
         cases[case] = (quantized, hf_model(reference), act_order)
+    if importlib.util.find_spec("compressed_tensors") is not None:
+        from tests.quantization import test_compressed_tensors as ct
+
+        (tmp_path / "ct").mkdir()  # int8 per output channel: one group per row
+        quantized, reference = ct._checkpoints(tmp_path / "ct", "w8a16-channel")
+        cases["compressed-tensors-channel"] = (quantized, hf_model(reference), False)
     (tmp_path / "q4_0").mkdir()
     path = _gguf(tmp_path / "q4_0", Q.Q4_0, num_key_value_heads=1)
     cases["gguf-q4_0-kv1"] = (path, _hf_gguf(path), False)
@@ -112,6 +120,10 @@ def _expected(name: str, single: list[Any], config: Any, rank: int) -> list[Any]
     if len(single) > 1:
         return _expected_parts(name, single, config, rank)
     ((qweight, scales, offsets, perm, bits, group),) = single
+    if name.endswith(ROW_PARALLEL) and scales.shape[1] == 1:  # channelwise: every rank's
+        width = qweight.shape[1] // TP  # columns are one group with the row's scale
+        cols = slice(rank * width, (rank + 1) * width)
+        return [(qweight[:, cols], scales, offsets, perm, bits, group // TP)]
     sliced = []
     for field in (qweight, scales, offsets):
         if field is None:
