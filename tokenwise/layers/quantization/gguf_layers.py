@@ -12,7 +12,7 @@ any part is dense (a float tensor, or a type without an exact scheme). A fused l
 differ in scheme (Q8_0 q with Q4_0 k) is quantized from its dense weight with the most precise.
 
 Under tensor parallelism each rank takes its slice of the records (`tp_slice`: rows of the
-column-parallel parts, columns of the row-parallel layers on 32-value block boundaries), the
+column-parallel parts, columns of the row-parallel layers on their groups' boundaries), the
 file's integers and scales still, not the loaded dense slice rounded again.
 """
 
