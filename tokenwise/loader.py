@@ -147,6 +147,7 @@ def load_model(config: EngineConfig, device: str | torch.device = "cpu") -> nn.M
     model_cls = resolve_model_class(model_config.architectures)
     gguf_layers: GGUFLayerQuantizer | None = None
     prequantized: PrequantizedCheckpoint | None = None
+    on_cpu = torch.device(device).type == "cpu"
     with _build_in(model_config.dtype, torch.device(device)):
         model = model_cls(config)
     if model_config.load_format == "dummy":
@@ -158,14 +159,16 @@ def load_model(config: EngineConfig, device: str | torch.device = "cpu") -> nn.M
         weights = iterate_safetensors(files, lazy=lazy)
         if model_config.quantization in PREQUANTIZED:
             # The format's tensors become dense weights here; their integers are kept aside.
-            prequantized = _prequantized_reader(model, model_config, keep_exact=not lazy)
+            # Quantized layers' tensors are read whole; under TP each rank then keeps its slice
+            # of their integers (`tp_slice`). Only CPU layers compute with them (`_quantize`).
+            prequantized = _prequantized_reader(model, model_config, keep_exact=on_cpu)
             weights = prequantized.wrap(weights, safetensors_names(files))
         loaded = model.load_weights(weights)
         _check_complete(model, loaded)
     elif model_config.load_format == "gguf":
         # Dequantized on load, then (on CPU) quantized again with the file's bit widths.
         expected = _expected_checkpoint_names(model)
-        gguf_layers = GGUFLayerQuantizer(model, keep_exact=get_tp_size() == 1)
+        gguf_layers = GGUFLayerQuantizer(model, keep_exact=on_cpu)
         weights = iterate_gguf(
             model_config.model, expected, model_config.dtype, gguf_layers.observe
         )

@@ -116,6 +116,10 @@ class MergedColumnParallelLinear(ReplicatedLinear):
             )
         return sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id]
 
+    def shard_index(self, shard_id: object) -> int:
+        """The position in `output_sizes` of a checkpoint shard id (`load_weights`' ids)."""
+        return shard_id  # type: ignore[return-value]
+
     def source_rows(self, shard_id: int) -> tuple[int, int]:
         """(offset, size) of this rank's rows in the checkpoint tensor of shard `shard_id`."""
         size = self.output_sizes[shard_id]
@@ -215,12 +219,15 @@ class QKVParallelLinear(MergedColumnParallelLinear):
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: object = None
     ) -> None:
-        index = shard_id
-        if shard_id is not None and not isinstance(shard_id, int):
-            if shard_id not in self._SHARDS:
-                raise ValueError(f"QKV shard id must be 'q', 'k' or 'v', got {shard_id!r}")
-            index = self._SHARDS[shard_id]  # type: ignore[index]
+        index = None if shard_id is None else self.shard_index(shard_id)
         super().weight_loader(param, loaded_weight, index)
+
+    def shard_index(self, shard_id: object) -> int:
+        if isinstance(shard_id, int):
+            return shard_id
+        if shard_id not in self._SHARDS:
+            raise ValueError(f"QKV shard id must be 'q', 'k' or 'v', got {shard_id!r}")
+        return self._SHARDS[shard_id]  # type: ignore[index]
 
     def extra_repr(self) -> str:
         return (
@@ -254,6 +261,11 @@ class RowParallelLinear(ReplicatedLinear):
         self.full_input_size = input_size
         self.reduce_results = reduce_results
 
+    def source_columns(self) -> tuple[int, int]:
+        """(offset, size) of this rank's columns in the checkpoint's weight (the quantized
+        loaders slice a checkpoint's integers and scales by the same range)."""
+        return self.tp_rank * self.input_size, self.input_size
+
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: object = None
     ) -> None:
@@ -261,8 +273,7 @@ class RowParallelLinear(ReplicatedLinear):
             if shard_id is not None:
                 raise ValueError(f"this parameter is not fused; got shard id {shard_id!r}")
             check_full_shape(loaded_weight, (self.output_size, self.full_input_size))
-            width = self.input_size
-            loaded_weight = loaded_weight.narrow(1, self.tp_rank * width, width)
+            loaded_weight = loaded_weight.narrow(1, *self.source_columns())
         default_weight_loader(param, loaded_weight, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

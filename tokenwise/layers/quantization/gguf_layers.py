@@ -16,10 +16,11 @@ the loader yields them expert by expert (`gguf.weights`), so each expert's gate,
 tensors are recorded like any other, and each expert's `w13` is its gate and up records joined
 (as q, k, v are), `w2` its down record: a `QuantizedExperts` holding the file's integers, run by
 `FusedMoE` one expert at a time as int8 / int4 experts are. An expert of a dense or unrecorded
-type leaves the layer's experts dense.
+type leaves the layer's experts dense (as do experts sliced under tensor parallelism).
 
-Under tensor parallelism each rank holds a slice, which the per-tensor records do not describe:
-there the layers are quantized from their loaded (sliced) dense weights.
+Under tensor parallelism each rank takes its slice of the records (`tp_slice`: rows of the
+column-parallel parts, columns of the row-parallel layers on their groups' boundaries), the
+file's integers and scales still, not the loaded dense slice rounded again.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch import nn
 
 from tokenwise.layers.quantization.gguf_kquants import KQUANTS, kquant_weight
 from tokenwise.layers.quantization.schemes import GGUF_SCHEMES, Scheme
+from tokenwise.layers.quantization.tp_slice import RankSlices
 from tokenwise.layers.quantization.weight_only import (
     QuantizedExperts,
     QuantizedParts,
@@ -53,6 +55,7 @@ class GGUFLayerQuantizer:
         self.keep_exact = keep_exact
         self.types: dict[str, str] = {}
         self.records: dict[str, QuantizedWeight] = {}
+        self.slices = RankSlices(model, self.mapping)
 
     def observe(self, hf_name: str, values: torch.Tensor, type_name: str, raw: np.ndarray) -> None:
         self.types[hf_name] = type_name
@@ -60,11 +63,14 @@ class GGUFLayerQuantizer:
         if not self.keep_exact or scheme is None or values.dim() != 2:
             return
         if type_name in KQUANTS:
-            self.records[hf_name] = kquant_weight(values, raw, type_name)
+            record = kquant_weight(values, raw, type_name)
         elif values.shape[1] % scheme.group_size == 0:
-            self.records[hf_name] = quantize(
-                values, scheme.bits, scheme.group_size, scheme.symmetric
-            )
+            record = quantize(values, scheme.bits, scheme.group_size, scheme.symmetric)
+        else:
+            return
+        mine = self.slices.take(hf_name, record)  # this rank's slice (`tp_slice`)
+        if mine is not None:
+            self.records[hf_name] = mine
 
     def quantize_experts(self, model: nn.Module) -> int:
         """Give every MoE layer whose experts are all recorded its file's integers; returns
@@ -106,9 +112,9 @@ class GGUFLayerQuantizer:
     ) -> QuantizedWeight | QuantizedParts | None:
         parts = [self.records.get(part) for part in self._parts(module)]
         if not parts or any(p is None for p in parts):
-            return None
-        if sum(p.shape[0] for p in parts) != module.weight.shape[0]:
-            return None  # a sliced (TP) or padded layer: quantize its own rows
+            return None  # a dense part, or no exact slice on this rank: quantize the layer
+        if (sum(p.shape[0] for p in parts), parts[0].shape[1]) != tuple(module.weight.shape):
+            return None  # a padded layer: quantize its own rows
         return _joined(parts)  # type: ignore[arg-type]
 
 

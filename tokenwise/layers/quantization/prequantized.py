@@ -9,9 +9,10 @@ layer's format tensors (`q_proj.qweight`, `q_proj.qzeros`, ...), hands the forma
 layer's integers and scales as a `QuantizedWeight` under that name. After loading,
 `quantize_model(model, scheme_for, exact)` puts each layer's recorded weight (a fused layer's
 parts concatenated in row order) in place of the dense one, so the layers compute with the
-checkpoint's own integers, never with re-rounded ones. Under tensor parallelism each rank holds
-a slice the records do not describe: there `exact` declines and the layers are quantized from
-their sliced dense weights with the checkpoint's scheme (the GGUF loader does the same).
+checkpoint's own integers, never with re-rounded ones. Under tensor parallelism each rank
+takes its slice of the records, cut as its layer's weight loader cuts the dense weight
+(`tp_slice`); only where no exact slice exists (GPTQ act-order on a row-parallel layer, columns
+off the group boundaries) is a layer quantized from its dense slice with the checkpoint's scheme.
 
 Exactness: every format dequantizes as `w = (q - z) * s` per group. The record keeps `q` and
 `s`, and the offset `o = -z * s`; `q * s + o` equals `(q - z) * s` in float32 for float16 (and
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from tokenwise.layers.quantization.schemes import Scheme
+from tokenwise.layers.quantization.tp_slice import RankSlices
 from tokenwise.layers.quantization.weight_only import QuantizedWeight, group_multiple, pack_int4
 from tokenwise.layers.weight_utils import (
     CheckpointTensor,
@@ -175,7 +177,8 @@ class PrequantizedCheckpoint:
         self.keep_exact = keep_exact
         self.dropped = dropped
         self.records: dict[str, QuantizedWeight] = {}
-        # Each recorded tensor's scheme, kept under TP too (there the records are not).
+        self.slices = RankSlices(model, self.mapping)
+        # Each recorded tensor's scheme (what a layer without an exact record is quantized with).
         self.schemes: dict[str, _Kind] = {}
 
     def wrap(
@@ -217,8 +220,9 @@ class PrequantizedCheckpoint:
             self.schemes[f"{layer}.weight"] = _Kind(
                 record.bits, record.offsets is None, record.group_size, record.input_perm
             )
-            if self.keep_exact:
-                self.records[f"{layer}.weight"] = record
+            mine = self.slices.take(f"{layer}.weight", record) if self.keep_exact else None
+            if mine is not None:
+                self.records[f"{layer}.weight"] = mine  # this rank's slice (`tp_slice`)
         return converted.dense
 
     def _names(self, module: nn.Module) -> list[str]:
@@ -244,8 +248,8 @@ class PrequantizedCheckpoint:
         return Scheme(first.bits, symmetric, first.group_size)
 
     def exact(self, name: str, module: nn.Module, scheme: Scheme) -> QuantizedWeight | None:
-        """The layer's recorded weight, its parts concatenated; None where there is no record
-        (TP) or the layer holds other rows than the records (a slice, padding)."""
+        """The layer's recorded weight (under TP this rank's slice of it), its parts concatenated;
+        None where a part has no record (no exact slice) or the layer holds another shape."""
         found = [self.records.get(part) for part in self._names(module)]
         parts = [p for p in found if p is not None]
         if not parts or len(parts) != len(found):

@@ -19,7 +19,8 @@ Which method a model gets is decided in `tokenwise.quantization_config` (below t
 Layers: every linear layer (`ReplicatedLinear` and its parallel kinds), the LM head, the token
 embedding (rows dequantized as they are looked up; a tied embedding and head share one table)
 and, with `int8` / `int4`, each routed expert of an MoE layer (`quantize_experts`). Under tensor
-parallelism each rank quantizes the slice it holds. A layer whose input size is not a multiple
+parallelism each rank quantizes the slice it holds (`int8` / `int4`), or takes its slice of the
+checkpoint's integers (`tp_slice`). A layer whose input size is not a multiple
 of the group size takes the largest smaller group that fits (32, then 16 for int8), else stays
 dense with a log line naming it.
 """
@@ -68,8 +69,7 @@ GGUF_SCHEMES: dict[str, Scheme | None] = {
     "Q8_0": INT8,
     "Q4_0": Scheme(4, True),
     "Q4_1": INT4,
-    # K-quants: exact with float32 scales (gguf_kquants); re-quantized from the dense weight
-    # under tensor parallelism.
+    # K-quants: exact with float32 scales (gguf_kquants), under tensor parallelism too.
     "Q4_K": INT4,
     "Q5_K": INT8,
     "Q6_K": Scheme(8, True, 16),
