@@ -3,7 +3,8 @@
 The model runner asks `plan` for a runtime mode and padded `BatchDescriptor` (the
 `CUDAGraphDispatcher` decides), pads the step in its input batch, and calls `execute`:
 
-- FULL (uniform decode batches; also in plain FULL mode, whose mixed batches run eagerly): the
+- FULL (uniform decode batches, and uniform verification batches laid out as one decode row
+  per query token; also in plain FULL mode, whose mixed batches run eagerly): the
   whole model was captured, attention included, on the input batch's own persistent buffers
   (bound into `CommonAttentionState`). The step is already written there, padded with PAD
   slots and length-1 sequences; the forward context carries the capture's metadata (which
@@ -67,6 +68,7 @@ class CUDAGraphRunner:
         input_batch: InputBatch,
         lora_state: LoRAState | None = None,
         max_cross_blocks_per_seq: int = 0,
+        verify_query_len: int | None = None,
     ) -> None:
         compilation = config.compilation
         mode = compilation.cudagraph_mode
@@ -97,7 +99,11 @@ class CUDAGraphRunner:
             )
         self.layer_names = list(layer_specs)
         self.dispatcher = CUDAGraphDispatcher(compilation, scheduler.max_num_seqs)
-        self.dispatcher.initialize_cudagraph_keys(mode)
+        # Uniform verification batches (every request 1 + k tokens) get FULL keys of their own;
+        # the model runner lays such a step out as decode rows (`verify_rows.py`), so their
+        # graphs are captured on the same decode-row metadata as the decode graphs.
+        self.verify_query_len = None if self.disable_full else verify_query_len
+        self.dispatcher.initialize_cudagraph_keys(mode, verify_query_len=self.verify_query_len)
         self.lora_state = lora_state
         if lora_state is not None:
             self.dispatcher.add_lora_keys()
@@ -215,12 +221,13 @@ class CUDAGraphRunner:
     # ---- one step -------------------------------------------------------------------------
 
     def plan(
-        self, num_tokens: int, uniform_decode: bool, has_lora: bool = False
+        self, num_tokens: int, uniform_decode: bool, has_lora: bool = False, query_len: int = 1
     ) -> tuple[CUDAGraphMode, BatchDescriptor]:
         """How this step runs: which graph (if any) and the token count it is padded to.
 
-        Graphs are captured for base-model batches only; a batch using an adapter has its own
-        key (`has_lora`), which nothing was captured for, so it runs eager.
+        `query_len` is what every request of a uniform batch runs: 1 for decode, 1 + k for a
+        verification batch (whose FULL graph the runner replays over decode rows). A batch
+        using an adapter has its own key (`has_lora`), captured only when LoRA is configured.
         """
         # Whole-model graphs are captured on decode-only metadata; a batch with prefills (which
         # plain FULL mode would also dispatch to them) needs eager attention, so it never
@@ -230,6 +237,7 @@ class CUDAGraphRunner:
             uniform_decode=uniform_decode,
             has_lora=has_lora,
             disable_full=self.disable_full or not uniform_decode,
+            uniform_query_len=query_len,
         )
 
     def execute(
