@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from tests.engine._fixtures import LLAMA, assert_pool_clean, checkpoint, hf_greedy, mixed_prompts
-from tests.runner.test_graph_runner import Recorder
-from tests.spec_decode.test_spec_engine import K, NGRAM, with_oracle
+from tests.runner.test_graph_runner import Recorder, assert_same_outputs
+from tests.spec_decode.test_spec_engine import NGRAM, K, with_oracle
 from tokenwise import LLM, SamplingParams
 from tokenwise.attention.backends import selector
 from tokenwise.config import CUDAGraphMode
@@ -89,12 +89,7 @@ def test_uniform_verify_steps_replay_full_graphs_and_keep_greedy_output(
     llm, outs, steps = generate(path, prompts, refs, mode)
 
     assert token_ids(outs) == refs == token_ids(eager)
-    for got, want in zip(outs, eager, strict=True):
-        got_lp = [lp[t].logprob for lp, t in zip(got.outputs[0].logprobs, got.outputs[0].token_ids)]
-        want_lp = [
-            lp[t].logprob for lp, t in zip(want.outputs[0].logprobs, want.outputs[0].token_ids)
-        ]
-        torch.testing.assert_close(got_lp, want_lp, atol=1e-4, rtol=0)
+    assert_same_outputs(outs, eager)  # tokens and their logprobs
     stats = llm.llm_engine.get_stats()
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
     assert_pool_clean(llm.llm_engine)

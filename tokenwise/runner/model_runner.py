@@ -30,6 +30,7 @@ from tokenwise.layer_registry import get_layers_from_config
 from tokenwise.layers.cpu_prepack import prepack_linear_weights
 from tokenwise.loader import load_model
 from tokenwise.lora.manager import LoRAManager
+from tokenwise.runner import verify_rows
 from tokenwise.runner.graph_runner import CUDAGraphRunner
 from tokenwise.runner.graph_setup import default_capture_sizes, graph_setup
 from tokenwise.runner.input_batch import InputBatch, StepInputs
@@ -38,12 +39,7 @@ from tokenwise.runner.prompt_logprobs import plan_prompt_logprobs, score_prompt_
 from tokenwise.runner.sample_step import sample_step
 from tokenwise.runner.target_hidden import TargetHiddenCapture
 from tokenwise.runner.ubatch_runner import Trace, run_ubatches
-from tokenwise.runner.verify_rows import (
-    as_decode_rows,
-    is_verify_step,
-    uniform_verify_len,
-    write_decode_rows,
-)
+from tokenwise.runner.verify_rows import as_decode_rows, is_verify_step
 from tokenwise.sampling.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -130,12 +126,8 @@ class ModelRunner(KVCacheSizingMixin):
             for layer in self.attn_layers.values()
         )
         self._verify_as_decode = self.device.type == "cpu" and plain_decoder
-        # Uniform verification batches replay FULL graphs over the same decode rows (any
-        # device); the proposers that run beside the target eagerly (n-gram, draft model).
-        spec = config.speculative
-        self._verify_query_len: int | None = None
-        if spec is not None and spec.method in ("ngram", "draft_model") and plain_decoder:
-            self._verify_query_len = 1 + spec.num_speculative_tokens
+        # Uniform verification batches replay FULL graphs over the same decode rows (any device).
+        self._verify_query_len = verify_rows.graph_verify_len(config.speculative, plain_decoder)
         self.input_batch = InputBatch(
             max_num_reqs=max(scheduler.max_num_seqs, max_capture),
             max_num_tokens=max_num_tokens,
@@ -248,11 +240,10 @@ class ModelRunner(KVCacheSizingMixin):
         has_lora = self._prepare_lora(loras, step)
         mode, desc, query_len = CUDAGraphMode.NONE, None, 0
         if self.graph_runner is not None and self._may_replay_graphs(ordered):
-            uniform = bool(step.num_reqs) and int(step.query_lens_np.max()) == 1
-            query_len = 1 if uniform else uniform_verify_len(step, self._verify_query_len)
+            query_len = verify_rows.uniform_query_len(step, self._verify_query_len)
             mode, desc = self.graph_runner.plan(num_tokens, bool(query_len), has_lora, query_len)
             if mode == CUDAGraphMode.FULL and query_len > 1:
-                step = write_decode_rows(self.input_batch, step)  # the graph's decode rows
+                step = verify_rows.write_decode_rows(self.input_batch, step)  # the graph's rows
             if mode != CUDAGraphMode.NONE:
                 step = self.input_batch.pad(step, desc.num_tokens)
         self.last_graph = (mode, desc if mode != CUDAGraphMode.NONE else None)

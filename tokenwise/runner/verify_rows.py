@@ -13,7 +13,7 @@ Only the attention metadata changes: the runner still samples one row per reques
 
 The same layout lets a uniform verification batch (every request verifying exactly `k` drafts)
 replay a FULL CUDA graph on any device: the graph was captured over decode rows, and the
-backend's forward writes every new key and value before it attends. `uniform_verify_len` says
+backend's forward writes every new key and value before it attends. `uniform_query_len` says
 whether a step is one, and `write_decode_rows` writes its rows into the input batch's own
 buffers, which the graph reads.
 """
@@ -25,6 +25,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from tokenwise.config import SpeculativeConfig
 from tokenwise.distributed.tp_channel import SpecTables
 from tokenwise.runner.input_batch import InputBatch, StepInputs
 
@@ -44,13 +45,30 @@ def is_verify_step(step: StepInputs) -> bool:
     return bool(longer.any()) and int(q.max()) <= MAX_VERIFY_QUERY and bool(ctx[longer].all())
 
 
-def uniform_verify_len(step: StepInputs, verify_query_len: int | None) -> int:
-    """`verify_query_len` (1 + k) when every request of `step` verifies exactly k drafts, else 0.
+def graph_verify_len(spec: SpeculativeConfig | None, plain_decoder: bool) -> int | None:
+    """1 + k when uniform verification batches get FULL graphs of their own, else None.
+
+    For proposers that run beside the target, whose graphs they leave alone (n-gram, draft
+    model; EAGLE and MTP need the target eager), over plain causal decoder attention (the
+    layers whose verification rows are decode rows).
+    """
+    if spec is None or spec.method not in ("ngram", "draft_model") or not plain_decoder:
+        return None
+    return 1 + spec.num_speculative_tokens
+
+
+def uniform_query_len(step: StepInputs, verify_query_len: int | None) -> int:
+    """The query length every request of `step` runs, when its batch is uniform for graphs: 1
+    (pure decode), `verify_query_len` (1 + k: every request verifies exactly k drafts), else 0.
 
     A request's drafts are the last tokens of its query, so a query of 1 + k tokens holding k
     drafts is one decode token plus its drafts (never a prompt chunk of the same length).
     """
-    if verify_query_len is None or not step.num_reqs or len(step.scheduled) != step.num_reqs:
+    if not step.num_reqs:
+        return 0
+    if int(step.query_lens_np.max()) == 1:
+        return 1
+    if verify_query_len is None or len(step.scheduled) != step.num_reqs:
         return 0
     k = verify_query_len - 1
     if all(
@@ -132,7 +150,8 @@ def as_decode_rows(step: StepInputs, tables: SpecTables) -> tuple[StepInputs, Sp
 __all__ = [
     "MAX_VERIFY_QUERY",
     "as_decode_rows",
+    "graph_verify_len",
     "is_verify_step",
-    "uniform_verify_len",
+    "uniform_query_len",
     "write_decode_rows",
 ]
