@@ -19,6 +19,7 @@ import torch
 
 from tests.engine._fixtures import LLAMA, assert_pool_clean, checkpoint, hf_greedy, mixed_prompts
 from tests.runner.test_graph_runner import Recorder, assert_same_outputs
+from tests.spec_decode.test_draft_model import noisy_draft
 from tests.spec_decode.test_spec_engine import NGRAM, K, with_oracle
 from tokenwise import LLM, SamplingParams
 from tokenwise.attention.backends import selector
@@ -40,11 +41,14 @@ def prompts_and_refs() -> tuple[str, list[list[int]], list[list[int]]]:
     return path, prompts, [hf_greedy(path, p, MAX_TOKENS) for p in prompts]
 
 
-def generate(path: str, prompts: list[list[int]], refs: list[list[int]], mode: Any) -> Any:
-    """The engine with n-gram speculation (oracle drafts) in graph `mode` (None: eager); its
-    outputs and, per step, the draft counts, the graph it ran and the uniform query length."""
+def generate(
+    path: str, prompts: list[list[int]], refs: list[list[int]], mode: Any, spec: Any = NGRAM
+) -> Any:
+    """The engine with speculation `spec` (n-gram: oracle drafts) in graph `mode` (None:
+    eager); its outputs and, per step, the draft counts, the graph it ran and the uniform
+    query length."""
     config = build_engine_config(
-        path, dtype="float32", num_gpu_blocks=64, enforce_eager=True, speculative_config=NGRAM
+        path, dtype="float32", num_gpu_blocks=64, enforce_eager=True, speculative_config=spec
     )
     if mode is not None:
         config.compilation.cudagraph_mode = mode
@@ -53,7 +57,8 @@ def generate(path: str, prompts: list[list[int]], refs: list[list[int]], mode: A
             config.compilation.use_compile = True
             config.compilation.piece_backend = "eager"
     llm = LLM.from_engine_config(config)
-    with_oracle(llm, prompts, refs)
+    if spec is NGRAM:
+        with_oracle(llm, prompts, refs)
     runner = llm.llm_engine.runner
     steps: list[tuple[list[int], int, Any, int]] = []
     execute = runner.execute_model
@@ -83,7 +88,7 @@ def test_uniform_verify_steps_replay_full_graphs_and_keep_greedy_output(
     path, prompts, refs = prompts_and_refs
     monkeypatch.setenv(selector.ENV_VAR, "triton")  # whole steps are captured with it
     torch._dynamo.reset()
-    _, eager, _ = generate(path, prompts, refs, None)
+    eager_llm, eager, _ = generate(path, prompts, refs, None)
     recorder = Recorder()
     monkeypatch.setattr(graph_setup, "new_capturer_factory", recorder.factory)
     llm, outs, steps = generate(path, prompts, refs, mode)
@@ -93,6 +98,14 @@ def test_uniform_verify_steps_replay_full_graphs_and_keep_greedy_output(
     stats = llm.llm_engine.get_stats()
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
     assert_pool_clean(llm.llm_engine)
+
+    # Padding rows wrote only to the trash block (the last): every real block holds what eager
+    # wrote, rejected drafts' K/V included (same drafts, same slots).
+    name = next(iter(llm.llm_engine.runner.kv_caches))
+    cache = llm.llm_engine.runner.kv_caches[name]
+    eager_cache = eager_llm.llm_engine.runner.kv_caches[name]
+    torch.testing.assert_close(cache[:, :-1], eager_cache[:, :-1], atol=1e-5, rtol=0)
+    assert cache[:, -1].abs().sum() > 0 and eager_cache[:, -1].abs().sum() == 0
 
     # FULL_AND_PIECEWISE captures verify keys at start-up next to the exact decode keys; plain
     # FULL mode keys every graph by token count only (decode steps too), so verify steps
@@ -123,3 +136,27 @@ def test_uniform_verify_steps_replay_full_graphs_and_keep_greedy_output(
     shown = [r.descriptor for r in records if r.graph_mode == "FULL"]
     assert any(d["query_len"] == q and d["uniform"] == exact for d in shown)
     assert any(d["query_len"] == 1 for d in shown)  # plain decode steps (no drafts yet)
+
+
+def test_draft_model_verification_replays_full_graphs(
+    monkeypatch: pytest.MonkeyPatch,
+    prompts_and_refs: tuple[str, list[list[int]], list[list[int]]],
+) -> None:
+    """A draft model (the target with noise on one layer: some drafts accepted, some not)
+    runs eagerly beside the target, whose uniform verify steps replay FULL graphs."""
+    path, prompts, refs = prompts_and_refs
+    spec = {"model": noisy_draft(), "num_speculative_tokens": K, "disable_by_batch_size": 64}
+    monkeypatch.setenv(selector.ENV_VAR, "triton")
+    monkeypatch.setattr(graph_setup, "new_capturer_factory", Recorder().factory)
+    llm, outs, steps = generate(path, prompts, refs, M.FULL_DECODE_ONLY, spec)
+    assert token_ids(outs) == refs
+    stats = llm.llm_engine.get_stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    assert_pool_clean(llm.llm_engine)
+    q = 1 + K
+    full_verify = [
+        desc
+        for drafts, _, (graph, desc), query_len in steps
+        if drafts and all(d == K for d in drafts) and graph == M.FULL and query_len == q
+    ]
+    assert full_verify and all(d.uniform and d.num_reqs == d.num_tokens // q for d in full_verify)
