@@ -42,13 +42,23 @@ def prompts_and_refs() -> tuple[str, list[list[int]], list[list[int]]]:
 
 
 def generate(
-    path: str, prompts: list[list[int]], refs: list[list[int]], mode: Any, spec: Any = NGRAM
+    path: str,
+    prompts: list[list[int]],
+    refs: list[list[int]],
+    mode: Any,
+    spec: Any = NGRAM,
+    **overrides: Any,
 ) -> Any:
     """The engine with speculation `spec` (n-gram: oracle drafts) in graph `mode` (None:
     eager); its outputs and, per step, the draft counts, the graph it ran and the uniform
     query length."""
     config = build_engine_config(
-        path, dtype="float32", num_gpu_blocks=64, enforce_eager=True, speculative_config=spec
+        path,
+        dtype="float32",
+        num_gpu_blocks=64,
+        enforce_eager=True,
+        speculative_config=spec,
+        **overrides,
     )
     if mode is not None:
         config.compilation.cudagraph_mode = mode
@@ -129,6 +139,9 @@ def test_uniform_verify_steps_replay_full_graphs_and_keep_greedy_output(
             assert query_len == 0 and (desc is None or not desc.uniform)
             assert graph == (M.PIECEWISE if mode == M.FULL_AND_PIECEWISE else M.NONE)
     assert uniform_verify > 0 and mixed > 0
+    # Each verify key replays the decode graph of its size: no graph of its own was captured.
+    entries = llm.llm_engine.runner.graph_runner.full_model.entries
+    assert not exact or all(d.num_reqs == d.num_tokens for d in entries if d.uniform)
     assert sum(c.num_replays for c in recorder.capturers) > 0
 
     # The step records show the verify steps' descriptor and query length.
@@ -143,12 +156,14 @@ def test_draft_model_verification_replays_full_graphs(
     prompts_and_refs: tuple[str, list[list[int]], list[list[int]]],
 ) -> None:
     """A draft model (the target with noise on one layer: some drafts accepted, some not)
-    runs eagerly beside the target, whose uniform verify steps replay FULL graphs."""
+    runs eagerly beside the target, whose uniform verify steps replay FULL graphs. With
+    `max_num_seqs=4` decode graphs stop at 4 tokens, so verify keys of 8 and 16 tokens (2 and
+    4 requests) have no decode twin and capture graphs of their own."""
     path, prompts, refs = prompts_and_refs
     spec = {"model": noisy_draft(), "num_speculative_tokens": K, "disable_by_batch_size": 64}
     monkeypatch.setenv(selector.ENV_VAR, "triton")
     monkeypatch.setattr(graph_setup, "new_capturer_factory", Recorder().factory)
-    llm, outs, steps = generate(path, prompts, refs, M.FULL_DECODE_ONLY, spec)
+    llm, outs, steps = generate(path, prompts, refs, M.FULL_DECODE_ONLY, spec, max_num_seqs=4)
     assert token_ids(outs) == refs
     stats = llm.llm_engine.get_stats()
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
@@ -160,3 +175,7 @@ def test_draft_model_verification_replays_full_graphs(
         if drafts and all(d == K for d in drafts) and graph == M.FULL and query_len == q
     ]
     assert full_verify and all(d.uniform and d.num_reqs == d.num_tokens // q for d in full_verify)
+    entries = llm.llm_engine.runner.graph_runner.full_model.entries
+    own = {BatchDescriptor(8, 2, True), BatchDescriptor(16, 4, True)}
+    assert own <= set(entries) and BatchDescriptor(4, 1, True) not in entries
+    assert BatchDescriptor(16, 4, True) in full_verify  # 3 requests verifying: 12 -> 16 tokens

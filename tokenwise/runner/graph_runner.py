@@ -100,8 +100,8 @@ class CUDAGraphRunner:
         self.layer_names = list(layer_specs)
         self.dispatcher = CUDAGraphDispatcher(compilation, scheduler.max_num_seqs)
         # Uniform verification batches (every request 1 + k tokens) get FULL keys of their own;
-        # the model runner lays such a step out as decode rows (`verify_rows.py`), so their
-        # graphs are captured on the same decode-row metadata as the decode graphs.
+        # the model runner lays such a step out as decode rows (`verify_rows.py`), so each
+        # replays the decode graph of its size (`_graph_key`).
         self.verify_query_len = None if self.disable_full else verify_query_len
         self.dispatcher.initialize_cudagraph_keys(mode, verify_query_len=self.verify_query_len)
         self.lora_state = lora_state
@@ -166,7 +166,8 @@ class CUDAGraphRunner:
     def _capture_all(self) -> None:
         """Capture every key (largest first); keys already captured replay instead."""
         keys = self.dispatcher.keys
-        full = [] if self.disable_full else sorted(keys[CUDAGraphMode.FULL], reverse=True)
+        full_keys = {self._graph_key(desc) for desc in keys[CUDAGraphMode.FULL]}
+        full = [] if self.disable_full else sorted(full_keys, reverse=True)
         piecewise = sorted(keys[CUDAGraphMode.PIECEWISE], reverse=True)
         state, enc_dec = self.attn_state, self.has_cross_attention
         parallel = self.config.parallel
@@ -289,9 +290,19 @@ class CUDAGraphRunner:
             num_tokens=size,
             num_tokens_across_dp=num_tokens_across_dp,
             cudagraph_runtime_mode=mode,
-            batch_descriptor=desc,
+            batch_descriptor=self._graph_key(desc),
         ):
             return self.full_model(self.input_ids[:size], self.positions[:size])
+
+    def _graph_key(self, desc: BatchDescriptor) -> BatchDescriptor:
+        """The key of the graph `desc` replays: itself, except that a verify key (uniform, fewer
+        requests than tokens) replays the decode graph of its size when one is captured; the
+        runner hands both the same decode rows in the same buffers, so one graph serves both."""
+        if desc.uniform and desc.num_reqs != desc.num_tokens:
+            decode = desc._replace(num_reqs=desc.num_tokens)
+            if decode in self.dispatcher.keys[CUDAGraphMode.FULL]:
+                return decode
+        return desc
 
 
 def _dp_counts(num_tokens: int, parallel: Any) -> torch.Tensor | None:
