@@ -22,6 +22,7 @@ from tests.engine._fixtures import (
     hf_step_logprobs,
     mixed_prompts,
 )
+from tests.spec_decode.test_spec_engine import NGRAM, K, with_oracle
 from tokenwise import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -184,3 +185,31 @@ def test_bf16_moe_gets_full_graphs_that_equal_piecewise(arch: str) -> None:
         assert_pool_clean(llm.llm_engine)
     assert set(tokens) == {"PIECEWISE", "FULL_AND_PIECEWISE"}  # the default is full graphs
     assert tokens["FULL_AND_PIECEWISE"] == tokens["PIECEWISE"]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_speculative_verify_steps_replay_full_graphs(schedule: str) -> None:
+    """N-gram speculation (oracle drafts, every other step one planted wrong draft) under
+    FULL_AND_PIECEWISE: uniform verify steps replay FULL graphs over decode rows, output is HF's."""
+    path = checkpoint(LLAMA)
+    prompts = mixed_prompts()
+    refs = [hf_greedy(path, p, MAX_TOKENS) for p in prompts]
+    llm = LLM(
+        path,
+        dtype="float32",
+        device="cuda",
+        seed=0,
+        speculative_config=NGRAM,
+        **MODES["full_and_piecewise"],
+        **SCHEDULES[schedule],
+    )
+    with_oracle(llm, prompts, refs)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == refs
+    stats = llm.llm_engine.get_stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    assert_pool_clean(llm.llm_engine)
+    records, _, _ = llm.llm_engine.step_records.since(0)
+    verify = [r.descriptor for r in records if r.graph_mode == "FULL" and r.descriptor]
+    assert any(d["uniform"] and d["query_len"] == 1 + K for d in verify)

@@ -131,6 +131,34 @@ def test_uniform_decode_keys_are_captured_with_num_reqs() -> None:
     assert d.keys[M.PIECEWISE] == set()
 
 
+@pytest.mark.parametrize("mode", [M.FULL_AND_PIECEWISE, M.FULL_DECODE_ONLY])
+def test_verify_keys_sit_beside_the_decode_keys(mode: CUDAGraphMode) -> None:
+    d = CUDAGraphDispatcher(CompilationConfig(cudagraph_capture_sizes=SIZES), MAX_NUM_SEQS)
+    d.initialize_cudagraph_keys(mode, verify_query_len=4)  # 3 drafts per request
+    decode = {BatchDescriptor(s, s, True) for s in SIZES}
+    verify = {BatchDescriptor(s, s // 4, True) for s in (4, 8, 16)}  # sizes >= one request
+    assert d.keys[M.FULL] - decode == verify and decode <= d.keys[M.FULL]
+    for n in range(4, 17):  # every request verifies 3 drafts: n tokens, padded(n) // 4 requests
+        want = (M.FULL, BatchDescriptor(padded(n), padded(n) // 4, True))
+        assert d.dispatch(n, uniform_decode=True, uniform_query_len=4) == want
+        # Decode batches keep their own keys.
+        want = (M.FULL, BatchDescriptor(padded(n), padded(n), True))
+        assert d.dispatch(n, uniform_decode=True) == want
+    assert d.dispatch(17, uniform_decode=True, uniform_query_len=4) == eager(17)
+
+
+def test_verify_keys_need_full_decode_graphs_and_drafts() -> None:
+    d = CUDAGraphDispatcher(CompilationConfig(cudagraph_capture_sizes=SIZES), MAX_NUM_SEQS)
+    d.initialize_cudagraph_keys(M.PIECEWISE, verify_query_len=4)
+    assert d.keys[M.FULL] == set()
+    assert d.dispatch(8, uniform_decode=True, uniform_query_len=4) == (
+        M.PIECEWISE,
+        BatchDescriptor(8),
+    )
+    with pytest.raises(ValueError, match="verify_query_len must be >= 2"):
+        d.initialize_cudagraph_keys(M.FULL_AND_PIECEWISE, verify_query_len=1)
+
+
 def test_lora_keys() -> None:
     d = make(M.FULL_AND_PIECEWISE, has_lora=True)
     assert d.dispatch(3, uniform_decode=True, has_lora=True) == (

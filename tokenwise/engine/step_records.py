@@ -64,7 +64,8 @@ class StepRecord:
     step_ms: float  # the whole step: scheduling, forward, detokenizing, outputs
     graph_mode: str  # CUDA graph replayed: NONE, PIECEWISE or FULL
     # The batch descriptor the graph was picked by (padded token count, requests, uniform
-    # decode, LoRA), None when the pass ran eagerly.
+    # decode, LoRA) and, for a uniform batch, each request's query length (1: decode; 1 + k:
+    # verifying k drafts); None when the pass ran eagerly.
     descriptor: dict[str, Any] | None
     num_running: int
     num_waiting: int
@@ -201,7 +202,7 @@ class StepRecorder:
                 self._forward_ms,
                 (now - self._started) * 1000.0,
                 mode.name if mode is not None else "NONE",
-                desc._asdict() if desc is not None else None,
+                _descriptor(desc, getattr(engine.runner, "last_query_len", None)),
                 len(engine.scheduler.running),
                 len(engine.scheduler.waiting),
                 pool.num_used,
@@ -247,3 +248,13 @@ class StepRecorder:
             )
         )
         self._seq += 1
+
+
+def _descriptor(desc: Any, query_len: int | None) -> dict[str, Any] | None:
+    """A step's batch descriptor as a dict, with the query length every request of a uniform
+    batch ran (the runner's `last_query_len`: 1 for decode, 1 + k for verifying k drafts; the
+    descriptor's `num_reqs` is rounded down, and plain FULL mode's keys drop it); None for an
+    eager pass."""
+    if desc is None:
+        return None
+    return {**desc._asdict(), "query_len": query_len or None}

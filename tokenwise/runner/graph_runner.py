@@ -3,7 +3,8 @@
 The model runner asks `plan` for a runtime mode and padded `BatchDescriptor` (the
 `CUDAGraphDispatcher` decides), pads the step in its input batch, and calls `execute`:
 
-- FULL (uniform decode batches; also in plain FULL mode, whose mixed batches run eagerly): the
+- FULL (uniform decode batches, and uniform verification batches laid out as one decode row
+  per query token; also in plain FULL mode, whose mixed batches run eagerly): the
   whole model was captured, attention included, on the input batch's own persistent buffers
   (bound into `CommonAttentionState`). The step is already written there, padded with PAD
   slots and length-1 sequences; the forward context carries the capture's metadata (which
@@ -67,6 +68,7 @@ class CUDAGraphRunner:
         input_batch: InputBatch,
         lora_state: LoRAState | None = None,
         max_cross_blocks_per_seq: int = 0,
+        verify_query_len: int | None = None,
     ) -> None:
         compilation = config.compilation
         mode = compilation.cudagraph_mode
@@ -97,7 +99,11 @@ class CUDAGraphRunner:
             )
         self.layer_names = list(layer_specs)
         self.dispatcher = CUDAGraphDispatcher(compilation, scheduler.max_num_seqs)
-        self.dispatcher.initialize_cudagraph_keys(mode)
+        # Uniform verification batches (every request 1 + k tokens) get FULL keys of their own;
+        # the model runner lays such a step out as decode rows (`verify_rows.py`), so each
+        # replays the decode graph of its size (`_graph_key`).
+        self.verify_query_len = None if self.disable_full else verify_query_len
+        self.dispatcher.initialize_cudagraph_keys(mode, verify_query_len=self.verify_query_len)
         self.lora_state = lora_state
         if lora_state is not None:
             self.dispatcher.add_lora_keys()
@@ -160,7 +166,8 @@ class CUDAGraphRunner:
     def _capture_all(self) -> None:
         """Capture every key (largest first); keys already captured replay instead."""
         keys = self.dispatcher.keys
-        full = [] if self.disable_full else sorted(keys[CUDAGraphMode.FULL], reverse=True)
+        full_keys = {self._graph_key(desc) for desc in keys[CUDAGraphMode.FULL]}
+        full = [] if self.disable_full else sorted(full_keys, reverse=True)
         piecewise = sorted(keys[CUDAGraphMode.PIECEWISE], reverse=True)
         state, enc_dec = self.attn_state, self.has_cross_attention
         parallel = self.config.parallel
@@ -215,12 +222,13 @@ class CUDAGraphRunner:
     # ---- one step -------------------------------------------------------------------------
 
     def plan(
-        self, num_tokens: int, uniform_decode: bool, has_lora: bool = False
+        self, num_tokens: int, uniform_decode: bool, has_lora: bool = False, query_len: int = 1
     ) -> tuple[CUDAGraphMode, BatchDescriptor]:
         """How this step runs: which graph (if any) and the token count it is padded to.
 
-        Graphs are captured for base-model batches only; a batch using an adapter has its own
-        key (`has_lora`), which nothing was captured for, so it runs eager.
+        `query_len` is what every request of a uniform batch runs: 1 for decode, 1 + k for a
+        verification batch (whose FULL graph the runner replays over decode rows). A batch
+        using an adapter has its own key (`has_lora`), captured only when LoRA is configured.
         """
         # Whole-model graphs are captured on decode-only metadata; a batch with prefills (which
         # plain FULL mode would also dispatch to them) needs eager attention, so it never
@@ -230,6 +238,7 @@ class CUDAGraphRunner:
             uniform_decode=uniform_decode,
             has_lora=has_lora,
             disable_full=self.disable_full or not uniform_decode,
+            uniform_query_len=query_len,
         )
 
     def execute(
@@ -281,9 +290,19 @@ class CUDAGraphRunner:
             num_tokens=size,
             num_tokens_across_dp=num_tokens_across_dp,
             cudagraph_runtime_mode=mode,
-            batch_descriptor=desc,
+            batch_descriptor=self._graph_key(desc),
         ):
             return self.full_model(self.input_ids[:size], self.positions[:size])
+
+    def _graph_key(self, desc: BatchDescriptor) -> BatchDescriptor:
+        """The key of the graph `desc` replays: itself, except that a verify key (uniform, fewer
+        requests than tokens) replays the decode graph of its size when one is captured; the
+        runner hands both the same decode rows in the same buffers, so one graph serves both."""
+        if desc.uniform and desc.num_reqs != desc.num_tokens:
+            decode = desc._replace(num_reqs=desc.num_tokens)
+            if decode in self.dispatcher.keys[CUDAGraphMode.FULL]:
+                return decode
+        return desc
 
 
 def _dp_counts(num_tokens: int, parallel: Any) -> torch.Tensor | None:

@@ -30,6 +30,7 @@ from tokenwise.layer_registry import get_layers_from_config
 from tokenwise.layers.cpu_prepack import prepack_linear_weights
 from tokenwise.loader import load_model
 from tokenwise.lora.manager import LoRAManager
+from tokenwise.runner import verify_rows
 from tokenwise.runner.graph_runner import CUDAGraphRunner
 from tokenwise.runner.graph_setup import default_capture_sizes, graph_setup
 from tokenwise.runner.input_batch import InputBatch, StepInputs
@@ -105,6 +106,7 @@ class ModelRunner(KVCacheSizingMixin):
         self.last_ubatch_trace: Trace = None
         # The last step's graph mode and batch descriptor (None: eager), for its step record.
         self.last_graph: tuple[CUDAGraphMode, Any] = (CUDAGraphMode.NONE, None)
+        self.last_query_len = 0  # of every request in a uniform batch (0: not uniform)
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.num_blocks = 0
         # Set by the engine when an EAGLE head proposes drafts: the target features it reads.
@@ -119,10 +121,13 @@ class ModelRunner(KVCacheSizingMixin):
         }
         # Verification steps may attend as decode rows (`verify_rows.py`): plain causal decoder
         # attention on CPU only, where the one-call decode kernel takes them.
-        self._verify_as_decode = self.device.type == "cpu" and all(
+        plain_decoder = all(
             type(layer) is Attention and layer.attn_type is AttentionType.DECODER
             for layer in self.attn_layers.values()
         )
+        self._verify_as_decode = self.device.type == "cpu" and plain_decoder
+        # Uniform verification batches replay FULL graphs over the same decode rows (any device).
+        self._verify_query_len = verify_rows.graph_verify_len(config.speculative, plain_decoder)
         self.input_batch = InputBatch(
             max_num_reqs=max(scheduler.max_num_seqs, max_capture),
             max_num_tokens=max_num_tokens,
@@ -144,6 +149,7 @@ class ModelRunner(KVCacheSizingMixin):
                 self.input_batch,
                 self.lora_manager.state if self.lora_manager is not None else None,
                 self.max_cross_blocks_per_seq(),
+                self._verify_query_len,
             )
         self._setup_kind()
 
@@ -232,13 +238,16 @@ class ModelRunner(KVCacheSizingMixin):
         num_tokens = step.num_tokens
         loras = [s.request.lora_request for s in ordered]
         has_lora = self._prepare_lora(loras, step)
-        mode, desc = CUDAGraphMode.NONE, None
+        mode, desc, query_len = CUDAGraphMode.NONE, None, 0
         if self.graph_runner is not None and self._may_replay_graphs(ordered):
-            uniform = bool(step.num_reqs) and int(step.query_lens_np.max()) == 1
-            mode, desc = self.graph_runner.plan(num_tokens, uniform, has_lora)
+            query_len = verify_rows.uniform_query_len(step, self._verify_query_len)
+            mode, desc = self.graph_runner.plan(num_tokens, bool(query_len), has_lora, query_len)
+            if mode == CUDAGraphMode.FULL and query_len > 1:
+                step = verify_rows.write_decode_rows(self.input_batch, step)  # the graph's rows
             if mode != CUDAGraphMode.NONE:
                 step = self.input_batch.pad(step, desc.num_tokens)
         self.last_graph = (mode, desc if mode != CUDAGraphMode.NONE else None)
+        self.last_query_len = query_len
         attn_metadata, tables = None, {}
         if mode != CUDAGraphMode.FULL:
             tables = self._metadata_tables(step)

@@ -10,15 +10,24 @@ cache write): measured on the built-in model, that path made a 5-token verificat
 forward cost 2.5x a decode step's.
 
 Only the attention metadata changes: the runner still samples one row per request and token.
+
+The same layout lets a uniform verification batch (every request verifying exactly `k` drafts)
+replay a FULL CUDA graph on any device: the graph was captured over decode rows, and the
+backend's forward writes every new key and value before it attends. `uniform_query_len` says
+whether a step is one, and `write_decode_rows` writes its rows into the input batch's own
+buffers, which the graph reads.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
+from tokenwise.config import SpeculativeConfig
 from tokenwise.distributed.tp_channel import SpecTables
-from tokenwise.runner.input_batch import StepInputs
+from tokenwise.runner.input_batch import InputBatch, StepInputs
 
 # Queries this long or shorter, after a context, are verification-sized.
 MAX_VERIFY_QUERY = 16
@@ -36,13 +45,83 @@ def is_verify_step(step: StepInputs) -> bool:
     return bool(longer.any()) and int(q.max()) <= MAX_VERIFY_QUERY and bool(ctx[longer].all())
 
 
-def as_decode_rows(step: StepInputs, tables: SpecTables) -> tuple[StepInputs, SpecTables]:
-    """`step` with one decode row per query token; each spec's table repeated per row."""
+def graph_verify_len(spec: SpeculativeConfig | None, plain_decoder: bool) -> int | None:
+    """1 + k when uniform verification batches get FULL graphs of their own, else None.
+
+    For proposers that run beside the target, whose graphs they leave alone (n-gram, draft
+    model; EAGLE and MTP need the target eager), over plain causal decoder attention (the
+    layers whose verification rows are decode rows).
+    """
+    if spec is None or spec.method not in ("ngram", "draft_model") or not plain_decoder:
+        return None
+    return 1 + spec.num_speculative_tokens
+
+
+def uniform_query_len(step: StepInputs, verify_query_len: int | None) -> int:
+    """The query length every request of `step` runs, when its batch is uniform for graphs: 1
+    (pure decode), `verify_query_len` (1 + k: every request verifies exactly k drafts), else 0.
+
+    A request's drafts are the last tokens of its query, so a query of 1 + k tokens holding k
+    drafts is one decode token plus its drafts (never a prompt chunk of the same length).
+    """
+    if not step.num_reqs:
+        return 0
+    if int(step.query_lens_np.max()) == 1:
+        return 1
+    if verify_query_len is None or len(step.scheduled) != step.num_reqs:
+        return 0
+    k = verify_query_len - 1
+    if all(
+        s.num_new_tokens == verify_query_len and len(s.spec_token_ids) == k for s in step.scheduled
+    ):
+        return verify_query_len
+    return 0
+
+
+def _row_layout(step: StepInputs) -> tuple[np.ndarray, np.ndarray]:
+    """Each query token's request (index in the step) and the context before it."""
     q = step.query_lens_np
     owner = np.repeat(np.arange(step.num_reqs), q)
     starts = np.cumsum(q) - q
     offset = np.arange(step.num_tokens) - np.repeat(starts, q)
-    context = step.context_lens_np[owner] + offset
+    return owner, step.context_lens_np[owner] + offset
+
+
+def _real_rows(step: StepInputs, owner: np.ndarray) -> np.ndarray:
+    """The batch row of each real query token: `rows` names real requests only (none in a TP
+    worker's copy), and a padded step's padding rows come after them."""
+    return step.rows[owner[owner < len(step.rows)]]
+
+
+def write_decode_rows(batch: InputBatch, step: StepInputs) -> StepInputs:
+    """`step` as one decode row per query token, written into `batch`'s own buffers.
+
+    For a FULL graph: it reads the sequence lengths and block tables of its rows from those
+    buffers (the per-token inputs and slot mapping are already there). Row `i` of a request
+    gets its block table and `context + i + 1` keys. Call before `InputBatch.pad`.
+    """
+    owner, context = _row_layout(step)
+    t = step.num_tokens
+    if t > batch.max_num_reqs:
+        raise ValueError(f"{t} decode rows exceed the input batch's {batch.max_num_reqs} rows")
+    width = step.block_tables.shape[1]
+    tables = batch.block_tables.np
+    tables[:t, :width] = tables[owner, :width]  # fancy indexing copies before the write
+    batch.seq_lens.np[:t] = context + 1
+    return replace(
+        step,
+        num_reqs=t,
+        seq_lens=batch.seq_lens.copy_to_device(t),
+        block_tables=batch.block_tables.copy_to_device(t, width=width),
+        rows=_real_rows(step, owner),
+        query_lens_np=np.ones(t, dtype=np.int64),
+        context_lens_np=context,
+    )
+
+
+def as_decode_rows(step: StepInputs, tables: SpecTables) -> tuple[StepInputs, SpecTables]:
+    """`step` with one decode row per query token; each spec's table repeated per row."""
+    owner, context = _row_layout(step)
     ones = np.ones(step.num_tokens, dtype=np.int64)
     index = torch.from_numpy(owner).to(step.block_tables.device)
     rows: SpecTables = {}
@@ -58,7 +137,7 @@ def as_decode_rows(step: StepInputs, tables: SpecTables) -> tuple[StepInputs, Sp
         slot_mapping=step.slot_mapping,
         seq_lens=seq_lens,
         block_tables=rows[next(iter(rows))][0] if rows else step.block_tables,
-        rows=step.rows[owner] if len(step.rows) else step.rows,  # a TP worker's has none
+        rows=_real_rows(step, owner),
         query_lens_np=ones,
         context_lens_np=context,
         logits_indices=step.logits_indices,
@@ -68,4 +147,11 @@ def as_decode_rows(step: StepInputs, tables: SpecTables) -> tuple[StepInputs, Sp
     return expanded, rows
 
 
-__all__ = ["MAX_VERIFY_QUERY", "as_decode_rows", "is_verify_step"]
+__all__ = [
+    "MAX_VERIFY_QUERY",
+    "as_decode_rows",
+    "graph_verify_len",
+    "is_verify_step",
+    "uniform_query_len",
+    "write_decode_rows",
+]

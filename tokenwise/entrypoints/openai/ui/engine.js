@@ -174,7 +174,8 @@ function drawTable() {
     if (r.finished) events.push(`${r.finished} finished`);
     if (r.dummy) events.push("dummy");
     if (r.failed) events.push("FAILED");
-    const graph = r.descriptor ? `${r.graph_mode} ${r.descriptor.num_tokens}` : r.graph_mode;
+    const q = r.descriptor && r.descriptor.query_len > 1 ? ` q${r.descriptor.query_len}` : "";
+    const graph = r.descriptor ? `${r.graph_mode} ${r.descriptor.num_tokens}${q}` : r.graph_mode;
     const cells = [r.rank, r.seq, r.num_reqs, r.prefill_tokens, r.decode_tokens, graph, fmt(r.forward_ms, 2),
       fmt(r.step_ms, 2), r.num_running, r.num_waiting, r.kv_used, events.join(", ")];
     for (const value of cells) {
