@@ -34,6 +34,7 @@
 #define VW 8
 #endif
 #define TILE 4 /* value rows accumulated per pass over an output row */
+#define PF_ROWS 4 /* token rows ahead that a thread prefetches its heads' part of */
 
 typedef float vf __attribute__((vector_size(VW * 4)));
 typedef uint32_t vu __attribute__((vector_size(VW * 4)));
@@ -181,6 +182,13 @@ static inline __attribute__((always_inline)) void attend(
         const int64_t run = min64(block_size - pos % block_size, n_keys - t);
         const char *k = (const char *)key_cache + (block * block_size + pos % block_size) * row * elt;
         for (int64_t r = 0; r < run; ++r, ++t, k += row * elt) {
+            /* A thread reads only its heads' part of each row, so the rows it streams are
+             * strided: fetch the part PF_ROWS rows ahead (within the block) ourselves. */
+            if (r + PF_ROWS < run)
+                for (const char *pf = k + (PF_ROWS * row + kv_begin * head_size) * elt,
+                                *pf_end = k + (PF_ROWS * row + kv_end * head_size) * elt;
+                     pf < pf_end; pf += 64)
+                    __builtin_prefetch(pf, 0, 3);
             int64_t h = h_begin;
             for (int64_t kh = kv_begin; kh < kv_end; ++kh) {
                 const char *kk = k + kh * head_size * elt;
@@ -200,6 +208,12 @@ static inline __attribute__((always_inline)) void attend(
         const char *v = (const char *)value_cache + (block * block_size + pos % block_size) * row * elt;
         for (int64_t r = 0; r < run; r += TILE) {
             const int rows = (int)min64(TILE, run - r);
+            if (r + TILE + PF_ROWS <= run) /* the next tile's rows, PF_ROWS ahead (see pass 1) */
+                for (int64_t j = 0; j < TILE; ++j)
+                    for (const char *pf = v + ((r + PF_ROWS + j) * row + kv_begin * head_size) * elt,
+                                    *pf_end = v + ((r + PF_ROWS + j) * row + kv_end * head_size) * elt;
+                         pf < pf_end; pf += 64)
+                        __builtin_prefetch(pf, 0, 3);
             int64_t h = h_begin;
             for (int64_t kh = kv_begin; kh < kv_end; ++kh) {
                 const void *vr[TILE];
