@@ -37,6 +37,7 @@ from tokenwise.layers.quantization.weight_only import (
     QuantizedParts,
     QuantizedWeight,
     quantize,
+    stack_rows,
 )
 from tokenwise.layers.weight_utils import StackedMapping, checkpoint_names
 
@@ -146,15 +147,7 @@ def _joined(parts: list[QuantizedWeight]) -> QuantizedWeight | QuantizedParts:
     first = parts[0]
     if any(_format(p) != _format(first) for p in parts):
         return QuantizedParts(parts)
-    offsets = None if first.offsets is None else torch.cat([p.offsets for p in parts])
-    return QuantizedWeight(
-        qweight=torch.cat([p.qweight for p in parts]),
-        scales=torch.cat([p.scales for p in parts]),
-        offsets=offsets,
-        bits=first.bits,
-        group_size=first.group_size,
-        shape=(sum(p.shape[0] for p in parts), first.shape[1]),
-    )
+    return stack_rows(parts)
 
 
 def _format(weight: QuantizedWeight) -> tuple[int, bool, int, torch.dtype]:

@@ -29,7 +29,7 @@ import logging
 import torch
 from torch import nn
 
-from tokenwise.layers.quantization.weight_only import QuantizedWeight, group_multiple
+from tokenwise.layers.quantization.weight_only import QuantizedWeight, group_multiple, stack_rows
 from tokenwise.layers.weight_utils import StackedMapping, checkpoint_names
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ def rank_part(
                 return _declined(name, f"it has {part.shape[0]} rows, not {sum(full)}")
             starts = [sum(full[:i]) for i in range(len(full))]
             pieces = [slice_rows(part, s, n) for s, n in zip(starts, full, strict=True)]
-            return _cat_rows([slice_rows(p, *module.source_rows(i)) for i, p in enumerate(pieces)])
+            return stack_rows([slice_rows(p, *module.source_rows(i)) for i, p in enumerate(pieces)])
         index = 0 if shard is None else module.shard_index(shard)
         if part.shape[0] != full[index]:
             return _declined(name, f"part {shard} has {part.shape[0]} rows, not {full[index]}")
@@ -142,21 +142,6 @@ def pad_rows(weight: QuantizedWeight, count: int) -> QuantizedWeight:
         bits=weight.bits,
         group_size=weight.group_size,
         shape=(weight.shape[0] + count, weight.shape[1]),
-    )
-
-
-def _cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
-    """Slices of one record stacked again (same format: one checkpoint tensor's)."""
-    first = parts[0]
-    offsets = None if first.offsets is None else torch.cat([p.offsets for p in parts])
-    return QuantizedWeight(
-        qweight=torch.cat([p.qweight for p in parts]),
-        scales=torch.cat([p.scales for p in parts]),
-        offsets=offsets,
-        bits=first.bits,
-        group_size=first.group_size,
-        shape=(sum(p.shape[0] for p in parts), first.shape[1]),
-        input_perm=first.input_perm,
     )
 
 

@@ -155,6 +155,22 @@ class QuantizedExperts:
         return sum(w.nbytes for w in (*self.w13, *self.w2))
 
 
+def stack_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Row blocks of one format (a fused layer's q / k / v, or a record's slices) as one
+    weight: integers, scales and offsets concatenated in order (the first part's input order)."""
+    first = parts[0]
+    offsets = None if first.offsets is None else torch.cat([p.offsets for p in parts])
+    return QuantizedWeight(
+        qweight=torch.cat([p.qweight for p in parts]),
+        scales=torch.cat([p.scales for p in parts]),
+        offsets=offsets,
+        bits=first.bits,
+        group_size=first.group_size,
+        shape=(sum(p.shape[0] for p in parts), first.shape[1]),
+        input_perm=first.input_perm,
+    )
+
+
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """uint8 `[N, K / 2]` in GGUF's nibble order -> uint8 values `[N, K]` in 0..15."""
     n = packed.shape[0]
