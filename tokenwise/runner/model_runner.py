@@ -28,6 +28,7 @@ from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, S
 from tokenwise.forward_context import set_forward_context
 from tokenwise.layer_registry import get_layers_from_config
 from tokenwise.layers.cpu_prepack import prepack_linear_weights
+from tokenwise.layers.huge_pages import move_weights_to_huge_pages
 from tokenwise.loader import load_model
 from tokenwise.lora.manager import LoRAManager
 from tokenwise.runner import verify_rows
@@ -87,6 +88,8 @@ class ModelRunner(KVCacheSizingMixin):
             # Inductor cannot lower oneDNN's packed linear over our weights, and lays out its
             # own matmuls anyway: prepacking is for the eager CPU path.
             prepack_linear_weights(self.model)
+        if self.device.type == "cpu":
+            move_weights_to_huge_pages(self.model)  # decode streams them: no TLB miss per 4 KB
         # Adapter slots go into the linear layers before compilation sees the model.
         self.lora_manager: LoRAManager | None = None
         if config.lora is not None:

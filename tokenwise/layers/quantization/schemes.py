@@ -27,7 +27,6 @@ dense with a log line naming it.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ import torch
 from torch import nn
 
 from tokenwise.layers.quantization.weight_only import QuantizedExperts, group_multiple, quantize
+from tokenwise.platform import release_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ def quantize_model(
             for module in modules:
                 module.weight = meta
     if count:
-        _release_freed_memory()
+        release_freed_memory()
         logger.info(
             "quantized %d layers: %.1f MiB of weights instead of %.1f MiB",
             count,
@@ -189,7 +189,7 @@ def quantize_experts(model: nn.Module, scheme: Scheme) -> int:
             setattr(module, attr, nn.Parameter(meta, requires_grad=False))
         count += 1
     if count:
-        _release_freed_memory()
+        release_freed_memory()
     return count
 
 
@@ -206,12 +206,3 @@ def _group_size(scheme: Scheme, in_features: int) -> int | None:
         if in_features % group == 0:
             return group
     return None
-
-
-def _release_freed_memory() -> None:
-    """Hand the dense weights' freed pages back to the system (glibc keeps freed heap memory
-    for reuse, so without this the process stays as large as the dense model)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: its allocator returns large blocks by itself
