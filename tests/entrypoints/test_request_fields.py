@@ -11,15 +11,14 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from tokenwise.entrypoints.openai.errors import OpenAIError
-from tokenwise.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
+from tokenwise.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from tokenwise.entrypoints.openai.protocol_embeddings import EmbeddingRequest
+from tokenwise.entrypoints.openai.protocol_responses import ResponsesRequest
+from tokenwise.entrypoints.openai.protocol_tokenization import (
     DetokenizeRequest,
-    EmbeddingRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from tokenwise.entrypoints.openai.protocol_responses import ResponsesRequest
 from tokenwise.entrypoints.openai.request_fields import (
     IGNORED,
     REFUSED,

@@ -35,16 +35,15 @@ from tokenwise.entrypoints.openai.body_limit import BodySizeLimitMiddleware
 from tokenwise.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from tokenwise.entrypoints.openai.image_fetch import fetch_limits
 from tokenwise.entrypoints.openai.metrics import ServerMetrics
-from tokenwise.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    EmbeddingRequest,
+from tokenwise.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from tokenwise.entrypoints.openai.protocol_embeddings import EmbeddingRequest
+from tokenwise.entrypoints.openai.protocol_models import (
     LoadLoRAAdapterRequest,
     ModelList,
     UnloadLoRAAdapterRequest,
 )
 from tokenwise.entrypoints.openai.protocol_responses import ResponsesRequest
+from tokenwise.entrypoints.openai.protocol_tokenization import DetokenizeRequest
 from tokenwise.entrypoints.openai.request_fields import accept_fields
 from tokenwise.entrypoints.openai.responses_store import ResponseStore
 from tokenwise.entrypoints.openai.server_config import ServerConfig

@@ -11,6 +11,10 @@ Field names and defaults follow OpenAI's API; vLLM's sampling extensions (`top_k
 are structured outputs: OpenAI's `response_format` and vLLM's `guided_json`, `guided_regex`,
 `guided_choice` and `guided_grammar`; chat requests also take `tools` and `tool_choice`, and
 vLLM's `chat_template_kwargs`, `continue_final_message` and `include_reasoning`.
+
+Here: the completion and chat bodies, which share `GenerationRequest` and the response
+envelope. The other endpoints' bodies have a module each, beside their `serving_*` module:
+`protocol_embeddings`, `protocol_tokenization`, `protocol_models`, `protocol_responses`.
 """
 
 from __future__ import annotations
@@ -114,18 +118,6 @@ class CompletionRequest(GenerationRequest):
     add_special_tokens: bool = True  # the tokenizer's BOS (and the like) before the prompt
 
 
-class EmbeddingRequest(RequestModel):
-    """`/v1/embeddings`: `input` is a string, a batch of strings, token ids, or a batch of
-    token-id lists. `dimensions` is accepted by the schema and refused by the server (400)
-    unless the model can shorten its embeddings."""
-
-    model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
-    user: str | None = None
-
-
 class TextPart(RequestModel):
     type: Literal["text"]
     text: str
@@ -196,42 +188,12 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
     reasoning_effort: str | None = None  # ignored
 
 
-class TokenizeCompletionRequest(RequestModel):
-    """`POST /tokenize` with a prompt."""
-
-    model: str | None = None
-    prompt: str
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
-
-
-class TokenizeChatRequest(ChatTemplateFields):
-    """`POST /tokenize` with messages: the prompt a chat completion would run."""
-
-    model: str | None = None
-    return_token_strs: bool = False
-
-
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
-class DetokenizeRequest(RequestModel):
-    model: str | None = None
-    tokens: list[int]
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
-
-
 # ---- responses -----------------------------------------------------------------------------
 
 
-def _now() -> int:
+def created_now() -> int:
+    """The `created` field of every response: Unix seconds (shared by the per-endpoint
+    protocol modules)."""
     return int(time.time())
 
 
@@ -248,7 +210,7 @@ class OpenAIResponse(BaseModel):
 
     id: str
     object: str
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=created_now)
     model: str
     choices: list
     usage: UsageInfo | None = None
@@ -368,50 +330,3 @@ class ChatStreamChoice(BaseModel):
 class ChatCompletionChunk(OpenAIResponse):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatStreamChoice]
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=_now)
-    owned_by: str = "tokenwise"
-    max_model_len: int
-    root: str | None = None  # a LoRA adapter's directory
-    parent: str | None = None  # a LoRA adapter's base model
-    # What a prompt may hold: ["text"], or ["text", "image"] for a vision-language model.
-    input_modalities: list[str] = Field(default_factory=lambda: ["text"])
-
-
-class LoadLoRAAdapterRequest(RequestModel):
-    lora_name: str
-    lora_path: str
-
-
-class UnloadLoRAAdapterRequest(RequestModel):
-    lora_name: str
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class EmbeddingData(BaseModel):
-    index: int
-    object: Literal["embedding"] = "embedding"
-    # The floats, or (encoding_format "base64") their little-endian float32 bytes in base64.
-    embedding: list[float] | str
-
-
-class EmbeddingUsage(BaseModel):
-    prompt_tokens: int = 0
-    total_tokens: int = 0
-
-
-class EmbeddingResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=_now)
-    model: str
-    data: list[EmbeddingData]
-    usage: EmbeddingUsage

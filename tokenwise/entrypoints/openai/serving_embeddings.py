@@ -23,7 +23,7 @@ from fastapi.responses import Response
 from tokenwise.entrypoints.openai.access_log import record_usage, set_request_id
 from tokenwise.entrypoints.openai.async_engine import AsyncEngine, RequestStream
 from tokenwise.entrypoints.openai.errors import OpenAIError, generation_failed, invalid_request
-from tokenwise.entrypoints.openai.protocol import (
+from tokenwise.entrypoints.openai.protocol_embeddings import (
     EmbeddingData,
     EmbeddingRequest,
     EmbeddingResponse,

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 
 from tokenwise.entrypoints.openai.errors import OpenAIError
-from tokenwise.entrypoints.openai.protocol import ModelCard
+from tokenwise.entrypoints.openai.protocol_models import ModelCard
 from tokenwise.lora.peft import load_peft_adapter
 from tokenwise.lora.request import LoRARequest
 

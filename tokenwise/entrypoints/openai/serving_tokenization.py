@@ -21,7 +21,7 @@ from tokenwise.entrypoints.openai.access_log import request_id
 from tokenwise.entrypoints.openai.async_engine import AsyncEngine
 from tokenwise.entrypoints.openai.chat_rendering import render_chat
 from tokenwise.entrypoints.openai.errors import OpenAIError
-from tokenwise.entrypoints.openai.protocol import (
+from tokenwise.entrypoints.openai.protocol_tokenization import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeChatRequest,
