@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tokenwise import LLM, SamplingParams  # noqa: E402
 from tokenwise.attention.backends import cpu_kernels  # noqa: E402
+from tokenwise.engine import llm_engine  # noqa: E402
 from tokenwise.layers import cpu_gemv  # noqa: E402
 from tokenwise.layers.quantization import cpu_qgemv  # noqa: E402
 from tokenwise.model_config import cpu_flag_summary  # noqa: E402
@@ -78,7 +79,8 @@ def instrument(llm: LLM, timers: Timers) -> None:
         return out
 
     engine.step = step
-    engine._detokenize = timers.wrap("detokenize", engine._detokenize)
+    # The engine passes this module-level function to the scheduler, which calls it per token.
+    llm_engine.detokenize_token = timers.wrap("detokenize", llm_engine.detokenize_token)
     scheduler.schedule = timers.wrap("schedule", scheduler.schedule)
     scheduler.update_from_output = timers.wrap("update_from_output", scheduler.update_from_output)
     runner.execute_model = timers.wrap("execute_model", runner.execute_model)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import multiprocessing as mp
 import pickle
 import threading
 import time
@@ -33,7 +32,7 @@ import zmq
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.tp_state import free_port
 from tokenwise.engine import core_messages as msg
-from tokenwise.engine.core_process import run_engine_core
+from tokenwise.engine.core_processes import diagnose, name_ranks, start_cores
 from tokenwise.engine.core_sockets import CoreSockets, stop_cores
 from tokenwise.engine.headless import check_hosts_layout
 from tokenwise.engine.kinds.multimodal_prompts import MultiModalPrompts, ProcessedImagePrompt
@@ -77,7 +76,6 @@ class EngineCoreClient:
                 "`tokenwise serve --headless`"
             )
         check_hosts_layout(parallel)
-        num_local = parallel.local_dp_size
         self._ready_timeout_s = engine_ready_timeout_s()
         # Unfinished request id -> (its core, its weight in sequences, prompt text, token ids).
         self.groups: dict[str, tuple[int, int, str | None, list[int]]] = {}
@@ -99,26 +97,7 @@ class EngineCoreClient:
         self._io = CoreSockets(config, id(self))
         self._wake_lock = threading.Lock()
         self._control_lock = threading.Lock()
-        ctx = mp.get_context("spawn")  # fork would copy torch's threads and locks
-        self._procs = [
-            ctx.Process(
-                target=run_engine_core,
-                args=(
-                    config,
-                    rank,
-                    self._io.input_address(rank),
-                    self._io.out_address,
-                    self._io.control_address(rank),
-                ),
-                name=f"tokenwise-dp-{rank}" if self._dp else "tokenwise-engine-core",
-                # A daemon may not start processes, and under TP (PP) each core starts its
-                # workers (stages); cores also stop by themselves when this process is gone.
-                daemon=parallel.tensor_parallel_size == 1 and parallel.pipeline_parallel_size == 1,
-            )
-            for rank in range(num_local)
-        ]
-        for proc in self._procs:
-            proc.start()
+        self._procs = start_cores(config, self._io, self._dp)
         self._finalizer = weakref.finalize(self, stop_cores, self._procs, self._io)
         self._wait_until_ready()
 
@@ -281,7 +260,7 @@ class EngineCoreClient:
             )
         elif isinstance(message, msg.CoreDead):
             time.sleep(0.2)  # let a peer that died first be seen as dead: it is the cause
-            self._fail(self._diagnose({message.rank: message.message}))
+            self._fail(diagnose(self._procs, self._io, {message.rank: message.message}, self._dp))
         else:
             raise RuntimeError(f"unexpected message {type(message).__name__} from an engine core")
 
@@ -303,7 +282,7 @@ class EngineCoreClient:
                 reasons = []
                 if local_missing:
                     reasons.append(
-                        f"{self._name_ranks(local_missing)} not ready within {timeout:g} s"
+                        f"{name_ranks(local_missing, self._dp)} not ready within {timeout:g} s"
                     )
                 if self._io.remote is not None:
                     reasons.append(self._io.remote.describe_missing(ready, timeout))
@@ -332,59 +311,16 @@ class EngineCoreClient:
                 raise ValueError(reason)
             else:
                 self._handle(message, [])
-        logger.info("%s ready", self._name_ranks(sorted(ready)))
-
-    def _name(self, rank: int) -> str:
-        return f"data-parallel rank {rank}" if self._dp else "the engine core"
-
-    def _name_ranks(self, ranks: list[int]) -> str:
-        return f"data-parallel ranks {ranks}" if self._dp else "the engine core"
+        logger.info("%s ready", name_ranks(sorted(ready), self._dp))
 
     def check_health(self) -> None:
         """Raise (after stopping every core) if the client was stopped or any core is gone."""
         if self._stopped:
             raise RuntimeError(self._failure or "the engine has been shut down")
         if any(not proc.is_alive() for proc in self._procs):
-            self._fail(self._diagnose({}))
+            self._fail(diagnose(self._procs, self._io, {}, self._dp))
         if self._io.remote is not None and self._io.remote.poll() is not None:
-            self._fail(self._diagnose({}))
-
-    def _diagnose(self, reports: dict[int, str]) -> str:
-        """Name the core that caused a failure, not the first one to notice it.
-
-        When one DP rank dies, its peers fail in their next collective and report that; a rank
-        that died without reporting (killed, out of memory) is the cause, so it is named first.
-        """
-        while self._io.outbox.poll(0):
-            message = msg.decode_from_core(self._io.outbox.recv())
-            if isinstance(message, msg.CoreDead):
-                reports.setdefault(message.rank, message.message)
-        exited = [r for r, proc in enumerate(self._procs) if proc.exitcode is not None]
-        if self._io.remote is not None:
-            self._io.remote.poll()
-            exited += self._io.remote.lost  # a lost host says nothing either
-        silent = [r for r in exited if r not in reports]
-        root = silent[0] if silent else min(reports, default=exited[0] if exited else 0)
-        if root < len(self._procs):
-            proc = self._procs[root]
-            text = f"{self._name(root)} (pid {proc.pid}) "
-            text += "failed" if proc.exitcode is None else f"exited with code {proc.exitcode}"
-        else:
-            assert self._io.remote is not None
-            text = self._io.remote.describe(root)
-            text += "" if root in self._io.remote.lost else " failed"
-        also_lost = (
-            sorted(set(self._io.remote.lost) - {root}) if self._io.remote is not None else []
-        )
-        if also_lost:
-            text += f" (so did ranks {also_lost})"
-        if root in reports:
-            text += f": {reports[root].splitlines()[0]}"
-        text += "; the engine cannot continue"
-        others = sorted(set(reports) - {root})
-        if others:
-            text += f" (rank {others[0]} then failed: {reports[others[0]].splitlines()[0][:300]})"
-        return text
+            self._fail(diagnose(self._procs, self._io, {}, self._dp))
 
     def _fail(self, reason: str) -> None:
         """Stop every core at once (the survivors may be blocked in a collective with the dead

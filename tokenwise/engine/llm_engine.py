@@ -22,9 +22,13 @@ from tokenwise.batchsize_stats import get_batchsize_forward_time_summary
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.pp_worker import run_pp_worker
 from tokenwise.distributed.tp_worker import maybe_serve_torchrun_worker, run_tp_worker
-from tokenwise.engine.drafter import Drafter
 from tokenwise.engine.kinds.base import ModelKind, NewRequest
 from tokenwise.engine.kinds.select import model_kind_for
+from tokenwise.engine.output_routing import (
+    detokenize_token,
+    route_prompt_logprobs,
+    route_samples,
+)
 from tokenwise.engine.pipeline_loop import PipelineLoop
 from tokenwise.engine.prompts import (
     PromptInput,
@@ -33,22 +37,19 @@ from tokenwise.engine.prompts import (
 )
 from tokenwise.engine.request import Request, RequestStatus
 from tokenwise.engine.request_queue import check_priority
+from tokenwise.engine.speculative_setup import make_drafter
 from tokenwise.engine.stats import EngineStats, StatLogger, finished_request_line
-from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput, ScoredPromptTokens
+from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from tokenwise.engine.step_records import StepRecorder, StepRecords
-from tokenwise.engine.stop_rules import hides_token
 from tokenwise.engine.virtual_engines import VirtualEngineBlockManagers, VirtualEngineSchedulers
 from tokenwise.lora.request import LoRARequest
 from tokenwise.models.registry import is_moe_architecture
-from tokenwise.outputs import EmbeddingRequestOutput, Logprob, RequestOutput
+from tokenwise.outputs import EmbeddingRequestOutput, RequestOutput
 from tokenwise.platform import configure_cpu_allocator
 from tokenwise.pooling.params import PoolingParams
 from tokenwise.runner.pipeline_runner import PipelineModelRunner
-from tokenwise.runner.target_hidden import TargetHiddenCapture
 from tokenwise.sampling.guided.compiler import GrammarCompileCache, grammar_compile_timeout_s
 from tokenwise.sampling.params import SamplingParams
-from tokenwise.spec_decode.draft_model import DraftModelProposer
-from tokenwise.spec_decode.eagle import EagleProposer
 
 logger = logging.getLogger("tokenwise.engine")
 
@@ -136,30 +137,9 @@ class LLMEngine:
         # One record per step for the server's engine view (`step_records`; always on: cheap).
         self.step_recorder = StepRecorder(config.parallel.data_parallel_rank or 0)
         self.step_records: StepRecords = self.step_recorder.records
-        self.drafter = None
-        if config.speculative is not None:
-            if self.kind.name != "generate":
-                raise ValueError(
-                    "speculative_config applies to decoder-only generation models; this "
-                    f"model's kind is {self.kind.name!r}"
-                )
-            draft_model: DraftModelProposer | None = None
-            if config.speculative.method == "draft_model":
-                # Its own weights and KV cache, addressed by the target's block ids.
-                draft_model = DraftModelProposer(config, num_blocks, self.runner.device)
-            elif config.speculative.method in ("eagle", "eagle3", "mtp"):
-                # The same, plus the target's hidden states, which the runner now captures.
-                eagle = EagleProposer(config, num_blocks, self.runner.model, self.runner.device)
-                self.runner.hidden_capture = TargetHiddenCapture(
-                    self.runner.model, eagle.aux_layers
-                )
-                draft_model = eagle
-            self.drafter = Drafter(
-                config.speculative,
-                config.model.max_model_len,
-                draft_model,
-                self.block_manager.get_block_table,
-            )
+        self.drafter = make_drafter(
+            config, self.kind.name, self.runner, num_blocks, self.block_manager.get_block_table
+        )
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -305,10 +285,10 @@ class LLMEngine:
         for item in sched.scheduled:
             if item.num_new_tokens > 1 or item.request.num_output_tokens == 0:
                 self._stats.prompt_tokens_total += item.num_new_tokens
-        sampled = self.scheduler.update_from_output(sched, result, self._detokenize)
-        self._route_samples(sampled, result, touched)
+        sampled = self.scheduler.update_from_output(sched, result, detokenize_token)
+        route_samples(sampled, result, touched, self.groups, self.tokenizer, self._stats)
         if result.prompt_logprobs is not None:
-            self._route_prompt_logprobs(result.prompt_logprobs)
+            route_prompt_logprobs(result.prompt_logprobs, self.tokenizer)
         if self.drafter is not None:
             self.drafter.record(result, self._stats)
         for req in self.kind.record_pooled(result):
@@ -331,82 +311,6 @@ class LLMEngine:
         self.step_recorder.end(self, sched, outputs)
         self._stat_logger.maybe_log(self.get_stats())
         return outputs
-
-    def _detokenize(self, req: Request, token: int) -> str | None:
-        """Feed one sampled token to its request's detokenizer, before the scheduler appends it.
-
-        Returns the stop string the token completed, if any, for the scheduler's stop rules. As
-        in vLLM, a stop token ends the text without appearing in it, so such a token is not
-        detokenized (`stop_rules.hides_token`).
-        """
-        if req.detokenizer is None or hides_token(req, token):
-            return None
-        return req.detokenizer.add_token(token)
-
-    def _route_samples(
-        self,
-        sampled: list[tuple[Request, int]],
-        result: ModelRunnerOutput,
-        touched: dict[str, list[Request]],
-    ) -> None:
-        """Record each kept token (and its logprobs) on its request, for the next output.
-
-        `sampled` pairs each request with how many of its emitted tokens it kept (a stop cuts
-        the rest); logprob rows follow the emitted tokens, request after request.
-        """
-        now = time.monotonic()
-        lp = result.logprobs
-        lp_ids = lp.token_ids.tolist() if lp is not None else None
-        lp_vals = lp.logprobs.tolist() if lp is not None else None
-        lp_ranks = lp.ranks.tolist() if lp is not None else None
-        row = 0
-        for (req, kept), tokens in zip(sampled, result.sampled_token_ids, strict=True):
-            touched[req.group_id] = self.groups[req.group_id]
-            if req.first_token_time is None:
-                req.first_token_time = now
-            num_logprobs = req.sampling_params.logprobs
-            for offset, token in enumerate(tokens[:kept]):
-                req.new_token_ids.append(token)
-                if num_logprobs is not None and lp_ids is not None:
-                    r = row + offset
-                    entry = self._logprob_entry(token, num_logprobs, lp_ids[r], lp_vals[r])
-                    entry[token].rank = lp_ranks[r]
-                    req.new_logprobs.append(entry)
-                    req.cumulative_logprob += lp_vals[r][0]
-            self._stats.generation_tokens_total += kept
-            row += len(tokens)
-
-    def _route_prompt_logprobs(self, scored: ScoredPromptTokens) -> None:
-        """Append a step's prompt-token logprobs to their requests' lists, in prompt order.
-
-        Only a token right after a list's end is taken, so a prompt scored again (it cannot
-        be: the runner scores only past the end) would still not be reported twice.
-        """
-        lp = scored.logprobs
-        ids, values, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
-        row = 0
-        for req, first, count in scored.requests:
-            entries = req.prompt_logprobs
-            num = req.sampling_params.prompt_logprobs or 0
-            for k in range(count):
-                if entries is not None and first + k == len(entries):
-                    token = req.prompt_token_ids[first + k]
-                    entry = self._logprob_entry(token, num, ids[row + k], values[row + k])
-                    entry[token].rank = ranks[row + k]
-                    entries.append(entry)
-            row += count
-
-    def _logprob_entry(
-        self, token: int, num: int, ids: list[int], values: list[float]
-    ) -> dict[int, Logprob]:
-        """The sampled token (column 0) plus the top-`num` tokens, decoded when possible."""
-        entry = {token: Logprob(values[0])}
-        for j in range(1, num + 1):
-            entry.setdefault(ids[j], Logprob(values[j], j))
-        if self.tokenizer is not None:
-            for tid, value in entry.items():
-                value.decoded_token = self.tokenizer.decode([tid])
-        return entry
 
     def _make_output(
         self, request_id: str, samples: list[Request]

@@ -41,16 +41,19 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
 from tokenwise.config import SchedulerConfig
-from tokenwise.engine.block_manager import BlockManager, ImageSpans
+from tokenwise.engine.block_manager import BlockManager
 from tokenwise.engine.request import Request, RequestStatus
 from tokenwise.engine.request_queue import create_request_queue
+from tokenwise.engine.scheduler_hooks import KindHooks
+from tokenwise.engine.step_apply import apply_forward_pass, drafts_to_verify
 from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from tokenwise.engine.stop_rules import check_stop
 
 __all__ = ["Scheduler", "ScheduledRequest", "SchedulerOutput"]
 
 
-class Scheduler:
+class Scheduler(KindHooks):
+    """The decoder-only scheduler; a model kind changes it through `KindHooks`."""
+
     def __init__(
         self,
         config: SchedulerConfig,
@@ -93,33 +96,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    # ---- what a model kind adds when a request is admitted (nothing, for a decoder) ----------
-
-    def admission_tokens(self, request: Request) -> int:
-        """Tokens the request runs besides its own in the step that admits it (and again after
-        a preemption), sharing that step's token budget. None for a decoder-only model."""
-        return 0
-
-    def admission_blocks(self, request: Request) -> int:
-        """Blocks the request holds in its other KV-cache groups while it runs (none here)."""
-        return 0
-
-    def allocate_admission_blocks(self, request: Request) -> list[int] | None:
-        """Allocate those blocks, all or nothing (None: the pool is short)."""
-        return []
-
-    def drop_chunk(self, request: Request) -> None:
-        """The chunk `limit_chunk` allowed is not scheduled after all (no blocks for it)."""
-
-    def image_spans(self, request: Request) -> ImageSpans:
-        """The images of the request's prompt, which key its blocks' hashes (none here)."""
-        return ()
-
-    def limit_chunk(self, request: Request, num_computed: int, num_new: int) -> int:
-        """How many of `num_new` tokens the request's next chunk may take (all, here; 0: none
-        this step). A kind whose inputs must not be cut shortens chunks to end before them."""
-        return num_new
-
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
@@ -134,7 +110,7 @@ class Scheduler:
             if num_new <= 0:
                 idx += 1
                 continue
-            spec = self._drafts_to_verify(req, num_new, budget)
+            spec = drafts_to_verify(req, num_new, budget, self.max_model_len)
             num_new += len(spec)
             while True:
                 new_blocks = bm.allocate_slots(
@@ -272,55 +248,14 @@ class Scheduler:
         the token completed, if any; every stop rule (`stop_rules.check_stop`) is then applied
         here, once per token.
 
-        Rejected drafts roll back here: the request's computed tokens count only its accepted
-        drafts, so the next step overwrites the K/V the rejected ones left in the cache.
+        Rejected drafts roll back here (`step_apply.apply_forward_pass`).
         """
-        for item in scheduler_output.scheduled:
-            item.request.num_computed_tokens += item.num_new_tokens
-        sampled: list[tuple[Request, int]] = []
-        finished: dict[RequestStatus, list[Request]] = {}
-        for item, tokens in zip(
-            runner_output.sampled_requests, runner_output.sampled_token_ids, strict=True
-        ):
-            req = item.request
-            if item.spec_token_ids:  # the drafts after the first rejected one were not kept
-                req.num_computed_tokens -= len(item.spec_token_ids) - (len(tokens) - 1)
-            kept = 0
-            for token in tokens:
-                stop_str = on_token(req, token) if on_token is not None else None
-                req.append_output_token(token)
-                kept += 1
-                status = check_stop(req, token, stop_str, self.max_model_len)
-                if status is not None:
-                    finished.setdefault(status, []).append(req)
-                    break
-            sampled.append((req, kept))
-        # A pooled request (an embedding) is complete once its step ran.
-        pooled = [item.request for item in runner_output.pooled_requests]
-        if pooled:
-            finished.setdefault(RequestStatus.FINISHED_STOPPED, []).extend(pooled)
+        sampled, finished = apply_forward_pass(
+            scheduler_output, runner_output, on_token, self.max_model_len
+        )
         for status, reqs in finished.items():
             self.finish_requests(reqs, status)
         return sampled
-
-    def _drafts_to_verify(self, req: Request, num_new: int, budget: int) -> list[int]:
-        """The drafts `req` verifies this step: its proposed ones, cut to what fits.
-
-        Only a decode step (one new token) carries drafts. They must fit the step's token
-        budget and the model length, and no more tokens may be emitted than `max_tokens`
-        allows (the drafts plus one drawn token). The request's proposal is consumed either way.
-        """
-        spec = req.spec_token_ids
-        if not spec:  # every step of every request without drafts: no allocation here
-            return []
-        req.spec_token_ids = []
-        if num_new != 1:
-            return []
-        room = min(budget - 1, self.max_model_len - req.num_tokens)
-        max_tokens = req.sampling_params.max_tokens
-        if max_tokens is not None:
-            room = min(room, max_tokens - req.num_output_tokens - 1)
-        return spec[: max(room, 0)]
 
     def _scheduled(
         self,

@@ -37,6 +37,7 @@ from tokenwise.config import EngineConfig
 from tokenwise.layers.layernorm import GemmaRMSNorm
 from tokenwise.models.clip_vision import CLIPVisionTower
 from tokenwise.models.gemma3 import Gemma3ForCausalLM
+from tokenwise.models.image_merge import decode_with_images
 from tokenwise.models.llava import IMAGE_MODULES, checkpoint_name, image_token_id
 
 
@@ -109,14 +110,14 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         image_token_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`image_embeds[i]` replaces the embedding of flat token `image_token_rows[i]`."""
-        if image_embeds is None or image_token_rows is None:
-            return self.model(input_ids, positions)
+        return decode_with_images(
+            self.model, self._embed_text, input_ids, positions, image_embeds, image_token_rows
+        )
+
+    def _embed_text(self, input_ids: torch.Tensor) -> torch.Tensor:
         # Real checkpoints put the soft token past the text vocabulary (HF embeds it as 0);
         # its embedding is overwritten either way.
-        ids = input_ids.masked_fill(input_ids >= self.vocab_size, 0)
-        embeds = self.model.embed(ids)
-        embeds = embeds.index_copy(0, image_token_rows, image_embeds.to(embeds.dtype))
-        return self.model(input_ids, positions, inputs_embeds=embeds)
+        return self.model.embed(input_ids.masked_fill(input_ids >= self.vocab_size, 0))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The decoder's tensors through Gemma's loader (fused q/k/v and gate/up, tied head);

@@ -31,6 +31,7 @@ from torch import nn
 
 from tokenwise.config import EngineConfig
 from tokenwise.models.clip_vision import CLIPVisionTower, activation
+from tokenwise.models.image_merge import decode_with_images
 from tokenwise.models.llama import DecoderVariant, LlamaForCausalLM
 from tokenwise.models.qwen2 import Qwen2ForCausalLM
 
@@ -138,11 +139,14 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         image_token_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`image_embeds[i]` replaces the embedding of flat token `image_token_rows[i]`."""
-        if image_embeds is None or image_token_rows is None:
-            return self.model(input_ids, positions)
-        embeds = self.model.embed_tokens(input_ids)
-        embeds = embeds.index_copy(0, image_token_rows, image_embeds.to(embeds.dtype))
-        return self.model(input_ids, positions, inputs_embeds=embeds)
+        return decode_with_images(
+            self.model,
+            self.model.embed_tokens,
+            input_ids,
+            positions,
+            image_embeds,
+            image_token_rows,
+        )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The decoder's tensors through the text model's loader (which fuses q/k/v and

@@ -26,6 +26,7 @@ import torch
 from tokenwise.config import EngineConfig
 from tokenwise.layers.mrope import MRotaryEmbedding, get_mrope_section
 from tokenwise.layers.rotary_embedding import get_rope_config
+from tokenwise.models.image_merge import decode_with_images
 from tokenwise.models.llava import image_token_id
 from tokenwise.models.qwen2 import Qwen2ForCausalLM
 from tokenwise.models.qwen2_5_vl_vision import Grid, Qwen2_5_VisionTower
@@ -91,11 +92,14 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         embedding of flat token `image_token_rows[i]`."""
         if mrope_positions is not None:
             positions = mrope_positions
-        if image_embeds is None or image_token_rows is None:
-            return self.model(input_ids, positions)
-        embeds = self.model.embed_tokens(input_ids)
-        embeds = embeds.index_copy(0, image_token_rows, image_embeds.to(embeds.dtype))
-        return self.model(input_ids, positions, inputs_embeds=embeds)
+        return decode_with_images(
+            self.model,
+            self.model.embed_tokens,
+            input_ids,
+            positions,
+            image_embeds,
+            image_token_rows,
+        )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The decoder's tensors through Qwen2's loader (fusing q/k/v and gate/up); the vision

@@ -118,12 +118,15 @@ LAYERS: tuple[Layer, ...] = (
             "tokenwise.engine.block_pool",
             "tokenwise.engine.block_manager",
             "tokenwise.engine.request_queue",
+            "tokenwise.engine.scheduler_hooks",
             "tokenwise.engine.scheduler",
+            "tokenwise.engine.step_apply",
             "tokenwise.engine.stop_rules",
             "tokenwise.engine.detokenizer",
             "tokenwise.engine.prompts",
             "tokenwise.engine.stats",
             "tokenwise.engine.step_records",
+            "tokenwise.engine.output_routing",
             "tokenwise.engine.drafter",
             "tokenwise.engine.virtual_engines",
             "tokenwise.engine.kinds",
@@ -161,7 +164,7 @@ LAYERS: tuple[Layer, ...] = (
     # Pipeline parallelism's loop: P micro-batches in flight over the virtual engines.
     Layer("pipeline loop", ("tokenwise.engine.pipeline_loop",)),
     # The engine loop: the same for every kind.
-    Layer("engine loop", ("tokenwise.engine.llm_engine",)),
+    Layer("engine loop", ("tokenwise.engine.llm_engine", "tokenwise.engine.speculative_setup")),
     # Engines callers drive (`EngineClient`): the in-process engine, and the client of
     # engine-core processes (one, or one per DP rank, some of them on other hosts) with its
     # wire messages; `create_engine` picks one.
@@ -172,6 +175,7 @@ LAYERS: tuple[Layer, ...] = (
             "tokenwise.engine.remote_ranks",
             "tokenwise.engine.core_sockets",
             "tokenwise.engine.core_process",
+            "tokenwise.engine.core_processes",
             "tokenwise.engine.remote_core",
             "tokenwise.engine.headless",
             "tokenwise.engine.core_client",

@@ -1,0 +1,32 @@
+"""Image rows in place of their placeholder tokens' text embeddings, then the decoder.
+
+The one step every vision-language model here shares (LLaVA, Gemma 3, Qwen2.5-VL): the runner
+hands the model this step's image embedding rows and the flat indices of the placeholder
+tokens they belong to; the model embeds the text, overwrites those rows, and runs its decoder
+on the merged embeddings. A step without image rows runs the decoder on the token ids, so a
+text-only step costs nothing extra. Only the text embedding differs between the models (Gemma
+3's placeholder id lies past its text vocabulary), so that is what each passes in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def decode_with_images(
+    decoder: Callable[..., torch.Tensor],
+    embed_text: Callable[[torch.Tensor], torch.Tensor],
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    image_embeds: torch.Tensor | None,
+    image_token_rows: torch.Tensor | None,
+) -> torch.Tensor:
+    """`decoder(input_ids, positions)`, with `image_embeds[i]` replacing the text embedding of
+    flat token `image_token_rows[i]` (`embed_text(input_ids)`, cast to its dtype)."""
+    if image_embeds is None or image_token_rows is None:
+        return decoder(input_ids, positions)
+    embeds = embed_text(input_ids)
+    embeds = embeds.index_copy(0, image_token_rows, image_embeds.to(embeds.dtype))
+    return decoder(input_ids, positions, inputs_embeds=embeds)
