@@ -16,16 +16,15 @@ activation timeout, carries the last stage's logits back to the engine.
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from tokenwise.distributed.tp_state import (
-    ACTIVATION_TIMEOUT_S,
     IDLE_TIMEOUT,
     destroy_tp_group,
     init_tp_group,
+    join_world,
 )
 
 __all__ = [
@@ -117,16 +116,8 @@ def init_pp_group(
     global _pp_rank, _pp_size, _tp_size, _idle_group, _owns_default_group
     if _idle_group is not None:
         raise RuntimeError("the pipeline-parallel group is already initialised")
-    cuda = str(device).startswith("cuda")
     world = pp_size * tp_size
-    if not dist.is_initialized():
-        dist.init_process_group(
-            backend="cpu:gloo,cuda:nccl" if cuda else "gloo",
-            init_method=init_method or "env://",
-            world_size=world,
-            rank=pp_rank * tp_size + tp_rank,
-            timeout=timedelta(seconds=ACTIVATION_TIMEOUT_S),
-        )
+    if join_world(world, pp_rank * tp_size + tp_rank, init_method, device):
         _owns_default_group = True
     if dist.get_world_size() != world:
         raise ValueError(

@@ -26,6 +26,7 @@ __all__ = [
     "get_tp_size",
     "init_tp_group",
     "is_tp_initialized",
+    "join_world",
     "tp_all_gather",
     "tp_all_reduce",
 ]
@@ -47,6 +48,24 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def join_world(world: int, rank: int, init_method: str | None, device: str) -> bool:
+    """Join torch.distributed's default group as `rank` of `world`, unless already in one;
+    True when this call created it (its owner destroys it). Shared by the TP and PP groups:
+    gloo on CPU (NCCL too on CUDA), with the activation timeout. `init_method`: a spawned
+    world's `tcp://` rendezvous, or None for torchrun's environment (MASTER_ADDR, RANK, ...)."""
+    if dist.is_initialized():
+        return False
+    cuda = str(device).startswith("cuda")
+    dist.init_process_group(
+        backend="cpu:gloo,cuda:nccl" if cuda else "gloo",
+        init_method=init_method or "env://",
+        world_size=world,
+        rank=rank,
+        timeout=timedelta(seconds=ACTIVATION_TIMEOUT_S),
+    )
+    return True
+
+
 def init_tp_group(
     tp_size: int,
     tp_rank: int,
@@ -65,16 +84,8 @@ def init_tp_group(
     global _tp_group, _tp_cpu_group, _tp_rank, _tp_size, _owns_default_group
     if _tp_group is not None:
         raise RuntimeError("the tensor-parallel group is already initialised")
-    cuda = str(device).startswith("cuda")
     world = dp_size * tp_size
-    if not dist.is_initialized():
-        dist.init_process_group(
-            backend="cpu:gloo,cuda:nccl" if cuda else "gloo",
-            init_method=init_method or "env://",
-            world_size=world,
-            rank=dp_rank * tp_size + tp_rank,
-            timeout=timedelta(seconds=ACTIVATION_TIMEOUT_S),
-        )
+    if join_world(world, dp_rank * tp_size + tp_rank, init_method, device):
         _owns_default_group = True
     if dist.get_world_size() != world:
         raise ValueError(
