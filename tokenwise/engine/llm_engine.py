@@ -138,7 +138,7 @@ class LLMEngine:
         self.step_recorder = StepRecorder(config.parallel.data_parallel_rank or 0)
         self.step_records: StepRecords = self.step_recorder.records
         self.drafter = make_drafter(
-            config, self.kind.name, self.runner, num_blocks, self.block_manager.get_block_table
+            config, self.kind.name, self.runner, num_blocks, self.block_manager
         )
 
     # ---- requests -----------------------------------------------------------------------------

@@ -9,7 +9,6 @@ that asks it for drafts every step, and the runner. The loop itself only calls t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from typing import Any
 
 from tokenwise.config import EngineConfig
@@ -24,10 +23,11 @@ def make_drafter(
     kind_name: str,
     runner: Any,
     num_blocks: int,
-    get_block_table: Callable[[str], Sequence[int]],
+    block_manager: Any,
 ) -> Drafter | None:
     """The `Drafter` for `config.speculative` (None when it is not set); a model kind other
-    than "generate" is refused, naming `speculative_config`."""
+    than "generate" is refused, naming `speculative_config`. `block_manager` is only read
+    when speculation is on (under pipeline parallelism it has no single block table)."""
     spec = config.speculative
     if spec is None:
         return None
@@ -45,4 +45,4 @@ def make_drafter(
         eagle = EagleProposer(config, num_blocks, runner.model, runner.device)
         runner.hidden_capture = TargetHiddenCapture(runner.model, eagle.aux_layers)
         draft_model = eagle
-    return Drafter(spec, config.model.max_model_len, draft_model, get_block_table)
+    return Drafter(spec, config.model.max_model_len, draft_model, block_manager.get_block_table)

@@ -111,7 +111,7 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     ) -> torch.Tensor:
         """`image_embeds[i]` replaces the embedding of flat token `image_token_rows[i]`."""
         return decode_with_images(
-            self.model, self._embed_text, input_ids, positions, image_embeds, image_token_rows
+            self.model, input_ids, positions, image_embeds, image_token_rows, self._embed_text
         )
 
     def _embed_text(self, input_ids: torch.Tensor) -> torch.Tensor:

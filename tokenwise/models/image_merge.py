@@ -5,7 +5,7 @@ hands the model this step's image embedding rows and the flat indices of the pla
 tokens they belong to; the model embeds the text, overwrites those rows, and runs its decoder
 on the merged embeddings. A step without image rows runs the decoder on the token ids, so a
 text-only step costs nothing extra. Only the text embedding differs between the models (Gemma
-3's placeholder id lies past its text vocabulary), so that is what each passes in.
+3's placeholder id lies past its text vocabulary), so that is what a model may pass in.
 """
 
 from __future__ import annotations
@@ -16,17 +16,18 @@ import torch
 
 
 def decode_with_images(
-    decoder: Callable[..., torch.Tensor],
-    embed_text: Callable[[torch.Tensor], torch.Tensor],
+    decoder: torch.nn.Module,
     input_ids: torch.Tensor,
     positions: torch.Tensor,
     image_embeds: torch.Tensor | None,
     image_token_rows: torch.Tensor | None,
+    embed_text: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`decoder(input_ids, positions)`, with `image_embeds[i]` replacing the text embedding of
-    flat token `image_token_rows[i]` (`embed_text(input_ids)`, cast to its dtype)."""
+    flat token `image_token_rows[i]` (cast to the text embeddings' dtype). `embed_text`: how
+    the model embeds token ids; by default the decoder's `embed_tokens`."""
     if image_embeds is None or image_token_rows is None:
         return decoder(input_ids, positions)
-    embeds = embed_text(input_ids)
+    embeds = (embed_text or decoder.embed_tokens)(input_ids)
     embeds = embeds.index_copy(0, image_token_rows, image_embeds.to(embeds.dtype))
     return decoder(input_ids, positions, inputs_embeds=embeds)

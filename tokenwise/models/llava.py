@@ -139,14 +139,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         image_token_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`image_embeds[i]` replaces the embedding of flat token `image_token_rows[i]`."""
-        return decode_with_images(
-            self.model,
-            self.model.embed_tokens,
-            input_ids,
-            positions,
-            image_embeds,
-            image_token_rows,
-        )
+        return decode_with_images(self.model, input_ids, positions, image_embeds, image_token_rows)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The decoder's tensors through the text model's loader (which fuses q/k/v and

@@ -92,14 +92,7 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         embedding of flat token `image_token_rows[i]`."""
         if mrope_positions is not None:
             positions = mrope_positions
-        return decode_with_images(
-            self.model,
-            self.model.embed_tokens,
-            input_ids,
-            positions,
-            image_embeds,
-            image_token_rows,
-        )
+        return decode_with_images(self.model, input_ids, positions, image_embeds, image_token_rows)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The decoder's tensors through Qwen2's loader (fusing q/k/v and gate/up); the vision
