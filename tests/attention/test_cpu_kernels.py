@@ -292,7 +292,7 @@ def test_decode_step_writes_kv_then_matches_paged_decode(
         case["scale"],
         expected,
     )
-    assert cpu_kernels.step_usable(query, key, kv_cache)
+    assert cpu_kernels.step_usable(query, key, value, kv_cache)
     out = cpu_kernels.decode_step(
         cpu_kernels.load(),
         query.contiguous(),

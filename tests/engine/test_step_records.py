@@ -90,7 +90,10 @@ def test_engine_records_every_token_of_a_known_workload(llm: LLM) -> None:
     assert sum(r.finished for r in steps) == 3 and steps[-1].finished == 3
     assert steps[-1].num_running == 0 and steps[-1].kv_used == 0
     assert all(r.kv_used + r.kv_cached + r.kv_free == NUM_BLOCKS for r in steps)
-    assert all(r.graph_mode == "NONE" and r.descriptor is None for r in steps)  # CPU: eager
+    # On CPU the prefill runs eagerly and every decode step of 3 replays the CPU graph of 4.
+    assert first.graph_mode == "NONE" and first.descriptor is None
+    assert all(r.graph_mode == "FULL" for r in steps[1:])
+    assert all(r.descriptor["num_tokens"] == 4 and r.descriptor["uniform"] for r in steps[1:])
     assert all(0 < r.forward_ms <= r.step_ms for r in steps)
 
 

@@ -141,3 +141,40 @@ def test_argmax_equals_torch_on_ties_and_nan(rows: int) -> None:
     x[-1, 0] = float("inf")
     assert torch.equal(cpu_fused.argmax(x), x.argmax(dim=-1))
     assert int(cpu_fused.argmax(x)[0]) == 37
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [1, 100, 256, 300, 2048])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_silu_and_mul_equals_torch_within_a_rounding(dtype: torch.dtype, d: int, rows: int) -> None:
+    """silu(gate) * up as torch rounds it; the exponential is a polynomial, so silu may differ
+    by a float32 ulp and its bf16 rounding (rarely) by one bf16 ulp."""
+    x = (torch.randn(rows, 2 * d, generator=torch.Generator().manual_seed(d)) * 6).to(dtype)
+    x[0, :4] = torch.tensor([0.0, -100.0, 100.0, -20.0], dtype=dtype)[: min(4, 2 * d)]
+    gate, up = x.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate).mul_(up)
+    got = cpu_fused.silu_and_mul(x)
+    assert got is not None and got.shape == want.shape and got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-30)
+    else:  # one bf16 ulp of silu, times up, then the product's own rounding
+        bound = (want.float().abs() * 2**-7 + 1e-30).max()
+        assert (got.float() - want.float()).abs().max() <= bound
+        assert (got == want).float().mean() > 0.99  # most values are the same bits
+
+
+def test_silu_and_mul_declines_prefill_sizes_odd_widths_and_strided_rows() -> None:
+    assert cpu_fused.silu_and_mul(torch.randn(cpu_fused.MAX_ROWS + 1, 8)) is None
+    assert cpu_fused.silu_and_mul(torch.randn(2, 7)) is None
+    assert cpu_fused.silu_and_mul(torch.randn(2, 16)[:, :8]) is None
+    assert cpu_fused.silu_and_mul(torch.randn(2, 8, dtype=torch.float16)) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embedding_rows_equal_torch(dtype: torch.dtype) -> None:
+    table = torch.randn(50, 24).to(dtype)
+    ids = torch.tensor([3, 0, 49, 3])
+    got = cpu_fused.embedding_rows(ids, table)
+    assert got is not None and torch.equal(got, torch.nn.functional.embedding(ids, table))
+    assert cpu_fused.embedding_rows(ids.to(torch.int32), table) is None
+    assert cpu_fused.embedding_rows(torch.arange(cpu_fused.MAX_ROWS + 1), table) is None

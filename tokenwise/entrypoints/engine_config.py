@@ -51,17 +51,26 @@ def resolve_cudagraph_mode(
     device: str,
     enforce_eager: bool,
     moe_needs_host: bool = False,
+    cpu_graphs: bool = False,
 ) -> CUDAGraphMode:
     """The CUDA-graph mode: as asked (checked against device and eagerness), or the default.
 
-    Default: NONE on CPU and with enforce_eager; on CUDA, FULL_AND_PIECEWISE (whole decode steps
-    and compiled pieces of mixed steps are replayed) when the attention backend's decode can be
-    captured, else PIECEWISE. MoE models whose expert op reads per-expert token counts on the
-    host (`moe_needs_host`: no grouped matmul for the device and dtype) get PIECEWISE at most,
+    Default on CUDA: FULL_AND_PIECEWISE (whole decode steps and compiled pieces of mixed steps
+    are replayed) when the attention backend's decode can be captured, else PIECEWISE; NONE
+    with enforce_eager. MoE models whose expert op reads per-expert token counts on the host
+    (`moe_needs_host`: no grouped matmul for the device and dtype) get PIECEWISE at most,
     since no captured graph can hold a host read; the graph is cut there like at attention.
+
+    On CPU the graphs are recordings of the C kernels a decode step calls
+    (`tokenwise.compilation.cpu_graph`): FULL_DECODE_ONLY by default (`cpu_graphs`: eagerness
+    was not asked for and the model kind allows them), FULL_DECODE_ONLY or FULL when asked;
+    sizes whose forward is not all C kernels run eagerly. Piecewise graphs need a GPU.
     """
+    on_cuda = device.startswith("cuda")
     if cudagraph_mode is None:
-        if enforce_eager or not device.startswith("cuda"):
+        if not on_cuda:
+            return CUDAGraphMode.FULL_DECODE_ONLY if cpu_graphs else CUDAGraphMode.NONE
+        if enforce_eager:
             return CUDAGraphMode.NONE
         if moe_needs_host:
             return CUDAGraphMode.PIECEWISE
@@ -81,11 +90,19 @@ def resolve_cudagraph_mode(
             "their token counts per expert are read on the host; bf16 on sm90+ has one); use "
             "cudagraph_mode=PIECEWISE"
         )
-    if not device.startswith("cuda"):
-        raise ValueError(
-            f"cudagraph_mode={mode.name} needs a CUDA device, but device is {device!r}; "
-            "use cudagraph_mode=NONE"
-        )
+    if not on_cuda:
+        if not cpu_graphs:
+            raise ValueError(
+                f"cudagraph_mode={mode.name} on CPU replays the C kernels of an eager forward: "
+                "it cannot be combined with enforce_eager (True: no graphs; False: "
+                "compilation), nor with this model kind or parallel layout; drop one of them"
+            )
+        if mode.requires_piecewise_compilation():
+            raise ValueError(
+                f"cudagraph_mode={mode.name} replays compiled pieces, which needs a CUDA device, "
+                f"but device is {device!r}; on CPU use FULL_DECODE_ONLY (the default) or NONE"
+            )
+        return mode
     if enforce_eager:
         raise ValueError(
             f"cudagraph_mode={mode.name} cannot be combined with enforce_eager=True (eager "
@@ -145,6 +162,8 @@ def build_engine_config(
     from tokenwise.default_model import resolve_model_path
 
     device = device or default_device()
+    # CPU graphs (recorded C kernels) unless eagerness is asked for or a model kind rules it.
+    cpu_graphs = enforce_eager is None
     if enforce_eager is None:
         # On CPU compiling costs 15+ s and gained only 3-16% in decode (PERF_NOTES), so eager
         # is the default there; on GPU compilation is what makes the small kernels cheap.
@@ -173,7 +192,8 @@ def build_engine_config(
             model_config.model, model_config.architectures, override_pooler_config
         )
         check_embed_settings(data_parallel_size, tensor_parallel_size, cudagraph_mode)
-        enforce_eager, cudagraph_mode = True, None  # see tokenwise.engine.kinds.pooling_runner
+        # See tokenwise.engine.kinds.pooling_runner.
+        enforce_eager, cudagraph_mode, cpu_graphs = True, None, False
     elif override_pooler_config is not None:
         raise ValueError("override_pooler_config applies to task='embed' models only")
     if is_encoder_decoder_architecture(model_config.architectures):
@@ -181,12 +201,13 @@ def build_engine_config(
         if cudagraph_mode is None or CUDAGraphMode.parse(cudagraph_mode) == CUDAGraphMode.NONE:
             # Compiled and graphed only when a graph mode is asked for: that path is tested on
             # CPU with capture faked, not yet on a GPU (tokenwise.engine.kinds.encoder_decoder_runner).
-            enforce_eager = True
+            enforce_eager, cpu_graphs = True, False
     if is_multimodal_architecture(model_config.architectures):
         check_multimodal_settings(
             model_config, limit_mm_per_prompt, data_parallel_size, tensor_parallel_size
         )
-        enforce_eager, cudagraph_mode = True, None  # see engine/kinds/multimodal_runner.py
+        # See engine/kinds/multimodal_runner.py.
+        enforce_eager, cudagraph_mode, cpu_graphs = True, None, False
     else:  # a text-only model refuses every image, whatever the limit says
         model_config.limit_mm_per_prompt = parse_limit_mm_per_prompt(limit_mm_per_prompt)
     speculative = None
@@ -202,6 +223,8 @@ def build_engine_config(
                 "speculative_config applies to text-only decoder generation models, not to "
                 f"{', '.join(model_config.architectures)}"
             )
+        if speculative.method in ("eagle", "eagle3", "mtp"):
+            cpu_graphs = False  # the head reads the target's hidden states eagerly
         if speculative.method in SPEC_MODEL_METHODS and tensor_parallel_size > 1:
             # The draft (or EAGLE / MTP head) runs on the driver alone, unsharded; its layers
             # would read the TP rank.
@@ -213,11 +236,13 @@ def build_engine_config(
     is_moe = is_moe_architecture(model_config.architectures)
     collectives = (data_parallel_size > 1 and is_moe) or tensor_parallel_size > 1
     collectives = collectives or pipeline_parallel_size > 1
+    if collectives:
+        cpu_graphs = False  # CPU graphs record kernels, not collectives
     if collectives and not enforce_eager:
         # Layers that talk to other ranks run eagerly for now: captured collectives are
         # not verified yet (no GPU was at hand when this was built).
         logger.info("tensor or pipeline parallelism, or DP with MoE, runs eagerly (no graphs)")
-        enforce_eager, cudagraph_mode = True, None
+        enforce_eager, cudagraph_mode, cpu_graphs = True, None, False
     hf = model_config.hf_config
     moe_needs_host = False
     if is_moe:
@@ -225,7 +250,9 @@ def build_engine_config(
         moe_needs_host = not grouped_mm_available(
             device, model_config.dtype, (hf.hidden_size, moe_size)
         )
-    mode = resolve_cudagraph_mode(cudagraph_mode, device, enforce_eager, moe_needs_host)
+    mode = resolve_cudagraph_mode(
+        cudagraph_mode, device, enforce_eager, moe_needs_host, cpu_graphs and not is_moe
+    )
     parallel = ParallelConfig(
         data_parallel_size=data_parallel_size,
         tensor_parallel_size=tensor_parallel_size,

@@ -15,6 +15,12 @@
  * - the sum of squares adds in torch's order for an inner float32 sum (ATen's cascade sum over
  *   8-float vectors, four interleaved accumulators, levels of 16 steps; the vector width of
  *   its reduction kernels on x86), then divides by n, as `mean` does on CPU.
+ * The gated activation (`tw_act_mul`) is the exception: its exponential is a polynomial, not
+ * torch's, so silu may differ by a float32 ulp and, rarely, its bf16 rounding by one bf16 ulp.
+ *
+ * Each kernel also has a `_packed` entry taking its arguments as one int64 array (pointers and
+ * integers as they are, a float's bits in the low half): a replayed CPU graph
+ * (tokenwise/compilation/cpu_graph.py) calls every recorded kernel through that one signature.
  */
 #include <math.h>
 #include <stdint.h>
@@ -249,3 +255,126 @@ void tw_argmax(const float *x, int64_t rows, int64_t n, int64_t *out) {
         out[r] = first_at(row, n, best, nan);
     }
 }
+
+/* exp(x) within a few float ulps (the exponent by rounding, the rest by a degree-6
+ * polynomial on |r| <= ln2/2), as plain arithmetic the compiler vectorises; tiny below -87,
+ * infinite above 88.72 (as expf overflows). 2^n is applied in two halves so that n = 128
+ * overflows the product, not the exponent field. */
+static inline float exp_poly(float x) {
+    x = x < -87.0f ? -87.0f : (x > 89.0f ? 89.0f : x);
+    const float t = x * 1.44269504088896341f;
+    const int n = (int)(t + (t >= 0.0f ? 0.5f : -0.5f));
+    const float r = x - (float)n * 0.693145751953125f - (float)n * 1.42860682030941723e-6f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int n1 = n / 2;
+    const uint32_t bits1 = (uint32_t)(n1 + 127) << 23, bits2 = (uint32_t)(n - n1 + 127) << 23;
+    float scale1, scale2;
+    memcpy(&scale1, &bits1, sizeof scale1);
+    memcpy(&scale2, &bits2, sizeof scale2);
+    return p * scale1 * scale2;
+}
+
+/* `exp_poly` of AW values at once, the same operations in the same order (so the same
+ * results), written with vector types: the scalar version's clamps are branches to GCC
+ * (float compares may trap), which keeps it from vectorising that loop. */
+static inline vf16 select16(vi16 mask, vf16 a, vf16 b) {
+    return (vf16)(((vi16)a & mask) | ((vi16)b & ~mask));
+}
+
+static inline vf16 exp16(vf16 x) {
+    const vf16 zero = {0};
+    x = select16(x < -87.0f, zero - 87.0f, x);
+    x = select16(x > 89.0f, zero + 89.0f, x);
+    const vf16 t = x * 1.44269504088896341f;
+    const vi16 n = __builtin_convertvector(t + select16(t >= 0.0f, zero + 0.5f, zero - 0.5f), vi16);
+    const vf16 nf = __builtin_convertvector(n, vf16);
+    const vf16 r = x - nf * 0.693145751953125f - nf * 1.42860682030941723e-6f;
+    vf16 p = zero + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const vi16 n1 = n / 2;
+    return p * (vf16)((n1 + 127) << 23) * (vf16)((n - n1 + 127) << 23);
+}
+
+/* `narrow` without a branch, for loops the compiler should vectorise. */
+static inline uint16_t narrow_select(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? (bits >> 16) | 0x40u : rounded);
+}
+
+/* SwiGLU's `silu(gate) * up` over `rows` rows of [gate | up] (2 * d values each) into
+ * contiguous [rows, d], rounded where torch's two ops round (silu's result to the dtype, then
+ * the product). `act` 0 is silu, the only one so far (others are declined in Python). */
+int tw_act_mul(const void *x, void *out, int64_t rows, int64_t d, int act, int bf16) {
+    if (act != 0) return -1;
+    float g[256], u[256];
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t i0 = 0; i0 < d; i0 += 256) {
+            const int64_t m = d - i0 < 256 ? d - i0 : 256, in = r * 2 * d + i0;
+            for (int64_t i = 0; i < m; ++i) {
+                g[i] = load(x, in + i, bf16);
+                u[i] = load(x, in + d + i, bf16);
+            }
+            int64_t i = 0;
+            for (; i + AW <= m; i += AW) {
+                const vf16 v = load16(g + i), y = v / (1.0f + exp16(-v));
+                memcpy(g + i, &y, sizeof y);
+            }
+            for (; i < m; ++i) g[i] = g[i] / (1.0f + exp_poly(-g[i]));
+            if (bf16) {
+                uint16_t *o = (uint16_t *)out + r * d + i0;
+                for (int64_t i = 0; i < m; ++i) g[i] = widen(narrow_select(g[i]));
+                for (int64_t i = 0; i < m; ++i) o[i] = narrow_select(g[i] * u[i]);
+            } else {
+                for (int64_t i = 0; i < m; ++i) ((float *)out)[r * d + i0 + i] = g[i] * u[i];
+            }
+        }
+    return 0;
+}
+
+/* Rows `ids[0:n]` of a dense [vocab, row_bytes] table, copied into contiguous `out`. */
+int tw_embed_rows(const void *table, const int64_t *ids, int64_t n, int64_t row_bytes,
+                  void *out) {
+    for (int64_t t = 0; t < n; ++t)
+        memcpy((char *)out + t * row_bytes, (const char *)table + ids[t] * row_bytes,
+               (size_t)row_bytes);
+    return 0;
+}
+
+/* The `_packed` entries (see the top of this file). */
+static inline float f32_arg(int64_t bits) {
+    const uint32_t low = (uint32_t)bits;
+    float f;
+    memcpy(&f, &low, sizeof f);
+    return f;
+}
+
+#define P(i) ((void *)(intptr_t)a[i])
+
+int tw_rms_norm_packed(const int64_t *a) {
+    return tw_rms_norm(P(0), P(1), P(2), P(3), P(4), a[5], a[6], f32_arg(a[7]), (int)a[8]);
+}
+
+int tw_rope_neox_packed(const int64_t *a) {
+    tw_rope_neox(P(0), P(1), P(2), P(3), P(4), P(5), a[6], a[7], a[8], a[9], a[10], a[11],
+                 (int)a[12]);
+    return 0;
+}
+
+int tw_act_mul_packed(const int64_t *a) {
+    return tw_act_mul(P(0), P(1), a[2], a[3], (int)a[4], (int)a[5]);
+}
+
+int tw_embed_rows_packed(const int64_t *a) { return tw_embed_rows(P(0), P(1), a[2], a[3], P(4)); }

@@ -1,6 +1,9 @@
-"""RMSNorm (with its residual add) and neox-style RoPE for decode-sized CPU tensors, one C
-call each (`cpu_fused.c`), with results bit for bit those of the torch code they replace; and
-a row argmax for the sampler (torch's CPU argmax is several times slower than a plain scan).
+"""RMSNorm (with its residual add), neox-style RoPE, SwiGLU's gated activation and the
+embedding lookup for decode-sized CPU tensors, one C call each (`cpu_fused.c`), with results
+bit for bit those of the torch code they replace (the activation within a rounding: its
+exponential is not torch's); and a row argmax for the sampler (torch's CPU argmax is several
+times slower than a plain scan). All but the argmax can be recorded into a CPU graph
+(`native_trace`).
 
 At one token per step the torch versions of these ops spend their time in dispatch, not in
 arithmetic: an RMSNorm with residual is nine ops, a RoPE of q and k about fifteen, and a
@@ -27,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from tokenwise.layers import native_build
+from tokenwise.layers import native_build, native_trace
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +74,13 @@ def load() -> ctypes.CDLL | None:
     lib.tw_rope_neox.argtypes += [_I64, _I64, ctypes.c_int]
     lib.tw_argmax.restype = None
     lib.tw_argmax.argtypes = [_PTR, _I64, _I64, _PTR]
+    lib.tw_act_mul.restype = ctypes.c_int
+    lib.tw_act_mul.argtypes = [_PTR, _PTR, _I64, _I64, ctypes.c_int, ctypes.c_int]
+    lib.tw_embed_rows.restype = ctypes.c_int
+    lib.tw_embed_rows.argtypes = [_PTR, _PTR, _I64, _I64, _PTR]
+    for name in ("tw_rms_norm", "tw_rope_neox", "tw_act_mul", "tw_embed_rows"):
+        packed = getattr(lib, name + "_packed")
+        packed.restype, packed.argtypes = ctypes.c_int, [_PTR]
     return lib
 
 
@@ -102,7 +112,9 @@ def rms_norm(
         return None
     out = torch.empty_like(x)
     summed = None if residual is None else torch.empty_like(x)
-    status = lib.tw_rms_norm(
+    status = native_trace.call(
+        lib,
+        "tw_rms_norm",
         x.data_ptr(),
         None if residual is None else residual.data_ptr(),
         weight.data_ptr(),
@@ -149,7 +161,9 @@ def rope_neox(
         return None
     q_out = torch.empty(query.shape, dtype=query.dtype)
     k_out = torch.empty(key.shape, dtype=key.dtype)
-    lib.tw_rope_neox(
+    native_trace.call(
+        lib,
+        "tw_rope_neox",
         query.data_ptr(),
         key.data_ptr(),
         q_out.data_ptr(),
@@ -165,6 +179,59 @@ def rope_neox(
         int(query.dtype == torch.bfloat16),
     )
     return q_out, k_out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
+    """`silu(gate) * up` of `x` = `[..., gate | up]` as `SiluAndMul` computes it (its
+    exponential aside: see `cpu_fused.c`), in a new contiguous tensor; None where the kernel
+    does not apply (see the module)."""
+    width = x.shape[-1] if x.dim() else 0
+    if not (_eligible(x) and width and width % 2 == 0 and x.numel() <= MAX_ROWS * width):
+        return None
+    if not x.is_contiguous():
+        return None
+    lib = load()
+    if lib is None:
+        return None
+    d = width // 2
+    out = torch.empty(x.shape[:-1] + (d,), dtype=x.dtype)
+    native_trace.call(
+        lib,
+        "tw_act_mul",
+        x.data_ptr(),
+        out.data_ptr(),
+        x.numel() // width,
+        d,
+        0,
+        int(x.dtype == torch.bfloat16),
+    )
+    return out
+
+
+def embedding_rows(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor | None:
+    """`F.embedding(ids, table)` for a few int64 ids (a decode step's) by row copies; None
+    where the kernel does not apply. The ids must be valid rows (the engine checks prompts
+    against the vocabulary; sampled ids are inside it)."""
+    if not (
+        _eligible(table)
+        and ids.device.type == "cpu"
+        and ids.dtype == torch.int64
+        and ids.is_contiguous()
+        and 0 < ids.numel() <= MAX_ROWS
+        and table.dim() == 2
+        and table.is_contiguous()
+    ):
+        return None
+    lib = load()
+    if lib is None:
+        return None
+    out = torch.empty(ids.shape + (table.shape[1],), dtype=table.dtype)
+    row_bytes = table.shape[1] * table.element_size()
+    native_trace.call(
+        lib, "tw_embed_rows", table.data_ptr(), ids.data_ptr(), ids.numel(), row_bytes,
+        out.data_ptr(),
+    )  # fmt: skip
+    return out
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

@@ -245,3 +245,11 @@ int tw_gemv(const void *x, const void *w, const void *bias, void *y, int64_t M, 
     free(widened);
     return 0;
 }
+
+/* `tw_gemv` with its arguments as one int64 array, the one signature a replayed CPU graph
+ * calls kernels through (tokenwise/compilation/cpu_graph.py). */
+int tw_gemv_packed(const int64_t *a) {
+    return tw_gemv((const void *)(intptr_t)a[0], (const void *)(intptr_t)a[1],
+                   (const void *)(intptr_t)a[2], (void *)(intptr_t)a[3], a[4], a[5], a[6],
+                   (int)a[7], (int)a[8]);
+}

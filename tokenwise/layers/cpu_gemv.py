@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from tokenwise.layers import native_build
+from tokenwise.layers import native_build, native_trace
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     fn = lib.tw_gemv
     fn.restype = ctypes.c_int
     fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int, ctypes.c_int]
+    lib.tw_gemv_packed.restype, lib.tw_gemv_packed.argtypes = ctypes.c_int, [_PTR]
     return lib
 
 
@@ -131,7 +132,9 @@ def linear(
     out = torch.empty((rows, n) if x.dim() == 2 else (*x.shape[:-1], n), dtype=x.dtype)
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
-    status = lib.tw_gemv(
+    status = native_trace.call(
+        lib,
+        "tw_gemv",
         x2.data_ptr(),
         weight.data_ptr(),
         None if bias is None else bias.data_ptr(),

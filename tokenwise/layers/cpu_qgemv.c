@@ -381,3 +381,41 @@ int tw_qdequant(const uint8_t *q, const void *sc, const void *of, void *out, int
     }
     return 0;
 }
+
+/* Rows `ids[0:n]` of dequant(q) (an embedding lookup), as `tw_qdequant` writes them. */
+int tw_qrows(const uint8_t *q, const void *sc, const void *of, const int64_t *ids, int64_t n,
+             void *out, int64_t K, int bits, int64_t G, int sf32, int out_bf16) {
+    if (check_shape(1, K, bits, G)) return -1;
+    const int64_t row_bytes = bits == 8 ? K : K / 2, ng = K / G;
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t row = ids[t];
+        const uint8_t *qrow = q + row * row_bytes;
+        for (int64_t g = 0; g < ng; g++) {
+            float s, o;
+            group_params(sc, of, row, ng, g, bits, sf32, &s, &o);
+            for (int64_t k = g * G; k < (g + 1) * G; k++) {
+                float v = (float)qint(qrow, bits, k) * s + o;
+                if (out_bf16)
+                    ((uint16_t *)out)[t * K + k] = f32_to_bf16(v);
+                else
+                    ((float *)out)[t * K + k] = v;
+            }
+        }
+    }
+    return 0;
+}
+
+/* The kernels with their arguments as one int64 array (pointers and integers as they are),
+ * the one signature a replayed CPU graph calls them through (tokenwise/compilation/
+ * cpu_graph.py). */
+#define P(i) ((void *)(intptr_t)a[i])
+int tw_qgemv_packed(const int64_t *a) {
+    return tw_qgemv(P(0), P(1), P(2), P(3), P(4), P(5), a[6], a[7], a[8], (int)a[9], a[10],
+                    (int)a[11], (int)a[12], (int)a[13], (int)a[14]);
+}
+
+int tw_qrows_packed(const int64_t *a) {
+    return tw_qrows(P(0), P(1), P(2), P(3), a[4], P(5), a[6], (int)a[7], a[8], (int)a[9],
+                    (int)a[10]);
+}
+#undef P

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenwise.distributed.tp_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from tokenwise.layers import cpu_fused
 from tokenwise.layers.cpu_prepack import linear
 from tokenwise.layers.weight_utils import (
     CheckpointTensor,
@@ -75,9 +76,10 @@ class VocabParallelEmbedding(nn.Module):
         self.quant_table: Any = None
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.quant_table is None:
-            return F.embedding(ids, self.weight)
-        return self.quant_table.rows(ids, self.weight.dtype)
+        if self.quant_table is not None:
+            return self.quant_table.rows(ids, self.weight.dtype)
+        out = cpu_fused.embedding_rows(ids, self.weight)  # a decode step's few ids: row copies
+        return F.embedding(ids, self.weight) if out is None else out
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -34,6 +34,7 @@ import torch
 
 from tokenwise.attention.graph_state import CommonAttentionState
 from tokenwise.attention.metadata import AttentionMetadata
+from tokenwise.compilation.cpu_graph import GraphCaptureRejected
 from tokenwise.compilation.cuda_graph import CapturerFactory, CUDAGraphWrapper
 from tokenwise.compilation.cuda_graph_dispatcher import CUDAGraphDispatcher
 from tokenwise.config import CUDAGraphMode, EngineConfig
@@ -86,7 +87,7 @@ class CUDAGraphRunner:
         scheduler = config.scheduler
         if compilation.cudagraph_capture_sizes is None:
             compilation.cudagraph_capture_sizes = default_capture_sizes(
-                scheduler.max_num_seqs, scheduler.max_num_batched_tokens
+                scheduler.max_num_seqs, scheduler.max_num_batched_tokens, str(config.device)
             )
         self.capture_sizes = list(compilation.cudagraph_capture_sizes)
         max_size = compilation.max_capture_size
@@ -138,6 +139,8 @@ class CUDAGraphRunner:
         # What each captured FULL size reads (`get_graph_input_buffers`), for `prepare_replay`.
         self._graph_buffers: dict[int, dict[str, torch.Tensor]] = {}
         self.captured = False  # set by `capture`: no step replays a graph before it
+        # FULL keys whose capture was refused, and why (those batches run eagerly).
+        self.rejected: dict[BatchDescriptor, str] = {}
 
     # ---- capture --------------------------------------------------------------------------
 
@@ -176,19 +179,33 @@ class CUDAGraphRunner:
                 md = self._metadata_for_capture(desc.num_tokens)
                 self._set_lora_active(desc.has_lora)
                 across = _dp_counts(desc.num_tokens, parallel)
-                self._forward(desc.num_tokens, md, CUDAGraphMode.FULL, desc, across)
+                try:
+                    self._forward(desc.num_tokens, md, CUDAGraphMode.FULL, desc, across)
+                except GraphCaptureRejected as exc:
+                    self._drop_full_key(desc, str(exc))
             for desc in piecewise:
                 md = state.graph_capture_get_metadata_for_batch(desc.num_tokens, enc_dec)
                 self._set_lora_active(desc.has_lora)
                 across = _dp_counts(desc.num_tokens, parallel)
                 self._forward(desc.num_tokens, md, CUDAGraphMode.PIECEWISE, desc, across)
         self._set_lora_active(False)
+        kind = "CPU" if self.device.type == "cpu" else "CUDA"
         logger.info(
-            "captured %d full and %d piecewise CUDA-graph sizes (largest %d tokens)",
-            len(full),
+            "captured %d full and %d piecewise %s-graph sizes (largest %d tokens)",
+            len(full) - len(self.rejected),
             len(piecewise),
+            kind,
             max(self.capture_sizes),
         )
+
+    def _drop_full_key(self, key: BatchDescriptor, reason: str) -> None:
+        """A FULL graph that cannot be captured (a CPU graph refused: see `cpu_graph`): its
+        batches, and the verify batches that would replay it, run eagerly instead."""
+        keys = self.dispatcher.keys[CUDAGraphMode.FULL]
+        for desc in [d for d in keys if self._graph_key(d) == key]:
+            keys.discard(desc)
+        self.rejected[key] = reason
+        logger.info("no graph for decode batches of %d: %s", key.num_tokens, reason)
 
     def _set_lora_active(self, active: bool) -> None:
         """LoRA graphs are captured with the adapters' matmuls in them, base graphs without."""

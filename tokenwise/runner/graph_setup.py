@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from tokenwise.attention.backends.selector import get_attn_backend
+from tokenwise.compilation.cpu_graph import cpu_capturer_factory
 from tokenwise.compilation.cuda_graph import (
     CapturerFactory,
     CUDAGraphWrapper,
@@ -22,12 +23,16 @@ from tokenwise.compilation.cuda_graph import (
 from tokenwise.compilation.piecewise import PieceWrapper
 from tokenwise.config import CUDAGraphMode, EngineConfig
 
+CPU_MAX_CAPTURE_SIZE = 8
+
 
 def new_capturer_factory(device: torch.device) -> CapturerFactory:
-    """Graph capturers for `device`; CUDA graphs need a CUDA device."""
+    """Graph capturers for `device`: CUDA graphs, or on CPU recorded C kernels (`cpu_graph`)."""
+    if device.type == "cpu":
+        return cpu_capturer_factory()
     if device.type != "cuda":
         raise ValueError(
-            f"CUDA graphs need a CUDA device, but the engine runs on {device}; use "
+            f"graphs need a CUDA device or the CPU, but the engine runs on {device}; use "
             "cudagraph_mode=NONE there"
         )
     return cuda_capturer_factory(device)
@@ -41,7 +46,12 @@ def check_cudagraph_config(config: EngineConfig, backend: Any) -> None:
             f"cudagraph_mode={mode.name} captures the compiled pieces between attention calls, "
             "which needs compilation (use_compile=True, i.e. not enforce_eager)"
         )
-    if mode.has_full_cudagraphs() and not getattr(backend, "supports_full_cudagraph", False):
+    on_cpu = str(config.device).startswith("cpu")  # CPU graphs check each capture themselves
+    if (
+        mode.has_full_cudagraphs()
+        and not on_cpu
+        and not getattr(backend, "supports_full_cudagraph", False)
+    ):
         raise ValueError(
             f"cudagraph_mode={mode.name} captures whole decode steps, but the "
             f"{getattr(backend, 'name', backend)!r} attention backend is not marked as "
@@ -75,14 +85,17 @@ def graph_setup(
 
 
 def default_capture_sizes(
-    max_num_seqs: int, max_num_batched_tokens: int | None = None
+    max_num_seqs: int, max_num_batched_tokens: int | None = None, device: str = "cuda"
 ) -> list[int]:
     """1, 2, 4, then every multiple of 8, up to `max_num_seqs` (itself included).
 
     Small sizes are where padding waste is relatively largest, so they get their own graphs;
     above 8 a step of 8 wastes at most 7 rows. A graph above the per-step token budget could
-    never be used, so the sizes stop there.
+    never be used, so the sizes stop there. On CPU they stop at `CPU_MAX_CAPTURE_SIZE`: the
+    C linear kernels take at most 8 rows, and above that the Python per step matters less.
     """
+    if str(device).startswith("cpu"):
+        max_num_seqs = min(max_num_seqs, CPU_MAX_CAPTURE_SIZE)
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
     top = (

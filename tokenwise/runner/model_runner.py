@@ -80,7 +80,7 @@ class ModelRunner(KVCacheSizingMixin):
         compilation = config.compilation
         if self._capturer_factory is not None and compilation.cudagraph_capture_sizes is None:
             compilation.cudagraph_capture_sizes = default_capture_sizes(
-                scheduler.max_num_seqs, scheduler.max_num_batched_tokens
+                scheduler.max_num_seqs, scheduler.max_num_batched_tokens, str(config.device)
             )
         max_capture = compilation.max_capture_size if self._capturer_factory else 0
         max_num_tokens = max(scheduler.max_num_batched_tokens, max_capture)
@@ -178,7 +178,9 @@ class ModelRunner(KVCacheSizingMixin):
             num_blocks * self.kv_cache_bytes_per_block() / 2**20,
             self._kv_cache_report(),
         )
-        if self.graph_runner is not None:
+        if self.graph_runner is not None and self.device.type != "cuda":
+            self.graph_runner.capture()  # CPU graphs: recorded kernel calls, no device memory
+        elif self.graph_runner is not None:
             reserved = torch.cuda.memory_reserved(self.device)
             self.graph_runner.capture()
             logger.info(

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from tokenwise.layers import native_build
+from tokenwise.layers import native_build, native_trace
 from tokenwise.layers.native_build import FAST_MATH
 
 logger = logging.getLogger(__name__)
@@ -80,9 +80,12 @@ def load() -> ctypes.CDLL | None:
     fn.argtypes += [_I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_float, _PTR]
     step = lib.paged_decode_step
     step.restype = ctypes.c_int
-    step.argtypes = [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, ctypes.c_int, _PTR, _I64, _PTR]
+    step.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, ctypes.c_int, _PTR, _I64]
+    step.argtypes += [_PTR]
     step.argtypes += [_PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float]
     step.argtypes += [ctypes.c_float, _PTR]
+    lib.paged_decode_step_packed.restype = ctypes.c_int
+    lib.paged_decode_step_packed.argtypes = [_PTR]  # what a replayed CPU graph calls
     return lib
 
 
@@ -118,7 +121,9 @@ def _num_threads(num_seqs: int, num_kv_heads: int, total_keys: int) -> int:
     return threads
 
 
-def step_usable(query: torch.Tensor, key: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+def step_usable(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor
+) -> bool:
     """Whether `decode_step` can take a decode-only step's layer: its queries, new keys and
     cache of one kernel dtype, rows contiguous, on torch's OpenMP threads (libgomp; the
     Python-pool fallback keeps `paged_decode`)."""
@@ -128,6 +133,7 @@ def step_usable(query: torch.Tensor, key: torch.Tensor, kv_cache: torch.Tensor) 
         and query.dtype == kv_cache.dtype
         and key.dtype == kv_cache.dtype
         and key.stride(-1) == 1
+        and value.stride(-1) == 1
         and _torch_uses_libgomp()
     )
 
@@ -142,31 +148,36 @@ def decode_step(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     first_block: torch.Tensor,
-    total_keys: int,
+    total_keys: int | None,
     num_heads: int,
     sliding_window: int | None,
     scale: float,
     softcap: float | None = None,
 ) -> torch.Tensor:
     """One layer of a decode-only step in one kernel call: write each sequence's new K/V row
-    (`key`, `value`: [n, kv_heads * head]) into `kv_cache` ([2, blocks, block, kv_heads,
-    head]) at its slot, and return the attention output `[n, heads * head]` in the cache's
-    dtype. `query` is [n, heads * head]; the caller checks `step_usable`. `total_keys` (the
-    sum of `seq_lens`, known on the host) picks the threads without reading a tensor.
+    (`key`, `value`: [n, kv_heads * head], rows may be strided) into `kv_cache` ([2, blocks,
+    block, kv_heads, head]) at its slot, and return the attention output `[n, heads * head]`
+    in the cache's dtype. `query` is [n, heads * head]; the caller checks `step_usable`.
+    `total_keys` (the sum of `seq_lens`, known on the host) picks the threads without reading
+    a tensor; None (a CPU graph, whose lengths change at every replay) takes all of torch's.
     """
     n = query.shape[0]
     _, _, block_size, num_kv_heads, head_size = kv_cache.shape
     if not query.is_contiguous():
         query = query.contiguous()
-    if value.stride(0) != key.stride(0) or value.stride(-1) != 1:  # one row stride for both
-        key, value = key.contiguous(), value.contiguous()
     out = torch.empty(query.shape, dtype=query.dtype)
     key_cache = kv_cache.data_ptr()  # K then V, contiguous (`step_usable`)
-    status = lib.paged_decode_step(
+    threads = (
+        torch.get_num_threads() if total_keys is None else _num_threads(n, num_kv_heads, total_keys)
+    )
+    status = native_trace.call(
+        lib,
+        "paged_decode_step",
         query.data_ptr(),
         key.data_ptr(),
         value.data_ptr(),
         key.stride(0),
+        value.stride(0),
         slot_mapping.data_ptr(),
         key_cache,
         key_cache + kv_cache.stride(0) * kv_cache.element_size(),
@@ -176,7 +187,7 @@ def decode_step(
         seq_lens.data_ptr(),
         first_block.data_ptr(),
         n,
-        _num_threads(n, num_kv_heads, total_keys),
+        threads,
         num_heads,
         num_kv_heads,
         head_size,

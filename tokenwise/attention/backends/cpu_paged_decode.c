@@ -379,14 +379,14 @@ int paged_decode(const float *query, const void *key_cache, const void *value_ca
  * do in five or six torch ops): write each sequence's new key and value row into its cache
  * slot, then `paged_decode`, with queries and outputs in the cache's dtype (`is_bf16`).
  *
- * new_keys / new_values: [num_seqs] rows of num_kv_heads * head_size values, `new_stride`
- *                        values apart (views into a fused qkv output are fine)
+ * new_keys / new_values: [num_seqs] rows of num_kv_heads * head_size values, `key_stride` /
+ *                        `value_stride` values apart (views into a fused qkv output are fine)
  * slot_mapping:          [num_seqs] int64 cache slots; a negative slot (padding) is not written
  * query, out:            [num_seqs, num_heads, head_size], contiguous
  */
 int paged_decode_step(const void *query, const void *new_keys, const void *new_values,
-                      int64_t new_stride, const int64_t *slot_mapping, void *key_cache,
-                      void *value_cache, int is_bf16, const int32_t *block_tables,
+                      int64_t key_stride, int64_t value_stride, const int64_t *slot_mapping,
+                      void *key_cache, void *value_cache, int is_bf16, const int32_t *block_tables,
                       int64_t table_stride, const int32_t *seq_lens, const int32_t *first_block,
                       int64_t num_seqs, int64_t num_threads, int64_t num_heads,
                       int64_t num_kv_heads, int64_t head_size, int64_t block_size,
@@ -395,11 +395,30 @@ int paged_decode_step(const void *query, const void *new_keys, const void *new_v
     const size_t row = (size_t)(num_kv_heads * head_size) * elt;
     for (int64_t s = 0; s < num_seqs; ++s) {
         if (slot_mapping[s] < 0) continue;
-        const size_t at = (size_t)slot_mapping[s] * row, from = (size_t)(s * new_stride) * elt;
-        memcpy((char *)key_cache + at, (const char *)new_keys + from, row);
-        memcpy((char *)value_cache + at, (const char *)new_values + from, row);
+        const size_t at = (size_t)slot_mapping[s] * row;
+        memcpy((char *)key_cache + at, (const char *)new_keys + (size_t)(s * key_stride) * elt, row);
+        memcpy((char *)value_cache + at, (const char *)new_values + (size_t)(s * value_stride) * elt,
+               row);
     }
     return decode(query, key_cache, value_cache, is_bf16, is_bf16, block_tables, table_stride,
                   seq_lens, first_block, num_seqs, num_threads, num_heads, num_kv_heads,
                   head_size, block_size, window, scale, softcap, out);
+}
+
+/* `paged_decode_step` with its arguments as one int64 array (pointers and integers as they
+ * are, a float's bits in the low half), the one signature a replayed CPU graph calls kernels
+ * through (tokenwise/compilation/cpu_graph.py). */
+static inline float f32_arg(int64_t bits) {
+    const uint32_t low = (uint32_t)bits;
+    float f;
+    memcpy(&f, &low, sizeof f);
+    return f;
+}
+
+int paged_decode_step_packed(const int64_t *a) {
+#define P(i) ((void *)(intptr_t)a[i])
+    return paged_decode_step(P(0), P(1), P(2), a[3], a[4], P(5), P(6), P(7), (int)a[8], P(9),
+                             a[10], P(11), P(12), a[13], a[14], a[15], a[16], a[17], a[18],
+                             a[19], f32_arg(a[20]), f32_arg(a[21]), P(22));
+#undef P
 }

@@ -98,8 +98,7 @@ class TorchAttentionImpl:
         if (
             attn_metadata.num_prefills == 0
             and query.device.type == "cpu"
-            and not attn_metadata.use_cuda_graph
-            and attn_metadata.seq_lens is not None
+            and attn_metadata.seq_lens_tensor is not None
         ):
             out = self._decode_step_cpu(query, key, value, kv_cache, attn_metadata)
             if out is not None:
@@ -134,7 +133,7 @@ class TorchAttentionImpl:
         torch ops around the kernel per layer, about as long as one stream's attention itself.
         """
         lib = cpu_kernels.load()
-        if lib is None or not cpu_kernels.step_usable(query, key, kv_cache):
+        if lib is None or not cpu_kernels.step_usable(query, key, value, kv_cache):
             return None
         return cpu_kernels.decode_step(
             lib,
@@ -146,7 +145,7 @@ class TorchAttentionImpl:
             md.block_tables,
             md.seq_lens_tensor,
             md.first_block_tensor,
-            md.total_seq_len,
+            None if md.use_cuda_graph else md.total_seq_len,  # a CPU graph: lengths vary
             self.num_heads,
             self.sliding_window,
             self.scale,

@@ -55,6 +55,11 @@ class TritonAttentionImpl(TorchAttentionImpl):
     ) -> None:
         output.copy_(self._decode(q, key_cache, value_cache, md))
 
+    def _decode_step_cpu(self, *args: object) -> None:
+        """Never the torch backend's one-call CPU step: forced onto a CPU (tests), this
+        backend keeps its own decode, the one its CUDA graphs capture."""
+        return None
+
     def _paged_decode_fn(self, q: torch.Tensor) -> Callable[..., torch.Tensor]:
         # The kernel has no soft-cap: capped layers (Gemma 2) decode through the reference.
         if q.is_cuda and triton_available() and not self.logits_soft_cap:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from tokenwise.layers import native_build
+from tokenwise.layers import native_build, native_trace
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,11 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.tw_qgemv.argtypes += [_INT, _INT, _INT, _INT]
     lib.tw_qdequant.restype = _INT
     lib.tw_qdequant.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _INT, _I64, _INT, _INT, _INT]
+    lib.tw_qrows.restype = _INT
+    lib.tw_qrows.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _INT, _I64, _INT, _INT]
+    for name in ("tw_qgemv", "tw_qrows"):  # what a replayed CPU graph calls (`native_trace`)
+        packed = getattr(lib, name + "_packed")
+        packed.restype, packed.argtypes = _INT, [_PTR]
     return lib
 
 
@@ -114,7 +119,9 @@ def qgemv(
     out = torch.empty(x.shape[:-1] + (out_features,), dtype=x.dtype)
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
-    status = lib.tw_qgemv(
+    status = native_trace.call(
+        lib,
+        "tw_qgemv",
         x.data_ptr(),
         qweight.data_ptr(),
         scales.data_ptr(),
@@ -166,4 +173,41 @@ def dequantize(
     )
     if status != 0:
         raise RuntimeError(f"dequantizing int{bits}{list(shape)} failed (status {status})")
+    return out
+
+
+def rows(
+    lib: ctypes.CDLL,
+    ids: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    k: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Rows `ids` (valid row indices, any shape) of the dense weight in `dtype` (float32 or
+    bfloat16), `[*ids.shape, k]`: a quantized embedding's lookup, as `dequantize` writes rows."""
+    flat = ids.reshape(-1)
+    if flat.dtype != torch.int64 or not flat.is_contiguous():
+        flat = flat.to(torch.int64).contiguous()
+    out = torch.empty(ids.shape + (k,), dtype=dtype)
+    status = native_trace.call(
+        lib,
+        "tw_qrows",
+        qweight.data_ptr(),
+        scales.data_ptr(),
+        _ptr(offsets),
+        flat.data_ptr(),
+        flat.numel(),
+        out.data_ptr(),
+        k,
+        bits,
+        group_size,
+        int(scales.dtype == torch.float32),
+        int(dtype == torch.bfloat16),
+    )
+    if status != 0:
+        raise RuntimeError(f"looking up int{bits} rows of width {k} failed (status {status})")
     return out

@@ -85,6 +85,10 @@ class QuantizedWeight:
         """Rows `ids` of the dense weight in `dtype` (an embedding lookup: `[*ids.shape, K]`)."""
         if self.input_perm is not None:
             raise ValueError("a quantized embedding cannot have a permuted input")
+        lib = cpu_qgemv.load() if ids.device.type == "cpu" else None
+        if lib is not None and dtype in (torch.float32, torch.bfloat16):
+            args = (self.qweight, self.scales, self.offsets, self.bits, self.group_size)
+            return cpu_qgemv.rows(lib, ids, *args, self.shape[1], dtype)
         flat = ids.reshape(-1)
         offsets = None if self.offsets is None else self.offsets[flat]
         picked = QuantizedWeight(
