@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.quantization.test_gptq_awq import _groups
-from tokenwise.layers.quantization.act_order_slice import kernel_group_size
+from tokenwise.layers.quantization.act_order_slice import kernel_group_size, kernel_groups
 from tokenwise.layers.quantization.prequantized import group_dense, integer_weight
 from tokenwise.layers.quantization.tp_slice import rank_part
 from tokenwise.layers.quantization.weight_only import reference_dequantize
@@ -79,6 +79,9 @@ def test_each_rank_holds_its_columns_exactly(bits: int, group: int, zeros: str, 
         for j in range(mine.shape[1] // mine.group_size):
             block = slice(j * mine.group_size, (j + 1) * mine.group_size)
             owners = column_group[block][real[block]].unique()
+            if owners.numel() == 0:  # all padding (row length aligned): zeros, any integer
+                assert not mine.scales[:, j].any(), f"rank {rank} kernel group {j}"
+                continue
             assert owners.numel() == 1, f"rank {rank} kernel group {j} mixes groups"
             assert torch.equal(mine.scales[:, j].float(), record.scales[:, owners[0]].float())
             if record.offsets is not None:
@@ -100,15 +103,24 @@ def test_each_rank_holds_its_columns_exactly(bits: int, group: int, zeros: str, 
         # 2 runs of 33: groups of 32 -> 4 groups, 128 columns, 64 + 8 bytes; of 64 -> 2 groups,
         # 128 columns, 64 + 4 bytes (fewer).
         ([33, 33], 4, 2, 64),
-        # 40 + 8: groups of 32 -> 3 groups, 96 columns, 48 + 12 bytes; of 64 -> 2 groups,
-        # 128 columns, 64 + 8 bytes.
-        ([40, 8, 0], 4, 4, 32),
-        # 20 + 20 in int8 (blocks of 16): 16 -> 4 groups, 64 columns, 64 + 16 bytes; 32 -> 2
-        # groups, 64 columns, 64 + 8 bytes (fewer).
-        ([20, 20], 8, 4, 32),
+        # 40 + 3 x 8: groups of 32 -> 5 groups, 6 with the row aligned to 64: 192 columns,
+        # 96 + 24 bytes; of 64 -> 4 groups, 256 columns, 128 + 16 bytes.
+        ([40, 8, 0, 8, 8], 4, 4, 32),
+        # 2 runs of 70, float32 scales and offsets: 32 -> 6 groups, 96 + 48 bytes; 64 -> 4
+        # groups, 256 columns, 128 + 32; 128 -> 2 groups, 128 + 16 (a tie: the smaller
+        # stays). 96 (2 groups, 96 + 16) is fewer bytes but no size the fast paths take.
+        ([70, 70], 4, 8, 32),
     ],
 )
 def test_kernel_group_size_takes_the_fewest_bytes(
     counts: list[int], bits: int, scale_bytes: int, size: int
 ) -> None:
     assert kernel_group_size(torch.tensor(counts), bits, scale_bytes) == size
+
+
+def test_rows_are_padded_to_whole_kernel_steps() -> None:
+    """An odd number of groups of 32 gets one more, all padding (64-column rows: the fast
+    paths' step); larger groups already are."""
+    assert kernel_groups(torch.tensor([20]), 32) == 2
+    assert kernel_groups(torch.tensor([40, 8, 0, 8, 8]), 32) == 6
+    assert kernel_groups(torch.tensor([70, 70]), 128) == 2
