@@ -2,7 +2,8 @@
 
 Each rank joins a 2-rank gloo TP group, loads every case's quantized checkpoint with
 `load_model` (CPU, fp32: its layers keep quantized weights), and reports the logits of one
-prompt, greedy tokens after it, and every quantized layer's weight as numpy arrays.
+prompt, greedy tokens after it, every quantized layer's weight as numpy arrays, and the
+row-parallel layers' effective dense weights.
 """
 
 from __future__ import annotations
@@ -54,6 +55,17 @@ def packed_layers(model: Any) -> dict[str, Any]:
     return out
 
 
+def row_parallel_dense(model: Any) -> dict[str, Any]:
+    """Each quantized o_proj / down_proj's effective dense weight (dequantized, any input order
+    undone): what act-order layers are checked by."""
+    out: dict[str, Any] = {}
+    for name, module in model.named_modules():
+        held = getattr(module, "packed_weight", None)
+        if name.endswith(("o_proj", "down_proj")) and hasattr(held, "dequantize"):
+            out[name] = held.dequantize(torch.float32).numpy().copy()
+    return out
+
+
 def load(path: str, tp: int) -> Any:
     from tokenwise.config import EngineConfig, ParallelConfig
     from tokenwise.loader import load_model
@@ -77,6 +89,7 @@ def run_rank(rank: int, port: int, cases: dict[str, str], results: Any) -> None:
                 "logits": logits.numpy().copy(),
                 "tokens": tokens,
                 "packed": packed_layers(model),
+                "dense": row_parallel_dense(model),
             }
         destroy_tp_group()
         results.put((rank, report))

@@ -406,8 +406,9 @@ def test_permuted_input_layers_compute_their_dense_weight(
 def test_tensor_parallel_engine_gives_hf_greedy_tokens(tmp_path: Any) -> None:
     """TP=2 through `LLM(...)` (spawned workers, paged cache, decode batches): each rank holds
     its slice of the checkpoint's integers (`tp_slice`, checked field by field in
-    test_tp_exact.py), so the tokens are HF's on the dequantized weights."""
-    quantized, reference, _ = _checkpoints(tmp_path, "gptq", fmt="gptq_v2")
+    test_tp_exact.py), so the tokens are HF's on the dequantized weights. With act-order, the
+    hardest layout: o_proj / down_proj in padded groups (`act_order_slice`)."""
+    quantized, reference, _ = _checkpoints(tmp_path, "gptq", act_order=True, fmt="gptq_v2")
     prompts = mixed_prompts()[:6]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     llm = LLM(quantized, dtype="float32", tensor_parallel_size=2, num_gpu_blocks=64)

@@ -11,9 +11,12 @@ layout as `test_tensor_parallel_models.expected_shard` states it independently o
 its logits must be HF's (fp32, 1e-4) and its greedy tokens HF's and one process's.
 Re-quantizing a slice (what tokenwise did before) gives other scales: these equalities fail.
 
-GPTQ act-order on a row-parallel layer (o_proj, down_proj) has no exact slice (a rank's columns
-lie scattered over all groups): those layers must be what the checkpoint's scheme makes of the
-dense slice, the column-parallel ones still exact slices.
+GPTQ act-order on a row-parallel layer (o_proj, down_proj), whose rank's columns lie scattered
+over all groups, is held in padded groups (`act_order_slice`): there each rank's effective dense
+weight (dequantized, its input order undone) must equal the slice of one process's and of HF's
+exactly, every scale / offset column must be one of the checkpoint's, and the logits and tokens
+are checked as for the other cases. (Before, those layers were rounded again from the dense
+slice: other weights, and these equalities fail.)
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from tests.engine._fixtures import hf_model
 from tests.models.test_tensor_parallel_models import expected_shard
 from tests.quantization import _tp_exact_worker as worker
 from tests.quantization._gguf_files import write_gguf
-from tests.quantization.test_gptq_awq import GROUP, _checkpoints
+from tests.quantization.test_gptq_awq import _checkpoints
 from tests.tiny_checkpoints import build_tiny_checkpoint
 from tokenwise.layers.quantization.weight_only import quantize
 
@@ -161,14 +164,29 @@ def _assert_same(got: list[Any], want: list[Any], where: str) -> None:
                 assert np.array_equal(a, b), f"{where}: {field} differs from the slice"
 
 
-def _requantized(name: str, reference: Any, config: Any, rank: int, single: Any) -> list[Any]:
-    """What the checkpoint's scheme makes of rank `rank`'s dense slice of a layer."""
-    dense = dict(reference.named_parameters())[f"{name}.weight"].detach()
-    mine = expected_shard(f"{name}.weight", {f"{name}.weight": dense}, config, rank, TP)
-    symmetric = single[0][2] is None
-    w = quantize(mine, 4, GROUP, symmetric)
-    parts = (w.qweight, w.scales, w.offsets, w.input_perm)
-    return [(*(None if t is None else t.numpy() for t in parts), 4, GROUP)]
+def _assert_act_order_exact(
+    where: str, got: list[Any], dense: Any, single: list[Any], single_dense: Any, hf: Any, rank: int
+) -> None:
+    """A row-parallel act-order layer: the rank's effective dense weight is the slice of one
+    process's and of HF's (`torch.equal`), with the checkpoint's own scales and offsets."""
+    name = where.rpartition(" ")[2]
+    key = f"{name}.weight"
+    config = hf.config
+    want = expected_shard(key, {key: torch.from_numpy(single_dense)}, config, rank, TP)
+    reference = dict(hf.named_parameters())[key].detach()
+    assert torch.equal(torch.from_numpy(dense), want), f"{where}: dense weight != the slice"
+    assert torch.equal(want, expected_shard(key, {key: reference}, config, rank, TP)), where
+    ((_, scales, offsets, perm, bits, _),) = got
+    assert perm is not None, f"{where}: not held in act-order"
+    ((_, single_scales, single_offsets, _, single_bits, _),) = single
+    assert bits == single_bits, where
+    pairs = [single_scales] if offsets is None else [single_scales, single_offsets]
+    known = {np.stack([p[:, j] for p in pairs]).tobytes() for j in range(pairs[0].shape[1])}
+    mine = [scales] if offsets is None else [scales, offsets]
+    for j in range(scales.shape[1]):  # each kernel group: one checkpoint group's scales
+        assert np.stack([p[:, j] for p in mine]).tobytes() in known, f"{where}: group {j}"
+    width = dense.shape[1]  # every input column once; the rest read the zero at `width`
+    assert sorted(perm[perm < width].tolist()) == list(range(width)), where
 
 
 def test_ranks_hold_their_slice_of_the_checkpoints_integers(
@@ -180,6 +198,7 @@ def test_ranks_hold_their_slice_of_the_checkpoints_integers(
     for case, (path, hf, act_order) in cases.items():
         single = worker.load(path, 1)
         single_packed = worker.packed_layers(single)
+        single_dense_all = worker.row_parallel_dense(single)
         if case == "gguf-q4_k":  # q, k in Q4_K beside v in Q6_K: one weight per part
             assert len(single_packed["model.layers.0.self_attn.qkv_proj"]) == 3
         config = hf.config
@@ -192,12 +211,12 @@ def test_ranks_hold_their_slice_of_the_checkpoints_integers(
             for name, got in report["packed"].items():
                 where = f"{case} rank {rank} {name}"
                 if act_order and name.endswith(ROW_PARALLEL):
-                    want = _requantized(name, hf, config, rank, single_packed[name])
+                    dense, single_dense = report["dense"].get(name), single_dense_all.get(name)
+                    assert dense is not None and single_dense is not None, where
+                    args = (got, dense, single_packed[name], single_dense, hf, rank)
+                    _assert_act_order_exact(where, *args)
                 else:
-                    want = _expected(name, single_packed[name], config, rank)
-                _assert_same(got, want, where)
-            if act_order:
-                continue  # its row-parallel layers were rounded again: not HF's weights
+                    _assert_same(got, _expected(name, single_packed[name], config, rank), where)
             logits = torch.from_numpy(report["logits"])
             torch.testing.assert_close(logits, hf_logits, atol=ATOL, rtol=0, msg=case)
             assert report["tokens"] == hf_tokens == single_tokens, case
@@ -245,17 +264,18 @@ def test_slices_dequantize_to_the_dense_slices(bits: int, group: int) -> None:
 
 
 def test_slices_that_are_not_exact_are_declined_and_logged(caplog: Any) -> None:
-    """Act-order columns on a row-parallel layer, and columns off the groups: None (the caller
-    quantizes the dense slice), with the layer and the reason in the log."""
+    """Columns off the groups: None (the caller quantizes the dense slice), with the layer and
+    the reason in the log. Act-order columns at the same place are no longer declined
+    (`act_order_slice`): they come back exact, and nothing is logged for them."""
     from tokenwise.layers.quantization.tp_slice import rank_part
 
     record = quantize(torch.randn(8, 128), 4, 64, symmetric=False)
     permuted = quantize(torch.randn(8, 128), 4, 32, symmetric=False)
-    permuted.input_perm = torch.randperm(128)
+    permuted.input_perm = torch.randperm(128, generator=torch.Generator().manual_seed(0))
+    quarter = _layer(source_columns=lambda: (32, 32))
     with caplog.at_level("INFO"):
-        half = _layer(source_columns=lambda: (64, 64))
-        assert rank_part("l0.o_proj", half, None, 1, permuted) is None
-        quarter = _layer(source_columns=lambda: (32, 32))
+        mine = rank_part("l0.o_proj", quarter, None, 1, permuted)
         assert rank_part("l1.o_proj", quarter, None, 1, record) is None
-    assert "l0.o_proj" in caplog.text and "act-order" in caplog.text
+    assert mine is not None and torch.equal(mine.dequantize(), permuted.dequantize()[:, 32:64])
+    assert "l0.o_proj" not in caplog.text
     assert "l1.o_proj" in caplog.text and "columns 32..64" in caplog.text

@@ -11,8 +11,9 @@ layer's integers and scales as a `QuantizedWeight` under that name. After loadin
 parts concatenated in row order) in place of the dense one, so the layers compute with the
 checkpoint's own integers, never with re-rounded ones. Under tensor parallelism each rank
 takes its slice of the records, cut as its layer's weight loader cuts the dense weight
-(`tp_slice`); only where no exact slice exists (GPTQ act-order on a row-parallel layer, columns
-off the group boundaries) is a layer quantized from its dense slice with the checkpoint's scheme.
+(`tp_slice`, GPTQ act-order on a row-parallel layer in padded groups: `act_order_slice`); only
+where no exact slice exists (columns off the group boundaries) is a layer quantized from its
+dense slice with the checkpoint's scheme.
 
 Exactness: every format dequantizes as `w = (q - z) * s` per group. The record keeps `q` and
 `s`, and the offset `o = -z * s`; `q * s + o` equals `(q - z) * s` in float32 for float16 (and
@@ -255,7 +256,7 @@ class PrequantizedCheckpoint:
         if not parts or len(parts) != len(found):
             return None
         rows = sum(p.shape[0] for p in parts)
-        if (rows, parts[0].shape[1]) != tuple(module.weight.shape):
+        if (rows, parts[0].in_features) != tuple(module.weight.shape):
             return None
         dtype = torch.float32 if any(p.scales.dtype == torch.float32 for p in parts) else None
         dtype = dtype or torch.float16
@@ -271,6 +272,7 @@ class PrequantizedCheckpoint:
             group_size=first.group_size,
             shape=(rows, first.shape[1]),
             input_perm=first.input_perm,
+            input_size=first.input_size,
         )
 
 

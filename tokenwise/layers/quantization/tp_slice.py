@@ -14,12 +14,14 @@ part of the records, from the layout its layer already knows (`layers.linear`, `
   `group_size=-1`) gives each rank one group of its own width, with the row's scale;
 - vocabulary-parallel embeddings and LM heads (`vocab_start` .. `vocab_end`): rows, and the
   zero padding rows the last rank(s) hold past the vocabulary (zero scales and offsets: 0).
-Records are cut as they are read (`RankSlices`), so a rank never holds more of them than its
-slice. Where a slice cannot be taken exactly the layer falls back (logged) to quantizing its dense
-slice with the checkpoint's scheme: columns off the group boundaries, or GPTQ act-order
-(`input_perm`) on a row-parallel layer, whose rank's columns lie scattered over every group
-in unequal numbers. (vLLM keeps those exact by giving every rank all the groups' scales and
-its slice of `g_idx`, read per column by its kernels; ours need equal consecutive groups.)
+GPTQ act-order (`input_perm`) on a row-parallel layer is exact too, though its rank's columns
+lie scattered over every group in unequal numbers: `act_order_slice` pads each group's run of
+them to whole kernel groups with columns that read a zero (vLLM instead gives every rank all the
+groups' scales and its slice of `g_idx`, read per column by its kernels; ours need equal
+consecutive groups). Records are cut as they are read (`RankSlices`), so a rank never holds
+more of them than its slice. Where a slice cannot be taken exactly the layer falls back
+(logged, naming the layer and why) to quantizing its dense slice with the checkpoint's scheme:
+columns off the group boundaries of a record in input order.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import logging
 import torch
 from torch import nn
 
+from tokenwise.layers.quantization.act_order_slice import slice_act_order_columns
 from tokenwise.layers.quantization.weight_only import QuantizedWeight, group_multiple, stack_rows
 from tokenwise.layers.weight_utils import StackedMapping, checkpoint_names
 
@@ -83,6 +86,8 @@ def rank_part(
         return slice_rows(part, *module.source_rows(index))
     if hasattr(module, "source_columns"):  # row-parallel: columns
         start, width = module.source_columns()
+        if part.input_perm is not None:  # act-order: any columns, in padded groups
+            return slice_act_order_columns(part, start, width)
         why = _columns_refused(part, start, width)
         return _declined(name, why) if why is not None else slice_columns(part, start, width)
     if hasattr(module, "vocab_start"):  # vocabulary-parallel: rows, and zero padding rows
@@ -105,11 +110,15 @@ def slice_rows(weight: QuantizedWeight, start: int, size: int) -> QuantizedWeigh
         group_size=weight.group_size,
         shape=(size, weight.shape[1]),
         input_perm=weight.input_perm,
+        input_size=weight.input_size,
     )
 
 
 def slice_columns(weight: QuantizedWeight, start: int, width: int) -> QuantizedWeight:
-    """Input columns `start .. start + width`, on group boundaries (`_columns_refused`)."""
+    """Input columns `start .. start + width`, on group boundaries (`_columns_refused`), of a
+    record in input order (act-order ones: `slice_act_order_columns`)."""
+    if weight.input_perm is not None:
+        raise ValueError("an act-order record's columns are sliced by slice_act_order_columns")
     _check_range("columns", start, width, weight.shape[1])
     g = weight.group_size
     channelwise = g == weight.shape[1]  # one group per row: every slice keeps its scale
@@ -146,9 +155,8 @@ def pad_rows(weight: QuantizedWeight, count: int) -> QuantizedWeight:
 
 
 def _columns_refused(weight: QuantizedWeight, start: int, width: int) -> str | None:
-    """Why columns `start .. start + width` are no exact slice of `weight`; None if they are."""
-    if weight.input_perm is not None:
-        return "its columns are in act-order (g_idx), so a rank's slice spans every group"
+    """Why columns `start .. start + width` are no exact slice of `weight` (in input order);
+    None if they are."""
     g = weight.group_size
     if g == weight.shape[1]:  # channelwise: the slice is one group of its own width
         multiple = group_multiple(weight.bits)

@@ -12,7 +12,10 @@ int4 values are packed two per byte in GGUF's order: within each 32 values, byte
 `input_perm` (GPTQ's act-order, `g_idx`): a checkpoint may group input columns that are not
 consecutive. The columns are then stored sorted by group, so each group is consecutive again,
 and the layer reads its input in that order: `x[..., input_perm] @ W[:, input_perm]^T` is
-`x @ W^T`. One gather of the activations per call, instead of giving up the kernel.
+`x @ W^T`. One gather of the activations per call, instead of giving up the kernel. A
+tensor-parallel rank's slice of such a layer may also hold padding columns (`act_order_slice`):
+then `input_size` is the layer's input width, and `input_perm` entries equal to it read a zero
+appended to the input.
 
 Why weight-only, with activations kept in floating point: results stay close to the dense model
 (the only error is the weights' rounding), and decode, bound by reading weights, gets faster in
@@ -52,12 +55,22 @@ class QuantizedWeight:
     shape: tuple[int, int]  # (N, K) of the dense weight
     # Column j of qweight / scales is input column input_perm[j] (int64 [K]); None: in order.
     input_perm: torch.Tensor | None = None
+    # The layer's input width where the stored columns include padding (then input_perm holds
+    # input_size for each padding column: it reads a zero); None: shape[1].
+    input_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.scales.dtype not in (torch.float16, torch.float32):
             raise ValueError(f"scales must be float16 or float32, got {self.scales.dtype}")
         if self.offsets is not None and self.offsets.dtype != self.scales.dtype:
             raise ValueError("offsets must have the scales' dtype")
+        if self.input_size is not None and self.input_perm is None:
+            raise ValueError("input_size (padding columns) needs an input_perm")
+
+    @property
+    def in_features(self) -> int:
+        """The width of the input the layer reads (the stored columns less any padding)."""
+        return self.shape[1] if self.input_size is None else self.input_size
 
     @property
     def nbytes(self) -> int:
@@ -67,11 +80,13 @@ class QuantizedWeight:
     def describe(self) -> str:
         kind = "asymmetric" if self.offsets is not None else "symmetric"
         order = ", permuted input" if self.input_perm is not None else ""
+        if self.input_size is not None:
+            order += f" (+{self.shape[1] - self.input_size} padding columns)"
         return f"int{self.bits} {kind}, groups of {self.group_size}{order}"
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense weight `[N, K]` in `dtype`, columns in the input's order."""
-        return _unpermute(self._stored_dense(dtype), self.input_perm)
+        return _unpermute(self._stored_dense(dtype), self.input_perm, self.in_features)
 
     def _stored_dense(self, dtype: torch.dtype) -> torch.Tensor:
         """The dense weight with its columns in storage order (`input_perm` not undone)."""
@@ -99,8 +114,10 @@ class QuantizedWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`x @ W^T + bias` for x of any row count, in x's dtype."""
-        rows = x.numel() // self.shape[1] if x.numel() else 0
+        rows = x.numel() // self.in_features if x.numel() else 0
         if self.input_perm is not None:
+            if self.input_size is not None:
+                x = F.pad(x, (0, 1))  # the zero column that padding columns read
             x = x.index_select(-1, self.input_perm)
         lib = cpu_qgemv.load() if x.dtype in (torch.float32, torch.bfloat16) else None
         if lib is None or rows == 0 or rows > KERNEL_MAX_ROWS:
@@ -172,6 +189,7 @@ def stack_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
         group_size=first.group_size,
         shape=(sum(p.shape[0] for p in parts), first.shape[1]),
         input_perm=first.input_perm,
+        input_size=first.input_size,
     )
 
 
@@ -191,14 +209,18 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
 
 def reference_dequantize(weight: QuantizedWeight) -> torch.Tensor:
     """float32 `[N, K]` with torch ops: the definition the kernels are tested against."""
-    return _unpermute(_stored_reference(weight), weight.input_perm)
+    return _unpermute(_stored_reference(weight), weight.input_perm, weight.in_features)
 
 
-def _unpermute(stored: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
-    """Columns in storage order -> in the input's order (column perm[j] is stored column j)."""
+def _unpermute(stored: torch.Tensor, perm: torch.Tensor | None, columns: int) -> torch.Tensor:
+    """Columns in storage order -> the `columns` in the input's order (column perm[j] is
+    stored column j; padding columns, perm[j] == columns, are left out)."""
     if perm is None:
         return stored
-    dense = torch.empty_like(stored)
+    if stored.shape[1] != columns:
+        real = perm < columns
+        perm, stored = perm[real], stored[:, real]
+    dense = stored.new_empty(stored.shape[0], columns)
     dense[:, perm] = stored
     return dense
 
