@@ -7,7 +7,9 @@ in float64, so the kernels' own conversions and scale handling are what is check
 
 from __future__ import annotations
 
+import importlib
 import math
+import os
 
 import pytest
 import torch
@@ -16,6 +18,10 @@ from tokenwise.attention.backends import cpu_kernels
 from tokenwise.attention.backends.kv_quant import quantize
 from tokenwise.attention.backends.paged_reference import paged_decode_reference
 from tokenwise.attention.backends.torch_backend import write_kv_cache
+
+# As in test_triton_kernel.py: the Triton kernel runs under its interpreter on CPU tensors
+# (read when the kernel module is first imported, so set at collection).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2]
 needs_kernel = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
@@ -215,3 +221,27 @@ def test_write_saturates_instead_of_overflowing(dtype: torch.dtype) -> None:
     x = torch.tensor([1e9, -1e9, limit * 1.01, 3.0])
     stored = quantize(x, dtype, 0.5).float()
     assert stored.tolist() == [limit, -limit, limit, 6.0]
+
+
+@pytest.mark.parametrize("dtype", FORMATS, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("shape", SHAPES[1:2] + SHAPES[3:], ids=["gqa", "window"])
+def test_triton_kernel_reads_fp8(dtype: torch.dtype, shape: tuple) -> None:
+    """The Triton kernel's fp8 loads and scales, under Triton's interpreter (CPU tensors; on
+    a GPU, `TRITON_INTERPRET=0` runs it compiled: not yet done)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("run under Triton's interpreter only (CPU tensors)")
+    pytest.importorskip("triton")
+    kernel = importlib.import_module("tokenwise.attention.backends.triton_paged_decode")
+    heads, kv_heads, head_size, block_size, window = shape
+    args, expected = _case(
+        dtype, [1, 7, 33, 90], heads, kv_heads, head_size, block_size, window, 0.03, 0.5
+    )
+    out = kernel.paged_decode(
+        *(args[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens")),
+        args["scale"],
+        window,
+        args["first_block"],
+        k_scale=args["k_scale"],
+        v_scale=args["v_scale"],
+    )
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
