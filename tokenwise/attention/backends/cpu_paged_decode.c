@@ -28,6 +28,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
@@ -64,9 +67,44 @@ static inline void storef(float *p, vf v) { memcpy(p, &v, sizeof v); }
  * exponent rebiased (exact for normal numbers); a subnormal (exponent 0) is rebuilt as the
  * smallest normal plus its mantissa, minus the smallest normal. No NaN or infinity is ever
  * stored (writes saturate), so the top codes need no case of their own. */
+#if defined(__F16C__)
+/* With F16C an fp8 byte becomes a float16 and one instruction widens VW of them: e5m2 is the
+ * top byte of a float16; e4m3's sign, exponent and mantissa shifted into place read as a
+ * float16 of 2^-8 times the e4m3 value (float16 subnormals included), so these "raw" values
+ * are e4m3 / 256 and `FP8_UNIT` multiplies the scales that read them instead of each value.
+ * Measured on a Xeon (AVX-512): the rebiasing below cost 1.35-1.65x a bf16 cache's time per
+ * key, this about as much as bf16. */
+#define FP8_E4M3_UNIT 256.0f
+static inline vf half_to_f32(vh h) {
+#if VW == 16
+    __m256i x;
+    memcpy(&x, &h, sizeof x);
+    const __m512 f = _mm512_cvtph_ps(x);
+#else
+    __m128i x;
+    memcpy(&x, &h, sizeof x);
+    const __m256 f = _mm256_cvtph_ps(x);
+#endif
+    vf out;
+    memcpy(&out, &f, sizeof out);
+    return out;
+}
+
+static inline vf fp8_to_f32(vb b, int cdt) {
+    const vh h = __builtin_convertvector(b, vh);
+    if (cdt == CACHE_E5M2) return half_to_f32(h << 8);
+    /* (int16)(b << 8) >> 1 repeats the sign in bits 15 and 14 and puts exponent and
+     * mantissa at bits 13..7; clearing bit 14 leaves float16 bits of e4m3 / 256. */
+    typedef int16_t vs __attribute__((vector_size(VW * 2)));
+    const vs wide = ((vs)(h << 8)) >> 1;
+    return half_to_f32((vh)wide & (uint16_t)0xbf80u);
+}
+#else
+#define FP8_E4M3_UNIT 1.0f
 static inline vf fp8_to_f32(vb b, int cdt) {
     const int e5m2 = cdt == CACHE_E5M2;
-    const vu x = __builtin_convertvector(b, vu);
+    /* Widened in two steps: GCC scalarises a direct 8 -> 32-bit conversion vector. */
+    const vu x = __builtin_convertvector(__builtin_convertvector(b, vh), vu);
     const vu sign = (x & 0x80u) << 24;
     const vu mag = (x & 0x7fu) << (e5m2 ? 21 : 20);
     const vu normal = mag + (e5m2 ? 112u << 23 : 120u << 23);
@@ -82,6 +120,10 @@ static inline vf fp8_to_f32(vb b, int cdt) {
     memcpy(&out, &bits, sizeof out);
     return out;
 }
+#endif
+
+/* What `load_row` gives for an fp8 cache is the value / FP8_UNIT (exact: a power of two). */
+static inline float fp8_unit(int cdt) { return cdt == CACHE_E4M3 ? FP8_E4M3_UNIT : 1.0f; }
 
 static inline float fp8_scalar(uint8_t b, int cdt) {
     const int e5m2 = cdt == CACHE_E5M2;
@@ -135,7 +177,7 @@ static inline vf load_row(const void *row, int cdt, int64_t i) {
 
 static inline float scalar_at(const void *row, int cdt, int64_t i) {
     if (cdt == CACHE_F32) return ((const float *)row)[i];
-    if (cdt >= CACHE_E4M3) return fp8_scalar(((const uint8_t *)row)[i], cdt);
+    if (cdt >= CACHE_E4M3) return fp8_scalar(((const uint8_t *)row)[i], cdt) / fp8_unit(cdt);
     uint32_t bits = (uint32_t)((const uint16_t *)row)[i] << 16;
     float out;
     memcpy(&out, &bits, sizeof out);
@@ -417,7 +459,10 @@ static int decode(const void *query, const void *key_cache, const void *value_ca
                   int64_t num_threads, int64_t num_heads, int64_t num_kv_heads,
                   int64_t head_size, int64_t block_size, int64_t window, float scale,
                   float softcap, float k_scale, float v_scale, void *out) {
-    scale *= k_scale; /* q . (k_stored * k_scale) == (q * k_scale) . k_stored */
+    /* q . (k_stored * k_scale) == (q * k_scale) . k_stored; likewise for v_scale, with the
+     * fp8 rows read in units of fp8_unit (see fp8_to_f32). */
+    scale *= k_scale * fp8_unit(cdt);
+    v_scale *= fp8_unit(cdt);
     int64_t total = 0;
     for (int64_t s = 0; s < num_seqs; ++s) total += seq_lens[s];
     const int split_heads = num_threads > num_seqs && num_kv_heads > 1;
