@@ -96,7 +96,7 @@ def main() -> None:
     prefill = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     best = dict.fromkeys(CACHES, float("inf"))
     tokens: dict[str, list[int]] = {}
-    for cache, llm in llms.items():  # warm-up: kernels built, caches touched
+    for llm in llms.values():  # warm-up: kernels built, caches touched
         llm.generate([prompt], prefill, use_tqdm=False)
     for _ in range(args.repeats):
         for cache, llm in llms.items():
