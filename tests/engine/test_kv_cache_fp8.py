@@ -166,3 +166,49 @@ def test_caches_without_an_fp8_path_refuse_it_by_name(
     model = build_tiny_checkpoint(tmp_path, arch)
     with pytest.raises(ValueError, match=f"kv_cache_dtype='fp8' is {message}"):
         LLM(model, dtype="float32", num_gpu_blocks=64, kv_cache_dtype="fp8", **kwargs)
+
+
+def _with_kv_scales(tmp_path: Any, scales: dict[str, torch.Tensor]) -> str:
+    """A private tiny Llama whose safetensors also hold the given KV-cache scale tensors."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.tiny_checkpoints import build_tiny_checkpoint
+
+    model = build_tiny_checkpoint(tmp_path, LLAMA)
+    file = f"{model}/model.safetensors"
+    save_file({**load_file(file), **scales}, file, metadata={"format": "pt"})
+    return model
+
+
+def test_checkpoint_kv_scales_reach_the_layers(
+    tmp_path: Any, prompts: list[list[int]], reference: tuple[list, list]
+) -> None:
+    """llm-compressor's `self_attn.k_scale` / `v_scale` and ModelOpt's `k_proj.k_scale` are
+    read onto each layer for an fp8 cache (and dropped for any other); with them the cache
+    still reproduces the model within the e4m3 bound."""
+    layers = AutoConfig.from_pretrained(checkpoint(LLAMA)).num_hidden_layers
+    scales = {}
+    for i in range(layers):
+        scales[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.25 + i)
+        scales[f"model.layers.{i}.self_attn.v_proj.v_scale"] = torch.tensor([0.5 + i])
+    model = _with_kv_scales(tmp_path, scales)
+    tokens, first, engine = _greedy(
+        model, prompts, kv_cache_dtype="fp8", max_num_batched_tokens=16, max_model_len=128
+    )
+    impls = [layer.impl for layer in engine.runner.attn_layers.values()]
+    assert [(m.k_scale, m.v_scale) for m in impls] == [(0.25 + i, 0.5 + i) for i in range(layers)]
+    ref_tokens, ref_first = reference
+    for i, t in enumerate(tokens):
+        if t[0] == ref_tokens[i][0]:
+            assert abs(first[i][t[0]].logprob - ref_first[i]) <= E4M3_LOGPROB_BOUND
+    assert sum(a[:COMPARED] == b[:COMPARED] for a, b in zip(tokens, ref_tokens, strict=True)) >= 6
+    _, _, plain = _greedy(model, prompts[:1])
+    assert {(m.impl.k_scale, m.impl.v_scale) for m in plain.runner.attn_layers.values()} == {
+        (1.0, 1.0)
+    }
+
+
+def test_a_bad_kv_scale_names_the_tensor(tmp_path: Any) -> None:
+    model = _with_kv_scales(tmp_path, {"model.layers.0.self_attn.k_scale": torch.tensor(-1.0)})
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.k_scale must be one finite"):
+        LLM(model, dtype="float32", num_gpu_blocks=64, kv_cache_dtype="fp8")

@@ -461,6 +461,7 @@ static int decode(const void *query, const void *key_cache, const void *value_ca
                   float softcap, float k_scale, float v_scale, void *out) {
     /* q . (k_stored * k_scale) == (q * k_scale) . k_stored; likewise for v_scale, with the
      * fp8 rows read in units of fp8_unit (see fp8_to_f32). */
+    if (cdt < CACHE_E4M3) k_scale = v_scale = 1.0f; /* scales belong to fp8 caches only */
     scale *= k_scale * fp8_unit(cdt);
     v_scale *= fp8_unit(cdt);
     int64_t total = 0;

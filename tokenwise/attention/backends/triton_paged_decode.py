@@ -158,6 +158,8 @@ def paged_decode(
     head_pad = max(16, triton.next_power_of_2(head_size))
     tile = max(16, min(128, 8192 // head_pad))  # ~16 KiB of bf16 K per iteration
     fp8 = key_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if not fp8:
+        k_scale = v_scale = 1.0  # scales belong to fp8 caches only (kv_quant.py)
     _paged_decode_kernel[(n, num_kv_heads)](
         out,
         q,
