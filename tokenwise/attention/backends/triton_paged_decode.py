@@ -98,7 +98,7 @@ def _paged_decode_kernel(
         kv_mask = in_seq[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         if FP8:
-            k = k.to(q_ptr.dtype.element_ty)
+            k = k.to(tl.float32).to(q_ptr.dtype.element_ty)
         if IEEE:
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         else:
@@ -114,7 +114,7 @@ def _paged_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         if FP8:
-            v = v.to(q_ptr.dtype.element_ty)
+            v = v.to(tl.float32).to(q_ptr.dtype.element_ty)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
