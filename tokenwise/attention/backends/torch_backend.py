@@ -309,7 +309,7 @@ class TorchAttentionImpl:
         md: AttentionMetadata,
         output: torch.Tensor,
     ) -> None:
-        """CPU decode: the C kernel reads each block once where it lies (fp32 or bf16 caches,
+        """CPU decode: the C kernel reads each block once where it lies (fp32, bf16 or fp8 caches,
         fp32 math). Other dtypes, or a machine where it cannot be built, take the PyTorch path.
         """
         lib = cpu_kernels.load()
