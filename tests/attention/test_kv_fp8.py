@@ -7,6 +7,7 @@ in float64, so the kernels' own conversions and scale handling are what is check
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import math
 import os
@@ -18,6 +19,7 @@ from tokenwise.attention.backends import cpu_kernels
 from tokenwise.attention.backends.kv_quant import quantize
 from tokenwise.attention.backends.paged_reference import paged_decode_reference
 from tokenwise.attention.backends.torch_backend import write_kv_cache
+from tokenwise.layers import native_build
 
 # As in test_triton_kernel.py: the Triton kernel runs under its interpreter on CPU tensors
 # (read when the kernel module is first imported, so set at collection).
@@ -247,3 +249,29 @@ def test_triton_kernel_reads_fp8(dtype: torch.dtype, shape: tuple) -> None:
         v_scale=args["v_scale"],
     )
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+
+
+@needs_kernel
+def test_kernel_without_f16c_widens_fp8_the_same() -> None:
+    """The portable widening (exponent rebias, no F16C: older x86, other CPUs), built with
+    `-mno-f16c`, gives every fp8 code exactly and the same attention as the definition."""
+    compiler = native_build.find_compiler()
+    flags = [*cpu_kernels._flags(), "-mno-f16c"]
+    lib = ctypes.CDLL(str(native_build.build(compiler, cpu_kernels.SOURCE, "pd_nof16c", flags)))
+    lib.paged_decode.restype = ctypes.c_int
+    lib.paged_decode.argtypes = cpu_kernels.load().paged_decode.argtypes
+    for dtype in FORMATS:
+        codes = _finite_codes(dtype)
+        codes = torch.cat([codes, codes[: (-len(codes)) % 16]]).view(-1, 1, 1, 16).view(dtype)
+        n = codes.shape[0]
+        out = torch.empty(n, 1, 16)
+        cpu_kernels.paged_decode(
+            lib, torch.ones(n, 1, 16), torch.zeros_like(codes), codes,
+            torch.arange(n, dtype=torch.int32)[:, None], torch.ones(n, dtype=torch.int32),
+            torch.zeros(n, dtype=torch.int32), None, 1.0, out,
+        )  # fmt: skip
+        assert torch.equal(out.view(n, 16), codes.float().view(n, 16))
+        args, expected = _case(dtype, [1, 7, 33, 90], 8, 2, 32, 16, None, 0.03, 0.5)
+        out = torch.full_like(args["query"], float("nan"))
+        cpu_kernels.paged_decode(lib, out=out, **args)
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
