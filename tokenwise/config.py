@@ -227,11 +227,19 @@ class CompilationConfig:
         return self._padded_size_table[num_tokens]
 
 
+# vLLM's `kv_cache_dtype` values: "fp8" is "fp8_e4m3" (more precision, less range than e5m2).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
 @dataclass
 class CacheConfig:
-    """Paged KV cache: block size and how much memory (or how many blocks) it gets."""
+    """Paged KV cache: block size, how much memory (or how many blocks) it gets, and the dtype
+    its entries are stored in (`cache_dtype`, vLLM's name; `kv_cache_dtype` in `LLM(...)`):
+    "auto" is the model's dtype; an fp8 format halves a bf16 cache's bytes per token, so the
+    same memory holds twice the tokens (`attention/backends/kv_quant.py`)."""
 
     block_size: int = 16
+    cache_dtype: str = "auto"
     kv_cache_memory: int | None = None  # bytes; None = engine default
     num_gpu_blocks: int | None = None  # explicit block count overrides the memory budget
     enable_prefix_caching: bool = True
@@ -239,6 +247,11 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1)
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.cache_dtype!r}"
+            )
         if self.kv_cache_memory is not None:
             _check_int("kv_cache_memory", self.kv_cache_memory, 1)
         if self.num_gpu_blocks is not None:

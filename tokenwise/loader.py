@@ -29,6 +29,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from tokenwise.attention.kv_scales import apply_kv_scales, take_kv_scales
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.tp_state import get_tp_size
 from tokenwise.gguf.weights import iterate_gguf
@@ -157,6 +158,8 @@ def load_model(config: EngineConfig, device: str | torch.device = "cpu") -> nn.M
         lazy = get_tp_size() > 1
         files = safetensors_files(model_config.model)
         weights = iterate_safetensors(files, lazy=lazy)
+        kv_scales: dict[str, float] = {}  # fp8 KV-cache scales, not weights of the model
+        weights = take_kv_scales(weights, kv_scales)
         if model_config.quantization in PREQUANTIZED:
             # The format's tensors become dense weights here; their integers are kept aside.
             # Quantized layers' tensors are read whole; under TP each rank then keeps its slice
@@ -165,6 +168,7 @@ def load_model(config: EngineConfig, device: str | torch.device = "cpu") -> nn.M
             weights = prequantized.wrap(weights, safetensors_names(files))
         loaded = model.load_weights(weights)
         _check_complete(model, loaded)
+        apply_kv_scales(model, kv_scales, config.cache.cache_dtype.startswith("fp8"))
     elif model_config.load_format == "gguf":
         # Dequantized on load, then (on CPU) quantized again with the file's bit widths.
         expected = _expected_checkpoint_names(model)

@@ -15,6 +15,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from tokenwise.config import KV_CACHE_DTYPES
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 
 
@@ -227,6 +229,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "hold one max-model-len sequence",
     )
     g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(KV_CACHE_DTYPES),
+        help="dtype of the KV cache entries: auto (the model's dtype), bfloat16, or an fp8 "
+        "format (fp8 = fp8_e4m3), which stores twice the tokens of a bf16 cache in the same "
+        "memory (default: auto)",
+    )
+    g.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=0.9,
@@ -416,6 +426,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "block_size": args.block_size,
         "kv_cache_memory": args.kv_cache_memory,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "num_gpu_blocks": args.num_gpu_blocks,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "load_format": args.load_format,

@@ -120,6 +120,7 @@ def build_engine_config(
     max_num_batched_tokens: int = 2048,
     block_size: int = 16,
     kv_cache_memory: int | None = None,
+    kv_cache_dtype: str = "auto",
     num_gpu_blocks: int | None = None,
     load_format: str = "auto",
     enforce_eager: bool | None = None,
@@ -187,6 +188,7 @@ def build_engine_config(
             )
         cpu_qgemv.activation_bits()  # a bad TOKENWISE_CPU_QUANT_ACTIVATIONS fails here
     model_config.task = resolve_task(task, model_config.architectures)
+    check_kv_cache_dtype(kv_cache_dtype, model_config)
     if model_config.is_pooling:
         model_config.pooler_config = resolve_pooler_config(
             model_config.model, model_config.architectures, override_pooler_config
@@ -287,6 +289,7 @@ def build_engine_config(
         cache=CacheConfig(
             block_size=block_size,
             kv_cache_memory=kv_cache_memory,
+            cache_dtype=kv_cache_dtype,
             num_gpu_blocks=num_gpu_blocks,
             enable_prefix_caching=enable_prefix_caching,
             gpu_memory_utilization=gpu_memory_utilization,
@@ -309,6 +312,24 @@ def build_engine_config(
         log_requests=not disable_log_requests,
         speculative=speculative,
     )
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, model_config: ModelConfig) -> None:
+    """Refuse an fp8 KV cache, by name, for the model kinds whose caches have no fp8 path
+    yet: embedding (pooling) models and encoder-decoder models (the cross cache). DeepSeek's
+    MLA latent cache is refused when the runner allocates it (`runner/kv_cache_sizing.py`)."""
+    if not str(kv_cache_dtype).startswith("fp8"):
+        return
+    archs = model_config.architectures
+    kind = None
+    if model_config.is_pooling:
+        kind = f"task={model_config.task!r} (pooling) models"
+    elif is_encoder_decoder_architecture(archs):
+        kind = "encoder-decoder models"
+    if kind is not None:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is not supported for {kind}; use 'auto'"
+        )
 
 
 def check_encoder_decoder_settings(data_parallel_size: int, tensor_parallel_size: int) -> None:

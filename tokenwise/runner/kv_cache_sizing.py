@@ -5,6 +5,10 @@ apart because sizing is a concept of its own: every attention layer answers the 
 own cache (K/V per KV head, an MLA latent, cross K/V; encoder-only layers keep none), the pool
 gets as many blocks as the memory budget allows for all of them together, and the start-up log
 says what one token costs per layer kind.
+
+The cache's dtype is `kv_cache_dtype` (`CacheConfig.cache_dtype`): the model's by default, or
+an fp8 format with one byte per element, so the same budget holds twice the blocks of a bf16
+cache (4x of fp32). Only K/V caches have an fp8 path; an MLA latent cache refuses it by name.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 
 import torch
 
+from tokenwise.attention.backends.kv_quant import is_fp8, kv_cache_torch_dtype
 from tokenwise.attention.layer import AttentionLayerBase
 from tokenwise.runner.graph_runner import CUDAGraphRunner
 from tokenwise.runner.memory_profiling import cuda_kv_cache_budget
@@ -40,30 +45,50 @@ class KVCacheSizingMixin:
         """The attention layers that keep a KV cache (encoder-only attention keeps none)."""
         return {name: layer for name, layer in self.attn_layers.items() if layer.needs_kv_cache}
 
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The dtype the cache tensors are allocated in (`kv_cache_dtype`, resolved)."""
+        return kv_cache_torch_dtype(self.config.cache.cache_dtype, self.model_config.dtype)
+
+    def _check_kv_cache_dtype(self) -> None:
+        """An fp8 cache for K/V caches only: the MLA latent (and cross K/V) have no fp8 path."""
+        if not is_fp8(self.kv_cache_dtype):
+            return
+        for name, layer in self.cache_layers().items():
+            if layer.kv_cache_kind != "K/V":
+                raise ValueError(
+                    f"kv_cache_dtype={self.config.cache.cache_dtype!r} is not supported for "
+                    f"the {layer.kv_cache_kind} cache of layer {name}; use 'auto'"
+                )
+
     def _cache_elements_per_block(self, layer: AttentionLayerBase) -> int:
         """One block's elements in `layer`'s cache (each layer knows its own cache shape)."""
         one, two = (math.prod(layer.kv_cache_shape(n, self.block_size)) for n in (1, 2))
         return two - one
 
     def kv_cache_bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.model_config.dtype).element_size()
+        elem = self.kv_cache_dtype.itemsize
         layers = self.cache_layers().values()
         return sum(self._cache_elements_per_block(layer) * elem for layer in layers)
 
     def _kv_cache_report(self) -> str:
         """Per kind of cache: elements and bytes per token per layer, e.g. "MLA latent: 40
         elements (160 bytes) per token per layer x 3 layers"."""
-        elem = torch.empty((), dtype=self.model_config.dtype).element_size()
+        elem = self.kv_cache_dtype.itemsize
         kinds: dict[tuple[str, int], int] = {}
         for layer in self.cache_layers().values():
             key = (layer.kv_cache_kind, self._cache_elements_per_block(layer) // self.block_size)
             kinds[key] = kinds.get(key, 0) + 1
-        return "; ".join(
-            f"{kind}: {n} elements ({n * elem} bytes) per token per layer x {count} layers"
-            for (kind, n), count in kinds.items()
+        return (
+            "; ".join(
+                f"{kind}: {n} elements ({n * elem} bytes) per token per layer x {count} layers"
+                for (kind, n), count in kinds.items()
+            )
+            + f"; dtype {str(self.kv_cache_dtype).removeprefix('torch.')}"
         )
 
     def determine_num_blocks(self) -> int:
+        self._check_kv_cache_dtype()
         cache = self.config.cache
         if cache.num_gpu_blocks is not None:
             return cache.num_gpu_blocks  # the same on every TP rank
@@ -115,6 +140,6 @@ class KVCacheSizingMixin:
         """Allocate one cache tensor per layer and bind it to the layer by name."""
         for name, layer in self.cache_layers().items():
             shape = layer.kv_cache_shape(num_blocks, self.block_size)
-            cache = torch.zeros(shape, dtype=self.model_config.dtype, device=self.device)
+            cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
             self.kv_caches[name] = cache
             layer.kv_cache = [cache]

@@ -148,7 +148,7 @@ class PipelineModelRunner(ModelRunner):
         for name, layer in self.cache_layers().items():
             shape = layer.kv_cache_shape(num_blocks, self.block_size)
             caches = [
-                torch.zeros(shape, dtype=self.model_config.dtype, device=self.device)
+                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
                 for _ in range(self.pp_size)
             ]
             for ve, cache in enumerate(caches):

@@ -95,7 +95,10 @@ LAYERS: tuple[Layer, ...] = (
     ),
     # Tensor-only kernels: they receive tensors, metadata and plain settings, never the layer.
     Layer("attention backends", ("tokenwise.attention.backends.*",)),
-    Layer("attention layer", ("tokenwise.attention.layer", "tokenwise.attention.mla")),
+    Layer(
+        "attention layer",
+        ("tokenwise.attention.layer", "tokenwise.attention.mla", "tokenwise.attention.kv_scales"),
+    ),
     Layer("models", ("tokenwise.models.*",)),
     # Resolves the model class from the registry, so it sits above the models.
     Layer("loader", ("tokenwise.loader",)),

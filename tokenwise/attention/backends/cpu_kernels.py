@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from tokenwise.attention.backends.kv_quant import FP8_DTYPES, kernel_code
 from tokenwise.layers import native_build, native_trace
 from tokenwise.layers.native_build import FAST_MATH
 
@@ -37,7 +38,8 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
 CFLAGS = ["-O3", "-march=native", *FAST_MATH, "-fopenmp-simd", "-shared", "-fPIC"]
 _torch_uses_libgomp = native_build.torch_uses_libgomp
-CACHE_DTYPES = (torch.float32, torch.bfloat16)
+CACHE_DTYPES = (torch.float32, torch.bfloat16, *FP8_DTYPES)
+IO_DTYPES = (torch.float32, torch.bfloat16)  # queries, new K/V rows and outputs of a step
 # Below this many keys in a batch, one thread is cheaper than handing work to the pool.
 MIN_KEYS_PER_THREAD = 4096
 # With fewer sequences than threads (one stream), the kernel splits KV heads over torch's
@@ -77,13 +79,14 @@ def load() -> ctypes.CDLL | None:
     fn = lib.paged_decode
     fn.restype = ctypes.c_int
     fn.argtypes = [_PTR, _PTR, _PTR, ctypes.c_int, _PTR, _I64, _PTR, _PTR, _I64, _I64]
-    fn.argtypes += [_I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_float, _PTR]
+    fn.argtypes += [_I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_float]
+    fn.argtypes += [ctypes.c_float, ctypes.c_float, _PTR]
     step = lib.paged_decode_step
     step.restype = ctypes.c_int
-    step.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, ctypes.c_int, _PTR, _I64]
-    step.argtypes += [_PTR]
+    step.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, ctypes.c_int, ctypes.c_int]
+    step.argtypes += [_PTR, _I64, _PTR]
     step.argtypes += [_PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float]
-    step.argtypes += [ctypes.c_float, _PTR]
+    step.argtypes += [ctypes.c_float, ctypes.c_float, ctypes.c_float, _PTR]
     lib.paged_decode_step_packed.restype = ctypes.c_int
     lib.paged_decode_step_packed.argtypes = [_PTR]  # what a replayed CPU graph calls
     return lib
@@ -124,14 +127,16 @@ def _num_threads(num_seqs: int, num_kv_heads: int, total_keys: int) -> int:
 def step_usable(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor
 ) -> bool:
-    """Whether `decode_step` can take a decode-only step's layer: its queries, new keys and
-    cache of one kernel dtype, rows contiguous, on torch's OpenMP threads (libgomp; the
-    Python-pool fallback keeps `paged_decode`)."""
+    """Whether `decode_step` can take a decode-only step's layer: its queries and new keys
+    of one kernel dtype, the cache of that dtype or fp8, rows contiguous, on torch's OpenMP
+    threads (libgomp; the Python-pool fallback keeps `paged_decode`)."""
     return (
         kv_cache.dtype in CACHE_DTYPES
         and kv_cache.is_contiguous()
-        and query.dtype == kv_cache.dtype
-        and key.dtype == kv_cache.dtype
+        and query.dtype in IO_DTYPES
+        and (query.dtype == kv_cache.dtype or kv_cache.dtype in FP8_DTYPES)
+        and key.dtype == query.dtype
+        and value.dtype == query.dtype
         and key.stride(-1) == 1
         and value.stride(-1) == 1
         and _torch_uses_libgomp()
@@ -153,13 +158,17 @@ def decode_step(
     sliding_window: int | None,
     scale: float,
     softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One layer of a decode-only step in one kernel call: write each sequence's new K/V row
     (`key`, `value`: [n, kv_heads * head], rows may be strided) into `kv_cache` ([2, blocks,
     block, kv_heads, head]) at its slot, and return the attention output `[n, heads * head]`
-    in the cache's dtype. `query` is [n, heads * head]; the caller checks `step_usable`.
-    `total_keys` (the sum of `seq_lens`, known on the host) picks the threads without reading
-    a tensor; None (a CPU graph, whose lengths change at every replay) takes all of torch's.
+    in the query's dtype. `query` is [n, heads * head]; the caller checks `step_usable`. An
+    fp8 cache gets the rows as `kv_quant.quantize` writes them (divided by `k_scale` /
+    `v_scale`). `total_keys` (the sum of `seq_lens`, known on the host) picks the threads
+    without reading a tensor; None (a CPU graph, whose lengths change at every replay) takes
+    all of torch's.
     """
     n = query.shape[0]
     _, _, block_size, num_kv_heads, head_size = kv_cache.shape
@@ -181,7 +190,8 @@ def decode_step(
         slot_mapping.data_ptr(),
         key_cache,
         key_cache + kv_cache.stride(0) * kv_cache.element_size(),
-        int(kv_cache.dtype == torch.bfloat16),
+        kernel_code(kv_cache.dtype),
+        int(query.dtype == torch.bfloat16),
         block_tables.data_ptr(),
         block_tables.stride(0),
         seq_lens.data_ptr(),
@@ -195,6 +205,8 @@ def decode_step(
         sliding_window or 0,
         scale,
         softcap or 0.0,
+        k_scale,
+        v_scale,
         out.data_ptr(),
     )
     if status != 0:
@@ -214,10 +226,13 @@ def paged_decode(
     scale: float,
     out: torch.Tensor,
     softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Decode attention of `query` [n, heads, head] over the paged cache, into `out`.
 
-    `query` and `out` are contiguous float32, the caches contiguous float32 or bfloat16, the
+    `query` and `out` are contiguous float32, the caches contiguous float32, bfloat16 or fp8
+    (read as stored * `k_scale` / `v_scale`), the
     index tensors contiguous int32, all on the CPU (the caller checks); block-table rows may be
     longer than needed. `softcap` caps each score as `cap * tanh(score / cap)` (Gemma 2).
     """
@@ -232,7 +247,7 @@ def paged_decode(
             query[begin].data_ptr(),
             key_cache.data_ptr(),
             value_cache.data_ptr(),
-            int(key_cache.dtype == torch.bfloat16),
+            kernel_code(key_cache.dtype),
             block_tables[begin].data_ptr(),
             block_tables.stride(0),
             seq_lens[begin].data_ptr(),
@@ -246,6 +261,8 @@ def paged_decode(
             window,
             scale,
             softcap or 0.0,
+            k_scale,
+            v_scale,
             out[begin].data_ptr(),
         )
         if status != 0:

@@ -1,4 +1,4 @@
-/* Paged decode attention for the CPU backend (float32 or bfloat16 caches, float32 math).
+/* Paged decode attention for the CPU backend (float32, bfloat16 or fp8 caches, float32 math).
  *
  * Why C: in plain PyTorch a decode step must first gather each sequence's scattered KV blocks
  * into a contiguous copy before a matmul can read them, so every key and value crosses memory
@@ -19,11 +19,18 @@
  * splits the sequences over threads. No OpenMP runtime is linked (torch has its own), only
  * `omp simd` vectorisation hints. A bfloat16 cache is widened to float32 in registers as it is
  * read (a bf16 value is the top half of a float32), which needs no native bf16 instructions.
+ * An fp8 cache (e4m3fn or e5m2, `kv_quant.py`) is widened by moving its exponent and mantissa
+ * bits into float32 position and rebiasing the exponent, subnormals with one subtraction:
+ * half the bytes of bf16 for a few integer ops per value. Its keys are read as stored * k_scale
+ * (folded into the score scale) and values as stored * v_scale (applied to the output).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
@@ -39,6 +46,12 @@
 typedef float vf __attribute__((vector_size(VW * 4)));
 typedef uint32_t vu __attribute__((vector_size(VW * 4)));
 typedef uint16_t vh __attribute__((vector_size(VW * 2)));
+typedef uint8_t vb __attribute__((vector_size(VW)));
+
+/* Cache dtype codes (`kv_quant.kernel_code`). */
+enum { CACHE_F32 = 0, CACHE_BF16 = 1, CACHE_E4M3 = 2, CACHE_E5M2 = 3 };
+
+static inline size_t cache_elt(int cdt) { return cdt == CACHE_F32 ? 4 : cdt == CACHE_BF16 ? 2 : 1; }
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -50,9 +63,110 @@ static inline vf loadf(const float *p) {
 
 static inline void storef(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
+/* VW fp8 values as float32. Exponent and mantissa move to float32's positions with the
+ * exponent rebiased (exact for normal numbers); a subnormal (exponent 0) is rebuilt as the
+ * smallest normal plus its mantissa, minus the smallest normal. No NaN or infinity is ever
+ * stored (writes saturate), so the top codes need no case of their own. */
+#if defined(__F16C__)
+/* With F16C an fp8 byte becomes a float16 and one instruction widens VW of them: e5m2 is the
+ * top byte of a float16; e4m3's sign, exponent and mantissa shifted into place read as a
+ * float16 of 2^-8 times the e4m3 value (float16 subnormals included), so these "raw" values
+ * are e4m3 / 256 and `FP8_UNIT` multiplies the scales that read them instead of each value.
+ * Measured on a Xeon (AVX-512): the rebiasing below cost 1.35-1.65x a bf16 cache's time per
+ * key, this about as much as bf16. */
+#define FP8_E4M3_UNIT 256.0f
+static inline vf half_to_f32(vh h) {
+#if VW == 16
+    __m256i x;
+    memcpy(&x, &h, sizeof x);
+    const __m512 f = _mm512_cvtph_ps(x);
+#else
+    __m128i x;
+    memcpy(&x, &h, sizeof x);
+    const __m256 f = _mm256_cvtph_ps(x);
+#endif
+    vf out;
+    memcpy(&out, &f, sizeof out);
+    return out;
+}
+
+static inline vf fp8_to_f32(vb b, int cdt) {
+    const vh h = __builtin_convertvector(b, vh);
+    if (cdt == CACHE_E5M2) return half_to_f32(h << 8);
+    /* (int16)(b << 8) >> 1 repeats the sign in bits 15 and 14 and puts exponent and
+     * mantissa at bits 13..7; clearing bit 14 leaves float16 bits of e4m3 / 256. */
+    typedef int16_t vs __attribute__((vector_size(VW * 2)));
+    const vs wide = ((vs)(h << 8)) >> 1;
+    return half_to_f32((vh)wide & (uint16_t)0xbf80u);
+}
+#else
+#define FP8_E4M3_UNIT 1.0f
+static inline vf fp8_to_f32(vb b, int cdt) {
+    const int e5m2 = cdt == CACHE_E5M2;
+    /* Widened in two steps: GCC scalarises a direct 8 -> 32-bit conversion vector. */
+    const vu x = __builtin_convertvector(__builtin_convertvector(b, vh), vu);
+    const vu sign = (x & 0x80u) << 24;
+    const vu mag = (x & 0x7fu) << (e5m2 ? 21 : 20);
+    const vu normal = mag + (e5m2 ? 112u << 23 : 120u << 23);
+    const vu is_sub = (vu)(mag < (1u << 23));
+    vf sub;
+    const vu sub_bits = normal + (1u << 23);
+    memcpy(&sub, &sub_bits, sizeof sub);
+    sub -= e5m2 ? 6.103515625e-05f : 0.015625f; /* the smallest normal: 2^-14, 2^-6 */
+    vu sub_u;
+    memcpy(&sub_u, &sub, sizeof sub_u);
+    const vu bits = ((normal & ~is_sub) | (sub_u & is_sub)) | sign;
+    vf out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+#endif
+
+/* What `load_row` gives for an fp8 cache is the value / FP8_UNIT (exact: a power of two). */
+static inline float fp8_unit(int cdt) { return cdt == CACHE_E4M3 ? FP8_E4M3_UNIT : 1.0f; }
+
+static inline float fp8_scalar(uint8_t b, int cdt) {
+    const int e5m2 = cdt == CACHE_E5M2;
+    const uint32_t mag = (uint32_t)(b & 0x7fu) << (e5m2 ? 21 : 20);
+    uint32_t bits = mag + (e5m2 ? 112u << 23 : 120u << 23);
+    float f;
+    if (mag < (1u << 23)) {
+        bits += 1u << 23;
+        memcpy(&f, &bits, sizeof f);
+        f -= e5m2 ? 6.103515625e-05f : 0.015625f;
+    } else {
+        memcpy(&f, &bits, sizeof f);
+    }
+    return (b & 0x80u) ? -f : f;
+}
+
+/* float32 -> fp8, rounding to nearest even as torch does; the caller has clamped to the
+ * finite range already (`kv_quant.quantize`), and an infinity saturates here too. */
+static inline uint8_t f32_to_fp8(float x, int cdt) {
+    const int e5m2 = cdt == CACHE_E5M2;
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    const uint8_t sign = (uint8_t)((bits >> 24) & 0x80u);
+    uint32_t abits = bits & 0x7fffffffu;
+    if (abits > 0x7f800000u) return sign | (e5m2 ? 0x7e : 0x7f); /* NaN stays NaN */
+    float a;
+    memcpy(&a, &abits, sizeof a);
+    if (!(a <= (e5m2 ? 57344.0f : 448.0f))) return sign | (e5m2 ? 0x7b : 0x7e);
+    if (a < (e5m2 ? 6.103515625e-05f : 0.015625f)) /* subnormal: a multiple of 2^-16 / 2^-9 */
+        return sign | (uint8_t)(int)rintf(a * (e5m2 ? 65536.0f : 512.0f));
+    const int shift = e5m2 ? 21 : 20;
+    abits += ((1u << (shift - 1)) - 1u) + ((abits >> shift) & 1u);
+    return sign | (uint8_t)((abits >> shift) - (e5m2 ? 112u << 2 : 120u << 3));
+}
+
 /* VW cache values at element `i` of a row, as float32. */
-static inline vf load_row(const void *row, int is_bf16, int64_t i) {
-    if (!is_bf16) return loadf((const float *)row + i);
+static inline vf load_row(const void *row, int cdt, int64_t i) {
+    if (cdt == CACHE_F32) return loadf((const float *)row + i);
+    if (cdt >= CACHE_E4M3) {
+        vb b;
+        memcpy(&b, (const uint8_t *)row + i, sizeof b);
+        return fp8_to_f32(b, cdt);
+    }
     vh h;
     memcpy(&h, (const uint16_t *)row + i, sizeof h);
     vu bits = __builtin_convertvector(h, vu) << 16;
@@ -61,8 +175,9 @@ static inline vf load_row(const void *row, int is_bf16, int64_t i) {
     return out;
 }
 
-static inline float scalar_at(const void *row, int is_bf16, int64_t i) {
-    if (!is_bf16) return ((const float *)row)[i];
+static inline float scalar_at(const void *row, int cdt, int64_t i) {
+    if (cdt == CACHE_F32) return ((const float *)row)[i];
+    if (cdt >= CACHE_E4M3) return fp8_scalar(((const uint8_t *)row)[i], cdt) / fp8_unit(cdt);
     uint32_t bits = (uint32_t)((const uint16_t *)row)[i] << 16;
     float out;
     memcpy(&out, &bits, sizeof out);
@@ -94,33 +209,33 @@ static inline float hsum(vf v) {
 }
 
 /* q . k over `n` values (q float32, k a cache row in its own dtype). */
-static inline float dot(const float *q, const void *k, int is_bf16, int64_t n) {
+static inline float dot(const float *q, const void *k, int cdt, int64_t n) {
     int64_t i = 0;
     float acc = 0.0f;
     if (n >= VW) {
         vf a0 = {0}, a1 = {0};
         for (; i + 2 * VW <= n; i += 2 * VW) {
-            a0 += loadf(q + i) * load_row(k, is_bf16, i);
-            a1 += loadf(q + i + VW) * load_row(k, is_bf16, i + VW);
+            a0 += loadf(q + i) * load_row(k, cdt, i);
+            a1 += loadf(q + i + VW) * load_row(k, cdt, i + VW);
         }
-        for (; i + VW <= n; i += VW) a0 += loadf(q + i) * load_row(k, is_bf16, i);
+        for (; i + VW <= n; i += VW) a0 += loadf(q + i) * load_row(k, cdt, i);
         acc = hsum(a0 + a1);
     }
-    for (; i < n; ++i) acc += q[i] * scalar_at(k, is_bf16, i);
+    for (; i < n; ++i) acc += q[i] * scalar_at(k, cdt, i);
     return acc;
 }
 
 /* o += sum_r p[r] * v_r over `rows` (<= TILE) value rows, `n` values each. */
 static inline void accumulate(float *o, const float *p, const void *const *v, int rows,
-                              int is_bf16, int64_t n) {
+                              int cdt, int64_t n) {
     int64_t i = 0;
     for (; i + VW <= n; i += VW) {
         vf acc = loadf(o + i);
-        for (int r = 0; r < rows; ++r) acc += p[r] * load_row(v[r], is_bf16, i);
+        for (int r = 0; r < rows; ++r) acc += p[r] * load_row(v[r], cdt, i);
         storef(o + i, acc);
     }
     for (; i < n; ++i)
-        for (int r = 0; r < rows; ++r) o[i] += p[r] * scalar_at(v[r], is_bf16, i);
+        for (int r = 0; r < rows; ++r) o[i] += p[r] * scalar_at(v[r], cdt, i);
 }
 
 /* exp(x) for x <= 0 (scores minus their maximum), within a few float ulps: the exponent by
@@ -161,16 +276,16 @@ static void softmax(float *sc, int64_t n, float softcap) {
 }
 
 /* One sequence, KV heads [kv_begin, kv_end) and their query heads: scores into `scores`
- * ([num_heads][n_keys]), output rows into `o`. Always inlined into two callers with a constant
- * `is_bf16`, so each dtype gets its own straight-line loops. */
+ * ([num_heads][n_keys]), output rows into `o`. Always inlined into one caller per cache dtype
+ * with a constant `cdt`, so each dtype gets its own straight-line loops. */
 static inline __attribute__((always_inline)) void attend(
-    const float *q, const void *key_cache, const void *value_cache, int is_bf16,
+    const float *q, const void *key_cache, const void *value_cache, int cdt,
     const int32_t *table, int64_t base_block, int64_t start, int64_t n_keys, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_size, int64_t block_size, float scale, float softcap,
     int64_t kv_begin, int64_t kv_end, float *q_scaled, float *scores, float *o) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row = num_kv_heads * head_size; /* values per token in the cache */
-    const size_t elt = is_bf16 ? 2 : 4;
+    const size_t elt = cache_elt(cdt);
     const int64_t h_begin = kv_begin * group, h_end = kv_end * group;
     for (int64_t i = h_begin * head_size; i < h_end * head_size; ++i) q_scaled[i] = q[i] * scale;
 
@@ -193,7 +308,7 @@ static inline __attribute__((always_inline)) void attend(
             for (int64_t kh = kv_begin; kh < kv_end; ++kh) {
                 const char *kk = k + kh * head_size * elt;
                 for (int64_t g = 0; g < group; ++g, ++h)
-                    scores[h * n_keys + t] = dot(q_scaled + h * head_size, kk, is_bf16, head_size);
+                    scores[h * n_keys + t] = dot(q_scaled + h * head_size, kk, cdt, head_size);
             }
         }
     }
@@ -222,7 +337,7 @@ static inline __attribute__((always_inline)) void attend(
                 for (int64_t g = 0; g < group; ++g, ++h) {
                     float p[TILE];
                     for (int j = 0; j < rows; ++j) p[j] = scores[h * n_keys + t + r + j];
-                    accumulate(o + h * head_size, p, vr, rows, is_bf16, head_size);
+                    accumulate(o + h * head_size, p, vr, rows, cdt, head_size);
                 }
             }
         }
@@ -244,15 +359,34 @@ static void attend_bf16(const float *q, const void *kc, const void *vc, const in
     attend(q, kc, vc, 1, table, base, start, n, nh, nkv, hs, bs, scale, cap, kb, ke, qs, sc, o);
 }
 
+static void attend_e4m3(const float *q, const void *kc, const void *vc, const int32_t *table,
+                        int64_t base, int64_t start, int64_t n, int64_t nh, int64_t nkv,
+                        int64_t hs, int64_t bs, float scale, float cap, int64_t kb, int64_t ke,
+                        float *qs, float *sc, float *o) {
+    attend(q, kc, vc, 2, table, base, start, n, nh, nkv, hs, bs, scale, cap, kb, ke, qs, sc, o);
+}
+
+static void attend_e5m2(const float *q, const void *kc, const void *vc, const int32_t *table,
+                        int64_t base, int64_t start, int64_t n, int64_t nh, int64_t nkv,
+                        int64_t hs, int64_t bs, float scale, float cap, int64_t kb, int64_t ke,
+                        float *qs, float *sc, float *o) {
+    attend(q, kc, vc, 3, table, base, start, n, nh, nkv, hs, bs, scale, cap, kb, ke, qs, sc, o);
+}
+
+typedef void (*attend_fn)(const float *, const void *, const void *, const int32_t *, int64_t,
+                          int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, float,
+                          int64_t, int64_t, float *, float *, float *);
+static const attend_fn ATTEND[4] = {attend_f32, attend_bf16, attend_e4m3, attend_e5m2};
+
 /* Sequences [seq_begin, seq_end), KV heads [kv_begin, kv_end), on the calling thread.
  * Returns 0, or -1 without scratch. */
 static int attend_range(const void *query, const void *key_cache, const void *value_cache,
-                        int is_bf16, int io_bf16, const int32_t *block_tables,
+                        int cdt, int io_bf16, const int32_t *block_tables,
                         int64_t table_stride, const int32_t *seq_lens, const int32_t *first_block,
                         int64_t seq_begin, int64_t seq_end, int64_t kv_begin, int64_t kv_end,
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
                         int64_t block_size, int64_t window, float scale, float softcap,
-                        void *out) {
+                        float v_scale, void *out) {
     const int64_t width = num_heads * head_size; /* one sequence's query / output row */
     int64_t max_len = 1;
     for (int64_t s = seq_begin; s < seq_end; ++s)
@@ -280,10 +414,12 @@ static int attend_range(const void *query, const void *key_cache, const void *va
             q = q_row;
             o = o_row;
         }
-        (is_bf16 ? attend_bf16 : attend_f32)(
+        ATTEND[cdt](
             q, key_cache, value_cache, block_tables + s * table_stride, (int64_t)first_block[s],
             start, len - start, num_heads, num_kv_heads, head_size, block_size, scale, softcap,
             kv_begin, kv_end, q_scaled, scores, o);
+        if (v_scale != 1.0f) /* values were stored divided by v_scale (fp8 caches) */
+            for (int64_t i = lo; i < hi; ++i) o[i] *= v_scale;
         if (io_bf16) { /* only this thread's heads: the others belong to other threads */
             uint16_t *oh = (uint16_t *)out + s * width;
             for (int64_t i = lo; i < hi; ++i) oh[i] = f32_to_bf16(o_row[i]);
@@ -300,13 +436,15 @@ static int attend_range(const void *query, const void *key_cache, const void *va
  * sequences for its heads (a head's queries, keys, values and output are its own).
  *
  * query:        [num_seqs, num_heads, head_size] float32
- * key_cache:    [num_blocks, block_size, num_kv_heads, head_size], float32 or bf16 (is_bf16)
+ * key_cache:    [num_blocks, block_size, num_kv_heads, head_size]; `cdt`: float32, bf16,
+ *               fp8 e4m3fn or e5m2 (CACHE_*)
  * value_cache:  same as key_cache
  * block_tables: [num_seqs, table_stride]; entry j holds absolute block first_block[s] + j
  * seq_lens:     keys per sequence (the new token included)
  * first_block:  absolute index of each table's first block (sliding-window tables skip some)
  * window:       sliding window in tokens, 0 for none
  * softcap:      caps every score as softcap * tanh(score / softcap) (Gemma 2), 0 for none
+ * k_scale, v_scale: the cache holds keys / k_scale and values / v_scale (1 but for fp8)
  * out:          [num_seqs, num_heads, head_size] float32
  * Returns 0, or -1 when scratch memory could not be allocated.
  *
@@ -316,11 +454,16 @@ static int attend_range(const void *query, const void *key_cache, const void *va
  * compete with them while they spin-wait for their next region). Otherwise one thread.
  */
 static int decode(const void *query, const void *key_cache, const void *value_cache,
-                  int is_bf16, int io_bf16, const int32_t *block_tables, int64_t table_stride,
+                  int cdt, int io_bf16, const int32_t *block_tables, int64_t table_stride,
                   const int32_t *seq_lens, const int32_t *first_block, int64_t num_seqs,
                   int64_t num_threads, int64_t num_heads, int64_t num_kv_heads,
                   int64_t head_size, int64_t block_size, int64_t window, float scale,
-                  float softcap, void *out) {
+                  float softcap, float k_scale, float v_scale, void *out) {
+    /* q . (k_stored * k_scale) == (q * k_scale) . k_stored; likewise for v_scale, with the
+     * fp8 rows read in units of fp8_unit (see fp8_to_f32). */
+    if (cdt < CACHE_E4M3) k_scale = v_scale = 1.0f; /* scales belong to fp8 caches only */
+    scale *= k_scale * fp8_unit(cdt);
+    v_scale *= fp8_unit(cdt);
     int64_t total = 0;
     for (int64_t s = 0; s < num_seqs; ++s) total += seq_lens[s];
     const int split_heads = num_threads > num_seqs && num_kv_heads > 1;
@@ -339,11 +482,11 @@ static int decode(const void *query, const void *key_cache, const void *value_ca
         if (split_heads) {
             const int64_t kb = num_kv_heads * part / parts, ke = num_kv_heads * (part + 1) / parts;
             if (ke > kb)
-                status |= attend_range(query, key_cache, value_cache, is_bf16, io_bf16,
+                status |= attend_range(query, key_cache, value_cache, cdt, io_bf16,
                                        block_tables, table_stride, seq_lens, first_block, 0,
                                        num_seqs, kb, ke,
                                        num_heads, num_kv_heads, head_size, block_size, window,
-                                       scale, softcap, out);
+                                       scale, softcap, v_scale, out);
         } else {
         /* This thread's range: the sequences whose first key falls in its share of keys. */
         const int64_t lo = total * part / parts, hi = total * (part + 1) / parts;
@@ -354,30 +497,32 @@ static int decode(const void *query, const void *key_cache, const void *value_ca
             seen += seq_lens[s];
         }
         if (end > begin)
-            status |= attend_range(query, key_cache, value_cache, is_bf16, io_bf16,
+            status |= attend_range(query, key_cache, value_cache, cdt, io_bf16,
                                    block_tables, table_stride, seq_lens, first_block, begin,
                                    end, 0,
                                    num_kv_heads, num_heads, num_kv_heads, head_size, block_size,
-                                   window, scale, softcap, out);
+                                   window, scale, softcap, v_scale, out);
         }
     }
     return status ? -1 : 0;
 }
 
 int paged_decode(const float *query, const void *key_cache, const void *value_cache,
-                 int is_bf16, const int32_t *block_tables, int64_t table_stride,
+                 int cache_dtype, const int32_t *block_tables, int64_t table_stride,
                  const int32_t *seq_lens, const int32_t *first_block, int64_t num_seqs,
                  int64_t num_threads, int64_t num_heads, int64_t num_kv_heads,
                  int64_t head_size, int64_t block_size, int64_t window, float scale,
-                 float softcap, float *out) {
-    return decode(query, key_cache, value_cache, is_bf16, 0, block_tables, table_stride,
+                 float softcap, float k_scale, float v_scale, float *out) {
+    return decode(query, key_cache, value_cache, cache_dtype, 0, block_tables, table_stride,
                   seq_lens, first_block, num_seqs, num_threads, num_heads, num_kv_heads,
-                  head_size, block_size, window, scale, softcap, out);
+                  head_size, block_size, window, scale, softcap, k_scale, v_scale, out);
 }
 
 /* A whole decode step of one layer in one call (what the backend's per-layer Python cost to
  * do in five or six torch ops): write each sequence's new key and value row into its cache
- * slot, then `paged_decode`, with queries and outputs in the cache's dtype (`is_bf16`).
+ * slot, then `paged_decode`, with queries, new rows and outputs in bf16 (`io_bf16`) or float32;
+ * the cache in its own dtype (`cache_dtype`: the io dtype, or fp8, written saturating and
+ * divided by k_scale / v_scale).
  *
  * new_keys / new_values: [num_seqs] rows of num_kv_heads * head_size values, `key_stride` /
  *                        `value_stride` values apart (views into a fused qkv output are fine)
@@ -386,23 +531,39 @@ int paged_decode(const float *query, const void *key_cache, const void *value_ca
  */
 int paged_decode_step(const void *query, const void *new_keys, const void *new_values,
                       int64_t key_stride, int64_t value_stride, const int64_t *slot_mapping,
-                      void *key_cache, void *value_cache, int is_bf16, const int32_t *block_tables,
+                      void *key_cache, void *value_cache, int cache_dtype, int io_bf16,
+                      const int32_t *block_tables,
                       int64_t table_stride, const int32_t *seq_lens, const int32_t *first_block,
                       int64_t num_seqs, int64_t num_threads, int64_t num_heads,
                       int64_t num_kv_heads, int64_t head_size, int64_t block_size,
-                      int64_t window, float scale, float softcap, void *out) {
-    const size_t elt = is_bf16 ? 2 : 4;
-    const size_t row = (size_t)(num_kv_heads * head_size) * elt;
+                      int64_t window, float scale, float softcap, float k_scale,
+                      float v_scale, void *out) {
+    const size_t elt = cache_elt(cache_dtype);
+    const int64_t width = num_kv_heads * head_size;
+    const size_t row = (size_t)width * elt;
     for (int64_t s = 0; s < num_seqs; ++s) {
         if (slot_mapping[s] < 0) continue;
         const size_t at = (size_t)slot_mapping[s] * row;
-        memcpy((char *)key_cache + at, (const char *)new_keys + (size_t)(s * key_stride) * elt, row);
-        memcpy((char *)value_cache + at, (const char *)new_values + (size_t)(s * value_stride) * elt,
-               row);
+        const int64_t kj = s * key_stride, vj = s * value_stride;
+        if (cache_dtype < CACHE_E4M3) {
+            memcpy((char *)key_cache + at, (const char *)new_keys + (size_t)kj * elt, row);
+            memcpy((char *)value_cache + at, (const char *)new_values + (size_t)vj * elt, row);
+            continue;
+        }
+        uint8_t *kd = (uint8_t *)key_cache + at, *vd = (uint8_t *)value_cache + at;
+        for (int64_t i = 0; i < width; ++i) {
+            const float k = io_bf16 ? bf16_to_f32(((const uint16_t *)new_keys)[kj + i])
+                                    : ((const float *)new_keys)[kj + i];
+            const float v = io_bf16 ? bf16_to_f32(((const uint16_t *)new_values)[vj + i])
+                                    : ((const float *)new_values)[vj + i];
+            kd[i] = f32_to_fp8(k / k_scale, cache_dtype); /* torch's order: divide, then round */
+            vd[i] = f32_to_fp8(v / v_scale, cache_dtype);
+        }
     }
-    return decode(query, key_cache, value_cache, is_bf16, is_bf16, block_tables, table_stride,
-                  seq_lens, first_block, num_seqs, num_threads, num_heads, num_kv_heads,
-                  head_size, block_size, window, scale, softcap, out);
+    return decode(query, key_cache, value_cache, cache_dtype, io_bf16, block_tables,
+                  table_stride, seq_lens, first_block, num_seqs, num_threads, num_heads,
+                  num_kv_heads, head_size, block_size, window, scale, softcap, k_scale, v_scale,
+                  out);
 }
 
 /* `paged_decode_step` with its arguments as one int64 array (pointers and integers as they
@@ -417,8 +578,9 @@ static inline float f32_arg(int64_t bits) {
 
 int paged_decode_step_packed(const int64_t *a) {
 #define P(i) ((void *)(intptr_t)a[i])
-    return paged_decode_step(P(0), P(1), P(2), a[3], a[4], P(5), P(6), P(7), (int)a[8], P(9),
-                             a[10], P(11), P(12), a[13], a[14], a[15], a[16], a[17], a[18],
-                             a[19], f32_arg(a[20]), f32_arg(a[21]), P(22));
+    return paged_decode_step(P(0), P(1), P(2), a[3], a[4], P(5), P(6), P(7), (int)a[8],
+                             (int)a[9], P(10), a[11], P(12), P(13), a[14], a[15], a[16], a[17],
+                             a[18], a[19], a[20], f32_arg(a[21]), f32_arg(a[22]), f32_arg(a[23]),
+                             f32_arg(a[24]), P(25));
 #undef P
 }

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenwise.attention.backends.image_mask import same_span
+from tokenwise.attention.backends.kv_quant import dequantize, gather_rows
 from tokenwise.attention.backends.softcap import softcapped_attention
 
 if TYPE_CHECKING:
@@ -34,6 +35,8 @@ def packed_prefill(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Attend the prefill queries `q` (`[tokens, heads, head]`) into `output[:tokens]`."""
     num_heads, head_size = q.shape[1], q.shape[2]
@@ -47,8 +50,10 @@ def packed_prefill(
     width = tables.shape[1] * block_size
     flat = tables.reshape(-1)
     shape = (num, width, num_kv_heads, head_size)
-    keys = key_cache.index_select(0, flat).view(shape).transpose(1, 2)
-    values = value_cache.index_select(0, flat).view(shape).transpose(1, 2)
+    # An fp8 cache is dequantized as it is gathered (`kv_quant.py`).
+    keys = dequantize(gather_rows(key_cache, flat), q.dtype, k_scale).view(shape).transpose(1, 2)
+    values = dequantize(gather_rows(value_cache, flat), q.dtype, v_scale)
+    values = values.view(shape).transpose(1, 2)
     # Query token t of sequence s goes to row s * max_q + (t - start of s).
     starts = torch.cumsum(q_lens, 0) - q_lens
     owner = torch.repeat_interleave(torch.arange(num, device=dev), q_lens)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from tokenwise.attention.backends.kv_quant import dequantize, gather_rows
 from tokenwise.attention.backends.softcap import soft_cap
 
 
@@ -23,20 +24,24 @@ def paged_decode_reference(
     sliding_window: int | None = None,
     first_block: torch.Tensor | None = None,
     softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged keys, in plain PyTorch.
 
     q `[n, heads, head]`; caches `[blocks, block_size, kv_heads, head]`; `block_tables[i, j]` is
     the cache block of the sequence's logical block `first_block[i] + j` (0 when not given);
-    `seq_lens[i]` counts the keys of sequence i, this step's included. No host reads.
+    `seq_lens[i]` counts the keys of sequence i, this step's included. No host reads. An fp8
+    cache is read as stored * `k_scale` / `v_scale` (`kv_quant.py`).
     """
     n, num_heads, head_size = q.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
     width = block_tables.shape[1] * block_size
     flat = block_tables.reshape(-1).to(torch.int64)
-    keys = key_cache.index_select(0, flat).view(n, width, num_kv_heads, head_size)
-    values = value_cache.index_select(0, flat).view(n, width, num_kv_heads, head_size)
+    shape = (n, width, num_kv_heads, head_size)
+    keys = dequantize(gather_rows(key_cache, flat), torch.float32, k_scale).view(shape)
+    values = dequantize(gather_rows(value_cache, flat), torch.float32, v_scale).view(shape)
     qg = q.view(n, num_kv_heads, group, head_size)
     scores = torch.matmul(qg.float(), keys.permute(0, 2, 3, 1).float()) * scale
     if softcap:

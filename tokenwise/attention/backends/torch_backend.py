@@ -16,6 +16,11 @@ spans (Gemma 3) widen the causal mask to "bidirectional within an image" (`image
 The interface is tensor-only: an impl holds its plain settings (heads, head size, scale,
 window) from construction, and `forward` gets tensors, the cache and the step's metadata, never
 the attention layer, so this package sits below `attention.layer` and never imports it.
+
+An fp8 cache (`kv_cache_dtype`, `kv_quant.py`) is written quantized and dequantized where it
+is read: the gathered keys and values of prefill (with cached context) and of the PyTorch
+decodes, inside the C kernel, inside the Triton kernel. A prompt's own new K/V are attended
+unquantized, as in vLLM.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from torch.nn.attention.bias import causal_lower_right
 from tokenwise.attention.backends import cpu_kernels
 from tokenwise.attention.backends.encoder_only import encoder_only_attention
 from tokenwise.attention.backends.image_mask import Span, visible_keys
+from tokenwise.attention.backends.kv_quant import dequantize, gather_rows, write_rows
 from tokenwise.attention.backends.packed_prefill import packed_prefill
 from tokenwise.attention.backends.paged_reference import paged_decode_reference
 from tokenwise.attention.backends.single_sequence import single_sequence_attention
@@ -70,6 +76,10 @@ class TorchAttentionImpl:
         self.attn_type = AttentionType(attn_type)
         self._heads = {"num_heads": num_heads, "num_kv_heads": num_kv_heads}
         self._heads |= {"head_size": head_size, "scale": scale}
+        # vLLM's per-layer fp8 scales: the cache holds k / k_scale and v / v_scale. Python
+        # floats (no tensor read per step); 1.0 unless the checkpoint gives them.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(
         self,
@@ -107,7 +117,8 @@ class TorchAttentionImpl:
         k = key.view(num_tokens, self.num_kv_heads, self.head_size)
         v = value.view(num_tokens, self.num_kv_heads, self.head_size)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        write_kv_cache(k, v, key_cache, value_cache, attn_metadata.slot_mapping[:num_tokens])
+        slots = attn_metadata.slot_mapping[:num_tokens]
+        write_kv_cache(k, v, key_cache, value_cache, slots, self.k_scale, self.v_scale)
 
         output = torch.empty_like(q)
         n_prefill = attn_metadata.num_prefill_tokens
@@ -150,6 +161,8 @@ class TorchAttentionImpl:
             self.sliding_window,
             self.scale,
             self.logits_soft_cap,
+            self.k_scale,
+            self.v_scale,
         )
 
     def _prefill(
@@ -174,8 +187,8 @@ class TorchAttentionImpl:
                 table = md.block_tables[i, : len_blocks(md, i)]
                 key_offset = md.block_table_first_block[i] * block_size
                 n_keys = ctx_len + q_len - key_offset
-                keys = key_cache.index_select(0, table).flatten(0, 1)[:n_keys]
-                values = value_cache.index_select(0, table).flatten(0, 1)[:n_keys]
+                keys = self._read(key_cache, table, q.dtype, self.k_scale)[:n_keys]
+                values = self._read(value_cache, table, q.dtype, self.v_scale)[:n_keys]
             spans = all_spans[i] if i < len(all_spans) else ()
             output[start:end] = self._attend(q[start:end], keys, values, ctx_len, key_offset, spans)
             start = end
@@ -202,7 +215,14 @@ class TorchAttentionImpl:
             scale=self.scale,
             sliding_window=self.sliding_window,
             softcap=self.logits_soft_cap,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
+
+    @staticmethod
+    def _read(cache: torch.Tensor, table: torch.Tensor, dtype: torch.dtype, scale: float):
+        """The blocks of `table` as one run of token rows, dequantized to `dtype` (fp8)."""
+        return dequantize(gather_rows(cache, table).flatten(0, 1), dtype, scale)
 
     def _attend(
         self,
@@ -288,7 +308,7 @@ class TorchAttentionImpl:
         md: AttentionMetadata,
         output: torch.Tensor,
     ) -> None:
-        """CPU decode: the C kernel reads each block once where it lies (fp32 or bf16 caches,
+        """CPU decode: the C kernel reads each block once where it lies (fp32, bf16 or fp8 caches,
         fp32 math). Other dtypes, or a machine where it cannot be built, take the PyTorch path.
         """
         lib = cpu_kernels.load()
@@ -310,6 +330,8 @@ class TorchAttentionImpl:
             self.scale,
             out,
             softcap=self.logits_soft_cap,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
         if not direct:
             output.copy_(out)
@@ -338,8 +360,8 @@ class TorchAttentionImpl:
                 start = max(0, seq_len - self.sliding_window - key_offset)
             table = md.block_tables[i, : len_blocks(md, i)]
             end = seq_len - key_offset
-            keys = key_cache.index_select(0, table).flatten(0, 1)[start:end]
-            values = value_cache.index_select(0, table).flatten(0, 1)[start:end]
+            keys = self._read(key_cache, table, q.dtype, self.k_scale)[start:end]
+            values = self._read(value_cache, table, q.dtype, self.v_scale)[start:end]
             qg = q[j].view(self.num_kv_heads, self.group, self.head_size)
             scores = torch.matmul(qg, keys.permute(1, 2, 0)).float() * self.scale
             if self.logits_soft_cap:
@@ -374,6 +396,8 @@ class TorchAttentionImpl:
             self.scale,
             self.sliding_window,
             first_block,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
 
     def _paged_decode_fn(self, q: torch.Tensor) -> Callable[..., torch.Tensor]:
@@ -396,14 +420,17 @@ def write_kv_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Scatter this step's K/V into their slots; PAD slots (-1) land in the trash block."""
+    """Scatter this step's K/V into their slots; PAD slots (-1) land in the trash block. An
+    fp8 cache gets `k / k_scale`, `v / v_scale`, saturated (`kv_quant.quantize`)."""
     flat_k = key_cache.view(-1, key.shape[1], key.shape[2])
     flat_v = value_cache.view(-1, value.shape[1], value.shape[2])
     trash_slot = flat_k.shape[0] - 1
     slots = torch.where(slot_mapping < 0, trash_slot, slot_mapping)
-    flat_k.index_copy_(0, slots, key.to(flat_k.dtype))
-    flat_v.index_copy_(0, slots, value.to(flat_v.dtype))
+    write_rows(flat_k, slots, key, k_scale)
+    write_rows(flat_v, slots, value, v_scale)
 
 
 class TorchAttentionBackend:

@@ -8,6 +8,9 @@ iteration was latency-bound, 65% of a decode step), and keeps an online softmax 
 running sum, rescaled accumulator) in fp32, so nothing of size `seq_len` is ever materialised.
 fp32 caches use IEEE dots (no TF32), so fp32 results match the PyTorch reference. A sliding
 window starts the walk at the first block the window reaches and masks the keys before it.
+An fp8 cache (`kv_quant.py`) is loaded as fp8 and converted to the queries' dtype in registers
+(half a bf16 cache's bytes); `k_scale` is folded into the score scale and `v_scale` into the
+output. Not yet run on a GPU: written from Triton's fp8 types, reviewed, untested on hardware.
 
 Everything the kernel reads is on the device (`block_tables`, `seq_lens`, optional
 `first_block`), and the launch depends only on shapes, so a decode step that calls it can be
@@ -43,6 +46,8 @@ def _paged_decode_kernel(
     stride_c_head,
     stride_bt_seq,
     sliding_window,
+    v_scale,
+    FP8: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_FIRST_BLOCK: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -92,6 +97,8 @@ def _paged_decode_kernel(
         )
         kv_mask = in_seq[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        if FP8:
+            k = k.to(tl.float32).to(q_ptr.dtype.element_ty)
         if IEEE:
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         else:
@@ -106,6 +113,8 @@ def _paged_decode_kernel(
         p = tl.exp(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        if FP8:
+            v = v.to(tl.float32).to(q_ptr.dtype.element_ty)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
@@ -114,6 +123,8 @@ def _paged_decode_kernel(
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # a row without keys (padding rows of a graph) gives 0
     out = acc / l_i[:, None]
+    if FP8:
+        out = out * v_scale
     o_offsets = seq * stride_o_tok + heads[:, None] * stride_o_head + d[None, :]
     tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
@@ -127,6 +138,8 @@ def paged_decode(
     scale: float,
     sliding_window: int | None = None,
     first_block: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Same contract as `triton_backend.paged_decode_reference`; returns `[n, heads, head]`."""
     n, num_heads, head_size = q.shape
@@ -144,6 +157,9 @@ def paged_decode(
     group = num_heads // num_kv_heads
     head_pad = max(16, triton.next_power_of_2(head_size))
     tile = max(16, min(128, 8192 // head_pad))  # ~16 KiB of bf16 K per iteration
+    fp8 = key_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if not fp8:
+        k_scale = v_scale = 1.0  # scales belong to fp8 caches only (kv_quant.py)
     _paged_decode_kernel[(n, num_kv_heads)](
         out,
         q,
@@ -152,7 +168,7 @@ def paged_decode(
         block_tables,
         seq_lens,
         seq_lens if first_block is None else first_block,
-        scale,
+        scale * k_scale,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -162,6 +178,8 @@ def paged_decode(
         key_cache.stride(2),
         block_tables.stride(0),
         sliding_window or 0,
+        v_scale,
+        FP8=fp8,
         HAS_WINDOW=sliding_window is not None,
         HAS_FIRST_BLOCK=first_block is not None,
         BLOCK_SIZE=block_size,
