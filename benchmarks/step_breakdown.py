@@ -1,6 +1,7 @@
 """Where one batch-1 decode step's time goes, part by part of `LLMEngine.step`.
 
     python benchmarks/step_breakdown.py --config llama-100m --dtype bfloat16 [--ops 25] [-q int4]
+        [--enforce-eager]
 
 One stream (256-token prompt, 128 greedy tokens, dummy weights, EOS ignored). Each part of the
 step (scheduler, input preparation, attention metadata, the model's forward, logits, sampling
@@ -87,6 +88,8 @@ def instrument(llm: LLM, timers: Timers) -> None:
     runner.input_batch.prepare = timers.wrap("prepare inputs", runner.input_batch.prepare)
     runner._attn_metadata = timers.wrap("attn metadata", runner._attn_metadata)
     runner._run_eager = timers.wrap("model forward", runner._run_eager)
+    if runner.graph_runner is not None:  # CPU graphs: a replay is the whole forward
+        runner.graph_runner.execute = timers.wrap("model forward", runner.graph_runner.execute)
     runner._logits = timers.wrap("logits (lm_head)", runner._logits)
     for name in ("forward", "greedy"):  # `greedy`: the plain-greedy fast path, where it exists
         if hasattr(runner.sampler, name):
@@ -126,6 +129,11 @@ def main() -> None:
     parser.add_argument("--ops", type=int, default=0, help="also list the top N ops per step")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: as is)")
     parser.add_argument("--quantization", "-q", default=None, help="e.g. int8, int4 (CPU)")
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CPU graphs: the forward's kernels are timed one by one (a replay runs them in C)",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -135,6 +143,7 @@ def main() -> None:
         dtype=args.dtype,
         skip_tokenizer_init=True,
         quantization=args.quantization,
+        enforce_eager=True if args.enforce_eager else None,
     )
     prompt = torch.randint(3, 4000, (256,), generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True)
@@ -156,7 +165,7 @@ def main() -> None:
     parts["execute_model, rest"] = statistics.median(
         s["execute_model"] for s in decode
     ) * 1e3 - sum(parts[n] for n in names if n in _RUNNER_PARTS)
-    inner = ("  linear kernels", "  attention kernel")
+    inner = ("  linear kernels", "  quantized linear kernels", "  attention kernel")
     parts["  forward, rest"] = parts["model forward"] - sum(parts.get(n, 0.0) for n in inner)
     parts["step, rest"] = step_ms - sum(ms for n, ms in parts.items() if not n.startswith(" "))
     for name, ms in parts.items():

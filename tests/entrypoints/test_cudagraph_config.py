@@ -10,6 +10,7 @@ import torch
 from tokenwise.attention.backends import selector
 from tokenwise.attention.backends.torch_backend import TorchAttentionBackend
 from tokenwise.attention.backends.triton_backend import TritonAttentionBackend
+from tokenwise.compilation.cpu_graph import CPUGraphCapturer
 from tokenwise.config import CompilationConfig, CUDAGraphMode, EngineConfig
 from tokenwise.entrypoints.engine_args import (
     add_engine_args,
@@ -57,6 +58,9 @@ def test_default_mode_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_cudagraph_mode(None, "cuda:0", enforce_eager=False) is M.PIECEWISE
     assert resolve_cudagraph_mode("full_decode_only", "cuda", False) is M.FULL_DECODE_ONLY
     assert resolve_cudagraph_mode("none", "cpu", True) is M.NONE
+    # CPU graphs (recorded C kernels) where eagerness was not asked for and the kind allows.
+    assert resolve_cudagraph_mode(None, "cpu", True, cpu_graphs=True) is M.FULL_DECODE_ONLY
+    assert resolve_cudagraph_mode("full", "cpu", True, cpu_graphs=True) is M.FULL
 
 
 def test_moe_models_whose_experts_read_the_host_get_piecewise_graphs_at_most(
@@ -94,14 +98,18 @@ def test_which_devices_and_dtypes_have_a_grouped_matmul(monkeypatch: pytest.Monk
 
 
 def test_refused_combinations() -> None:
-    with pytest.raises(ValueError, match="needs a CUDA device"):
-        resolve_cudagraph_mode("piecewise", "cpu", enforce_eager=False)
+    with pytest.raises(ValueError, match="PIECEWISE replays compiled pieces.*CUDA device"):
+        resolve_cudagraph_mode("piecewise", "cpu", enforce_eager=True, cpu_graphs=True)
+    with pytest.raises(ValueError, match="cannot be combined with enforce_eager"):
+        resolve_cudagraph_mode("full_decode_only", "cpu", enforce_eager=True)
     with pytest.raises(ValueError, match="enforce_eager"):
         resolve_cudagraph_mode("piecewise", "cuda", enforce_eager=True)
-    with pytest.raises(ValueError, match="CUDA device"):
-        new_capturer_factory(torch.device("cpu"))
+    with pytest.raises(ValueError, match="need a CUDA device or the CPU"):
+        new_capturer_factory(torch.device("meta"))
+    assert isinstance(new_capturer_factory(torch.device("cpu"))(), CPUGraphCapturer)
     full = EngineConfig(
-        compilation=CompilationConfig(cudagraph_mode=M.FULL_AND_PIECEWISE, use_compile=True)
+        compilation=CompilationConfig(cudagraph_mode=M.FULL_AND_PIECEWISE, use_compile=True),
+        device="cuda",
     )
     check_cudagraph_config(full, TritonAttentionBackend)
     with pytest.raises(ValueError, match="'torch' attention backend.*cudagraph_mode=PIECEWISE"):

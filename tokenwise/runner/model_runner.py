@@ -318,6 +318,9 @@ class ModelRunner(KVCacheSizingMixin):
         return self.lora_manager.prepare_step(loras, step.query_lens_np.tolist())
 
     def _logits(self, hidden: torch.Tensor, logits_indices: list[int]) -> torch.Tensor:
+        n = len(logits_indices)
+        if n == hidden.shape[0] and logits_indices == list(range(n)):
+            return self.model.compute_logits(hidden)  # a decode step samples every row
         rows = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, rows))
 
