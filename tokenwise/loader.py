@@ -1,7 +1,8 @@
 """Build a model for an `EngineConfig` and fill its weights from safetensors, a GGUF file
 (`tokenwise.gguf`) or dummy values, then quantize its linear layers when `quantization` says so
-(`tokenwise.layers.quantization`: int8 / int4 on load, a GGUF file's own bit widths, or a GPTQ,
-AWQ or compressed-tensors checkpoint's own integers, `prequantized`).
+(`tokenwise.layers.quantization`: int8 / int4 on load, a GGUF file's own bit widths, a GPTQ,
+AWQ or compressed-tensors checkpoint's own integers, `prequantized`, or FP8: an "fp8"
+checkpoint's own weights and block scales, or fp8 on load, `fp8_loading`).
 
 Parameters are created directly in the target dtype and device (by making those the defaults
 while the model is constructed), so a bf16 model on a GPU never exists as an fp32 CPU copy.
@@ -32,7 +33,7 @@ from torch import nn
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.tp_state import get_tp_size
 from tokenwise.gguf.weights import iterate_gguf
-from tokenwise.layers.quantization import awq, compressed_tensors, gptq
+from tokenwise.layers.quantization import awq, compressed_tensors, fp8_loading, gptq
 from tokenwise.layers.quantization.gguf_layers import GGUFLayerQuantizer, expert_checkpoint_names
 from tokenwise.layers.quantization.prequantized import PrequantizedCheckpoint
 from tokenwise.layers.quantization.schemes import (
@@ -52,8 +53,10 @@ from tokenwise.model_config import ModelConfig
 from tokenwise.models.registry import resolve_model_class
 from tokenwise.quantization_config import (
     CPU_METHODS,
+    FP8,
     PREQUANTIZED,
     checkpoint_quantization_config,
+    fp8_checkpoint_config,
     int_checkpoint_config,
 )
 
@@ -147,6 +150,7 @@ def load_model(config: EngineConfig, device: str | torch.device = "cpu") -> nn.M
     model_cls = resolve_model_class(model_config.architectures)
     gguf_layers: GGUFLayerQuantizer | None = None
     prequantized: PrequantizedCheckpoint | None = None
+    fp8: fp8_loading.FP8Checkpoint | None = None
     on_cpu = torch.device(device).type == "cpu"
     with _build_in(model_config.dtype, torch.device(device)):
         model = model_cls(config)
@@ -163,6 +167,12 @@ def load_model(config: EngineConfig, device: str | torch.device = "cpu") -> nn.M
             # of their integers (`tp_slice`). Only CPU layers compute with them (`_quantize`).
             prequantized = _prequantized_reader(model, model_config, keep_exact=on_cpu)
             weights = prequantized.wrap(weights, safetensors_names(files))
+        qc = checkpoint_quantization_config(model_config.hf_config)
+        if model_config.quantization == FP8 and qc is not None:
+            # fp8 weights and their block scales become dense weights here, the fp8 kept aside.
+            keep = not on_cpu or fp8_loading.keep_fp8_on_cpu()
+            fp8 = fp8_loading.FP8Checkpoint(model, fp8_checkpoint_config(qc), keep)
+            weights = fp8.wrap(weights, safetensors_names(files))
         loaded = model.load_weights(weights)
         _check_complete(model, loaded)
     elif model_config.load_format == "gguf":
@@ -176,7 +186,14 @@ def load_model(config: EngineConfig, device: str | torch.device = "cpu") -> nn.M
         _check_complete(model, loaded)
     else:
         raise ValueError(f"unknown load_format {model_config.load_format!r}")
-    _quantize(model, model_config.quantization, torch.device(device), gguf_layers or prequantized)
+    if fp8 is not None:
+        fp8_loading.install(model, fp8.record_for, keep_fp8=fp8.keep)
+    elif model_config.quantization == FP8:
+        fp8_loading.quantize_on_load(model, keep_fp8=not on_cpu or fp8_loading.keep_fp8_on_cpu())
+    else:
+        _quantize(
+            model, model_config.quantization, torch.device(device), gguf_layers or prequantized
+        )
     return model.eval().requires_grad_(False)
 
 
