@@ -30,6 +30,7 @@ from tests.engine._fixtures import hf_greedy, hf_model, mixed_prompts
 from tests.tiny_checkpoints import build_tiny_checkpoint
 from tokenwise import LLM, SamplingParams
 from tokenwise.config import EngineConfig
+from tokenwise.layers.quantization import cpu_fp8
 from tokenwise.layers.quantization.fp8 import (
     FP8_DTYPE,
     FP8Weight,
@@ -154,13 +155,16 @@ def test_engine_gives_hf_greedy_tokens(tmp_path: Any) -> None:
 
 
 def test_layers_keep_the_checkpoints_fp8_bytes(tmp_path: Any, monkeypatch: Any) -> None:
-    """With `TOKENWISE_CPU_FP8_WEIGHTS=fp8` a layer holds the file's own fp8 values and scales
-    (q/k/v stacked: q's 192 rows end inside a tile, so its parts stay side by side), and
-    computes what the default, dense-on-CPU form computes."""
+    """With `TOKENWISE_CPU_FP8_WEIGHTS=fp8` a layer holds the file's own fp8 values and scales,
+    and computes (24 rows: the weight dequantized per call) what the dense-on-CPU form does."""
     fp8, _ = write_fp8(tmp_path, "LlamaForCausalLM", PARTIAL_TILES)
     state = load_file(os.path.join(fp8, "model.safetensors"))
     ids = _ids()
-    dense_logits = _logits(_load(fp8, "bfloat16"), ids)
+    monkeypatch.setenv("TOKENWISE_CPU_FP8_WEIGHTS", "dense")
+    dense = _load(fp8, "bfloat16")
+    layer = dense.model.layers[1].mlp.down_proj
+    assert layer.packed_weight is None and layer.weight.dtype == torch.bfloat16  # plain dense
+    dense_logits = _logits(dense, ids)
     monkeypatch.setenv("TOKENWISE_CPU_FP8_WEIGHTS", "fp8")
     model = _load(fp8, "bfloat16")
     down = model.model.layers[1].mlp.down_proj
@@ -183,7 +187,8 @@ def test_quantization_fp8_on_load(tmp_path: Any, monkeypatch: Any) -> None:
     path = build_tiny_checkpoint(tmp_path, "LlamaForCausalLM", **FULL_TILES)
     ids = _ids()
     reference = _logits(_load(path, "bfloat16"), ids)
-    default = _logits(_load(path, "bfloat16", quantization="fp8"), ids)
+    monkeypatch.setenv("TOKENWISE_CPU_FP8_WEIGHTS", "dense")
+    dense = _logits(_load(path, "bfloat16", quantization="fp8"), ids)
     monkeypatch.setenv("TOKENWISE_CPU_FP8_WEIGHTS", "fp8")
     model = _load(path, "bfloat16", quantization="fp8")
     ours = _logits(model, ids)
@@ -197,7 +202,7 @@ def test_quantization_fp8_on_load(tmp_path: Any, monkeypatch: Any) -> None:
     assert fp8_bytes == dense_bytes // 2 + 4 * 4 * 2  # one float32 scale per layer
     relative = ((ours - reference).norm() / reference.norm()).item()
     assert 0 < relative < 0.2
-    torch.testing.assert_close(default, ours, atol=0, rtol=0)  # dense-on-CPU: the same weights
+    torch.testing.assert_close(dense, ours, atol=0, rtol=0)  # dense-on-CPU: the same weights
 
 
 def _reference_w8a8(x: torch.Tensor, w: FP8Weight, group: int | None) -> torch.Tensor:
@@ -239,6 +244,56 @@ def test_block_weight_linear_matches_the_definition(shape: tuple[int, int]) -> N
     assert torch.equal(w.dequantize(), dequantize_blocks(q, s, 128, 128))
     x = torch.randn(3, k, generator=g)
     torch.testing.assert_close(w.linear(x, None), x @ dequantize_blocks(q, s, 128, 128).t())
+
+
+KERNEL_CASES = {
+    "tensor": ((96, 160), None),
+    "channel": ((37, 48), None),
+    "block": ((256, 384), (128, 128)),
+    "block-partial-tiles": ((200, 336), (128, 128)),
+    "block-small-tiles": ((72, 96), (8, 32)),
+}
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_cpu_kernel_matches_the_definition(case: str) -> None:
+    """The C kernel (`cpu_fp8`) at 1 to 8 rows, float32 and bf16, against x times the dense
+    weight of the definition (float64): fp32 order (1e-5 relative) and, for bf16, its output
+    rounding (1e-2); its dequantized weight equals torch's bit for bit."""
+    lib = cpu_fp8.load()
+    if lib is None:
+        pytest.skip("the fp8 CPU kernel does not build here")
+    (n, k), block = KERNEL_CASES[case]
+    g = torch.Generator().manual_seed(3)
+    dense = torch.randn(n, k, generator=g)
+    if block is None:
+        w = quantize_fp8(dense, per_channel=case == "channel")
+        exact = w.weight.float() * w.scale
+    else:
+        q, s = quantize_blocks(dense, *block)
+        w, exact = FP8Weight(q, s, (n, k), block), dequantize_blocks(q, s, *block)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(w.dequantize(dtype), exact.to(dtype))
+        for rows in range(1, 9):
+            x = torch.randn(rows, k, generator=g).to(dtype)
+            bias = torch.randn(n, generator=g).to(dtype)
+            expected = x.double() @ exact.double().t() + bias.double()
+            error = (w.linear(x, bias).double() - expected).abs().max() / expected.abs().max()
+            assert error < (1e-5 if dtype == torch.float32 else 1e-2), (dtype, rows)
+
+
+def test_cpu_kernel_reads_every_fp8_value_exactly() -> None:
+    lib = cpu_fp8.load()
+    if lib is None:
+        pytest.skip("the fp8 CPU kernel does not build here")
+    values = torch.arange(256, dtype=torch.uint8)
+    values = values[(values & 0x7F) != 0x7F]  # every e4m3fn byte but the two NaNs
+    q = torch.zeros(16, 256, dtype=torch.uint8)
+    q[:, : values.numel()] = values
+    w = FP8Weight(q.view(FP8_DTYPE), torch.ones(1, 1), (16, 256))
+    assert torch.equal(w.dequantize(), q.view(FP8_DTYPE).float())
+    eye = torch.eye(256)[:8]  # x = unit rows: the kernel's products are the weights themselves
+    assert torch.equal(w.linear(eye, None), q.view(FP8_DTYPE).float()[:, :8].t())
 
 
 def test_tp_slices_refuse_to_cut_a_block() -> None:

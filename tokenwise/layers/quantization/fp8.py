@@ -15,11 +15,13 @@ How a layer computes (`linear`):
   on Hopper with recent CUDA only: where it raises, or blocks are not 128x128, or shapes are not
   multiples of 16, the layer falls back (logged once) to its weight dequantized per call in the
   activations' dtype. Unverified on a GPU so far (tests/test_gpu_path.py has the checks).
-- CPU: weight-only, activations stay in floating point: `F.linear(x, dequantize(x.dtype))`.
-  torch's CPU `_scaled_mm` is a scalar loop (85x slower than a bf16 `F.linear` on a 768x768
-  layer at one row, measured), and torch's fp8 -> bf16 conversion takes ~10x a bf16 matmul's time,
-  so the loader gives CPU layers their dense weight once: memory is then the model
-  dtype's, not fp8's (logged). `FP8Weight.dense` holds it; the fp8 tensors are dropped.
+- CPU: weight-only, activations stay in floating point. Up to 8 rows (decode) run the C kernel
+  `cpu_fp8` over the fp8 bytes (half bf16's memory traffic); more rows (prefill) dequantize the
+  weight per call (by the same kernels) and run torch's matmul. torch's own routes are far
+  slower (`benchmarks/fp8_linear.py`, Llama-100m shapes, one row: its fp8 -> bf16 conversion and
+  its CPU `_scaled_mm` take 25-100x a bf16 layer's time), so without the kernel the loader
+  dequantizes CPU layers once instead (`fp8_loading.keep_fp8_on_cpu`): `FP8Weight.dense`, the
+  model dtype's memory.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from tokenwise.layers.quantization import cpu_fp8
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +100,18 @@ class FP8Weight:
             assert self.dense is not None
             return self.dense.to(dtype)
         assert self.scale is not None
+        lib = self._cpu_kernels() if dtype in (torch.float32, torch.bfloat16) else None
+        if lib is not None:
+            return cpu_fp8.dequantize(lib, self.weight, self.scale, self.kind, self.block, dtype)
         return (self.weight.float() * self._full_scale()).to(dtype)
+
+    def _cpu_kernels(self):  # noqa: ANN202 (ctypes.CDLL | None)
+        """The C kernels (`cpu_fp8`) where they take this CPU weight, else None."""
+        if self.weight is None or self.weight.device.type != "cpu":
+            return None
+        if torch.compiler.is_compiling():  # ctypes calls cannot be traced
+            return None
+        return cpu_fp8.load() if cpu_fp8.fits(self.shape, self.block) else None
 
     def _full_scale(self) -> torch.Tensor:
         """float32 scale per weight value (`[N, K]`, or broadcastable to it)."""
@@ -114,6 +129,13 @@ class FP8Weight:
                 return scaled_linear(x, self, bias)
             except (RuntimeError, ValueError, NotImplementedError) as e:  # no kernel here
                 _fall_back(self, e)
+        if self.dense is None and x.dtype in (torch.float32, torch.bfloat16):
+            rows = x.numel() // self.shape[1]
+            lib = self._cpu_kernels() if 0 < rows <= cpu_fp8.MAX_ROWS else None
+            if lib is not None:
+                assert self.weight is not None and self.scale is not None
+                args = (self.weight, self.scale, self.kind, self.block, bias)
+                return cpu_fp8.gemv(lib, x, *args)
         weight = self.dense if self.dense is not None else self.dequantize(x.dtype)
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)

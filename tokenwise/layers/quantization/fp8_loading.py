@@ -14,8 +14,8 @@ at load (their records are not used): `FusedMoE` has no FP8 path.
 Under tensor parallelism each rank keeps its slice of a record: rows of column-parallel layers,
 columns of row-parallel ones, which must fall on the checkpoint's block boundaries (a slice
 cutting a block would need that block's scale on two ranks): otherwise loading stops, naming
-the layer. On CPU the layers keep the dense weights (`fp8` module doc: CPU FP8 products are far
-slower than bf16 ones) unless `TOKENWISE_CPU_FP8_WEIGHTS=fp8` asks to keep fp8 bytes.
+the layer. On CPU the layers keep their fp8 bytes where the C kernel (`cpu_fp8`) builds, else
+they are dequantized to the model's dtype once at load (`keep_fp8_on_cpu`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
+from tokenwise.layers.quantization import cpu_fp8
 from tokenwise.layers.quantization.fp8 import FP8_DTYPE, FP8Weight, quantize_fp8
 from tokenwise.layers.quantization.schemes import ROUTERS
 from tokenwise.layers.quantization.tp_slice import RankSlices
@@ -52,11 +53,17 @@ INPUT_SCALES = ("input_scale", "activation_scale")
 
 
 def keep_fp8_on_cpu() -> bool:
-    """`TOKENWISE_CPU_FP8_WEIGHTS`: "dense" (default: dequantized once, bf16's speed and
-    memory) or "fp8" (fp8 bytes kept, dequantized per call: half the memory, slower)."""
-    setting = os.environ.get("TOKENWISE_CPU_FP8_WEIGHTS", "dense").strip().lower()
-    if setting not in ("dense", "fp8"):
-        raise ValueError(f"TOKENWISE_CPU_FP8_WEIGHTS must be 'dense' or 'fp8', got {setting!r}")
+    """`TOKENWISE_CPU_FP8_WEIGHTS`: "fp8" (fp8 bytes kept: half bf16's memory; the C kernel
+    at decode, the weight dequantized per call for prefill), "dense" (dequantized once at load:
+    bf16's memory and speed), or "auto" (default: "fp8" where the C kernel `cpu_fp8` builds,
+    since without it each call dequantizes with torch ops, 50-100x slower than bf16)."""
+    setting = os.environ.get("TOKENWISE_CPU_FP8_WEIGHTS", "auto").strip().lower()
+    if setting not in ("auto", "dense", "fp8"):
+        raise ValueError(
+            f"TOKENWISE_CPU_FP8_WEIGHTS must be 'auto', 'dense' or 'fp8', got {setting!r}"
+        )
+    if setting == "auto":
+        return cpu_fp8.load() is not None
     return setting == "fp8"
 
 
@@ -223,7 +230,7 @@ def install(model: nn.Module, record_for: RecordFor, keep_fp8: bool) -> int:
         count += 1
     if count:
         release_freed_memory()
-        held = "kept as fp8" if keep_fp8 else "dequantized once (CPU: bf16 products are faster)"
+        held = "kept as fp8" if keep_fp8 else "dequantized once (CPU without the fp8 kernel)"
         logger.info(
             "fp8: %d linear layers, %.1f MiB of fp8 weights (%.1f MiB in %s), %s",
             count, fp8_bytes / 2**20, dense_bytes / 2**20, dtype, held,
