@@ -20,8 +20,8 @@ How a layer computes (`linear`):
   weight per call (by the same kernels) and run torch's matmul. torch's own routes are far
   slower (`benchmarks/fp8_linear.py`, Llama-100m shapes, one row: its fp8 -> bf16 conversion and
   its CPU `_scaled_mm` take 25-100x a bf16 layer's time), so without the kernel the loader
-  dequantizes CPU layers once instead (`fp8_loading.keep_fp8_on_cpu`): `FP8Weight.dense`, the
-  model dtype's memory.
+  dequantizes CPU layers once instead (`fp8_loading.keep_fp8_on_cpu`): plain dense layers, the
+  model dtype's memory and speed.
 """
 
 from __future__ import annotations
@@ -48,22 +48,17 @@ class FP8Weight:
     """One layer's FP8 weight; a linear layer holds it in `packed_weight` (`QuantizedWeight`'s
     interface: `linear`, `nbytes`, `describe`, `dequantize`)."""
 
-    weight: torch.Tensor | None  # float8_e4m3fn [N, K]; None once `dense` replaced it
-    scale: torch.Tensor | None  # float32 [1, 1], [N, 1] or [ceil(N / bn), ceil(K / bk)]
+    weight: torch.Tensor  # float8_e4m3fn [N, K]
+    scale: torch.Tensor  # float32 [1, 1], [N, 1] or [ceil(N / bn), ceil(K / bk)]
     shape: tuple[int, int]
     block: tuple[int, int] | None = None  # (bn, bk) for block scales
-    dense: torch.Tensor | None = None  # the dequantized weight, where the loader made it (CPU)
 
     def __post_init__(self) -> None:
-        if self.weight is None:
-            if self.dense is None:
-                raise ValueError("an FP8Weight needs its fp8 weight or its dense weight")
-            return
         if self.weight.dtype != FP8_DTYPE:
             raise ValueError(f"weight must be float8_e4m3fn, got {self.weight.dtype}")
         if tuple(self.weight.shape) != tuple(self.shape):
             raise ValueError(f"weight {tuple(self.weight.shape)} is not shape {self.shape}")
-        if self.scale is None or self.scale.dtype != torch.float32 or self.scale.dim() != 2:
+        if self.scale.dtype != torch.float32 or self.scale.dim() != 2:
             raise ValueError("scale must be a 2-D float32 tensor")
         n, k = self.shape
         expected = [(1, 1), (n, 1)]
@@ -80,26 +75,18 @@ class FP8Weight:
     def kind(self) -> str:
         if self.block is not None:
             return "block"
-        return "tensor" if self.scale is not None and self.scale.numel() == 1 else "channel"
+        return "tensor" if self.scale.numel() == 1 else "channel"
 
     @property
     def nbytes(self) -> int:
-        parts = (self.weight, self.scale, self.dense)
-        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.scale))
 
     def describe(self) -> str:
-        if self.weight is None:
-            assert self.dense is not None
-            return f"fp8 e4m3 weights dequantized to {self.dense.dtype}"
         what = f"block {self.block[0]}x{self.block[1]}" if self.block else f"per-{self.kind}"
         return f"fp8 e4m3, {what} scales"
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense weight `[N, K]` in `dtype`: each value times its tile's (row's) scale."""
-        if self.weight is None:
-            assert self.dense is not None
-            return self.dense.to(dtype)
-        assert self.scale is not None
         lib = self._cpu_kernels() if dtype in (torch.float32, torch.bfloat16) else None
         if lib is not None:
             return cpu_fp8.dequantize(lib, self.weight, self.scale, self.kind, self.block, dtype)
@@ -107,7 +94,7 @@ class FP8Weight:
 
     def _cpu_kernels(self):  # noqa: ANN202 (ctypes.CDLL | None)
         """The C kernels (`cpu_fp8`) where they take this CPU weight, else None."""
-        if self.weight is None or self.weight.device.type != "cpu":
+        if self.weight.device.type != "cpu":
             return None
         if torch.compiler.is_compiling():  # ctypes calls cannot be traced
             return None
@@ -115,7 +102,6 @@ class FP8Weight:
 
     def _full_scale(self) -> torch.Tensor:
         """float32 scale per weight value (`[N, K]`, or broadcastable to it)."""
-        assert self.scale is not None
         if self.block is None:
             return self.scale
         n, k = self.shape
@@ -124,22 +110,20 @@ class FP8Weight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`x @ W^T + bias` in x's dtype: W8A8 on CUDA, weight-only elsewhere (module doc)."""
-        if self.weight is not None and x.is_cuda and _scaled_mm_fits(self, x):
+        if x.is_cuda and _scaled_mm_fits(self, x):
             try:
                 return scaled_linear(x, self, bias)
             except (RuntimeError, ValueError, NotImplementedError) as e:  # no kernel here
                 _fall_back(self, e)
-        if self.dense is None and x.dtype in (torch.float32, torch.bfloat16):
+        if x.dtype in (torch.float32, torch.bfloat16):
             rows = x.numel() // self.shape[1]
             lib = self._cpu_kernels() if 0 < rows <= cpu_fp8.MAX_ROWS else None
             if lib is not None:
-                assert self.weight is not None and self.scale is not None
                 args = (self.weight, self.scale, self.kind, self.block, bias)
                 return cpu_fp8.gemv(lib, x, *args)
-        weight = self.dense if self.dense is not None else self.dequantize(x.dtype)
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
-        return F.linear(x, weight.to(x.dtype), bias)
+        return F.linear(x, self.dequantize(x.dtype), bias)
 
 
 def quantize_fp8(weight: torch.Tensor, per_channel: bool = False) -> FP8Weight:
@@ -170,7 +154,6 @@ def quantize_activations(x: torch.Tensor, group: int | None) -> tuple[torch.Tens
 def scaled_linear(x: torch.Tensor, w: FP8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """W8A8 `x @ W^T + bias` through `torch._scaled_mm`, in x's dtype. Per-tensor / per-channel
     weights also run on CPU (row-wise scales), which is how the tests check the scale layout."""
-    assert w.weight is not None and w.scale is not None
     n, k = w.shape
     x2 = x.reshape(-1, k)
     out_dtype = x.dtype

@@ -148,8 +148,8 @@ def combine(parts: list[FP8Weight]) -> FP8Weight | QuantizedParts:
     if not same or not aligned or first.kind == "tensor":
         return QuantizedParts(parts)  # type: ignore[arg-type]
     return FP8Weight(
-        torch.cat([p.weight for p in parts]),  # type: ignore[misc]
-        torch.cat([p.scale for p in parts]),  # type: ignore[misc]
+        torch.cat([p.weight for p in parts]),
+        torch.cat([p.scale for p in parts]),
         (sum(p.shape[0] for p in parts), first.shape[1]),
         first.block,
     )
@@ -173,7 +173,6 @@ def rank_slice(name: str, slices: RankSlices, record: FP8Weight) -> FP8Weight:
 
 
 def _cut(name: str, record: FP8Weight, dim: int, start: int, size: int) -> FP8Weight:
-    assert record.weight is not None and record.scale is not None
     total = record.shape[dim]
     scale = record.scale
     if record.block is not None:
@@ -206,9 +205,9 @@ def _dequantize_stacked(
 
 
 def install(model: nn.Module, record_for: RecordFor, keep_fp8: bool) -> int:
-    """Give every linear layer `record_for` has a record its `packed_weight` (dequantized once
-    to the layer's dtype unless `keep_fp8`); returns how many. Embeddings and LM heads are not
-    touched."""
+    """Give every linear layer `record_for` has a record its `packed_weight`, or, unless
+    `keep_fp8`, the record's values as its dense weight; returns how many. Embeddings and LM
+    heads are not touched."""
     count = fp8_bytes = dense_bytes = 0
     for name, module in model.named_modules():
         weight = module._parameters.get("weight") if hasattr(module, "packed_weight") else None
@@ -218,22 +217,21 @@ def install(model: nn.Module, record_for: RecordFor, keep_fp8: bool) -> int:
         if record is None:
             continue
         fp8_bytes += record.nbytes
-        dtype = weight.dtype
-        if not keep_fp8:
-            block = record.parts[0].block if isinstance(record, QuantizedParts) else record.block
-            dense = record.dequantize(dtype).contiguous()
-            record = FP8Weight(None, None, (dense.shape[0], dense.shape[1]), block, dense)
         dense_bytes += weight.numel() * weight.element_size()
-        module.packed_weight = record
-        meta = torch.empty(weight.shape, dtype=weight.dtype, device="meta")
-        module.weight = nn.Parameter(meta, requires_grad=False)
+        if keep_fp8:
+            module.packed_weight = record
+            meta = torch.empty(weight.shape, dtype=weight.dtype, device="meta")
+            module.weight = nn.Parameter(meta, requires_grad=False)
+        else:  # a plain dense layer again, with the fp8 values: the bf16 kernels apply
+            with torch.no_grad():
+                weight.copy_(record.dequantize(weight.dtype))
         count += 1
     if count:
         release_freed_memory()
-        held = "kept as fp8" if keep_fp8 else "dequantized once (CPU without the fp8 kernel)"
+        held = "kept as fp8" if keep_fp8 else "dequantized once to the model's dtype (CPU)"
         logger.info(
-            "fp8: %d linear layers, %.1f MiB of fp8 weights (%.1f MiB in %s), %s",
-            count, fp8_bytes / 2**20, dense_bytes / 2**20, dtype, held,
+            "fp8: %d linear layers, %.1f MiB of fp8 weights (%.1f MiB dense), %s",
+            count, fp8_bytes / 2**20, dense_bytes / 2**20, held,
         )  # fmt: skip
     return count
 
