@@ -80,6 +80,10 @@ INLINE void bf16_row16(const float *v, uint16_t *out) {
 #endif
 }
 
+#ifndef TW_FP8_AHEAD
+#define TW_FP8_AHEAD 1
+#endif
+
 typedef struct {
     const uint8_t *w;
     const float *scale;
@@ -96,6 +100,9 @@ INLINE void block_fp8(const fp8w *W, int64_t n, const float *x, float *t, const 
     for (int r = 0; r < R; r++)
         for (int m = 0; m < M; m++) acc[r][m] = VZERO();
     const int64_t step = W->kind == 2 ? W->bk : K;
+    /* fp8 rows are short (K bytes): prefetch the same place in the next row block, once per
+     * cache line (on a 768-wide layer 1.5x the bandwidth of `PREFETCH`, 512 bytes ahead). */
+    const int64_t ahead = (int64_t)TW_FP8_AHEAD * R * K;
     const float *srow = W->kind == 2 ? W->scale + (n / W->bn) * W->scols : NULL;
     for (int64_t k0 = 0; k0 < K; k0 += step) {
         int64_t k1 = k0 + step < K ? k0 + step : K;
@@ -104,7 +111,7 @@ INLINE void block_fp8(const fp8w *W, int64_t n, const float *x, float *t, const 
             vf w[4];
             for (int r = 0; r < R; r++) {
                 const uint8_t *p = W->w + (n + r) * K + k;
-                PREFETCH(p);
+                if (!(k & 63)) __builtin_prefetch(p + ahead, 0, 3);
                 w[r] = load_w8(p);
             }
             for (int m = 0; m < M; m++) {
