@@ -120,6 +120,20 @@ def gemv(
     return out
 
 
+# Per dtype, one buffer the dense weight of a prefill-sized call is written into and read from
+# at once: a fresh tensor per call would fault in its pages on every call, which took ~13x the
+# dequantization itself (4.9 ms against 0.37 for a 4096x768 layer). Grown to the largest layer.
+_SCRATCH: dict[torch.dtype, torch.Tensor] = {}
+
+
+def scratch(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """A reused `[n, k]` tensor of `dtype`, valid until the next call (one forward at a time)."""
+    buffer = _SCRATCH.get(dtype)
+    if buffer is None or buffer.numel() < n * k:
+        buffer = _SCRATCH[dtype] = torch.empty(n * k, dtype=dtype)
+    return buffer[: n * k].view(n, k)
+
+
 def dequantize(
     lib: ctypes.CDLL,
     weight: torch.Tensor,
@@ -127,10 +141,11 @@ def dequantize(
     kind: str,
     block: tuple[int, int] | None,
     dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The dense `[N, K]` weight in float32 or bf16."""
+    """The dense `[N, K]` weight in float32 or bf16 (written into `out` when given)."""
     n, k = weight.shape
-    out = torch.empty(n, k, dtype=dtype)
+    out = torch.empty(n, k, dtype=dtype) if out is None else out
     status = lib.tw_fp8_dequant(
         weight.data_ptr(),
         scale.data_ptr(),

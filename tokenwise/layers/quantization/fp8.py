@@ -123,7 +123,12 @@ class FP8Weight:
                 return cpu_fp8.gemv(lib, x, *args)
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
-        return F.linear(x, self.dequantize(x.dtype), bias)
+        lib = self._cpu_kernels() if x.dtype in (torch.float32, torch.bfloat16) else None
+        if lib is None:
+            return F.linear(x, self.dequantize(x.dtype), bias)
+        out = cpu_fp8.scratch(*self.shape, x.dtype)
+        args = (self.weight, self.scale, self.kind, self.block, x.dtype, out)
+        return F.linear(x, cpu_fp8.dequantize(lib, *args), bias)
 
 
 def quantize_fp8(weight: torch.Tensor, per_channel: bool = False) -> FP8Weight:
