@@ -165,7 +165,8 @@ def load_model(config: EngineConfig, device: str | torch.device = "cpu") -> nn.M
             # The format's tensors become dense weights here; their integers are kept aside.
             # Quantized layers' tensors are read whole; under TP each rank then keeps its slice
             # of their integers (`tp_slice`). Only CPU layers compute with them (`_quantize`).
-            prequantized = _prequantized_reader(model, model_config, keep_exact=on_cpu)
+            keep_fp8 = not on_cpu or fp8_loading.keep_fp8_on_cpu()
+            prequantized = _prequantized_reader(model, model_config, on_cpu, keep_fp8)
             weights = prequantized.wrap(weights, safetensors_names(files))
         qc = checkpoint_quantization_config(model_config.hf_config)
         if model_config.quantization == FP8 and qc is not None:
@@ -194,17 +195,19 @@ def load_model(config: EngineConfig, device: str | torch.device = "cpu") -> nn.M
         _quantize(
             model, model_config.quantization, torch.device(device), gguf_layers or prequantized
         )
+    if prequantized is not None and prequantized.fp8_records:  # compressed-tensors FP8 layers
+        fp8_loading.install(model, prequantized.fp8_record_for, keep_fp8=True)
     return model.eval().requires_grad_(False)
 
 
 def _prequantized_reader(
-    model: nn.Module, model_config: ModelConfig, keep_exact: bool
+    model: nn.Module, model_config: ModelConfig, keep_exact: bool, keep_fp8: bool
 ) -> PrequantizedCheckpoint:
     """The reader of a GPTQ, AWQ or compressed-tensors checkpoint's quantized layers."""
     method = model_config.quantization
     qc = checkpoint_quantization_config(model_config.hf_config) or {}
     if method == "compressed-tensors":
-        return compressed_tensors.reader(model, qc, keep_exact)
+        return compressed_tensors.reader(model, qc, keep_exact, keep_fp8)
     config = int_checkpoint_config(str(method), qc)
     fmt = gptq if method == "gptq" else awq
     convert = functools.partial(fmt.convert, config)
