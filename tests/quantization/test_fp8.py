@@ -140,6 +140,21 @@ def test_partial_tiles_match_hf_on_the_dense_weights(tmp_path: Any, arch: str) -
     assert (ours - _logits(_load(dense), ids)).abs().max() > 1e-3  # really quantized
 
 
+def test_moe_experts_are_dequantized_at_load(tmp_path: Any) -> None:
+    """A Qwen3-MoE FP8 checkpoint (each expert's projections block-scaled; the router float):
+    the experts load dequantized (`FusedMoE` has no FP8 path), attention and dense layers
+    keep fp8, and the logits are HF's on the dense weights."""
+    fp8, reference = write_fp8(tmp_path, "Qwen3MoeForCausalLM", {"hidden_size": 128})
+    model = _load(fp8)
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.o_proj.packed_weight, FP8Weight)
+    assert layer.mlp.experts.w13_weight.dtype == torch.float32
+    ids = _ids()
+    with torch.no_grad():
+        expected = hf_model(reference)(ids[None]).logits[0]
+    torch.testing.assert_close(_logits(model, ids), expected, atol=ATOL, rtol=0)
+
+
 def test_engine_gives_hf_greedy_tokens(tmp_path: Any) -> None:
     """Through `LLM(...)` (chunked prefill, decode batches): HF's greedy tokens on the dense
     weights, on all of 6 prompts of 1 to 95 tokens (the same float32 weights: no reason for
