@@ -6,7 +6,8 @@ tiles (hidden 256, 4 KV heads of 64: K/V 256 rows, 128 per rank; intermediate 51
 hold exactly (`torch.equal`) the rows (column-parallel) or columns (row-parallel) of what one
 process holds, with the matching tile scales, and give transformers' logits on the dense
 weights (fp32, 1e-4); and one with 2 KV heads (K/V 128 rows: 64 per rank would cut a tile),
-which must be refused naming the layer.
+which must be refused naming the layer; and the first without one layer's `weight_scale_inv`
+(read lazily under TP), refused naming it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from tests.distributed._spawn import run_ranks
 from tests.engine._fixtures import hf_model
 from tests.quantization import _fp8_tp_worker as worker
 from tests.quantization._tp_exact_worker import TP_SIZE, load, prompt_ids
-from tests.quantization.test_fp8 import write_fp8
+from tests.quantization.test_fp8 import _drop_scale, write_fp8
 
 SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4}
 ROW_PARALLEL = ("o_proj", "down_proj")
@@ -52,9 +53,16 @@ def test_ranks_hold_exact_tile_slices_and_compute_hf_logits(
         tmp_path / "whole", "LlamaForCausalLM", {**SHAPE, "num_key_value_heads": 4}
     )
     cut, _ = write_fp8(tmp_path / "cut", "LlamaForCausalLM", {**SHAPE, "num_key_value_heads": 2})
-    reports = run_ranks(worker.run_rank, TP_SIZE, {"whole": whole, "cut": cut}, deadline_s=120)
+    (tmp_path / "noscale").mkdir()
+    noscale, _ = write_fp8(
+        tmp_path / "noscale", "LlamaForCausalLM", {**SHAPE, "num_key_value_heads": 4}
+    )
+    _drop_scale(noscale)
+    cases = {"whole": whole, "cut": cut, "noscale": noscale}
+    reports = run_ranks(worker.run_rank, TP_SIZE, cases, deadline_s=120)
     for rank in range(TP_SIZE):
         assert "error" not in reports[rank], reports[rank].get("error")
+        assert "up_proj.weight is float8 but" in reports[rank]["noscale"]["refused"]
         assert "k_proj" in reports[rank]["cut"]["refused"]
         assert "cut the checkpoint's 128-wide fp8 blocks" in reports[rank]["cut"]["refused"]
     monkeypatch.setenv("TOKENWISE_CPU_FP8_WEIGHTS", "fp8")

@@ -91,7 +91,7 @@ class FP8Checkpoint:
             if suffix in INPUT_SCALES:
                 continue
             if layer not in quantized or suffix not in ("weight", SCALE):
-                if suffix == "weight" and getattr(tensor, "dtype", None) == FP8_DTYPE:
+                if suffix == "weight" and _is_fp8(tensor):
                     raise ValueError(
                         f"checkpoint tensor {name} is float8 but {layer}.{SCALE} is missing"
                     )
@@ -135,6 +135,13 @@ class FP8Checkpoint:
         if not found or any(r is None for r in found):
             return None
         return combine([r for r in found if r is not None])
+
+
+def _is_fp8(tensor: CheckpointTensor) -> bool:
+    """Whether a checkpoint tensor (read, or lazily under TP) is float8_e4m3fn."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor.dtype == FP8_DTYPE
+    return getattr(tensor, "stored_dtype", None) == "F8_E4M3"
 
 
 def combine(parts: list[FP8Weight]) -> FP8Weight | QuantizedParts:
