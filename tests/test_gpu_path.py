@@ -213,3 +213,63 @@ def test_speculative_verify_steps_replay_full_graphs(schedule: str) -> None:
     records, _, _ = llm.llm_engine.step_records.since(0)
     verify = [r.descriptor for r in records if r.graph_mode == "FULL" and r.descriptor]
     assert any(d["uniform"] and d["query_len"] == 1 + K for d in verify)
+
+
+FP8_CASES = {
+    "tensor": ((96, 160), None),
+    "channel": ((96, 160), None),
+    "block": ((256, 384), (128, 128)),
+    "block-partial-tiles": ((384, 320), (128, 128)),
+}
+
+
+@pytest.mark.parametrize("case", FP8_CASES)
+def test_fp8_scaled_mm_runs_and_matches_the_definition(case: str) -> None:
+    """`FP8Weight.linear` on CUDA goes through `torch._scaled_mm` (no fallback logged) and
+    gives the W8A8 definition's result (tests/quantization/test_fp8.py's reference, x per
+    token or per token and 128 columns), within bf16 output rounding plus fp32 order. Where
+    K is not a multiple of 128 (partial tiles) cuBLAS may refuse the block scales: the layer
+    then falls back to its dequantized weight, and must give the weight-only product."""
+    from tests.quantization.test_fp8 import _reference_w8a8, quantize_blocks
+    from tokenwise.layers.quantization.fp8 import FP8Weight, quantize_fp8
+
+    (n, k), block = FP8_CASES[case]
+    gen = torch.Generator().manual_seed(0)
+    dense = torch.randn(n, k, generator=gen)
+    if block is None:
+        weight = quantize_fp8(dense, per_channel=case == "channel")
+    else:
+        q, s = quantize_blocks(dense, *block)
+        weight = FP8Weight(q, s, (n, k), block)
+    x = torch.randn(5, k, generator=gen).bfloat16()
+    expected = _reference_w8a8(x.float(), weight, None if block is None else block[1])
+    on_gpu = FP8Weight(weight.weight.cuda(), weight.scale.cuda(), weight.shape, weight.block)
+    ours = on_gpu.linear(x.cuda(), None).float().cpu()
+    if getattr(on_gpu, "_no_scaled_mm", False):
+        assert case == "block-partial-tiles", "torch._scaled_mm refused the layer"
+        expected = x.double() @ weight.dequantize(torch.float64).t()
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(ours.double(), expected, atol=1e-2 * scale, rtol=0)
+
+
+def test_fp8_checkpoint_on_cuda_gives_hf_greedy_tokens_on_most_prompts(tmp_path: Any) -> None:
+    """A block-FP8 checkpoint on CUDA keeps fp8 layers (W8A8 through `_scaled_mm`); greedy
+    tokens equal HF's on the dense float32 weights for at least 4 of 6 prompts (activation
+    rounding to e4m3 may flip a close choice)."""
+    from tests.quantization.test_fp8 import FULL_TILES, write_fp8
+    from tokenwise.layers.quantization.fp8 import FP8_DTYPE, FP8Weight
+
+    fp8, reference = write_fp8(tmp_path, "Qwen3ForCausalLM", FULL_TILES)
+    llm = LLM(fp8, dtype="bfloat16", device="cuda", enforce_eager=True, num_gpu_blocks=64)
+    model = llm.llm_engine.runner.model
+    packed = model.model.layers[0].mlp.down_proj.packed_weight
+    assert isinstance(packed, FP8Weight) and packed.weight.dtype == FP8_DTYPE
+    assert packed.weight.is_cuda
+    prompts = mixed_prompts()[::3]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    same = sum(
+        list(o.outputs[0].token_ids) == hf_greedy(reference, p, MAX_TOKENS)
+        for o, p in zip(outs, prompts, strict=True)
+    )
+    assert same >= 4

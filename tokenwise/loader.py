@@ -1,7 +1,8 @@
 """Build a model for an `EngineConfig` and fill its weights from safetensors, a GGUF file
 (`tokenwise.gguf`) or dummy values, then quantize its linear layers when `quantization` says so
-(`tokenwise.layers.quantization`: int8 / int4 on load, a GGUF file's own bit widths, or a GPTQ,
-AWQ or compressed-tensors checkpoint's own integers, `prequantized`).
+(`tokenwise.layers.quantization`: int8 / int4 on load, a GGUF file's own bit widths, a GPTQ,
+AWQ or compressed-tensors checkpoint's own integers, `prequantized`, or FP8: an "fp8"
+checkpoint's own weights and block scales, or fp8 on load, `fp8_loading`).
 
 Parameters are created directly in the target dtype and device (by making those the defaults
 while the model is constructed), so a bf16 model on a GPU never exists as an fp32 CPU copy.
@@ -33,7 +34,7 @@ from tokenwise.attention.kv_scales import apply_kv_scales, take_kv_scales
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.tp_state import get_tp_size
 from tokenwise.gguf.weights import iterate_gguf
-from tokenwise.layers.quantization import awq, compressed_tensors, gptq
+from tokenwise.layers.quantization import awq, compressed_tensors, fp8_loading, gptq
 from tokenwise.layers.quantization.gguf_layers import GGUFLayerQuantizer, expert_checkpoint_names
 from tokenwise.layers.quantization.prequantized import PrequantizedCheckpoint
 from tokenwise.layers.quantization.schemes import (
@@ -53,8 +54,10 @@ from tokenwise.model_config import ModelConfig
 from tokenwise.models.registry import resolve_model_class
 from tokenwise.quantization_config import (
     CPU_METHODS,
+    FP8,
     PREQUANTIZED,
     checkpoint_quantization_config,
+    fp8_checkpoint_config,
     int_checkpoint_config,
 )
 
@@ -148,6 +151,7 @@ def load_model(config: EngineConfig, device: str | torch.device = "cpu") -> nn.M
     model_cls = resolve_model_class(model_config.architectures)
     gguf_layers: GGUFLayerQuantizer | None = None
     prequantized: PrequantizedCheckpoint | None = None
+    fp8: fp8_loading.FP8Checkpoint | None = None
     on_cpu = torch.device(device).type == "cpu"
     with _build_in(model_config.dtype, torch.device(device)):
         model = model_cls(config)
@@ -164,8 +168,15 @@ def load_model(config: EngineConfig, device: str | torch.device = "cpu") -> nn.M
             # The format's tensors become dense weights here; their integers are kept aside.
             # Quantized layers' tensors are read whole; under TP each rank then keeps its slice
             # of their integers (`tp_slice`). Only CPU layers compute with them (`_quantize`).
-            prequantized = _prequantized_reader(model, model_config, keep_exact=on_cpu)
+            keep_fp8 = not on_cpu or fp8_loading.keep_fp8_on_cpu()
+            prequantized = _prequantized_reader(model, model_config, on_cpu, keep_fp8)
             weights = prequantized.wrap(weights, safetensors_names(files))
+        qc = checkpoint_quantization_config(model_config.hf_config)
+        if model_config.quantization == FP8 and qc is not None:
+            # fp8 weights and their block scales become dense weights here, the fp8 kept aside.
+            keep = not on_cpu or fp8_loading.keep_fp8_on_cpu()
+            fp8 = fp8_loading.FP8Checkpoint(model, fp8_checkpoint_config(qc), keep)
+            weights = fp8.wrap(weights, safetensors_names(files))
         loaded = model.load_weights(weights)
         _check_complete(model, loaded)
         apply_kv_scales(model, kv_scales, config.cache.cache_dtype.startswith("fp8"))
@@ -180,18 +191,27 @@ def load_model(config: EngineConfig, device: str | torch.device = "cpu") -> nn.M
         _check_complete(model, loaded)
     else:
         raise ValueError(f"unknown load_format {model_config.load_format!r}")
-    _quantize(model, model_config.quantization, torch.device(device), gguf_layers or prequantized)
+    if fp8 is not None:
+        fp8_loading.install(model, fp8.record_for, keep_fp8=fp8.keep)
+    elif model_config.quantization == FP8:
+        fp8_loading.quantize_on_load(model, keep_fp8=not on_cpu or fp8_loading.keep_fp8_on_cpu())
+    else:
+        _quantize(
+            model, model_config.quantization, torch.device(device), gguf_layers or prequantized
+        )
+    if prequantized is not None and prequantized.fp8_records:  # compressed-tensors FP8 layers
+        fp8_loading.install(model, prequantized.fp8_record_for, keep_fp8=True)
     return model.eval().requires_grad_(False)
 
 
 def _prequantized_reader(
-    model: nn.Module, model_config: ModelConfig, keep_exact: bool
+    model: nn.Module, model_config: ModelConfig, keep_exact: bool, keep_fp8: bool
 ) -> PrequantizedCheckpoint:
     """The reader of a GPTQ, AWQ or compressed-tensors checkpoint's quantized layers."""
     method = model_config.quantization
     qc = checkpoint_quantization_config(model_config.hf_config) or {}
     if method == "compressed-tensors":
-        return compressed_tensors.reader(model, qc, keep_exact)
+        return compressed_tensors.reader(model, qc, keep_exact, keep_fp8)
     config = int_checkpoint_config(str(method), qc)
     fmt = gptq if method == "gptq" else awq
     convert = functools.partial(fmt.convert, config)

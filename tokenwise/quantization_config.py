@@ -6,7 +6,9 @@ whose config.json carries a `quantization_config` gets its `quant_method` (GPTQ,
 compressed-tensors); `quantization=` may name it too, and a different name is an error naming
 both. GPTQ's and AWQ's settings are checked here (`int_checkpoint_config`), so a checkpoint
 tokenwise cannot read fails when it is opened, naming the field, not halfway through loading.
-Formats not built yet (fp8, bitsandbytes) are refused by name.
+FP8 (`fp8`): a checkpoint whose `quant_method` is "fp8" (block-scaled, as DeepSeek-V3 and
+Qwen3-FP8 ship), checked by `fp8_checkpoint_config`, or a float checkpoint quantized on load.
+Formats not built yet (bitsandbytes) are refused by name.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ from typing import Any
 CPU_METHODS = ("int8", "int4")
 # Checkpoints stored quantized, loaded by `tokenwise.layers.quantization.prequantized`.
 PREQUANTIZED = ("gptq", "awq", "compressed-tensors")
-METHODS = (*CPU_METHODS, "gguf", *PREQUANTIZED)
+# FP8 weights: from an "fp8" checkpoint, or quantized on load; on any device.
+FP8 = "fp8"
+METHODS = (*CPU_METHODS, "gguf", *PREQUANTIZED, FP8)
 # vLLM's names for GPU kernels of these formats: the same checkpoints.
 ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
 # vLLM's names of formats tokenwise does not load yet (a checkpoint's quant_method included).
-NOT_BUILT = ("fp8", "bitsandbytes")
+NOT_BUILT = ("bitsandbytes",)
 GPTQ_FORMATS = ("gptq", "gptq_v2")
 
 
@@ -34,6 +38,45 @@ class IntCheckpointConfig:
     group_size: int  # -1: one group per row (GPTQ)
     # GPTQ's original format ("gptq", v1) stores each zero point minus one; "gptq_v2" does not.
     zeros_minus_one: bool
+
+
+@dataclass(frozen=True)
+class FP8CheckpointConfig:
+    """An "fp8" checkpoint's settings (HF transformers' fine-grained FP8 config)."""
+
+    block: tuple[int, int] | None  # weight_block_size; None: one scale per tensor
+    static_activations: bool  # activation_scheme "static": layers carry input scales
+    modules_to_not_convert: tuple[str, ...]
+
+
+def fp8_checkpoint_config(qc: dict[str, Any]) -> FP8CheckpointConfig:
+    """Check an "fp8" `quantization_config`; errors name the field."""
+    where = "fp8 quantization_config"
+    fmt = str(qc.get("fmt", "e4m3")).lower()
+    if fmt != "e4m3":
+        raise ValueError(
+            f"{where}: fmt={fmt!r} is not supported; tokenwise reads e4m3 (float8_e4m3fn) weights"
+        )
+    scheme = str(qc.get("activation_scheme", "dynamic")).lower()
+    if scheme not in ("dynamic", "static"):
+        raise ValueError(
+            f"{where}: activation_scheme must be 'dynamic' or 'static', got {scheme!r}"
+        )
+    block = qc.get("weight_block_size")
+    if block is not None:
+        ok = isinstance(block, (list, tuple)) and len(block) == 2
+        if not ok or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block
+        ):
+            raise ValueError(
+                f"{where}: weight_block_size must be two positive integers [rows, columns] (or "
+                f"null for per-tensor scales), got {block!r}"
+            )
+        block = (int(block[0]), int(block[1]))
+    skip = qc.get("modules_to_not_convert") or ()
+    if isinstance(skip, str) or not all(isinstance(m, str) for m in skip):
+        raise ValueError(f"{where}: modules_to_not_convert must be a list of names, got {skip!r}")
+    return FP8CheckpointConfig(block, scheme == "static", tuple(skip))
 
 
 def _field(qc: dict[str, Any], *names: str, default: Any = None) -> Any:
@@ -104,19 +147,21 @@ def resolve_quantization(
     in_checkpoint = checkpoint_method(hf_config)
     if in_checkpoint is not None:
         in_checkpoint = ALIASES.get(in_checkpoint, in_checkpoint)
-        if in_checkpoint not in PREQUANTIZED:
+        if in_checkpoint not in (*PREQUANTIZED, FP8):
             raise ValueError(
                 f"this checkpoint is quantized with quant_method={in_checkpoint!r} (its "
                 f"config.json's quantization_config), which tokenwise does not load yet; "
-                f"supported: {PREQUANTIZED}, and quantization in {CPU_METHODS} over float "
-                "checkpoints and GGUF files"
+                f"supported: {(*PREQUANTIZED, FP8)}, and quantization in {(*CPU_METHODS, FP8)} over "
+                "float checkpoints and GGUF files"
             )
         if method is not None and method != in_checkpoint:
             raise ValueError(
                 f"quantization={quantization!r} does not match the checkpoint's "
                 f"quant_method={in_checkpoint!r} (config.json's quantization_config)"
             )
-        if in_checkpoint != "compressed-tensors":
+        if in_checkpoint == FP8:
+            fp8_checkpoint_config(checkpoint_quantization_config(hf_config) or {})
+        elif in_checkpoint != "compressed-tensors":
             int_checkpoint_config(in_checkpoint, checkpoint_quantization_config(hf_config) or {})
         return in_checkpoint
     if method in NOT_BUILT:
@@ -130,6 +175,10 @@ def resolve_quantization(
         )
     if method == "gguf" and load_format != "gguf":
         raise ValueError("quantization='gguf' needs a .gguf model file")
+    if method == FP8 and load_format == "gguf":
+        raise ValueError(
+            "quantization='fp8' quantizes a safetensors checkpoint; a .gguf file has its own"
+        )
     if method is None and load_format == "gguf":
         method = "gguf"
     if method in CPU_METHODS and not device.startswith("cpu"):

@@ -12,7 +12,8 @@ as llm-compressor saves them. References:
 - for W4A16, transformers loading the compressed checkpoint directly (it decompresses with the
   package), the same 1e-4.
 W8A8 int8 and FP8 quantize activations too; tokenwise runs them weight-only on CPU (activations
-in floating point), so their reference is the weight-only model, the decompressed checkpoint.
+in floating point; FP8 layers keep their float8 weights, `fp8`), so their reference is the
+weight-only model, the decompressed checkpoint.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tests.engine._fixtures import hf_greedy, hf_model, mixed_prompts
 from tests.tiny_checkpoints import build_tiny_checkpoint
 from tokenwise import LLM, SamplingParams
 from tokenwise.config import EngineConfig
+from tokenwise.layers.quantization.fp8 import FP8Weight
 from tokenwise.layers.quantization.weight_only import QuantizedWeight, unpack_int4
 from tokenwise.loader import load_model
 from tokenwise.model_config import ModelConfig
@@ -199,11 +201,24 @@ def test_layers_hold_the_checkpoints_integers(
     assert torch.equal(packed.scales.float(), state[f"{prefix}.weight_scale"])
 
 
-def test_fp8_layers_are_dequantized(tmp_path: Any) -> None:
+def test_fp8_layers_keep_the_checkpoints_fp8_values(tmp_path: Any, monkeypatch: Any) -> None:
+    """FP8 layers hold the file's float8 weights and channel scales (q/k/v stacked), computing
+    what their dense form computes; `TOKENWISE_CPU_FP8_WEIGHTS=dense` gives that form."""
     compressed, _ = _checkpoints(tmp_path, "fp8-static")
+    monkeypatch.setenv("TOKENWISE_CPU_FP8_WEIGHTS", "fp8")
     layer = _load(compressed).model.layers[0].self_attn.qkv_proj
-    assert not isinstance(layer.packed_weight, QuantizedWeight)
-    assert layer.weight.dtype == torch.float32 and not layer.weight.is_meta
+    assert isinstance(layer.packed_weight, FP8Weight) and layer.weight.is_meta
+    state = load_file(os.path.join(compressed, "model.safetensors"))
+    parts = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+    weights = torch.cat([state[f"{p}.weight"].view(torch.uint8) for p in parts])
+    assert torch.equal(layer.packed_weight.weight.view(torch.uint8), weights)
+    assert torch.equal(
+        layer.packed_weight.scale, torch.cat([state[f"{p}.weight_scale"] for p in parts])
+    )
+    monkeypatch.setenv("TOKENWISE_CPU_FP8_WEIGHTS", "dense")
+    dense = _load(compressed).model.layers[0].self_attn.qkv_proj
+    assert dense.packed_weight is None and not dense.weight.is_meta
+    assert torch.equal(dense.weight, layer.packed_weight.dequantize())
 
 
 @pytest.mark.parametrize("case", ["w4a16-asym", "w8a8-int8"])

@@ -201,8 +201,8 @@ def test_bad_quantization_settings_name_the_field(tmp_path: Any) -> None:
     path = _checkpoint(tmp_path)
     with pytest.raises(ValueError, match="quantization must be one of"):
         LLM(path, quantization="int3")
-    with pytest.raises(ValueError, match="quantization='fp8' is not built yet"):
-        LLM(path, quantization="fp8")
+    with pytest.raises(ValueError, match="quantization='bitsandbytes' is not built yet"):
+        LLM(path, quantization="bitsandbytes")
     with pytest.raises(ValueError, match="quantization='gptq' needs a checkpoint quantized"):
         LLM(path, quantization="gptq")
     with pytest.raises(ValueError, match="quantization='gguf' needs a .gguf"):

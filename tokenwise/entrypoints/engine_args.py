@@ -146,9 +146,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         "-q",
         default=None,
-        choices=["int8", "int4", "gguf"],
+        choices=["int8", "int4", "gguf", "fp8"],
         help="quantize the linear layers' weights on load, weight-only, per group of 32 (CPU): "
-        "int8 or int4; gguf (the default for a .gguf file) keeps each tensor's bit width",
+        "int8 or int4; gguf (the default for a .gguf file) keeps each tensor's bit width; fp8: "
+        "float8 e4m3 per tensor (W8A8 on CUDA; also an fp8 checkpoint's own method)",
     )
     g.add_argument(
         "--limit-mm-per-prompt",

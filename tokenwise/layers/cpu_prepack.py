@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenwise.layers import cpu_gemv
+from tokenwise.layers.quantization.fp8 import FP8Weight
 from tokenwise.layers.quantization.weight_only import QuantizedParts, QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ def linear(
     through the small-M C kernel where it is available, others through the prepacked weight
     when the layer has one. A quantized layer's `packed` is its `QuantizedWeight` (its
     `weight` then lives on the meta device), which computes the product itself."""
-    if isinstance(packed, (QuantizedWeight, QuantizedParts)):
+    if isinstance(packed, (QuantizedWeight, QuantizedParts, FP8Weight)):
         return packed.linear(x, bias)
     # Under torch.compile the row count is symbolic (no guard may depend on it) and the
     # compiler lays out its own matmuls: the traced graph always takes F.linear.

@@ -33,6 +33,8 @@ class _Sliceable(Protocol):
 
     def get_shape(self) -> list[int]: ...
 
+    def get_dtype(self) -> str: ...
+
     def __getitem__(self, index: Any) -> torch.Tensor: ...
 
 
@@ -62,6 +64,11 @@ class LazyTensor:
 
     def dim(self) -> int:
         return len(self._box)
+
+    @property
+    def stored_dtype(self) -> str:
+        """The file's dtype name (safetensors': "BF16", "F8_E4M3", ...), read from its header."""
+        return self._source.get_dtype()
 
     def narrow(self, dim: int, start: int, length: int) -> LazyTensor:
         dim = dim % self.dim() if self.dim() else dim

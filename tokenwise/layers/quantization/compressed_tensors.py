@@ -14,8 +14,9 @@ Formats (`quantization_config.format`, or a config group's own `format`):
   (the checkpoint's `input_scale` and dynamic per-token activation quantization are not
   applied), so logits differ from a W8A8 kernel's by the activations' rounding, which is
   what weight-only avoids.
-- `float-quantized` (FP8 W8A8): `weight` float8_e4m3fn with its scales: dequantized to the
-  model's dtype on load (dense layers; there is no CPU FP8 kernel).
+- `float-quantized` (FP8 W8A8): `weight` float8_e4m3fn with its scales (tensor, channel or
+  block strategy): kept as an `FP8Weight` (`fp8`: W8A8 on CUDA, the `cpu_fp8` kernel on CPU)
+  where the loader keeps FP8 layers, else dequantized to the model's dtype on load.
 `w = (q - z) * s` per group for the integer formats, as in `prequantized`.
 """
 
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenwise.layers.quantization.fp8 import FP8_DTYPE, FP8Weight
 from tokenwise.layers.quantization.prequantized import (
     Converted,
     PrequantizedCheckpoint,
@@ -54,7 +56,9 @@ DROPPED = ("input_scale", "input_zero_point", "output_scale", "output_zero_point
 FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
 
 
-def reader(model: nn.Module, qc: dict[str, Any], keep_exact: bool) -> PrequantizedCheckpoint:
+def reader(
+    model: nn.Module, qc: dict[str, Any], keep_exact: bool, keep_fp8: bool = False
+) -> PrequantizedCheckpoint:
     """The reader of a compressed-tensors checkpoint; its config checked (errors name fields)."""
     from compressed_tensors.quantization import QuantizationConfig
 
@@ -77,7 +81,9 @@ def reader(model: nn.Module, qc: dict[str, Any], keep_exact: bool) -> Prequantiz
     def convert(name: str, parts: dict[str, torch.Tensor]) -> Converted:
         return _convert(name, parts, _scheme_for(name, schemes).weights)
 
-    return PrequantizedCheckpoint(model, SUFFIXES, MARKER, convert, keep_exact, DROPPED)
+    return PrequantizedCheckpoint(
+        model, SUFFIXES, MARKER, convert, keep_exact, DROPPED, keep_fp8=keep_fp8
+    )
 
 
 def _check_scheme(group: str, scheme: Any, fmt: str) -> None:
@@ -131,7 +137,7 @@ def _convert(name: str, parts: dict[str, torch.Tensor], args: Any) -> Converted:
         shape = tuple(int(n) for n in parts["weight_shape"].tolist())
         q = unpack_from_int32(parts["weight_packed"], args.num_bits, torch.Size(shape))
     elif parts["weight"].dtype.is_floating_point:
-        return Converted(_float_dense(parts, args), None)
+        return Converted(_float_dense(parts, args), None, _fp8_record(parts, args))
     else:
         q = parts["weight"]
     n, k = q.shape
@@ -153,6 +159,27 @@ def _convert(name: str, parts: dict[str, torch.Tensor], args: Any) -> Converted:
     dense = group_dense(q, zeros, scale, groups)
     record = integer_weight(name, q, zeros, scale, args.num_bits, groups, signed=True)
     return Converted(dense, record)
+
+
+def _fp8_record(parts: dict[str, torch.Tensor], args: Any) -> FP8Weight | None:
+    """The layer's float8_e4m3fn weight and scales as an `FP8Weight`; None (dense) for other
+    float formats or scale shapes."""
+    weight, scale = parts["weight"], parts["weight_scale"].float()
+    if weight.dtype != FP8_DTYPE or weight.dim() != 2:
+        return None
+    n, k = weight.shape
+    block = None
+    if str(args.strategy) == "block":
+        bn, bk = (int(b) for b in args.block_structure)
+        block = (bn, bk)
+    elif scale.numel() == 1:
+        scale = scale.reshape(1, 1)
+    elif scale.numel() == n:
+        scale = scale.reshape(n, 1)
+    try:
+        return FP8Weight(weight.contiguous(), scale.contiguous(), (n, k), block)
+    except ValueError:
+        return None
 
 
 def _float_dense(parts: dict[str, torch.Tensor], args: Any) -> torch.Tensor:

@@ -32,9 +32,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tokenwise.layers.quantization.fp8 import FP8Weight
+from tokenwise.layers.quantization.fp8_loading import combine, rank_slice
 from tokenwise.layers.quantization.schemes import Scheme
 from tokenwise.layers.quantization.tp_slice import RankSlices
-from tokenwise.layers.quantization.weight_only import QuantizedWeight, group_multiple, pack_int4
+from tokenwise.layers.quantization.weight_only import (
+    QuantizedParts,
+    QuantizedWeight,
+    group_multiple,
+    pack_int4,
+)
 from tokenwise.layers.weight_utils import (
     CheckpointTensor,
     StackedMapping,
@@ -52,6 +59,7 @@ class Converted:
 
     dense: torch.Tensor
     record: QuantizedWeight | None
+    fp8: FP8Weight | None = None  # float8 weights (compressed-tensors FP8), kept as such
 
 
 # (layer name, its tensors by suffix) -> the converted layer.
@@ -166,10 +174,12 @@ class PrequantizedCheckpoint:
         convert: Converter,
         keep_exact: bool,
         dropped: tuple[str, ...] = (),
+        keep_fp8: bool = False,
     ) -> None:
         """`suffixes`: the tensor names a quantized layer may have (`qweight`, `scales`, ...);
         a layer is quantized when it has `marker`. `dropped`: suffixes read and ignored (a
-        static activation scale, where tokenwise keeps activations in floating point)."""
+        static activation scale, where tokenwise keeps activations in floating point).
+        `keep_fp8`: keep FP8 layers' records (`fp8_record_for`), else they stay dense."""
         self.mapping: StackedMapping = getattr(model, "stacked_params_mapping", ())
         self.param_names = {id(p): name for name, p in model.named_parameters()}
         self.suffixes = suffixes
@@ -178,6 +188,8 @@ class PrequantizedCheckpoint:
         self.keep_exact = keep_exact
         self.dropped = dropped
         self.records: dict[str, QuantizedWeight] = {}
+        self.keep_fp8 = keep_fp8
+        self.fp8_records: dict[str, FP8Weight] = {}
         self.slices = RankSlices(model, self.mapping)
         # Each recorded tensor's scheme (what a layer without an exact record is quantized with).
         self.schemes: dict[str, _Kind] = {}
@@ -216,6 +228,9 @@ class PrequantizedCheckpoint:
             converted = self.convert(layer, parts)
         except ValueError as e:
             raise ValueError(f"cannot convert the quantized tensors of {layer!r}: {e}") from e
+        if converted.fp8 is not None and self.keep_fp8:
+            name = f"{layer}.weight"
+            self.fp8_records[name] = rank_slice(name, self.slices, converted.fp8)
         record = converted.record
         if record is not None:
             self.schemes[f"{layer}.weight"] = _Kind(
@@ -230,6 +245,13 @@ class PrequantizedCheckpoint:
         """The checkpoint names of a layer's weight, in the fused layer's row order."""
         name = self.param_names[id(module.weight)]  # a tied head's weight is the embedding's
         return list(checkpoint_names(name, self.mapping).values())
+
+    def fp8_record_for(self, name: str, module: nn.Module) -> FP8Weight | QuantizedParts | None:
+        """An FP8 layer's record (`fp8_loading.install`), its fused parts stacked."""
+        found = [self.fp8_records.pop(part, None) for part in self._names(module)]
+        if not found or any(r is None for r in found):
+            return None
+        return combine([r for r in found if r is not None])
 
     def scheme_for(self, name: str, module: nn.Module) -> Scheme | None:
         """The checkpoint's scheme for a layer whose parts were all recorded alike; None (kept

@@ -13,7 +13,9 @@ Methods built:
   On a GPU every GGUF weight is dequantized to the model's dtype.
 - `gptq`, `awq`, `compressed-tensors` (from the checkpoint's `quantization_config`): each layer
   keeps the checkpoint's own integers and scales (`prequantized`, with `gptq`, `awq` and
-  `compressed_tensors` reading the formats); FP8 and what the kernels cannot take stay dense.
+  `compressed_tensors` reading the formats); what the kernels cannot take stays dense.
+- `fp8` (an "fp8" checkpoint, or on load), and compressed-tensors FP8 layers: `FP8Weight`s,
+  installed by `fp8_loading`, not by the schemes here.
 Which method a model gets is decided in `tokenwise.quantization_config` (below the layers).
 
 Layers: every linear layer (`ReplicatedLinear` and its parallel kinds), the LM head, the token
