@@ -64,6 +64,7 @@ def count_graph_steps(llm: LLM) -> list[int]:
         ("bfloat16", None, [1, 2]),  # bf16 dense: the C linear kernel takes 2 rows at most
         ("bfloat16", "int4", [1, 2, 4, 8]),
         ("float32", "int8", [1, 2, 4, 8]),
+        ("bfloat16", "fp8", [1, 2, 4, 8]),
     ],
 )
 def test_replayed_decode_steps_equal_eager_ones_bit_for_bit(

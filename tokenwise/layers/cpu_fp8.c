@@ -233,3 +233,12 @@ int tw_fp8_dequant(const uint8_t *w, const float *scale, void *out, int64_t N, i
     }
     return 0;
 }
+
+/* `tw_fp8_gemv` with its arguments as one int64 array, the one signature a replayed CPU graph
+ * calls kernels through (tokenwise/compilation/cpu_graph.py). */
+int tw_fp8_gemv_packed(const int64_t *a) {
+    return tw_fp8_gemv((const void *)(intptr_t)a[0], (const uint8_t *)(intptr_t)a[1],
+                       (const float *)(intptr_t)a[2], (const void *)(intptr_t)a[3],
+                       (void *)(intptr_t)a[4], a[5], a[6], a[7], (int)a[8], a[9], a[10],
+                       (int)a[11], (int)a[12]);
+}

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from tokenwise.layers import native_build
+from tokenwise.layers import native_build, native_trace
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.tw_fp8_gemv.restype = _INT
     lib.tw_fp8_gemv.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]
     lib.tw_fp8_gemv.argtypes += [_I64, _I64, _INT, _INT]
+    lib.tw_fp8_gemv_packed.restype, lib.tw_fp8_gemv_packed.argtypes = _INT, [_PTR]
     lib.tw_fp8_dequant.restype = _INT
     lib.tw_fp8_dequant.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, _INT, _I64, _I64, _INT, _INT]
     return lib
@@ -102,7 +103,9 @@ def gemv(
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
     if bias is not None:
         bias = bias.to(x.dtype).contiguous()
-    status = lib.tw_fp8_gemv(
+    status = native_trace.call(
+        lib,
+        "tw_fp8_gemv",
         x2.data_ptr(),
         weight.data_ptr(),
         scale.data_ptr(),
