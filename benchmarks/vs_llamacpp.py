@@ -109,6 +109,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="ARGS",
         help="extra llama-server arguments, e.g. --no-repack (its repacking crashes on some CPUs)",
     )
+    p.add_argument(
+        "--tokenwise-args",
+        default="",
+        metavar="ARGS",
+        help="extra `tokenwise serve` arguments, e.g. --enforce-eager (no CPU graphs)",
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server -t")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--startup-timeout", type=float, default=600.0, help="per server start, s")
@@ -489,7 +495,7 @@ def server_command(
             "--model", *model, "--dtype", "bfloat16" if args.dtype == "bf16" else "float32",
             "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(w.concurrency),
             "--kv-cache-memory", f"{kv_mib}MiB", "--disable-log-requests",
-            "--host", "127.0.0.1", "--port", port,
+            *args.tokenwise_args.split(), "--host", "127.0.0.1", "--port", port,
         ]  # fmt: skip
     return [
         str(binary), "-m", str(gguf), "-fa", "on", "-t", str(args.threads),
@@ -579,6 +585,7 @@ def main(argv: list[str] | None = None) -> int:
         f"CPU flags: {' '.join(flags) or 'none of ' + ','.join(CPU_FLAGS)}; llama-server from "
         f"{LLAMA_CPP_PYTHON} (-fa on -t {args.threads}, -np = concurrency"
         f"{' ' + args.llama_server_args if args.llama_server_args else ''})"
+        f"{'; tokenwise serve ' + args.tokenwise_args if args.tokenwise_args else ''}"
     )
     print()
     print(format_tables(results, weight_bytes, header))

@@ -91,3 +91,8 @@ def test_commands_bound_the_servers(vs, tmp_path) -> None:
     assert tw[tw.index("--dtype") + 1] == "bfloat16"
     # K and V x 12 layers x 768 x 2 bytes per token, 48 x 512 tokens, +10%: about 0.95 GiB
     assert 900 < int(tw[tw.index("--kv-cache-memory") + 1].removesuffix("MiB")) < 1000
+    assert "--enforce-eager" not in tw
+    eager_args = vs.parse_args(["--tokenwise-args=--enforce-eager"])
+    eager_args.dtype, eager_args.shape_cfg = args.dtype, args.shape_cfg
+    eager = vs.server_command("tokenwise", eager_args, w, tmp_path, tmp_path / "m.gguf", tmp_path)
+    assert "--enforce-eager" in eager and eager[-1] == str(int(eager[-1]))  # the port stays last
