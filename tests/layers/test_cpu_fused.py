@@ -178,3 +178,19 @@ def test_embedding_rows_equal_torch(dtype: torch.dtype) -> None:
     assert got is not None and torch.equal(got, torch.nn.functional.embedding(ids, table))
     assert cpu_fused.embedding_rows(ids.to(torch.int32), table) is None
     assert cpu_fused.embedding_rows(torch.arange(cpu_fused.MAX_ROWS + 1), table) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_reads_strided_heads_of_a_fused_projection(dtype: torch.dtype) -> None:
+    """Qwen3's per-head q/k norms read [tokens, heads, head_dim] views of the fused qkv output
+    (token rows wider than the heads): same values as on a contiguous copy."""
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(5, 16 * 8 + 2 * 4 * 8, generator=gen).to(dtype)
+    weight = (1 + 0.3 * torch.randn(8, generator=gen)).to(dtype)
+    q, k, _ = qkv.split([16 * 8, 4 * 8, 4 * 8], dim=-1)
+    for view in (q.reshape(5, 16, 8), k.reshape(5, 4, 8), q[:, :8]):
+        assert not view.is_contiguous()
+        fused = cpu_fused.rms_norm(view, weight, 1e-6)
+        assert fused is not None and fused[0].is_contiguous()
+        _same(fused[0], _torch_norm(view.contiguous(), weight, 1e-6)[0])
+    assert cpu_fused.rms_norm(qkv.reshape(5, 24, 8)[:, ::2], weight, 1e-6) is None  # gaps

@@ -120,10 +120,13 @@ static float cascade_sum(const float *sq, int64_t n) {
 
 /* out = weight * (x / sqrt(mean(x^2) + eps)) over `rows` rows of `n`, with HF's rounding (the
  * normalised row rounded to the model's dtype before the weight multiplies it). With `res`,
- * x is first x + res (rounded), which is also written to `sum_out`. Returns 0, or -1 when
- * scratch memory could not be allocated. */
+ * x is first x + res (rounded), which is also written to `sum_out`. x's rows come in groups of
+ * `group_rows` contiguous rows, `group_stride` values apart (per-head q/k norms read a strided
+ * view of the fused qkv output: a group is a token's heads); res, out and sum_out are
+ * contiguous. Returns 0, or -1 when scratch memory could not be allocated. */
 int tw_rms_norm(const void *x, const void *res, const void *weight, void *out, void *sum_out,
-                int64_t rows, int64_t n, float eps, int bf16) {
+                int64_t rows, int64_t n, float eps, int bf16, int64_t group_rows,
+                int64_t group_stride) {
     /* Two float rows of scratch: on the stack up to 2048 values (callers may be threads with
      * small stacks), else from the heap. */
     float local[2 * 2048];
@@ -131,9 +134,9 @@ int tw_rms_norm(const void *x, const void *res, const void *weight, void *out, v
     if (!h) return -1;
     float *sq = h + n;
     for (int64_t r = 0; r < rows; ++r) {
-        const int64_t base = r * n;
+        const int64_t base = r * n, in = (r / group_rows) * group_stride + (r % group_rows) * n;
         for (int64_t i = 0; i < n; ++i) {
-            float v = load(x, base + i, bf16);
+            float v = load(x, in + i, bf16);
             if (res) {
                 v = round_to(v + load(res, base + i, bf16), bf16);
                 store(sum_out, base + i, v, bf16);
@@ -364,7 +367,8 @@ static inline float f32_arg(int64_t bits) {
 #define P(i) ((void *)(intptr_t)a[i])
 
 int tw_rms_norm_packed(const int64_t *a) {
-    return tw_rms_norm(P(0), P(1), P(2), P(3), P(4), a[5], a[6], f32_arg(a[7]), (int)a[8]);
+    return tw_rms_norm(P(0), P(1), P(2), P(3), P(4), a[5], a[6], f32_arg(a[7]), (int)a[8],
+                       a[9], a[10]);
 }
 
 int tw_rope_neox_packed(const int64_t *a) {

@@ -68,7 +68,7 @@ def load() -> ctypes.CDLL | None:
         return None
     lib.tw_rms_norm.restype = ctypes.c_int
     lib.tw_rms_norm.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float]
-    lib.tw_rms_norm.argtypes += [ctypes.c_int]
+    lib.tw_rms_norm.argtypes += [ctypes.c_int, _I64, _I64]
     lib.tw_rope_neox.restype = None
     lib.tw_rope_neox.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]
     lib.tw_rope_neox.argtypes += [_I64, _I64, ctypes.c_int]
@@ -99,19 +99,26 @@ def rms_norm(
     """`(norm(x + residual), x + residual)` (or `(norm(x), None)`) as `RMSNorm` computes them,
     rows over the last dimension; None where the kernel does not apply (see the module)."""
     n = x.shape[-1] if x.dim() else 0
-    if not (_eligible(x) and 0 < n <= MAX_NORM_SIZE and x.numel() <= MAX_ROWS * n):
+    # Tokens, not rows: a per-head norm has a row per head of each token.
+    tokens = x.shape[0] if x.dim() == 3 else (x.numel() // n if n else 0)
+    if not (_eligible(x) and 0 < n <= MAX_NORM_SIZE and tokens <= MAX_ROWS):
         return None
-    if weight.dtype != x.dtype or not (x.is_contiguous() and weight.is_contiguous()):
+    if weight.dtype != x.dtype or not weight.is_contiguous():
+        return None
+    layout = _row_groups(x, n)
+    if layout is None:
         return None
     if residual is not None and (
-        residual.dtype != x.dtype or residual.shape != x.shape or not residual.is_contiguous()
+        residual.dtype != x.dtype
+        or residual.shape != x.shape
+        or not (residual.is_contiguous() and x.is_contiguous())
     ):
         return None
     lib = load()
     if lib is None:
         return None
-    out = torch.empty_like(x)
-    summed = None if residual is None else torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    summed = None if residual is None else torch.empty(x.shape, dtype=x.dtype)
     status = native_trace.call(
         lib,
         "tw_rms_norm",
@@ -124,10 +131,26 @@ def rms_norm(
         n,
         eps,
         int(x.dtype == torch.bfloat16),
+        *layout,
     )
     if status != 0:
         raise MemoryError("RMSNorm kernel could not allocate its scratch rows")
     return out, summed
+
+
+def _row_groups(x: torch.Tensor, n: int) -> tuple[int, int] | None:
+    """(rows per group, values between groups) of `x`'s rows of `n`: one group when `x` is
+    contiguous; else a 2-D view with strided rows (groups of one row) or a 3-D view
+    [tokens, heads, n] whose heads are contiguous within a token (a per-head q/k norm over the
+    fused qkv output); None for other layouts."""
+    rows = x.numel() // n
+    if x.is_contiguous():
+        return rows, rows * n
+    if x.dim() == 2 and x.stride(1) == 1:
+        return 1, x.stride(0)
+    if x.dim() == 3 and x.stride(2) == 1 and (x.shape[1] == 1 or x.stride(1) == n):
+        return x.shape[1], x.stride(0)
+    return None
 
 
 def rope_neox(
