@@ -1,0 +1,58 @@
+"""Group-quantized (int8 / int4) linear layers off the CPU: the weights stay integers on the device.
+
+`QuantizedWeight.linear` hands a non-CPU input here, in the layer's storage column order (any
+act-order permutation already applied). Two routes, chosen per layer at load (`gpu_selfcheck`):
+- int4 layers with bfloat16 activations whose format tinygemm takes and whose packing passed
+  the load-time self-check: `gpu_int4`'s kernel (`weight.device_kernel`).
+- every other layer: the weight dequantized per call with torch ops on the device, in float32
+  (the definition's arithmetic, so the values equal `reference_dequantize`'s) then x's dtype,
+  and torch's matmul. Correct and slower (one dense copy of the layer per call, transient);
+  the integer memory is kept. int8 always takes this route: torch's `_weight_int8pack_mm`
+  takes one scale per output row, and tokenwise's int8 layers have a scale per 32 values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def linear(weight: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ W^T + bias` in x's dtype for a `QuantizedWeight` on x's (non-CPU) device."""
+    kernel = weight.device_kernel
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    if kernel is not None and x.dtype == torch.bfloat16:
+        out = kernel.mm(x)
+        return out if bias is None else out + bias
+    return F.linear(x, dequantize_stored(weight, x.dtype), bias)
+
+
+def int4_values(qweight: torch.Tensor) -> torch.Tensor:
+    """uint8 `[N, K / 2]` in GGUF's nibble order (within 32 values, byte j: value j low,
+    value j + 16 high) -> uint8 values `[N, K]` in 0..15."""
+    n = qweight.shape[0]
+    blocks = qweight.reshape(n, -1, 16)
+    return torch.stack((blocks & 15, blocks >> 4), dim=2).reshape(n, -1)
+
+
+def dequantize_stored(weight: Any, dtype: torch.dtype) -> torch.Tensor:
+    """The dense `[N, K]` in `dtype`, columns in storage order, with torch ops on the weight's
+    device: `q * s + o` per group in float32 (int4 without offsets: `o = -8 s`)."""
+    kernel = weight.device_kernel
+    if kernel is not None and kernel.owns_integers:
+        return kernel.dense(dtype)
+    n, k = weight.shape
+    g = weight.group_size
+    q = int4_values(weight.qweight) if weight.bits == 4 else weight.qweight
+    q = q.reshape(n, k // g, g).float()
+    s = weight.scales.float().unsqueeze(-1)
+    if weight.offsets is not None:
+        dense = torch.addcmul(weight.offsets.float().unsqueeze(-1), q, s)
+    elif weight.bits == 4:
+        dense = (q - 8.0) * s
+    else:
+        dense = q * s
+    return dense.reshape(n, k).to(dtype)
