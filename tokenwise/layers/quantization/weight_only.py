@@ -17,6 +17,10 @@ tensor-parallel rank's slice of such a layer may also hold padding columns (`act
 then `input_size` is the layer's input width, and `input_perm` entries equal to it read a zero
 appended to the input.
 
+Off the CPU (CUDA), `linear` hands the input to `gpu_weight_only`: torch's int4 kernel
+(`gpu_int4`) where the load-time self-check (`gpu_selfcheck`) gave the layer its
+`device_kernel`, else the weight dequantized per call with torch ops on the device.
+
 Why weight-only, with activations kept in floating point: results stay close to the dense model
 (the only error is the weights' rounding), and decode, bound by reading weights, gets faster in
 proportion to the bytes saved: int8 reads ~53% of bf16's bytes, int4 ~28% (~31% with offsets).
