@@ -219,3 +219,23 @@ def test_gpu_route_traces_in_one_graph(bits: int) -> None:
     for rows in (3, 9):
         x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).bfloat16()
         assert _relative_error(compiled(x), x.float() @ reference.t()) < 5e-3
+
+
+@pytest.mark.parametrize(("bits", "symmetric"), [(8, True), (4, True), (4, False)])
+def test_embedding_rows_on_the_device_trace_and_equal_the_definition(
+    bits: int, symmetric: bool
+) -> None:
+    """A quantized embedding's lookup off the CPU (torch ops): the definition's rows, traced
+    in one graph as the compiled model needs."""
+    weight = quantize(_weight(50, 64), bits, 32, symmetric)
+    ids = torch.tensor([[3, 0, 49], [7, 7, 1]])
+    expected = reference_dequantize(weight)[ids]
+    assert torch.equal(gpu_weight_only.rows(weight, ids, torch.float32), expected)
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda i: gpu_weight_only.rows(weight, i, torch.bfloat16),
+        backend="aot_eager",
+        fullgraph=True,
+        dynamic=True,
+    )
+    assert torch.equal(compiled(ids), expected.bfloat16())

@@ -44,13 +44,32 @@ def dequantize_stored(weight: Any, dtype: torch.dtype) -> torch.Tensor:
     kernel = weight.device_kernel
     if kernel is not None and kernel.owns_integers:
         return kernel.dense(dtype)
-    n, k = weight.shape
-    g = weight.group_size
-    q = int4_values(weight.qweight) if weight.bits == 4 else weight.qweight
+    return _dense(weight, weight.qweight, weight.scales, weight.offsets, dtype)
+
+
+def rows(weight: Any, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of the dense weight in `dtype`, `[*ids.shape, K]`: a quantized embedding's
+    lookup on the device (torch ops only, so a compiled model traces it in one graph)."""
+    flat = ids.reshape(-1)
+    offsets = None if weight.offsets is None else weight.offsets[flat]
+    dense = _dense(weight, weight.qweight[flat], weight.scales[flat], offsets, dtype)
+    return dense.reshape(*ids.shape, weight.shape[1])
+
+
+def _dense(
+    weight: Any,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """`q * s + o` of some rows of `weight`'s format, in float32, then `dtype`."""
+    n, k, g = qweight.shape[0], weight.shape[1], weight.group_size
+    q = int4_values(qweight) if weight.bits == 4 else qweight
     q = q.reshape(n, k // g, g).float()
-    s = weight.scales.float().unsqueeze(-1)
-    if weight.offsets is not None:
-        dense = torch.addcmul(weight.offsets.float().unsqueeze(-1), q, s)
+    s = scales.float().unsqueeze(-1)
+    if offsets is not None:
+        dense = torch.addcmul(offsets.float().unsqueeze(-1), q, s)
     elif weight.bits == 4:
         dense = (q - 8.0) * s
     else:

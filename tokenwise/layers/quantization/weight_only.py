@@ -111,6 +111,8 @@ class QuantizedWeight:
         """Rows `ids` of the dense weight in `dtype` (an embedding lookup: `[*ids.shape, K]`)."""
         if self.input_perm is not None:
             raise ValueError("a quantized embedding cannot have a permuted input")
+        if self.qweight.device.type != "cpu":
+            return gpu_weight_only.rows(self, ids, dtype)
         lib = cpu_qgemv.load() if ids.device.type == "cpu" else None
         if lib is not None and dtype in (torch.float32, torch.bfloat16):
             args = (self.qweight, self.scales, self.offsets, self.bits, self.group_size)
