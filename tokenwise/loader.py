@@ -204,7 +204,7 @@ def load_model(config: EngineConfig, device: str | torch.device = "cpu") -> nn.M
     else:
         _quantize(model, model_config.quantization, keep_ints, on_cpu, gguf_layers or prequantized)
         if keep_ints and not on_cpu:  # integers onto the device, each layer's route chosen
-            prepare_model(model, torch.device(device))
+            prepare_model(model, torch.device(device), model_config.dtype)
     if prequantized is not None and prequantized.fp8_records:  # compressed-tensors FP8 layers
         fp8_loading.install(model, prequantized.fp8_record_for, keep_fp8=True)
     return model.eval().requires_grad_(False)

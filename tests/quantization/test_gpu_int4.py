@@ -124,6 +124,13 @@ def test_selfcheck_takes_a_right_packing_once_per_format() -> None:
         )
         dense = gpu_weight_only.dequantize_stored(weight, torch.float32)
         assert _relative_error(dense, reference) < 5e-3
+    # float16 activations take the kernel too (rounded to bf16), in and out in float16
+    half = gpu_weight_only.linear(weights[0], x.half(), None)
+    assert half.dtype == torch.float16
+    assert _relative_error(half, x.float() @ references[0].t()) < 5e-3
+    assert gpu_weight_only.linear(weights[0], x[:0], None).shape == (0, 64)
+    # the check; a product and a read-back per layer; float16; the empty call reads back
+    assert counter.calls == 1 + 2 * 2 + 1 + 1
 
 
 @pytest.mark.parametrize("fault", ["swapped nibbles", "raises"])
@@ -182,7 +189,9 @@ def test_prepare_model_keeps_a_tied_embeddings_integers() -> None:
         _Holder("quant_table", tied), _Holder("packed_weight", tied),
         _Holder("quant_table", table), _Holder("packed_weight", int8),
     )  # fmt: skip
-    routes = gpu_selfcheck.prepare_model(model, torch.device("cpu"), TWIN)
+    routes = gpu_selfcheck.prepare_model(model, torch.device("cpu"), torch.float32, TWIN)
+    assert routes == {"kernel": 0, "dequantize": 2}  # float32 activations: no kernel
+    routes = gpu_selfcheck.prepare_model(model, torch.device("cpu"), torch.bfloat16, TWIN)
     assert routes == {"kernel": 1, "dequantize": 1}
     assert tied.device_kernel is not None and tied.qweight.numel() == 64 * 64
     assert table.device_kernel is None and int8.device_kernel is None

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from tokenwise.layers.quantization import gpu_int4
-from tokenwise.layers.quantization.gpu_weight_only import int4_values
+from tokenwise.layers.quantization.gpu_weight_only import KERNEL_DTYPES, int4_values
 from tokenwise.layers.quantization.weight_only import (
     QuantizedParts,
     QuantizedWeight,
@@ -65,16 +65,22 @@ def move_to(weight: QuantizedWeight, device: torch.device) -> None:
 
 
 def prepare_model(
-    model: nn.Module, device: torch.device, ops: gpu_int4.Int4Ops = gpu_int4.CUDA_OPS
+    model: nn.Module,
+    device: torch.device,
+    dtype: torch.dtype,
+    ops: gpu_int4.Int4Ops = gpu_int4.CUDA_OPS,
 ) -> dict[str, int]:
     """Move every quantized weight to `device` and give the int4 layers that pass the
-    self-check their kernel; returns how many layers took each route."""
+    self-check their kernel; returns how many layers took each route. A model whose dtype
+    the kernel does not take (float32: bfloat16 products would undo its precision) gets
+    per-call dequantization everywhere."""
     verdicts: dict[tuple, str | None] = {}
     routes = {"kernel": 0, "dequantize": 0}
+    use_kernel = dtype in KERNEL_DTYPES
     for name, weight, in_linear, in_table in quantized_weights(model):
         move_to(weight, device)
         if in_linear:  # an embedding's own table is read by rows, never multiplied
-            picked = choose(name, weight, ops, verdicts, keep_integers=in_table)
+            picked = use_kernel and choose(name, weight, ops, verdicts, keep_integers=in_table)
             routes["kernel" if picked else "dequantize"] += 1
     if routes["kernel"] or routes["dequantize"]:
         logger.info(

@@ -2,11 +2,16 @@
 
 `QuantizedWeight.linear` hands a non-CPU input here, in the layer's storage column order (any
 act-order permutation already applied). Two routes, chosen per layer at load (`gpu_selfcheck`):
-- int4 layers with bfloat16 activations whose format tinygemm takes and whose packing passed
-  the load-time self-check: `gpu_int4`'s kernel (`weight.device_kernel`).
-- every other layer: the weight dequantized per call with torch ops on the device, in float32
-  (the definition's arithmetic, so the values equal `reference_dequantize`'s) then x's dtype,
-  and torch's matmul. Correct and slower (one dense copy of the layer per call, transient);
+- int4 layers whose format tinygemm takes and whose packing passed the load-time self-check
+  (`weight.device_kernel`), with bfloat16 activations, or float16 ones rounded to bfloat16
+  for the product (relative 2^-9: the kernel takes bfloat16 only; GPTQ / AWQ checkpoints
+  are often float16): `gpu_int4`'s kernel, for every row count. tinygemm is a decode
+  kernel: pytorch/ao's measurements show it falling behind a dense matmul as rows grow
+  (prefill), but a layer that passed keeps its integers only in tinygemm's layout, so
+  dequantizing for large calls would cost more than it saves (not measured here).
+- every other layer (a float32 model's included): the weight dequantized per call with torch
+  ops on the device, in float32 (the definition's arithmetic, so the values equal
+  `reference_dequantize`'s) then x's dtype, and torch's matmul. Correct and slower (one dense copy of the layer per call, transient);
   the integer memory is kept. int8 always takes this route: torch's `_weight_int8pack_mm`
   takes one scale per output row, and tokenwise's int8 layers have a scale per 32 values.
 """
@@ -18,14 +23,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+# Activations the kernel route takes (float16 rounded to bfloat16 for the product).
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
 
 def linear(weight: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`x @ W^T + bias` in x's dtype for a `QuantizedWeight` on x's (non-CPU) device."""
     kernel = weight.device_kernel
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
-    if kernel is not None and x.dtype == torch.bfloat16:
-        out = kernel.mm(x)
+    if kernel is not None and x.dtype in KERNEL_DTYPES and x.numel():
+        out = kernel.mm(x.to(torch.bfloat16)).to(x.dtype)
         return out if bias is None else out + bias
     return F.linear(x, dequantize_stored(weight, x.dtype), bias)
 
