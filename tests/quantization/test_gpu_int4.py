@@ -133,18 +133,20 @@ def test_selfcheck_takes_a_right_packing_once_per_format() -> None:
     assert counter.calls == 1 + 2 * 2 + 1 + 1
 
 
-@pytest.mark.parametrize("fault", ["swapped nibbles", "raises"])
+@pytest.mark.parametrize("fault", ["swapped nibbles", "raises", "packing raises"])
 def test_selfcheck_falls_back_where_the_kernel_is_wrong(
     fault: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A wrong packing (or a kernel that raises) is caught at load, logged once naming the
     layer, and the layer is dequantized per call: its output equals the definition."""
+
+    def refuse(*args: object) -> torch.Tensor:
+        raise RuntimeError("no kernel image is available")
+
     if fault == "raises":
-
-        def refuse(*args: torch.Tensor) -> torch.Tensor:
-            raise RuntimeError("no kernel image is available")
-
         ops = dataclasses.replace(TWIN, mm=refuse)
+    elif fault == "packing raises":
+        ops = dataclasses.replace(TWIN, pack=refuse)
     else:
         ops = dataclasses.replace(TWIN, pack=_swapped_pack)
     weight = quantize(_weight(32, 256), 4, 32, symmetric=True)
@@ -155,7 +157,7 @@ def test_selfcheck_falls_back_where_the_kernel_is_wrong(
     assert not gpu_selfcheck.choose("model.layers.1.mlp.down_proj", other, ops, verdicts)
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "model.layers.0.mlp.down_proj" in warnings[0]
-    assert ("read back wrong" if fault != "raises" else "no kernel image") in warnings[0]
+    assert ("read back wrong" if fault == "swapped nibbles" else "no kernel image") in warnings[0]
     assert weight.device_kernel is None and weight.qweight.numel() == 32 * 128
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(2))
     expected = F.linear(x, reference_dequantize(weight))

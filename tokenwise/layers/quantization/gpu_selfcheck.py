@@ -107,15 +107,15 @@ def choose(
         logger.debug("%s (%s) is dequantized per call: %s", name, weight.describe(), reason)
         return False
     key = (weight.shape, weight.group_size, weight.offsets is None, weight.scales.dtype)
+    kernel, failure = None, None
     try:
         kernel = gpu_int4.pack(
             int4_values(weight.qweight), weight.scales, weight.offsets, weight.group_size, ops
         )
     except (RuntimeError, ValueError, NotImplementedError) as e:
-        verdicts.setdefault(key, f"packing raised {str(e).splitlines()[0]}")
-        kernel = None
+        failure = f"packing raised {str(e).splitlines()[0]}"
     if key not in verdicts:
-        verdicts[key] = self_check(weight, kernel)  # type: ignore[arg-type]
+        verdicts[key] = failure if kernel is None else self_check(weight, kernel)
         if verdicts[key] is not None:
             logger.warning(
                 "%s: %s failed its self-check on %s (%s, %s); layers of this format are "
