@@ -273,3 +273,59 @@ def test_fp8_checkpoint_on_cuda_gives_hf_greedy_tokens_on_most_prompts(tmp_path:
         for o, p in zip(outs, prompts, strict=True)
     )
     assert same >= 4
+
+
+INT4_KINDS = ["symmetric", "asymmetric", "gptq"]
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("kind", INT4_KINDS)
+def test_int4_tinygemm_packing_passes_its_selfcheck_on_cuda(kind: str, group: int) -> None:
+    """The CUDA nibble order and tile layout `gpu_int4` assumes are right on this device: the
+    self-check takes the kernel (no fallback) and the layer computes the definition within
+    bfloat16 (tests/quantization/test_gpu_int4.py checks the same on the CPU twins)."""
+    from tests.quantization.test_gpu_int4 import _gptq_like, _relative_error, _weight
+    from tokenwise.layers.quantization import gpu_int4, gpu_selfcheck
+    from tokenwise.layers.quantization.weight_only import quantize, reference_dequantize
+
+    n, k = 256, 512
+    if kind == "gptq":
+        weight = _gptq_like(n, k, group)
+    else:
+        weight = quantize(_weight(n, k), 4, group, symmetric=kind == "symmetric")
+    reference = reference_dequantize(weight)
+    gpu_selfcheck.move_to(weight, torch.device("cuda"))
+    verdicts: dict[Any, Any] = {}
+    assert gpu_selfcheck.choose("layer", weight, gpu_int4.CUDA_OPS, verdicts), verdicts
+    x = torch.randn(7, k).bfloat16()
+    ours = weight.linear(x.cuda(), None).float().cpu()
+    assert _relative_error(ours, x.float() @ reference.t()) < 5e-3
+
+
+@pytest.mark.parametrize("mode", ["eager", "piecewise"])
+def test_int4_model_on_cuda_keeps_int4_memory_and_the_cpu_tokens(mode: str) -> None:
+    """`quantization="int4"` on CUDA: the layers keep their integers (tinygemm for every layer
+    whose shape it takes, none fell back), resident weight bytes ~30% of bf16's, and greedy
+    tokens equal the CPU int4 run's (float32) on at least 5 of 6 prompts (bf16 activations
+    may flip a close choice)."""
+    from tokenwise.layers.quantization.weight_only import QuantizedWeight
+
+    path = checkpoint(LLAMA)
+    prompts = mixed_prompts()[::3]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    cpu = LLM(path, quantization="int4", dtype="float32", device="cpu", num_gpu_blocks=64)
+    expected = [list(o.outputs[0].token_ids) for o in cpu.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]  # fmt: skip
+    llm = LLM(path, quantization="int4", dtype="bfloat16", device="cuda", num_gpu_blocks=64,
+              **MODES[mode])  # fmt: skip
+    model = llm.llm_engine.runner.model
+    held = [m.packed_weight for m in model.modules() if hasattr(m, "packed_weight")]
+    quantized = [w for w in held if isinstance(w, QuantizedWeight)]
+    assert quantized and all(w.qweight.is_cuda for w in quantized)
+    fits = [w for w in quantized if w.shape[0] % 8 == 0]
+    assert fits and all(w.device_kernel is not None for w in fits)
+    dense_bytes = sum(w.shape[0] * w.shape[1] * 2 for w in quantized)
+    assert sum(w.nbytes for w in quantized) <= 0.33 * dense_bytes
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    same = sum(list(o.outputs[0].token_ids) == e for o, e in zip(outs, expected, strict=True))
+    assert same >= 5

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -36,6 +37,7 @@ from tokenwise.distributed.tp_state import get_tp_size
 from tokenwise.gguf.weights import iterate_gguf
 from tokenwise.layers.quantization import awq, compressed_tensors, fp8_loading, gptq
 from tokenwise.layers.quantization.gguf_layers import GGUFLayerQuantizer, expert_checkpoint_names
+from tokenwise.layers.quantization.gpu_selfcheck import prepare_model
 from tokenwise.layers.quantization.prequantized import PrequantizedCheckpoint
 from tokenwise.layers.quantization.schemes import (
     INT4,
@@ -59,7 +61,10 @@ from tokenwise.quantization_config import (
     checkpoint_quantization_config,
     fp8_checkpoint_config,
     int_checkpoint_config,
+    keeps_integers,
 )
+
+logger = logging.getLogger(__name__)
 
 SAFETENSORS_SINGLE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -153,6 +158,7 @@ def load_model(config: EngineConfig, device: str | torch.device = "cpu") -> nn.M
     prequantized: PrequantizedCheckpoint | None = None
     fp8: fp8_loading.FP8Checkpoint | None = None
     on_cpu = torch.device(device).type == "cpu"
+    keep_ints = keeps_integers(model_config.quantization, str(torch.device(device)))
     with _build_in(model_config.dtype, torch.device(device)):
         model = model_cls(config)
     if model_config.load_format == "dummy":
@@ -167,9 +173,9 @@ def load_model(config: EngineConfig, device: str | torch.device = "cpu") -> nn.M
         if model_config.quantization in PREQUANTIZED:
             # The format's tensors become dense weights here; their integers are kept aside.
             # Quantized layers' tensors are read whole; under TP each rank then keeps its slice
-            # of their integers (`tp_slice`). Only CPU layers compute with them (`_quantize`).
+            # of their integers (`tp_slice`). CPU and CUDA layers compute with them (`_quantize`).
             keep_fp8 = not on_cpu or fp8_loading.keep_fp8_on_cpu()
-            prequantized = _prequantized_reader(model, model_config, on_cpu, keep_fp8)
+            prequantized = _prequantized_reader(model, model_config, keep_ints, keep_fp8)
             weights = prequantized.wrap(weights, safetensors_names(files))
         qc = checkpoint_quantization_config(model_config.hf_config)
         if model_config.quantization == FP8 and qc is not None:
@@ -181,9 +187,9 @@ def load_model(config: EngineConfig, device: str | torch.device = "cpu") -> nn.M
         _check_complete(model, loaded)
         apply_kv_scales(model, kv_scales, config.cache.cache_dtype.startswith("fp8"))
     elif model_config.load_format == "gguf":
-        # Dequantized on load, then (on CPU) quantized again with the file's bit widths.
+        # Dequantized on load, then (CPU, CUDA) quantized again with the file's bit widths.
         expected = _expected_checkpoint_names(model)
-        gguf_layers = GGUFLayerQuantizer(model, keep_exact=on_cpu)
+        gguf_layers = GGUFLayerQuantizer(model, keep_exact=keep_ints)
         weights = iterate_gguf(
             model_config.model, expected, model_config.dtype, gguf_layers.observe
         )
@@ -196,9 +202,9 @@ def load_model(config: EngineConfig, device: str | torch.device = "cpu") -> nn.M
     elif model_config.quantization == FP8:
         fp8_loading.quantize_on_load(model, keep_fp8=not on_cpu or fp8_loading.keep_fp8_on_cpu())
     else:
-        _quantize(
-            model, model_config.quantization, torch.device(device), gguf_layers or prequantized
-        )
+        _quantize(model, model_config.quantization, keep_ints, on_cpu, gguf_layers or prequantized)
+        if keep_ints and not on_cpu:  # integers onto the device, each layer's route chosen
+            prepare_model(model, torch.device(device), model_config.dtype)
     if prequantized is not None and prequantized.fp8_records:  # compressed-tensors FP8 layers
         fp8_loading.install(model, prequantized.fp8_record_for, keep_fp8=True)
     return model.eval().requires_grad_(False)
@@ -221,20 +227,26 @@ def _prequantized_reader(
 def _quantize(
     model: nn.Module,
     method: str | None,
-    device: torch.device,
+    keep_ints: bool,
+    on_cpu: bool,
     recorded: GGUFLayerQuantizer | PrequantizedCheckpoint | None,
 ) -> None:
     """Apply `quantization` (`tokenwise.layers.quantization.schemes`) to the loaded model: on
     load (int8, int4), or with the file's own integers (GGUF and quantized checkpoints, kept
-    on CPU only: elsewhere they stay dequantized to the model's dtype)."""
+    where `keeps_integers` says: elsewhere they stay dequantized to the model's dtype). Routed
+    experts are quantized on the CPU only: elsewhere they stay in the model's dtype, as their
+    quantized path runs one expert at a time outside the MoE op that graphs capture."""
     if method in CPU_METHODS:
         scheme = INT8 if method == "int8" else INT4
         quantize_model(model, on_load_scheme(scheme))
-        quantize_experts(model, scheme)
-    elif device.type == "cpu" and recorded is not None:
+        if on_cpu:
+            quantize_experts(model, scheme)
+    elif keep_ints and recorded is not None:
         quantize_model(model, recorded.scheme_for, recorded.exact)
-        if isinstance(recorded, GGUFLayerQuantizer):
+        if isinstance(recorded, GGUFLayerQuantizer) and on_cpu:
             recorded.quantize_experts(model)
+    if not on_cpu and keep_ints and any(hasattr(m, "quant_experts") for m in model.modules()):
+        logger.info("routed experts stay in the model's dtype off the CPU (not quantized)")
 
 
 def _expected_checkpoint_names(model: nn.Module) -> list[str]:

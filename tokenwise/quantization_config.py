@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+# Quantized on load of a float checkpoint (the name is historical: CPU kernels, and on a CUDA
+# GPU tinygemm / per-call dequantization, `keeps_integers`).
 CPU_METHODS = ("int8", "int4")
 # Checkpoints stored quantized, loaded by `tokenwise.layers.quantization.prequantized`.
 PREQUANTIZED = ("gptq", "awq", "compressed-tensors")
@@ -181,15 +183,24 @@ def resolve_quantization(
         )
     if method is None and load_format == "gguf":
         method = "gguf"
-    if method in CPU_METHODS and not device.startswith("cpu"):
+    if method in CPU_METHODS and not keeps_integers(method, device):
         raise ValueError(
-            f"quantization={method!r} has CPU kernels only; on {device!r} load the model "
-            "unquantized (quantization=None)"
+            f"quantization={method!r} runs on CPU and CUDA devices only; on {device!r} load "
+            "the model unquantized (quantization=None)"
         )
     return method
 
 
 def uses_cpu_kernels(method: str | None, device: str) -> bool:
-    """Whether a model loaded with `method` on `device` runs the quantized CPU kernels (on a
-    GPU, GGUF and quantized checkpoints are dequantized to the model's dtype on load)."""
-    return method in CPU_METHODS or (method in ("gguf", *PREQUANTIZED) and device.startswith("cpu"))
+    """Whether a model loaded with `method` on `device` runs the quantized CPU kernels (eager
+    only: torch.compile does not trace them)."""
+    return method in (*CPU_METHODS, "gguf", *PREQUANTIZED) and device.startswith("cpu")
+
+
+def keeps_integers(method: str | None, device: str) -> bool:
+    """Whether a model loaded with `method` on `device` keeps its layers' integers (int8 / int4
+    memory): on the CPU (its kernels) and on CUDA GPUs (`layers.quantization.gpu_selfcheck`:
+    torch's int4 kernel where it proved right at load, else per-call dequantization). Other
+    devices get GGUF and quantized checkpoints dequantized to the model's dtype on load."""
+    on_device = device.startswith("cpu") or device.startswith("cuda")
+    return on_device and method in (*CPU_METHODS, "gguf", *PREQUANTIZED)

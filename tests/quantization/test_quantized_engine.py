@@ -209,8 +209,8 @@ def test_bad_quantization_settings_name_the_field(tmp_path: Any) -> None:
         LLM(path, quantization="gguf")
     with pytest.raises(ValueError, match="enforce_eager"):
         LLM(path, quantization="int8", enforce_eager=False)
-    with pytest.raises(ValueError, match="CPU kernels only"):
-        resolve_quantization("int4", None, "auto", "cuda")
+    with pytest.raises(ValueError, match="runs on CPU and CUDA devices only"):
+        resolve_quantization("int4", None, "auto", "mps")
 
 
 def test_checkpoint_with_an_unsupported_quantization_config_is_refused_by_name(

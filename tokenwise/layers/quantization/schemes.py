@@ -3,14 +3,15 @@ format each of its linear layers ends up in.
 
 Methods built:
 - `int8`, `int4`: weight-only round-to-nearest on load of a float checkpoint: int8 symmetric
-  in groups of 32 (Q8_0), int4 with offsets in groups of 64; CPU only (CPU kernels).
+  in groups of 32 (Q8_0), int4 with offsets in groups of 64; CPU (its kernels) and CUDA
+  (`gpu_selfcheck`: torch's int4 kernel or per-call dequantization).
 - `gguf` (automatic for a `.gguf` file): a linear layer whose file tensors are Q8_0, Q4_0 or
   Q4_1 keeps that format (int8 symmetric, int4 symmetric, int4 with offsets), quantized from
   the file's float32 values, which gives back exactly the file's integers and float16 scales
   (the largest and smallest values of a block set its scale in both quantizers). Other types
   (the K-quants, Q5_*, IQ*) are dequantized to the model's dtype for now: their scales are
   products (`d * sc`) that float16 does not hold, so re-quantizing them would move the weights.
-  On a GPU every GGUF weight is dequantized to the model's dtype.
+  On a CUDA GPU the same formats are kept (other GPUs: every weight dequantized).
 - `gptq`, `awq`, `compressed-tensors` (from the checkpoint's `quantization_config`): each layer
   keeps the checkpoint's own integers and scales (`prequantized`, with `gptq`, `awq` and
   `compressed_tensors` reading the formats); what the kernels cannot take stays dense.
@@ -20,7 +21,7 @@ Which method a model gets is decided in `tokenwise.quantization_config` (below t
 
 Layers: every linear layer (`ReplicatedLinear` and its parallel kinds), the LM head, the token
 embedding (rows dequantized as they are looked up; a tied embedding and head share one table)
-and, with `int8` / `int4`, each routed expert of an MoE layer (`quantize_experts`). Under tensor
+and, with `int8` / `int4` on the CPU, each routed expert of an MoE layer (`quantize_experts`). Under tensor
 parallelism each rank quantizes the slice it holds (`int8` / `int4`), or takes its slice of the
 checkpoint's integers (`tp_slice`). A layer whose input size is not a multiple
 of the group size takes the largest smaller group that fits (32, then 16 for int8), else stays

@@ -17,6 +17,10 @@ tensor-parallel rank's slice of such a layer may also hold padding columns (`act
 then `input_size` is the layer's input width, and `input_perm` entries equal to it read a zero
 appended to the input.
 
+Off the CPU (CUDA), `linear` hands the input to `gpu_weight_only`: torch's int4 kernel
+(`gpu_int4`) where the load-time self-check (`gpu_selfcheck`) gave the layer its
+`device_kernel`, else the weight dequantized per call with torch ops on the device.
+
 Why weight-only, with activations kept in floating point: results stay close to the dense model
 (the only error is the weights' rounding), and decode, bound by reading weights, gets faster in
 proportion to the bytes saved: int8 reads ~53% of bf16's bytes, int4 ~28% (~31% with offsets).
@@ -24,12 +28,13 @@ proportion to the bytes saved: int8 reads ~53% of bf16's bytes, int4 ~28% (~31% 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from tokenwise.layers.quantization import cpu_qgemv
+from tokenwise.layers.quantization import cpu_qgemv, gpu_weight_only
 
 BITS = (8, 4)
 # Row counts above which the dense weight is rebuilt for torch's matmul, rather than the kernel
@@ -58,6 +63,9 @@ class QuantizedWeight:
     # The layer's input width where the stored columns include padding (then input_perm holds
     # input_size for each padding column: it reads a zero); None: shape[1].
     input_size: int | None = None
+    # Off the CPU: the layer's kernel (`gpu_int4.Int4Kernel`), set at load by `gpu_selfcheck`
+    # once its packing passed the self-check; None: dequantized per call (`gpu_weight_only`).
+    device_kernel: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.scales.dtype not in (torch.float16, torch.float32):
@@ -75,7 +83,8 @@ class QuantizedWeight:
     @property
     def nbytes(self) -> int:
         parts = (self.qweight, self.scales, self.offsets, self.input_perm)
-        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+        total = sum(t.numel() * t.element_size() for t in parts if t is not None)
+        return total + (0 if self.device_kernel is None else self.device_kernel.nbytes)
 
     def describe(self) -> str:
         kind = "asymmetric" if self.offsets is not None else "symmetric"
@@ -90,6 +99,8 @@ class QuantizedWeight:
 
     def _stored_dense(self, dtype: torch.dtype) -> torch.Tensor:
         """The dense weight with its columns in storage order (`input_perm` not undone)."""
+        if self.qweight.device.type != "cpu":
+            return gpu_weight_only.dequantize_stored(self, dtype)
         lib = cpu_qgemv.load()
         if lib is not None and dtype in (torch.float32, torch.bfloat16):
             args = (self.qweight, self.scales, self.offsets, self.bits, self.group_size)
@@ -100,6 +111,8 @@ class QuantizedWeight:
         """Rows `ids` of the dense weight in `dtype` (an embedding lookup: `[*ids.shape, K]`)."""
         if self.input_perm is not None:
             raise ValueError("a quantized embedding cannot have a permuted input")
+        if self.qweight.device.type != "cpu":
+            return gpu_weight_only.rows(self, ids, dtype)
         lib = cpu_qgemv.load() if ids.device.type == "cpu" else None
         if lib is not None and dtype in (torch.float32, torch.bfloat16):
             args = (self.qweight, self.scales, self.offsets, self.bits, self.group_size)
@@ -119,6 +132,8 @@ class QuantizedWeight:
             if self.input_size is not None:
                 x = F.pad(x, (0, 1))  # the zero column that padding columns read
             x = x.index_select(-1, self.input_perm)
+        if x.device.type != "cpu":
+            return gpu_weight_only.linear(self, x, bias)
         lib = cpu_qgemv.load() if x.dtype in (torch.float32, torch.bfloat16) else None
         if lib is None or rows == 0 or rows > KERNEL_MAX_ROWS:
             return F.linear(x, self._stored_dense(x.dtype), bias)
