@@ -359,26 +359,32 @@ int tw_qgemv(const void *x, const uint8_t *q, const void *sc, const void *of,
     return 0;
 }
 
+/* Row `row` of dequant(q) into `out` (K values, float32 or rounded bf16). */
+static void dequant_row(const uint8_t *q, const void *sc, const void *of, int64_t row,
+                        void *out, int64_t K, int bits, int64_t G, int sf32, int out_bf16) {
+    const int64_t row_bytes = bits == 8 ? K : K / 2, ng = K / G;
+    const uint8_t *qrow = q + row * row_bytes;
+    for (int64_t g = 0; g < ng; g++) {
+        float s, o;
+        group_params(sc, of, row, ng, g, bits, sf32, &s, &o);
+        for (int64_t k = g * G; k < (g + 1) * G; k++) {
+            float v = (float)qint(qrow, bits, k) * s + o;
+            if (out_bf16)
+                ((uint16_t *)out)[k] = f32_to_bf16(v);
+            else
+                ((float *)out)[k] = v;
+        }
+    }
+}
+
 /* out[N, K] = dequant(q) as float32, or bfloat16 (rounded to nearest even) when `out_bf16`. */
 int tw_qdequant(const uint8_t *q, const void *sc, const void *of, void *out, int64_t N,
                 int64_t K, int bits, int64_t G, int sf32, int out_bf16, int num_threads) {
     if (check_shape(N, K, bits, G)) return -1;
-    const int64_t row_bytes = bits == 8 ? K : K / 2, ng = K / G;
+    const size_t out_row = (size_t)K * (out_bf16 ? 2 : 4);
 #pragma omp parallel for num_threads(num_threads > 0 ? num_threads : 1) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *qrow = q + n * row_bytes;
-        for (int64_t g = 0; g < ng; g++) {
-            float s, o;
-            group_params(sc, of, n, ng, g, bits, sf32, &s, &o);
-            for (int64_t k = g * G; k < (g + 1) * G; k++) {
-                float v = (float)qint(qrow, bits, k) * s + o;
-                if (out_bf16)
-                    ((uint16_t *)out)[n * K + k] = f32_to_bf16(v);
-                else
-                    ((float *)out)[n * K + k] = v;
-            }
-        }
-    }
+    for (int64_t n = 0; n < N; n++)
+        dequant_row(q, sc, of, n, (char *)out + n * out_row, K, bits, G, sf32, out_bf16);
     return 0;
 }
 
@@ -386,22 +392,9 @@ int tw_qdequant(const uint8_t *q, const void *sc, const void *of, void *out, int
 int tw_qrows(const uint8_t *q, const void *sc, const void *of, const int64_t *ids, int64_t n,
              void *out, int64_t K, int bits, int64_t G, int sf32, int out_bf16) {
     if (check_shape(1, K, bits, G)) return -1;
-    const int64_t row_bytes = bits == 8 ? K : K / 2, ng = K / G;
-    for (int64_t t = 0; t < n; t++) {
-        const int64_t row = ids[t];
-        const uint8_t *qrow = q + row * row_bytes;
-        for (int64_t g = 0; g < ng; g++) {
-            float s, o;
-            group_params(sc, of, row, ng, g, bits, sf32, &s, &o);
-            for (int64_t k = g * G; k < (g + 1) * G; k++) {
-                float v = (float)qint(qrow, bits, k) * s + o;
-                if (out_bf16)
-                    ((uint16_t *)out)[t * K + k] = f32_to_bf16(v);
-                else
-                    ((float *)out)[t * K + k] = v;
-            }
-        }
-    }
+    const size_t out_row = (size_t)K * (out_bf16 ? 2 : 4);
+    for (int64_t t = 0; t < n; t++)
+        dequant_row(q, sc, of, ids[t], (char *)out + t * out_row, K, bits, G, sf32, out_bf16);
     return 0;
 }
 
