@@ -21,7 +21,7 @@ from tokenwise.attention.utils import AttentionType
 from tokenwise.compilation.compile import compile_model
 from tokenwise.config import CUDAGraphMode, EngineConfig
 from tokenwise.distributed.dp_coordination import DPStepCounts, coordinate_step_across_dp
-from tokenwise.distributed.tp_channel import SpecTables, TPDriver, step_from_payload, step_payload
+from tokenwise.distributed.tp_channel import TPDriver, step_from_payload, step_payload
 from tokenwise.distributed.tp_launch import WorkerMain, start_tensor_parallel
 from tokenwise.distributed.tp_state import get_tp_size
 from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -38,9 +38,9 @@ from tokenwise.runner.input_batch import InputBatch, StepInputs
 from tokenwise.runner.kv_cache_sizing import KVCacheSizingMixin
 from tokenwise.runner.prompt_logprobs import plan_prompt_logprobs, score_prompt_tokens
 from tokenwise.runner.sample_step import sample_step
+from tokenwise.runner.step_metadata import StepMetadataMixin
 from tokenwise.runner.target_hidden import TargetHiddenCapture
 from tokenwise.runner.ubatch_runner import Trace, run_ubatches
-from tokenwise.runner.verify_rows import as_decode_rows, is_verify_step
 from tokenwise.sampling.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 MetadataByLayer = dict[str, AttentionMetadata] | None
 
 
-class ModelRunner(KVCacheSizingMixin):
+class ModelRunner(KVCacheSizingMixin, StepMetadataMixin):
     def __init__(
         self,
         config: EngineConfig,
@@ -189,45 +189,6 @@ class ModelRunner(KVCacheSizingMixin):
             )
 
     # ---- one step ---------------------------------------------------------------------------
-
-    def _metadata_tables(self, step: StepInputs) -> SpecTables:
-        """Each attention spec's block tables (window-trimmed where the spec slides)."""
-        tables: SpecTables = {}
-        for spec in self._builders:
-            if spec is None:
-                tables[spec] = (step.block_tables, None)
-            else:
-                tables[spec] = self.input_batch.windowed_block_tables(step, spec)
-        return tables
-
-    def _attn_metadata(
-        self, step: StepInputs, tables: SpecTables, cuda_graph_pad_size: int = -1
-    ) -> dict[str, AttentionMetadata]:
-        """One metadata object per attention spec over the step's buffers, keyed by layer.
-
-        Each spec's `CommonMetadataBuilder` makes it (SPEC §3's `prepare()` then `build(...)`),
-        over the step's device buffers. `cuda_graph_pad_size` (the padding rows of a step a
-        FULL graph replays) marks graph metadata; PIECEWISE steps run attention eagerly, so
-        their padded metadata is plain.
-        """
-        if cuda_graph_pad_size == -1 and self._verify_as_decode and is_verify_step(step):
-            step, tables = as_decode_rows(step, tables)
-        seq_lens = step.context_lens_np + step.query_lens_np
-        batch_size = step.num_reqs if cuda_graph_pad_size != -1 else -1
-        metadata_by_spec = {}
-        for spec, builder in self._builders.items():
-            builder.prepare()
-            metadata_by_spec[spec] = builder.build(
-                seq_lens,
-                step.query_lens_np,
-                cuda_graph_pad_size,
-                batch_size,
-                slot_mapping=step.slot_mapping,
-                seq_lens_tensor=step.seq_lens,
-                block_tables=tables[spec][0],
-                block_table_first_block=tables[spec][1],
-            )
-        return {name: metadata_by_spec[spec] for name, spec in self._spec_of.items()}
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
