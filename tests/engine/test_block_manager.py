@@ -1,4 +1,9 @@
-"""Tests for the paged KV cache block manager and its prefix cache."""
+"""Tests for the paged KV cache block manager and its prefix cache, with one KV-cache group.
+
+`OneGroup` is the manager as a single-group model sees it: per-group results (one list per
+group) unwrapped to group 0's list. The hybrid rules (several groups, sliding windows) are in
+tests/engine/test_kv_cache_groups.py.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,19 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from tokenwise.engine.block_manager import BlockManager, hash_block_tokens
 
 BS = 4
+
+
+class OneGroup(BlockManager):
+    """A one-group manager: hits and appended blocks as group 0's list."""
+
+    def get_computed_blocks(self, *args, **kwargs):  # type: ignore[override]
+        hits, num_hit = super().get_computed_blocks(*args, **kwargs)
+        assert len(hits) == 1
+        return hits[0], num_hit
+
+    def allocate_slots(self, rid, tokens, computed, new, hits=(), *args, **kwargs):  # type: ignore[override]
+        out = super().allocate_slots(rid, tokens, computed, new, (list(hits),), *args, **kwargs)
+        return None if out is None else out[0]
 
 
 def admit(
@@ -34,7 +52,7 @@ def snapshot(bm: BlockManager, rids: Sequence[str]) -> tuple[int, list[list[int]
 def test_free_with_discard_uncaches_only_blocks_nobody_else_holds() -> None:
     """After a failed forward pass the failed request's blocks are dropped from the prefix
     cache, except those another live request still holds (computed by an earlier step)."""
-    bm = BlockManager(num_blocks=10, block_size=BS)
+    bm = OneGroup(num_blocks=10, block_size=BS)
     prefix = list(range(8))
     assert admit(bm, "old", prefix + [50]) is not None  # registers the 2 prefix blocks
     assert admit(bm, "failed", prefix + [60, 61, 62, 63, 64]) is not None  # hits both
@@ -50,7 +68,7 @@ def test_free_with_discard_uncaches_only_blocks_nobody_else_holds() -> None:
 
 @pytest.mark.parametrize("num_tokens", [1, 3, 4, 5, 8, 9, 17])
 def test_allocation_covers_ceil_tokens(num_tokens: int) -> None:
-    bm = BlockManager(num_blocks=10, block_size=BS)
+    bm = OneGroup(num_blocks=10, block_size=BS)
     table = admit(bm, "a", list(range(num_tokens)))
     assert table is not None
     assert len(table) == -(-num_tokens // BS)
@@ -61,7 +79,7 @@ def test_allocation_covers_ceil_tokens(num_tokens: int) -> None:
 
 
 def test_growth_across_boundary_adds_one_block_and_reports_only_it() -> None:
-    bm = BlockManager(num_blocks=10, block_size=BS)
+    bm = OneGroup(num_blocks=10, block_size=BS)
     tokens = list(range(4))
     table = admit(bm, "a", tokens)
     assert table is not None and len(table) == 1
@@ -81,7 +99,7 @@ def test_growth_across_boundary_adds_one_block_and_reports_only_it() -> None:
 
 def test_the_table_is_owned_by_the_manager_alone() -> None:
     """What callers get is a copy: editing it cannot change what the manager holds."""
-    bm = BlockManager(num_blocks=10, block_size=BS)
+    bm = OneGroup(num_blocks=10, block_size=BS)
     new = bm.allocate_slots("a", list(range(8)), 0, 8)
     assert new is not None and len(new) == 2
     new.append(9)
@@ -92,7 +110,7 @@ def test_the_table_is_owned_by_the_manager_alone() -> None:
 
 def test_truncate_rolls_back_speculative_tokens_only() -> None:
     """A rollback: blocks past the kept tokens go back to the pool; cached blocks are refused."""
-    bm = BlockManager(num_blocks=10, block_size=BS)
+    bm = OneGroup(num_blocks=10, block_size=BS)
     known = list(range(5))
     # 5 known tokens + 7 speculative ones computed: 3 blocks, only block 0 full of known ones.
     assert bm.allocate_slots("a", known, 0, 12) is not None
@@ -117,7 +135,7 @@ def test_truncate_rolls_back_speculative_tokens_only() -> None:
 
 
 def test_not_enough_blocks_changes_nothing() -> None:
-    bm = BlockManager(num_blocks=4, block_size=BS)
+    bm = OneGroup(num_blocks=4, block_size=BS)
     assert admit(bm, "a", list(range(10))) is not None  # 3 blocks
     before = snapshot(bm, ["a", "b"])
     assert bm.allocate_slots("b", list(range(100, 109)), 0, 9) is None
@@ -128,7 +146,7 @@ def test_not_enough_blocks_changes_nothing() -> None:
 
 def test_failed_allocation_counts_revived_cached_hits() -> None:
     # Reviving a free cached block uses up a free block, so hits + fresh must fit together.
-    bm = BlockManager(num_blocks=4, block_size=BS)
+    bm = OneGroup(num_blocks=4, block_size=BS)
     prompt = list(range(9))
     assert admit(bm, "a", prompt) is not None
     bm.free("a")
@@ -146,7 +164,7 @@ def test_failed_allocation_counts_revived_cached_hits() -> None:
 
 
 def test_prefix_hit_returns_shared_blocks() -> None:
-    bm = BlockManager(num_blocks=16, block_size=BS)
+    bm = OneGroup(num_blocks=16, block_size=BS)
     a_tokens = list(range(14))  # 3 full + 1 partial
     table_a = list(admit(bm, "a", a_tokens) or [])
     bm.free("a")
@@ -161,7 +179,7 @@ def test_prefix_hit_returns_shared_blocks() -> None:
 
 @pytest.mark.parametrize("length", [4, 8, 12])
 def test_fully_cached_prompt_leaves_last_token(length: int) -> None:
-    bm = BlockManager(num_blocks=16, block_size=BS)
+    bm = OneGroup(num_blocks=16, block_size=BS)
     prompt = list(range(length))
     table_a = list(admit(bm, "a", prompt) or [])
     bm.free("a")
@@ -174,7 +192,7 @@ def test_fully_cached_prompt_leaves_last_token(length: int) -> None:
 
 
 def test_cache_salt_separates_chains() -> None:
-    bm = BlockManager(num_blocks=16, block_size=BS)
+    bm = OneGroup(num_blocks=16, block_size=BS)
     prompt = list(range(9))
     assert admit(bm, "a", prompt, salt="alice") is not None
     assert bm.get_computed_blocks("b", prompt, "bob") == ([], 0)
@@ -184,7 +202,7 @@ def test_cache_salt_separates_chains() -> None:
 
 
 def test_caching_disabled_never_hits_and_counts_nothing() -> None:
-    bm = BlockManager(num_blocks=16, block_size=BS, enable_caching=False)
+    bm = OneGroup(num_blocks=16, block_size=BS, enable_caching=False)
     prompt = list(range(9))
     assert admit(bm, "a", prompt) is not None
     assert admit(bm, "b", prompt) is not None
@@ -196,7 +214,7 @@ def test_caching_disabled_never_hits_and_counts_nothing() -> None:
 
 
 def test_counters_are_exact() -> None:
-    bm = BlockManager(num_blocks=16, block_size=BS)
+    bm = OneGroup(num_blocks=16, block_size=BS)
     assert admit(bm, "a", list(range(10))) is not None  # miss: 10 queries, 0 hits
     assert admit(bm, "b", list(range(9))) is not None  # 9 queries, 8 hits
     assert admit(bm, "c", list(range(8))) is not None  # 8 queries, 4 hits (last token kept)
@@ -207,7 +225,7 @@ def test_counters_are_exact() -> None:
 
 
 def test_lru_eviction_prefers_uncached_then_oldest_freed() -> None:
-    bm = BlockManager(num_blocks=6, block_size=BS)
+    bm = OneGroup(num_blocks=6, block_size=BS)
     old = list(admit(bm, "old", [1] * 8) or [])  # 2 cached blocks (chain)
     new = list(admit(bm, "new", [2] * 8) or [])
     bm.free("old")
@@ -230,7 +248,7 @@ def test_lru_eviction_prefers_uncached_then_oldest_freed() -> None:
 
 
 def test_hit_on_free_cached_block_protects_it_from_eviction() -> None:
-    bm = BlockManager(num_blocks=4, block_size=BS)
+    bm = OneGroup(num_blocks=4, block_size=BS)
     table_a = list(admit(bm, "a", list(range(8))) or [])
     table_b = list(admit(bm, "b", [50] * 8) or [])
     bm.free("a")
@@ -246,7 +264,7 @@ def test_hit_on_free_cached_block_protects_it_from_eviction() -> None:
 
 
 def test_blocks_filled_by_decoding_become_cached() -> None:
-    bm = BlockManager(num_blocks=8, block_size=BS)
+    bm = OneGroup(num_blocks=8, block_size=BS)
     tokens = list(range(6))
     assert admit(bm, "a", tokens) is not None
     tokens += [6, 7]
@@ -259,7 +277,7 @@ def test_blocks_filled_by_decoding_become_cached() -> None:
 
 def test_only_computed_blocks_are_registered() -> None:
     # Chunked prefill: the full prompt is known, but only part of it is being computed.
-    bm = BlockManager(num_blocks=8, block_size=BS)
+    bm = OneGroup(num_blocks=8, block_size=BS)
     prompt = list(range(12))
     assert bm.allocate_slots("a", prompt, 0, 5) is not None
     assert bm.get_computed_blocks("b", prompt + [99])[1] == 4
@@ -269,7 +287,7 @@ def test_only_computed_blocks_are_registered() -> None:
 
 
 def test_reset_prefix_cache() -> None:
-    bm = BlockManager(num_blocks=8, block_size=BS)
+    bm = OneGroup(num_blocks=8, block_size=BS)
     prompt = list(range(9))
     assert admit(bm, "a", prompt) is not None
     assert bm.reset_prefix_cache() is False
@@ -284,7 +302,7 @@ def test_reset_prefix_cache() -> None:
 
 
 def test_live_requests_share_prefix_blocks() -> None:
-    bm = BlockManager(num_blocks=16, block_size=BS)
+    bm = OneGroup(num_blocks=16, block_size=BS)
     prompt = list(range(10))
     table_a = list(admit(bm, "a", prompt) or [])
     table_b = list(admit(bm, "b", prompt) or [])
@@ -317,7 +335,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.bm = BlockManager(num_blocks=16, block_size=BS)
+        self.bm = OneGroup(num_blocks=16, block_size=BS)
         self.live: dict[str, tuple[list[int], str | None]] = {}
         self.freed: list[tuple[list[int], str | None]] = []
         self.contents: dict[int, tuple[str | None, tuple[int, ...]]] = {}

@@ -118,11 +118,17 @@ SCHEDULES = {
     "default": {},
     "chunked-8": {"max_num_batched_tokens": 8},
     "preempt-chunked-16": {
-        "num_gpu_blocks": 14,
         "max_model_len": 192,
         "max_num_batched_tokens": 16,
     },
 }
+# A pool two blocks above one 192-token sequence, so that the 18 prompts preempt each other.
+# Sliding and global layers share tensors (tokenwise.kv_cache.layout): a block costs one page
+# of as many layers as the smallest kind has, and a sequence holds 192 / 16 = 12 blocks in
+# each global group but only the blocks a 16-token step and its 8-token window span (3) in
+# each sliding group. Gemma 2: 1 global + 1 sliding group of 2 layers (12 + 3); Gemma 3: 1
+# global + 3 sliding groups of 1 layer (12 + 9); Qwen: 1 global + 2 sliding (12 + 6).
+SMALL_POOL = {"gemma2": 15 + 2, "gemma3": 21 + 2, "qwen2-windowed": 18 + 2}
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -134,7 +140,10 @@ def test_greedy_tokens_match_hf_under_every_schedule(case: str, schedule: str) -
     path = checkpoint(arch, **overrides)
     prompts = mixed_prompts()
     refs = [hf_greedy(path, p, MAX_TOKENS) for p in prompts]
-    llm, got = _engine_tokens(path, prompts, **SCHEDULES[schedule])
+    kwargs = dict(SCHEDULES[schedule])
+    if schedule.startswith("preempt"):
+        kwargs["num_gpu_blocks"] = SMALL_POOL[case]
+    llm, got = _engine_tokens(path, prompts, **kwargs)
     for i, (tokens, want) in enumerate(zip(got, refs, strict=True)):
         assert tokens == want, f"{case}/{schedule}: prompt {i} of {len(prompts[i])} tokens"
     stats = llm.llm_engine.get_stats()

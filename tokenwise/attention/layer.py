@@ -13,6 +13,7 @@ sits below this module and never imports it.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -24,6 +25,12 @@ from tokenwise.attention.backends.single_sequence import single_sequence_attenti
 from tokenwise.attention.utils import AttentionType
 from tokenwise.config import EngineConfig
 from tokenwise.forward_context import current_forward_context, get_forward_context
+from tokenwise.kv_cache.specs import (
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
+)
 from tokenwise.layer_registry import register_static_layer
 
 
@@ -32,7 +39,8 @@ class AttentionLayerBase(nn.Module):
 
     Layers differ in what they cache per token (K and V per KV head, or one MLA latent), so
     each answers the shape of its own cache; the runner sizes the pool and binds caches from
-    that alone, and groups layers for metadata by `sliding_window` (their attention spec).
+    that alone; each also declares its KV-cache spec (`kv_cache_spec`), by which the runner
+    groups layers (`tokenwise.kv_cache.layout`) and the block manager picks each group's rules.
     """
 
     sliding_window: int | None = None
@@ -52,6 +60,19 @@ class AttentionLayerBase(nn.Module):
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of this layer's cache tensor for `num_blocks` usable blocks."""
         raise NotImplementedError
+
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        """What one block of this layer's cache holds, and under which rules it lives."""
+        return self.spec_class()(block_size, *self._page(block_size, dtype))
+
+    def spec_class(self) -> type[KVCacheSpec]:
+        return FullAttentionSpec
+
+    def _page(self, block_size: int, dtype: torch.dtype) -> tuple[int, tuple]:
+        """Bytes of one block, and the storage key (the cache's shapes for 1 and 2 blocks and
+        its dtype) that says whose tensors this layer could share."""
+        one, two = (tuple(self.kv_cache_shape(n, block_size)) for n in (1, 2))
+        return (math.prod(two) - math.prod(one)) * dtype.itemsize, (one, two, str(dtype))
 
 
 class Attention(AttentionLayerBase):
@@ -142,6 +163,14 @@ class Attention(AttentionLayerBase):
                 num_blocks, block_size, self.num_kv_heads, self.head_size
             )
         )
+
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        page, storage = self._page(block_size, dtype)
+        if self.attn_type is AttentionType.ENCODER_DECODER:
+            return CrossAttentionSpec(block_size, page, storage)
+        if self.sliding_window is not None:
+            return SlidingWindowSpec(block_size, page, storage, self.sliding_window)
+        return FullAttentionSpec(block_size, page, storage)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         # A ContextVar read cannot be traced, so compiled code assumes the engine's context

@@ -26,6 +26,7 @@ from tokenwise.attention.backends.mla_backend import (
 from tokenwise.attention.layer import AttentionLayerBase, metadata_for_layer
 from tokenwise.config import EngineConfig
 from tokenwise.forward_context import get_forward_context, is_forward_context_available
+from tokenwise.kv_cache.specs import KVCacheSpec, MLAAttentionSpec
 from tokenwise.layer_registry import register_static_layer
 
 
@@ -58,6 +59,9 @@ class MLAAttention(AttentionLayerBase):
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return mla_kv_cache_shape(num_blocks, block_size, self.dims)
+
+    def spec_class(self) -> type[KVCacheSpec]:
+        return MLAAttentionSpec
 
     def forward(
         self,

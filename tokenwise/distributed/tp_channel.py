@@ -1,7 +1,7 @@
 """What the TP driver sends its workers each step, and the driver's side of that channel.
 
 A worker has no scheduler and no requests: it needs exactly the step's flat inputs (token ids,
-positions, slot mapping, lengths, the block tables of every attention spec) to build the same
+positions, lengths, the block tables and slot mapping of every KV-cache group) to build the same
 attention metadata as the driver and run the same forward pass, plus which rows sample (it must
 join the LM head's all-gather for them). These travel as host tensors in one object broadcast
 over the TP group's gloo channel; nothing about requests or sampling crosses.
@@ -26,11 +26,12 @@ from tokenwise.distributed.tp_state import (
 )
 from tokenwise.runner.input_batch import StepInputs
 
-# Attention spec (sliding window or None) -> (block tables, first logical block of each row).
-SpecTables = dict[int | None, tuple[torch.Tensor, list[int] | None]]
+# KV-cache group -> (its block tables, the first logical block of each row (None: all 0, an
+# untrimmed table), its slot mapping). Each group keeps the step's tokens in blocks of its own.
+GroupTables = dict[int, tuple[torch.Tensor, list[int] | None, torch.Tensor]]
 
 
-def step_payload(step: StepInputs, tables: SpecTables) -> dict[str, Any]:
+def step_payload(step: StepInputs, tables: GroupTables) -> dict[str, Any]:
     def host(t: torch.Tensor) -> torch.Tensor:
         return t.cpu()
 
@@ -42,19 +43,19 @@ def step_payload(step: StepInputs, tables: SpecTables) -> dict[str, Any]:
         "seq_lens": host(step.seq_lens),
         "query_lens": step.query_lens_np,
         "context_lens": step.context_lens_np,
-        "tables": {spec: (host(t), first) for spec, (t, first) in tables.items()},
+        "tables": {g: (host(t), first, host(slots)) for g, (t, first, slots) in tables.items()},
         "logits_indices": step.logits_indices,
     }
 
 
 def step_from_payload(
     payload: dict[str, Any], device: torch.device
-) -> tuple[StepInputs, SpecTables]:
+) -> tuple[StepInputs, GroupTables]:
     def dev(t: torch.Tensor) -> torch.Tensor:
         return t.to(device, non_blocking=True)
 
-    tables = {spec: (dev(t), first) for spec, (t, first) in payload["tables"].items()}
-    full_tables = tables.get(None, next(iter(tables.values())))[0]
+    tables = {g: (dev(t), first, dev(slots)) for g, (t, first, slots) in payload["tables"].items()}
+    full_tables = tables[0][0]
     step = StepInputs(
         num_reqs=payload["num_reqs"],
         num_tokens=int(payload["input_ids"].shape[0]),

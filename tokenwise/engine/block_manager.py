@@ -7,11 +7,14 @@ only the blocks it appended), and may cut a table back (:meth:`BlockManager.trun
 rollback speculative decoding needs). The runner learns each step's appended blocks from the
 scheduler's output and mirrors them into its input batch; it never holds the manager's lists.
 
-Tables come in KV-cache groups, one table per request per group, all from one pool:
-:data:`SELF_ATTN` (the decoder's own K/V, prefix-cached) for every model with a cache, and
-:data:`CROSS_ATTN` for encoder-decoder models (the encoder's K/V that cross-attention reads,
-allocated whole when the request is admitted and never cached: it belongs to one request's
-encoder input). The manager is pure bookkeeping: it never sees tensors.
+Tables come in KV-cache groups (`tokenwise.kv_cache.layout`: layers with equal specs), one
+table per request per group, all from one pool, each group under its own manager
+(`tokenwise.kv_cache.managers`): full attention keeps every block, a sliding window frees the
+blocks that left it, cross-attention (encoder-decoder models: the encoder's K/V, group
+:data:`CROSS_ATTN`) is allocated whole at admission and never cached. This class drives the
+managers in lock-step: a prefix hit is the longest one every group can serve, an allocation
+succeeds in every group or in none, and admission counts every group's blocks. It is pure
+bookkeeping: it never sees tensors.
 
 Prefix caching identifies a *full* block by a hash chained over everything before it, so two
 blocks with equal hashes hold the KV of the same token prefix and may be shared.  Only full
@@ -24,14 +27,17 @@ import hashlib
 import struct
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from tokenwise.engine.block_pool import BlockPool
+from tokenwise.kv_cache.managers import NULL_BLOCK, make_manager
+from tokenwise.kv_cache.specs import CrossAttentionSpec, FullAttentionSpec, KVCacheSpec
 
 #: Parent "hash" of block 0.  Empty, so the root hash only depends on salt and tokens.
 ROOT_PARENT_HASH = b""
 
 #: KV-cache groups: indices into the per-group tables (and the scheduler output's block ids).
+#: Group 0 is full attention whenever the model has any; an encoder-decoder model's groups are
+#: its decoder self-attention and, last, cross-attention.
 SELF_ATTN = 0
 CROSS_ATTN = 1
 
@@ -69,25 +75,28 @@ def block_extra_keys(images: ImageSpans, start: int, end: int) -> bytes:
     return b"".join(h for offset, length, h in images if offset < end and offset + length > start)
 
 
-@dataclass
-class _RequestBlocks:
-    """What the manager remembers per request between scheduler steps.
+#: One list of block ids per KV-cache group (index = group), as the scheduler hands them on.
+KVCacheBlocks = tuple[list[int], ...]
 
-    ``block_hashes`` may run ahead of the table (prefix lookup hashes the prompt before any
-    block is allocated); it is kept so each block hash is computed once per request.
-    ``num_registered`` is how many leading table blocks have already been offered to the
-    prefix cache, which keeps registration O(newly full blocks) per call.
-    """
 
-    table: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)
-    num_registered: int = 0
-    # The CROSS_ATTN table (encoder-decoder models): allocated whole, never cached.
-    cross_table: list[int] = field(default_factory=list)
+def specs_for_groups(num_kv_cache_groups: int, block_size: int) -> tuple[KVCacheSpec, ...]:
+    """The groups of a model described only by their count: none, self-attention, or self +
+    cross (what tests and callers without a model's layout ask for)."""
+    if num_kv_cache_groups not in (0, 1, 2):
+        raise ValueError(
+            f"num_kv_cache_groups must be 0 (no KV cache), 1 (self-attention) or 2 (self + "
+            f"cross), got {num_kv_cache_groups}"
+        )
+    kinds = (FullAttentionSpec, CrossAttentionSpec)[:num_kv_cache_groups]
+    return tuple(kind(block_size, 0) for kind in kinds)
 
 
 class BlockManager:
-    """Allocates KV cache blocks to requests and shares cached prompt prefixes between them."""
+    """Allocates KV cache blocks to requests, group by group, and shares cached prefixes.
+
+    `specs` gives each KV-cache group's spec, in group order (`KVCacheLayout.specs`); without
+    it, `num_kv_cache_groups` (0, 1 or 2) names the plain layouts.
+    """
 
     def __init__(
         self,
@@ -95,27 +104,46 @@ class BlockManager:
         block_size: int,
         enable_caching: bool = True,
         num_kv_cache_groups: int = 1,
+        specs: Sequence[KVCacheSpec] | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
-        if num_kv_cache_groups not in (0, 1, 2):
+        if specs is None:
+            specs = specs_for_groups(num_kv_cache_groups, block_size)
+        for spec in specs:
+            if spec.block_size != block_size:
+                raise ValueError(
+                    f"a {spec.describe()} group has block_size {spec.block_size}, the manager "
+                    f"{block_size}: every group's blocks come from one pool"
+                )
+        if (num_blocks > 0) != (len(specs) > 0):
             raise ValueError(
-                f"num_kv_cache_groups must be 0 (no KV cache), 1 (self-attention) or 2 (self + "
-                f"cross), got {num_kv_cache_groups}"
-            )
-        if (num_blocks > 0) != (num_kv_cache_groups > 0):
-            raise ValueError(
-                f"a block manager with {num_kv_cache_groups} KV-cache groups needs "
-                f"{'no' if num_kv_cache_groups == 0 else 'some'} blocks, got {num_blocks}"
+                f"a block manager with {len(specs)} KV-cache groups needs "
+                f"{'no' if not specs else 'some'} blocks, got {num_blocks}"
             )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.num_kv_cache_groups = num_kv_cache_groups
         self.pool = BlockPool(num_blocks)
-        self._requests: dict[str, _RequestBlocks] = {}
+        self.managers = [
+            make_manager(spec, g, self.pool, enable_caching) for g, spec in enumerate(specs)
+        ]
+        self._cross = [g for g, s in enumerate(specs) if isinstance(s, CrossAttentionSpec)]
+        # Groups that grow with the request's own tokens (all but cross-attention).
+        self._own = [m for m in self.managers if m.group_id not in self._cross]
+        # Chain hashes per request, shared by every group (the same tokens in each). They may
+        # run ahead of the tables: prefix lookup hashes the prompt before any block exists.
+        self._hashes: dict[str, list[bytes]] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+
+    @property
+    def num_kv_cache_groups(self) -> int:
+        return len(self.managers)
+
+    @property
+    def specs(self) -> tuple[KVCacheSpec, ...]:
+        return tuple(m.spec for m in self.managers)
 
     # ------------------------------------------------------------------ queries
 
@@ -125,44 +153,54 @@ class BlockManager:
         token_ids: Sequence[int],
         cache_salt: str | None = None,
         images: ImageSpans = (),
-    ) -> tuple[list[int], int]:
-        """Longest run of cached full blocks matching the start of ``token_ids``.
+    ) -> tuple[KVCacheBlocks, int]:
+        """The longest cached prefix of ``token_ids`` that every group can serve: each
+        group's blocks for it, and its length in tokens.
 
         At most ``len(token_ids) - 1`` tokens are reported as hits because the last prompt
         token must still run through the model to produce logits.  No references are taken:
-        the caller passes the result to :meth:`allocate_slots`, which may still fail.
+        the caller passes the result to :meth:`allocate_slots`, which may still fail. Groups
+        agree by shrinking the length until each accepts it (a sliding window accepts a
+        length whose last window of blocks is cached, which a shorter length may not have).
         """
-        if not self.enable_caching:
-            return [], 0
-        state = self._requests.setdefault(request_id, _RequestBlocks())
-        max_hit_blocks = max(0, (len(token_ids) - 1) // self.block_size)
-        hits: list[int] = []
-        for i in range(max_hit_blocks):
-            block_id = self.pool.lookup(self._block_hash(state, token_ids, i, cache_salt, images))
-            if block_id is None:
+        empty: KVCacheBlocks = tuple([] for _ in self.managers)
+        if not self.enable_caching or not self._own:
+            return empty, 0
+        limit = max(0, (len(token_ids) - 1) // self.block_size)
+        hashes = self._block_hashes(request_id, token_ids, limit, cache_salt, images)
+        length = limit
+        while True:
+            agreed = min(m.hit_length(hashes, length) for m in self._own)
+            if agreed == length:
                 break
-            hits.append(block_id)
-        num_hit_tokens = len(hits) * self.block_size
+            length = agreed
         self.prefix_cache_queries += len(token_ids)
-        self.prefix_cache_hits += num_hit_tokens
-        return hits, num_hit_tokens
+        self.prefix_cache_hits += length * self.block_size
+        hits = tuple(
+            [] if m.group_id in self._cross else m.hit_blocks(hashes, length) for m in self.managers
+        )
+        return hits, length * self.block_size
 
     def get_block_table(self, request_id: str, group: int = SELF_ATTN) -> tuple[int, ...]:
         """A copy of the request's table in `group` (empty for an unknown request).
 
         A copy, so that no caller can come to share, and silently edit, the manager's list.
+        Entries a sliding window dropped are `NULL_BLOCK`.
         """
-        state = self._requests.get(request_id)
-        if state is None:
-            return ()
-        return tuple(state.cross_table if group == CROSS_ATTN else state.table)
+        return tuple(self.managers[group].tables.get(request_id, ()))
 
     def num_blocks_of(self, request_id: str, group: int = SELF_ATTN) -> int:
         """Length of the request's table in `group` (0 for an unknown request)."""
-        state = self._requests.get(request_id)
-        if state is None:
-            return 0
-        return len(state.cross_table if group == CROSS_ATTN else state.table)
+        return len(self.managers[group].tables.get(request_id, ()))
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds over every group (what it costs the pool now)."""
+        return sum(m.num_held(request_id) for m in self.managers)
+
+    def max_blocks_per_request(self, num_tokens: int, max_chunk_tokens: int) -> int:
+        """Most blocks a request of `num_tokens` tokens holds at once in the groups that grow
+        with it (cross-attention is sized by the encoder and counted by its kind)."""
+        return sum(m.spec.max_blocks_per_request(num_tokens, max_chunk_tokens) for m in self._own)
 
     def get_num_free_blocks(self) -> int:
         return self.pool.num_free
@@ -183,80 +221,67 @@ class BlockManager:
         token_ids: Sequence[int],
         num_computed_tokens: int,
         num_new_tokens: int,
-        new_computed_blocks: Sequence[int] = (),
+        new_computed_blocks: KVCacheBlocks | None = None,
         cache_salt: str | None = None,
         images: ImageSpans = (),
-    ) -> list[int] | None:
-        """Grow the request's table to cover computed + cached + new tokens.
+    ) -> KVCacheBlocks | None:
+        """Grow the request's tables to cover computed + cached + new tokens.
 
-        Returns the block ids appended to the table (the hits first, then fresh blocks; empty
-        when the table already covers the tokens), or ``None`` when the pool is short.
-        All-or-nothing: the budget check runs before anything is touched, so a ``None``
-        leaves the scheduler free to preempt someone and retry.  Reviving a free cached hit
-        consumes a free block just like a fresh allocation does, so both count against it.
+        Returns, per group, the block ids appended to its table (the hits first, then fresh
+        blocks; empty when the table already covers the tokens), or ``None`` when the pool
+        is short. Before that, blocks no step from `num_computed_tokens` on can read (out of
+        a sliding window) are freed. All-or-nothing otherwise: the budget check runs before
+        anything is allocated, so a ``None`` leaves the scheduler free to preempt someone and
+        retry. Reviving a free cached hit consumes a free block just like a fresh allocation
+        does, so both count against it.
         """
+        hits = new_computed_blocks or tuple([] for _ in self.managers)
         bs = self.block_size
-        state = self._requests.get(request_id)
-        num_existing = len(state.table) if state is not None else 0
-        if new_computed_blocks and num_computed_tokens != num_existing * bs:
-            raise ValueError(
-                "prefix-cache hits must directly follow the block-aligned computed tokens "
-                f"({num_computed_tokens} computed, {num_existing} blocks of {bs})"
-            )
-        num_tokens = num_computed_tokens + len(new_computed_blocks) * bs + num_new_tokens
-        num_required = -(-num_tokens // bs)
-        num_fresh = max(0, num_required - num_existing - len(new_computed_blocks))
-        num_revived = 0
-        for block_id in new_computed_blocks:
-            block = self.pool.blocks[block_id]
-            if block.block_hash is None:
-                raise ValueError(f"block {block_id} is no longer cached; redo the lookup")
-            num_revived += block.ref_cnt == 0
-        if num_fresh + num_revived > self.pool.num_free:
+        num_hit = max((len(h) for h in hits), default=0)
+        if num_hit:
+            existing = self.num_blocks_of(request_id)
+            if num_computed_tokens != existing * bs:
+                raise ValueError(
+                    "prefix-cache hits must directly follow the block-aligned computed tokens "
+                    f"({num_computed_tokens} computed, {existing} blocks of {bs})"
+                )
+        num_tokens = num_computed_tokens + num_hit * bs + num_new_tokens
+        for m in self._own:
+            m.remove_skipped_blocks(request_id, num_computed_tokens)
+        needed = sum(m.blocks_needed(request_id, num_tokens, hits[m.group_id]) for m in self._own)
+        if needed > self.pool.num_free:
             return None
-
-        if state is None:
-            state = self._requests[request_id] = _RequestBlocks()
-        table = state.table
-        num_before = len(table)
-        # Hits first: touching them takes them out of the free queue before allocation
-        # below could evict them.
-        for block_id in new_computed_blocks:
-            self.pool.touch(block_id)
-            table.append(block_id)
-        for _ in range(num_fresh):
-            table.append(self.pool.allocate())
-
+        appended = tuple(
+            []
+            if m.group_id in self._cross
+            else m.allocate(request_id, num_tokens, hits[m.group_id])
+            for m in self.managers
+        )
         if self.enable_caching:
             num_full = min(num_tokens, len(token_ids)) // bs
-            for i in range(state.num_registered, num_full):
-                block_hash = self._block_hash(state, token_ids, i, cache_salt, images)
-                self.pool.register(table[i], block_hash)
-            state.num_registered = max(state.num_registered, num_full)
-        return table[num_before:]
+            hashes = self._block_hashes(request_id, token_ids, num_full, cache_salt, images)
+            for m in self._own:
+                m.register(request_id, hashes, num_full)
+        return appended
 
     def allocate_cross_slots(self, request_id: str, num_encoder_tokens: int) -> list[int] | None:
-        """The request's CROSS_ATTN table for `num_encoder_tokens` rows; None when short.
+        """The request's cross-attention table for `num_encoder_tokens` rows; None when short.
 
         All-or-nothing, like `allocate_slots`. Fresh blocks only: never looked up in or
         registered with the prefix cache. Call it after `allocate_slots` for the same request,
         whose prefix-cache hits are then out of the free queue and cannot be evicted here.
         """
-        if self.num_kv_cache_groups < 2:
+        if not self._cross:
             raise ValueError("this block manager has no cross-attention group")
-        state = self._requests.get(request_id)
-        if state is not None and state.cross_table:
+        cross = self.managers[self._cross[0]]
+        if cross.tables.get(request_id):
             raise ValueError(f"request {request_id} already holds cross blocks")
-        needed = -(-num_encoder_tokens // self.block_size)
-        if needed > self.pool.num_free:
+        if cross.blocks_needed(request_id, num_encoder_tokens, ()) > self.pool.num_free:
             return None
-        if state is None:
-            state = self._requests[request_id] = _RequestBlocks()
-        state.cross_table = [self.pool.allocate() for _ in range(needed)]
-        return list(state.cross_table)
+        return cross.allocate(request_id, num_encoder_tokens, ())
 
     def truncate(self, request_id: str, num_tokens: int) -> None:
-        """Cut the request's self-attention table back to the blocks `num_tokens` need.
+        """Cut the request's own tables back to the blocks `num_tokens` need.
 
         The rollback of tokens that were computed but are not kept (rejected speculative
         tokens): their K/V sits in the tail, which is freed (tail first, as in `free`). Only
@@ -266,26 +291,24 @@ class BlockManager:
         blocks full of the `token_ids` it is given, the known ones), so this never refuses
         them. Hashes memoised past `num_tokens` are forgotten: the tokens there will differ.
         """
-        state = self._requests.get(request_id)
-        if state is None:
-            return
-        bs = self.block_size
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        if num_tokens < state.num_registered * bs:
+        if not self._own or request_id not in self._own[0].tables:
+            return
+        bs = self.block_size
+        registered = max(m.num_registered.get(request_id, 0) for m in self._own)
+        if num_tokens < registered * bs:
             raise ValueError(
                 f"request {request_id}: cannot roll back to {num_tokens} tokens, into blocks "
-                f"registered in the prefix cache ({state.num_registered * bs} tokens); only "
+                f"registered in the prefix cache ({registered * bs} tokens); only "
                 "tokens not yet part of the known sequence (speculative ones) can be rolled back"
             )
-        keep = -(-num_tokens // bs)
-        for block_id in reversed(state.table[keep:]):
-            self.pool.release(block_id)
-        del state.table[keep:]
-        del state.block_hashes[num_tokens // bs :]
+        for m in self._own:
+            m.truncate(request_id, num_tokens)
+        del self._hashes.get(request_id, [])[num_tokens // bs :]
 
     def free(self, request_id: str, discard_cached: bool = False) -> None:
-        """Drop all of a request's references.
+        """Drop all of a request's references, in every group.
 
         Tail first, so in the LRU queue a chain's head is the most recently freed block and
         the tail is evicted before it: evicting a head would orphan its whole chain.  Also
@@ -293,15 +316,9 @@ class BlockManager:
         ``discard_cached`` also unregisters every block this leaves unreferenced, for when
         their contents cannot be trusted (a forward pass that failed half-way).
         """
-        state = self._requests.pop(request_id, None)
-        if state is None:
-            return
-        for block_id in reversed(state.cross_table):  # never cached: nothing to evict
-            self.pool.release(block_id)
-        for block_id in reversed(state.table):
-            self.pool.release(block_id)
-            if discard_cached and self.pool.blocks[block_id].ref_cnt == 0:
-                self.pool.uncache(block_id)
+        self._hashes.pop(request_id, None)
+        for m in reversed(self.managers):
+            m.free(request_id, discard_cached)
 
     def reset_prefix_cache(self) -> bool:
         """Unregister every cached block; refused (False) while any block is in use."""
@@ -309,42 +326,43 @@ class BlockManager:
 
     # ------------------------------------------------------------------ helpers
 
-    def _block_hash(
+    def _block_hashes(
         self,
-        state: _RequestBlocks,
+        request_id: str,
         token_ids: Sequence[int],
-        index: int,
+        count: int,
         cache_salt: str | None,
         images: ImageSpans = (),
-    ) -> bytes:
-        """Hash of block ``index``, extending the request's memoised chain as needed."""
+    ) -> list[bytes]:
+        """The request's first `count` chain hashes, extending its memoised chain as needed."""
         bs = self.block_size
-        hashes = state.block_hashes
-        while len(hashes) <= index:
+        hashes = self._hashes.setdefault(request_id, [])
+        while len(hashes) < count:
             i = len(hashes)
             parent = hashes[-1] if hashes else ROOT_PARENT_HASH
             salt = cache_salt if i == 0 else None
             extra = block_extra_keys(images, i * bs, (i + 1) * bs) if images else b""
             hashes.append(hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], salt, extra))
-        return hashes[index]
+        return hashes
 
     def check_invariants(self) -> None:
         """Raise AssertionError if tables, ref counts, free queues or hashes disagree."""
         self.pool.check_invariants()
         refs: Counter[int] = Counter()
-        for request_id, state in self._requests.items():
-            if len(set(state.table)) != len(state.table):
-                raise AssertionError(f"request {request_id} holds a block twice")
-            if state.num_registered > len(state.table):
-                raise AssertionError(f"request {request_id} registered blocks it does not own")
-            refs.update(state.table)
-            cross = state.cross_table
-            if len(set(cross)) != len(cross) or set(cross) & set(state.table):
-                raise AssertionError(f"request {request_id} holds a cross block twice")
-            refs.update(cross)
-            cached = [b for b in cross if self.pool.blocks[b].block_hash is not None]
-            if cached:
-                raise AssertionError(f"cross blocks {cached} of {request_id} are in the cache")
+        for m in self.managers:
+            for request_id, table in m.tables.items():
+                held = [b for b in table if b != NULL_BLOCK]
+                if len(set(held)) != len(held):
+                    raise AssertionError(f"request {request_id} holds a block twice")
+                if m.num_registered.get(request_id, 0) > len(table):
+                    raise AssertionError(f"request {request_id} registered blocks it does not own")
+                refs.update(held)
+                if m.group_id in self._cross:
+                    cached = [b for b in held if self.pool.blocks[b].block_hash is not None]
+                    if cached:
+                        raise AssertionError(
+                            f"cross blocks {cached} of {request_id} are in the cache"
+                        )
         for block in self.pool.blocks:
             if block.ref_cnt != refs[block.block_id]:
                 raise AssertionError(
@@ -355,4 +373,4 @@ class BlockManager:
     @property
     def num_cross_tables(self) -> int:
         """Requests holding cross blocks now (0 once every request has ended)."""
-        return sum(1 for state in self._requests.values() if state.cross_table)
+        return sum(len([t for t in self.managers[g].tables.values() if t]) for g in self._cross)

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
 from tokenwise.config import SchedulerConfig
-from tokenwise.engine.block_manager import BlockManager
+from tokenwise.engine.block_manager import CROSS_ATTN, BlockManager, KVCacheBlocks
 from tokenwise.engine.request import Request, RequestStatus
 from tokenwise.engine.request_queue import create_request_queue
 from tokenwise.engine.scheduler_hooks import KindHooks
@@ -77,8 +77,9 @@ class Scheduler(KindHooks):
         n = request.num_tokens
         if n > self.max_model_len:
             raise ValueError(f"prompt has {n} tokens, more than max_model_len={self.max_model_len}")
-        block_size = self.block_manager.block_size
-        blocks_needed = -(-min(self.max_model_len, n + 1) // block_size)
+        blocks_needed = self.block_manager.max_blocks_per_request(
+            min(self.max_model_len, n + 1), self.config.max_num_batched_tokens
+        )
         blocks_needed += self.admission_blocks(request)
         if blocks_needed > self.block_manager.num_blocks:
             raise ValueError(
@@ -167,7 +168,7 @@ class Scheduler(KindHooks):
             num_encoder = self.admission_tokens(req)
             if num_encoder and num_encoder + 1 > budget:
                 break
-            hits: list[int] = []
+            hits = None
             num_hit = 0
             # Prompt logprobs need the hidden state of every prompt position, which a cached
             # block does not keep: such a request computes its whole prompt itself (as in vLLM).
@@ -261,27 +262,28 @@ class Scheduler(KindHooks):
         self,
         req: Request,
         num_new: int,
-        new_blocks: list[int],
+        new_blocks: KVCacheBlocks,
         admitted_blocks: list[int] | None = None,
         num_admission_tokens: int = 0,
         spec: list[int] | None = None,
     ) -> ScheduledRequest:
         """The step's entry for `req`, with the block deltas the runner's mirror needs.
 
-        Group 0 grows step by step; the other groups are allocated whole at admission
+        The request's own groups grow step by step (`new_blocks`, one list per group); a
+        kind's admission group (cross-attention) is allocated whole at admission
         (`admitted_blocks`) and unchanged after.
         """
         bm = self.block_manager
         rid = req.request_id
         spec = spec or []
-        if bm.num_kv_cache_groups == 1:  # every step of every request: no generators here
+        if len(new_blocks) == 1:  # every step of every request: no generators here
             return ScheduledRequest(
-                req, num_new, num_admission_tokens, (new_blocks,), (bm.num_blocks_of(rid),), spec
+                req, num_new, num_admission_tokens, new_blocks, (bm.num_blocks_of(rid),), spec
             )
-        groups = range(bm.num_kv_cache_groups)
-        new = tuple(new_blocks if g == 0 else (admitted_blocks or []) for g in groups)
-        counts = tuple(bm.num_blocks_of(rid, g) for g in groups)
-        return ScheduledRequest(req, num_new, num_admission_tokens, new, counts, spec)
+        if admitted_blocks:
+            new_blocks = new_blocks[:CROSS_ATTN] + (admitted_blocks,) + new_blocks[CROSS_ATTN + 1 :]
+        counts = tuple(bm.num_blocks_of(rid, g) for g in range(len(new_blocks)))
+        return ScheduledRequest(req, num_new, num_admission_tokens, new_blocks, counts, spec)
 
     def _poll_grammars(self) -> None:
         """Make matchers for compiled grammars; end requests whose compile failed or is late."""
@@ -312,7 +314,7 @@ class Scheduler(KindHooks):
                 f"request needs {tokens} tokens in one step, more than max_num_batched_tokens="
                 f"{self.config.max_num_batched_tokens} with chunked prefill disabled"
             )
-        blocks = -(-tokens // bm.block_size)
+        blocks = bm.max_blocks_per_request(tokens, self.config.max_num_batched_tokens)
         return (
             f"request needs {blocks} KV blocks for {tokens} tokens but the whole pool has "
             f"{bm.num_blocks} blocks of {bm.block_size} tokens"

@@ -70,6 +70,7 @@ class CUDAGraphRunner:
         lora_state: LoRAState | None = None,
         max_cross_blocks_per_seq: int = 0,
         verify_query_len: int | None = None,
+        num_groups: int = 1,
     ) -> None:
         compilation = config.compilation
         mode = compilation.cudagraph_mode
@@ -93,7 +94,8 @@ class CUDAGraphRunner:
         max_size = compilation.max_capture_size
         # Sliding-window layers trim their block tables per step; the FULL graph's persistent
         # buffers hold untrimmed rows, so such models replay piecewise graphs only.
-        self.disable_full = any(spec is not None for spec in layer_specs.values())
+        # So do models with several KV-cache groups: each group has tables of its own.
+        self.disable_full = num_groups > 1 or any(spec is not None for spec in layer_specs.values())
         if self.disable_full and mode.has_full_cudagraphs():
             logger.warning(
                 "sliding-window attention: FULL CUDA graphs disabled, mixed-batch graphs only"

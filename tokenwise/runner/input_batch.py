@@ -71,6 +71,9 @@ class StepInputs:
     sampled: list[ScheduledRequest]
     # Every real request of the step, in step order (a TP worker's copy has none).
     scheduled: list[ScheduledRequest] = field(default_factory=list)
+    # The slot mapping of every self-attention KV-cache group (group 0's is `slot_mapping`):
+    # each group keeps the same tokens in blocks of its own.
+    group_slot_mappings: tuple[torch.Tensor, ...] = ()
 
 
 class InputBatch:
@@ -83,7 +86,10 @@ class InputBatch:
         max_model_len: int,
         block_size: int,
         device: torch.device,
+        num_groups: int = 1,
     ) -> None:
+        """`num_groups`: the model's self-attention KV-cache groups (each has a table per
+        request and a slot mapping per step; a cross-attention group is added later)."""
         self.max_num_reqs = max_num_reqs
         self.max_num_tokens = max_num_tokens
         self.max_model_len = max_model_len
@@ -96,16 +102,25 @@ class InputBatch:
         # How much of each row is written (plain lists: NumPy scalar access is slow per row).
         self.num_tokens = [0] * max_num_reqs
         self.num_blocks = [0] * max_num_reqs
-        # The block-table mirror of every KV-cache group; group 0 (self-attention) is the one
-        # above, which the flat inputs are gathered from.
-        self.group_tables = [self.row_block_tables]
-        self.group_num_blocks = [self.num_blocks]
+        # The block-table mirror of every KV-cache group; group 0 is the one above, which the
+        # flat inputs are gathered from. Other self-attention groups get a slot mapping each.
+        self.num_self_groups = max(1, num_groups)
+        self.group_tables = [self.row_block_tables] + [
+            np.zeros_like(self.row_block_tables) for _ in range(self.num_self_groups - 1)
+        ]
+        self.group_num_blocks = [self.num_blocks] + [
+            [0] * max_num_reqs for _ in range(self.num_self_groups - 1)
+        ]
         self.req_index: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
         # Flat per-step buffers, host and device.
         self.input_ids = CpuGpuBuffer(max_num_tokens, dtype=torch.int64, device=device)
         self.positions = CpuGpuBuffer(max_num_tokens, dtype=torch.int64, device=device)
         self.slot_mapping = CpuGpuBuffer(max_num_tokens, dtype=torch.int64, device=device)
+        self.group_slot_mapping = [self.slot_mapping] + [
+            CpuGpuBuffer(max_num_tokens, dtype=torch.int64, device=device)
+            for _ in range(self.num_self_groups - 1)
+        ]
         self.seq_lens = CpuGpuBuffer(max_num_reqs, dtype=torch.int32, device=device)
         # Fixed width, so a captured graph reads the same address and stride every step; a
         # step copies only its [num_reqs, width] corner.
@@ -162,8 +177,8 @@ class InputBatch:
                     f"{self.group_num_blocks[group][row]} blocks, but the step's new blocks "
                     f"start at block {start}; a scheduled step was not seen by the runner"
                 )
-            if new:
-                self.group_tables[group][row, start:num_blocks] = new
+            if new:  # a window's dropped entries (NULL_BLOCK, -1) are never read: block 0
+                self.group_tables[group][row, start:num_blocks] = np.maximum(new, 0)
             # Shorter than before after a rollback: the tail is simply no longer read.
             self.group_num_blocks[group][row] = num_blocks
 
@@ -219,8 +234,10 @@ class InputBatch:
         token_rows = rows[owner]
         self.input_ids.np[:num_tokens] = self.token_ids[token_rows, positions]
         self.positions.np[:num_tokens] = positions
-        blocks = self.row_block_tables[token_rows, positions // self.block_size]
-        self.slot_mapping.np[:num_tokens] = blocks * self.block_size + positions % self.block_size
+        block_index, offset = positions // self.block_size, positions % self.block_size
+        for group, slots in enumerate(self.group_slot_mapping):
+            blocks = self.group_tables[group][token_rows, block_index]
+            slots.np[:num_tokens] = blocks * self.block_size + offset
         seq_lens = context_lens + query_lens
         self.seq_lens.np[:n] = seq_lens
         width = int(-(-seq_lens.max() // self.block_size)) if n else 0
@@ -250,6 +267,9 @@ class InputBatch:
             logits_indices=logits_indices,
             sampled=sampled,
             scheduled=list(ordered),
+            group_slot_mappings=tuple(
+                slots.copy_to_device(num_tokens) for slots in self.group_slot_mapping
+            ),
         )
 
     def pad(self, step: StepInputs, num_tokens: int) -> StepInputs:
@@ -269,7 +289,8 @@ class InputBatch:
             raise ValueError(f"cannot pad a step of {n} sequences to {num_tokens} tokens")
         self.input_ids.np[t:num_tokens] = 0
         self.positions.np[t:num_tokens] = 0
-        self.slot_mapping.np[t:num_tokens] = PAD_SLOT_ID
+        for slots in self.group_slot_mapping:
+            slots.np[t:num_tokens] = PAD_SLOT_ID
         self.seq_lens.np[n : n + pad] = 1
         width = step.block_tables.shape[1] or 1
         self.block_tables.np[n : n + pad, :width] = 0
@@ -280,21 +301,36 @@ class InputBatch:
             input_ids=self.input_ids.copy_to_device(num_tokens, start=t),
             positions=self.positions.copy_to_device(num_tokens, start=t),
             slot_mapping=self.slot_mapping.copy_to_device(num_tokens, start=t),
+            group_slot_mappings=tuple(
+                slots.copy_to_device(num_tokens, start=t) for slots in self.group_slot_mapping
+            ),
             seq_lens=self.seq_lens.copy_to_device(n + pad, start=n),
             block_tables=self.block_tables.copy_to_device(n + pad, start=n, width=width),
             query_lens_np=np.concatenate([step.query_lens_np, np.ones(pad, dtype=np.int64)]),
             context_lens_np=np.concatenate([step.context_lens_np, np.zeros(pad, dtype=np.int64)]),
         )
 
+    def group_block_tables(self, step: StepInputs, group: int) -> torch.Tensor:
+        """`step.block_tables` for another full-attention group: its rows, zero past each
+        sequence's last block (padding rows read block 0)."""
+        if group == 0:
+            return step.block_tables
+        return self.windowed_block_tables(step, None, group)[0]
+
     def windowed_block_tables(
-        self, step: StepInputs, sliding_window: int
+        self, step: StepInputs, sliding_window: int | None, group: int = 0
     ) -> tuple[torch.Tensor, list[int]]:
-        """Block tables trimmed to what a sliding window can see, and each row's first block.
+        """Block tables of `group` trimmed to what a sliding window can see, and each row's
+        first block (no window: untrimmed, every first block 0).
 
         The earliest query of a sequence (position `context_len`) sees keys after
-        `context_len - window`, so blocks before that one are never read this step.
+        `context_len - window`, so blocks before that one are never read this step (and may
+        already be freed: the block manager drops exactly those).
         """
-        first = np.maximum(step.context_lens_np - sliding_window + 1, 0) // self.block_size
+        if sliding_window is None:
+            first = np.zeros_like(step.context_lens_np)
+        else:
+            first = np.maximum(step.context_lens_np - sliding_window + 1, 0) // self.block_size
         seq_lens = step.context_lens_np + step.query_lens_np
         last = -(-seq_lens // self.block_size)
         width = int((last - first).max()) if step.num_reqs else 0
@@ -302,7 +338,8 @@ class InputBatch:
         real = len(step.rows)  # padding rows (beyond the real ones) read block 0
         valid = (cols < last[:, None]) & (np.arange(step.num_reqs) < real)[:, None]
         rows = np.concatenate([step.rows, np.zeros(step.num_reqs - real, dtype=np.int64)])
-        gathered = self.row_block_tables[rows[:, None], np.minimum(cols, self.max_blocks - 1)]
+        tables = self.group_tables[group]
+        gathered = tables[rows[:, None], np.minimum(cols, self.max_blocks - 1)]
         table = torch.from_numpy(np.where(valid, gathered, 0).astype(np.int32))
         return table.to(self.device, non_blocking=True), first.tolist()
 

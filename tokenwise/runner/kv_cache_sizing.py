@@ -6,6 +6,11 @@ own cache (K/V per KV head, an MLA latent, cross K/V; encoder-only layers keep n
 gets as many blocks as the memory budget allows for all of them together, and the start-up log
 says what one token costs per layer kind.
 
+Layers are grouped by their KV-cache specs (`tokenwise.kv_cache.layout`, made once by the
+runner as `kv_cache_layout`): a block id costs one page of every tensor of the layout, and a
+tensor may serve one layer of each of several groups (sliding-window and full-attention layers
+of the same shape share tensors, so blocks a window frees serve the full layers).
+
 The cache's dtype is `kv_cache_dtype` (`CacheConfig.cache_dtype`): the model's by default, or
 an fp8 format with one byte per element, so the same budget holds twice the blocks of a bf16
 cache (4x of fp32). Only K/V caches have an fp8 path; an MLA latent cache refuses it by name.
@@ -22,6 +27,7 @@ import torch
 
 from tokenwise.attention.backends.kv_quant import is_fp8, kv_cache_torch_dtype
 from tokenwise.attention.layer import AttentionLayerBase
+from tokenwise.kv_cache.layout import KVCacheLayout
 from tokenwise.runner.graph_runner import CUDAGraphRunner
 from tokenwise.runner.memory_profiling import cuda_kv_cache_budget
 
@@ -40,6 +46,7 @@ class KVCacheSizingMixin:
     tp: Any
     kv_caches: dict[str, torch.Tensor]
     graph_runner: CUDAGraphRunner | None
+    kv_cache_layout: KVCacheLayout
 
     def cache_layers(self) -> dict[str, AttentionLayerBase]:
         """The attention layers that keep a KV cache (encoder-only attention keeps none)."""
@@ -67,9 +74,8 @@ class KVCacheSizingMixin:
         return two - one
 
     def kv_cache_bytes_per_block(self) -> int:
-        elem = self.kv_cache_dtype.itemsize
-        layers = self.cache_layers().values()
-        return sum(self._cache_elements_per_block(layer) * elem for layer in layers)
+        """What one block id of the pool costs: a page of every cache tensor."""
+        return self.kv_cache_layout.bytes_per_block
 
     def _kv_cache_report(self) -> str:
         """Per kind of cache: elements and bytes per token per layer, e.g. "MLA latent: 40
@@ -84,7 +90,8 @@ class KVCacheSizingMixin:
                 f"{kind}: {n} elements ({n * elem} bytes) per token per layer x {count} layers"
                 for (kind, n), count in kinds.items()
             )
-            + f"; dtype {str(self.kv_cache_dtype).removeprefix('torch.')}"
+            + f"; dtype {str(self.kv_cache_dtype).removeprefix('torch.')}; "
+            + self.kv_cache_layout.describe()
         )
 
     def determine_num_blocks(self) -> int:
@@ -112,8 +119,10 @@ class KVCacheSizingMixin:
 
     def _bytes_for_seqs(self, num_seqs: int) -> int:
         """Blocks for `num_seqs` sequences at max_model_len (max_num_seqs of them is the most
-        a step can ever use)."""
-        blocks_per_seq = -(-self.model_config.max_model_len // self.block_size)
+        a step can ever use), over every KV-cache group."""
+        blocks_per_seq = self.kv_cache_layout.blocks_per_request(
+            self.model_config.max_model_len, self.config.scheduler.max_num_batched_tokens
+        )
         return num_seqs * blocks_per_seq * self.kv_cache_bytes_per_block()
 
     def _measure_graph_memory(self) -> int:
@@ -137,9 +146,11 @@ class KVCacheSizingMixin:
         return graphs
 
     def _bind_kv_cache(self, num_blocks: int) -> None:
-        """Allocate one cache tensor per layer and bind it to the layer by name."""
-        for name, layer in self.cache_layers().items():
-            shape = layer.kv_cache_shape(num_blocks, self.block_size)
+        """Allocate the layout's cache tensors and bind each to its layers by name."""
+        layers = self.cache_layers()
+        for tensor in self.kv_cache_layout.tensors:
+            shape = layers[tensor.shared_by[0]].kv_cache_shape(num_blocks, self.block_size)
             cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-            self.kv_caches[name] = cache
-            layer.kv_cache = [cache]
+            for name in tensor.shared_by:
+                self.kv_caches[name] = cache
+                layers[name].kv_cache = [cache]

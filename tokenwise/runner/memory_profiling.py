@@ -91,18 +91,24 @@ def cuda_kv_cache_budget(model: Any, config: EngineConfig, device: torch.device)
     return budget
 
 
-def check_kv_cache_holds_one_sequence(num_blocks: int, block_size: int, max_model_len: int) -> None:
+def check_kv_cache_holds_one_sequence(
+    num_blocks: int, block_size: int, max_model_len: int, blocks_needed: int | None = None
+) -> None:
     """Refuse to start when one sequence of `max_model_len` tokens cannot fit in the pool.
+
+    `blocks_needed` is what such a sequence holds over every KV-cache group at once
+    (`KVCacheLayout.blocks_per_request`); by default one block per `block_size` tokens.
 
     Such an engine would accept a request that can never be placed: the scheduler would
     preempt and re-admit it forever. As in vLLM, the fix is the user's choice (a bigger pool or
     a shorter `max_model_len`), so both numbers and every setting that moves them are named;
     `max_model_len` is never shrunk silently.
     """
-    capacity = num_blocks * block_size
-    if capacity >= max_model_len:
+    if blocks_needed is None:
+        blocks_needed = -(-max_model_len // block_size)
+    if num_blocks >= blocks_needed:
         return
-    blocks_needed = -(-max_model_len // block_size)
+    capacity = num_blocks * block_size
     raise ValueError(
         f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {block_size}), fewer "
         f"than one sequence of max_model_len={max_model_len} tokens; give it at least "

@@ -16,7 +16,7 @@ import torch
 
 from tokenwise.attention.backends.selector import get_attn_backend
 from tokenwise.attention.layer import Attention, AttentionLayerBase
-from tokenwise.attention.metadata import AttentionMetadata, CommonMetadataBuilder
+from tokenwise.attention.metadata import AttentionMetadata
 from tokenwise.attention.utils import AttentionType
 from tokenwise.compilation.compile import compile_model
 from tokenwise.config import CUDAGraphMode, EngineConfig
@@ -26,6 +26,7 @@ from tokenwise.distributed.tp_launch import WorkerMain, start_tensor_parallel
 from tokenwise.distributed.tp_state import get_tp_size
 from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenwise.forward_context import set_forward_context
+from tokenwise.kv_cache.layout import make_layout
 from tokenwise.layer_registry import get_layers_from_config
 from tokenwise.layers.cpu_prepack import prepack_linear_weights
 from tokenwise.layers.huge_pages import move_weights_to_huge_pages
@@ -38,7 +39,7 @@ from tokenwise.runner.input_batch import InputBatch, StepInputs
 from tokenwise.runner.kv_cache_sizing import KVCacheSizingMixin
 from tokenwise.runner.prompt_logprobs import plan_prompt_logprobs, score_prompt_tokens
 from tokenwise.runner.sample_step import sample_step
-from tokenwise.runner.step_metadata import StepMetadataMixin
+from tokenwise.runner.step_metadata import StepMetadataMixin, metadata_groups
 from tokenwise.runner.target_hidden import TargetHiddenCapture
 from tokenwise.runner.ubatch_runner import Trace, run_ubatches
 from tokenwise.sampling.sampler import Sampler
@@ -114,14 +115,16 @@ class ModelRunner(KVCacheSizingMixin, StepMetadataMixin):
         self.num_blocks = 0
         # Set by the engine when an EAGLE head proposes drafts: the target features it reads.
         self.hidden_capture: TargetHiddenCapture | None = None
-        # Layers with the same spec share one metadata object per step.
-        self._spec_of: dict[str, int | None] = {
-            name: layer.sliding_window for name, layer in self.attn_layers.items()
-        }
-        self._builders = {
-            spec: CommonMetadataBuilder(self.block_size, spec, self.device)
-            for spec in set(self._spec_of.values())
-        }
+        # Layers grouped by KV-cache spec; each group's layers share one metadata object.
+        self.kv_cache_layout = make_layout(
+            {
+                name: layer.kv_cache_spec(self.block_size, self.kv_cache_dtype)
+                for name, layer in self.cache_layers().items()
+            }
+        )
+        self._builders, self._metadata_group_of = metadata_groups(
+            self.kv_cache_layout, list(self.attn_layers), self.block_size, self.device
+        )
         # Verification steps may attend as decode rows (`verify_rows.py`): plain causal decoder
         # attention on CPU only, where the one-call decode kernel takes them.
         plain_decoder = all(
@@ -137,6 +140,7 @@ class ModelRunner(KVCacheSizingMixin, StepMetadataMixin):
             max_model_len=self.model_config.max_model_len,
             block_size=self.block_size,
             device=self.device,
+            num_groups=len(self._builders),
         )
         # Built once, here; KV sizing asks it to `measure()` and `initialize_kv_cache` to
         # `capture()`. None when the mode has no graphs.
@@ -147,12 +151,13 @@ class ModelRunner(KVCacheSizingMixin, StepMetadataMixin):
                 config,
                 self.device,
                 self._capturer_factory,
-                dict(self._spec_of),
+                {name: layer.sliding_window for name, layer in self.attn_layers.items()},
                 get_attn_backend(config),
                 self.input_batch,
                 self.lora_manager.state if self.lora_manager is not None else None,
                 self.max_cross_blocks_per_seq(),
                 self._verify_query_len,
+                num_groups=len(self._builders),
             )
         self._setup_kind()
 

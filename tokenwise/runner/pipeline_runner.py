@@ -65,7 +65,9 @@ def _owned(payload: dict[str, Any]) -> dict[str, Any]:
         return value.clone() if isinstance(value, torch.Tensor) else value
 
     out = {key: own(value) for key, value in payload.items()}
-    out["tables"] = {spec: (own(t), first) for spec, (t, first) in payload["tables"].items()}
+    out["tables"] = {
+        g: (own(t), first, own(slots)) for g, (t, first, slots) in payload["tables"].items()
+    }
     return out
 
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from tokenwise.config import SpeculativeConfig
-from tokenwise.distributed.tp_channel import SpecTables
+from tokenwise.distributed.tp_channel import GroupTables
 from tokenwise.runner.input_batch import InputBatch, StepInputs
 
 # Queries this long or shorter, after a context, are verification-sized.
@@ -119,15 +119,15 @@ def write_decode_rows(batch: InputBatch, step: StepInputs) -> StepInputs:
     )
 
 
-def as_decode_rows(step: StepInputs, tables: SpecTables) -> tuple[StepInputs, SpecTables]:
-    """`step` with one decode row per query token; each spec's table repeated per row."""
+def as_decode_rows(step: StepInputs, tables: GroupTables) -> tuple[StepInputs, GroupTables]:
+    """`step` with one decode row per query token; each group's table repeated per row."""
     owner, context = _row_layout(step)
     ones = np.ones(step.num_tokens, dtype=np.int64)
     index = torch.from_numpy(owner).to(step.block_tables.device)
-    rows: SpecTables = {}
-    for spec, (table, first) in tables.items():
+    rows: GroupTables = {}
+    for group, (table, first, slots) in tables.items():
         row_first = None if first is None else [first[i] for i in owner.tolist()]
-        rows[spec] = (table.index_select(0, index), row_first)
+        rows[group] = (table.index_select(0, index), row_first, slots)
     seq_lens = torch.from_numpy((context + 1).astype(np.int32)).to(step.seq_lens.device)
     expanded = StepInputs(
         num_reqs=step.num_tokens,

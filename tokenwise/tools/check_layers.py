@@ -68,6 +68,11 @@ LAYERS: tuple[Layer, ...] = (
             "tokenwise.default_model",
             "tokenwise.batchsize_stats",
             "tokenwise.tools.*",
+            # KV-cache specs and groups: plain data the layers declare and the runner and the
+            # block manager both read.
+            "tokenwise.kv_cache",
+            "tokenwise.kv_cache.specs",
+            "tokenwise.kv_cache.layout",
         ),
     ),
     # Tensor-parallel rank, size and collectives: what parallel layers read at construction;
@@ -119,6 +124,7 @@ LAYERS: tuple[Layer, ...] = (
             "tokenwise.engine.request",
             "tokenwise.engine.step_outputs",
             "tokenwise.engine.block_pool",
+            "tokenwise.kv_cache.managers",
             "tokenwise.engine.block_manager",
             "tokenwise.engine.request_queue",
             "tokenwise.engine.scheduler_hooks",

@@ -5,9 +5,9 @@ model kind supplies the four things that differ, and nothing else:
 
 - its prompt processing: a prompt and parameters in, the requests to schedule out
   (`make_requests`; a generative request with `n > 1` is n sibling requests);
-- its KV-cache groups (`num_kv_cache_groups`): none (an encoder-only embedding model), self
-  attention (a decoder), or self + cross attention (an encoder-decoder model); and so its block
-  manager and the capacity check of its pool (`check_kv_capacity`);
+- its block manager over the runner's KV-cache groups (none for an encoder-only embedding
+  model, self-attention groups for a decoder, plus cross-attention for an encoder-decoder
+  model) and the capacity check of its pool (`check_kv_capacity`);
 - its per-step extra inputs, through the runner and scheduler classes it names (`runner_cls`,
   `scheduler_cls`): the encoder-decoder runner adds encoder inputs and cross metadata, the
   pooling runner pools instead of sampling;
@@ -67,7 +67,6 @@ class ModelKind:
     """A kind of model as the engine sees it. One instance per engine, made by the engine."""
 
     name: ClassVar[str] = ""
-    num_kv_cache_groups: ClassVar[int] = 1
     runner_cls: ClassVar[type[ModelRunner]] = ModelRunner
     scheduler_cls: ClassVar[type[Scheduler]] = Scheduler
 
@@ -77,15 +76,23 @@ class ModelKind:
     # ---- KV cache ---------------------------------------------------------------------------
 
     def check_kv_capacity(self, num_blocks: int) -> None:
-        """Raise unless the pool holds what one request may need (one full sequence)."""
-        cache, model = self.engine.config.cache, self.engine.model_config
-        check_kv_cache_holds_one_sequence(num_blocks, cache.block_size, model.max_model_len)
+        """Raise unless the pool holds what one request may need (one full sequence, over
+        every KV-cache group: a sliding-window group needs only its window's blocks)."""
+        config, model = self.engine.config, self.engine.model_config
+        layout = self.engine.runner.kv_cache_layout
+        needed = layout.blocks_per_request(
+            model.max_model_len, config.scheduler.max_num_batched_tokens
+        )
+        check_kv_cache_holds_one_sequence(
+            num_blocks, config.cache.block_size, model.max_model_len, needed
+        )
 
     def make_block_manager(self, num_blocks: int) -> BlockManager:
+        """The block manager over the runner's KV-cache groups (one manager per group)."""
         return BlockManager(
             num_blocks,
             self.engine.config.cache.block_size,
-            num_kv_cache_groups=self.num_kv_cache_groups,
+            specs=self.engine.runner.kv_cache_layout.specs,
         )
 
     # ---- requests and outputs ---------------------------------------------------------------

@@ -24,7 +24,6 @@ from tokenwise.sampling.params import SamplingParams
 
 class EncoderDecoderKind(GenerateKind):
     name = "encoder-decoder"
-    num_kv_cache_groups = 2
     runner_cls = EncoderDecoderModelRunner
     scheduler_cls = EncoderDecoderScheduler
     # A decoder's K/V depends on its encoder's input too, not on its tokens alone.

@@ -31,7 +31,6 @@ _NO_SAMPLING = SamplingParams(max_tokens=1)
 
 class EmbedKind(ModelKind):
     name = "embed"
-    num_kv_cache_groups = 0
     runner_cls = PoolingModelRunner
     scheduler_cls = PoolingScheduler
 
