@@ -160,4 +160,8 @@ def assert_pool_clean(engine: Any) -> None:
     # Encoder-decoder engines: no request holds cross-attention blocks either (the free
     # count above covers both caches, which share the pool).
     assert getattr(bm, "num_cross_tables", 0) == 0
+    # Recurrent-state models: every state slot free too (snapshots stay cached, unheld).
+    state_pool = getattr(bm, "state_pool", None)
+    if state_pool is not None:
+        assert state_pool.num_free == state_pool.num_blocks
     bm.check_invariants()

@@ -29,7 +29,12 @@ from collections import Counter
 from collections.abc import Sequence
 
 from tokenwise.engine.block_pool import BlockPool
-from tokenwise.kv_cache.managers import NULL_BLOCK, make_manager
+from tokenwise.kv_cache.managers import (
+    NULL_BLOCK,
+    RecurrentStateManager,
+    StateStep,
+    make_manager,
+)
 from tokenwise.kv_cache.specs import CrossAttentionSpec, FullAttentionSpec, KVCacheSpec
 
 #: Parent "hash" of block 0.  Empty, so the root hash only depends on salt and tokens.
@@ -95,7 +100,8 @@ class BlockManager:
     """Allocates KV cache blocks to requests, group by group, and shares cached prefixes.
 
     `specs` gives each KV-cache group's spec, in group order (`KVCacheLayout.specs`); without
-    it, `num_kv_cache_groups` (0, 1 or 2) names the plain layouts.
+    it, `num_kv_cache_groups` (0, 1 or 2) names the plain layouts. Recurrent-state groups draw
+    from a second pool of `num_state_slots` slots (`state_pool`).
     """
 
     def __init__(
@@ -105,6 +111,7 @@ class BlockManager:
         enable_caching: bool = True,
         num_kv_cache_groups: int = 1,
         specs: Sequence[KVCacheSpec] | None = None,
+        num_state_slots: int = 0,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -116,18 +123,30 @@ class BlockManager:
                     f"a {spec.describe()} group has block_size {spec.block_size}, the manager "
                     f"{block_size}: every group's blocks come from one pool"
                 )
-        if (num_blocks > 0) != (len(specs) > 0):
+        kv_groups = sum(1 for spec in specs if spec.pool == "kv")
+        if (num_blocks > 0) != (kv_groups > 0):
             raise ValueError(
-                f"a block manager with {len(specs)} KV-cache groups needs "
-                f"{'no' if not specs else 'some'} blocks, got {num_blocks}"
+                f"a block manager with {kv_groups} KV-cache groups needs "
+                f"{'no' if not kv_groups else 'some'} blocks, got {num_blocks}"
+            )
+        if (num_state_slots > 0) != (len(specs) > kv_groups):
+            raise ValueError(
+                f"a block manager with {len(specs) - kv_groups} recurrent-state groups needs "
+                f"{'no' if len(specs) == kv_groups else 'some'} state slots, got "
+                f"{num_state_slots}"
             )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks)
+        self.state_pool = BlockPool(num_state_slots)
         self.managers = [
-            make_manager(spec, g, self.pool, enable_caching) for g, spec in enumerate(specs)
+            make_manager(
+                spec, g, self.pool if spec.pool == "kv" else self.state_pool, enable_caching
+            )
+            for g, spec in enumerate(specs)
         ]
+        self._states = [m for m in self.managers if isinstance(m, RecurrentStateManager)]
         self._cross = [g for g, s in enumerate(specs) if isinstance(s, CrossAttentionSpec)]
         # Groups that grow with the request's own tokens (all but cross-attention).
         self._own = [m for m in self.managers if m.group_id not in self._cross]
@@ -144,6 +163,12 @@ class BlockManager:
     @property
     def specs(self) -> tuple[KVCacheSpec, ...]:
         return tuple(m.spec for m in self.managers)
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        """Whether some group keeps a recurrent state (the scheduler then aligns prompt
+        chunks to blocks, where states are snapshotted)."""
+        return bool(self._states)
 
     # ------------------------------------------------------------------ queries
 
@@ -200,10 +225,18 @@ class BlockManager:
     def max_blocks_per_request(self, num_tokens: int, max_chunk_tokens: int) -> int:
         """Most blocks a request of `num_tokens` tokens holds at once in the groups that grow
         with it (cross-attention is sized by the encoder and counted by its kind)."""
-        return sum(m.spec.max_blocks_per_request(num_tokens, max_chunk_tokens) for m in self._own)
+        return sum(
+            m.spec.max_blocks_per_request(num_tokens, max_chunk_tokens)
+            for m in self._own
+            if m.pool is self.pool
+        )
 
     def get_num_free_blocks(self) -> int:
         return self.pool.num_free
+
+    @property
+    def num_free_state_slots(self) -> int:
+        return self.state_pool.num_free
 
     def get_ref_count(self, block_id: int) -> int:
         """Number of request tables holding ``block_id`` (for tests and debugging)."""
@@ -248,8 +281,12 @@ class BlockManager:
         num_tokens = num_computed_tokens + num_hit * bs + num_new_tokens
         for m in self._own:
             m.remove_skipped_blocks(request_id, num_computed_tokens)
-        needed = sum(m.blocks_needed(request_id, num_tokens, hits[m.group_id]) for m in self._own)
-        if needed > self.pool.num_free:
+        needed = {id(self.pool): 0, id(self.state_pool): 0}
+        for m in self._own:
+            needed[id(m.pool)] += m.blocks_needed(request_id, num_tokens, hits[m.group_id])
+        if needed[id(self.pool)] > self.pool.num_free:
+            return None
+        if needed[id(self.state_pool)] > self.state_pool.num_free:
             return None
         appended = tuple(
             []
@@ -261,8 +298,27 @@ class BlockManager:
             num_full = min(num_tokens, len(token_ids)) // bs
             hashes = self._block_hashes(request_id, token_ids, num_full, cache_salt, images)
             for m in self._own:
-                m.register(request_id, hashes, num_full)
+                m.register(request_id, hashes, num_full, num_tokens)
         return appended
+
+    def take_state_step(self, request_id: str) -> StateStep | None:
+        """What the runner must do to the request's recurrent state around this step (start
+        it from a snapshot or zeros, snapshot it after); None when nothing."""
+        for m in self._states:
+            step = m.steps.pop(request_id, None)
+            if step is not None:
+                return step
+        return None
+
+    def commit_step(self) -> None:
+        """The scheduled step ran: publish its state snapshots (no-op without states)."""
+        for m in self._states:
+            m.commit_snapshots()
+
+    def discard_step(self) -> None:
+        """Forget a scheduled step that did not run (its snapshots were never written)."""
+        for m in self._states:
+            m.discard_step()
 
     def allocate_cross_slots(self, request_id: str, num_encoder_tokens: int) -> list[int] | None:
         """The request's cross-attention table for `num_encoder_tokens` rows; None when short.
@@ -348,8 +404,17 @@ class BlockManager:
     def check_invariants(self) -> None:
         """Raise AssertionError if tables, ref counts, free queues or hashes disagree."""
         self.pool.check_invariants()
+        self.state_pool.check_invariants()
+        for pool in (self.pool, self.state_pool):
+            self._check_refs(pool)
+
+    def _check_refs(self, pool: BlockPool) -> None:
         refs: Counter[int] = Counter()
+        for held in self._held_elsewhere(pool):
+            refs[held] += 1
         for m in self.managers:
+            if m.pool is not pool:
+                continue
             for request_id, table in m.tables.items():
                 held = [b for b in table if b != NULL_BLOCK]
                 if len(set(held)) != len(held):
@@ -358,17 +423,23 @@ class BlockManager:
                     raise AssertionError(f"request {request_id} registered blocks it does not own")
                 refs.update(held)
                 if m.group_id in self._cross:
-                    cached = [b for b in held if self.pool.blocks[b].block_hash is not None]
+                    cached = [b for b in held if pool.blocks[b].block_hash is not None]
                     if cached:
                         raise AssertionError(
                             f"cross blocks {cached} of {request_id} are in the cache"
                         )
-        for block in self.pool.blocks:
+        for block in pool.blocks:
             if block.ref_cnt != refs[block.block_id]:
                 raise AssertionError(
                     f"block {block.block_id}: ref count {block.ref_cnt} "
                     f"but held by {refs[block.block_id]} tables"
                 )
+
+    def _held_elsewhere(self, pool: BlockPool) -> list[int]:
+        """Slots a state manager holds for the step in flight (snapshots, their sources)."""
+        if pool is not self.state_pool:
+            return []
+        return [slot for m in self._states for slot in m.in_flight()]
 
     @property
     def num_cross_tables(self) -> int:

@@ -101,6 +101,7 @@ class Scheduler(KindHooks):
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
+        bm.discard_step()  # a step scheduled but never applied (a failed forward pass)
 
         # 1. Running requests, oldest first: decodes and continuing prompt chunks.
         idx = 0
@@ -108,6 +109,7 @@ class Scheduler(KindHooks):
             req = self.running[idx]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             num_new = self.limit_chunk(req, req.num_computed_tokens, num_new)
+            num_new = self._align_chunk(req, req.num_computed_tokens, num_new)
             if num_new <= 0:
                 idx += 1
                 continue
@@ -182,6 +184,7 @@ class Scheduler(KindHooks):
                     break
                 num_new = budget - num_encoder
             num_new = self.limit_chunk(req, num_hit, num_new)
+            num_new = self._align_chunk(req, num_hit, num_new)
             if num_new <= 0:
                 break  # its next chunk fits a later step's budget (limit_chunk)
             new_blocks = bm.allocate_slots(
@@ -251,6 +254,7 @@ class Scheduler(KindHooks):
 
         Rejected drafts roll back here (`step_apply.apply_forward_pass`).
         """
+        self.block_manager.commit_step()  # the step ran: its state snapshots are written
         sampled, finished = apply_forward_pass(
             scheduler_output, runner_output, on_token, self.max_model_len
         )
@@ -283,7 +287,26 @@ class Scheduler(KindHooks):
         if admitted_blocks:
             new_blocks = new_blocks[:CROSS_ATTN] + (admitted_blocks,) + new_blocks[CROSS_ATTN + 1 :]
         counts = tuple(bm.num_blocks_of(rid, g) for g in range(len(new_blocks)))
-        return ScheduledRequest(req, num_new, num_admission_tokens, new_blocks, counts, spec)
+        return ScheduledRequest(
+            req,
+            num_new,
+            num_admission_tokens,
+            new_blocks,
+            counts,
+            spec,
+            state_step=bm.take_state_step(rid),
+        )
+
+    def _align_chunk(self, req: Request, num_computed: int, num_new: int) -> int:
+        """A prompt chunk ends on a block boundary when the model keeps recurrent state and
+        prefix caching is on (vLLM's "align" mode): states are snapshotted where a step ends,
+        so a chunk that stops mid-block leaves no state for a later hit to resume from. The
+        tail of a prompt past its last boundary runs as a step of its own."""
+        bm = self.block_manager
+        if num_new <= 1 or not bm.has_recurrent_state or not bm.enable_caching:
+            return num_new
+        aligned = (num_computed + num_new) // bm.block_size * bm.block_size - num_computed
+        return aligned if aligned > 0 else num_new
 
     def _poll_grammars(self) -> None:
         """Make matchers for compiled grammars; end requests whose compile failed or is late."""

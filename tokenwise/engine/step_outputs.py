@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from tokenwise.engine.request import Request
+from tokenwise.kv_cache.managers import StateStep
 from tokenwise.sampling.sampler import LogprobsTensors
 
 
@@ -39,6 +40,9 @@ class ScheduledRequest:
     # Speculative decoding: the draft tokens this step verifies after the request's last
     # token. They are the last `len(spec_token_ids)` of `num_new_tokens`.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Recurrent-state models: start the live state from a snapshot (or zeros) before the
+    # step, snapshot it after (`kv_cache.managers.StateStep`); None when neither.
+    state_step: StateStep | None = None
 
     @property
     def completes_sequence(self) -> bool:

@@ -20,6 +20,10 @@ When pages differ (layers of one model with different head sizes), each layer ke
 of its own, every block id costs one page of every layer, and only the block ids freed by one
 group are reused by another: correct, and the memory saved is smaller (logged at start-up).
 Cross-attention layers (encoder-decoder models) always keep their own tensors.
+
+Recurrent-state layers (`RecurrentStateSpec`) do not share the block pool: a state is one
+fixed-size slot per request, megabytes where an attention page is kilobytes, so their tensors
+are indexed by slots of a pool of their own (`bytes_per_state_slot` each), sized apart.
 """
 
 from __future__ import annotations
@@ -54,12 +58,13 @@ class KVCacheTensor:
 
     page_size_bytes: int
     shared_by: tuple[str, ...]
+    pool: str = "kv"  # "state": indexed by state slots, not KV blocks
 
 
 @dataclass(frozen=True)
 class KVCacheLayout:
-    """The model's groups (self-attention kinds first, full attention first among them,
-    cross-attention last) and its cache tensors."""
+    """The model's groups (attention kinds first, full attention first among them, then
+    recurrent state, cross-attention last) and its cache tensors."""
 
     groups: tuple[KVCacheGroup, ...] = ()
     tensors: tuple[KVCacheTensor, ...] = ()
@@ -86,8 +91,13 @@ class KVCacheLayout:
 
     @property
     def bytes_per_block(self) -> int:
-        """What one block id of the pool costs, over every tensor."""
-        return sum(t.page_size_bytes for t in self.tensors)
+        """What one block id of the KV pool costs, over every tensor indexed by it."""
+        return sum(t.page_size_bytes for t in self.tensors if t.pool == "kv")
+
+    @property
+    def bytes_per_state_slot(self) -> int:
+        """What one state slot costs, over every recurrent layer (0: no recurrent layer)."""
+        return sum(t.page_size_bytes for t in self.tensors if t.pool == "state")
 
     def group_of(self, layer_name: str) -> int:
         return self._group_of[layer_name]
@@ -100,12 +110,13 @@ class KVCacheLayout:
         return self._tensor_of[layer_name]
 
     def blocks_per_request(self, num_tokens: int, max_chunk_tokens: int) -> int:
-        """Blocks one request of `num_tokens` tokens holds at most, over every group but
-        cross-attention (sized by the encoder, which a kind adds)."""
+        """KV blocks one request of `num_tokens` tokens holds at most, over every group but
+        cross-attention (sized by the encoder, which a kind adds) and recurrent state (slots of
+        the state pool)."""
         return sum(
             g.spec.max_blocks_per_request(num_tokens, max_chunk_tokens)
             for g in self.groups
-            if not isinstance(g.spec, CrossAttentionSpec)
+            if not isinstance(g.spec, CrossAttentionSpec) and g.spec.pool == "kv"
         )
 
     def describe(self) -> str:
@@ -120,7 +131,12 @@ def make_layout(layer_specs: Mapping[str, KVCacheSpec]) -> KVCacheLayout:
     for name, spec in layer_specs.items():
         buckets.setdefault(spec, []).append(name)
     cross = [(s, n) for s, n in buckets.items() if isinstance(s, CrossAttentionSpec)]
-    own = [(s, n) for s, n in buckets.items() if not isinstance(s, CrossAttentionSpec)]
+    states = [(s, n) for s, n in buckets.items() if s.pool == "state"]
+    own = [
+        (s, n)
+        for s, n in buckets.items()
+        if not isinstance(s, CrossAttentionSpec) and s.pool == "kv"
+    ]
     # Full attention first: group 0's table then covers every token (the draft model's and
     # any reader's that needs the whole sequence).
     own.sort(key=lambda item: not isinstance(item[0], FullAttentionSpec))
@@ -132,14 +148,18 @@ def make_layout(layer_specs: Mapping[str, KVCacheSpec]) -> KVCacheLayout:
         groups = [KVCacheGroup(spec, tuple(names)) for spec, names in own]
         tensors = _per_layer(own)
         shared = False
-    groups += [KVCacheGroup(spec, tuple(names)) for spec, names in cross]
-    tensors += _per_layer(cross)
+    groups += [KVCacheGroup(spec, tuple(names)) for spec, names in states + cross]
+    tensors += _per_layer(states, "state") + _per_layer(cross)
     return KVCacheLayout(tuple(groups), tuple(tensors), shared)
 
 
-def _per_layer(buckets: list[tuple[KVCacheSpec, list[str]]]) -> list[KVCacheTensor]:
+def _per_layer(
+    buckets: list[tuple[KVCacheSpec, list[str]]], pool: str = "kv"
+) -> list[KVCacheTensor]:
     return [
-        KVCacheTensor(spec.page_size_bytes, (name,)) for spec, names in buckets for name in names
+        KVCacheTensor(spec.page_size_bytes, (name,), pool)
+        for spec, names in buckets
+        for name in names
     ]
 
 

@@ -10,7 +10,9 @@ holds a table in every group. The rules that differ by spec:
 - which blocks a running request may drop (`remove_skipped_blocks`): none under full
   attention; under a sliding window, every block whose tokens all fell out of the window of
   the next step's first query;
-- cross-attention blocks are allocated whole at admission and never prefix-cached.
+- cross-attention blocks are allocated whole at admission and never prefix-cached;
+- recurrent state (`RecurrentStateManager`) holds one live slot per running request, from a
+  pool of state slots, and snapshots the state at block boundaries for prefix hits.
 
 A freed block that is registered in the prefix cache stays there (free but cached, evicted
 least recently freed first), so a later request with the same prefix may still hit it.
@@ -19,11 +21,13 @@ least recently freed first), so a later request with the same prefix may still h
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from tokenwise.engine.block_pool import BlockPool
 from tokenwise.kv_cache.specs import (
     CrossAttentionSpec,
     KVCacheSpec,
+    RecurrentStateSpec,
     SlidingWindowSpec,
     cdiv,
     first_needed_token,
@@ -96,8 +100,11 @@ class KVCacheGroupManager:
             table.append(self.pool.allocate())
         return table[before:]
 
-    def register(self, request_id: str, hashes: Sequence[bytes], num_full: int) -> None:
-        """Offer the request's blocks full of known tokens to the prefix cache."""
+    def register(
+        self, request_id: str, hashes: Sequence[bytes], num_full: int, num_tokens: int
+    ) -> None:
+        """Offer the request's blocks full of known tokens to the prefix cache (`num_full` of
+        them; the step computes up to token `num_tokens`)."""
         if not self.caching:
             return
         table = self.tables[request_id]
@@ -182,12 +189,138 @@ class SlidingWindowManager(KVCacheGroupManager):
         super().free(request_id, discard_cached)
 
 
+#: `StateStep.init`: the live slot starts from zeros (a request with no prefix hit).
+ZERO_STATE = -1
+
+
+@dataclass
+class StateStep:
+    """What the runner does to a request's recurrent state around this step: before it,
+    start the live slot from `init` (a snapshot slot, or `ZERO_STATE`; None: carry on); after
+    it, copy the live state into slot `snapshot` (None: no snapshot)."""
+
+    init: int | None = None
+    snapshot: int | None = None
+
+
+class RecurrentStateManager(KVCacheGroupManager):
+    """One live state slot per running request, from the state pool.
+
+    A state summarises every token before it, so a prefix hit needs one thing: a snapshot of
+    the state right after the hit's last block. Snapshots are taken where a step ends on a
+    block boundary of known tokens (the scheduler aligns prompt chunks to blocks, vLLM's
+    "align" mode): the slot is chosen at scheduling, filled by the runner after the forward
+    pass, and published in the prefix cache only then (`commit_snapshots`, from the
+    scheduler's `update_from_output`), so no request can start from a slot not yet written.
+    A snapshot is best-effort: none is taken when no slot is free. Preemption frees the live
+    slot; the request resumes from a snapshot or from zeros and recomputes the rest.
+    """
+
+    def __init__(self, spec: KVCacheSpec, group_id: int, pool: BlockPool, caching: bool) -> None:
+        super().__init__(spec, group_id, pool, caching)
+        # This scheduling pass's instructions per request (taken by the scheduler's output).
+        self.steps: dict[str, StateStep] = {}
+        # Snapshot slots chosen this pass, (request, slot, registry key), and the snapshots
+        # prefix hits start from: both referenced until the runner has copied them.
+        self._pending: list[tuple[str, int, bytes]] = []
+        self._held: list[int] = []
+
+    def hit_length(self, hashes: Sequence[bytes], limit: int) -> int:
+        for m in range(limit, 0, -1):
+            if self.cached_block(hashes[m - 1]) is not None:
+                return m
+        return 0
+
+    def hit_blocks(self, hashes: Sequence[bytes], length: int) -> list[int]:
+        return [self._cached(hashes[length - 1])] if length else []
+
+    def blocks_needed(self, request_id: str, num_tokens: int, hits: Sequence[int]) -> int:
+        if request_id in self.tables:
+            return 0
+        return 1 + sum(1 for b in hits if self.pool.blocks[b].ref_cnt == 0)
+
+    def allocate(self, request_id: str, num_tokens: int, hits: Sequence[int]) -> list[int]:
+        if request_id in self.tables:
+            return []
+        init = ZERO_STATE
+        for block_id in hits:  # the snapshot after the hit: kept until it is copied
+            self.pool.touch(block_id)
+            self._held.append(block_id)
+            init = block_id
+        live = self.pool.allocate()
+        self.tables[request_id] = [live]
+        self.steps[request_id] = StateStep(init=init)
+        return [live]
+
+    def register(
+        self, request_id: str, hashes: Sequence[bytes], num_full: int, num_tokens: int
+    ) -> None:
+        """Choose a snapshot slot when this step ends exactly on a new full block."""
+        bs = self.block_size
+        if not self.caching or not num_full or num_tokens != num_full * bs:
+            return
+        key = hashes[num_full - 1] + self._key_suffix
+        if self.pool.lookup(key) is not None or self.pool.num_free == 0:
+            return
+        slot = self.pool.allocate()
+        self._pending.append((request_id, slot, key))
+        self.steps.setdefault(request_id, StateStep()).snapshot = slot
+
+    def in_flight(self) -> list[int]:
+        """Slots referenced for the step in flight (chosen snapshots and hit sources)."""
+        return [slot for _, slot, _ in self._pending] + self._held
+
+    def commit_snapshots(self) -> None:
+        """The runner has run the step: publish its snapshots, drop the copied-from ones."""
+        for _, slot, key in self._pending:
+            self.pool.register(slot, key)
+            self.pool.release(slot)
+        for slot in self._held:
+            self.pool.release(slot)
+        self._pending.clear()
+        self._held.clear()
+        self.steps.clear()
+
+    def discard_step(self) -> None:
+        """The step never ran (or failed): its snapshots hold nothing; forget them."""
+        for _, slot, _ in self._pending:
+            self.pool.release(slot)
+        for slot in self._held:
+            self.pool.release(slot)
+        self._pending.clear()
+        self._held.clear()
+        self.steps.clear()
+
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """A state cannot be cut back: the runner restores it from the step's per-token
+        states (speculative rollback), so there is nothing to free here."""
+
+    def free(self, request_id: str, discard_cached: bool) -> None:
+        self.steps.pop(request_id, None)
+        mine = [p for p in self._pending if p[0] == request_id]
+        for entry in mine:  # a snapshot the request will not write
+            self._pending.remove(entry)
+            self.pool.release(entry[1])
+        super().free(request_id, discard_cached)
+
+
 def make_manager(
     spec: KVCacheSpec, group_id: int, pool: BlockPool, caching: bool
 ) -> KVCacheGroupManager:
     """The manager of `spec`'s kind."""
-    cls = SlidingWindowManager if isinstance(spec, SlidingWindowSpec) else KVCacheGroupManager
-    return cls(spec, group_id, pool, caching)
+    if isinstance(spec, SlidingWindowSpec):
+        return SlidingWindowManager(spec, group_id, pool, caching)
+    if isinstance(spec, RecurrentStateSpec):
+        return RecurrentStateManager(spec, group_id, pool, caching)
+    return KVCacheGroupManager(spec, group_id, pool, caching)
 
 
-__all__ = ["NULL_BLOCK", "KVCacheGroupManager", "SlidingWindowManager", "make_manager"]
+__all__ = [
+    "NULL_BLOCK",
+    "ZERO_STATE",
+    "KVCacheGroupManager",
+    "RecurrentStateManager",
+    "SlidingWindowManager",
+    "StateStep",
+    "make_manager",
+]

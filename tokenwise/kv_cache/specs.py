@@ -9,6 +9,10 @@ layer's memory grows with a request and so which rules govern its blocks:
   that fell out of the window are freed while the request runs.
 - `CrossAttentionSpec`: the encoder's K/V that cross-attention reads, allocated whole at
   admission and never prefix-cached (it belongs to one request's encoder input).
+- `RecurrentStateSpec`: a fixed-size state per request (Gated DeltaNet / Mamba layers: a
+  convolution window and a recurrent matrix), however long the request. Its "blocks" are state
+  slots from a pool of their own: one live slot per running request, and snapshots of the state
+  at block boundaries that prefix caching, preemption and speculative rollback resume from.
 
 Learned attention sinks (gpt-oss: one logit per head that joins every softmax) hold no memory,
 so a layer with sinks has the spec of its window; likewise a logit soft-cap.
@@ -43,6 +47,8 @@ class KVCacheSpec:
 
     #: Name of the kind, for logs and the benchmark (one manager class per kind).
     kind: ClassVar[str] = "full"
+    #: Which pool the group's blocks come from: "kv" (token blocks) or "state" (state slots).
+    pool: ClassVar[str] = "kv"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -101,6 +107,18 @@ class CrossAttentionSpec(KVCacheSpec):
     kind: ClassVar[str] = "cross"
 
 
+@dataclass(frozen=True)
+class RecurrentStateSpec(KVCacheSpec):
+    """A per-request state of `page_size_bytes` (one slot); `block_size` is where snapshots
+    are taken (every block boundary a step ends on), so hits line up with attention's."""
+
+    kind: ClassVar[str] = "recurrent"
+    pool: ClassVar[str] = "state"
+
+    def max_blocks_per_request(self, num_tokens: int, max_chunk_tokens: int) -> int:
+        return 1  # one live slot, whatever the length
+
+
 def first_needed_token(spec: KVCacheSpec, num_computed_tokens: int) -> int:
     """The earliest token whose K/V a step starting at `num_computed_tokens` can still read.
 
@@ -116,6 +134,7 @@ __all__ = [
     "FullAttentionSpec",
     "KVCacheSpec",
     "MLAAttentionSpec",
+    "RecurrentStateSpec",
     "SlidingWindowSpec",
     "cdiv",
     "first_needed_token",

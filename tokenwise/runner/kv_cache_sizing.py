@@ -47,6 +47,7 @@ class KVCacheSizingMixin:
     kv_caches: dict[str, torch.Tensor]
     graph_runner: CUDAGraphRunner | None
     kv_cache_layout: KVCacheLayout
+    num_state_slots: int = 0
 
     def cache_layers(self) -> dict[str, AttentionLayerBase]:
         """The attention layers that keep a KV cache (encoder-only attention keeps none)."""
@@ -95,8 +96,11 @@ class KVCacheSizingMixin:
         )
 
     def determine_num_blocks(self) -> int:
+        """KV blocks for the pool (the same on every TP rank); also sets `num_state_slots`,
+        the recurrent-state slots, whose memory comes out of the same budget first."""
         self._check_kv_cache_dtype()
         cache = self.config.cache
+        self.num_state_slots = self._wanted_state_slots()
         if cache.num_gpu_blocks is not None:
             return cache.num_gpu_blocks  # the same on every TP rank
         budget = cache.kv_cache_memory
@@ -109,6 +113,7 @@ class KVCacheSizingMixin:
                 one_seq = self._bytes_for_seqs(1)
                 full = self._bytes_for_seqs(self.config.scheduler.max_num_seqs)
                 budget = max(one_seq, min(DEFAULT_CPU_KV_CACHE_MEMORY, full))
+        budget -= self._state_memory(budget)
         num_blocks = self.tp.agree_on_min(int(budget // self.kv_cache_bytes_per_block()))
         if num_blocks < 1:
             raise ValueError(
@@ -117,13 +122,45 @@ class KVCacheSizingMixin:
             )
         return int(num_blocks)
 
+    def _wanted_state_slots(self) -> int:
+        """A live slot per request the scheduler may run, and as many again for prefix-cache
+        snapshots when prefix caching is on (0 without recurrent layers)."""
+        if not self.kv_cache_layout.bytes_per_state_slot:
+            return 0
+        seqs = self.config.scheduler.max_num_seqs
+        return 2 * seqs if self.config.cache.enable_prefix_caching else seqs
+
+    def _state_memory(self, budget: int) -> int:
+        """Bytes the recurrent states take out of `budget`: every wanted slot while they fit
+        in half of it, else as many as do (at least one request's)."""
+        per_slot = self.kv_cache_layout.bytes_per_state_slot
+        if not per_slot:
+            return 0
+        if budget < per_slot + self.kv_cache_bytes_per_block():
+            raise ValueError(
+                f"kv_cache_memory={budget} bytes cannot hold one request's recurrent state "
+                f"({per_slot} bytes over {len(self._state_layer_names())} layers) and one KV "
+                f"block ({self.kv_cache_bytes_per_block()} bytes); raise it"
+            )
+        self.num_state_slots = max(1, min(self.num_state_slots, budget // 2 // per_slot))
+        return self.num_state_slots * per_slot
+
+    def _state_layer_names(self) -> list[str]:
+        return [
+            name
+            for group in self.kv_cache_layout.groups
+            if group.spec.pool == "state"
+            for name in group.layer_names
+        ]
+
     def _bytes_for_seqs(self, num_seqs: int) -> int:
         """Blocks for `num_seqs` sequences at max_model_len (max_num_seqs of them is the most
         a step can ever use), over every KV-cache group."""
         blocks_per_seq = self.kv_cache_layout.blocks_per_request(
             self.model_config.max_model_len, self.config.scheduler.max_num_batched_tokens
         )
-        return num_seqs * blocks_per_seq * self.kv_cache_bytes_per_block()
+        per_seq = blocks_per_seq * self.kv_cache_bytes_per_block()
+        return num_seqs * (per_seq + 2 * self.kv_cache_layout.bytes_per_state_slot)
 
     def _measure_graph_memory(self) -> int:
         """Device bytes the CUDA graphs take, measured by capturing them on a one-block cache.
@@ -149,7 +186,8 @@ class KVCacheSizingMixin:
         """Allocate the layout's cache tensors and bind each to its layers by name."""
         layers = self.cache_layers()
         for tensor in self.kv_cache_layout.tensors:
-            shape = layers[tensor.shared_by[0]].kv_cache_shape(num_blocks, self.block_size)
+            rows = num_blocks if tensor.pool == "kv" else self.num_state_slots
+            shape = layers[tensor.shared_by[0]].kv_cache_shape(rows, self.block_size)
             cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
             for name in tensor.shared_by:
                 self.kv_caches[name] = cache

@@ -108,10 +108,10 @@ def check_kv_cache_holds_one_sequence(
         blocks_needed = -(-max_model_len // block_size)
     if num_blocks >= blocks_needed:
         return
-    capacity = num_blocks * block_size
     raise ValueError(
-        f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {block_size}), fewer "
-        f"than one sequence of max_model_len={max_model_len} tokens; give it at least "
+        f"the KV cache has {num_blocks} blocks of {block_size} tokens, fewer than one sequence "
+        f"of max_model_len={max_model_len} tokens holds at once ({blocks_needed}, over every "
+        f"KV-cache group); give it at least "
         f"{blocks_needed} blocks (num_gpu_blocks, or more kv_cache_memory / "
         "gpu_memory_utilization) or lower max_model_len"
     )

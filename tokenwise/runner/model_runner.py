@@ -38,6 +38,7 @@ from tokenwise.runner.graph_setup import default_capture_sizes, graph_setup
 from tokenwise.runner.input_batch import InputBatch, StepInputs
 from tokenwise.runner.kv_cache_sizing import KVCacheSizingMixin
 from tokenwise.runner.prompt_logprobs import plan_prompt_logprobs, score_prompt_tokens
+from tokenwise.runner.recurrent_states import RecurrentStates
 from tokenwise.runner.sample_step import sample_step
 from tokenwise.runner.step_metadata import StepMetadataMixin, metadata_groups
 from tokenwise.runner.target_hidden import TargetHiddenCapture
@@ -142,6 +143,17 @@ class ModelRunner(KVCacheSizingMixin, StepMetadataMixin):
             device=self.device,
             num_groups=len(self._builders),
         )
+        # Recurrent-state layers (their state copies around each step); eager only, for now.
+        self.recurrent = RecurrentStates.create(
+            self.kv_cache_layout, self.attn_layers, self.input_batch
+        )
+        if self.recurrent is not None:
+            RecurrentStates.check_supported(
+                self.tp_size,
+                config.parallel.pipeline_parallel_size,
+                parallel.enable_microbatching and self.dp_lockstep,
+            )
+            self._capturer_factory = None
         # Built once, here; KV sizing asks it to `measure()` and `initialize_kv_cache` to
         # `capture()`. None when the mode has no graphs.
         self.graph_runner: CUDAGraphRunner | None = None
@@ -223,6 +235,9 @@ class ModelRunner(KVCacheSizingMixin, StepMetadataMixin):
         if mode != CUDAGraphMode.FULL:
             tables = self._metadata_tables(step)
             attn_metadata = self._attn_metadata(step, tables)
+        if self.recurrent is not None:
+            attn_metadata.update(recurrent_md := self.recurrent.metadata(step))
+            self.recurrent.before_forward(step)
         model_kwargs = self._model_inputs(step, attn_metadata)
         if self.tp_size > 1:
             self.tp.check_workers()
@@ -236,6 +251,8 @@ class ModelRunner(KVCacheSizingMixin, StepMetadataMixin):
                 hidden = self.graph_runner.execute(mode, desc, attn_metadata, num_tokens)
             else:
                 hidden = self._run_eager(step, attn_metadata, model_kwargs)
+            if self.recurrent is not None:
+                self.recurrent.after_forward(step)
             target_hidden = capture.collect(hidden, ordered) if capture is not None else None
             if not step.logits_indices:
                 return ModelRunnerOutput([], [], None, num_tokens, target_hidden=target_hidden)
@@ -251,6 +268,8 @@ class ModelRunner(KVCacheSizingMixin, StepMetadataMixin):
         vocab = self.model_config.vocab_size
         logits = logits[:num_sample_rows]
         token_ids, logprobs = sample_step(self.sampler, logits, sampled, vocab, self.device)
+        if self.recurrent is not None:
+            self.recurrent.after_sampling(step, recurrent_md, sampled, token_ids)
         return ModelRunnerOutput(
             sampled,
             token_ids,

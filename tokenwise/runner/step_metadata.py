@@ -34,7 +34,7 @@ def metadata_groups(
             device,
         )
         for g, group in enumerate(layout.groups)
-        if not isinstance(group.spec, CrossAttentionSpec)
+        if not isinstance(group.spec, CrossAttentionSpec) and group.spec.pool == "kv"
     }
     builders = builders or {0: CommonMetadataBuilder(block_size, None, device)}
     group_of = {}

@@ -102,7 +102,12 @@ LAYERS: tuple[Layer, ...] = (
     Layer("attention backends", ("tokenwise.attention.backends.*",)),
     Layer(
         "attention layer",
-        ("tokenwise.attention.layer", "tokenwise.attention.mla", "tokenwise.attention.kv_scales"),
+        (
+            "tokenwise.attention.layer",
+            "tokenwise.attention.mla",
+            "tokenwise.attention.recurrent",
+            "tokenwise.attention.kv_scales",
+        ),
     ),
     Layer("models", ("tokenwise.models.*",)),
     # Resolves the model class from the registry, so it sits above the models.

@@ -89,10 +89,12 @@ class ModelKind:
 
     def make_block_manager(self, num_blocks: int) -> BlockManager:
         """The block manager over the runner's KV-cache groups (one manager per group)."""
+        runner = self.engine.runner
         return BlockManager(
             num_blocks,
             self.engine.config.cache.block_size,
-            specs=self.engine.runner.kv_cache_layout.specs,
+            specs=runner.kv_cache_layout.specs,
+            num_state_slots=runner.num_state_slots,
         )
 
     # ---- requests and outputs ---------------------------------------------------------------
