@@ -23,61 +23,28 @@ blocks are ever shared, hence a shared block is never appended to.
 
 from __future__ import annotations
 
-import hashlib
-import struct
-from collections import Counter
 from collections.abc import Sequence
 
 from tokenwise.engine.block_pool import BlockPool
+from tokenwise.kv_cache.hashing import (
+    ROOT_PARENT_HASH,
+    ImageSpans,
+    block_extra_keys,
+    hash_block_tokens,
+)
+from tokenwise.kv_cache.invariants import check_pool_refs
 from tokenwise.kv_cache.managers import (
-    NULL_BLOCK,
     RecurrentStateManager,
     StateStep,
     make_manager,
 )
 from tokenwise.kv_cache.specs import CrossAttentionSpec, FullAttentionSpec, KVCacheSpec
 
-#: Parent "hash" of block 0.  Empty, so the root hash only depends on salt and tokens.
-ROOT_PARENT_HASH = b""
-
 #: KV-cache groups: indices into the per-group tables (and the scheduler output's block ids).
 #: Group 0 is full attention whenever the model has any; an encoder-decoder model's groups are
 #: its decoder self-attention and, last, cross-attention.
 SELF_ATTN = 0
 CROSS_ATTN = 1
-
-
-#: `(offset, length, content hash)` of each image of a prompt (its placeholder tokens).
-ImageSpans = Sequence[tuple[int, int, bytes]]
-
-
-def hash_block_tokens(
-    parent_hash: bytes,
-    token_ids: Sequence[int],
-    cache_salt: str | None = None,
-    extra_keys: bytes = b"",
-) -> bytes:
-    """Chain hash of one full block.
-
-    Including the parent hash makes the hash identify the whole prefix, not just this block's
-    tokens.  Tokens are packed as little-endian int64 so the hash does not depend on the host.
-    The salt only needs to enter the root block: every later hash inherits it via the chain.
-    `extra_keys` is what the tokens alone do not say about the block's K/V: the content
-    hashes of the images whose placeholder tokens it covers (placeholders of two images are
-    the same token ids).
-    """
-    data = parent_hash
-    if cache_salt:
-        data += cache_salt.encode("utf-8")
-    if extra_keys:
-        data += b"\x00images:" + extra_keys
-    data += struct.pack(f"<{len(token_ids)}q", *token_ids)
-    return hashlib.sha256(data).digest()
-
-
-def block_extra_keys(images: ImageSpans, start: int, end: int) -> bytes:
-    """The hashes of the images with placeholder tokens in `[start, end)`, in order."""
-    return b"".join(h for offset, length, h in images if offset < end and offset + length > start)
 
 
 #: One list of block ids per KV-cache group (index = group), as the scheduler hands them on.
@@ -403,45 +370,20 @@ class BlockManager:
 
     def check_invariants(self) -> None:
         """Raise AssertionError if tables, ref counts, free queues or hashes disagree."""
-        self.pool.check_invariants()
-        self.state_pool.check_invariants()
         for pool in (self.pool, self.state_pool):
-            self._check_refs(pool)
-
-    def _check_refs(self, pool: BlockPool) -> None:
-        refs: Counter[int] = Counter()
-        for held in self._held_elsewhere(pool):
-            refs[held] += 1
-        for m in self.managers:
-            if m.pool is not pool:
-                continue
-            for request_id, table in m.tables.items():
-                held = [b for b in table if b != NULL_BLOCK]
-                if len(set(held)) != len(held):
-                    raise AssertionError(f"request {request_id} holds a block twice")
-                if m.num_registered.get(request_id, 0) > len(table):
-                    raise AssertionError(f"request {request_id} registered blocks it does not own")
-                refs.update(held)
-                if m.group_id in self._cross:
-                    cached = [b for b in held if pool.blocks[b].block_hash is not None]
-                    if cached:
-                        raise AssertionError(
-                            f"cross blocks {cached} of {request_id} are in the cache"
-                        )
-        for block in pool.blocks:
-            if block.ref_cnt != refs[block.block_id]:
-                raise AssertionError(
-                    f"block {block.block_id}: ref count {block.ref_cnt} "
-                    f"but held by {refs[block.block_id]} tables"
-                )
-
-    def _held_elsewhere(self, pool: BlockPool) -> list[int]:
-        """Slots a state manager holds for the step in flight (snapshots, their sources)."""
-        if pool is not self.state_pool:
-            return []
-        return [slot for m in self._states for slot in m.in_flight()]
+            check_pool_refs(pool, [m for m in self.managers if m.pool is pool])
 
     @property
     def num_cross_tables(self) -> int:
         """Requests holding cross blocks now (0 once every request has ended)."""
         return sum(len([t for t in self.managers[g].tables.values() if t]) for g in self._cross)
+
+
+__all__ = [
+    "CROSS_ATTN",
+    "SELF_ATTN",
+    "BlockManager",
+    "ImageSpans",
+    "KVCacheBlocks",
+    "hash_block_tokens",
+]

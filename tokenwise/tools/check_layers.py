@@ -73,6 +73,7 @@ LAYERS: tuple[Layer, ...] = (
             "tokenwise.kv_cache",
             "tokenwise.kv_cache.specs",
             "tokenwise.kv_cache.layout",
+            "tokenwise.kv_cache.hashing",
         ),
     ),
     # Tensor-parallel rank, size and collectives: what parallel layers read at construction;
@@ -130,6 +131,7 @@ LAYERS: tuple[Layer, ...] = (
             "tokenwise.engine.step_outputs",
             "tokenwise.engine.block_pool",
             "tokenwise.kv_cache.managers",
+            "tokenwise.kv_cache.invariants",
             "tokenwise.engine.block_manager",
             "tokenwise.engine.request_queue",
             "tokenwise.engine.scheduler_hooks",
