@@ -53,6 +53,12 @@ def hf_parts(path: str) -> tuple[Any, Any]:
     return model.eval(), processor
 
 
+# The tiny Gemma 3 has one global and two sliding layers, each a KV-cache group of its own
+# (tokenwise.kv_cache.layout): a block is one layer's page, so 3 * 64 blocks are the memory 64
+# blocks were when a block held all three layers.
+POOL = 3 * 64
+
+
 def hf_inputs(path: str, prompt: str, specs: Specs) -> Any:
     _, processor = hf_parts(path)
     images = [make_image(*s) for s in specs] or None
@@ -105,7 +111,9 @@ def chunk_ends(llm: LLM) -> list[tuple[int, list[tuple[int, int]]]]:
 @pytest.mark.parametrize("budget", [512, 20], ids=["whole-prompts", "chunks-around-images"])
 def test_mixed_batch_equals_hf(ckpt: str, budget: int) -> None:
     # A budget of 20 would end the first chunk of every image prompt inside its image.
-    llm = LLM(ckpt, dtype="float32", num_gpu_blocks=64, block_size=8, max_num_batched_tokens=budget)
+    llm = LLM(
+        ckpt, dtype="float32", num_gpu_blocks=POOL, block_size=8, max_num_batched_tokens=budget
+    )
     ends = chunk_ends(llm)
     got = run(llm, CASES)
     assert got == [hf_greedy(ckpt, *c) for c in CASES]
@@ -133,7 +141,7 @@ def test_first_logprobs_equal_hf_and_need_the_image_mask(
         from tokenwise.attention.backends.torch_backend import TorchAttentionImpl
 
         monkeypatch.setattr(TorchAttentionImpl, "_prefill", TorchAttentionImpl._prefill_packed)
-    llm = LLM(ckpt, dtype="float32", num_gpu_blocks=64, block_size=8, max_num_batched_tokens=24)
+    llm = LLM(ckpt, dtype="float32", num_gpu_blocks=POOL, block_size=8, max_num_batched_tokens=24)
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
     model, _ = hf_parts(ckpt)
     for prompt, specs in CASES[:2]:
@@ -153,7 +161,7 @@ def test_first_logprobs_equal_hf_and_need_the_image_mask(
 
 
 def test_prefix_cache_hits_through_and_into_images(ckpt: str) -> None:
-    llm = LLM(ckpt, dtype="float32", num_gpu_blocks=64, block_size=8)
+    llm = LLM(ckpt, dtype="float32", num_gpu_blocks=POOL, block_size=8)
     engine = llm.llm_engine
     prompt, specs = CASES[0]
     first = llm.generate(engine_prompt(prompt, specs), GREEDY, use_tqdm=False)[0]
@@ -179,7 +187,10 @@ def test_preempting_pool_recomputes_images(ckpt: str) -> None:
     llm = LLM(
         ckpt,
         dtype="float32",
-        num_gpu_blocks=10,
+        # One global and two sliding groups of one layer each: a 72-token sequence holds 9
+        # blocks in the global group and at most 6 (its 32-token chunk and 8-token window) in
+        # each sliding one, 21 in all; two blocks more, so that the four requests preempt.
+        num_gpu_blocks=21 + 2,
         block_size=8,
         max_model_len=72,
         max_num_batched_tokens=32,
@@ -198,7 +209,7 @@ def test_image_longer_than_the_budget_is_refused(ckpt: str) -> None:
     llm = LLM(
         ckpt,
         dtype="float32",
-        num_gpu_blocks=16,
+        num_gpu_blocks=3 * 16,
         block_size=8,
         max_model_len=64,
         max_num_batched_tokens=12,
@@ -241,5 +252,5 @@ def test_checkpoint_layouts_load(ckpt: str, tmp_path: Any, rename: Any) -> None:
         renamed[new] = tensor
     assert len({n.split(".")[0] for n in renamed}) >= (2 if rename is v5_name else 3)
     save_file(renamed, str(moved / "model.safetensors"), metadata={"format": "pt"})
-    llm = LLM(str(moved), dtype="float32", num_gpu_blocks=16, block_size=8, max_model_len=128)
+    llm = LLM(str(moved), dtype="float32", num_gpu_blocks=3 * 16, block_size=8, max_model_len=128)
     assert run(llm, CASES[:1]) == [hf_greedy(ckpt, *CASES[0])]

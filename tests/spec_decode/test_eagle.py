@@ -159,6 +159,10 @@ def _hf_features(path: str, method: str, tokens: list[int]) -> torch.Tensor:
         return torch.cat([seen[i] for i in layers], dim=-1)
 
 
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return torch.allclose(got, want, atol=1e-4 * max(1.0, float(want.abs().max())))
+
+
 @pytest.mark.parametrize(("method", "copy"), [("eagle", False), ("eagle3", False), ("eagle", True)])
 def test_the_head_is_given_the_targets_hidden_states(method: str, copy: bool) -> None:
     """Every catch-up row the head reads equals transformers' feature at that position of the
@@ -194,7 +198,10 @@ def test_the_head_is_given_the_targets_hidden_states(method: str, copy: bool) ->
     for start, tokens, rows in seen:
         span = slice(start, start + len(tokens))
         owners = [i for i, seq in enumerate(full) if seq[start + 1 : span.stop + 1] == tokens]
-        assert any(torch.allclose(rows, features[i][span], atol=1e-4) for i in owners), start
+        # fp32 within 1e-4 of the features' scale: EAGLE-3's reach ~20, where the CPU kernels'
+        # summation order alone moves an entry by ~1e-4 (seen: 1.5e-4 on an AMD EPYC).
+        close = (_close(rows, features[i][span]) for i in owners)
+        assert any(close), start
         decode_rows += sum(start >= len(prompts[i]) for i in owners[:1])
     assert decode_rows > 0  # rows of verified steps, not only of prompts
     if copy:

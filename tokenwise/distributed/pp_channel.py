@@ -1,8 +1,9 @@
 """What pipeline stages send each other, over torch.distributed point-to-point.
 
 Forward, stage s to stage s + 1 (rank t of one stage to rank t of the next), one message per
-micro-batch: a pickled header `("step", virtual_engine, step payload, busy seconds so far of
-each stage before)` (its length first, then its bytes), then one tensor stacking the hidden
+micro-batch: a pickled header `("step", virtual_engine, the encoded step message
+(`step_message.py`), busy seconds so far of each stage before, tokens)` (its length first,
+then its bytes), then one tensor stacking the hidden
 states and the residual. `("stop",)` ends the receiving stage's loop (it passes it on).
 Back, the last stage to the driver: the logits of the rows that sample, after a small float64
 header (rows, columns, then every stage's busy seconds so far).
@@ -37,8 +38,9 @@ from tokenwise.distributed.tp_launch import STOP_TIMEOUT_S, TPWorkers
 from tokenwise.distributed.tp_state import get_tp_rank
 from tokenwise.layers.pipeline import IntermediateTensors
 
-# A message received: (virtual engine, step payload, the activations, busy seconds per stage).
-StageMessage = tuple[int, dict[str, Any], IntermediateTensors | None, list[float]]
+# A message received: (virtual engine, the encoded `StepMessage`, the activations, busy seconds
+# per stage).
+StageMessage = tuple[int, bytes, IntermediateTensors | None, list[float]]
 
 
 class PipelineChannel:
@@ -61,11 +63,12 @@ class PipelineChannel:
     def send_step(
         self,
         virtual_engine: int,
-        payload: dict[str, Any],
+        payload: bytes,
         out: IntermediateTensors,
         busy: list[float],
     ) -> None:
-        header = pickle.dumps(("step", virtual_engine, payload, busy))
+        num_tokens = out.hidden_states.shape[0]
+        header = pickle.dumps(("step", virtual_engine, payload, busy, num_tokens))
         activations = torch.stack([out.hidden_states, out.residual]).to("cpu").contiguous()
         self._send_header(header)
         self._isend(activations, stage_rank(self.rank + 1, self.tp_rank))
@@ -81,8 +84,7 @@ class PipelineChannel:
         message = pickle.loads(data.numpy().tobytes())
         if message[0] == "stop":
             return None
-        _, virtual_engine, payload, busy = message
-        num_tokens = int(payload["input_ids"].shape[0])
+        _, virtual_engine, payload, busy, num_tokens = message
         activations = torch.empty((2, num_tokens, self.hidden_size), dtype=self.dtype)
         dist.recv(activations, src=src, group=group)
         return virtual_engine, payload, IntermediateTensors(activations[0], activations[1]), busy

@@ -1,10 +1,8 @@
-"""What the TP driver sends its workers each step, and the driver's side of that channel.
+"""The TP driver's side of the channel to its workers.
 
-A worker has no scheduler and no requests: it needs exactly the step's flat inputs (token ids,
-positions, lengths, the block tables and slot mapping of every KV-cache group) to build the same
-attention metadata as the driver and run the same forward pass, plus which rows sample (it must
-join the LM head's all-gather for them). These travel as host tensors in one object broadcast
-over the TP group's gloo channel; nothing about requests or sampling crosses.
+Each step the driver broadcasts the step's `StepMessage` (`step_message.py`: the flat inputs,
+every KV-cache group's tables and slot mapping, the rows that sample, the LoRA adapters) as
+bytes over the TP group's gloo channel; nothing about requests or sampling crosses.
 """
 
 from __future__ import annotations
@@ -13,7 +11,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -24,53 +21,6 @@ from tokenwise.distributed.tp_state import (
     get_tp_rank,
     get_tp_size,
 )
-from tokenwise.runner.input_batch import StepInputs
-
-# KV-cache group -> (its block tables, the first logical block of each row (None: all 0, an
-# untrimmed table), its slot mapping). Each group keeps the step's tokens in blocks of its own.
-GroupTables = dict[int, tuple[torch.Tensor, list[int] | None, torch.Tensor]]
-
-
-def step_payload(step: StepInputs, tables: GroupTables) -> dict[str, Any]:
-    def host(t: torch.Tensor) -> torch.Tensor:
-        return t.cpu()
-
-    return {
-        "num_reqs": step.num_reqs,
-        "input_ids": host(step.input_ids),
-        "positions": host(step.positions),
-        "slot_mapping": host(step.slot_mapping),
-        "seq_lens": host(step.seq_lens),
-        "query_lens": step.query_lens_np,
-        "context_lens": step.context_lens_np,
-        "tables": {g: (host(t), first, host(slots)) for g, (t, first, slots) in tables.items()},
-        "logits_indices": step.logits_indices,
-    }
-
-
-def step_from_payload(
-    payload: dict[str, Any], device: torch.device
-) -> tuple[StepInputs, GroupTables]:
-    def dev(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device, non_blocking=True)
-
-    tables = {g: (dev(t), first, dev(slots)) for g, (t, first, slots) in payload["tables"].items()}
-    full_tables = tables[0][0]
-    step = StepInputs(
-        num_reqs=payload["num_reqs"],
-        num_tokens=int(payload["input_ids"].shape[0]),
-        input_ids=dev(payload["input_ids"]),
-        positions=dev(payload["positions"]),
-        slot_mapping=dev(payload["slot_mapping"]),
-        seq_lens=dev(payload["seq_lens"]),
-        block_tables=full_tables,
-        rows=np.zeros(0, dtype=np.int64),
-        query_lens_np=payload["query_lens"],
-        context_lens_np=payload["context_lens"],
-        logits_indices=payload["logits_indices"],
-        sampled=[],
-    )
-    return step, tables
 
 
 class TPDriver:

@@ -71,8 +71,8 @@ class StepInputs:
     sampled: list[ScheduledRequest]
     # Every real request of the step, in step order (a TP worker's copy has none).
     scheduled: list[ScheduledRequest] = field(default_factory=list)
-    # The slot mapping of every self-attention KV-cache group (group 0's is `slot_mapping`):
-    # each group keeps the same tokens in blocks of its own.
+    # The slot mapping of every attention KV-cache group, group 0's (`slot_mapping`) first;
+    # empty with one group. Each group keeps the same tokens in blocks of its own.
     group_slot_mappings: tuple[torch.Tensor, ...] = ()
 
 
@@ -238,6 +238,7 @@ class InputBatch:
         for group, slots in enumerate(self.group_slot_mapping):
             blocks = self.group_tables[group][token_rows, block_index]
             slots.np[:num_tokens] = blocks * self.block_size + offset
+        slot_mapping = self.slot_mapping.copy_to_device(num_tokens)
         seq_lens = context_lens + query_lens
         self.seq_lens.np[:n] = seq_lens
         width = int(-(-seq_lens.max() // self.block_size)) if n else 0
@@ -258,7 +259,7 @@ class InputBatch:
             num_tokens=num_tokens,
             input_ids=self.input_ids.copy_to_device(num_tokens),
             positions=self.positions.copy_to_device(num_tokens),
-            slot_mapping=self.slot_mapping.copy_to_device(num_tokens),
+            slot_mapping=slot_mapping,
             seq_lens=self.seq_lens.copy_to_device(n),
             block_tables=self.block_tables.copy_to_device(n, width=width),
             rows=rows,
@@ -267,10 +268,15 @@ class InputBatch:
             logits_indices=logits_indices,
             sampled=sampled,
             scheduled=list(ordered),
-            group_slot_mappings=tuple(
-                slots.copy_to_device(num_tokens) for slots in self.group_slot_mapping
-            ),
+            group_slot_mappings=self._group_slots(slot_mapping, num_tokens),
         )
+
+    def _group_slots(self, slot_mapping: torch.Tensor, n: int, start: int = 0) -> tuple:
+        """Every group's slot mapping on the device (none beside `slot_mapping` for one)."""
+        if self.num_self_groups == 1:
+            return ()
+        rest = (slots.copy_to_device(n, start=start) for slots in self.group_slot_mapping[1:])
+        return (slot_mapping, *rest)
 
     def pad(self, step: StepInputs, num_tokens: int) -> StepInputs:
         """`step` grown to `num_tokens` tokens with one-token decode rows, for a graph.
@@ -300,10 +306,8 @@ class InputBatch:
             num_tokens=num_tokens,
             input_ids=self.input_ids.copy_to_device(num_tokens, start=t),
             positions=self.positions.copy_to_device(num_tokens, start=t),
-            slot_mapping=self.slot_mapping.copy_to_device(num_tokens, start=t),
-            group_slot_mappings=tuple(
-                slots.copy_to_device(num_tokens, start=t) for slots in self.group_slot_mapping
-            ),
+            slot_mapping=(slot_mapping := self.slot_mapping.copy_to_device(num_tokens, start=t)),
+            group_slot_mappings=self._group_slots(slot_mapping, num_tokens, start=t),
             seq_lens=self.seq_lens.copy_to_device(n + pad, start=n),
             block_tables=self.block_tables.copy_to_device(n + pad, start=n, width=width),
             query_lens_np=np.concatenate([step.query_lens_np, np.ones(pad, dtype=np.int64)]),

@@ -109,9 +109,9 @@ def check_kv_cache_holds_one_sequence(
     if num_blocks >= blocks_needed:
         return
     raise ValueError(
-        f"the KV cache has {num_blocks} blocks of {block_size} tokens, fewer than one sequence "
-        f"of max_model_len={max_model_len} tokens holds at once ({blocks_needed}, over every "
-        f"KV-cache group); give it at least "
+        f"the KV cache holds {num_blocks * block_size} tokens ({num_blocks} blocks of "
+        f"{block_size}), less than one sequence of max_model_len={max_model_len} tokens needs "
+        f"({blocks_needed} blocks over its KV-cache groups); give it at least "
         f"{blocks_needed} blocks (num_gpu_blocks, or more kv_cache_memory / "
         "gpu_memory_utilization) or lower max_model_len"
     )

@@ -21,7 +21,8 @@ from tokenwise.attention.utils import AttentionType
 from tokenwise.compilation.compile import compile_model
 from tokenwise.config import CUDAGraphMode, EngineConfig
 from tokenwise.distributed.dp_coordination import DPStepCounts, coordinate_step_across_dp
-from tokenwise.distributed.tp_channel import TPDriver, step_from_payload, step_payload
+from tokenwise.distributed.step_message import decode_step, encode_step, step_inputs
+from tokenwise.distributed.tp_channel import TPDriver
 from tokenwise.distributed.tp_launch import WorkerMain, start_tensor_parallel
 from tokenwise.distributed.tp_state import get_tp_size
 from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -241,7 +242,7 @@ class ModelRunner(KVCacheSizingMixin, StepMetadataMixin):
         model_kwargs = self._model_inputs(step, attn_metadata)
         if self.tp_size > 1:
             self.tp.check_workers()
-            self.tp.broadcast(("step", step_payload(step, tables), loras))
+            self.tp.broadcast(("step", encode_step(step, tables, loras)))
         capture = self.hidden_capture
         if capture is not None:
             capture.begin()
@@ -319,8 +320,9 @@ class ModelRunner(KVCacheSizingMixin, StepMetadataMixin):
             if message[0] == "dummy":
                 self.execute_dummy_batch(message[1])
                 continue
-            step, tables = step_from_payload(message[1], self.device)
-            self._prepare_lora(message[2], step)
+            step_message = decode_step(message[1])
+            step, tables = step_inputs(step_message, self.device)
+            self._prepare_lora(step_message.loras, step)
             hidden = self._run_eager(step, self._attn_metadata(step, tables))
             if step.logits_indices:
                 self._logits(hidden, step.logits_indices)  # joins the vocab all-gather

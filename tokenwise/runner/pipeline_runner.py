@@ -32,7 +32,7 @@ from tokenwise.config import EngineConfig
 from tokenwise.distributed.pp_channel import PipelineChannel, StageMessage
 from tokenwise.distributed.pp_launch import start_pipeline_parallel
 from tokenwise.distributed.pp_state import ENV_LAYER_PARTITION, get_pp_rank, get_pp_size
-from tokenwise.distributed.tp_channel import step_from_payload, step_payload
+from tokenwise.distributed.step_message import decode_step, encode_step, step_inputs
 from tokenwise.distributed.tp_launch import WorkerMain
 from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from tokenwise.forward_context import set_forward_context
@@ -55,20 +55,6 @@ class _InFlight:
     step: StepInputs
     num_sample_rows: int
     prompt_rows: PromptLogprobRows | None
-
-
-def _owned(payload: dict[str, Any]) -> dict[str, Any]:
-    """The payload with its tensors copied out of the input batch's buffers (which the next
-    step of the same virtual engine overwrites, and whose whole storage pickle would send)."""
-
-    def own(value: Any) -> Any:
-        return value.clone() if isinstance(value, torch.Tensor) else value
-
-    out = {key: own(value) for key, value in payload.items()}
-    out["tables"] = {
-        g: (own(t), first, own(slots)) for g, (t, first, slots) in payload["tables"].items()
-    }
-    return out
 
 
 class PipelineModelRunner(ModelRunner):
@@ -177,7 +163,7 @@ class PipelineModelRunner(ModelRunner):
         if prompt_rows is not None:  # after the sampling rows; the last stage computes them
             step.logits_indices = step.logits_indices + prompt_rows.flat_indices
         tables = self._metadata_tables(step)
-        payload = _owned(step_payload(step, tables))
+        payload = encode_step(step, tables)  # bytes: owned, whatever the buffers do next
         with self.channel.failures_named():
             if self.tp.active:  # stage 0's other TP ranks run the same batch
                 self.tp.broadcast(("pp_step", virtual_engine, payload))
@@ -266,7 +252,7 @@ class PipelineModelRunner(ModelRunner):
                 channel.forward_stop()
                 return
             virtual_engine, payload, received, busy = message
-            step, tables = step_from_payload(payload, self.device)
+            step, tables = step_inputs(decode_step(payload), self.device)
             intermediate = None
             if received is not None:
                 intermediate = IntermediateTensors(*(t.to(self.device) for t in received))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from tokenwise.attention.metadata import AttentionMetadata, CommonMetadataBuilder
-from tokenwise.distributed.tp_channel import GroupTables
+from tokenwise.distributed.step_message import GroupTables
 from tokenwise.kv_cache.layout import KVCacheLayout
 from tokenwise.kv_cache.specs import CrossAttentionSpec, SlidingWindowSpec
 from tokenwise.runner.input_batch import InputBatch, StepInputs

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from tokenwise.config import SpeculativeConfig
-from tokenwise.distributed.tp_channel import GroupTables
+from tokenwise.distributed.step_message import GroupTables
 from tokenwise.runner.input_batch import InputBatch, StepInputs
 
 # Queries this long or shorter, after a context, are verification-sized.

@@ -167,7 +167,14 @@ LAYERS: tuple[Layer, ...] = (
     ),
     # Input batch, model runner, CUDA graphs, KV cache sizing: a scheduled step to sampled
     # tokens. The TP channel sends the runner's step inputs, so it lives beside them.
-    Layer("runner", ("tokenwise.runner.*", "tokenwise.distributed.tp_channel")),
+    Layer(
+        "runner",
+        (
+            "tokenwise.runner.*",
+            "tokenwise.distributed.tp_channel",
+            "tokenwise.distributed.step_message",
+        ),
+    ),
     # A TP worker's start-up (spawned or torchrun): it builds a runner, and the engine
     # constructors call it (a torchrun rank other than 0 turns into a worker before any engine).
     Layer(
