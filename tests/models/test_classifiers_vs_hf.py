@@ -1,0 +1,158 @@
+"""Sequence classifiers against Hugging Face: `LLM.score` and `LLM.classify` equal HF's
+`*ForSequenceClassification` logits through the checkpoint's activation, within 1e-4 in fp32.
+
+Cross-encoders (BERT with token types, XLM-RoBERTa with one type) score (query, document)
+pairs as HF reads them: `tokenizer(query, document)` in one sequence. The Qwen3 classifier
+reads its last token through causal attention with no KV cache. References come from HF run one
+sequence at a time, with sigmoid / softmax written here; the engine batches them in one step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from tests.tiny_checkpoints import build_tiny_checkpoint
+from tokenwise.attention.backends.encoder_only import attend_within_sequences
+from tokenwise.entrypoints.llm import LLM
+from tokenwise.pooling.classifier import classifier_activation
+
+QUERIES = ["what is a cat", "paged attention"]
+DOCS = [
+    "The cat sat on the mat.",
+    "Paged attention stores keys and values in fixed-size blocks of memory.",
+    "a",
+]
+ATOL = 1e-4
+
+
+def hf_logits(model_dir: str, arch: str, first: str, second: str | None, types: bool = True):
+    """HF's logits for one text (or pair), batch of one; `types=False` drops token types."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = getattr(transformers, arch).from_pretrained(model_dir, dtype=torch.float32).eval()
+    typed = types and getattr(model.config, "type_vocab_size", 1) > 1
+    enc = tokenizer(first, second, return_tensors="pt", return_token_type_ids=typed)
+    with torch.no_grad():
+        return model(**enc).logits[0]
+
+
+def make_llm(tmp_path_factory, arch: str, task: str, **overrides) -> tuple[str, LLM]:
+    path = build_tiny_checkpoint(tmp_path_factory.mktemp(arch), arch, **overrides)
+    return path, LLM(path, task=task, dtype="float32", device="cpu", max_num_batched_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory) -> tuple[str, LLM]:
+    return make_llm(tmp_path_factory, "BertForSequenceClassification", "auto", num_labels=1)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory) -> tuple[str, LLM]:
+    return make_llm(tmp_path_factory, "Qwen3ForSequenceClassification", "auto", num_labels=3)
+
+
+def test_bert_cross_encoder_scores_equal_hf(bert) -> None:
+    path, llm = bert
+    arch = "BertForSequenceClassification"
+    assert llm.engine_config.model.task == "score"  # "auto": one label
+    one_to_many = llm.score(QUERIES[0], DOCS, use_tqdm=False)
+    pairwise = llm.score(QUERIES + [QUERIES[0]], DOCS, use_tqdm=False)
+    for outs, firsts in ((one_to_many, [QUERIES[0]] * 3), (pairwise, QUERIES + [QUERIES[0]])):
+        assert len(outs) == 3
+        for out, first, doc in zip(outs, firsts, DOCS, strict=True):
+            expected = torch.sigmoid(hf_logits(path, arch, first, doc))[0].item()
+            assert out.outputs.score == pytest.approx(expected, abs=ATOL)
+            assert out.error is None and out.finished
+    # Token types reach the model: without them HF scores the first pair differently.
+    untyped = torch.sigmoid(hf_logits(path, arch, QUERIES[0], DOCS[0], types=False))[0].item()
+    assert abs(untyped - one_to_many[0].outputs.score) > 1e-3
+    tokenizer = llm.get_tokenizer()
+    assert one_to_many[1].prompt_token_ids == tokenizer(QUERIES[0], DOCS[1])["input_ids"]
+
+
+def test_xlm_roberta_cross_encoder_scores_equal_hf(tmp_path_factory) -> None:
+    arch = "XLMRobertaForSequenceClassification"
+    path, llm = make_llm(tmp_path_factory, arch, "score", num_labels=1)
+    outs = llm.score(QUERIES[1], DOCS, use_tqdm=False)
+    expected = [torch.sigmoid(hf_logits(path, arch, QUERIES[1], d))[0].item() for d in DOCS]
+    assert [o.outputs.score for o in outs] == pytest.approx(expected, abs=ATOL)
+
+
+def test_qwen3_classifier_probs_equal_hf(qwen3) -> None:
+    path, llm = qwen3
+    assert llm.engine_config.model.task == "classify"  # "auto": three labels
+    texts = [*DOCS, "import os"]
+    outs = llm.classify(texts, use_tqdm=False)
+    for out, text in zip(outs, texts, strict=True):
+        expected = torch.softmax(hf_logits(path, "Qwen3ForSequenceClassification", text, None), -1)
+        assert out.outputs.num_classes == 3
+        torch.testing.assert_close(torch.tensor(out.outputs.probs), expected, atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="LLM.score needs a model loaded with task='score'; .* "):
+        llm.score("a", "b")
+    with pytest.raises(ValueError, match="task='classify' and cannot generate text"):
+        llm.generate("Hello")
+
+
+def test_qwen3_reward_model_scores_equal_hf(tmp_path_factory) -> None:
+    arch = "Qwen3ForSequenceClassification"
+    path, llm = make_llm(tmp_path_factory, arch, "score", num_labels=1)
+    outs = llm.score(QUERIES, DOCS[:2], use_tqdm=False)
+    for out, first, doc in zip(outs, QUERIES, DOCS[:2], strict=True):
+        expected = torch.sigmoid(hf_logits(path, arch, first, doc))[0].item()
+        assert out.outputs.score == pytest.approx(expected, abs=ATOL)
+
+
+def test_bad_input_and_task_mismatches_are_clear_errors(bert, qwen3) -> None:
+    _, llm = bert
+    with pytest.raises(ValueError, match="text_1 has 2 texts and text_2 3"):
+        llm.score(QUERIES, DOCS)
+    with pytest.raises(ValueError, match=r"text_2\[1\] is an empty string"):
+        llm.score("q", ["a", ""])
+    with pytest.raises(ValueError, match="LLM.classify needs a model loaded with task='classify'"):
+        llm.classify("a")
+    with pytest.raises(ValueError, match="LLM.embed needs an embedding model"):
+        llm.embed("a")
+    engine = llm.llm_engine
+    with pytest.raises(ValueError, match=r"token_type_ids must hold integers in \[0, 2\)"):
+        engine.add_request("t", {"prompt_token_ids": [2, 3], "token_type_ids": [0, 2]})
+    with pytest.raises(ValueError, match=r"one integer per prompt token \(2\), got 1"):
+        engine.add_request("t", {"prompt_token_ids": [2, 3], "token_type_ids": [0]})
+    assert not engine.has_unfinished_requests()
+    path3 = qwen3[0]
+    with pytest.raises(ValueError, match="task='score' needs a classifier with one label"):
+        LLM(path3, task="score", dtype="float32", device="cpu")
+    with pytest.raises(ValueError, match="is a sequence classifier; use task='score'"):
+        LLM(path3, task="embed", dtype="float32", device="cpu")
+    with pytest.raises(ValueError, match="override_pooler_config applies to task='embed'"):
+        from tokenwise.config import PoolerConfig
+
+        LLM(path3, task="classify", override_pooler_config=PoolerConfig("MEAN"))
+
+
+def test_activation_follows_problem_type() -> None:
+    config = transformers.BertConfig(num_labels=2)
+    assert classifier_activation(config) == "softmax"
+    config.problem_type = "multi_label_classification"
+    assert classifier_activation(config) == "sigmoid"
+    assert classifier_activation(transformers.BertConfig(num_labels=1)) == "sigmoid"
+    assert classifier_activation(transformers.BertConfig(problem_type="regression")) == "none"
+
+
+def test_causal_packed_attention_equals_per_sequence() -> None:
+    """The GPU's one padded call with the causal mask equals one causal call per sequence."""
+    gen = torch.Generator().manual_seed(0)
+    lens = [3, 7, 1, 5]
+    q, k, v = (torch.randn(sum(lens), 4 * 8, generator=gen) for _ in range(3))
+    settings = {"num_heads": 4, "num_kv_heads": 4, "head_size": 8, "scale": 8**-0.5}
+    results = {}
+    for causal in (True, False):
+        packed = attend_within_sequences(q, k, v, lens, True, causal, **settings)
+        single = attend_within_sequences(q, k, v, lens, False, causal, **settings)
+        torch.testing.assert_close(packed, single, atol=1e-5, rtol=0)
+        results[causal] = single
+    # Causal: a sequence's first token sees only itself, so its output is its own value; its
+    # last token sees the whole sequence, as bidirectional attention does.
+    torch.testing.assert_close(results[True][3], v[3], atol=1e-6, rtol=0)
+    torch.testing.assert_close(results[True][9], results[False][9], atol=1e-6, rtol=0)
+    assert not torch.allclose(results[True][3], results[False][3], atol=1e-3)
