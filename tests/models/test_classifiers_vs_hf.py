@@ -14,7 +14,6 @@ import torch
 import transformers
 
 from tests.tiny_checkpoints import build_tiny_checkpoint
-from tokenwise.attention.backends.encoder_only import attend_within_sequences
 from tokenwise.entrypoints.llm import LLM
 from tokenwise.pooling.classifier import classifier_activation
 
@@ -137,22 +136,3 @@ def test_activation_follows_problem_type() -> None:
     assert classifier_activation(config) == "sigmoid"
     assert classifier_activation(transformers.BertConfig(num_labels=1)) == "sigmoid"
     assert classifier_activation(transformers.BertConfig(problem_type="regression")) == "none"
-
-
-def test_causal_packed_attention_equals_per_sequence() -> None:
-    """The GPU's one padded call with the causal mask equals one causal call per sequence."""
-    gen = torch.Generator().manual_seed(0)
-    lens = [3, 7, 1, 5]
-    q, k, v = (torch.randn(sum(lens), 4 * 8, generator=gen) for _ in range(3))
-    settings = {"num_heads": 4, "num_kv_heads": 4, "head_size": 8, "scale": 8**-0.5}
-    results = {}
-    for causal in (True, False):
-        packed = attend_within_sequences(q, k, v, lens, True, causal, **settings)
-        single = attend_within_sequences(q, k, v, lens, False, causal, **settings)
-        torch.testing.assert_close(packed, single, atol=1e-5, rtol=0)
-        results[causal] = single
-    # Causal: a sequence's first token sees only itself, so its output is its own value; its
-    # last token sees the whole sequence, as bidirectional attention does.
-    torch.testing.assert_close(results[True][3], v[3], atol=1e-6, rtol=0)
-    torch.testing.assert_close(results[True][9], results[False][9], atol=1e-6, rtol=0)
-    assert not torch.allclose(results[True][3], results[False][3], atol=1e-3)

@@ -100,8 +100,10 @@ class Attention(AttentionLayerBase):
         attn_type = AttentionType(attn_type)
         if attn_type is not AttentionType.DECODER and sliding_window is not None:
             raise ValueError(
-                f"{attn_type.value} attention takes no sliding window (only paged decoder "
-                "attention slides)"
+                f"{attn_type.value} attention is not causal; it takes no sliding window"
+                if attn_type is not AttentionType.DECODER_NO_CACHE
+                else "decoder_no_cache attention takes no sliding window (a classifier with a "
+                "sliding-window config is not supported)"
             )
         self.num_heads = num_heads
         self.head_size = head_size
