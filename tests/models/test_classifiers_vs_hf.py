@@ -16,6 +16,8 @@ import transformers
 from tests.tiny_checkpoints import build_tiny_checkpoint
 from tokenwise.entrypoints.llm import LLM
 from tokenwise.pooling.classifier import classifier_activation
+from tokenwise.pooling.params import PoolingParams
+from tokenwise.sampling.params import SamplingParams
 
 QUERIES = ["what is a cat", "paged attention"]
 DOCS = [
@@ -117,6 +119,10 @@ def test_bad_input_and_task_mismatches_are_clear_errors(bert, qwen3) -> None:
         engine.add_request("t", {"prompt_token_ids": [2, 3], "token_type_ids": [0, 2]})
     with pytest.raises(ValueError, match=r"one integer per prompt token \(2\), got 1"):
         engine.add_request("t", {"prompt_token_ids": [2, 3], "token_type_ids": [0]})
+    with pytest.raises(ValueError, match="normalize applies to embeddings"):
+        engine.add_request("n", "a", PoolingParams(normalize=True))
+    with pytest.raises(ValueError, match="is a scoring model .*use LLM.score"):
+        engine.add_request("g", "a", SamplingParams())
     assert not engine.has_unfinished_requests()
     path3 = qwen3[0]
     with pytest.raises(ValueError, match="task='score' needs a classifier with one label"):

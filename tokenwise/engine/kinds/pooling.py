@@ -28,6 +28,13 @@ from tokenwise.outputs import EmbeddingOutput, EmbeddingRequestOutput
 from tokenwise.pooling.params import PoolingParams
 from tokenwise.sampling.params import SamplingParams
 
+# Each pooling task's model, and what serves it (for the errors that send a caller there).
+_TASK_USE = {
+    "embed": ("an embedding model", "LLM.embed or the /v1/embeddings endpoint"),
+    "score": ("a scoring model", "LLM.score or the /v1/score and /v1/rerank endpoints"),
+    "classify": ("a classification model", "LLM.classify or the /v1/classify endpoint"),
+}
+
 # A Request carries SamplingParams; an embedding request's are a placeholder nothing reads.
 _NO_SAMPLING = SamplingParams(max_tokens=1)
 
@@ -51,15 +58,16 @@ class EmbedKind(ModelKind):
         model = self.engine.model_config
         params = PoolingParams() if new.params is None else new.params
         if isinstance(params, SamplingParams):
+            kind, use = _TASK_USE[model.task]
             raise ValueError(
-                f"model {model.model!r} is an embedding model (task='embed'): it cannot "
-                "generate text; use LLM.embed or the /v1/embeddings endpoint"
+                f"model {model.model!r} is {kind} (task={model.task!r}): it cannot "
+                f"generate text; use {use}"
             )
         if not isinstance(params, PoolingParams):
             raise TypeError(f"params must be a PoolingParams, got {type(params).__name__}")
         if new.lora_request is not None:
             raise ValueError(
-                f"model {model.model!r} is an embedding model: it takes no LoRA adapter "
+                f"model {model.model!r} is {_TASK_USE[model.task][0]}: it takes no LoRA adapter "
                 f"(got {new.lora_request.lora_name!r})"
             )
         params.verify(model.model)
