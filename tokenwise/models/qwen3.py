@@ -15,7 +15,7 @@ from torch import nn
 
 from tokenwise.attention.utils import AttentionType
 from tokenwise.config import EngineConfig, PoolerConfig
-from tokenwise.models.llama import DecoderVariant, LlamaForCausalLM, LlamaModel, _join
+from tokenwise.models.llama import DecoderVariant, LlamaForCausalLM, LlamaModel
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
@@ -40,7 +40,8 @@ class Qwen3ForSequenceClassification(Qwen3ForCausalLM):
     def __init__(self, config: EngineConfig, prefix: str = "") -> None:
         nn.Module.__init__(self)
         hf = config.model.hf_config
-        self.model = LlamaModel(config, self.decoder_variant(hf), _join(prefix, "model"))
+        prefix = f"{prefix}.model" if prefix else "model"
+        self.model = LlamaModel(config, self.decoder_variant(hf), prefix)
         self.tie_word_embeddings = False  # the score head is never tied
         self._head_from_embedding = False
         self.score = nn.Linear(hf.hidden_size, int(getattr(hf, "num_labels", 2)), bias=False)
@@ -50,7 +51,10 @@ class Qwen3ForSequenceClassification(Qwen3ForCausalLM):
         variant = super().decoder_variant(hf_config)
         return replace(variant, attn_type=AttentionType.DECODER_NO_CACHE)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """The last hidden states (final norm applied) of every token of the step."""
         return self.model(input_ids, positions)
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:

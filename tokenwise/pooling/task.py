@@ -90,13 +90,14 @@ def check_embed_settings(
     """What a pooling engine cannot do yet, refused by name (it runs eagerly on one rank)."""
     if data_parallel_size > 1 or tensor_parallel_size > 1:
         raise ValueError(
-            "pooling tasks (embed, score, classify) run on one rank: data_parallel_size and tensor_parallel_size must "
-            f"be 1, got {data_parallel_size} and {tensor_parallel_size}"
+            "pooling tasks (embed, score, classify) run on one rank: data_parallel_size and "
+            f"tensor_parallel_size must be 1, got {data_parallel_size} and {tensor_parallel_size}"
         )
     if (
         cudagraph_mode is not None
         and str(getattr(cudagraph_mode, "name", cudagraph_mode)).upper() != "NONE"
     ):
         raise ValueError(
-            f"pooling tasks (embed, score, classify) run eagerly: cudagraph_mode must be NONE, got {cudagraph_mode}"
+            "pooling tasks (embed, score, classify) run eagerly: cudagraph_mode must be NONE, "
+            f"got {cudagraph_mode}"
         )
