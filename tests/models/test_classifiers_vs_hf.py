@@ -89,7 +89,7 @@ def test_qwen3_classifier_probs_equal_hf(qwen3) -> None:
         expected = torch.softmax(hf_logits(path, "Qwen3ForSequenceClassification", text, None), -1)
         assert out.outputs.num_classes == 3
         torch.testing.assert_close(torch.tensor(out.outputs.probs), expected, atol=ATOL, rtol=0)
-    with pytest.raises(ValueError, match="LLM.score needs a model loaded with task='score'; .* "):
+    with pytest.raises(ValueError, match="LLM.score needs a model loaded with task='score' or "):
         llm.score("a", "b")
     with pytest.raises(ValueError, match="task='classify' and cannot generate text"):
         llm.generate("Hello")
@@ -102,6 +102,23 @@ def test_qwen3_reward_model_scores_equal_hf(tmp_path_factory) -> None:
     for out, first, doc in zip(outs, QUERIES, DOCS[:2], strict=True):
         expected = torch.sigmoid(hf_logits(path, arch, first, doc))[0].item()
         assert out.outputs.score == pytest.approx(expected, abs=ATOL)
+
+
+def test_embedding_model_scores_by_cosine_similarity(tmp_path_factory) -> None:
+    """vLLM's scoring with a bi-encoder: the cosine of the two texts' embeddings (those are
+    checked against HF in test_bert_vs_hf.py)."""
+    path = build_tiny_checkpoint(tmp_path_factory.mktemp("bert-embed"), "BertModel")
+    llm = LLM(path, task="embed", dtype="float32", device="cpu")
+    outs = llm.score(QUERIES[0], DOCS, use_tqdm=False)
+    query = torch.tensor(llm.embed(QUERIES[0], use_tqdm=False)[0].outputs.embedding)
+    for out, doc in zip(outs, DOCS, strict=True):
+        vector = torch.tensor(llm.embed(doc, use_tqdm=False)[0].outputs.embedding)
+        expected = (query @ vector / (query.norm() * vector.norm())).item()
+        assert out.outputs.score == pytest.approx(expected, abs=1e-5)
+        assert len(out.prompt_token_ids) == len(llm.get_tokenizer()(QUERIES[0])["input_ids"]) + len(
+            llm.get_tokenizer()(doc)["input_ids"]
+        )
+    assert len({o.outputs.score for o in outs}) == 3  # the documents differ
 
 
 def test_bad_input_and_task_mismatches_are_clear_errors(bert, qwen3) -> None:

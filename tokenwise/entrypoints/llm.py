@@ -28,6 +28,8 @@ from tokenwise.entrypoints.engine_config import (  # noqa: F401 (re-exported: th
 )
 from tokenwise.entrypoints.scoring import (
     check_task,
+    cosine_score,
+    distinct_texts,
     pair_prompt,
     score_pairs,
     to_classification,
@@ -204,13 +206,23 @@ class LLM:
     ) -> list[ScoringRequestOutput]:
         """The relevance of each text pair, as vLLM's `LLM.score`: `text_1` one text against
         every text of `text_2` (1:1, 1:N), or two lists of the same length paired in order
-        (N:N). Needs a cross-encoder (or single-label classifier) loaded with task="score";
-        each pair is read as one sequence, so the scores equal the checkpoint's HF model."""
+        (N:N). A cross-encoder (task="score") reads each pair as one sequence, so the scores
+        equal the checkpoint's HF model; an embedding model (task="embed") scores a pair by
+        the cosine similarity of the two texts' embeddings."""
         model = self.engine_config.model
-        check_task(model, "score", "LLM.score")
+        check_task(model, ("score", "embed"), "LLM.score")
+        pairs = score_pairs(text_1, text_2)
+        if model.task == "embed":
+            texts, index = distinct_texts(pairs)
+            embedded = self._run(
+                self._add_all(list(texts), [PoolingParams()] * len(texts)), use_tqdm
+            )
+            return [
+                cosine_score(str(n), embedded[i], embedded[j]) for n, (i, j) in enumerate(index)
+            ]
         tokenizer = self.get_tokenizer()
         prompts: list[PromptInput] = [
-            pair_prompt(tokenizer, model.hf_config, a, b) for a, b in score_pairs(text_1, text_2)
+            pair_prompt(tokenizer, model.hf_config, a, b) for a, b in pairs
         ]
         outs = self._run(self._add_all(prompts, [PoolingParams()] * len(prompts)), use_tqdm)
         return [to_score(o) for o in outs]
@@ -221,7 +233,7 @@ class LLM:
         """Each prompt's class probabilities (`outputs.probs`, in the order of the model's
         labels: softmax, or a sigmoid for a single-label or multi-label head), as vLLM's
         `LLM.classify`. Needs a sequence classifier loaded with task="classify"."""
-        check_task(self.engine_config.model, "classify", "LLM.classify")
+        check_task(self.engine_config.model, ("classify",), "LLM.classify")
         prompts = _as_prompt_list(prompts)
         outs = self._run(self._add_all(prompts, [PoolingParams()] * len(prompts)), use_tqdm)
         return [to_classification(o) for o in outs]

@@ -11,13 +11,18 @@ b </s>` for XLM-RoBERTa); token types go with it when the model has more than on
 
 The engine's pooled vector of a classifier is its label probabilities (`pooling/classifier.py`);
 here it becomes a `ScoringRequestOutput` (the single label's probability) or a
-`ClassificationRequestOutput` (all of them).
+`ClassificationRequestOutput` (all of them). An embedding model scores too, as in vLLM: each
+distinct text is embedded once and a pair's score is the cosine similarity of its two
+embeddings (a bi-encoder: cheaper than a cross-encoder, and usually less accurate).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+import torch
+import torch.nn.functional as F
 
 from tokenwise.engine.prompts import check_text
 from tokenwise.model_config import ModelConfig
@@ -38,12 +43,12 @@ class ScoringInputError(ValueError):
         self.param = param
 
 
-def check_task(model: ModelConfig, task: str, what: str) -> None:
-    """Refuse `what` (an API) unless the engine runs `task`, naming the task it does run."""
-    if model.task != task:
+def check_task(model: ModelConfig, tasks: tuple[str, ...], what: str) -> None:
+    """Refuse `what` (an API) unless the engine runs one of `tasks`, naming the one it runs."""
+    if model.task not in tasks:
+        wanted = " or ".join(f"task={t!r}" for t in tasks)
         raise ValueError(
-            f"{what} needs a model loaded with task={task!r}; {model.model!r} runs "
-            f"task={model.task!r}"
+            f"{what} needs a model loaded with {wanted}; {model.model!r} runs task={model.task!r}"
         )
 
 
@@ -116,3 +121,35 @@ def to_classification(out: EmbeddingRequestOutput) -> ClassificationRequestOutpu
         out.finished,
         out.error or (None if out.outputs.embedding else "the request was aborted"),
     )
+
+
+def distinct_texts(pairs: Sequence[tuple[str, str]]) -> tuple[list[str], list[tuple[int, int]]]:
+    """The texts an embedding model embeds to score `pairs` (each once: a 1:N query is embedded
+    one time), and each pair's two positions in that list."""
+    texts: list[str] = []
+    position: dict[str, int] = {}
+    index = []
+    for pair in pairs:
+        where = []
+        for text in pair:
+            if text not in position:
+                position[text] = len(texts)
+                texts.append(text)
+            where.append(position[text])
+        index.append((where[0], where[1]))
+    return texts, index
+
+
+def cosine_score(
+    request_id: str, first: EmbeddingRequestOutput, second: EmbeddingRequestOutput
+) -> ScoringRequestOutput:
+    """A pair's score from two embeddings: their cosine similarity, in [-1, 1]."""
+    error = first.error or second.error
+    if error is None and not (first.outputs.embedding and second.outputs.embedding):
+        error = "the request was aborted"
+    score = float("nan")
+    if error is None:
+        a, b = (torch.tensor(o.outputs.embedding) for o in (first, second))
+        score = float(F.cosine_similarity(a, b, dim=0))
+    tokens = first.prompt_token_ids + second.prompt_token_ids
+    return ScoringRequestOutput(request_id, ScoringOutput(score), tokens, True, error)

@@ -1,9 +1,11 @@
 """`/v1/score`, `/v1/rerank` (and `/rerank`, `/v2/rerank`) and `/v1/classify` over a classifier.
 
 Score and rerank need a model served with `--task score` (a cross-encoder, or a single-label
-classifier such as a reward model); classify one served with `--task classify`. Each text pair
-or input becomes one engine request, batched with whatever else waits; pairing, tokenization
-and the numbers are `entrypoints/scoring.py`'s, the same as `LLM.score` / `LLM.classify`.
+classifier such as a reward model) or `--task embed` (cosine similarity of embeddings, as in
+vLLM); classify one served with `--task classify`. Each text pair (each distinct text, for an
+embedding model) or input becomes one engine request, batched with whatever else waits;
+pairing, tokenization and the numbers are `entrypoints/scoring.py`'s, as for `LLM.score` /
+`LLM.classify`.
 
 Rerank is scoring with a different envelope: the query is paired with every document, and the
 results come back sorted by relevance, best first, each with the document's `index` in the
@@ -16,7 +18,7 @@ a 400 naming that task and the one it needs (`param: model`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import Request
@@ -45,7 +47,13 @@ from tokenwise.entrypoints.openai.server_config import ServerConfig
 from tokenwise.entrypoints.openai.serving_common import UsageCounter, respond
 from tokenwise.entrypoints.openai.serving_embeddings import embedding_inputs
 from tokenwise.entrypoints.openai.serving_models import ServingModels
-from tokenwise.entrypoints.scoring import ScoringInputError, pair_prompt, score_pairs
+from tokenwise.entrypoints.scoring import (
+    ScoringInputError,
+    cosine_score,
+    distinct_texts,
+    pair_prompt,
+    score_pairs,
+)
 from tokenwise.outputs import EmbeddingRequestOutput
 from tokenwise.pooling.params import PoolingParams
 
@@ -58,12 +66,18 @@ _TASK_USE = {
 }
 
 
-def require_task(config: ServerConfig, task: str, route: str) -> None:
-    """400 (param `model`) unless the served model runs `task`, naming the task it runs."""
-    if config.task != task:
+# Score and rerank: a cross-encoder, or an embedding model (cosine similarity, as vLLM).
+_SCORING_TASKS = ("score", "embed")
+
+
+def require_task(config: ServerConfig, tasks: tuple[str, ...], route: str) -> None:
+    """400 (param `model`) unless the served model runs one of `tasks`, naming the task it
+    runs."""
+    if config.task not in tasks:
+        wanted = " or ".join(f"--task {t}" for t in tasks)
         raise OpenAIError(
             400,
-            f"{route} needs a model served with --task {task}; the model "
+            f"{route} needs a model served with {wanted}; the model "
             f"{config.served_model_name!r} runs task {config.task!r}: it "
             f"{_TASK_USE.get(config.task, config.task)}",
             param="model",
@@ -113,15 +127,21 @@ class ScoringServing:
         self.config = config
         self.models = models or ServingModels(config.served_model_name, config.max_model_len)
 
-    def _start(self, body: Any, raw: Request, prefix: str, task: str) -> str:
+    def _start(self, body: Any, raw: Request, prefix: str, tasks: tuple[str, ...]) -> str:
         request_id = set_request_id(raw, prefix)
         accept_fields(body, self.config.strict_request_fields, request_id, raw.url.path)
         if self.models.resolve(body.model) is not None:
-            raise OpenAIError(400, f"LoRA adapters are not served for {task}", param="model")
-        require_task(self.config, task, raw.url.path)
+            raise OpenAIError(400, f"LoRA adapters are not served for {prefix}", param="model")
+        require_task(self.config, tasks, raw.url.path)
         return request_id
 
-    def _pair_prompts(self, pairs: list[tuple[str, str]], param: str) -> list[Any]:
+    async def _score_pairs(
+        self, raw: Request, request_id: str, pairs: list[tuple[str, str]], param: str
+    ) -> tuple[RequestStream, Callable[[], Awaitable[tuple[list[float], PoolingUsage]]]]:
+        """Submit what scores `pairs`; returns the stream and what awaits each pair's score
+        and the usage. A cross-encoder reads each pair as one prompt; an embedding model
+        embeds each distinct text once (usage counts it once) and scores by cosine
+        similarity."""
         if len(pairs) > self.config.max_prompts:
             raise OpenAIError(
                 400,
@@ -130,8 +150,23 @@ class ScoringServing:
                 param=param,
             )
         engine = self.engine.engine
-        tokenizer, hf = engine.tokenizer, engine.model_config.hf_config
-        return [pair_prompt(tokenizer, hf, a, b) for a, b in pairs]
+        index: list[tuple[int, int]] | None = None
+        prompts: list[Any]
+        if self.config.task == "embed":
+            prompts, index = distinct_texts(pairs)
+        else:
+            tokenizer, hf = engine.tokenizer, engine.model_config.hf_config
+            prompts = [pair_prompt(tokenizer, hf, a, b) for a, b in pairs]
+        stream, usage = await self._submit(raw, request_id, prompts, param)
+
+        async def scores() -> tuple[list[float], PoolingUsage]:
+            outs = await _gather(stream, usage)
+            if index is None:
+                return [o.outputs.embedding[0] for o in outs], _usage(outs)
+            scored = [cosine_score(request_id, outs[i], outs[j]) for i, j in index]
+            return [s.outputs.score for s in scored], _usage(outs)
+
+        return stream, scores
 
     async def _submit(
         self, raw: Request, request_id: str, prompts: list[Any], param: str
@@ -145,59 +180,57 @@ class ScoringServing:
         return stream, usage
 
     async def score(self, body: ScoreRequest, raw: Request) -> Response:
-        request_id = self._start(body, raw, "score", "score")
+        request_id = self._start(body, raw, "score", _SCORING_TASKS)
         try:
             pairs = score_pairs(body.text_1, body.text_2)
         except ScoringInputError as exc:
             raise OpenAIError(400, str(exc), param=exc.param) from exc
-        prompts = self._pair_prompts(pairs, "text_2")
-        stream, usage = await self._submit(raw, request_id, prompts, "text_2")
+        stream, scores = await self._score_pairs(raw, request_id, pairs, "text_2")
 
         async def collect() -> ScoreResponse:
-            outs = await _gather(stream, usage)
-            data = [ScoreData(index=i, score=o.outputs.embedding[0]) for i, o in enumerate(outs)]
+            scored, used = await scores()
+            data = [ScoreData(index=i, score=score) for i, score in enumerate(scored)]
             return ScoreResponse(
-                id=request_id, model=self.config.served_model_name, data=data, usage=_usage(outs)
+                id=request_id, model=self.config.served_model_name, data=data, usage=used
             )
 
         return await respond(raw, stream, collect())
 
     async def rerank(self, body: RerankRequest, raw: Request, api_version: str = "1") -> Response:
-        request_id = self._start(body, raw, "rerank", "score")
+        request_id = self._start(body, raw, "rerank", _SCORING_TASKS)
         documents = rerank_documents(body)
         try:
             pairs = score_pairs(body.query, documents, ("query", "documents"))
         except ScoringInputError as exc:
             raise OpenAIError(400, str(exc), param=exc.param) from exc
-        prompts = self._pair_prompts(pairs, "documents")
-        stream, usage = await self._submit(raw, request_id, prompts, "documents")
+        stream, scores = await self._score_pairs(raw, request_id, pairs, "documents")
         return_documents = body.return_documents
         if return_documents is None:
             return_documents = api_version != "2"
 
         async def collect() -> RerankResponse:
-            outs = await _gather(stream, usage)
+            scored, used = await scores()
             results = [
                 RerankResult(
                     index=i,
-                    relevance_score=o.outputs.embedding[0],
+                    relevance_score=score,
                     document=RerankDocument(text=documents[i]) if return_documents else None,
                 )
-                for i, o in enumerate(outs)
+                for i, score in enumerate(scored)
             ]
             results.sort(key=lambda r: -r.relevance_score)  # stable: ties keep input order
             return RerankResponse(
                 id=request_id,
                 model=self.config.served_model_name,
                 results=results[: body.top_n or len(results)],
-                usage=_usage(outs),
+                usage=used,
                 meta=RerankMeta(api_version=RerankApiVersion(version=api_version)),
             )
 
         return await respond(raw, stream, collect())
 
     async def classify(self, body: ClassificationRequest, raw: Request) -> Response:
-        request_id = self._start(body, raw, "classify", "classify")
+        request_id = self._start(body, raw, "classify", ("classify",))
         prompts = embedding_inputs(body.input, self.config.max_prompts)
         stream, usage = await self._submit(raw, request_id, prompts, "input")
         labels = getattr(self.engine.engine.model_config.hf_config, "id2label", None) or {}
@@ -213,7 +246,10 @@ class ScoringServing:
                     ClassificationData(index=i, label=label, probs=probs, num_classes=len(probs))
                 )
             return ClassificationResponse(
-                id=request_id, model=self.config.served_model_name, data=data, usage=_usage(outs)
+                id=request_id,
+                model=self.config.served_model_name,
+                data=data,
+                usage=_usage(outs),
             )
 
         return await respond(raw, stream, collect())
