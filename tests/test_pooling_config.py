@@ -32,8 +32,10 @@ def test_task_resolution() -> None:
     assert resolve_task("auto", ["BertModel"]) == "embed"
     assert resolve_task("auto", ["LlamaForCausalLM"]) == "generate"
     assert resolve_task("embed", ["XLMRobertaModel"]) == "embed"
-    with pytest.raises(ValueError, match="task must be one of auto, generate, embed"):
-        resolve_task("classify", ["BertModel"])
+    with pytest.raises(
+        ValueError, match="task must be one of auto, generate, embed, score, classify"
+    ):
+        resolve_task("rerank", ["BertModel"])
     with pytest.raises(ValueError, match="use task='embed'"):
         resolve_task("generate", ["BertForMaskedLM"])
     with pytest.raises(ValueError, match="use task='generate'"):

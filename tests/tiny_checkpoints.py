@@ -49,6 +49,9 @@ _MODEL_TYPES = {
     "BertModel": "bert",
     "BertForMaskedLM": "bert",
     "XLMRobertaModel": "xlm-roberta",
+    "BertForSequenceClassification": "bert",
+    "XLMRobertaForSequenceClassification": "xlm-roberta",
+    "Qwen3ForSequenceClassification": "qwen3",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
@@ -84,6 +87,7 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "MistralForCausalLM": {"sliding_window": None},
     # head_dim != hidden_size // num_heads, to exercise the explicit head_dim path.
     "Qwen3ForCausalLM": {"head_dim": 32},
+    "Qwen3ForSequenceClassification": {"head_dim": 32},
     # MoE: 4-8 small experts, top-2. The router and experts get std 0.2 like every matrix, so
     # routing is decisive and varies from token to token (every expert sees some tokens).
     "MixtralForCausalLM": {
@@ -141,9 +145,18 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 # Encoder-only embedding models: a WordPiece tokenizer that adds [CLS] ... [SEP] (as BERT's
 # does), post-LayerNorm, GELU. XLM-RoBERTa has one token type and positions after padding_idx.
-_ENCODER_ARCHS = {"BertModel", "BertForMaskedLM", "XLMRobertaModel"}
+# The *ForSequenceClassification heads (cross-encoders, a Qwen3 classifier) take `num_labels`.
+_ENCODER_ARCHS = {
+    "BertModel",
+    "BertForMaskedLM",
+    "XLMRobertaModel",
+    "BertForSequenceClassification",
+    "XLMRobertaForSequenceClassification",
+}
+_XLMR = {"type_vocab_size": 1, "max_position_embeddings": 514}
 _ENCODER_DEFAULTS: dict[str, dict[str, Any]] = {
-    "XLMRobertaModel": {"type_vocab_size": 1, "max_position_embeddings": 514},
+    "XLMRobertaModel": _XLMR,
+    "XLMRobertaForSequenceClassification": _XLMR,
 }
 ENCODER_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 # Encoder-decoder models: the byte-level BPE tokenizer; BART's decoder starts from EOS as
@@ -359,6 +372,9 @@ def _build(out_dir: str, arch: str, seed: int, overrides: dict[str, Any]) -> Non
             feature_size=config.num_mel_bins, chunk_length=WHISPER_WINDOW_SECONDS
         ).save_pretrained(out_dir)
     elif arch in _SEQ2SEQ_ARCHS:
+        model = getattr(transformers, arch)(config)
+        tokenizer = tiny_tokenizer()
+    elif arch.endswith("ForSequenceClassification"):
         model = getattr(transformers, arch)(config)
         tokenizer = tiny_tokenizer()
     else:

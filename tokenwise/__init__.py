@@ -20,9 +20,25 @@ __all__ = [
     "CompletionOutput",
     "EmbeddingRequestOutput",
     "EmbeddingOutput",
+    "ScoringRequestOutput",
+    "ScoringOutput",
+    "ClassificationRequestOutput",
+    "ClassificationOutput",
     "GuidedDecodingParams",
     "__version__",
 ]
+
+
+_OUTPUTS = (
+    "RequestOutput",
+    "CompletionOutput",
+    "EmbeddingRequestOutput",
+    "EmbeddingOutput",
+    "ScoringRequestOutput",
+    "ScoringOutput",
+    "ClassificationRequestOutput",
+    "ClassificationOutput",
+)
 
 
 def __getattr__(name: str) -> Any:
@@ -54,7 +70,7 @@ def __getattr__(name: str) -> Any:
         from tokenwise.sampling.guided.params import GuidedDecodingParams
 
         return GuidedDecodingParams
-    if name in ("RequestOutput", "CompletionOutput", "EmbeddingRequestOutput", "EmbeddingOutput"):
+    if name in _OUTPUTS:
         from tokenwise import outputs
 
         return getattr(outputs, name)

@@ -22,8 +22,10 @@ from tokenwise.quantization_config import resolve_quantization
 
 logger = logging.getLogger(__name__)
 
-# What an engine does with its model: "generate" text, or "embed" (pool hidden states).
-TASKS = ("generate", "embed")
+# What an engine does with its model: "generate" text, or pool hidden states: "embed" them, or
+# put them through a classification head to "score" text pairs or "classify" texts (vLLM's names).
+TASKS = ("generate", "embed", "score", "classify")
+POOLING_TASKS = ("embed", "score", "classify")
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -169,8 +171,9 @@ class ModelConfig:
 
     @property
     def is_pooling(self) -> bool:
-        """True when the engine pools hidden states into embeddings instead of sampling."""
-        return self.task == "embed"
+        """True when the engine pools hidden states (embeddings, scores, class probabilities)
+        instead of sampling."""
+        return self.task in POOLING_TASKS
 
     @property
     def vocab_size(self) -> int:

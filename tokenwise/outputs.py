@@ -110,3 +110,44 @@ class EmbeddingRequestOutput:
     finished: bool = True
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ScoringOutput:
+    """The score of one text pair (vLLM's name): a cross-encoder's relevance, in [0, 1] for a
+    single-label head (its logit through a sigmoid)."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """One pair's result from `LLM.score`; `prompt_token_ids` is the pair as the model read it."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    error: str | None = None
+
+
+@dataclass
+class ClassificationOutput:
+    """One text's class probabilities (vLLM's name), in the order of the model's labels."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """One prompt's result from `LLM.classify`."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    error: str | None = None

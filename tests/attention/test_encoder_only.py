@@ -10,7 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenwise.attention.backends.encoder_only import encoder_only_attention
+from tokenwise.attention.backends.encoder_only import (
+    attend_within_sequences,
+    encoder_only_attention,
+)
 from tokenwise.attention.backends.torch_backend import TorchAttentionImpl
 from tokenwise.attention.layer import Attention
 from tokenwise.attention.metadata import AttentionMetadata
@@ -103,3 +106,22 @@ def test_chunked_prompts_and_unsupported_types_are_refused() -> None:
         Attention(2, 8, 0.3, sliding_window=4, attn_type=AttentionType.ENCODER_DECODER)
     with pytest.raises(ValueError, match="sliding window"):
         Attention(2, 8, 0.3, sliding_window=4, attn_type=AttentionType.ENCODER_ONLY)
+
+
+def test_causal_packed_attention_equals_per_sequence() -> None:
+    """The GPU's one padded call with the causal mask equals one causal call per sequence."""
+    gen = torch.Generator().manual_seed(0)
+    lens = [3, 7, 1, 5]
+    q, k, v = (torch.randn(sum(lens), 4 * 8, generator=gen) for _ in range(3))
+    settings = {"num_heads": 4, "num_kv_heads": 4, "head_size": 8, "scale": 8**-0.5}
+    results = {}
+    for causal in (True, False):
+        packed = attend_within_sequences(q, k, v, lens, True, causal, **settings)
+        single = attend_within_sequences(q, k, v, lens, False, causal, **settings)
+        torch.testing.assert_close(packed, single, atol=1e-5, rtol=0)
+        results[causal] = single
+    # Causal: a sequence's first token sees only itself, so its output is its own value; its
+    # last token sees the whole sequence, as bidirectional attention does.
+    torch.testing.assert_close(results[True][3], v[3], atol=1e-6, rtol=0)
+    torch.testing.assert_close(results[True][9], results[False][9], atol=1e-6, rtol=0)
+    assert not torch.allclose(results[True][3], results[False][3], atol=1e-3)

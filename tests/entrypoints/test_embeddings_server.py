@@ -93,6 +93,27 @@ def test_token_id_inputs(llm: LLM, client: OpenAI) -> None:
     assert many.usage.prompt_tokens == len(ids[0]) + len(ids[1])
 
 
+def test_score_and_rerank_by_cosine_similarity(llm: LLM, server: RemoteServer) -> None:
+    """An embedding model scores as in vLLM: the cosine of the two texts' embeddings."""
+    query = "where does the cat sit"
+    vectors = torch.tensor([o.outputs.embedding for o in llm.embed([query, *TEXTS])])
+    expected = torch.nn.functional.cosine_similarity(vectors[:1], vectors[1:]).tolist()
+    body = {"model": NAME, "query": query, "documents": TEXTS}
+    reranked = httpx.post(server.url("/v1/rerank"), json=body, timeout=60).json()
+    order = sorted(range(len(TEXTS)), key=lambda i: -expected[i])
+    assert [r["index"] for r in reranked["results"]] == order
+    for r in reranked["results"]:
+        assert r["relevance_score"] == pytest.approx(expected[r["index"]], abs=1e-5)
+    tokenizer = llm.get_tokenizer()
+    tokens = sum(len(tokenizer(t)["input_ids"]) for t in [query, *TEXTS])
+    assert reranked["usage"]["prompt_tokens"] == tokens  # each distinct text embedded once
+    body = {"model": NAME, "text_1": query, "text_2": TEXTS[:2]}
+    scores = httpx.post(server.url("/v1/score"), json=body, timeout=60).json()["data"]
+    assert [d["score"] for d in scores] == pytest.approx(expected[:2], abs=1e-5)
+    refused = httpx.post(server.url("/v1/classify"), json={"input": "a"}, timeout=60)
+    assert refused.status_code == 400 and "runs task 'embed'" in refused.json()["error"]["message"]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "param", "words"),
     [

@@ -91,6 +91,7 @@ class Attention(AttentionLayerBase):
     attention within each sequence of the step and no KV cache at all; `needs_kv_cache` is
     False, so the engine allocates and binds nothing for the layer. Its op still reads the
     step's metadata from the forward context, for where sequences start and end.
+    `DECODER_NO_CACHE` is the same with causal attention: a decoder classifying whole prompts.
 
     Encoder-decoder models (`backends/cross_attention.py`): `ENCODER` is the encoder's
     bidirectional self-attention (no cache, like ENCODER_ONLY, over the encoders that run this
@@ -121,6 +122,9 @@ class Attention(AttentionLayerBase):
         if attn_type is not AttentionType.DECODER and sliding_window is not None:
             raise ValueError(
                 f"{attn_type.value} attention is not causal; it takes no sliding window"
+                if attn_type is not AttentionType.DECODER_NO_CACHE
+                else "decoder_no_cache attention takes no sliding window (a classifier with a "
+                "sliding-window config is not supported)"
             )
         self.num_heads = num_heads
         self.head_size = head_size
@@ -197,7 +201,7 @@ class Attention(AttentionLayerBase):
             scale=self.scale,
             sliding_window=self.sliding_window,
             softcap=self.logits_soft_cap,
-            causal=self.attn_type is AttentionType.DECODER,
+            causal=self.attn_type in (AttentionType.DECODER, AttentionType.DECODER_NO_CACHE),
         )
 
     def extra_repr(self) -> str:

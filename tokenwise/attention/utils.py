@@ -35,6 +35,9 @@ class AttentionType(str, Enum):
     ENCODER = "encoder"  # encoder self-attention in an encoder-decoder model, no cache
     ENCODER_ONLY = "encoder_only"  # bidirectional attention of encoder-only models
     ENCODER_DECODER = "encoder_decoder"  # decoder queries over the cached encoder output
+    # Causal attention within each whole prompt and no cache: a decoder run as a classifier
+    # (Qwen3ForSequenceClassification) reads each prompt once, in one step, like an encoder.
+    DECODER_NO_CACHE = "decoder_no_cache"
 
 
 def is_block_tables_empty(block_tables: BlockTables) -> bool:

@@ -170,9 +170,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--task",
         default="generate",
-        choices=["auto", "generate", "embed"],
-        help="generate text, or embed (encoder-only models such as BERT: /v1/embeddings); "
-        "auto = embed for encoder-only architectures (default: generate)",
+        choices=["auto", "generate", "embed", "score", "classify"],
+        help="generate text; embed (encoder-only models such as BERT: /v1/embeddings); score "
+        "(cross-encoders: /v1/score, /v1/rerank); classify (sequence classifiers: "
+        "/v1/classify); auto = embed for encoder-only architectures, score or classify for "
+        "classifiers with one or more labels (default: generate)",
     )
     g.add_argument(
         "--override-pooler-config",

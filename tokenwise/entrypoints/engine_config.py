@@ -187,9 +187,15 @@ def build_engine_config(
                 "(torch.compile does not trace them): leave enforce_eager at its default or True"
             )
         cpu_qgemv.activation_bits()  # a bad TOKENWISE_CPU_QUANT_ACTIVATIONS fails here
-    model_config.task = resolve_task(task, model_config.architectures)
+    num_labels = int(getattr(model_config.hf_config, "num_labels", 2))
+    model_config.task = resolve_task(task, model_config.architectures, num_labels)
     check_kv_cache_dtype(kv_cache_dtype, model_config)
     if model_config.is_pooling:
+        if model_config.task != "embed" and override_pooler_config is not None:
+            raise ValueError(
+                "override_pooler_config applies to task='embed' models only: a classifier "
+                "pools as it was trained (its head reads [CLS], or the last token)"
+            )
         model_config.pooler_config = resolve_pooler_config(
             model_config.model, model_config.architectures, override_pooler_config
         )

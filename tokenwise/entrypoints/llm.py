@@ -26,8 +26,22 @@ from tokenwise.entrypoints.engine_config import (  # noqa: F401 (re-exported: th
     default_device,
     resolve_cudagraph_mode,
 )
+from tokenwise.entrypoints.scoring import (
+    check_task,
+    cosine_score,
+    distinct_texts,
+    pair_prompt,
+    score_pairs,
+    to_classification,
+    to_score,
+)
 from tokenwise.lora.request import LoRARequest
-from tokenwise.outputs import EmbeddingRequestOutput, RequestOutput
+from tokenwise.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringRequestOutput,
+)
 from tokenwise.pooling.params import PoolingParams
 from tokenwise.sampling.params import SamplingParams
 
@@ -81,8 +95,9 @@ class LLM:
         """
         if self.engine_config.model.is_pooling:
             raise ValueError(
-                f"model {self.engine_config.model.model!r} was loaded with task='embed' and "
-                "cannot generate text; call LLM.embed(prompts)"
+                f"model {self.engine_config.model.model!r} was loaded with "
+                f"task={self.engine_config.model.task!r} and cannot generate text; call "
+                f"LLM.{_POOLING_CALLS[self.engine_config.model.task]}"
             )
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
@@ -127,7 +142,7 @@ class LLM:
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         model = self.engine_config.model
         if model.is_pooling:
-            raise ValueError("beam search needs a generative model, not task='embed'")
+            raise ValueError(f"beam search needs a generative model, not task={model.task!r}")
         tokenizer = self.get_tokenizer()
         eos = resolve_eos_token_ids(model, tokenizer)
         searches = []
@@ -165,7 +180,7 @@ class LLM:
         Needs a model loaded with `task="embed"` (or "auto" on an encoder-only checkpoint).
         A request whose forward pass failed comes back with `error` set.
         """
-        if not self.engine_config.model.is_pooling:
+        if self.engine_config.model.task != "embed":
             raise ValueError(
                 f"model {self.engine_config.model.model!r} was loaded with "
                 f"task={self.engine_config.model.task!r}; LLM.embed needs an embedding model: "
@@ -182,6 +197,46 @@ class LLM:
                     "one PoolingParams or one per prompt"
                 )
         return self._run(self._add_all(prompts, params_list), use_tqdm, "Embedding")
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        use_tqdm: bool = True,
+    ) -> list[ScoringRequestOutput]:
+        """The relevance of each text pair, as vLLM's `LLM.score`: `text_1` one text against
+        every text of `text_2` (1:1, 1:N), or two lists of the same length paired in order
+        (N:N). A cross-encoder (task="score") reads each pair as one sequence, so the scores
+        equal the checkpoint's HF model; an embedding model (task="embed") scores a pair by
+        the cosine similarity of the two texts' embeddings."""
+        model = self.engine_config.model
+        check_task(model, ("score", "embed"), "LLM.score")
+        pairs = score_pairs(text_1, text_2)
+        if model.task == "embed":
+            texts, index = distinct_texts(pairs)
+            embedded = self._run(
+                self._add_all(list(texts), [PoolingParams()] * len(texts)), use_tqdm
+            )
+            return [
+                cosine_score(str(n), embedded[i], embedded[j]) for n, (i, j) in enumerate(index)
+            ]
+        tokenizer = self.get_tokenizer()
+        prompts: list[PromptInput] = [
+            pair_prompt(tokenizer, model.hf_config, a, b) for a, b in pairs
+        ]
+        outs = self._run(self._add_all(prompts, [PoolingParams()] * len(prompts)), use_tqdm)
+        return [to_score(o) for o in outs]
+
+    def classify(
+        self, prompts: PromptInput | Sequence[PromptInput], use_tqdm: bool = True
+    ) -> list[ClassificationRequestOutput]:
+        """Each prompt's class probabilities (`outputs.probs`, in the order of the model's
+        labels: softmax, or a sigmoid for a single-label or multi-label head), as vLLM's
+        `LLM.classify`. Needs a sequence classifier loaded with task="classify"."""
+        check_task(self.engine_config.model, ("classify",), "LLM.classify")
+        prompts = _as_prompt_list(prompts)
+        outs = self._run(self._add_all(prompts, [PoolingParams()] * len(prompts)), use_tqdm)
+        return [to_classification(o) for o in outs]
 
     def _add_all(
         self,
@@ -242,6 +297,14 @@ class LLM:
         """Step until aborted requests have been reported, so no block stays allocated."""
         while any(self.llm_engine.has_request(rid) for rid in ids):
             self.llm_engine.step()
+
+
+# The offline call that serves each pooling task.
+_POOLING_CALLS = {
+    "embed": "embed(prompts)",
+    "score": "score(text_1, text_2)",
+    "classify": "classify(prompts)",
+}
 
 
 def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:

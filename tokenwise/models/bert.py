@@ -5,8 +5,9 @@ An encoder sees whole prompts and attends bidirectionally: the attention layer i
 token stream starts and ends, exactly as decoder attention does. Nothing here knows about
 batches, and an encoder keeps no state between steps.
 
-Architecture (post-LayerNorm, as in the original BERT): embeddings are word + token type (type 0:
-single-segment inputs) + learned absolute position, then LayerNorm; each layer is
+Architecture (post-LayerNorm, as in the original BERT): embeddings are word + token type (0 for
+single-segment inputs; a cross-encoder's pair packs them into the ids, `token_types.py`) +
+learned absolute position, then LayerNorm; each layer is
 `LN(x + attn(x))` followed by `LN(h + W2 gelu(W1 h))`. The model returns the last hidden states;
 pooling them into embeddings is the engine's job (`tokenwise.pooling`). XLM-RoBERTa is the same
 network whose positions start after the padding index (`padding_idx + 1`), as HF's
@@ -35,6 +36,7 @@ from tokenwise.layers import (
     get_act_fn,
 )
 from tokenwise.layers.weight_utils import load_stacked_weights
+from tokenwise.models.token_types import split_token_types
 
 
 def _join(prefix: str, name: str) -> str:
@@ -51,7 +53,9 @@ class BertEmbedding(nn.Module):
         self.position_offset = position_offset
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        embeddings = self.word_embeddings(input_ids) + self.token_type_embeddings.weight[0]
+        # A cross-encoder's pair has its token types packed into the ids (`token_types.py`).
+        input_ids, token_types = split_token_types(input_ids)
+        embeddings = self.word_embeddings(input_ids) + self.token_type_embeddings(token_types)
         embeddings = embeddings + self.position_embeddings(positions + self.position_offset)
         return self.LayerNorm(embeddings)
 

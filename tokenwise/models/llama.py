@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from tokenwise.attention.layer import Attention
+from tokenwise.attention.utils import AttentionType
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.pp_state import is_first_pp_stage, is_last_pp_stage, pp_layer_range
 from tokenwise.layers import (
@@ -45,6 +46,8 @@ class DecoderVariant:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each q/k head before RoPE
+    # DECODER_NO_CACHE for a decoder run as a classifier (whole prompts, no KV cache).
+    attn_type: AttentionType = AttentionType.DECODER
 
 
 # (config, layer index, module path of the block) -> the layer's feed-forward block, or None for
@@ -108,6 +111,7 @@ class LlamaAttention(nn.Module):
             prefix=_join(prefix, "attn"),
             config=config,
             sliding_window=layer_sliding_window(config, layer_idx),
+            attn_type=variant.attn_type,
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -10,10 +10,53 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from tokenwise.models.llama import DecoderVariant, LlamaForCausalLM
+import torch
+from torch import nn
+
+from tokenwise.attention.utils import AttentionType
+from tokenwise.config import EngineConfig, PoolerConfig
+from tokenwise.models.llama import DecoderVariant, LlamaForCausalLM, LlamaModel
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     @classmethod
     def decoder_variant(cls, hf_config: Any) -> DecoderVariant:
         return replace(super().decoder_variant(hf_config), qk_norm=True)
+
+
+class Qwen3ForSequenceClassification(Qwen3ForCausalLM):
+    """Qwen3 with a `score` head (no bias) instead of the LM head: a classifier or reward
+    model, and the form Qwen3 rerankers are converted to for serving as cross-encoders.
+
+    HF scores the last token of each sequence; the engine's pooler picks that row (LAST
+    pooling) and `classify` projects it. Each prompt is read whole, in one step, with causal
+    attention and no KV cache (`DECODER_NO_CACHE`): nothing is generated after it.
+    """
+
+    is_pooling_model = True
+    is_classifier = True
+    default_pooler_config = PoolerConfig(pooling_type="LAST", normalize=False)
+
+    def __init__(self, config: EngineConfig, prefix: str = "") -> None:
+        nn.Module.__init__(self)
+        hf = config.model.hf_config
+        prefix = f"{prefix}.model" if prefix else "model"
+        self.model = LlamaModel(config, self.decoder_variant(hf), prefix)
+        self.tie_word_embeddings = False  # the score head is never tied
+        self._head_from_embedding = False
+        self.score = nn.Linear(hf.hidden_size, int(getattr(hf, "num_labels", 2)), bias=False)
+
+    @classmethod
+    def decoder_variant(cls, hf_config: Any) -> DecoderVariant:
+        variant = super().decoder_variant(hf_config)
+        return replace(variant, attn_type=AttentionType.DECODER_NO_CACHE)
+
+    def forward(  # type: ignore[override]
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """The last hidden states (final norm applied) of every token of the step."""
+        return self.model(input_ids, positions)
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """float32 logits `[num_seqs, num_labels]` of each sequence's last hidden state."""
+        return self.score(pooled.to(self.score.weight.dtype)).float()

@@ -7,6 +7,10 @@ from torch import nn
 from tokenwise.config import PoolerConfig
 from tokenwise.models.bart import BartForConditionalGeneration
 from tokenwise.models.bert import BertEmbeddingModel, XLMRobertaEmbeddingModel
+from tokenwise.models.cross_encoder import (
+    BertForSequenceClassification,
+    XLMRobertaForSequenceClassification,
+)
 from tokenwise.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from tokenwise.models.gemma2 import Gemma2ForCausalLM
 from tokenwise.models.gemma3 import Gemma3ForCausalLM
@@ -18,7 +22,7 @@ from tokenwise.models.mixtral import MixtralForCausalLM
 from tokenwise.models.qwen2 import Qwen2ForCausalLM
 from tokenwise.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from tokenwise.models.qwen2_moe import Qwen2MoeForCausalLM
-from tokenwise.models.qwen3 import Qwen3ForCausalLM
+from tokenwise.models.qwen3 import Qwen3ForCausalLM, Qwen3ForSequenceClassification
 from tokenwise.models.qwen3_moe import Qwen3MoeForCausalLM
 from tokenwise.models.whisper import WhisperForConditionalGeneration
 
@@ -31,6 +35,11 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "RobertaModel": XLMRobertaEmbeddingModel,
     "XLMRobertaModel": XLMRobertaEmbeddingModel,
     "XLMRobertaForMaskedLM": XLMRobertaEmbeddingModel,
+    # Sequence classifiers (tasks "score" and "classify"): also `is_classifier`.
+    "BertForSequenceClassification": BertForSequenceClassification,
+    "XLMRobertaForSequenceClassification": XLMRobertaForSequenceClassification,
+    "RobertaForSequenceClassification": XLMRobertaForSequenceClassification,
+    "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
     # Encoder-decoder models (task "generate"): class attribute `is_encoder_decoder`.
     "BartForConditionalGeneration": BartForConditionalGeneration,
     "WhisperForConditionalGeneration": WhisperForConditionalGeneration,
@@ -83,6 +92,15 @@ def is_pooling_architecture(architectures: list[str]) -> bool:
     except ValueError:
         return False
     return bool(getattr(model_cls, "is_pooling_model", False))
+
+
+def is_classifier_architecture(architectures: list[str]) -> bool:
+    """Whether the model ends in a sequence-classification head (it scores and classifies)."""
+    try:
+        model_cls = resolve_model_class(architectures)
+    except ValueError:
+        return False
+    return bool(getattr(model_cls, "is_classifier", False))
 
 
 def is_encoder_decoder_architecture(architectures: list[str]) -> bool:

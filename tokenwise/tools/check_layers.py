@@ -209,6 +209,8 @@ LAYERS: tuple[Layer, ...] = (
     Layer("engine arguments", ("tokenwise.entrypoints.engine_args",)),
     # Beam search over any engine's one-token steps: `LLM.beam_search` and the server drive it.
     Layer("beam search", ("tokenwise.entrypoints.beam_search",)),
+    # Score / classify requests (text pairs, probabilities): `LLM.score` and the server share it.
+    Layer("scoring", ("tokenwise.entrypoints.scoring",)),
     # The offline `LLM` API: what the benchmarks run.
     Layer("engine configuration", ("tokenwise.entrypoints.engine_config",)),
     Layer("offline API", ("tokenwise.entrypoints.llm",)),

@@ -36,11 +36,13 @@ def encoder_only_attention(
     head_size: int,
     scale: float,
     packed: bool | None = None,
+    causal: bool = False,
 ) -> torch.Tensor:
-    """Non-causal attention within each sequence of the step; `[num_tokens, heads * head]`.
+    """Attention within each sequence of the step; `[num_tokens, heads * head]`.
 
     Without metadata (a model used on its own, or a warm-up pass) all tokens are one sequence.
-    `packed` picks the padded single call (default: on any device but the CPU).
+    `packed` picks the padded single call (default: on any device but the CPU). `causal`: each
+    token sees only those before it (a decoder classifying whole prompts), else all of them.
     """
     settings = {
         "num_heads": num_heads,
@@ -49,7 +51,7 @@ def encoder_only_attention(
         "scale": scale,
     }
     if attn_metadata is None:
-        return single_sequence_attention(query, key, value, causal=False, **settings)
+        return single_sequence_attention(query, key, value, causal=causal, **settings)
     # A one-token prompt counts as a "decode" in the metadata's split; here it is a whole
     # sequence like any other, so only the total matters.
     num_prefill, _, num_decode = get_num_prefill_decode_query_kv_tokens(
@@ -65,7 +67,8 @@ def encoder_only_attention(
             "encoder-only attention runs whole prompts with no cache, but the step has "
             f"context lengths {attn_metadata.context_lens} (a chunked prompt?)"
         )
-    return attend_within_sequences(query, key, value, attn_metadata.query_lens, packed, **settings)
+    lens = attn_metadata.query_lens
+    return attend_within_sequences(query, key, value, lens, packed, causal, **settings)
 
 
 def attend_within_sequences(
@@ -74,9 +77,11 @@ def attend_within_sequences(
     value: torch.Tensor,
     lens: list[int],
     packed: bool | None = None,
+    causal: bool = False,
     **settings: Any,
 ) -> torch.Tensor:
-    """Bidirectional attention within each of the consecutive sequences of lengths `lens`.
+    """Attention within each of the consecutive sequences of lengths `lens` (bidirectional
+    unless `causal`).
 
     Shared by encoder-only models (lengths from the step's queries) and the encoders of
     encoder-decoder models (lengths of the encoders that run this step).
@@ -84,13 +89,13 @@ def attend_within_sequences(
     if packed is None:
         packed = query.device.type != "cpu"
     if packed and len(lens) > 1:
-        return _packed(query, key, value, lens, **settings)
+        return _packed(query, key, value, lens, causal, **settings)
     out = torch.empty_like(query)
     start = 0
     for n in lens:
         end = start + n
         out[start:end] = single_sequence_attention(
-            query[start:end], key[start:end], value[start:end], causal=False, **settings
+            query[start:end], key[start:end], value[start:end], causal=causal, **settings
         )
         start = end
     return out
@@ -101,6 +106,7 @@ def _packed(
     key: torch.Tensor,
     value: torch.Tensor,
     lens: list[int],
+    causal: bool,
     *,
     num_heads: int,
     num_kv_heads: int,
@@ -110,7 +116,7 @@ def _packed(
     """All sequences in one SDPA call: padded to the longest, keys masked to their sequence.
 
     Padded query rows see key 0 of their row (never an all-masked row, which gives NaN) and
-    are dropped when the rows are gathered back.
+    are dropped when the rows are gathered back. `causal` also hides later keys.
     """
     dev = query.device
     num, longest = len(lens), max(lens)
@@ -126,7 +132,10 @@ def _packed(
 
     pos = torch.arange(longest, device=dev)
     real = pos[None, :] < q_lens[:, None]  # [num, longest]
-    mask = real[:, None, :] | ((pos[None, None, :] == 0) & ~real[:, :, None])
+    keys = real[:, None, :]  # [num, query, key]
+    if causal:
+        keys = keys & (pos[None, None, :] <= pos[None, :, None])
+    mask = keys | ((pos[None, None, :] == 0) & ~real[:, :, None])
     out = F.scaled_dot_product_attention(
         pad(query, num_heads),
         pad(key, num_kv_heads),

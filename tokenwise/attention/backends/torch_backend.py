@@ -46,12 +46,17 @@ from tokenwise.attention.utils import AttentionType
 if TYPE_CHECKING:
     from tokenwise.attention.metadata import AttentionMetadata
 
+# Types that attend within whole prompts of the step and keep no cache (`encoder_only.py`).
+_NO_CACHE_TYPES = (AttentionType.ENCODER_ONLY, AttentionType.DECODER_NO_CACHE)
+_TYPES = (AttentionType.DECODER, *_NO_CACHE_TYPES)
+
 
 class TorchAttentionImpl:
     """One layer's attention: its settings are fixed at construction, its inputs are tensors.
 
     `attn_type` ENCODER_ONLY (BERT) attends bidirectionally within each sequence and never
-    touches a cache (`encoder_only.py`); DECODER is the paged causal attention below.
+    touches a cache (`encoder_only.py`); DECODER_NO_CACHE (a decoder run as a classifier) is
+    the same with a causal mask; DECODER is the paged causal attention below.
     """
 
     def __init__(
@@ -64,7 +69,7 @@ class TorchAttentionImpl:
         logits_soft_cap: float | None = None,
         attn_type: str = AttentionType.DECODER,
     ) -> None:
-        if attn_type not in (AttentionType.DECODER, AttentionType.ENCODER_ONLY):
+        if attn_type not in _TYPES:
             raise NotImplementedError(f"unsupported attention type {attn_type!r}")
         self.num_heads = num_heads
         self.head_size = head_size
@@ -90,8 +95,11 @@ class TorchAttentionImpl:
         attn_metadata: AttentionMetadata | None,
     ) -> torch.Tensor:
         """Write this step's K/V into `kv_cache` and attend; `[num_tokens, heads * head]`."""
-        if self.attn_type is AttentionType.ENCODER_ONLY:  # no cache: `kv_cache` is unused
-            return encoder_only_attention(query, key, value, attn_metadata, **self._heads)
+        if self.attn_type in _NO_CACHE_TYPES:  # no cache: `kv_cache` is unused
+            causal = self.attn_type is AttentionType.DECODER_NO_CACHE
+            return encoder_only_attention(
+                query, key, value, attn_metadata, causal=causal, **self._heads
+            )
         if attn_metadata is None:  # profiling / warm-up pass: no cache, one sequence
             return single_sequence_attention(
                 query,

@@ -3,7 +3,8 @@
 It is the decoder runner (`model_runner.py`) with the end of the step swapped: the same
 persistent input batch, the same attention metadata built from the step's buffers (encoder-only
 attention reads only where sequences start and end from it), the same forward context; then,
-instead of logits and sampling, each sequence's hidden states are pooled into one embedding.
+instead of logits and sampling, each sequence's hidden states are pooled into one embedding (a
+classifier's head then turns it into label probabilities: tasks score and classify).
 Its attention layers keep no KV cache, so none is allocated: the engine runs with zero blocks.
 
 Embedding models run eagerly (no torch.compile, no CUDA graphs: `build_engine_config` says so)
@@ -17,6 +18,7 @@ import logging
 import torch
 
 from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
+from tokenwise.pooling.classifier import ClassifierHead
 from tokenwise.pooling.pooler import Pooler
 from tokenwise.runner.model_runner import ModelRunner
 
@@ -29,6 +31,16 @@ class PoolingModelRunner(ModelRunner):
         if pooler_config is None:
             raise ValueError("an embedding model needs ModelConfig.pooler_config (task='embed')")
         self.pooler = Pooler(pooler_config)
+        # A sequence classifier (tasks score / classify) puts the pooled rows through its head.
+        self.head = None
+        if self.model_config.task != "embed":
+            classify = getattr(self.model, "classify", None)
+            if classify is None:
+                raise ValueError(
+                    f"task={self.model_config.task!r} needs a classification head, and "
+                    f"{type(self.model).__name__} has none"
+                )
+            self.head = ClassifierHead(classify, self.model_config.hf_config)
         if self.cache_layers():
             raise ValueError(
                 f"{type(self.model).__name__} has attention layers with a KV cache; the "
@@ -69,6 +81,8 @@ class PoolingModelRunner(ModelRunner):
             for s in scheduled
         ]
         pooled = self.pooler(hidden, step.query_lens_np.tolist(), normalize)
+        if self.head is not None and len(scheduled):
+            pooled = self.head(pooled)
         return ModelRunnerOutput(
             [], [], None, step.num_tokens, pooled_requests=scheduled, pooler_output=pooled
         )

@@ -47,6 +47,9 @@ class PoolingScheduler(Scheduler):
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, req.num_tokens))
             budget -= req.num_tokens
+        # A one-token prompt counts as a "decode" row in the attention metadata, which wants
+        # every prefill before the decodes; the order within a step changes no result.
+        out.scheduled.sort(key=lambda item: item.num_new_tokens == 1)
         if not out.is_empty:
             out.finished_req_ids, self._left_since_last_step = self._left_since_last_step, []
         return out

@@ -43,6 +43,11 @@ from tokenwise.entrypoints.openai.protocol_models import (
     UnloadLoRAAdapterRequest,
 )
 from tokenwise.entrypoints.openai.protocol_responses import ResponsesRequest
+from tokenwise.entrypoints.openai.protocol_scoring import (
+    ClassificationRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from tokenwise.entrypoints.openai.protocol_tokenization import DetokenizeRequest
 from tokenwise.entrypoints.openai.request_fields import accept_fields
 from tokenwise.entrypoints.openai.responses_store import ResponseStore
@@ -53,12 +58,21 @@ from tokenwise.entrypoints.openai.serving_completions import CompletionServing
 from tokenwise.entrypoints.openai.serving_embeddings import EmbeddingServing
 from tokenwise.entrypoints.openai.serving_models import ServingModels
 from tokenwise.entrypoints.openai.serving_responses import ResponsesServing
+from tokenwise.entrypoints.openai.serving_scoring import ScoringServing
 from tokenwise.entrypoints.openai.serving_tokenization import TokenizationServing
 from tokenwise.entrypoints.openai.serving_transcriptions import TranscriptionServing
 from tokenwise.entrypoints.openai.serving_ui import add_ui_routes
 from tokenwise.models.registry import is_multimodal_architecture, is_speech_architecture
 
 logger = logging.getLogger("tokenwise.server")
+
+
+# A pooling task's model, and the endpoints that serve it (named when generation is asked of it).
+_POOLING_ENDPOINTS = {
+    "embed": ("an embedding model", "/v1/embeddings"),
+    "score": ("a scoring model", "/v1/score or /v1/rerank"),
+    "classify": ("a classification model", "/v1/classify"),
+}
 
 
 def tokenwise_version() -> str:
@@ -95,6 +109,7 @@ def build_app(
     store = ResponseStore(config.responses_store_size)
     responses = ResponsesServing(engine, config, models, chat, store)
     embeddings = EmbeddingServing(engine, config, models)
+    scoring = ScoringServing(engine, config, models)
     transcriptions = TranscriptionServing(engine, config, models)
     tokenization = TokenizationServing(engine, config, models)
     bearer = HTTPBearer(auto_error=False)
@@ -134,10 +149,11 @@ def build_app(
 
     def require_generative_model() -> None:
         if config.task != "generate":
+            kind, use = _POOLING_ENDPOINTS.get(config.task, ("a pooling model", "another API"))
             raise OpenAIError(
                 400,
-                f"the model {config.served_model_name!r} is an embedding model (--task "
-                f"{config.task}) and cannot generate text; use /v1/embeddings",
+                f"the model {config.served_model_name!r} is {kind} (--task {config.task}) and "
+                f"cannot generate text; use {use}",
                 param="model",
                 code="model_not_supported",
             )
@@ -169,6 +185,18 @@ def build_app(
     async def create_embedding(body: EmbeddingRequest, raw: Request) -> Response:
         return await embeddings.create(body, raw)
 
+    @api.post("/score")
+    async def create_score(body: ScoreRequest, raw: Request) -> Response:
+        return await scoring.score(body, raw)
+
+    @api.post("/rerank")
+    async def create_rerank(body: RerankRequest, raw: Request) -> Response:
+        return await scoring.rerank(body, raw)
+
+    @api.post("/classify")
+    async def create_classification(body: ClassificationRequest, raw: Request) -> Response:
+        return await scoring.classify(body, raw)
+
     @api.post("/audio/transcriptions")
     async def create_transcription(raw: Request) -> Response:
         return await transcriptions.create(raw)
@@ -183,6 +211,15 @@ def build_app(
     @tokens.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, raw: Request) -> Response:
         return json_response(tokenization.detokenize(body, raw))
+
+    # Rerank outside /v1 too: Jina's and vLLM's `/rerank`, and Cohere v2's `/v2/rerank`.
+    @tokens.post("/rerank")
+    async def create_rerank_unversioned(body: RerankRequest, raw: Request) -> Response:
+        return await scoring.rerank(body, raw)
+
+    @tokens.post("/v2/rerank")
+    async def create_rerank_v2(body: RerankRequest, raw: Request) -> Response:
+        return await scoring.rerank(body, raw, api_version="2")
 
     app.include_router(tokens)
     if config.ui:

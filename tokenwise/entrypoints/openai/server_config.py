@@ -13,6 +13,7 @@ import hmac
 from dataclasses import dataclass
 
 from tokenwise.entrypoints.openai.reasoning import check_reasoning_parser
+from tokenwise.model_config import TASKS
 
 DEFAULT_HOST = "127.0.0.1"  # loopback unless the operator explicitly exposes the server
 DEFAULT_PORT = 8000
@@ -33,7 +34,8 @@ class ServerConfig:
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     max_tokens_cap: int | None = None  # None: max_model_len (--max-tokens-cap)
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
-    # The engine's task: "generate" serves completions, "embed" serves /v1/embeddings.
+    # The engine's task: "generate" serves completions, "embed" /v1/embeddings, "score"
+    # /v1/score and /v1/rerank, "classify" /v1/classify.
     task: str = "generate"
     # A speech model (Whisper) also serves /v1/audio/transcriptions.
     supports_audio: bool = False
@@ -66,8 +68,8 @@ class ServerConfig:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
             raise ValueError(f"max_tokens_cap must be >= 1, got {self.max_tokens_cap}")
-        if self.task not in ("generate", "embed"):
-            raise ValueError(f"task must be generate or embed, got {self.task!r}")
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         check_reasoning_parser(self.reasoning_parser)
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (omit --api-key to disable auth)")

@@ -70,8 +70,8 @@ def check_embedding_model(config: ServerConfig) -> None:
     if config.task != "embed":
         raise OpenAIError(
             400,
-            f"the model {config.served_model_name!r} generates text and has no embeddings; "
-            "serve an encoder-only model with --task embed for /v1/embeddings",
+            f"the model {config.served_model_name!r} runs task {config.task!r} and has no "
+            "embeddings; serve an encoder-only model with --task embed for /v1/embeddings",
             param="model",
             code="model_not_supported",
         )
