@@ -1,0 +1,145 @@
+"""Fill-in-the-middle (`suffix` on /v1/completions): the token ids that reach the engine.
+
+The app runs in-process around an engine that records what it is given and answers every
+request with one fixed token, so the prompt ids can be checked exactly. The tokenizers are
+copies of the tests' tiny BPE with FIM markers added as special tokens (Qwen2.5-Coder's and
+StarCoder's spellings), and the plain copy, which has none.
+"""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.tiny_checkpoints import tiny_tokenizer
+from tokenwise.engine.stats import EngineStats
+from tokenwise.entrypoints.openai.api_server import build_app
+from tokenwise.entrypoints.openai.async_engine import AsyncEngine
+from tokenwise.entrypoints.openai.metrics import ServerMetrics
+from tokenwise.entrypoints.openai.server_config import ServerConfig
+from tokenwise.outputs import CompletionOutput, RequestOutput
+
+QWEN = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]
+STARCODER = ["<fim_prefix>", "<fim_suffix>", "<fim_middle>"]
+PREFIX = "def add(a, b):\n    "
+SUFFIX = "\n    return total\n"
+
+
+class RecordingEngine:
+    """Enough of LLMEngine for AsyncEngine: records each prompt, finishes it with token 7."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.model_config = SimpleNamespace(max_model_len=256)
+        self.prompts: list = []
+        self._pending: list[str] = []
+
+    def get_stats(self) -> EngineStats:
+        return EngineStats()
+
+    def check_health(self) -> None:
+        pass
+
+    def wakeup(self) -> None:
+        pass
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._pending)
+
+    def add_request(self, request_id: str, prompt, params) -> None:
+        self.prompts.append(prompt)
+        self._pending.append(request_id)
+
+    def abort_request(self, request_ids) -> None:
+        pass
+
+    def step(self) -> list[RequestOutput]:
+        done, self._pending = self._pending, []
+        out = CompletionOutput(0, "total = a + b", [7], finish_reason="stop")
+        return [RequestOutput(rid, None, [1], [copy.deepcopy(out)], finished=True) for rid in done]
+
+
+def with_markers(markers: list[str] | None):
+    tok = copy.deepcopy(tiny_tokenizer())
+    if markers:
+        tok.add_special_tokens({"additional_special_tokens": markers})
+    return tok
+
+
+def app_for(tokenizer) -> tuple[TestClient, RecordingEngine]:
+    inner = RecordingEngine(tokenizer)
+    config = ServerConfig(served_model_name="coder", max_model_len=256)
+    metrics = ServerMetrics("coder")
+    engine = AsyncEngine(inner, observer=metrics.observe)  # type: ignore[arg-type]
+    metrics.attach_engine(lambda: engine.stats)
+    return TestClient(build_app(engine, config, metrics)), inner
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("markers", [QWEN, STARCODER], ids=["qwen", "starcoder"])
+def test_suffix_builds_a_prefix_suffix_middle_prompt(markers: list[str]) -> None:
+    tok = with_markers(markers)
+    prefix_id, suffix_id, middle_id = tok.convert_tokens_to_ids(markers)
+    assert len({prefix_id, suffix_id, middle_id}) == 3 and min(prefix_id, suffix_id) >= 300
+    client, engine = app_for(tok)
+    with client:
+        body = {"prompt": PREFIX, "suffix": SUFFIX, "max_tokens": 4}
+        response = client.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == "total = a + b"
+        # A batch of prompts: each gets the same suffix.
+        body = {"prompt": ["x = ", "y = "], "suffix": "\nprint(x)", "max_tokens": 4}
+        assert client.post("/v1/completions", json=body).status_code == 200
+    (ids,) = [p["prompt_token_ids"] for p in engine.prompts[:1]]
+    prefix_ids = tok.encode(PREFIX, add_special_tokens=False)
+    suffix_ids = tok.encode(SUFFIX, add_special_tokens=False)
+    assert ids == [prefix_id, *prefix_ids, suffix_id, *suffix_ids, middle_id]
+    assert ids.count(prefix_id) == ids.count(suffix_id) == ids.count(middle_id) == 1
+    # The prompt's text is what those ids read, markers and all (echo shows it).
+    assert engine.prompts[0]["prompt"] == f"{markers[0]}{PREFIX}{markers[1]}{SUFFIX}{markers[2]}"
+    batch = [p["prompt_token_ids"] for p in engine.prompts[1:]]
+    tail = [suffix_id, *tok.encode("\nprint(x)", add_special_tokens=False), middle_id]
+    assert batch == [
+        [prefix_id, *tok.encode(text, add_special_tokens=False), *tail] for text in ("x = ", "y = ")
+    ]
+
+
+@pytest.mark.timeout(60)
+def test_no_suffix_or_empty_suffix_leaves_the_prompt_alone() -> None:
+    tok = with_markers(QWEN)
+    client, engine = app_for(tok)
+    with client:
+        for extra in ({}, {"suffix": ""}, {"suffix": None}):
+            body = {"prompt": PREFIX, "max_tokens": 2, **extra}
+            assert client.post("/v1/completions", json=body).status_code == 200
+    assert engine.prompts == [PREFIX] * 3  # text prompts, tokenized by the engine as before
+
+
+def error_of(response, param: str) -> str:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    return error["message"]
+
+
+@pytest.mark.timeout(60)
+def test_suffix_is_refused_naming_it_where_it_cannot_work() -> None:
+    client, engine = app_for(with_markers(None))
+    with client:
+        body = {"prompt": PREFIX, "suffix": SUFFIX, "max_tokens": 4}
+        message = error_of(client.post("/v1/completions", json=body), "suffix")
+        assert "no fill-in-the-middle tokens" in message and "<|fim_prefix|>" in message
+    # Only part of a set is no set.
+    client, _ = app_for(with_markers(QWEN[:2]))
+    with client:
+        error_of(client.post("/v1/completions", json=body), "suffix")
+    client, engine_with = app_for(with_markers(QWEN))
+    with client:
+        ids = {"prompt": [5, 6, 7], "suffix": SUFFIX, "max_tokens": 4}
+        assert "token ids" in error_of(client.post("/v1/completions", json=ids), "suffix")
+        wrong_type = {"prompt": PREFIX, "suffix": 3, "max_tokens": 4}
+        error_of(client.post("/v1/completions", json=wrong_type), "suffix")
+    assert engine.prompts == [] and engine_with.prompts == []
