@@ -9,18 +9,11 @@ StarCoder's spellings), and the plain copy, which has none.
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 
 import pytest
-from fastapi.testclient import TestClient
 
+from tests.entrypoints._recording_engine import app_for
 from tests.tiny_checkpoints import tiny_tokenizer
-from tokenwise.engine.stats import EngineStats
-from tokenwise.entrypoints.openai.api_server import build_app
-from tokenwise.entrypoints.openai.async_engine import AsyncEngine
-from tokenwise.entrypoints.openai.metrics import ServerMetrics
-from tokenwise.entrypoints.openai.server_config import ServerConfig
-from tokenwise.outputs import CompletionOutput, RequestOutput
 
 QWEN = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]
 STARCODER = ["<fim_prefix>", "<fim_suffix>", "<fim_middle>"]
@@ -28,54 +21,11 @@ PREFIX = "def add(a, b):\n    "
 SUFFIX = "\n    return total\n"
 
 
-class RecordingEngine:
-    """Enough of LLMEngine for AsyncEngine: records each prompt, finishes it with token 7."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.model_config = SimpleNamespace(max_model_len=256)
-        self.prompts: list = []
-        self._pending: list[str] = []
-
-    def get_stats(self) -> EngineStats:
-        return EngineStats()
-
-    def check_health(self) -> None:
-        pass
-
-    def wakeup(self) -> None:
-        pass
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self._pending)
-
-    def add_request(self, request_id: str, prompt, params) -> None:
-        self.prompts.append(prompt)
-        self._pending.append(request_id)
-
-    def abort_request(self, request_ids) -> None:
-        pass
-
-    def step(self) -> list[RequestOutput]:
-        done, self._pending = self._pending, []
-        out = CompletionOutput(0, "total = a + b", [7], finish_reason="stop")
-        return [RequestOutput(rid, None, [1], [copy.deepcopy(out)], finished=True) for rid in done]
-
-
 def with_markers(markers: list[str] | None):
     tok = copy.deepcopy(tiny_tokenizer())
     if markers:
         tok.add_special_tokens({"additional_special_tokens": markers})
     return tok
-
-
-def app_for(tokenizer) -> tuple[TestClient, RecordingEngine]:
-    inner = RecordingEngine(tokenizer)
-    config = ServerConfig(served_model_name="coder", max_model_len=256)
-    metrics = ServerMetrics("coder")
-    engine = AsyncEngine(inner, observer=metrics.observe)  # type: ignore[arg-type]
-    metrics.attach_engine(lambda: engine.stats)
-    return TestClient(build_app(engine, config, metrics)), inner
 
 
 @pytest.mark.timeout(60)
