@@ -132,7 +132,7 @@ def test_tool_choice_and_output_format_become_the_chat_fields() -> None:
         chat_request(MessagesRequest(**base, tool_choice={"type": "any"})).tool_choice == "required"
     )
     none = chat_request(MessagesRequest(**base, tool_choice={"type": "none"}))
-    assert none.tools is None and none.tool_choice is None
+    assert none.tools[0].function.name == "f" and none.tool_choice == "none"
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     fmt = {"format": {"type": "json_schema", "schema": schema}}
     shaped = chat_request(

@@ -18,9 +18,11 @@ The mapping of content to chat messages:
 - thinking blocks are left out: chat templates drop earlier turns' reasoning too.
 
 `tool_choice` {"type": "any"} is chat's "required", {"type": "tool", "name"} a named function
-(enforced by guided decoding); `disable_parallel_tool_use` is `parallel_tool_calls: false`.
-`thinking` sets the template variable `enable_thinking` (Qwen3's switch) and whether the
-reasoning parser's part comes back as a thinking block.
+(enforced by guided decoding), "none" chat's "none" (the tools stay in the prompt);
+`disable_parallel_tool_use` is `parallel_tool_calls: false`. `output_config.format` (a JSON
+schema) is `response_format`. `thinking` ("enabled" or "adaptive") sets the template variable
+`enable_thinking` (Qwen3's switch) and whether the reasoning parser's part comes back as a
+thinking block (not with `display: "omitted"`).
 """
 
 from __future__ import annotations
@@ -185,7 +187,7 @@ def chat_request(body: PromptFields) -> ChatCompletionRequest:
         fields["chat_template_kwargs"] = {"enable_thinking": thinking_enabled(body)}
     fields["include_reasoning"] = thinking_shown(body)
     choice = body.tool_choice
-    if body.tools and not isinstance(choice, ToolChoiceNone):
+    if body.tools:  # in the prompt even with tool_choice none: the model knows, and may not call
         fields["tools"] = [
             {
                 "type": "function",
@@ -199,6 +201,8 @@ def chat_request(body: PromptFields) -> ChatCompletionRequest:
         ]
     if choice is None or choice.type == "auto":
         fields["tool_choice"] = "auto" if body.tools else None
+    elif isinstance(choice, ToolChoiceNone):
+        fields["tool_choice"] = "none"
     elif isinstance(choice, ToolChoiceAny):
         fields["tool_choice"] = "required"
     elif isinstance(choice, ToolChoiceTool):

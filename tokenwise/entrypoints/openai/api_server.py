@@ -104,7 +104,7 @@ def build_app(
 
     async def require_api_key(
         credentials: HTTPAuthorizationCredentials | None = Depends(bearer),
-        x_api_key: str | None = Header(default=None),
+        x_api_key: str | None = Header(default=None, include_in_schema=False),
     ) -> None:
         if config.key_matches(credentials.credentials if credentials else None):
             return

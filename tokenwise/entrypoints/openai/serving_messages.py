@@ -114,8 +114,8 @@ class MessagesServing:
     async def count_tokens(self, body: CountTokensRequest, raw: Request) -> Response:
         """The prompt's length as the model would read it (an image counts as its
         placeholder's tokens: the model's processor expands it only when it runs)."""
-        set_request_id(raw, "count")
-        accept_fields(body, self.config.strict_request_fields, "count", raw.url.path)
+        request_id = set_request_id(raw, "count")
+        accept_fields(body, self.config.strict_request_fields, request_id, raw.url.path)
         self.models.resolve(body.model)
         _, prompts, _ = await self._prepare(body)
         prompt = prompts[0]
