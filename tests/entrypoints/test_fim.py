@@ -11,9 +11,11 @@ from __future__ import annotations
 import copy
 
 import pytest
+from tokenizers import processors
 
 from tests.entrypoints._recording_engine import app_for
-from tests.tiny_checkpoints import tiny_tokenizer
+from tests.tiny_checkpoints import BOS_TOKEN, tiny_tokenizer
+from tokenwise.entrypoints.openai.fim import fim_prompt
 
 QWEN = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]
 STARCODER = ["<fim_prefix>", "<fim_suffix>", "<fim_middle>"]
@@ -93,3 +95,19 @@ def test_suffix_is_refused_naming_it_where_it_cannot_work() -> None:
         wrong_type = {"prompt": PREFIX, "suffix": 3, "max_tokens": 4}
         error_of(client.post("/v1/completions", json=wrong_type), "suffix")
     assert engine.prompts == [] and engine_with.prompts == []
+
+
+def test_bos_comes_first_where_the_tokenizer_adds_one() -> None:
+    """A tokenizer that puts BOS before a plain prompt puts it before the FIM prompt too (and
+    `add_special_tokens: false` leaves it out, as for a plain prompt)."""
+    tok = with_markers(QWEN)
+    bos = tok.convert_tokens_to_ids(BOS_TOKEN)
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A", special_tokens=[(BOS_TOKEN, bos)]
+    )
+    assert tok.encode("x")[0] == bos
+    prefix_id = tok.convert_tokens_to_ids(QWEN[0])
+    with_bos = fim_prompt(tok, PREFIX, SUFFIX, add_special_tokens=True)["prompt_token_ids"]
+    without = fim_prompt(tok, PREFIX, SUFFIX, add_special_tokens=False)["prompt_token_ids"]
+    assert with_bos == [bos, *without] and without[0] == prefix_id
+    assert bos not in without
