@@ -18,7 +18,7 @@ cap: `max_tokens` bounds thinking and text together, as in Anthropic's API.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -60,6 +60,10 @@ from tokenwise.entrypoints.openai.serving_common import (
     respond,
 )
 from tokenwise.entrypoints.openai.serving_models import ServingModels
+from tokenwise.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenwise.engine.prompts import PromptInput
 
 
 class MessagesServing:
@@ -73,7 +77,9 @@ class MessagesServing:
         self.models = models
         self.chat = chat
 
-    async def _prepare(self, body: PromptFields) -> tuple[ChatCompletionRequest, list, Any]:
+    async def _prepare(
+        self, body: PromptFields
+    ) -> tuple[ChatCompletionRequest, list[PromptInput], SamplingParams]:
         """The chat request, its engine prompts and sampling parameters (images fetched first,
         as the chat endpoint does, so a slow image server holds only this request)."""
         chat = chat_request(body)
