@@ -121,7 +121,14 @@ def _node_id_for_schemathesis(request: pytest.FixtureRequest) -> None:
 def openai_errors_and_complete_streams(
     ctx: CheckContext, response: Response, case: Case
 ) -> bool | None:
-    """A custom schemathesis check: errors have OpenAI's body; 200 streams finish cleanly."""
+    """A custom schemathesis check: errors have OpenAI's body (Anthropic's on its Messages
+    routes); 200 streams finish cleanly."""
+    anthropic = case.path.startswith("/v1/messages")
+    if response.status_code >= 400 and anthropic:
+        body = response.json()
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+        assert body["error"]["message"], body
+        return None
     if response.status_code >= 400:
         # error_of reads status_code, text and json(), which schemathesis's Response has too.
         error_of(response, response.status_code)  # type: ignore[arg-type]
@@ -135,6 +142,10 @@ def openai_errors_and_complete_streams(
         types = [json.loads(e.split("data: ", 1)[1])["type"] for e in events]
         assert types and types[-1] in ("response.completed", "response.incomplete"), types[-3:]
         assert "error" not in types and "response.failed" not in types, types
+        return None
+    if anthropic:  # Anthropic's named events: message_stop ends the message
+        types = [json.loads(e.split("data: ", 1)[1])["type"] for e in events]
+        assert types and types[-1] == "message_stop" and "error" not in types, types[-3:]
         return None
     assert events and events[-1] == "data: [DONE]", events[-3:]
     for event in events[:-1]:

@@ -81,7 +81,6 @@ def test_strict_mode_refuses_the_unknown_field_by_name() -> None:
     ("make", "field", "value"),
     [
         (chat, "echo", True),  # vLLM's chat echo (the last message) is not built
-        (completion, "suffix", "return x"),
         (chat, "use_beam_search", True),  # completions only (serving_beam_search)
         (chat, "chat_template", "{{ messages }}"),
     ],

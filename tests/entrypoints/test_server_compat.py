@@ -224,7 +224,7 @@ def test_unknown_and_ignored_fields_are_accepted_and_named_once(
     ("path", "field", "value", "says"),
     [
         ("/v1/chat/completions", "echo", True, "not supported yet"),
-        ("/v1/completions", "suffix", "    return x", "not supported yet"),
+        ("/v1/completions", "suffix", "    return x", "no fill-in-the-middle tokens"),
         ("/v1/chat/completions", "use_beam_search", True, "not supported yet"),
         ("/v1/chat/completions", "best_of", 2, "best_of must be None or equal to n"),
         # Declared fields keep their types, implemented or not.

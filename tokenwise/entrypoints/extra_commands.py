@@ -1,4 +1,4 @@
-"""Subcommands beyond generate/chat (serve, bench) register here as they are added."""
+"""Subcommands beyond generate/chat (serve, run-batch, bench) register here as they are added."""
 
 from __future__ import annotations
 
@@ -34,6 +34,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "connect to the front end at --data-parallel-address:--data-parallel-rpc-port",
     )
     serve.set_defaults(func=_run_serve)
+
+    from tokenwise.entrypoints.run_batch import add_run_batch_parser
+
+    add_run_batch_parser(subparsers)
 
     from tokenwise.benchmarks import register_bench
 

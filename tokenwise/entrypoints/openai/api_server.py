@@ -8,7 +8,7 @@ Open routes: `/health`, `/ping` (vLLM's name for the same probe), `/version` and
 so probes and scrapers need no secret; and the web page's static files (`/`, `/ui/*.js|css`),
 which hold no data and must load to ask for the key (its data routes, `/ui/api`, need it). Everything under `/v1`, and `/tokenize` and
 `/detokenize` (vLLM's paths, outside `/v1`), require `Authorization: Bearer <key>` when a key
-is configured.
+is configured, or `x-api-key: <key>` (how Anthropic's clients send it, for `/v1/messages`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import APIRouter, Body, Depends, FastAPI, Request
+from fastapi import APIRouter, Body, Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -36,6 +36,7 @@ from tokenwise.entrypoints.openai.errors import OpenAIError, install_error_handl
 from tokenwise.entrypoints.openai.image_fetch import fetch_limits
 from tokenwise.entrypoints.openai.metrics import ServerMetrics
 from tokenwise.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from tokenwise.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest
 from tokenwise.entrypoints.openai.protocol_embeddings import EmbeddingRequest
 from tokenwise.entrypoints.openai.protocol_models import (
     LoadLoRAAdapterRequest,
@@ -56,6 +57,7 @@ from tokenwise.entrypoints.openai.serving_chat import ChatServing
 from tokenwise.entrypoints.openai.serving_common import json_response
 from tokenwise.entrypoints.openai.serving_completions import CompletionServing
 from tokenwise.entrypoints.openai.serving_embeddings import EmbeddingServing
+from tokenwise.entrypoints.openai.serving_messages import MessagesServing
 from tokenwise.entrypoints.openai.serving_models import ServingModels
 from tokenwise.entrypoints.openai.serving_responses import ResponsesServing
 from tokenwise.entrypoints.openai.serving_scoring import ScoringServing
@@ -108,6 +110,7 @@ def build_app(
     chat = ChatServing(engine, config, models)
     store = ResponseStore(config.responses_store_size)
     responses = ResponsesServing(engine, config, models, chat, store)
+    messages = MessagesServing(engine, config, models, chat)
     embeddings = EmbeddingServing(engine, config, models)
     scoring = ScoringServing(engine, config, models)
     transcriptions = TranscriptionServing(engine, config, models)
@@ -116,11 +119,15 @@ def build_app(
 
     async def require_api_key(
         credentials: HTTPAuthorizationCredentials | None = Depends(bearer),
+        x_api_key: str | None = Header(default=None, include_in_schema=False),
     ) -> None:
-        if not config.key_matches(credentials.credentials if credentials else None):
+        if config.key_matches(credentials.credentials if credentials else None):
+            return
+        if x_api_key is None or not config.key_matches(x_api_key):
             raise OpenAIError(
                 401,
-                "invalid or missing API key; send it as 'Authorization: Bearer <key>'",
+                "invalid or missing API key; send it as 'Authorization: Bearer <key>' or "
+                "'x-api-key: <key>'",
                 code="invalid_api_key",
             )
 
@@ -172,6 +179,16 @@ def build_app(
     async def create_response(body: ResponsesRequest, raw: Request) -> Response:
         require_generative_model()
         return await responses.create(body, raw)
+
+    @api.post("/messages")
+    async def create_message(body: MessagesRequest, raw: Request) -> Response:
+        require_generative_model()
+        return await messages.create(body, raw)
+
+    @api.post("/messages/count_tokens")
+    async def count_message_tokens(body: CountTokensRequest, raw: Request) -> Response:
+        require_generative_model()
+        return await messages.count_tokens(body, raw)
 
     @api.get("/responses/{response_id}")
     async def retrieve_response(response_id: str) -> Response:

@@ -33,7 +33,7 @@ class BodySizeLimitMiddleware:
         declared = Headers(scope=scope).get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             error = OpenAIError(413, _message(limit), code="request_too_large")
-            await error.response()(scope, receive, send)
+            await error.response(path=scope.get("path", ""))(scope, receive, send)
             return
         received = 0
 

@@ -4,6 +4,10 @@ Clients built for OpenAI (the official SDKs included) read `{"error": {"message"
 "param", "code"}}` and raise typed exceptions from the status code, so every failure the server
 can produce (validation, limits, auth, unknown routes, a dead engine) goes through here rather
 than FastAPI's default `{"detail": ...}` bodies.
+
+Anthropic's Messages API (`/v1/messages...`) has its own body shape, `{"type": "error",
+"error": {"type", "message"}}`, which its SDK reads the same way; the handlers write that shape
+for those paths (`is_anthropic_path`), so the same errors reach either client as it expects.
 """
 
 from __future__ import annotations
@@ -37,6 +41,24 @@ _TYPES = {
 }
 
 
+# Anthropic's error `type` for each status (its SDK maps statuses to exception classes itself).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "api_error",
+}
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
 class OpenAIError(Exception):
     """An error the client should see as-is: status code plus the fields of OpenAI's body."""
 
@@ -65,8 +87,17 @@ class OpenAIError(Exception):
             }
         }
 
-    def response(self, headers: Mapping[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code, headers=headers)
+    def anthropic_body(self) -> dict:
+        """Anthropic's shape of the same error (an overloaded server is its overloaded_error)."""
+        kind = _ANTHROPIC_TYPES.get(self.status_code, "invalid_request_error")
+        if self.code == "server_overloaded":
+            kind = "overloaded_error"
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, headers: Mapping[str, str] | None = None, path: str = "") -> JSONResponse:
+        """The error response; in Anthropic's shape for an Anthropic API `path`."""
+        body = self.anthropic_body() if is_anthropic_path(path) else self.body()
+        return JSONResponse(body, status_code=self.status_code, headers=headers)
 
 
 class EngineDeadError(RuntimeError):
@@ -122,31 +153,33 @@ def install_error_handlers(app: FastAPI) -> None:
     """Route every error to OpenAI's body shape; unexpected ones become a logged 500."""
 
     @app.exception_handler(OpenAIError)
-    async def _openai(_: Request, exc: OpenAIError) -> JSONResponse:
-        return exc.response()
+    async def _openai(request: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response(path=request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc).response()
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).response(path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # Routing (404/405) and the body-size limit (413) raise these.
         message = str(exc.detail) if exc.detail else HTTPStatus(exc.status_code).phrase
         code = "request_too_large" if exc.status_code == 413 else None
-        return OpenAIError(exc.status_code, message, code=code).response(exc.headers)
+        error = OpenAIError(exc.status_code, message, code=code)
+        return error.response(exc.headers, path=request.url.path)
 
     @app.exception_handler(EngineDeadError)
-    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return engine_dead(exc).response()
+    async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return engine_dead(exc).response(path=request.url.path)
 
     @app.exception_handler(ServerOverloadedError)
-    async def _overloaded(_: Request, exc: ServerOverloadedError) -> JSONResponse:
+    async def _overloaded(request: Request, exc: ServerOverloadedError) -> JSONResponse:
         error = OpenAIError(503, str(exc), code="server_overloaded")
-        return error.response({"Retry-After": str(exc.retry_after_s)})
+        return error.response({"Retry-After": str(exc.retry_after_s)}, path=request.url.path)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error while serving a request")
         message = f"internal server error ({type(exc).__name__})"
-        return OpenAIError(500, message, code="internal_error").response()
+        error = OpenAIError(500, message, code="internal_error")
+        return error.response(path=request.url.path)

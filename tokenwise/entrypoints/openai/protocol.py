@@ -107,14 +107,15 @@ class GenerationRequest(RequestModel):
 
 class CompletionRequest(GenerationRequest):
     # `REFUSED` fields this endpoint implements: echo returns the prompt before the text (with
-    # its tokens' logprobs in `logprobs` when asked for; max_tokens 0: the prompt alone), and
-    # use_beam_search (`serving_beam_search`).
-    implemented_fields: ClassVar[frozenset[str]] = frozenset({"echo", "use_beam_search"})
+    # its tokens' logprobs in `logprobs` when asked for; max_tokens 0: the prompt alone),
+    # use_beam_search (`serving_beam_search`) and suffix (`fim`).
+    implemented_fields: ClassVar[frozenset[str]] = frozenset({"echo", "use_beam_search", "suffix"})
     # A string, a batch of strings, token ids, or a batch of token-id lists.
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    suffix: str | None = None  # refused: no model here has fill-in-the-middle tokens wired
+    # Fill-in-the-middle (`fim`): the text after the gap; a 400 without FIM tokens.
+    suffix: str | None = None
     add_special_tokens: bool = True  # the tokenizer's BOS (and the like) before the prompt
 
 

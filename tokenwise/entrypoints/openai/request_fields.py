@@ -12,7 +12,7 @@ fields that change nothing, so, as vLLM does, request bodies take any field:
   value cannot change the reply a client reads (metadata, a beam-search knob without beam
   search): accepted, and named in the same warning when not at their default;
 - `REFUSED`: fields not implemented yet whose value would change the reply in a way a client
-  relies on (`suffix`, beam search, a custom chat template, ...): any value other than a no-op
+  relies on (chat's echo, beam search, a custom chat template, ...): any value other than a no-op
   is a 400 naming the field, rather than a reply that silently lacks what was asked for.
 
 Fields the server does implement keep their strict types (`RequestModel`): a bad value there is
@@ -66,16 +66,11 @@ def _is_default(name: str, value: Any, body: BaseModel) -> bool:
     return value == type(body).model_fields[name].default
 
 
-def _is_empty(name: str, value: Any, body: BaseModel) -> bool:
-    return not value
-
-
 # field -> (is this value a no-op?, what a no-op value is, for the message)
 # (A request model's `implemented_fields` names those of these it implements: completions'
 # echo. vLLM's chat `echo` is another feature, still refused.)
 REFUSED: dict[str, tuple[Callable[[str, Any, BaseModel], bool], str | None]] = {
     "echo": (_is_default, None),
-    "suffix": (_is_empty, 'null or ""'),
     "use_beam_search": (_is_default, None),
     "chat_template": (_is_default, None),
 }

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from tokenwise.engine.prompts import check_text
 from tokenwise.entrypoints.openai.access_log import set_request_id
 from tokenwise.entrypoints.openai.errors import OpenAIError
+from tokenwise.entrypoints.openai.fim import fim_prompt
 from tokenwise.entrypoints.openai.logprobs import completion_logprobs, prompt_logprobs_field
 from tokenwise.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -117,8 +118,12 @@ class CompletionServing(OpenAIServing[CompletionRequest, CompletionLogprobs]):
                 f"--max-prompts), got {len(prompts)}",
                 param="prompt",
             )
-        if not body.add_special_tokens:
-            tokenizer = self.engine.engine.tokenizer
+        tokenizer = self.engine.engine.tokenizer
+        if body.suffix:  # fill-in-the-middle: each prompt is the code before the gap
+            prompts = [
+                fim_prompt(tokenizer, p, body.suffix, body.add_special_tokens) for p in prompts
+            ]
+        elif not body.add_special_tokens:
             prompts = [_without_special_tokens(p, tokenizer) for p in prompts]
         guided = guided_decoding_for(body)
         # Echo scores the prompt for its logprobs; max_tokens 0 (lm-eval's loglikelihood may
