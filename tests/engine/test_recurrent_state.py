@@ -182,3 +182,38 @@ def test_no_free_slot_means_no_admission_and_no_snapshot() -> None:
     assert bm.allocate_slots("b", list(range(100, 140)), 0, 16) is not None
     bm.free("b")
     bm.check_invariants()
+
+
+def test_a_tp_worker_does_what_the_driver_does(toy: str) -> None:
+    """Under TP every rank applies the same state plan: the driver's plan, sent in the step
+    message, makes a worker's runner start, snapshot and roll back the same slots. (A TP
+    engine of the toy itself cannot start: its spawned workers do not import this test's
+    model; the Gated DeltaNet models of the next issue run the engine end to end.)"""
+    from tokenwise.distributed.step_message import decode_step, encode_step
+
+    llm = make(toy)
+    engine = llm.llm_engine
+    runner = engine.runner
+    seen: list = []
+    encode = encode_step
+
+    def spy(step, tables, loras=None, states=None):  # what a TP driver would broadcast
+        data = encode(step, tables, loras, states)
+        seen.append((states, decode_step(data).states))
+        return data
+
+    import tokenwise.runner.model_runner as mr
+
+    original, runner.tp_size = mr.encode_step, 2
+    mr.encode_step = spy
+    broadcasts: list = []
+    runner.tp.broadcast = broadcasts.append  # type: ignore[method-assign]
+    try:
+        spec_params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": PROMPT}], spec_params, use_tqdm=False)
+    finally:
+        mr.encode_step = original
+        runner.tp_size = 1
+    assert seen and all(sent == received for sent, received in seen)
+    assert any(plan.init for plan, _ in seen) and any(plan.snapshot for plan, _ in seen)
+    assert len(broadcasts) == len(seen)  # one step message per step, no rollback needed

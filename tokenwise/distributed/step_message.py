@@ -55,6 +55,20 @@ class GroupStep(msgspec.Struct, array_like=True, frozen=True):
     slot_mapping: Array
 
 
+class StatePlan(msgspec.Struct, array_like=True, frozen=True):
+    """A step's recurrent-state work (`runner/recurrent_states.py`), the same on every rank:
+    each row's live slot, where its tokens start (`starts`, one more than rows), whether its
+    per-token states are kept (a verifying request), and the copies around the forward pass:
+    `init` (live slot, source slot or -1 for zeros) before it, `snapshot` (live slot,
+    snapshot slot) after it."""
+
+    slots: list[int]
+    starts: list[int]
+    keep: list[bool]
+    init: list[tuple[int, int]]
+    snapshot: list[tuple[int, int]]
+
+
 class StepMessage(msgspec.Struct, array_like=True, frozen=True):
     """Everything a TP worker or a pipeline stage needs to run the driver's step."""
 
@@ -67,6 +81,7 @@ class StepMessage(msgspec.Struct, array_like=True, frozen=True):
     groups: list[GroupStep]
     logits_indices: list[int]
     loras: list[LoRARequest | None] = []
+    states: StatePlan | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -77,7 +92,12 @@ _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(StepMessage)
 
 
-def encode_step(step: StepInputs, tables: GroupTables, loras: list | None = None) -> bytes:
+def encode_step(
+    step: StepInputs,
+    tables: GroupTables,
+    loras: list | None = None,
+    states: StatePlan | None = None,
+) -> bytes:
     """The step as bytes (`decode_step` reads them back)."""
     message = StepMessage(
         num_reqs=step.num_reqs,
@@ -92,6 +112,7 @@ def encode_step(step: StepInputs, tables: GroupTables, loras: list | None = None
         ],
         logits_indices=list(step.logits_indices),
         loras=list(loras or []),
+        states=states,
     )
     return _ENCODER.encode(message)
 
@@ -128,6 +149,7 @@ __all__ = [
     "Array",
     "GroupStep",
     "GroupTables",
+    "StatePlan",
     "StepMessage",
     "decode_step",
     "encode_step",

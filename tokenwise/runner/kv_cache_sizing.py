@@ -27,7 +27,7 @@ import torch
 
 from tokenwise.attention.backends.kv_quant import is_fp8, kv_cache_torch_dtype
 from tokenwise.attention.layer import AttentionLayerBase
-from tokenwise.kv_cache.layout import KVCacheLayout
+from tokenwise.kv_cache.layout import KVCacheLayout, make_layout
 from tokenwise.runner.graph_runner import CUDAGraphRunner
 from tokenwise.runner.memory_profiling import cuda_kv_cache_budget
 
@@ -48,6 +48,14 @@ class KVCacheSizingMixin:
     graph_runner: CUDAGraphRunner | None
     kv_cache_layout: KVCacheLayout
     num_state_slots: int = 0
+
+    def make_kv_cache_layout(self) -> KVCacheLayout:
+        """The layers with a cache grouped by their KV-cache specs (made once, at start-up)."""
+        specs = {
+            name: layer.kv_cache_spec(self.block_size, self.kv_cache_dtype)
+            for name, layer in self.cache_layers().items()
+        }
+        return make_layout(specs)
 
     def cache_layers(self) -> dict[str, AttentionLayerBase]:
         """The attention layers that keep a KV cache (encoder-only attention keeps none)."""

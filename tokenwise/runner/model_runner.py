@@ -27,7 +27,6 @@ from tokenwise.distributed.tp_launch import WorkerMain, start_tensor_parallel
 from tokenwise.distributed.tp_state import get_tp_size
 from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenwise.forward_context import set_forward_context
-from tokenwise.kv_cache.layout import make_layout
 from tokenwise.layer_registry import get_layers_from_config
 from tokenwise.layers.cpu_prepack import prepack_linear_weights
 from tokenwise.layers.huge_pages import move_weights_to_huge_pages
@@ -118,12 +117,7 @@ class ModelRunner(KVCacheSizingMixin, StepMetadataMixin):
         # Set by the engine when an EAGLE head proposes drafts: the target features it reads.
         self.hidden_capture: TargetHiddenCapture | None = None
         # Layers grouped by KV-cache spec; each group's layers share one metadata object.
-        self.kv_cache_layout = make_layout(
-            {
-                name: layer.kv_cache_spec(self.block_size, self.kv_cache_dtype)
-                for name, layer in self.cache_layers().items()
-            }
-        )
+        self.kv_cache_layout = self.make_kv_cache_layout()
         self._builders, self._metadata_group_of = metadata_groups(
             self.kv_cache_layout, list(self.attn_layers), self.block_size, self.device
         )
@@ -146,14 +140,9 @@ class ModelRunner(KVCacheSizingMixin, StepMetadataMixin):
         )
         # Recurrent-state layers (their state copies around each step); eager only, for now.
         self.recurrent = RecurrentStates.create(
-            self.kv_cache_layout, self.attn_layers, self.input_batch
+            self.kv_cache_layout, self.attn_layers, self.input_batch, config, self.dp_lockstep
         )
         if self.recurrent is not None:
-            RecurrentStates.check_supported(
-                self.tp_size,
-                config.parallel.pipeline_parallel_size,
-                parallel.enable_microbatching and self.dp_lockstep,
-            )
             self._capturer_factory = None
         # Built once, here; KV sizing asks it to `measure()` and `initialize_kv_cache` to
         # `capture()`. None when the mode has no graphs.
@@ -236,13 +225,13 @@ class ModelRunner(KVCacheSizingMixin, StepMetadataMixin):
         if mode != CUDAGraphMode.FULL:
             tables = self._metadata_tables(step)
             attn_metadata = self._attn_metadata(step, tables)
-        if self.recurrent is not None:
-            attn_metadata.update(recurrent_md := self.recurrent.metadata(step))
-            self.recurrent.before_forward(step)
+        state_plan = self.recurrent.plan(step) if self.recurrent is not None else None
+        if state_plan is not None:
+            attn_metadata.update(self.recurrent.begin(state_plan))
         model_kwargs = self._model_inputs(step, attn_metadata)
         if self.tp_size > 1:
             self.tp.check_workers()
-            self.tp.broadcast(("step", encode_step(step, tables, loras)))
+            self.tp.broadcast(("step", encode_step(step, tables, loras, state_plan)))
         capture = self.hidden_capture
         if capture is not None:
             capture.begin()
@@ -252,8 +241,8 @@ class ModelRunner(KVCacheSizingMixin, StepMetadataMixin):
                 hidden = self.graph_runner.execute(mode, desc, attn_metadata, num_tokens)
             else:
                 hidden = self._run_eager(step, attn_metadata, model_kwargs)
-            if self.recurrent is not None:
-                self.recurrent.after_forward(step)
+            if state_plan is not None:
+                self.recurrent.finish(state_plan)
             target_hidden = capture.collect(hidden, ordered) if capture is not None else None
             if not step.logits_indices:
                 return ModelRunnerOutput([], [], None, num_tokens, target_hidden=target_hidden)
@@ -269,8 +258,9 @@ class ModelRunner(KVCacheSizingMixin, StepMetadataMixin):
         vocab = self.model_config.vocab_size
         logits = logits[:num_sample_rows]
         token_ids, logprobs = sample_step(self.sampler, logits, sampled, vocab, self.device)
-        if self.recurrent is not None:
-            self.recurrent.after_sampling(step, recurrent_md, sampled, token_ids)
+        if state_plan is not None:
+            pairs = self.recurrent.restores(step, state_plan, sampled, token_ids)
+            self.recurrent.restore(pairs, self.tp if self.tp_size > 1 else None)
         return ModelRunnerOutput(
             sampled,
             token_ids,
@@ -320,10 +310,18 @@ class ModelRunner(KVCacheSizingMixin, StepMetadataMixin):
             if message[0] == "dummy":
                 self.execute_dummy_batch(message[1])
                 continue
+            if message[0] == "restore":  # a recurrent model's rollback after verification
+                self.recurrent.restore(message[1])
+                continue
             step_message = decode_step(message[1])
             step, tables = step_inputs(step_message, self.device)
             self._prepare_lora(step_message.loras, step)
-            hidden = self._run_eager(step, self._attn_metadata(step, tables))
+            metadata = self._attn_metadata(step, tables)
+            if (plan := step_message.states) is not None:
+                metadata.update(self.recurrent.begin(plan))
+            hidden = self._run_eager(step, metadata)
+            if plan is not None:
+                self.recurrent.finish(plan)
             if step.logits_indices:
                 self._logits(hidden, step.logits_indices)  # joins the vocab all-gather
 

@@ -12,8 +12,10 @@ taken (`kv_cache.managers.RecurrentStateManager`); the scheduler's output carrie
 - after sampling, a request that verified drafts gets back the state after its last accepted
   token (the layers kept one per token of such requests): rejected drafts leave no trace.
 
-Copies run over every recurrent layer's tensor. Tensor parallelism, pipeline stages and graphs
-are refused for such models for now (`check_supported`), so the driver is the only process.
+Copies run over every recurrent layer's tensor. The driver plans a step's copies
+(`StatePlan`) and sends the plan to its TP workers inside the step message; after sampling it
+sends them the rollbacks (`("restore", pairs)`), so every rank keeps its shard of each state in
+step. Pipeline stages, micro-batches and graphs are refused for such models for now.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ import torch
 
 from tokenwise.attention.layer import AttentionLayerBase
 from tokenwise.attention.recurrent import RecurrentMetadata
+from tokenwise.config import EngineConfig
+from tokenwise.distributed.step_message import StatePlan
+from tokenwise.distributed.tp_channel import TPDriver
 from tokenwise.engine.step_outputs import ScheduledRequest
 from tokenwise.kv_cache.layout import KVCacheLayout
 from tokenwise.kv_cache.managers import ZERO_STATE
@@ -44,8 +49,15 @@ class RecurrentStates:
 
     @classmethod
     def create(
-        cls, layout: KVCacheLayout, layers: dict[str, AttentionLayerBase], batch: InputBatch
+        cls,
+        layout: KVCacheLayout,
+        layers: dict[str, AttentionLayerBase],
+        batch: InputBatch,
+        config: EngineConfig,
+        dp_lockstep: bool,
     ) -> RecurrentStates | None:
+        """The part for the layout's recurrent-state group (None without one); refuses the
+        settings it does not support yet."""
         found = [(g, group) for g, group in enumerate(layout.groups) if group.spec.pool == "state"]
         if not found:
             return None
@@ -54,17 +66,20 @@ class RecurrentStates:
                 f"the model has {len(found)} kinds of recurrent state (layers with different "
                 "state sizes); one is supported"
             )
+        parallel = config.parallel
+        cls.check_supported(
+            parallel.pipeline_parallel_size, parallel.enable_microbatching and dp_lockstep
+        )
         g, group = found[0]
         return cls(g, group.layer_names, layers, batch)
 
     @staticmethod
-    def check_supported(tp_size: int, pp_size: int, dp_ubatch: bool) -> None:
-        for name, size in (("tensor_parallel_size", tp_size), ("pipeline_parallel_size", pp_size)):
-            if size > 1:
-                raise ValueError(
-                    f"{name}={size} is not supported for models with recurrent-state layers "
-                    "yet; run them with 1"
-                )
+    def check_supported(pp_size: int, dp_ubatch: bool) -> None:
+        if pp_size > 1:
+            raise ValueError(
+                f"pipeline_parallel_size={pp_size} is not supported for models with "
+                "recurrent-state layers yet; run them with 1 (tensor parallelism works)"
+            )
         if dp_ubatch:
             raise ValueError("micro-batching is not supported for recurrent-state layers yet")
 
@@ -74,63 +89,74 @@ class RecurrentStates:
     def _live_slot(self, row: int) -> int:
         return int(self.batch.group_tables[self.group_id][row, 0])
 
-    def metadata(self, step: StepInputs) -> dict[str, RecurrentMetadata]:
-        """This step's metadata for every recurrent layer (one object); padding rows use the
-        scratch slot past the last real one."""
+    # ---- the driver: what this step does -------------------------------------------------
+
+    def plan(self, step: StepInputs) -> StatePlan:
+        """This step's state work, from the scheduler's instructions (driver only; TP workers
+        receive it in the step message). Padding rows use the scratch slot past the last."""
         scratch = self._tensors()[0].shape[0] - 1
         slots = [self._live_slot(int(row)) for row in step.rows]
-        slots += [scratch] * (step.num_reqs - len(slots))
+        init, snapshot = [], []
+        for item, live in zip(step.scheduled, slots, strict=False):
+            todo = item.state_step
+            if todo is not None and todo.init is not None:
+                init.append((live, -1 if todo.init == ZERO_STATE else todo.init))
+            if todo is not None and todo.snapshot is not None:
+                snapshot.append((live, todo.snapshot))
         keep = [bool(s.spec_token_ids) for s in step.scheduled]
-        keep += [False] * (step.num_reqs - len(keep))
+        pad = step.num_reqs - len(slots)
         starts = np.concatenate([[0], np.cumsum(step.query_lens_np)]).tolist()
-        md = RecurrentMetadata(slots, starts, keep)
-        return {name: md for name in self.layer_names}
+        return StatePlan(slots + [scratch] * pad, starts, keep + [False] * pad, init, snapshot)
 
-    def before_forward(self, step: StepInputs) -> None:
-        """Start new live states: from zeros, or from the snapshot of a prefix hit."""
-        for item, row in zip(step.scheduled, step.rows, strict=False):
-            init = item.state_step.init if item.state_step is not None else None
-            if init is None:
-                continue
-            live = self._live_slot(int(row))
-            for t in self._tensors():
-                if init == ZERO_STATE:
-                    t[live].zero_()
-                else:
-                    t[live].copy_(t[init])
-
-    def after_forward(self, step: StepInputs) -> None:
-        """Copy each finished block's state into its snapshot slot."""
-        for item, row in zip(step.scheduled, step.rows, strict=False):
-            snap = item.state_step.snapshot if item.state_step is not None else None
-            if snap is None:
-                continue
-            live = self._live_slot(int(row))
-            for t in self._tensors():
-                t[snap].copy_(t[live])
-
-    def after_sampling(
+    def restores(
         self,
         step: StepInputs,
-        md: dict[str, RecurrentMetadata],
+        plan: StatePlan,
         sampled: list[ScheduledRequest],
         token_ids: list[list[int]],
-    ) -> None:
-        """Roll each verifying request's state back to its last accepted token."""
-        if not any(s.spec_token_ids for s in sampled):
-            return
+    ) -> list[tuple[int, int]]:
+        """(live slot, token of this step) for each verifying request: the state to keep is
+        the one after its last known token plus the drafts it accepted."""
         emitted = {id(s): len(t) for s, t in zip(sampled, token_ids, strict=True)}
-        one = md[self.layer_names[0]]
-        for i, (item, row) in enumerate(zip(step.scheduled, step.rows, strict=False)):
-            if not item.spec_token_ids or id(item) not in emitted:
-                continue
-            # The step ran its known tokens, then k drafts of which `emitted - 1` were
-            # accepted: keep the state after the last known token plus those.
-            known = item.num_new_tokens - len(item.spec_token_ids)
-            token = one.query_start_loc[i] + known - 1 + emitted[id(item)] - 1
-            live = self._live_slot(int(row))
-            for layer, t in zip(self.layer_names, self._tensors(), strict=True):
-                t[live].copy_(md[layer].token_states[layer][token])
+        pairs = []
+        for i, item in enumerate(step.scheduled):
+            if item.spec_token_ids and id(item) in emitted:
+                known = item.num_new_tokens - len(item.spec_token_ids)
+                token = plan.starts[i] + known - 1 + emitted[id(item)] - 1
+                pairs.append((plan.slots[i], token))
+        return pairs
+
+    # ---- every rank: doing it ----------------------------------------------------------------
+
+    def begin(self, plan: StatePlan) -> dict[str, RecurrentMetadata]:
+        """Start new live states (zeros, or a prefix hit's snapshot); the step's metadata."""
+        for live, source in plan.init:
+            for t in self._tensors():
+                if source < 0:
+                    t[live].zero_()
+                else:
+                    t[live].copy_(t[source])
+        self._last = RecurrentMetadata(list(plan.slots), list(plan.starts), list(plan.keep))
+        return {name: self._last for name in self.layer_names}
+
+    def finish(self, plan: StatePlan) -> None:
+        """Copy each finished block's state into its snapshot slot."""
+        for live, dst in plan.snapshot:
+            for t in self._tensors():
+                t[dst].copy_(t[live])
+
+    def restore(self, pairs: list[tuple[int, int]], tp: TPDriver | None = None) -> None:
+        """Roll verifying requests back: live slot <- the state after the given token of the
+        last step (the layers kept one per token of those requests); with `tp` (the driver
+        of a TP group), on every worker too."""
+        if not pairs:
+            return
+        if tp is not None:
+            tp.broadcast(("restore", pairs))
+        kept = self._last.token_states
+        for live, token in pairs:
+            for name, t in zip(self.layer_names, self._tensors(), strict=True):
+                t[live].copy_(kept[name][token])
 
 
 __all__ = ["RecurrentStates"]
