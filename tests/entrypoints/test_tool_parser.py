@@ -133,3 +133,22 @@ def test_required_array_parsing() -> None:
     )
     assert [(c.name, json.loads(c.arguments)) for c in calls or []] == [("f", {"a": 1}), ("g", {})]
     assert parse_call_array('{"name": "f"}') is None and parse_call_array("[1]") is None
+
+
+def test_serve_flags_reach_the_server_config(capsys: pytest.CaptureFixture[str]) -> None:
+    from tokenwise.entrypoints.cli import build_parser
+    from tokenwise.entrypoints.openai.cli_args import server_config_kwargs
+    from tokenwise.entrypoints.openai.server_config import ServerConfig
+
+    parser = build_parser()
+    args = parser.parse_args(
+        ["serve", "--tool-call-parser", "qwen3_coder", "--enable-auto-tool-choice"]
+    )
+    config = ServerConfig("m", 64, **server_config_kwargs(args))
+    assert (config.tool_call_parser, config.enable_auto_tool_choice) == ("qwen3_coder", True)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--tool-call-parser", "llama3"])
+    assert "invalid choice: 'llama3'" in capsys.readouterr().err
+    args = parser.parse_args(["serve", "--enable-auto-tool-choice"])
+    with pytest.raises(ValueError, match="needs --tool-call-parser"):
+        ServerConfig("m", 64, **server_config_kwargs(args))

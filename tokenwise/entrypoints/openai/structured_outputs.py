@@ -50,8 +50,9 @@ _STRUCTURED_KINDS = {
 
 @dataclass(frozen=True)
 class ToolMode:
-    """How a chat reply is read: as text ("none"), text with Hermes calls in it ("auto"), the
-    arguments of one forced function ("named", `name`), or an array of calls ("required")."""
+    """How a chat reply is read: as text ("none"), text with calls in the model's own format
+    in it ("auto", read by the tool-call parser), the arguments of one forced function
+    ("named", `name`), or an array of calls ("required")."""
 
     kind: Literal["none", "auto", "named", "required"]
     name: str | None = None

@@ -71,7 +71,9 @@ def call_events(name: str, arguments: Any) -> list[Event]:
     return [CallStart(name), ArgsPiece(text)]
 
 
-def call_from_object(obj: Any, args_keys: tuple[str, ...] = ("arguments", "parameters")):
+def call_from_object(
+    obj: Any, args_keys: tuple[str, ...] = ("arguments", "parameters")
+) -> tuple[str, Any] | None:
     """(name, arguments) of a `{"name": ..., "arguments"|"parameters": ...}` object, or None."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
