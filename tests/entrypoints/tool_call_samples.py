@@ -103,11 +103,20 @@ SAMPLES: list[tuple[str, str, str | None, list[tuple[str, Any]]]] = [
         [],
     ),
     ("hermes", "<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
+    # A call cut off inside its arguments keeps what was written; another key order is read
+    # when the block closes.
+    ("hermes", '<tool_call>{"name": "f", "arguments": {}', None, [("f", {})]),
     (
         "hermes",
-        '<tool_call>{"name": "f", "arguments": {}',
-        '<tool_call>{"name": "f", "arguments": {}',
-        [],
+        '<tool_call>{"arguments": {"x": 1}, "name": "a"}</tool_call>',
+        None,
+        [("a", {"x": 1})],
+    ),
+    (
+        "hermes",
+        '<tool_call>{"name": "a", "arguments": {"x": "}"}} </tool_call>',
+        None,
+        [("a", {"x": "}"})],
     ),
     # llama3_json: without the tag; a reply that is not JSON is content; text after calls.
     ("llama3_json", '  {"name": "convert", "arguments": {"amount": 5}}', None, [CONVERT]),
