@@ -6,6 +6,7 @@ every character position giving exactly the same content and calls, in OpenAI's 
 from __future__ import annotations
 
 import json
+import random
 from typing import Any
 
 import pytest
@@ -75,6 +76,10 @@ def test_streamed_at_every_split_equals_whole(
     want_calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
     want_content = message.content or ""
     splits = [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]
+    rng = random.Random(len(text))
+    for _ in range(20):  # and cut in several places at once
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(2, 9))))
+        splits.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)])
     for pieces in splits:
         got_content, got_calls, finish = collect(parser, pieces)
         assert [(c["name"], c["arguments"]) for c in got_calls] == want_calls, pieces
