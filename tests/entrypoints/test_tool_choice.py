@@ -125,3 +125,31 @@ def test_offline_params_take_disable_any_whitespace() -> None:
     )
     with pytest.raises(ValueError, match="disable_any_whitespace must be a bool"):
         GuidedDecodingParams(json_object=True, disable_any_whitespace="yes")  # type: ignore[arg-type]
+
+
+def test_responses_allowed_tools_run_as_chats_form() -> None:
+    from tokenwise.entrypoints.openai.protocol_responses import ResponsesRequest
+    from tokenwise.entrypoints.openai.responses_input import chat_request, forces_call
+
+    tools = [
+        {
+            "type": "function",
+            "name": t["function"]["name"],
+            "parameters": t["function"]["parameters"],
+        }
+        for t in TOOLS
+    ]
+    for mode in ("auto", "required"):
+        body = ResponsesRequest.model_validate(
+            {
+                "input": "hi",
+                "tools": tools,
+                "tool_choice": {
+                    "type": "allowed_tools", "mode": mode,
+                    "tools": [{"type": "function", "name": "convert"}],
+                },
+            }
+        )  # fmt: skip
+        assert forces_call(body) == (mode == "required")
+        chat = narrow_allowed_tools(chat_request(body, [{"role": "user", "content": "hi"}]))
+        assert [t.function.name for t in chat.tools] == ["convert"] and chat.tool_choice == mode
