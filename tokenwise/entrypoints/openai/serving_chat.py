@@ -51,7 +51,7 @@ from tokenwise.entrypoints.openai.structured_outputs import (
     resolve_tool_mode,
 )
 from tokenwise.entrypoints.openai.tool_calls import ToolCallReader
-from tokenwise.entrypoints.openai.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
+from tokenwise.entrypoints.openai.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS, ToolParser
 from tokenwise.outputs import CompletionOutput, RequestOutput
 from tokenwise.sampling.params import SamplingParams
 
@@ -147,7 +147,7 @@ class ChatServing(OpenAIServing[ChatCompletionRequest, ChatLogprobs]):
         reasoning = REASONING_PARSERS[name]()
         return ToolCallReader(mode, reasoning, body.include_reasoning, parser)
 
-    def _tool_parser_cls(self) -> type:
+    def _tool_parser_cls(self) -> type[ToolParser]:
         return TOOL_PARSERS[self.config.tool_call_parser or DEFAULT_TOOL_PARSER]
 
     def _choice(
