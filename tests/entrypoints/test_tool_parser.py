@@ -93,12 +93,17 @@ def test_streamed_at_every_split_equals_whole(
 def test_arguments_stream_in_pieces_as_they_arrive() -> None:
     """Formats that name a call before its arguments send the name first, then the
     arguments piece by piece (not only once the call is complete)."""
-    text = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}'
-    r = reader("mistral")
-    first, _ = r.delta(text[: text.index(", ")], None)
-    assert first is not None and first.tool_calls is not None
-    assert first.tool_calls[0].function.name == "get_weather"
-    assert first.tool_calls[0].function.arguments == '{"city": "Paris"'
+    args = '{"city": "Paris", "days": 3}'
+    for parser, text in (
+        ("mistral", f"[TOOL_CALLS]get_weather[ARGS]{args}"),
+        ("hermes", f'<tool_call>{{"name": "get_weather", "arguments": {args}}}</tool_call>'),
+        ("llama3_json", f'{{"name": "get_weather", "parameters": {args}}}'),
+    ):
+        r = reader(parser)
+        first, _ = r.delta(text[: text.index(", ", text.index("city"))], None)
+        assert first is not None and first.tool_calls is not None, parser
+        assert first.tool_calls[0].function.name == "get_weather"
+        assert first.tool_calls[0].function.arguments == '{"city": "Paris"', parser
     xml = "<tool_call>\n<function=convert>\n<parameter=amount>\n5\n</parameter>\n"
     r = reader("qwen3_coder")
     delta, _ = r.delta(xml, None)

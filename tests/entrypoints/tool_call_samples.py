@@ -127,11 +127,19 @@ SAMPLES: list[tuple[str, str, str | None, list[tuple[str, Any]]]] = [
         'and then {"x": 1}',
         [CONVERT],
     ),
+    # Another key order is read whole: cut off, it is content as written.
     (
         "llama3_json",
-        '{"name": "convert", "parameters": {"amount": "}"',
-        '{"name": "convert", "parameters": {"amount": "}"',
+        '{"parameters": {"amount": 5}, "name": "conv',
+        '{"parameters": {"amount": 5}, "name": "conv',
         [],
+    ),
+    ("llama3_json", '{"parameters": {"amount": 5}, "name": "convert"}', None, [CONVERT]),
+    (
+        "llama3_json",
+        '{"name": "a", "parameters": {"x": "}{", "y": {"z": []}} };',
+        None,
+        [("a", {"x": "}{", "y": {"z": []}})],
     ),
     # mistral: the older JSON-array form, and a name written straight before its object.
     (
