@@ -136,7 +136,7 @@ def test_streamed_reasoning_and_tool_calls(size: int) -> None:
             continue
         reasoning += delta.reasoning_content or ""
         content += delta.content or ""
-        calls += [call.function.name for call in delta.tool_calls or []]
+        calls += [c.function.name for c in delta.tool_calls or [] if c.function.name]
     assert reasoning == f"I could write {CALL} here."
     assert content == "Checking."
     assert calls == ["get_weather"]

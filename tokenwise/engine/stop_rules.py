@@ -40,15 +40,20 @@ def tokens_banned_before_min_tokens(req: Request) -> list[int]:
 
 
 def hides_token(req: Request, token: int) -> bool:
-    """True for a stop token that will end the request: it is left out of the text (as vLLM
-    does), unless `include_stop_str_in_output`.
+    """True for a stop token or EOS that will end the request: it is left out of the text (as
+    vLLM does), unless `include_stop_str_in_output`. (EOS matters with
+    `skip_special_tokens=False`, which a tool-call parser whose markers are special tokens
+    asks for: its text would otherwise end in `</s>`.)
 
     `token` is this step's sample for `req`, not yet appended: it will be output number
     `num_output_tokens + 1`, which is what `min_tokens` is compared with.
     """
     params = req.sampling_params
+    ends = token in (params.stop_token_ids or ()) or (
+        not params.ignore_eos and token in req.eos_token_ids
+    )
     return (
-        token in (params.stop_token_ids or ())
+        ends
         and req.num_output_tokens + 1 >= params.min_tokens
         and not params.include_stop_str_in_output
     )

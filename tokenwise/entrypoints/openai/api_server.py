@@ -283,6 +283,10 @@ def run_server(args: argparse.Namespace) -> int:
     from tokenwise.entrypoints.engine_args import engine_kwargs
     from tokenwise.entrypoints.llm import build_engine_config
     from tokenwise.entrypoints.openai.cli_args import lora_modules_dict, server_config_kwargs
+    from tokenwise.entrypoints.openai.tool_parsers import check_tool_call_parser
+
+    # Flags that contradict each other fail before minutes of model loading.
+    check_tool_call_parser(args.tool_call_parser, args.enable_auto_tool_choice)
 
     # /metrics reports forward time per batch size, so collect it (the table is also logged,
     # at INFO, once a minute while busy).

@@ -26,6 +26,7 @@ from tokenwise.entrypoints.openai.server_config import (
     DEFAULT_PORT,
     DEFAULT_RESPONSES_STORE_SIZE,
 )
+from tokenwise.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 API_KEY_ENV = "TOKENWISE_API_KEY"
 
@@ -110,6 +111,20 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="return the <think> part of chat replies as reasoning_content (deepseek_r1: the "
         "reply starts inside the reasoning; qwen3: only where the model writes <think>); "
         "tool calls are read from the rest (default: off, the tags stay in the content)",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="how tool_choice 'auto' reads the calls a model writes (vLLM's names; hermes: "
+        "<tool_call>{json}</tool_call>, llama3_json, mistral, qwen3_coder, deepseek_v3, "
+        "pythonic) (default: hermes)",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="as vLLM's flag: tool_choice 'auto' with --tool-call-parser (which it needs); "
+        "tokenwise reads auto replies with the parser whether or not it is given",
     )
     g.add_argument(
         "--responses-store-size",
@@ -208,6 +223,8 @@ def server_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_request_body_bytes": args.max_request_body_bytes,
         "strict_request_fields": args.strict_request_fields,
         "reasoning_parser": args.reasoning_parser,
+        "tool_call_parser": args.tool_call_parser,
+        "enable_auto_tool_choice": args.enable_auto_tool_choice,
         "access_log": not args.disable_access_log,
         "ui": not args.disable_ui,
         "responses_store_size": args.responses_store_size,

@@ -9,7 +9,7 @@ Field names and defaults follow OpenAI's API; vLLM's sampling extensions (`top_k
 `ignore_eos`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `allowed_token_ids`,
 `bad_words`, `truncate_prompt_tokens`, `prompt_logprobs`) are accepted too, and so
 are structured outputs: OpenAI's `response_format` and vLLM's `guided_json`, `guided_regex`,
-`guided_choice` and `guided_grammar`; chat requests also take `tools` and `tool_choice`, and
+`guided_choice` and `guided_grammar` (and `structured_outputs`, their newer form); chat requests also take `tools` and `tool_choice`, and
 vLLM's `chat_template_kwargs`, `continue_final_message` and `include_reasoning`.
 
 Here: the completion and chat bodies, which share `GenerationRequest` and the response
@@ -51,6 +51,21 @@ class ResponseFormat(RequestModel):
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputsField(RequestModel):
+    """vLLM's `structured_outputs` request field (its `StructuredOutputsParams`): one spec, as
+    the `guided_*` fields give it, and `disable_any_whitespace`, which fixes guided JSON's
+    layout (no free whitespace) whatever field the JSON spec came from."""
+
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+
+    json_schema: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 class GenerationRequest(RequestModel):
     """Fields shared by completions and chat completions."""
 
@@ -78,6 +93,7 @@ class GenerationRequest(RequestModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsField | None = None
     # OpenAI's token id (a JSON key: a string) -> bias in [-100, 100]; vLLM's processors and
     # prompt fields. All go to SamplingParams, which names a bad value.
     logit_bias: dict[str, float] | None = None
@@ -162,6 +178,25 @@ class NamedToolChoice(RequestModel):
     function: FunctionName
 
 
+class AllowedTool(RequestModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class AllowedTools(RequestModel):
+    mode: Literal["auto", "required"]
+    tools: list[AllowedTool] = Field(min_length=1)
+
+
+class AllowedToolsChoice(RequestModel):
+    """OpenAI's `{"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}`: only these of
+    the request's tools may be called ("auto": or none; "required": at least one). Agent
+    frameworks send it to keep the full tool list (and the prompt cache) stable per turn."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
 class ChatTemplateFields(RequestModel):
     """What the chat template renders: chat completions and `/tokenize` with messages."""
 
@@ -179,7 +214,9 @@ class ChatTemplateFields(RequestModel):
 
 class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
     # Default: "auto" when tools are given, else "none" (as OpenAI).
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: (
+        Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None
+    ) = None
     parallel_tool_calls: bool = True
     max_tokens: int | None = None
     max_completion_tokens: int | None = None

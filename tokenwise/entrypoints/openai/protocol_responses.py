@@ -166,6 +166,20 @@ class FunctionToolChoice(RequestModel):
     name: str
 
 
+class AllowedFunction(RequestModel):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesAllowedToolsChoice(RequestModel):
+    """The Responses API's `allowed_tools` choice (flat, unlike chat's): only these tools may
+    be called, under `mode`; run as chat's form (`responses_input`)."""
+
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[AllowedFunction] = Field(min_length=1)
+
+
 class TextFormatText(RequestModel):
     type: Literal["text"]
 
@@ -226,7 +240,12 @@ class ResponsesRequest(RequestModel):
     input: str | list[InputItem]
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
+    tool_choice: (
+        Literal["none", "auto", "required"]
+        | FunctionToolChoice
+        | ResponsesAllowedToolsChoice
+        | None
+    ) = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)

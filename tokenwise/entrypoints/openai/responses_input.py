@@ -47,6 +47,7 @@ from tokenwise.entrypoints.openai.protocol_responses import (
     ReasoningItem,
     ReasoningText,
     RefusalContent,
+    ResponsesAllowedToolsChoice,
     ResponsesRequest,
     TextFormatJsonObject,
     TextFormatJsonSchema,
@@ -144,7 +145,10 @@ def output_messages(items: list[OutputItem]) -> list[dict[str, Any]]:
 
 
 def forces_call(body: ResponsesRequest) -> bool:
-    return body.tool_choice == "required" or isinstance(body.tool_choice, FunctionToolChoice)
+    choice = body.tool_choice
+    if isinstance(choice, ResponsesAllowedToolsChoice):
+        return choice.mode == "required"
+    return choice == "required" or isinstance(choice, FunctionToolChoice)
 
 
 def _response_format(body: ResponsesRequest) -> dict[str, Any] | None:
@@ -196,6 +200,10 @@ def chat_request(
     choice = body.tool_choice
     if isinstance(choice, FunctionToolChoice):
         fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+    elif isinstance(choice, ResponsesAllowedToolsChoice):
+        tools = [{"type": "function", "function": {"name": t.name}} for t in choice.tools]
+        allowed = {"mode": choice.mode, "tools": tools}
+        fields["tool_choice"] = {"type": "allowed_tools", "allowed_tools": allowed}
     else:
         fields["tool_choice"] = choice
     try:

@@ -13,6 +13,7 @@ import hmac
 from dataclasses import dataclass
 
 from tokenwise.entrypoints.openai.reasoning import check_reasoning_parser
+from tokenwise.entrypoints.openai.tool_parsers import check_tool_call_parser
 from tokenwise.model_config import TASKS
 
 DEFAULT_HOST = "127.0.0.1"  # loopback unless the operator explicitly exposes the server
@@ -51,6 +52,10 @@ class ServerConfig:
     strict_request_fields: bool = False
     # Splits chat replies' <think> part into reasoning_content (`reasoning`); None: off.
     reasoning_parser: str | None = None
+    # Reads tool_choice "auto" replies' calls (`tool_parsers`); None: hermes.
+    tool_call_parser: str | None = None
+    # vLLM's --enable-auto-tool-choice: accepted, and it needs tool_call_parser.
+    enable_auto_tool_choice: bool = False
     # One INFO line per HTTP request on tokenwise.server.access (`access_log`).
     access_log: bool = True
     # The web page at `/` and its data under `/ui/` (`serving_ui`; off: --disable-ui).
@@ -71,6 +76,7 @@ class ServerConfig:
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         check_reasoning_parser(self.reasoning_parser)
+        check_tool_call_parser(self.tool_call_parser, self.enable_auto_tool_choice)
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (omit --api-key to disable auth)")
 

@@ -4,9 +4,11 @@
 `image_url` content parts (a vision-language model) are decoded here (`chat_images`) and go to
 the engine with the rendered text as `multi_modal_data`.
 
-With `tools`, the template receives them (`tools=`, as Hugging Face templates expect), the
-reply is read for tool calls according to `tool_choice` (`tool_calls`), and a forced call is
-enforced with guided decoding (`structured_outputs`).
+With `tools`, the template receives them (`tools=`, as Hugging Face templates expect; only the
+allowed ones under an `allowed_tools` choice), the reply is read for tool calls according to
+`tool_choice` (`tool_calls`) with the server's `--tool-call-parser` (`tool_parsers`), and a
+forced call is enforced with guided decoding (`structured_outputs`). A parser whose markers
+are special tokens (mistral) has them kept in the decoded text of "auto" replies, as vLLM does.
 
 With `--reasoning-parser`, each choice's `<think>` part comes back as `reasoning_content`
 (`reasoning`), and tool calls are read from what follows it. A guided reply (a response format,
@@ -45,9 +47,11 @@ from tokenwise.entrypoints.openai.serving_common import (
 from tokenwise.entrypoints.openai.structured_outputs import (
     guided_decoding_for,
     is_guided,
+    narrow_allowed_tools,
     resolve_tool_mode,
 )
 from tokenwise.entrypoints.openai.tool_calls import ToolCallReader
+from tokenwise.entrypoints.openai.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS, ToolParser
 from tokenwise.outputs import CompletionOutput, RequestOutput
 from tokenwise.sampling.params import SamplingParams
 
@@ -80,6 +84,7 @@ class ChatServing(OpenAIServing[ChatCompletionRequest, ChatLogprobs]):
             FETCHED_IMAGES.reset(token)
 
     def _prepare(self, body: ChatCompletionRequest) -> tuple[list[PromptInput], SamplingParams]:
+        body = narrow_allowed_tools(body)
         cap = self.config.effective_max_tokens_cap
         check_cap("max_tokens", body.max_tokens, cap, "--max-tokens-cap")
         check_cap("max_completion_tokens", body.max_completion_tokens, cap, "--max-tokens-cap")
@@ -90,7 +95,10 @@ class ChatServing(OpenAIServing[ChatCompletionRequest, ChatLogprobs]):
         if max_tokens is None:
             max_tokens = body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        guided = guided_decoding_for(body, resolve_tool_mode(body))
+        mode = resolve_tool_mode(body)
+        guided = guided_decoding_for(body, mode)
+        if mode.kind == "auto" and self._tool_parser_cls().needs_special_tokens:
+            body = body.model_copy(update={"skip_special_tokens": False})
         params = build_sampling_params(
             body, self.config, max_tokens, logprobs, guided, body.prompt_logprobs
         )
@@ -129,11 +137,18 @@ class ChatServing(OpenAIServing[ChatCompletionRequest, ChatLogprobs]):
 
     def reader(self, body: ChatCompletionRequest) -> ToolCallReader:
         """A fresh reader of one choice's reply (the request was checked in `_prepare`)."""
+        body = narrow_allowed_tools(body)
         mode = resolve_tool_mode(body)
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
+        parser = self._tool_parser_cls()(tools)
         name = self.config.reasoning_parser
         if name is None or is_guided(body, mode):
-            return ToolCallReader(mode)
-        return ToolCallReader(mode, REASONING_PARSERS[name](), body.include_reasoning)
+            return ToolCallReader(mode, parser=parser)
+        reasoning = REASONING_PARSERS[name]()
+        return ToolCallReader(mode, reasoning, body.include_reasoning, parser)
+
+    def _tool_parser_cls(self) -> type[ToolParser]:
+        return TOOL_PARSERS[self.config.tool_call_parser or DEFAULT_TOOL_PARSER]
 
     def _choice(
         self,

@@ -1,8 +1,9 @@
 """A request's structured-output fields as one `GuidedDecodingParams`, or a 400 naming the field.
 
 Sources, at most one per request: OpenAI's `response_format` (`json_object`, or `json_schema`
-with its `schema`), vLLM's `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`,
-and a chat request's `tool_choice` when it forces a call:
+with its `schema`), vLLM's `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`
+or their newer form `structured_outputs` (`{"json": ...}`, ...), and a chat request's
+`tool_choice` when it forces a call:
 
 - a named function (`{"type": "function", "function": {"name": ...}}`): the reply *is* the
   call's arguments, a JSON value of that tool's `parameters` schema;
@@ -10,8 +11,11 @@ and a chat request's `tool_choice` when it forces a call:
   naming a given tool with arguments of its schema (exactly one with
   `parallel_tool_calls: false`).
 
-`"auto"` is not enforced: the model writes calls in its own format, read back by
-`tool_parser`. The spec is parsed here, before the request reaches the engine, so an invalid
+`"auto"` is not enforced: the model writes calls in its own format, read back by the
+server's tool-call parser (`tool_parsers`). OpenAI's `allowed_tools` choice narrows the tools
+(for the template and the grammar alike) to the allowed ones, then acts as its `mode`.
+`structured_outputs.disable_any_whitespace` (vLLM's) fixes the layout of whichever JSON spec
+the request has, a forced call's included. The spec is parsed here, before the request reaches the engine, so an invalid
 schema, regex or grammar is a 400 that names the request field it came from.
 """
 
@@ -23,6 +27,7 @@ from typing import Any, Literal
 
 from tokenwise.entrypoints.openai.errors import OpenAIError
 from tokenwise.entrypoints.openai.protocol import (
+    AllowedToolsChoice,
     ChatCompletionRequest,
     ChatCompletionTool,
     GenerationRequest,
@@ -33,18 +38,49 @@ from tokenwise.sampling.guided.params import GuidedDecodingParams
 
 _GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# `structured_outputs` keys -> GuidedDecodingParams fields
+_STRUCTURED_KINDS = {
+    "json_schema": "json",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+    "json_object": "json_object",
+}
 
 
 @dataclass(frozen=True)
 class ToolMode:
-    """How a chat reply is read: as text ("none"), text with Hermes calls in it ("auto"), the
-    arguments of one forced function ("named", `name`), or an array of calls ("required")."""
+    """How a chat reply is read: as text ("none"), text with calls in the model's own format
+    in it ("auto", read by the tool-call parser), the arguments of one forced function
+    ("named", `name`), or an array of calls ("required")."""
 
     kind: Literal["none", "auto", "named", "required"]
     name: str | None = None
 
 
+def narrow_allowed_tools(body: ChatCompletionRequest) -> ChatCompletionRequest:
+    """With `tool_choice: {"type": "allowed_tools", ...}`: the request as if it had only the
+    allowed tools (in their order in `tools`) and `tool_choice` its `mode`; else unchanged."""
+    choice = body.tool_choice
+    if not isinstance(choice, AllowedToolsChoice):
+        return body
+    names = [t.function.name for t in body.tools or []]
+    allowed = set()
+    for i, ref in enumerate(choice.allowed_tools.tools):
+        if ref.function.name not in names:
+            raise OpenAIError(
+                400,
+                f"tool_choice.allowed_tools.tools[{i}] names the function "
+                f"{ref.function.name!r}, which is not in tools ({names})",
+                param="tool_choice",
+            )
+        allowed.add(ref.function.name)
+    tools = [t for t in body.tools or [] if t.function.name in allowed]
+    return body.model_copy(update={"tools": tools, "tool_choice": choice.allowed_tools.mode})
+
+
 def resolve_tool_mode(body: ChatCompletionRequest) -> ToolMode:
+    body = narrow_allowed_tools(body)
     choice = body.tool_choice
     tools = body.tools or []
     if choice is None:
@@ -59,9 +95,10 @@ def resolve_tool_mode(body: ChatCompletionRequest) -> ToolMode:
                 param="tool_choice",
             )
         return ToolMode("named", choice.function.name)
+    assert isinstance(choice, str)
     if choice != "none" and not tools:
         raise OpenAIError(400, f'tool_choice "{choice}" needs tools', param="tool_choice")
-    return ToolMode(choice)
+    return ToolMode(choice)  # type: ignore[arg-type]
 
 
 def is_guided(body: GenerationRequest, tool_mode: ToolMode | None = None) -> bool:
@@ -71,6 +108,9 @@ def is_guided(body: GenerationRequest, tool_mode: ToolMode | None = None) -> boo
     if fmt is not None and fmt.type != "text":
         return True
     if any(getattr(body, name) is not None for name in _GUIDED_FIELDS):
+        return True
+    so = body.structured_outputs
+    if so is not None and any(getattr(so, k) not in (None, False) for k in _STRUCTURED_KINDS):
         return True
     return tool_mode is not None and tool_mode.kind in ("named", "required")
 
@@ -95,17 +135,32 @@ def guided_decoding_for(
         value = getattr(body, name)
         if value is not None:
             sources.append((name, {name.removeprefix("guided_"): value}))
+    so = body.structured_outputs
+    if so is not None:
+        for key, kind in _STRUCTURED_KINDS.items():
+            if getattr(so, key) not in (None, False):
+                sources.append(("structured_outputs", {kind: getattr(so, key)}))
     if tool_mode is not None and tool_mode.kind in ("named", "required"):
         assert isinstance(body, ChatCompletionRequest) and body.tools
-        sources.append(("tool_choice", {"json": _tool_schema(body, tool_mode)}))
+        sources.append(
+            ("tool_choice", {"json": _tool_schema(narrow_allowed_tools(body), tool_mode)})
+        )
     if not sources:
         return None
+    if len(sources) > 1 and sources[1][0] == "structured_outputs" == sources[0][0]:
+        kinds = [next(iter(kwargs)) for _, kwargs in sources]
+        raise OpenAIError(
+            400, f"structured_outputs takes one of its kinds, got {kinds}",
+            param="structured_outputs",
+        )  # fmt: skip
     if len(sources) > 1:
         names = [name for name, _ in sources]
         raise OpenAIError(
             400, f"at most one structured-output option per request, got {names}", param=names[1]
         )
     field, kwargs = sources[0]
+    if so is not None and so.disable_any_whitespace:
+        kwargs = {**kwargs, "disable_any_whitespace": True}
     try:
         spec = GuidedDecodingParams(**kwargs)
         build_grammar(spec)

@@ -6,19 +6,23 @@ off first and everything below reads only the content after it: a call the model
 its reasoning is not made.
 
 How the reply's text is read depends on the request's `ToolMode` (`structured_outputs`):
-plain content; content with Hermes `<tool_call>` blocks (`tool_parser`); the arguments of one
-forced function; or a JSON array of calls (`tool_choice="required"`). A reply that made calls
-and ended normally finishes with "tool_calls", as OpenAI's do.
+plain content; content with calls in the model family's own format, read by the server's
+tool-call parser (`tool_parsers`, `--tool-call-parser`); the arguments of one forced function;
+or a JSON array of calls (`tool_choice="required"`). A reply that made calls and ended
+normally finishes with "tool_calls", as OpenAI's do.
 
-Streams use the same reader, one per choice, fed each delta's text. Forced arguments stream as
-they are generated (the first delta carries the call's id and name, later ones the next piece
-of the arguments); Hermes calls are sent whole when their block closes; a "required" array is
-sent when the reply ends, since its calls are only known once the array parses.
+Streams use the same reader, one per choice, fed each delta's text. A call's first delta
+carries its index, id and name, later ones the next pieces of its arguments: forced arguments
+stream as they are generated, a parser's calls as the parser reads them (some formats only
+once a call is complete); a "required" array is sent when the reply ends, since its calls are
+only known once the array parses. A collected reply joins the very same parser events, so a
+stream and a collected response never disagree.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 
 from tokenwise.entrypoints.openai.protocol import (
     AssistantMessage,
@@ -31,11 +35,49 @@ from tokenwise.entrypoints.openai.protocol import (
 )
 from tokenwise.entrypoints.openai.reasoning import ReasoningParser, split_reasoning
 from tokenwise.entrypoints.openai.structured_outputs import ToolMode
-from tokenwise.entrypoints.openai.tool_parser import (
-    HermesToolParser,
-    ParsedToolCall,
-    parse_tool_calls,
+from tokenwise.entrypoints.openai.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
+from tokenwise.entrypoints.openai.tool_parsers.base import (
+    ArgsPiece,
+    CallStart,
+    Content,
+    Event,
+    ToolParser,
 )
+
+
+@dataclass
+class ParsedToolCall:
+    name: str
+    arguments: str  # JSON text
+
+
+@dataclass
+class ParseResult:
+    content: str = ""
+    calls: list[ParsedToolCall] = field(default_factory=list)
+
+
+def join_events(events: list[Event]) -> ParseResult:
+    """A whole reply's content and calls from its parser's events."""
+    out = ParseResult()
+    for event in events:
+        if isinstance(event, Content):
+            out.content += event.text
+        elif isinstance(event, CallStart):
+            out.calls.append(ParsedToolCall(event.name, ""))
+        elif out.calls:  # ArgsPiece
+            out.calls[-1].arguments += event.text
+    return out
+
+
+def parse_tool_calls(
+    text: str, parser: str = DEFAULT_TOOL_PARSER, tools: list[dict] | None = None
+) -> ParseResult:
+    """All calls in a complete reply, and the content around them (whitespace-trimmed)."""
+    reader = TOOL_PARSERS[parser](tools)
+    result = join_events(reader.feed(text) + reader.finish())
+    result.content = result.content.strip()
+    return result
 
 
 def parse_call_array(text: str) -> list[ParsedToolCall] | None:
@@ -63,18 +105,21 @@ class ToolCallReader:
     """Reads one choice's reply: `message` for a collected response, `delta` for a stream.
 
     `reasoning` (a fresh parser per choice) splits off the reasoning part; with
-    `include_reasoning=False` (vLLM's request field) it is split off and dropped."""
+    `include_reasoning=False` (vLLM's request field) it is split off and dropped. `parser`
+    (a fresh one per choice, given the request's tools) reads "auto" replies: Hermes blocks
+    by default."""
 
     def __init__(
         self,
         mode: ToolMode,
         reasoning: ReasoningParser | None = None,
         include_reasoning: bool = True,
+        parser: ToolParser | None = None,
     ) -> None:
         self.mode = mode
         self._reasoning = reasoning
         self._include_reasoning = include_reasoning
-        self._parser = HermesToolParser()
+        self._parser = parser if parser is not None else TOOL_PARSERS[DEFAULT_TOOL_PARSER]()
         self._num_calls = 0
         self._named_call_id: str | None = None
         self._buffer = ""
@@ -87,7 +132,8 @@ class ToolCallReader:
         content: str | None = text
         calls: list[ParsedToolCall] = []
         if self.mode.kind == "auto":
-            parsed = parse_tool_calls(text)
+            parsed = join_events(self._parser.feed(text) + self._parser.finish())
+            parsed.content = parsed.content.strip()
             content, calls = (parsed.content or None, parsed.calls) if parsed.calls else (text, [])
         elif self.mode.kind == "named":
             assert self.mode.name is not None
@@ -144,9 +190,34 @@ class ToolCallReader:
             if not calls:
                 return self._buffer, []
             return "", self._whole_calls(calls)
-        parsed = self._parser.feed(text)
-        content = parsed.content + (self._parser.finish() if last else "")
-        return content, self._whole_calls(parsed.calls)
+        events = self._parser.feed(text) + (self._parser.finish() if last else [])
+        return self._event_deltas(events)
+
+    def _event_deltas(self, events: list[Event]) -> tuple[str, list[DeltaToolCall]]:
+        """Content and call pieces for one delta; a call's argument pieces in the same delta
+        are joined, so each call appears at most once per delta."""
+        content, pieces = "", []
+        for event in events:
+            if isinstance(event, Content):
+                content += event.text
+            elif isinstance(event, CallStart):
+                function = DeltaFunctionCall(name=event.name, arguments="")
+                pieces.append(
+                    DeltaToolCall(
+                        index=self._num_calls, id=new_tool_call_id(), type="function",
+                        function=function,
+                    )
+                )  # fmt: skip
+                self._num_calls += 1
+            elif isinstance(event, ArgsPiece) and self._num_calls:
+                index = self._num_calls - 1
+                if pieces and pieces[-1].index == index:
+                    last = pieces[-1].function
+                    last.arguments = (last.arguments or "") + event.text
+                else:
+                    piece = DeltaFunctionCall(arguments=event.text)
+                    pieces.append(DeltaToolCall(index=index, function=piece))
+        return content, pieces
 
     def _named_delta(self, text: str) -> list[DeltaToolCall]:
         if not text:

@@ -29,6 +29,11 @@ class GuidedDecodingParams:
     - ``choice``: the output is one of these strings, exactly.
     - ``grammar``: an EBNF grammar (GBNF dialect) whose ``root`` rule the output matches.
     - ``json_object``: any JSON object (OpenAI's ``response_format={"type": "json_object"}``).
+
+    ``disable_any_whitespace`` (vLLM's option, for ``json`` and ``json_object``): the JSON's
+    layout is fixed (`{"a": 1, "b": 2}`: one space after each `:` and `,`, none elsewhere).
+    By default a little free whitespace is allowed, which a small model can spend most of a
+    short reply's tokens on.
     """
 
     json: str | dict[str, Any] | None = None
@@ -36,6 +41,7 @@ class GuidedDecodingParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         given = [k for k in GUIDED_KINDS if getattr(self, k) not in (None, False)]
@@ -61,6 +67,11 @@ class GuidedDecodingParams:
                     f"got {self.choice!r}"
                 )
             self.choice = list(self.choice)
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(
+                "guided_decoding.disable_any_whitespace must be a bool, "
+                f"got {self.disable_any_whitespace!r}"
+            )
         if self.json_object not in (None, True):
             raise ValueError(f"guided_decoding.json_object must be True, got {self.json_object!r}")
 
@@ -72,14 +83,14 @@ class GuidedDecodingParams:
     def cache_key(self) -> tuple[str, str]:
         """A hashable, canonical form: equal specs compile once (a schema's key order and
         spacing do not matter)."""
-        kind = self.kind
-        if kind == "json":
+        kind = self.kind + (":compact" if self.disable_any_whitespace else "")
+        if self.json is not None:
             return kind, json.dumps(self.json, sort_keys=True, separators=(",", ":"))
-        if kind == "choice":
+        if self.choice is not None:
             return kind, json.dumps(self.choice)
-        if kind == "json_object":
+        if self.json_object:
             return kind, ""
-        return kind, getattr(self, kind)
+        return kind, getattr(self, self.kind)
 
 
 def _schema_dict(schema: Any) -> dict[str, Any]:
