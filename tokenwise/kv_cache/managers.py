@@ -272,18 +272,16 @@ class RecurrentStateManager(KVCacheGroupManager):
 
     def commit_snapshots(self) -> None:
         """The runner has run the step: publish its snapshots, drop the copied-from ones."""
-        for _, slot, key in self._pending:
-            self.pool.register(slot, key)
-            self.pool.release(slot)
-        for slot in self._held:
-            self.pool.release(slot)
-        self._pending.clear()
-        self._held.clear()
-        self.steps.clear()
+        self._end_step(publish=True)
 
     def discard_step(self) -> None:
         """The step never ran (or failed): its snapshots hold nothing; forget them."""
-        for _, slot, _ in self._pending:
+        self._end_step(publish=False)
+
+    def _end_step(self, publish: bool) -> None:
+        for _, slot, key in self._pending:
+            if publish:
+                self.pool.register(slot, key)
             self.pool.release(slot)
         for slot in self._held:
             self.pool.release(slot)
