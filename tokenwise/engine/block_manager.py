@@ -26,19 +26,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tokenwise.engine.block_pool import BlockPool
-from tokenwise.kv_cache.hashing import (
-    ROOT_PARENT_HASH,
-    ImageSpans,
-    block_extra_keys,
-    hash_block_tokens,
-)
+from tokenwise.kv_cache.hashing import ImageSpans, extend_chain, hash_block_tokens
 from tokenwise.kv_cache.invariants import check_pool_refs
 from tokenwise.kv_cache.managers import (
+    KVCacheGroupManager,
     RecurrentStateManager,
+    SlidingWindowManager,
     StateStep,
     make_manager,
 )
-from tokenwise.kv_cache.specs import CrossAttentionSpec, FullAttentionSpec, KVCacheSpec
+from tokenwise.kv_cache.specs import CrossAttentionSpec, KVCacheSpec, specs_for_groups
 
 #: KV-cache groups: indices into the per-group tables (and the scheduler output's block ids).
 #: Group 0 is full attention whenever the model has any; an encoder-decoder model's groups are
@@ -49,18 +46,6 @@ CROSS_ATTN = 1
 
 #: One list of block ids per KV-cache group (index = group), as the scheduler hands them on.
 KVCacheBlocks = tuple[list[int], ...]
-
-
-def specs_for_groups(num_kv_cache_groups: int, block_size: int) -> tuple[KVCacheSpec, ...]:
-    """The groups of a model described only by their count: none, self-attention, or self +
-    cross (what tests and callers without a model's layout ask for)."""
-    if num_kv_cache_groups not in (0, 1, 2):
-        raise ValueError(
-            f"num_kv_cache_groups must be 0 (no KV cache), 1 (self-attention) or 2 (self + "
-            f"cross), got {num_kv_cache_groups}"
-        )
-    kinds = (FullAttentionSpec, CrossAttentionSpec)[:num_kv_cache_groups]
-    return tuple(kind(block_size, 0) for kind in kinds)
 
 
 class BlockManager:
@@ -113,10 +98,19 @@ class BlockManager:
             )
             for g, spec in enumerate(specs)
         ]
-        self._states = [m for m in self.managers if isinstance(m, RecurrentStateManager)]
+        states = [m for m in self.managers if isinstance(m, RecurrentStateManager)]
+        if len(states) > 1:
+            raise ValueError(f"{len(states)} recurrent-state groups; one is supported")
+        self._state = states[0] if states else None
+        self._sliding = [m for m in self.managers if isinstance(m, SlidingWindowManager)]
+        self._no_hits: KVCacheBlocks = tuple([] for _ in self.managers)
+        self._num_registered: dict[str, int] = {}  # blocks offered to the prefix cache
         self._cross = [g for g, s in enumerate(specs) if isinstance(s, CrossAttentionSpec)]
         # Groups that grow with the request's own tokens (all but cross-attention).
         self._own = [m for m in self.managers if m.group_id not in self._cross]
+        # The one manager of a model with one plain group (most models): a fast path.
+        plain = len(self.managers) == 1 and type(self.managers[0]) is KVCacheGroupManager
+        self._single = self.managers[0] if plain and not self._cross else None
         # Chain hashes per request, shared by every group (the same tokens in each). They may
         # run ahead of the tables: prefix lookup hashes the prompt before any block exists.
         self._hashes: dict[str, list[bytes]] = {}
@@ -135,7 +129,7 @@ class BlockManager:
     def has_recurrent_state(self) -> bool:
         """Whether some group keeps a recurrent state (the scheduler then aligns prompt
         chunks to blocks, where states are snapshotted)."""
-        return bool(self._states)
+        return self._state is not None
 
     # ------------------------------------------------------------------ queries
 
@@ -235,57 +229,79 @@ class BlockManager:
         retry. Reviving a free cached hit consumes a free block just like a fresh allocation
         does, so both count against it.
         """
-        hits = new_computed_blocks or tuple([] for _ in self.managers)
+        # Every request of every step passes here: the common case (a decode step, no hit, no
+        # new block, one group) is kept to a few dictionary reads.
         bs = self.block_size
-        num_hit = max((len(h) for h in hits), default=0)
-        if num_hit:
+        if not new_computed_blocks and self._single is not None:
+            m = self._single
+            num_tokens = num_computed_tokens + num_new_tokens
+            if m.blocks_needed(request_id, num_tokens, ()) > self.pool.num_free:
+                return None
+            appended: KVCacheBlocks = (m.allocate(request_id, num_tokens, ()),)
+            self._register(request_id, token_ids, num_tokens, cache_salt, images)
+            return appended
+        if new_computed_blocks:
+            hits = new_computed_blocks
+            num_hit = max(len(hits[m.group_id]) for m in self._own if m.pool is self.pool)
             existing = self.num_blocks_of(request_id)
-            if num_computed_tokens != existing * bs:
+            if num_hit and num_computed_tokens != existing * bs:
                 raise ValueError(
                     "prefix-cache hits must directly follow the block-aligned computed tokens "
                     f"({num_computed_tokens} computed, {existing} blocks of {bs})"
                 )
+        else:
+            hits, num_hit = self._no_hits, 0
         num_tokens = num_computed_tokens + num_hit * bs + num_new_tokens
-        for m in self._own:
+        for m in self._sliding:
             m.remove_skipped_blocks(request_id, num_computed_tokens)
-        needed = {id(self.pool): 0, id(self.state_pool): 0}
+        needed = state_needed = 0
         for m in self._own:
-            needed[id(m.pool)] += m.blocks_needed(request_id, num_tokens, hits[m.group_id])
-        if needed[id(self.pool)] > self.pool.num_free:
-            return None
-        if needed[id(self.state_pool)] > self.state_pool.num_free:
+            n = m.blocks_needed(request_id, num_tokens, hits[m.group_id])
+            if m.pool is self.pool:
+                needed += n
+            else:
+                state_needed += n
+        if needed > self.pool.num_free or state_needed > self.state_pool.num_free:
             return None
         appended = tuple(
-            []
-            if m.group_id in self._cross
-            else m.allocate(request_id, num_tokens, hits[m.group_id])
-            for m in self.managers
+            [] if g in self._cross else m.allocate(request_id, num_tokens, hits[g])
+            for g, m in enumerate(self.managers)
         )
-        if self.enable_caching:
-            num_full = min(num_tokens, len(token_ids)) // bs
+        self._register(request_id, token_ids, num_tokens, cache_salt, images)
+        return appended
+
+    def _register(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_tokens: int,
+        cache_salt: str | None,
+        images: ImageSpans,
+    ) -> None:
+        """Offer the blocks this step fills with known tokens to the prefix cache."""
+        if not self.enable_caching:
+            return
+        num_full = min(num_tokens, len(token_ids)) // self.block_size
+        if num_full > self._num_registered.get(request_id, 0):
             hashes = self._block_hashes(request_id, token_ids, num_full, cache_salt, images)
             for m in self._own:
                 m.register(request_id, hashes, num_full, num_tokens)
-        return appended
+            self._num_registered[request_id] = num_full
 
     def take_state_step(self, request_id: str) -> StateStep | None:
         """What the runner must do to the request's recurrent state around this step (start
         it from a snapshot or zeros, snapshot it after); None when nothing."""
-        for m in self._states:
-            step = m.steps.pop(request_id, None)
-            if step is not None:
-                return step
-        return None
+        return self._state.steps.pop(request_id, None) if self._state else None
 
     def commit_step(self) -> None:
         """The scheduled step ran: publish its state snapshots (no-op without states)."""
-        for m in self._states:
-            m.commit_snapshots()
+        if self._state:
+            self._state.commit_snapshots()
 
     def discard_step(self) -> None:
         """Forget a scheduled step that did not run (its snapshots were never written)."""
-        for m in self._states:
-            m.discard_step()
+        if self._state:
+            self._state.discard_step()
 
     def allocate_cross_slots(self, request_id: str, num_encoder_tokens: int) -> list[int] | None:
         """The request's cross-attention table for `num_encoder_tokens` rows; None when short.
@@ -340,6 +356,7 @@ class BlockManager:
         their contents cannot be trusted (a forward pass that failed half-way).
         """
         self._hashes.pop(request_id, None)
+        self._num_registered.pop(request_id, None)
         for m in reversed(self.managers):
             m.free(request_id, discard_cached)
 
@@ -358,15 +375,8 @@ class BlockManager:
         images: ImageSpans = (),
     ) -> list[bytes]:
         """The request's first `count` chain hashes, extending its memoised chain as needed."""
-        bs = self.block_size
         hashes = self._hashes.setdefault(request_id, [])
-        while len(hashes) < count:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else ROOT_PARENT_HASH
-            salt = cache_salt if i == 0 else None
-            extra = block_extra_keys(images, i * bs, (i + 1) * bs) if images else b""
-            hashes.append(hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], salt, extra))
-        return hashes
+        return extend_chain(hashes, token_ids, count, self.block_size, cache_salt, images)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if tables, ref counts, free queues or hashes disagree."""

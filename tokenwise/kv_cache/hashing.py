@@ -45,3 +45,22 @@ def hash_block_tokens(
 def block_extra_keys(images: ImageSpans, start: int, end: int) -> bytes:
     """The hashes of the images with placeholder tokens in `[start, end)`, in order."""
     return b"".join(h for offset, length, h in images if offset < end and offset + length > start)
+
+
+def extend_chain(
+    hashes: list[bytes],
+    token_ids: Sequence[int],
+    count: int,
+    block_size: int,
+    cache_salt: str | None = None,
+    images: ImageSpans = (),
+) -> list[bytes]:
+    """`hashes` (a request's chain so far) extended in place to its first `count` blocks."""
+    bs = block_size
+    while len(hashes) < count:
+        i = len(hashes)
+        parent = hashes[-1] if hashes else ROOT_PARENT_HASH
+        salt = cache_salt if i == 0 else None
+        extra = block_extra_keys(images, i * bs, (i + 1) * bs) if images else b""
+        hashes.append(hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], salt, extra))
+    return hashes

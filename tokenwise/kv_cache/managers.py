@@ -83,14 +83,21 @@ class KVCacheGroupManager:
     def blocks_needed(self, request_id: str, num_tokens: int, hits: Sequence[int]) -> int:
         """Free blocks the allocation for `num_tokens` tokens takes: fresh ones, and hits that
         must be revived from the free queue."""
-        have = len(self.tables.get(request_id, ()))
-        fresh = max(0, cdiv(num_tokens, self.block_size) - have - len(hits))
-        revived = sum(1 for b in hits if b != NULL_BLOCK and self.pool.blocks[b].ref_cnt == 0)
-        return fresh + revived
+        table = self.tables.get(request_id)
+        fresh = -(-num_tokens // self.block_size) - (len(table) if table else 0) - len(hits)
+        if not hits:
+            return fresh if fresh > 0 else 0
+        blocks = self.pool.blocks
+        revived = sum(1 for b in hits if b != NULL_BLOCK and blocks[b].ref_cnt == 0)
+        return max(0, fresh) + revived
 
     def allocate(self, request_id: str, num_tokens: int, hits: Sequence[int]) -> list[int]:
         """Append `hits`, then fresh blocks up to `num_tokens`; the appended ids."""
-        table = self.tables.setdefault(request_id, [])
+        table = self.tables.get(request_id)
+        if table is None:
+            table = self.tables[request_id] = []
+        elif not hits and -(-num_tokens // self.block_size) <= len(table):
+            return []  # the table already covers the step (most decode steps)
         before = len(table)
         for block_id in hits:  # first: touching takes them out of reach of eviction below
             if block_id != NULL_BLOCK:

@@ -119,6 +119,18 @@ class RecurrentStateSpec(KVCacheSpec):
         return 1  # one live slot, whatever the length
 
 
+def specs_for_groups(num_kv_cache_groups: int, block_size: int) -> tuple[KVCacheSpec, ...]:
+    """The groups of a model described only by their count: none, self-attention, or self +
+    cross (what tests and callers without a model's layout ask for)."""
+    if num_kv_cache_groups not in (0, 1, 2):
+        raise ValueError(
+            f"num_kv_cache_groups must be 0 (no KV cache), 1 (self-attention) or 2 (self + "
+            f"cross), got {num_kv_cache_groups}"
+        )
+    kinds = (FullAttentionSpec, CrossAttentionSpec)[:num_kv_cache_groups]
+    return tuple(kind(block_size, 0) for kind in kinds)
+
+
 def first_needed_token(spec: KVCacheSpec, num_computed_tokens: int) -> int:
     """The earliest token whose K/V a step starting at `num_computed_tokens` can still read.
 
@@ -138,4 +150,5 @@ __all__ = [
     "SlidingWindowSpec",
     "cdiv",
     "first_needed_token",
+    "specs_for_groups",
 ]
