@@ -89,6 +89,7 @@ class PipelineModelRunner(ModelRunner):
                 batch.max_model_len,
                 batch.block_size,
                 self.device,
+                num_groups=batch.num_self_groups,
             )
             for _ in range(self.pp_size - 1)
         ]
