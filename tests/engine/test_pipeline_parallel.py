@@ -59,9 +59,21 @@ def _record_in_flight(llm: LLM) -> list[int]:
     return seen
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+# "windowed": a Qwen2 whose layers 1-3 slide (window 8): one stage holds a global and a
+# sliding layer, the other two sliding ones, and both must see the driver's KV-cache groups.
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM", "windowed"])
 def test_pp2_gives_hf_tokens_on_two_virtual_engines(arch: str) -> None:
-    path = pp_checkpoint(arch)
+    path = (
+        checkpoint(
+            "Qwen2ForCausalLM",
+            num_hidden_layers=4,
+            use_sliding_window=True,
+            sliding_window=8,
+            max_window_layers=1,
+        )
+        if arch == "windowed"
+        else pp_checkpoint(arch)
+    )
     # 8 blocks of 16 tokens per virtual engine (one 128-token sequence) and 16-token chunks:
     # long prompts are prefilled in pieces beside decodes, and decodes preempt each other.
     llm = pp_llm(path, num_gpu_blocks=16, max_model_len=128, max_num_batched_tokens=16)

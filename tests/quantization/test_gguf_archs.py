@@ -232,7 +232,8 @@ def test_greedy_generation_matches_hf(tmp_path: Any, arch: str, qtype: Any) -> N
     tokenizer directory (`tokenizer=`) as a user of such a file would pass it."""
     hf_dir, path, dense = _files(tmp_path, arch, qtype)
     tokenizer = hf_dir if arch.startswith("gemma") else None
-    llm = LLM(path, tokenizer=tokenizer, dtype="float32", num_gpu_blocks=64)
+    # Ample for every layout: a Gemma block holds one layer group, not all layers.
+    llm = LLM(path, tokenizer=tokenizer, dtype="float32", num_gpu_blocks=256)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate(PROMPTS, params)
     reference = _reference(arch, hf_dir, path, dense)

@@ -35,6 +35,7 @@ from tokenwise.kv_cache.specs import (
     CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
+    SlidingWindowSpec,
     cdiv,
 )
 
@@ -99,6 +100,16 @@ class KVCacheLayout:
         """What one state slot costs, over every recurrent layer (0: no recurrent layer)."""
         return sum(t.page_size_bytes for t in self.tensors if t.pool == "state")
 
+    @property
+    def num_attention_groups(self) -> int:
+        """Groups with token blocks of their own (not recurrent state, not cross-attention);
+        they come first."""
+        return sum(
+            1
+            for g in self.groups
+            if g.spec.pool == "kv" and not isinstance(g.spec, CrossAttentionSpec)
+        )
+
     def group_of(self, layer_name: str) -> int:
         return self._group_of[layer_name]
 
@@ -125,10 +136,18 @@ class KVCacheLayout:
         return f"{len(self.groups)} KV-cache groups ({kinds}); {mode}"
 
 
-def make_layout(layer_specs: Mapping[str, KVCacheSpec]) -> KVCacheLayout:
-    """Group `layer_specs` (layer name -> spec, in model order) and lay out their tensors."""
+def make_layout(layer_specs: Mapping[str, KVCacheSpec], hybrid: bool = True) -> KVCacheLayout:
+    """Group `layer_specs` (layer name -> spec, in model order) and lay out their tensors.
+
+    `hybrid=False` keeps every block of sliding-window layers (they group as full attention
+    and read through their window only): the layout then depends on no layer's position, as
+    pipeline stages, each laying out its own layers, need (the driver's block manager must
+    see the same groups as every stage).
+    """
     buckets: dict[KVCacheSpec, list[str]] = {}
     for name, spec in layer_specs.items():
+        if not hybrid and isinstance(spec, SlidingWindowSpec):
+            spec = FullAttentionSpec(spec.block_size, spec.page_size_bytes, spec.storage)
         buckets.setdefault(spec, []).append(name)
     cross = [(s, n) for s, n in buckets.items() if isinstance(s, CrossAttentionSpec)]
     states = [(s, n) for s, n in buckets.items() if s.pool == "state"]

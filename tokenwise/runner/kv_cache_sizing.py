@@ -55,7 +55,9 @@ class KVCacheSizingMixin:
             name: layer.kv_cache_spec(self.block_size, self.kv_cache_dtype)
             for name, layer in self.cache_layers().items()
         }
-        return make_layout(specs)
+        # Pipeline stages each hold some layers: sliding windows keep every block there, so
+        # that every stage's groups are the driver's (see `make_layout`).
+        return make_layout(specs, hybrid=self.config.parallel.pipeline_parallel_size == 1)
 
     def cache_layers(self) -> dict[str, AttentionLayerBase]:
         """The attention layers that keep a KV cache (encoder-only attention keeps none)."""

@@ -119,7 +119,7 @@ class ModelRunner(KVCacheSizingMixin, StepMetadataMixin):
         # Layers grouped by KV-cache spec; each group's layers share one metadata object.
         self.kv_cache_layout = self.make_kv_cache_layout()
         self._builders, self._metadata_group_of = metadata_groups(
-            self.kv_cache_layout, list(self.attn_layers), self.block_size, self.device
+            self.kv_cache_layout, self.attn_layers, self.block_size, self.device
         )
         # Verification steps may attend as decode rows (`verify_rows.py`): plain causal decoder
         # attention on CPU only, where the one-call decode kernel takes them.
@@ -136,7 +136,7 @@ class ModelRunner(KVCacheSizingMixin, StepMetadataMixin):
             max_model_len=self.model_config.max_model_len,
             block_size=self.block_size,
             device=self.device,
-            num_groups=len(self._builders),
+            num_groups=self.kv_cache_layout.num_attention_groups,
         )
         # Recurrent-state layers (their state copies around each step); eager only, for now.
         self.recurrent = RecurrentStates.create(
@@ -159,7 +159,7 @@ class ModelRunner(KVCacheSizingMixin, StepMetadataMixin):
                 self.lora_manager.state if self.lora_manager is not None else None,
                 self.max_cross_blocks_per_seq(),
                 self._verify_query_len,
-                num_groups=len(self._builders),
+                num_groups=self.kv_cache_layout.num_attention_groups,
             )
         self._setup_kind()
 

@@ -1,4 +1,5 @@
-"""A step's attention metadata: one object per KV-cache group, over the step's buffers.
+"""A step's attention metadata: one object per KV-cache group (and window), over the step's
+buffers.
 
 A mixin of `ModelRunner` and the runners built on it (pipeline stages, pooling and
 encoder-decoder kinds), kept apart as a concept of its own: layers of one KV-cache group
@@ -6,46 +7,56 @@ encoder-decoder kinds), kept apart as a concept of its own: layers of one KV-cac
 metadata object, built once per step by the group's `CommonMetadataBuilder` (SPEC §3's
 `prepare()` then `build(...)`); sliding-window groups read window-trimmed tables. Layers with no
 table of their own (encoder-only attention, and cross-attention, which adds its fields to the
-decoder's metadata) read group 0's. It reads the runner's `_builders` (self-attention group ->
-builder), `_metadata_group_of` (layer -> group), `_verify_as_decode` and `input_batch`.
+decoder's metadata) read group 0's. It reads the runner's `_builders` (metadata index ->
+(group, builder)), `_metadata_group_of` (layer -> metadata index), `_verify_as_decode` and
+`input_batch`.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
 from tokenwise.attention.metadata import AttentionMetadata, CommonMetadataBuilder
 from tokenwise.distributed.step_message import GroupTables
 from tokenwise.kv_cache.layout import KVCacheLayout
-from tokenwise.kv_cache.specs import CrossAttentionSpec, SlidingWindowSpec
+from tokenwise.kv_cache.specs import CrossAttentionSpec
 from tokenwise.runner.input_batch import InputBatch, StepInputs
 from tokenwise.runner.verify_rows import as_decode_rows, is_verify_step
 
 
 def metadata_groups(
-    layout: KVCacheLayout, layer_names: list[str], block_size: int, device: torch.device
-) -> tuple[dict[int, CommonMetadataBuilder], dict[str, int]]:
-    """A builder per self-attention group (one, over group 0, for a model with none) and the
-    group whose metadata each attention layer reads."""
-    builders = {
-        g: CommonMetadataBuilder(
-            block_size,
-            group.spec.sliding_window if isinstance(group.spec, SlidingWindowSpec) else None,
-            device,
-        )
-        for g, group in enumerate(layout.groups)
-        if not isinstance(group.spec, CrossAttentionSpec) and group.spec.pool == "kv"
-    }
-    builders = builders or {0: CommonMetadataBuilder(block_size, None, device)}
-    group_of = {}
-    for name in layer_names:
-        own = layout.find_group(name)
-        group_of[name] = own if own in builders else 0
-    return builders, group_of
+    layout: KVCacheLayout, layers: dict[str, Any], block_size: int, device: torch.device
+) -> tuple[dict[int, tuple[int, CommonMetadataBuilder]], dict[str, int]]:
+    """The step's metadata objects: one per (KV-cache group, sliding window) pair, as
+    index -> (its group, its builder), and the index each attention layer reads.
+
+    In a hybrid layout a group has one window; in one where sliding layers keep every block
+    (pipeline parallelism, `make_layout(..., hybrid=False)`) a group holds layers of several
+    windows, each reading the group's tables through its own window. Layers with no table of
+    their own (encoder-only, cross-attention) read group 0's plain metadata.
+    """
+    keys: dict[tuple[int, int | None], int] = {}
+    index_of: dict[str, int] = {}
+    for name, layer in layers.items():
+        group = layout.find_group(name)
+        if (
+            group is None
+            or layout.groups[group].spec.pool != "kv"
+            or isinstance(layout.groups[group].spec, CrossAttentionSpec)
+        ):
+            group, window = 0, None
+        else:
+            window = getattr(layer, "sliding_window", None)
+        index_of[name] = keys.setdefault((group, window), len(keys))
+    keys = keys or {(0, None): 0}
+    builders = {i: (g, CommonMetadataBuilder(block_size, w, device)) for (g, w), i in keys.items()}
+    return builders, index_of
 
 
 class StepMetadataMixin:
-    _builders: dict[int, CommonMetadataBuilder]
+    _builders: dict[int, tuple[int, CommonMetadataBuilder]]
     _metadata_group_of: dict[str, int]
     _verify_as_decode: bool
     input_batch: InputBatch
@@ -54,14 +65,14 @@ class StepMetadataMixin:
         """Each group's block tables (window-trimmed where it slides) and slot mapping."""
         tables: GroupTables = {}
         slots = step.group_slot_mappings or (step.slot_mapping,)
-        for group, builder in self._builders.items():
+        for index, (group, builder) in self._builders.items():
             window = builder.sliding_window
             if window is None:
                 table = self.input_batch.group_block_tables(step, group)
-                tables[group] = (table, None, slots[group])
+                tables[index] = (table, None, slots[group])
             else:
                 table, first = self.input_batch.windowed_block_tables(step, window, group)
-                tables[group] = (table, first, slots[group])
+                tables[index] = (table, first, slots[group])
         return tables
 
     def _attn_metadata(
@@ -79,10 +90,10 @@ class StepMetadataMixin:
         seq_lens = step.context_lens_np + step.query_lens_np
         batch_size = step.num_reqs if cuda_graph_pad_size != -1 else -1
         metadata_by_group = {}
-        for group, builder in self._builders.items():
-            table, first, slots = tables[group]
+        for index, (_, builder) in self._builders.items():
+            table, first, slots = tables[index]
             builder.prepare()
-            metadata_by_group[group] = builder.build(
+            metadata_by_group[index] = builder.build(
                 seq_lens,
                 step.query_lens_np,
                 cuda_graph_pad_size,
