@@ -16,9 +16,8 @@ managers in lock-step: a prefix hit is the longest one every group can serve, an
 succeeds in every group or in none, and admission counts every group's blocks. It is pure
 bookkeeping: it never sees tensors.
 
-Prefix caching identifies a *full* block by a hash chained over everything before it, so two
-blocks with equal hashes hold the KV of the same token prefix and may be shared.  Only full
-blocks are ever shared, hence a shared block is never appended to.
+Prefix caching shares *full* blocks, identified by a hash chained over everything before them
+(`kv_cache/hashing.py`), so a shared block is never appended to.
 """
 
 from __future__ import annotations
@@ -42,7 +41,6 @@ from tokenwise.kv_cache.specs import CrossAttentionSpec, KVCacheSpec, specs_for_
 #: its decoder self-attention and, last, cross-attention.
 SELF_ATTN = 0
 CROSS_ATTN = 1
-
 
 #: One list of block ids per KV-cache group (index = group), as the scheduler hands them on.
 KVCacheBlocks = tuple[list[int], ...]
@@ -263,10 +261,13 @@ class BlockManager:
                 state_needed += n
         if needed > self.pool.num_free or state_needed > self.state_pool.num_free:
             return None
-        appended = tuple(
-            [] if g in self._cross else m.allocate(request_id, num_tokens, hits[g])
-            for g, m in enumerate(self.managers)
-        )
+        if needed == state_needed == 0 and hits is self._no_hits:
+            appended = tuple([] for _ in self.managers)  # every table covers the step already
+        else:
+            appended = tuple(
+                [] if g in self._cross else m.allocate(request_id, num_tokens, hits[g])
+                for g, m in enumerate(self.managers)
+            )
         self._register(request_id, token_ids, num_tokens, cache_salt, images)
         return appended
 

@@ -30,7 +30,6 @@ from tokenwise.kv_cache.specs import (
     RecurrentStateSpec,
     SlidingWindowSpec,
     cdiv,
-    first_needed_token,
 )
 
 #: A table entry whose block was freed (fell out of a window) or never needed (before a
@@ -158,6 +157,7 @@ class SlidingWindowManager(KVCacheGroupManager):
         super().__init__(spec, group_id, pool, caching)
         # Blocks a query right after a hit point reads: those with a token in its window.
         self.window_blocks = cdiv(self.spec.sliding_window - 1, self.block_size)
+        self._reach = self.spec.sliding_window - 1
         self._num_skipped: dict[str, int] = {}
 
     def hit_length(self, hashes: Sequence[bytes], limit: int) -> int:
@@ -178,13 +178,17 @@ class SlidingWindowManager(KVCacheGroupManager):
         return [NULL_BLOCK] * start + [self._cached(h) for h in hashes[start:length]]
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        # Blocks before the one holding token `computed - window + 1`, the earliest a query
+        # from `computed` on reads. Every request of every step passes here: the no-op case
+        # returns first.
+        skip = (num_computed_tokens - self._reach) // self.block_size
+        done = self._num_skipped.get(request_id, 0)
+        if skip <= done:
+            return
         table = self.tables.get(request_id)
         if table is None:
             return
-        skip = min(
-            first_needed_token(self.spec, num_computed_tokens) // self.block_size, len(table)
-        )
-        done = self._num_skipped.get(request_id, 0)
+        skip = min(skip, len(table))
         for i in range(skip - 1, done - 1, -1):  # tail first, as in `free`
             if table[i] != NULL_BLOCK:
                 self.pool.release(table[i])

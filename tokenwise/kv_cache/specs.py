@@ -131,16 +131,6 @@ def specs_for_groups(num_kv_cache_groups: int, block_size: int) -> tuple[KVCache
     return tuple(kind(block_size, 0) for kind in kinds)
 
 
-def first_needed_token(spec: KVCacheSpec, num_computed_tokens: int) -> int:
-    """The earliest token whose K/V a step starting at `num_computed_tokens` can still read.
-
-    Everything before it may be freed (0 for specs that keep every token).
-    """
-    if isinstance(spec, SlidingWindowSpec):
-        return max(0, num_computed_tokens - spec.sliding_window + 1)
-    return 0
-
-
 __all__ = [
     "CrossAttentionSpec",
     "FullAttentionSpec",
@@ -149,6 +139,5 @@ __all__ = [
     "RecurrentStateSpec",
     "SlidingWindowSpec",
     "cdiv",
-    "first_needed_token",
     "specs_for_groups",
 ]
