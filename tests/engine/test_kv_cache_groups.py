@@ -83,6 +83,15 @@ def test_one_kind_is_one_group_and_cross_attention_comes_last() -> None:
     assert len(layout.tensors) == 4 and layout.bytes_per_block == 4 * PAGE
 
 
+def test_without_hybrid_grouping_windows_keep_every_block() -> None:
+    """Pipeline stages lay out their own layers: sliding layers then group as full attention,
+    so a stage holding only sliding layers still sees the driver's one group."""
+    stage0 = make_layout({"l0": full(), "l1": sliding(32)}, hybrid=False)
+    stage1 = make_layout({"l2": sliding(32), "l3": sliding(32)}, hybrid=False)
+    assert stage0.specs == stage1.specs == (full(),)
+    assert make_layout({"l0": full(), "l1": sliding(32)}).specs == (full(), sliding(32))
+
+
 # ------------------------------------------------------------------------ managers
 
 
