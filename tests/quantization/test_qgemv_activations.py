@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenwise.layers import native_build
-from tokenwise.layers.quantization import cpu_qgemv
 from tokenwise.layers.quantization.weight_only import quantize, reference_dequantize
+from tokenwise.native import build as native_build
+from tokenwise.native import qgemv as cpu_qgemv
 
 FORMATS = [(8, True), (8, False), (4, True), (4, False)]
 # The narrower builds a CPU with fewer extensions gets: no VNNI (byte products through

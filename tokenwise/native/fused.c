@@ -20,7 +20,7 @@
  *
  * Each kernel also has a `_packed` entry taking its arguments as one int64 array (pointers and
  * integers as they are, a float's bits in the low half): a replayed CPU graph
- * (tokenwise/compilation/cpu_graph.py) calls every recorded kernel through that one signature.
+ * (tokenwise/compilation/cpu_graph.py, tokenwise/native/graph.c) calls every recorded kernel through that one signature.
  */
 #include <math.h>
 #include <stdint.h>

@@ -1,4 +1,4 @@
-/* The integer path of cpu_qgemv.c: bf16 activations as int16, dot products in int32.
+/* The integer path of qgemv.c: bf16 activations as int16, dot products in int32.
  *
  * Widening every weight to float32 costs three instructions per 16 weights before its multiply
  * (convert to int32, to float, scale), which left the float path compute-bound below the

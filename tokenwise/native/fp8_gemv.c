@@ -18,7 +18,7 @@
  * Vector path: AVX-512 (16 weights a step) or AVX2 + F16C (8); the caller needs K % 16 == 0
  * and, with tiles, bk % 16 == 0 and bn % 4 == 0 (else it dequantizes with torch ops).
  */
-#include "cpu_kernel_common.h"
+#include "common.h"
 
 #if defined(TW_AVX512) && defined(__F16C__)
 #define FP8_W 16
@@ -235,7 +235,7 @@ int tw_fp8_dequant(const uint8_t *w, const float *scale, void *out, int64_t N, i
 }
 
 /* `tw_fp8_gemv` with its arguments as one int64 array, the one signature a replayed CPU graph
- * calls kernels through (tokenwise/compilation/cpu_graph.py). */
+ * calls kernels through (tokenwise/compilation/cpu_graph.py, tokenwise/native/graph.c). */
 int tw_fp8_gemv_packed(const int64_t *a) {
     return tw_fp8_gemv((const void *)(intptr_t)a[0], (const uint8_t *)(intptr_t)a[1],
                        (const float *)(intptr_t)a[2], (const void *)(intptr_t)a[3],

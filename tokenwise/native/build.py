@@ -1,11 +1,14 @@
-"""Compile a small C kernel at first use, for this very CPU, and cache the shared library.
+"""Compile a native kernel at first use, for this very CPU, cache it, and load it.
 
-Used by the CPU decode-attention kernel (`attention/backends/cpu_kernels.py`) and the small-M
-linear kernel (`layers/cpu_gemv.py`). Each is plain C called through ctypes (no PyTorch
-headers), so a build takes about a second. Libraries are built with `-march=native` and cached
-under `~/.cache/tokenwise/kernels` (or `$TOKENWISE_KERNEL_CACHE`), keyed by the source, the
-flags and the CPU's feature flags, so a shared home directory never hands one machine another
-machine's binary.
+Every kernel of `tokenwise/native/` is plain C called through ctypes (no PyTorch headers), so
+a build takes about a second. Libraries are built with `-march=native` and cached under one
+directory, `~/.cache/tokenwise/kernels` (or `$TOKENWISE_KERNEL_CACHE`), keyed by the source,
+the headers beside it, the flags and the CPU's feature flags, so a shared home directory never
+hands one machine another machine's binary.
+
+`load` is the one way a kernel's wrapper gets its library: where no compiler is found or the
+build fails it logs why (once per process for a missing compiler, naming what to install) and
+returns None, and the wrapper's callers keep their PyTorch code: the engine works either way.
 
 Threads: when torch's OpenMP runtime is GNU libgomp (the PyPI wheels ship one), kernels are
 built with `-fopenmp` and bind to that very runtime (the library of that soname is already
@@ -16,14 +19,20 @@ next parallel region (decode attention took 1.5x longer inside the engine than a
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
+logger = logging.getLogger(__name__)
+
+NATIVE_DIR = Path(__file__).parent
 # -ffast-math's parts, but not the flag itself: given it, GCC links crtfastmath.o into the .so,
 # whose constructor turns on flush-to-zero for the loading thread, changing every later float
 # operation of that thread (torch's included) on subnormal values.
@@ -36,6 +45,12 @@ FAST_MATH = [
     "-freciprocal-math",
 ]
 BASE_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC"]
+OPENMP_FLAGS = [*BASE_FLAGS, "-fopenmp"]
+
+
+def source(name: str) -> Path:
+    """The path of `name` (e.g. "gemv.c") in this folder."""
+    return NATIVE_DIR / name
 
 
 def cpu_flags() -> str:
@@ -101,3 +116,41 @@ def build(compiler: str, source: Path, stem: str, flags: list[str]) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+@cache
+def _warn_no_compiler() -> None:
+    """Said once per process: every kernel would otherwise repeat it."""
+    logger.warning(
+        "no C compiler found (looked for %r and 'gcc' on PATH): tokenwise's native CPU kernels "
+        "are not built and their callers run PyTorch code instead (same results, slower). "
+        "Install gcc, or set CC to a C compiler, to use them.",
+        os.environ.get("CC", "cc"),
+    )
+
+
+def load(
+    source: Path,
+    stem: str,
+    flags: list[str],
+    *,
+    what: str,
+    fallback: str,
+    opener: Callable[[Path], ctypes.CDLL] | None = None,
+) -> ctypes.CDLL | None:
+    """The library of `source` built with `flags` (cached as `stem_<key>.so`) and opened by
+    `opener` (which types its functions; plain `ctypes.CDLL` by default), or None, logged,
+    where no compiler is found or the build or the loading fails. `what` names the kernel
+    and `fallback` what its callers do without it, for that message."""
+    compiler = find_compiler()
+    if compiler is None:
+        _warn_no_compiler()
+        logger.info("%s not built (no C compiler): %s", what, fallback)
+        return None
+    try:
+        path = build(compiler, source, stem, flags)
+        return opener(path) if opener is not None else ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        logger.warning("%s failed to build or load, %s: %s", what, fallback, detail)
+        return None

@@ -14,7 +14,7 @@
  * `TILE` token rows into the output per load/store of it, the softmax uses a vectorised
  * exponential, and no integer division is left in a per-token loop.
  *
- * It is built at first use by tokenwise/attention/backends/cpu_kernels.py with the machine's C
+ * It is built at first use by tokenwise/native/paged_decode.py with the machine's C
  * compiler (-O3 -march=native) and called through ctypes, which releases the GIL: the caller
  * splits the sequences over threads. No OpenMP runtime is linked (torch has its own), only
  * `omp simd` vectorisation hints. A bfloat16 cache is widened to float32 in registers as it is
@@ -568,7 +568,7 @@ int paged_decode_step(const void *query, const void *new_keys, const void *new_v
 
 /* `paged_decode_step` with its arguments as one int64 array (pointers and integers as they
  * are, a float's bits in the low half), the one signature a replayed CPU graph calls kernels
- * through (tokenwise/compilation/cpu_graph.py). */
+ * through (tokenwise/compilation/cpu_graph.py, tokenwise/native/graph.c). */
 static inline float f32_arg(int64_t bits) {
     const uint32_t low = (uint32_t)bits;
     float f;

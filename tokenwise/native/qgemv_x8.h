@@ -1,9 +1,9 @@
-/* The int8-activation path of cpu_qgemv.c: x quantized to int8 per block of 32 values, dot
+/* The int8-activation path of qgemv.c: x quantized to int8 per block of 32 values, dot
  * products of unsigned by signed bytes into int32 (vpdpbusd).
  *
  * This is the arithmetic llama.cpp uses for its Q8_0 / Q4_0 dot products: x becomes int8 with
  * one scale per 32 values (xs = max|x| / 127), and one instruction sums four byte products
- * into each int32 lane: twice the work per instruction of the int16 path (cpu_qgemv_x16.h),
+ * into each int32 lane: twice the work per instruction of the int16 path (qgemv_x16.h),
  * and no widening of the weights at all:
  *   int4: the nibbles u in [0, 15] are the unsigned operand as they are (an and, a shift);
  *   int8: w + 128 (an xor) is the unsigned operand.

@@ -1,4 +1,4 @@
-/* Replay of a recorded CPU graph (tokenwise/compilation/cpu_graph.py): call every recorded
+/* Replay of a recorded CPU graph (tokenwise/compilation/cpu_graph.py, tokenwise/native/graph.c): call every recorded
  * kernel, in order, through its `_packed` entry (one int64 array of arguments each). The loop
  * is the whole point: what a decode step costs in Python between the kernels (module calls,
  * checks, allocations, ctypes conversions) is not paid again.

@@ -14,7 +14,7 @@
  * AVX-512 (bf16 weights widened to float32 by a shift), AVX2 + FMA, or plain C. `tw_gemv_isa`
  * says which, so the caller can keep its own path where this one would not be faster.
  */
-#include "cpu_kernel_common.h"
+#include "common.h"
 
 int tw_gemv_isa(void) {
 #if defined(TW_AVX512_BF16)
@@ -247,7 +247,7 @@ int tw_gemv(const void *x, const void *w, const void *bias, void *y, int64_t M, 
 }
 
 /* `tw_gemv` with its arguments as one int64 array, the one signature a replayed CPU graph
- * calls kernels through (tokenwise/compilation/cpu_graph.py). */
+ * calls kernels through (tokenwise/compilation/cpu_graph.py, tokenwise/native/graph.c). */
 int tw_gemv_packed(const int64_t *a) {
     return tw_gemv((const void *)(intptr_t)a[0], (const void *)(intptr_t)a[1],
                    (const void *)(intptr_t)a[2], (void *)(intptr_t)a[3], a[4], a[5], a[6],

@@ -11,11 +11,11 @@
  *
  * Decode is bound by reading the weights: each group is loaded once and multiplied into all M
  * rows of x, R weight rows at a time; rows are split over OpenMP threads in contiguous ranges,
- * as in cpu_gemv.c. float32 x: each weight is widened to float32 in registers (w = q * s + o,
- * one fused multiply-add). bf16 x: the integer path of cpu_qgemv_x16.h, fewer instructions per
+ * as in gemv.c. float32 x: each weight is widened to float32 in registers (w = q * s + o,
+ * one fused multiply-add). bf16 x: the integer path of qgemv_x16.h, fewer instructions per
  * weight. `tw_qdequant` writes the dense weights, for the larger row counts of prefill.
  */
-#include "cpu_kernel_common.h"
+#include "common.h"
 
 int tw_qgemv_isa(void) {
 #if defined(TW_AVX512)
@@ -53,11 +53,11 @@ typedef struct {
     void *y;
     int ybf16;
     int64_t ng;     /* groups per row */
-    int x8_tshift; /* the int8-activation path's parameter layout (cpu_qgemv_x8.h) */
+    int x8_tshift; /* the int8-activation path's parameter layout (qgemv_x8.h) */
 } qctx;
 
-#include "cpu_qgemv_x16.h"
-#include "cpu_qgemv_x8.h"
+#include "qgemv_x16.h"
+#include "qgemv_x8.h"
 
 #if defined(TW_AVX512)
 INLINE void qblock512(const qctx *c, int64_t n, float *t, const int R, const int M) {
@@ -294,7 +294,7 @@ static int check_shape(int64_t N, int64_t K, int bits, int64_t G) {
 
 /* y[M, N] = x[M, K] @ dequant(q)^T (+ bias[N]); x, bias and y of one dtype (bf16 when `xbf16`).
  * bf16 x takes an integer path where the groups allow it: x as int8 per 32 values when
- * `xbits` is 8 (cpu_qgemv_x8.h), else as int16 per group (cpu_qgemv_x16.h).
+ * `xbits` is 8 (qgemv_x8.h), else as int16 per group (qgemv_x16.h).
  * Returns 0; -1 for bad sizes; -2 when a copy of x cannot be allocated. */
 int tw_qgemv(const void *x, const uint8_t *q, const void *sc, const void *of,
              const void *bias, void *y, int64_t M, int64_t N, int64_t K, int bits, int64_t G,

@@ -1,4 +1,4 @@
-/* Pieces shared by the small-M CPU linear kernels (cpu_gemv.c, cpu_qgemv.c): the ISA switches,
+/* Pieces shared by the small-M CPU linear kernels (gemv.c, qgemv.c): the ISA switches,
  * bf16 <-> float32 conversions, fp16 -> float32, the prefetch macro, and the store of a block
  * of dot products with bias and rounding. `native_build` keys its cache on this header too.
  */
