@@ -1,10 +1,15 @@
-/* Pieces shared by the small-M CPU linear kernels (gemv.c, qgemv.c): the ISA switches,
- * bf16 <-> float32 conversions, fp16 -> float32, the prefetch macro, and the store of a block
- * of dot products with bias and rounding. `native_build` keys its cache on this header too.
+/* What every native kernel shares: the ISA switches, the float conversions (bf16, fp16, fp8),
+ * the polynomial exp, a few vector helpers and the unpacking of a replayed CPU graph's
+ * arguments. Written once here so that two kernels never round a conversion differently.
+ * `native.build` keys its cache on this header too.
+ *
+ * Every conversion here is exact or rounds to nearest even, as torch's does, so a kernel's
+ * bf16 output is bit for bit what torch's copy of its float32 result would be.
  */
-#ifndef TW_CPU_KERNEL_COMMON_H
-#define TW_CPU_KERNEL_COMMON_H
+#ifndef TW_COMMON_H
+#define TW_COMMON_H
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,22 +29,11 @@
 #define TW_AVX2 1
 #endif
 
-#define MAX_M 8
 #define INLINE static inline __attribute__((always_inline))
 
-/* Software prefetch distance in bytes ahead of each weight row's current position. */
-#ifndef TW_PREFETCH
-#define TW_PREFETCH 512
-#endif
-#ifndef TW_PF_HINT
-#define TW_PF_HINT 3
-#endif
-#if TW_PREFETCH > 0
-#define PREFETCH(p) __builtin_prefetch((const char *)(p) + TW_PREFETCH, 0, TW_PF_HINT)
-#else
-#define PREFETCH(p) ((void)(p))
-#endif
+/* ---- bf16 and fp16 ---- */
 
+/* A bf16 value is the top half of a float32: widening is exact. */
 INLINE float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
     float f;
@@ -47,12 +41,13 @@ INLINE float bf16_to_f32(uint16_t v) {
     return f;
 }
 
+/* Round to nearest even (NaN stays a quiet NaN), without a branch so that loops over it
+ * vectorise. */
 INLINE uint16_t f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
 }
 
 /* IEEE half to float32 (the hardware instruction where the CPU has F16C). */
@@ -78,6 +73,116 @@ INLINE float f16_to_f32(uint16_t h) {
 #endif
 }
 
+/* ---- fp8 (float8_e4m3fn, float8_e5m2) ---- */
+
+/* The smallest normal fp8 value: 2^-6 (e4m3), 2^-14 (e5m2). */
+#define TW_FP8_MIN_NORMAL(e5m2) ((e5m2) ? 6.103515625e-05f : 0.015625f)
+
+/* One fp8 byte as float32, exactly: exponent and mantissa moved to float32's positions with
+ * the exponent rebiased; a subnormal (exponent 0) is rebuilt as the smallest normal plus its
+ * mantissa, minus the smallest normal. e4m3fn's NaN (0x7f) reads as 480: stored values
+ * saturate, and checkpoints have none. */
+INLINE float fp8_to_f32(uint8_t b, int e5m2) {
+    const uint32_t mag = (uint32_t)(b & 0x7fu) << (e5m2 ? 21 : 20);
+    uint32_t bits = mag + (e5m2 ? 112u << 23 : 120u << 23);
+    float f;
+    if (mag < (1u << 23)) {
+        bits += 1u << 23;
+        memcpy(&f, &bits, sizeof f);
+        f -= TW_FP8_MIN_NORMAL(e5m2);
+    } else {
+        memcpy(&f, &bits, sizeof f);
+    }
+    return (b & 0x80u) ? -f : f;
+}
+
+/* float32 -> fp8, rounding to nearest even as torch does; the caller has clamped to the
+ * finite range already (`kv_quant.quantize`), and an infinity saturates here too. */
+INLINE uint8_t f32_to_fp8(float x, int e5m2) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    const uint8_t sign = (uint8_t)((bits >> 24) & 0x80u);
+    uint32_t abits = bits & 0x7fffffffu;
+    if (abits > 0x7f800000u) return sign | (e5m2 ? 0x7e : 0x7f); /* NaN stays NaN */
+    float a;
+    memcpy(&a, &abits, sizeof a);
+    if (!(a <= (e5m2 ? 57344.0f : 448.0f))) return sign | (e5m2 ? 0x7b : 0x7e);
+    if (a < TW_FP8_MIN_NORMAL(e5m2)) /* subnormal: a multiple of 2^-16 / 2^-9 */
+        return sign | (uint8_t)(int)rintf(a * (e5m2 ? 65536.0f : 512.0f));
+    const int shift = e5m2 ? 21 : 20;
+    abits += ((1u << (shift - 1)) - 1u) + ((abits >> shift) & 1u);
+    return sign | (uint8_t)((abits >> shift) - (e5m2 ? 112u << 2 : 120u << 3));
+}
+
+#if defined(__F16C__)
+/* e4m3 bytes widened through F16C: a byte's sign, exponent and mantissa shifted into a float16
+ * (the byte in a 16-bit lane's high half, shifted right arithmetically by one: the sign lands
+ * on bits 15 and 14; bit 14 cleared) read as the float16 of 2^-8 times the e4m3 value, normal
+ * and subnormal alike (both formats' mantissas line up and the biases differ by 8). So these
+ * give e4m3 / 256, exactly: the caller folds the 256 into a scale. */
+#define TW_E4M3_UNIT 256.0f
+
+/* 8 e4m3 bytes at p, as float32 / 256. */
+INLINE __m256 e4m3x8_to_f32(const uint8_t *p) {
+    __m128i b = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), 8);
+    b = _mm_and_si128(_mm_srai_epi16(b, 1), _mm_set1_epi16((short)0xbfff));
+    return _mm256_cvtph_ps(b);
+}
+
+/* 8 e5m2 bytes at p, as float32 (exact): an e5m2 byte is the top byte of a float16. */
+INLINE __m256 e5m2x8_to_f32(const uint8_t *p) {
+    return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), 8));
+}
+
+#if defined(__AVX512F__)
+/* 16 e4m3 bytes at p, as float32 / 256. */
+INLINE __m512 e4m3x16_to_f32(const uint8_t *p) {
+    __m256i b = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 8);
+    b = _mm256_and_si256(_mm256_srai_epi16(b, 1), _mm256_set1_epi16((short)0xbfff));
+    return _mm512_cvtph_ps(b);
+}
+
+/* 16 e5m2 bytes at p, as float32. */
+INLINE __m512 e5m2x16_to_f32(const uint8_t *p) {
+    return _mm512_cvtph_ps(
+        _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 8));
+}
+#endif
+#endif
+
+/* ---- exp ---- */
+
+/* exp(r) for |r| <= ln2 / 2 by its degree-6 Taylor polynomial, for a float or a GCC vector. */
+#define TW_EXP_POLY(r)                                                                     \
+    ((((((1.0f / 720.0f * (r) + 1.0f / 120.0f) * (r) + 1.0f / 24.0f) * (r) + 1.0f / 6.0f) * \
+        (r) + 0.5f) * (r) + 1.0f) * (r) + 1.0f)
+#define TW_LOG2E 1.44269504088896341f
+/* ln 2 in two parts, the first with a short mantissa, so n * TW_LN2_HI is exact. */
+#define TW_LN2_HI 0.693145751953125f
+#define TW_LN2_LO 1.42860682030941723e-6f
+
+/* 2^n for -126 <= n <= 127, through the exponent field. */
+INLINE float pow2i(int n) {
+    const uint32_t bits = (uint32_t)(n + 127) << 23;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* exp(x) within a few float ulps: n = x / ln2 rounded (half away from zero), r = x - n ln2,
+ * exp(x) = 2^n p(r). Tiny below -87, infinite above 88.72 (as expf overflows): 2^n is applied
+ * in two halves so that n = 128 overflows the product, not the exponent field. Plain
+ * arithmetic, so a loop over it vectorises (libm's expf is one call per value). */
+INLINE float tw_exp(float x) {
+    x = x < -87.0f ? -87.0f : (x > 89.0f ? 89.0f : x);
+    const int n = x >= 0.0f ? (int)(x * TW_LOG2E + 0.5f) : (int)(x * TW_LOG2E - 0.5f);
+    const float r = x - (float)n * TW_LN2_HI - (float)n * TW_LN2_LO;
+    const int n1 = n / 2;
+    return TW_EXP_POLY(r) * pow2i(n1) * pow2i(n - n1);
+}
+
+/* ---- vector helpers ---- */
+
 #if defined(__AVX2__) || defined(__AVX512F__)
 /* v rounded to the nearest integer, ties to even (the default rounding mode), in one
  * instruction: lrintf is a library call unless errno handling is switched off. */
@@ -92,31 +197,36 @@ INLINE float hsum256(__m256 v) {
 }
 #endif
 
-/* Write the R x M dot products of weight rows n..n+R-1 (t[r * M + m]) into y, with bias. */
-INLINE void store(const float *t, int R, int M, int64_t n, int64_t N, const void *bias, void *y,
-                  int bf16) {
-    for (int r = 0; r < R; r++) {
-        float b = 0.0f;
-        if (bias) b = bf16 ? bf16_to_f32(((const uint16_t *)bias)[n + r]) : ((const float *)bias)[n + r];
-        for (int m = 0; m < M; m++) {
-            float v = t[r * M + m] + b;
-            if (bf16)
-                ((uint16_t *)y)[m * N + n + r] = f32_to_bf16(v);
-            else
-                ((float *)y)[m * N + n + r] = v;
-        }
-    }
-}
+/* The widest float vector of the build, for code written once for AVX-512 and AVX2:
+ * TW_V(fmadd_ps) is _mm512_fmadd_ps or _mm256_fmadd_ps, tw_vf its vector of TW_VW floats,
+ * TW_VI the integer vector of the same width. */
+#if defined(TW_AVX512)
+#define TW_VW 16
+typedef __m512 tw_vf;
+typedef __m512i tw_vi;
+#define TW_V(op) _mm512_##op
+#define TW_VSUM(v) _mm512_reduce_add_ps(v)
+#elif defined(TW_AVX2)
+#define TW_VW 8
+typedef __m256 tw_vf;
+typedef __m256i tw_vi;
+#define TW_V(op) _mm256_##op
+#define TW_VSUM(v) hsum256(v)
+#endif
 
-/* x as float32: `x` itself, or a malloc'ed widened copy of a bf16 x (*widened, to be freed). */
-INLINE const float *x_as_f32(const void *x, int64_t count, int bf16, float **widened) {
-    *widened = NULL;
-    if (!bf16) return (const float *)x;
-    float *w = (float *)malloc((size_t)count * sizeof(float));
-    if (!w) return NULL;
-    for (int64_t i = 0; i < count; i++) w[i] = bf16_to_f32(((const uint16_t *)x)[i]);
-    *widened = w;
-    return w;
+/* ---- a replayed CPU graph's arguments ---- */
+
+/* Each recordable kernel has a `<name>_packed(const int64_t *a)` entry: its arguments as one
+ * int64 array (pointers and integers as they are, a float's bits in the low half), the one
+ * signature a replayed CPU graph (graph.c) calls every kernel through. */
+typedef int (*tw_packed_fn)(const int64_t *a);
+#define TW_PTR(i) ((void *)(intptr_t)a[i])
+
+INLINE float tw_f32_arg(int64_t bits) {
+    const uint32_t low = (uint32_t)bits;
+    float f;
+    memcpy(&f, &low, sizeof f);
+    return f;
 }
 
 #endif

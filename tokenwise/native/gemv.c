@@ -14,17 +14,13 @@
  * AVX-512 (bf16 weights widened to float32 by a shift), AVX2 + FMA, or plain C. `tw_gemv_isa`
  * says which, so the caller can keep its own path where this one would not be faster.
  */
-#include "common.h"
+#include "linear.h"
 
 int tw_gemv_isa(void) {
 #if defined(TW_AVX512_BF16)
     return 3;
-#elif defined(TW_AVX512)
-    return 2;
-#elif defined(TW_AVX2)
-    return 1;
 #else
-    return 0;
+    return tw_vector_isa();
 #endif
 }
 
@@ -140,41 +136,7 @@ static void block_scalar(const void *wv, int wbf16, const float *x, int64_t K, f
 }
 #endif
 
-/* Weight rows [n0, n1) in blocks of R (then single rows), for a compile-time M. */
-#define ROWS(BLOCK_CALL, RR, MM)                                                           \
-    do {                                                                                   \
-        float t[4 * MAX_M];                                                                \
-        int64_t n = n0;                                                                    \
-        for (; n + (RR) <= n1; n += (RR)) {                                                \
-            { const int R = (RR), M = (MM); BLOCK_CALL; }                                  \
-            store(t, (RR), (MM), n, N, bias, y, ybf16);                                    \
-        }                                                                                  \
-        for (; n < n1; n++) {                                                              \
-            { const int R = 1, M = (MM); BLOCK_CALL; }                                     \
-            store(t, 1, (MM), n, N, bias, y, ybf16);                                       \
-        }                                                                                  \
-    } while (0)
-
-/* Block height by M: R * M accumulators must fit the vector registers (32 with AVX-512). */
-#if defined(TW_AVX512)
-#define R_FOR(M) ((M) <= 4 ? 4 : 2)
-#elif defined(TW_AVX2)
-#define R_FOR(M) ((M) <= 2 ? 4 : (M) <= 4 ? 2 : 1)
-#else
-#define R_FOR(M) 1
-#endif
-
-#define SWITCH_M(BLOCK_CALL)                                                              \
-    switch (Mr) {                                                                         \
-    case 1: ROWS(BLOCK_CALL, R_FOR(1), 1); break;                                         \
-    case 2: ROWS(BLOCK_CALL, R_FOR(2), 2); break;                                         \
-    case 3: ROWS(BLOCK_CALL, R_FOR(3), 3); break;                                         \
-    case 4: ROWS(BLOCK_CALL, R_FOR(4), 4); break;                                         \
-    case 5: ROWS(BLOCK_CALL, R_FOR(5), 5); break;                                         \
-    case 6: ROWS(BLOCK_CALL, R_FOR(6), 6); break;                                         \
-    case 7: ROWS(BLOCK_CALL, R_FOR(7), 7); break;                                         \
-    default: ROWS(BLOCK_CALL, R_FOR(8), 8); break;                                        \
-    }
+#define SWITCH_M(BLOCK_CALL) TW_SWITCH_M(Mr, BLOCK_CALL, R_FOR, N, bias, y, ybf16)
 
 /* One thread's share: weight rows [n0, n1). `xf` is x as float32; `xh` x as bf16 (or NULL). */
 static void run_rows(const void *w, int wbf16, const float *xf, const uint16_t *xh, int64_t K,
@@ -214,26 +176,20 @@ static void run_rows(const void *w, int wbf16, const float *xf, const uint16_t *
 int tw_gemv(const void *x, const void *w, const void *bias, void *y, int64_t M, int64_t N,
             int64_t K, int bf16, int num_threads) {
     if (M < 1 || M > MAX_M || N < 1 || K < 1) return -1;
-    const float *xf = (const float *)x;
     const uint16_t *xh = NULL;
-    float *widened = NULL;
 #if defined(TW_AVX512_BF16)
     if (bf16) xh = (const uint16_t *)x;
 #endif
-    if (bf16 && !xh) {
-        widened = (float *)malloc((size_t)(M * K) * sizeof(float));
-        if (!widened) return -2;
-        for (int64_t i = 0; i < M * K; i++) widened[i] = bf16_to_f32(((const uint16_t *)x)[i]);
-        xf = widened;
-    }
+    float *widened; /* bf16 x widened, unless the bf16 dot products read it as it is */
+    const float *xf = x_as_f32(x, M * K, bf16 && !xh, &widened);
+    if (!xf) return -2;
     int Mr = (int)M;
 #ifdef _OPENMP
     if (num_threads > 1 && N >= 32) {
 #pragma omp parallel num_threads(num_threads)
         {
-            int tid = omp_get_thread_num(), nth = omp_get_num_threads();
-            int64_t per = ((N + nth - 1) / nth + 15) & ~(int64_t)15;
-            int64_t n0 = tid * per, n1 = n0 + per < N ? n0 + per : N;
+            int64_t n0, n1;
+            tw_thread_rows(N, 16, &n0, &n1);
             if (n0 < n1) run_rows(w, bf16, xf, xh, K, n0, n1, Mr, bias, y, N, bf16);
         }
         free(widened);
@@ -246,10 +202,8 @@ int tw_gemv(const void *x, const void *w, const void *bias, void *y, int64_t M, 
     return 0;
 }
 
-/* `tw_gemv` with its arguments as one int64 array, the one signature a replayed CPU graph
- * calls kernels through (tokenwise/compilation/cpu_graph.py, tokenwise/native/graph.c). */
+/* `tw_gemv`'s packed entry (common.h). */
 int tw_gemv_packed(const int64_t *a) {
-    return tw_gemv((const void *)(intptr_t)a[0], (const void *)(intptr_t)a[1],
-                   (const void *)(intptr_t)a[2], (void *)(intptr_t)a[3], a[4], a[5], a[6],
-                   (int)a[7], (int)a[8]);
+    return tw_gemv(TW_PTR(0), TW_PTR(1), TW_PTR(2), TW_PTR(3), a[4], a[5], a[6], (int)a[7],
+                   (int)a[8]);
 }

@@ -15,49 +15,11 @@
  * one fused multiply-add). bf16 x: the integer path of qgemv_x16.h, fewer instructions per
  * weight. `tw_qdequant` writes the dense weights, for the larger row counts of prefill.
  */
-#include "common.h"
-
-int tw_qgemv_isa(void) {
-#if defined(TW_AVX512)
-    return 2;
-#elif defined(TW_AVX2)
-    return 1;
-#else
-    return 0;
-#endif
-}
-
-/* Group g's scale and offset of weight row `row` (ng groups per row). */
-INLINE float param(const void *p, int64_t i, int f32) {
-    return f32 ? ((const float *)p)[i] : f16_to_f32(((const uint16_t *)p)[i]);
-}
-
-INLINE void group_params(const void *sc, const void *of, int64_t row, int64_t ng, int64_t g,
-                         int bits, int sf32, float *s, float *o) {
-    *s = param(sc, row * ng + g, sf32);
-    *o = of ? param(of, row * ng + g, sf32) : (bits == 4 ? -8.0f * *s : 0.0f);
-}
-
-/* What one call computes: the weights, x (float32, and as int16 for the integer path), y. */
-typedef struct {
-    const uint8_t *q;
-    const void *sc, *of;
-    int bits, sf32;
-    int64_t K, G, N;
-    const float *xf;
-    const int16_t *xq;
-    const int8_t *xq8;
-    const int32_t *xcorr;
-    const float *xs, *xsum;
-    const void *bias;
-    void *y;
-    int ybf16;
-    int64_t ng;     /* groups per row */
-    int x8_tshift; /* the int8-activation path's parameter layout (qgemv_x8.h) */
-} qctx;
-
+#include "qgemv.h"
 #include "qgemv_x16.h"
 #include "qgemv_x8.h"
+
+int tw_qgemv_isa(void) { return tw_vector_isa(); }
 
 #if defined(TW_AVX512)
 INLINE void qblock512(const qctx *c, int64_t n, float *t, const int R, const int M) {
@@ -186,13 +148,6 @@ INLINE void qblock256(const qctx *c, int64_t n, float *t, const int R, const int
 }
 #endif
 
-/* Quantized value k of one row (`qrow`: that row's bytes), before scale and offset. */
-INLINE int qint(const uint8_t *qrow, int bits, int64_t k) {
-    if (bits == 8) return ((const int8_t *)qrow)[k];
-    uint8_t byte = qrow[(k / 32) * 16 + (k % 16)];
-    return (k % 32) < 16 ? (byte & 15) : (byte >> 4);
-}
-
 #if !defined(TW_AVX512) && !defined(TW_AVX2)
 static void qblock_scalar(const qctx *c, int64_t n, float *t, int R, int M) {
     const uint8_t *q = c->q + n * (c->bits == 8 ? c->K : c->K / 2);
@@ -214,32 +169,8 @@ static void qblock_scalar(const qctx *c, int64_t n, float *t, int R, int M) {
 }
 #endif
 
-/* Rows [n0, n1) in blocks of R (then single rows), for a compile-time M. */
-#define QROWS(BLOCK, RR, MM)                                                               \
-    do {                                                                                   \
-        float t[4 * MAX_M];                                                                \
-        int64_t n = n0;                                                                    \
-        for (; n + (RR) <= n1; n += (RR)) {                                                \
-            BLOCK(c, n, t, (RR), (MM));                                                    \
-            store(t, (RR), (MM), n, c->N, c->bias, c->y, c->ybf16);                        \
-        }                                                                                  \
-        for (; n < n1; n++) {                                                              \
-            BLOCK(c, n, t, 1, (MM));                                                       \
-            store(t, 1, (MM), n, c->N, c->bias, c->y, c->ybf16);                           \
-        }                                                                                  \
-    } while (0)
-
-#define SWITCH_M(BLOCK, R_FOR)                                                             \
-    switch (Mr) {                                                                          \
-    case 1: QROWS(BLOCK, R_FOR(1), 1); break;                                              \
-    case 2: QROWS(BLOCK, R_FOR(2), 2); break;                                              \
-    case 3: QROWS(BLOCK, R_FOR(3), 3); break;                                              \
-    case 4: QROWS(BLOCK, R_FOR(4), 4); break;                                              \
-    case 5: QROWS(BLOCK, R_FOR(5), 5); break;                                              \
-    case 6: QROWS(BLOCK, R_FOR(6), 6); break;                                              \
-    case 7: QROWS(BLOCK, R_FOR(7), 7); break;                                              \
-    default: QROWS(BLOCK, R_FOR(8), 8); break;                                             \
-    }
+#define SWITCH_M(BLOCK, R_FOR_M)                                                           \
+    TW_SWITCH_M(Mr, BLOCK(c, n, t, R, M), R_FOR_M, c->N, c->bias, c->y, c->ybf16)
 
 #if defined(TW_AVX512)
 #define QBLOCK qblock512
@@ -285,12 +216,6 @@ static int check_shape(int64_t N, int64_t K, int bits, int64_t G) {
     if (bits == 4) return G % 32 ? -1 : 0;
     return -1;
 }
-
-/* Contiguous ranges of rows per thread (multiples of 16 rows). */
-#define THREAD_RANGE(N)                                                                   \
-    int tid = omp_get_thread_num(), nth = omp_get_num_threads();                          \
-    int64_t per = (((N) + nth - 1) / nth + 15) & ~(int64_t)15;                            \
-    int64_t n0 = tid * per, n1 = n0 + per < (N) ? n0 + per : (N);
 
 /* y[M, N] = x[M, K] @ dequant(q)^T (+ bias[N]); x, bias and y of one dtype (bf16 when `xbf16`).
  * bf16 x takes an integer path where the groups allow it: x as int8 per 32 values when
@@ -347,7 +272,8 @@ int tw_qgemv(const void *x, const uint8_t *q, const void *sc, const void *of,
     if (num_threads > 1 && N >= 32) {
 #pragma omp parallel num_threads(num_threads)
         {
-            THREAD_RANGE(N)
+            int64_t n0, n1;
+            tw_thread_rows(N, 16, &n0, &n1);
             if (n0 < n1) run_rows(&c, n0, n1, Mr);
         }
     } else
@@ -398,17 +324,13 @@ int tw_qrows(const uint8_t *q, const void *sc, const void *of, const int64_t *id
     return 0;
 }
 
-/* The kernels with their arguments as one int64 array (pointers and integers as they are),
- * the one signature a replayed CPU graph calls them through (tokenwise/compilation/
- * cpu_graph.py). */
-#define P(i) ((void *)(intptr_t)a[i])
+/* The packed entries (common.h). */
 int tw_qgemv_packed(const int64_t *a) {
-    return tw_qgemv(P(0), P(1), P(2), P(3), P(4), P(5), a[6], a[7], a[8], (int)a[9], a[10],
-                    (int)a[11], (int)a[12], (int)a[13], (int)a[14]);
+    return tw_qgemv(TW_PTR(0), TW_PTR(1), TW_PTR(2), TW_PTR(3), TW_PTR(4), TW_PTR(5), a[6], a[7],
+                    a[8], (int)a[9], a[10], (int)a[11], (int)a[12], (int)a[13], (int)a[14]);
 }
 
 int tw_qrows_packed(const int64_t *a) {
-    return tw_qrows(P(0), P(1), P(2), P(3), a[4], P(5), a[6], (int)a[7], a[8], (int)a[9],
-                    (int)a[10]);
+    return tw_qrows(TW_PTR(0), TW_PTR(1), TW_PTR(2), TW_PTR(3), a[4], TW_PTR(5), a[6], (int)a[7],
+                    a[8], (int)a[9], (int)a[10]);
 }
-#undef P

@@ -14,8 +14,10 @@
  * path's, so float32 activations keep the float path (their parity tests are at 1e-4).
  * Integer range: |q x| <= 128 * 32767 per product, so G <= 256 keeps a group's sum in int32.
  */
-#ifndef TW_CPU_QGEMV_X16_H
-#define TW_CPU_QGEMV_X16_H
+#ifndef TW_QGEMV_X16_H
+#define TW_QGEMV_X16_H
+
+#include "qgemv.h"
 
 #define X16_MAX_GROUP 256
 
@@ -48,18 +50,6 @@ INLINE __m256i dp16_256(__m256i acc, __m256i a, __m256i b) {
 #else
     return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
 #endif
-}
-
-/* Eight consecutive group parameters as floats (fewer when `valid` < 8: the rest are 0). */
-INLINE __m256 load8(const void *p, int64_t i, int valid, int f32) {
-#if defined(__F16C__)
-    if (valid == 8)
-        return f32 ? _mm256_loadu_ps((const float *)p + i)
-                   : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
-#endif
-    float tmp[8] = {0};
-    for (int j = 0; j < valid; j++) tmp[j] = param(p, i + j, f32);
-    return _mm256_loadu_ps(tmp);
 }
 
 /* Groups are folded eight at a time: the weights' scales (and offsets) of groups g0..g0+7

@@ -23,8 +23,10 @@
  * saturate); int4 nibbles need nothing (15 * 127 * 2).
  * Integer range: a lane sums at most 8 products of at most 255 * 127, plus its correction.
  */
-#ifndef TW_CPU_QGEMV_X8_H
-#define TW_CPU_QGEMV_X8_H
+#ifndef TW_QGEMV_X8_H
+#define TW_QGEMV_X8_H
+
+#include "qgemv.h"
 
 #if defined(TW_AVX512) || defined(TW_AVX2)
 #define X8_BLOCK 32
