@@ -199,19 +199,27 @@ INLINE float hsum256(__m256 v) {
 
 /* The widest float vector of the build, for code written once for AVX-512 and AVX2:
  * TW_V(fmadd_ps) is _mm512_fmadd_ps or _mm256_fmadd_ps, tw_vf its vector of TW_VW floats,
- * TW_VI the integer vector of the same width. */
+ * tw_vi the integer vector of the same width (TW_VI_ZERO, _LOAD, _AND, _XOR its operations). */
 #if defined(TW_AVX512)
 #define TW_VW 16
 typedef __m512 tw_vf;
 typedef __m512i tw_vi;
 #define TW_V(op) _mm512_##op
 #define TW_VSUM(v) _mm512_reduce_add_ps(v)
+#define TW_VI_ZERO() _mm512_setzero_si512()
+#define TW_VI_LOAD(p) _mm512_loadu_si512((const void *)(p))
+#define TW_VI_AND _mm512_and_si512
+#define TW_VI_XOR _mm512_xor_si512
 #elif defined(TW_AVX2)
 #define TW_VW 8
 typedef __m256 tw_vf;
 typedef __m256i tw_vi;
 #define TW_V(op) _mm256_##op
 #define TW_VSUM(v) hsum256(v)
+#define TW_VI_ZERO() _mm256_setzero_si256()
+#define TW_VI_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define TW_VI_AND _mm256_and_si256
+#define TW_VI_XOR _mm256_xor_si256
 #endif
 
 /* ---- a replayed CPU graph's arguments ---- */

@@ -132,21 +132,7 @@ int tw_fp8_gemv(const void *x, const uint8_t *w, const float *scale, const void 
     const float *xf = x_as_f32(x, M * K, bf16, &widened);
     if (!xf) return -2;
     int64_t align = kind == 2 ? (bn < 16 ? bn : 16) : 16;
-#ifdef _OPENMP
-    if (num_threads > 1 && N >= 32) {
-#pragma omp parallel num_threads(num_threads)
-        {
-            int64_t n0, n1;
-            tw_thread_rows(N, align, &n0, &n1);
-            if (n0 < n1) run_rows(&W, xf, (int)M, n0, n1, bias, y, bf16);
-        }
-        free(widened);
-        return 0;
-    }
-#endif
-    (void)num_threads;
-    (void)align;
-    run_rows(&W, xf, (int)M, 0, N, bias, y, bf16);
+    TW_PARALLEL_ROWS(N, align, run_rows(&W, xf, (int)M, n0, n1, bias, y, bf16));
     free(widened);
     return 0;
 }

@@ -183,21 +183,7 @@ int tw_gemv(const void *x, const void *w, const void *bias, void *y, int64_t M, 
     float *widened; /* bf16 x widened, unless the bf16 dot products read it as it is */
     const float *xf = x_as_f32(x, M * K, bf16 && !xh, &widened);
     if (!xf) return -2;
-    int Mr = (int)M;
-#ifdef _OPENMP
-    if (num_threads > 1 && N >= 32) {
-#pragma omp parallel num_threads(num_threads)
-        {
-            int64_t n0, n1;
-            tw_thread_rows(N, 16, &n0, &n1);
-            if (n0 < n1) run_rows(w, bf16, xf, xh, K, n0, n1, Mr, bias, y, N, bf16);
-        }
-        free(widened);
-        return 0;
-    }
-#endif
-    (void)num_threads;
-    run_rows(w, bf16, xf, xh, K, 0, N, Mr, bias, y, N, bf16);
+    TW_PARALLEL_ROWS(N, 16, run_rows(w, bf16, xf, xh, K, n0, n1, (int)M, bias, y, N, bf16));
     free(widened);
     return 0;
 }

@@ -114,6 +114,30 @@ INLINE void tw_thread_rows(int64_t N, int64_t align, int64_t *n0, int64_t *n1) {
     *n0 = tid * per;
     *n1 = *n0 + per < N ? *n0 + per : N;
 }
+
+/* The statement RUN over weight rows [n0, n1) covering [0, N): from 32 rows on split over the
+ * caller's `num_threads` OpenMP threads (`tw_thread_rows`), else on the calling thread. */
+#define TW_PARALLEL_ROWS(N, ALIGN, RUN)                                                    \
+    do {                                                                                   \
+        if (num_threads > 1 && (N) >= 32) {                                                \
+            _Pragma("omp parallel num_threads(num_threads)")                               \
+            {                                                                              \
+                int64_t n0, n1;                                                            \
+                tw_thread_rows(N, ALIGN, &n0, &n1);                                        \
+                if (n0 < n1) RUN;                                                          \
+            }                                                                              \
+        } else {                                                                           \
+            const int64_t n0 = 0, n1 = (N);                                                \
+            RUN;                                                                           \
+        }                                                                                  \
+    } while (0)
+#else
+#define TW_PARALLEL_ROWS(N, ALIGN, RUN)                                                    \
+    do {                                                                                   \
+        const int64_t n0 = 0, n1 = (N);                                                    \
+        (void)num_threads;                                                                 \
+        RUN;                                                                               \
+    } while (0)
 #endif
 
 #endif

@@ -267,19 +267,7 @@ int tw_qgemv(const void *x, const uint8_t *q, const void *sc, const void *of,
         c.xsum = xs + M * ng;
     }
 #endif
-    int Mr = (int)M;
-#ifdef _OPENMP
-    if (num_threads > 1 && N >= 32) {
-#pragma omp parallel num_threads(num_threads)
-        {
-            int64_t n0, n1;
-            tw_thread_rows(N, 16, &n0, &n1);
-            if (n0 < n1) run_rows(&c, n0, n1, Mr);
-        }
-    } else
-#endif
-        run_rows(&c, 0, N, Mr);
-    (void)num_threads;
+    TW_PARALLEL_ROWS(N, 16, run_rows(&c, n0, n1, (int)M));
     free(x16);
     free(widened);
     return 0;

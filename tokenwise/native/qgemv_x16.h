@@ -52,6 +52,9 @@ INLINE __m256i dp16_256(__m256i acc, __m256i a, __m256i b) {
 #endif
 }
 
+/* One (r, m)'s result: its group sums' accumulator plus the offsets' (256-bit accumulators). */
+INLINE float x16_sum256(__m256 acc, __m256 off) { return hsum256(_mm256_add_ps(acc, off)); }
+
 /* Groups are folded eight at a time: the weights' scales (and offsets) of groups g0..g0+7
  * of each row are loaded as one vector and multiplied by x's group scales once, so a group's
  * fold is a lane broadcast, a conversion and a multiply-add; the offset term o * sum(x) of all
@@ -112,7 +115,7 @@ INLINE void q4x16_block256(const qctx *c, int64_t n, float *t, const int R, cons
         }
     }
     for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) t[r * M + m] = hsum256(_mm256_add_ps(acc[r][m], off[r][m]));
+        for (int m = 0; m < M; m++) t[r * M + m] = x16_sum256(acc[r][m], off[r][m]);
 }
 
 #if defined(TW_AVX512)
@@ -123,6 +126,9 @@ INLINE __m512i dp16_512(__m512i acc, __m512i a, __m512i b) {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
 #endif
 }
+
+/* As x16_sum256, for 512-bit accumulators. */
+INLINE float x16_sum512(__m512 acc, __m256 off) { return _mm512_reduce_add_ps(acc) + hsum256(off); }
 
 /* Whether int4 weights take the 512-bit path: 64 values (two 32-value blocks) per step, which
  * needs steps that never straddle two groups' folds (G 32, or a multiple of 64). */
@@ -185,86 +191,60 @@ INLINE void q4x16_block512(const qctx *c, int64_t n, float *t, const int R, cons
         }
     }
     for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++)
-            t[r * M + m] = _mm512_reduce_add_ps(acc[r][m]) + hsum256(off[r][m]);
+        for (int m = 0; m < M; m++) t[r * M + m] = x16_sum512(acc[r][m], off[r][m]);
 }
 
-/* int8 weights, 32 values at a time widened to int16 in a 512-bit register. */
+#endif
+
+/* int8 weights, 2 * TW_VW values at a time widened to int16 in the widest integer register. */
+#if defined(TW_AVX512)
+#define X16_LOAD_I8(p) _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(p)))
+#define X16_LOAD(p) _mm512_loadu_si512((const void *)(p))
+#define X16_DP dp16_512
+#define X16_SUM x16_sum512
+#else
+#define X16_LOAD_I8(p) _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p)))
+#define X16_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define X16_DP dp16_256
+#define X16_SUM x16_sum256
+#endif
 INLINE void q8x16_block(const qctx *c, int64_t n, float *t, const int R, const int M) {
     const int64_t K = c->K, G = c->G, ng = K / G;
     const int8_t *q = (const int8_t *)c->q + n * K;
-    __m512 acc[4][MAX_M];
+    tw_vf acc[4][MAX_M];
     __m256 off[4][MAX_M];
     for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps(), off[r][m] = _mm256_setzero_ps();
+        for (int m = 0; m < M; m++) acc[r][m] = TW_V(setzero_ps)(), off[r][m] = _mm256_setzero_ps();
     for (int64_t g0 = 0; g0 < ng; g0 += 8) {
         X16_CHUNK_BEGIN()
         for (int j = 0; j < valid; j++) {
             const int64_t g = g0 + j;
-            __m512i gi[4][MAX_M];
+            tw_vi gi[4][MAX_M];
             for (int r = 0; r < R; r++)
-                for (int m = 0; m < M; m++) gi[r][m] = _mm512_setzero_si512();
-            for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
-                __m512i w[4];
+                for (int m = 0; m < M; m++) gi[r][m] = TW_VI_ZERO();
+            for (int64_t k = g * G; k < (g + 1) * G; k += 2 * TW_VW) {
+                tw_vi w[4];
                 for (int r = 0; r < R; r++) {
                     const int8_t *p = q + r * K + k;
                     if (!(k & 63)) PREFETCH(p);
-                    w[r] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));
+                    w[r] = X16_LOAD_I8(p);
                 }
                 for (int m = 0; m < M; m++) {
-                    __m512i xv = _mm512_loadu_si512((const void *)(c->xq + m * K + k));
-                    for (int r = 0; r < R; r++) gi[r][m] = dp16_512(gi[r][m], w[r], xv);
+                    tw_vi xv = X16_LOAD(c->xq + m * K + k);
+                    for (int r = 0; r < R; r++) gi[r][m] = X16_DP(gi[r][m], w[r], xv);
                 }
             }
             /* The scale is broadcast from memory (a load port), not shuffled out of `prod`:
              * the shuffle port already widens every weight vector. */
             for (int r = 0; r < R; r++)
                 for (int m = 0; m < M; m++)
-                    acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(gi[r][m]),
-                                                _mm512_set1_ps(pbuf[r][m][j]), acc[r][m]);
+                    acc[r][m] = TW_V(fmadd_ps)(TW_V(cvtepi32_ps)(gi[r][m]),
+                                               TW_V(set1_ps)(pbuf[r][m][j]), acc[r][m]);
         }
     }
     for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++)
-            t[r * M + m] = _mm512_reduce_add_ps(acc[r][m]) + hsum256(off[r][m]);
+        for (int m = 0; m < M; m++) t[r * M + m] = X16_SUM(acc[r][m], off[r][m]);
 }
-#elif defined(TW_AVX2)
-/* int8 weights, 16 values at a time widened to int16 in a 256-bit register. */
-INLINE void q8x16_block(const qctx *c, int64_t n, float *t, const int R, const int M) {
-    const int64_t K = c->K, G = c->G, ng = K / G;
-    const int8_t *q = (const int8_t *)c->q + n * K;
-    __m256 acc[4][MAX_M], off[4][MAX_M];
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) acc[r][m] = off[r][m] = _mm256_setzero_ps();
-    for (int64_t g0 = 0; g0 < ng; g0 += 8) {
-        X16_CHUNK_BEGIN()
-        for (int j = 0; j < valid; j++) {
-            const int64_t g = g0 + j;
-            __m256i gi[4][MAX_M];
-            for (int r = 0; r < R; r++)
-                for (int m = 0; m < M; m++) gi[r][m] = _mm256_setzero_si256();
-            for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
-                __m256i w[4];
-                for (int r = 0; r < R; r++) {
-                    const int8_t *p = q + r * K + k;
-                    if (!(k & 63)) PREFETCH(p);
-                    w[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
-                }
-                for (int m = 0; m < M; m++) {
-                    __m256i xv = _mm256_loadu_si256((const __m256i *)(c->xq + m * K + k));
-                    for (int r = 0; r < R; r++) gi[r][m] = dp16_256(gi[r][m], w[r], xv);
-                }
-            }
-            for (int r = 0; r < R; r++)
-                for (int m = 0; m < M; m++)
-                    acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(gi[r][m]),
-                                                _mm256_set1_ps(pbuf[r][m][j]), acc[r][m]);
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) t[r * M + m] = hsum256(_mm256_add_ps(acc[r][m], off[r][m]));
-}
-#endif
 
 #endif
 

@@ -160,8 +160,9 @@ static void x8_setup(qctx *c) {
     c->x8_tshift = (t & (t - 1)) == 0 ? __builtin_ctzll((unsigned long long)t) : -1;
 }
 
+/* What differs between the 512- and 256-bit paths; the block functions below serve both. */
 #if defined(TW_AVX512)
-INLINE __m512i dpbu8_512(__m512i acc, __m512i u, __m512i s) {
+INLINE __m512i dpbu8(__m512i acc, __m512i u, __m512i s) {
 #if X8_VNNI
     return _mm512_dpbusd_epi32(acc, u, s);
 #else
@@ -170,141 +171,25 @@ INLINE __m512i dpbu8_512(__m512i acc, __m512i u, __m512i s) {
 #endif
 }
 
+/* sum(w * x) per 4 bytes for signed w without VNNI: |w| times x with w's sign. */
+INLINE __m512i dot_signed(__m512i w, __m512i xv) {
+    const __mmask64 neg = _mm512_movepi8_mask(w);
+    __m512i sx = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+    return dpbu8(_mm512_setzero_si512(), _mm512_abs_epi8(w), sx);
+}
+
 /* `count` (<= 16) consecutive parameters from index i as floats, the rest 0. */
-INLINE __m512 x8_load16(const void *p, int64_t i, int count, int f32) {
+INLINE __m512 x8_loadv(const void *p, int64_t i, int count, int f32) {
     const __mmask16 live = (__mmask16)((1u << count) - 1);
     return f32 ? _mm512_maskz_loadu_ps(live, (const float *)p + i)
                : _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, (const uint16_t *)p + i));
 }
 
-/* Scales and offsets of the 16 blocks from b0 of row n, one lane per block. */
-INLINE void x8_params512(const qctx *c, int64_t n, int64_t b0, int nbc, __m512 *s, __m512 *o) {
-    const int ts = c->x8_tshift;
-    if (ts >= 0) {
-        const int64_t g0 = n * c->ng + (b0 >> ts);
-        const int count = ts >= 4 ? 1 : (nbc + (1 << ts) - 1) >> ts;
-        const __m512i lane = _mm512_srli_epi32(
-            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), ts >= 4 ? 31 : ts);
-        *s = _mm512_permutexvar_ps(lane, x8_load16(c->sc, g0, count, c->sf32));
-        if (c->of) *o = _mm512_permutexvar_ps(lane, x8_load16(c->of, g0, count, c->sf32));
-    } else {
-        float sv[16] = {0}, ov[16] = {0};
-        x8_params_scalar(c, n, b0, nbc, sv, ov);
-        *s = _mm512_loadu_ps(sv);
-        *o = _mm512_loadu_ps(ov);
-    }
-}
-
-/* A chunk of 16 blocks (512 values) of rows n..n+R-1: per (r, m) the blocks' s * xs, and the
- * stored offsets' terms o * xs * sum(x) added to `off`. */
-#define X8_CHUNK512()                                                                      \
-    const int nbc = nb - b0 < 16 ? (int)(nb - b0) : 16;                                    \
-    const __mmask16 live = (__mmask16)((1u << nbc) - 1);                                   \
-    __m512 sc[4][MAX_M];                                                                   \
-    for (int r = 0; r < R; r++) {                                                          \
-        __m512 s16, o16 = _mm512_setzero_ps();                                             \
-        x8_params512(c, n + r, b0, nbc, &s16, &o16);                                       \
-        for (int m = 0; m < M; m++) {                                                      \
-            sc[r][m] = _mm512_mul_ps(s16, _mm512_maskz_loadu_ps(live, c->xs + m * nb + b0)); \
-            if (c->of)                                                                     \
-                off[r][m] = _mm512_fmadd_ps(                                               \
-                    o16, _mm512_maskz_loadu_ps(live, c->xsum + m * nb + b0), off[r][m]);   \
-        }                                                                                  \
-    }
-
-/* int4 weights: 64 bytes (128 values, 4 blocks) per step; int32 lane i sums bytes 4i..4i+3,
- * so lanes 4j..4j+3 hold block j's low and high nibbles' products. */
-INLINE void q4x8_block(const qctx *c, int64_t n, float *t, const int R, const int M) {
-    const int64_t K = c->K, nb = K / X8_BLOCK, rb = K / 2;
-    const uint8_t *q = c->q + n * rb;
-    const int8_t *xq = c->xq8;
-    const int32_t *corr = c->xcorr;
-    const __m512i low4 = _mm512_set1_epi8(15);
-    const __m512i lane0 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    __m512 acc[4][MAX_M], off[4][MAX_M];
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) acc[r][m] = off[r][m] = _mm512_setzero_ps();
-    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
-        X8_CHUNK512()
-        for (int j = 0; j < nbc / 4; j++) {
-            const int64_t k = (b0 + 4 * j) * X8_BLOCK;
-            const __m512i lane = _mm512_add_epi32(lane0, _mm512_set1_epi32(4 * j));
-            __m512i lo[4], hi[4];
-            for (int r = 0; r < R; r++) {
-                const uint8_t *p = q + r * rb + k / 2;
-                PREFETCH(p);
-                __m512i v = _mm512_loadu_si512((const void *)p);
-                lo[r] = _mm512_and_si512(v, low4);
-                hi[r] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-            }
-            for (int m = 0; m < M; m++) {
-                __m512i xl = _mm512_loadu_si512((const void *)(xq + m * K + k));
-                __m512i xh = _mm512_loadu_si512((const void *)(xq + m * K + k + 64));
-                __m512i c0 = _mm512_loadu_si512((const void *)(corr + (m * K + k) / 8));
-                for (int r = 0; r < R; r++) {
-                    __m512i d = dpbu8_512(dpbu8_512(c0, lo[r], xl), hi[r], xh);
-                    acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d),
-                                                _mm512_permutexvar_ps(lane, sc[r][m]), acc[r][m]);
-                }
-            }
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++)
-            t[r * M + m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][m], off[r][m]));
-}
-
-/* int8 weights: 64 values (2 blocks) per step; lanes 0..7 hold the first block, 8..15 the
- * second. */
-INLINE void q8x8_block(const qctx *c, int64_t n, float *t, const int R, const int M) {
-    const int64_t K = c->K, nb = K / X8_BLOCK;
-    const int8_t *q = (const int8_t *)c->q + n * K;
-    const int8_t *xq = c->xq8;
-    const int32_t *corr = c->xcorr;
-    const __m512i lane0 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    __m512 acc[4][MAX_M], off[4][MAX_M];
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) acc[r][m] = off[r][m] = _mm512_setzero_ps();
-    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
-        X8_CHUNK512()
-        for (int j = 0; j < nbc / 2; j++) {
-            const int64_t k = (b0 + 2 * j) * X8_BLOCK;
-            const __m512i lane = _mm512_add_epi32(lane0, _mm512_set1_epi32(2 * j));
-            __m512i w[4];
-            for (int r = 0; r < R; r++) {
-                const int8_t *p = q + r * K + k;
-                PREFETCH(p);
-                w[r] = _mm512_loadu_si512((const void *)p);
-#if X8_VNNI
-                w[r] = _mm512_xor_si512(w[r], _mm512_set1_epi8((char)0x80));
-#endif
-            }
-            for (int m = 0; m < M; m++) {
-                __m512i xv = _mm512_loadu_si512((const void *)(xq + m * K + k));
-#if X8_VNNI
-                __m512i c0 = _mm512_loadu_si512((const void *)(corr + (m * K + k) / 4));
-#endif
-                for (int r = 0; r < R; r++) {
-#if X8_VNNI
-                    __m512i d = dpbu8_512(c0, w[r], xv);
-#else
-                    const __mmask64 neg = _mm512_movepi8_mask(w[r]);
-                    __m512i sx = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
-                    __m512i d = dpbu8_512(_mm512_setzero_si512(), _mm512_abs_epi8(w[r]), sx);
-#endif
-                    acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d),
-                                                _mm512_permutexvar_ps(lane, sc[r][m]), acc[r][m]);
-                }
-            }
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++)
-            t[r * M + m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][m], off[r][m]));
-}
-
+#define X8_LOG2_VW 4
+#define X8_LANE_IDS _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)
+#define X8_PERMUTE(idx, v) _mm512_permutexvar_ps(idx, v)
 #else /* AVX2 */
-INLINE __m256i dpbu8_256(__m256i acc, __m256i u, __m256i s) {
+INLINE __m256i dpbu8(__m256i acc, __m256i u, __m256i s) {
 #if X8_VNNI && defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return _mm256_dpbusd_epi32(acc, u, s);
 #elif X8_VNNI
@@ -315,127 +200,134 @@ INLINE __m256i dpbu8_256(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
-/* As x8_params512, for the 8 blocks from b0 of row n. */
-INLINE void x8_params256(const qctx *c, int64_t n, int64_t b0, int nbc, __m256 *s, __m256 *o) {
+INLINE __m256i dot_signed(__m256i w, __m256i xv) {
+    return dpbu8(_mm256_setzero_si256(), _mm256_abs_epi8(w), _mm256_sign_epi8(xv, w));
+}
+
+#define x8_loadv load8
+#define X8_LOG2_VW 3
+#define X8_LANE_IDS _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0)
+#define X8_PERMUTE(idx, v) _mm256_permutevar8x32_ps(v, idx)
+#endif
+
+/* Scales and offsets of the TW_VW blocks from b0 of row n, one lane per block. */
+INLINE void x8_params(const qctx *c, int64_t n, int64_t b0, int nbc, tw_vf *s, tw_vf *o) {
     const int ts = c->x8_tshift;
     if (ts >= 0) {
         const int64_t g0 = n * c->ng + (b0 >> ts);
-        const int count = ts >= 3 ? 1 : (nbc + (1 << ts) - 1) >> ts;
-        const __m256i lane =
-            _mm256_srli_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0), ts >= 3 ? 31 : ts);
-        *s = _mm256_permutevar8x32_ps(load8(c->sc, g0, count, c->sf32), lane);
-        if (c->of) *o = _mm256_permutevar8x32_ps(load8(c->of, g0, count, c->sf32), lane);
+        const int count = ts >= X8_LOG2_VW ? 1 : (nbc + (1 << ts) - 1) >> ts;
+        const tw_vi lane = TW_V(srli_epi32)(X8_LANE_IDS, ts >= X8_LOG2_VW ? 31 : ts);
+        *s = X8_PERMUTE(lane, x8_loadv(c->sc, g0, count, c->sf32));
+        if (c->of) *o = X8_PERMUTE(lane, x8_loadv(c->of, g0, count, c->sf32));
     } else {
-        float sv[8] = {0}, ov[8] = {0};
+        float sv[TW_VW] = {0}, ov[TW_VW] = {0};
         x8_params_scalar(c, n, b0, nbc, sv, ov);
-        *s = _mm256_loadu_ps(sv);
-        *o = _mm256_loadu_ps(ov);
+        *s = TW_V(loadu_ps)(sv);
+        *o = TW_V(loadu_ps)(ov);
     }
 }
 
-/* A chunk of 8 blocks (256 values): per (r, m) the blocks' s * xs, and the offsets' terms. */
-#define X8_CHUNK256()                                                                      \
-    const int nbc = nb - b0 < 8 ? (int)(nb - b0) : 8;                                      \
-    __m256 sc[4][MAX_M];                                                                   \
+/* A chunk of TW_VW blocks of rows n..n+R-1: per (r, m) the blocks' s * xs, and the stored
+ * offsets' terms o * xs * sum(x) added to `off`. */
+#define X8_CHUNK()                                                                         \
+    const int nbc = nb - b0 < TW_VW ? (int)(nb - b0) : TW_VW;                              \
+    tw_vf sc[4][MAX_M];                                                                    \
     for (int r = 0; r < R; r++) {                                                          \
-        __m256 s8, o8 = _mm256_setzero_ps();                                               \
-        x8_params256(c, n + r, b0, nbc, &s8, &o8);                                         \
+        tw_vf sv, ov = TW_V(setzero_ps)();                                                 \
+        x8_params(c, n + r, b0, nbc, &sv, &ov);                                            \
         for (int m = 0; m < M; m++) {                                                      \
-            sc[r][m] = _mm256_mul_ps(s8, load8(c->xs, m * nb + b0, nbc, 1));               \
+            sc[r][m] = TW_V(mul_ps)(sv, x8_loadv(c->xs, m * nb + b0, nbc, 1));             \
             if (c->of)                                                                     \
                 off[r][m] =                                                                \
-                    _mm256_fmadd_ps(o8, load8(c->xsum, m * nb + b0, nbc, 1), off[r][m]);   \
+                    TW_V(fmadd_ps)(ov, x8_loadv(c->xsum, m * nb + b0, nbc, 1), off[r][m]); \
         }                                                                                  \
     }
 
-/* int4 weights: 32 bytes (64 values, 2 blocks) per step; lanes 0..3 block 0, 4..7 block 1. */
+/* int4 weights: 4 * TW_VW bytes (8 * TW_VW values, TW_VW / 4 blocks) per step; int32 lane i
+ * sums bytes 4i..4i+3, so lanes 4j..4j+3 hold block j's low and high nibbles' products. */
 INLINE void q4x8_block(const qctx *c, int64_t n, float *t, const int R, const int M) {
     const int64_t K = c->K, nb = K / X8_BLOCK, rb = K / 2;
     const uint8_t *q = c->q + n * rb;
     const int8_t *xq = c->xq8;
     const int32_t *corr = c->xcorr;
-    const __m256i low4 = _mm256_set1_epi8(15);
-    const __m256i lane0 = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
-    __m256 acc[4][MAX_M], off[4][MAX_M];
+    const tw_vi low4 = TW_V(set1_epi8)(15);
+    const tw_vi lane0 = TW_V(srli_epi32)(X8_LANE_IDS, 2);
+    tw_vf acc[4][MAX_M], off[4][MAX_M];
     for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) acc[r][m] = off[r][m] = _mm256_setzero_ps();
-    for (int64_t b0 = 0; b0 < nb; b0 += 8) {
-        X8_CHUNK256()
-        for (int j = 0; j < nbc / 2; j++) {
-            const int64_t k = (b0 + 2 * j) * X8_BLOCK;
-            const __m256i lane = _mm256_add_epi32(lane0, _mm256_set1_epi32(2 * j));
-            __m256i lo[4], hi[4];
+        for (int m = 0; m < M; m++) acc[r][m] = off[r][m] = TW_V(setzero_ps)();
+    for (int64_t b0 = 0; b0 < nb; b0 += TW_VW) {
+        X8_CHUNK()
+        for (int j = 0; j < nbc / (TW_VW / 4); j++) {
+            const int64_t k = (b0 + (TW_VW / 4) * j) * X8_BLOCK;
+            const tw_vi lane = TW_V(add_epi32)(lane0, TW_V(set1_epi32)((TW_VW / 4) * j));
+            tw_vi lo[4], hi[4];
             for (int r = 0; r < R; r++) {
                 const uint8_t *p = q + r * rb + k / 2;
                 if (!(k & 127)) PREFETCH(p);
-                __m256i v = _mm256_loadu_si256((const __m256i *)p);
-                lo[r] = _mm256_and_si256(v, low4);
-                hi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                tw_vi v = TW_VI_LOAD(p);
+                lo[r] = TW_VI_AND(v, low4);
+                hi[r] = TW_VI_AND(TW_V(srli_epi16)(v, 4), low4);
             }
             for (int m = 0; m < M; m++) {
-                __m256i xl = _mm256_loadu_si256((const __m256i *)(xq + m * K + k));
-                __m256i xh = _mm256_loadu_si256((const __m256i *)(xq + m * K + k + 32));
-                __m256i c0 = _mm256_loadu_si256((const __m256i *)(corr + (m * K + k) / 8));
+                tw_vi xl = TW_VI_LOAD(xq + m * K + k);
+                tw_vi xh = TW_VI_LOAD(xq + m * K + k + 4 * TW_VW);
+                tw_vi c0 = TW_VI_LOAD(corr + (m * K + k) / 8);
                 for (int r = 0; r < R; r++) {
-                    __m256i d = dpbu8_256(dpbu8_256(c0, lo[r], xl), hi[r], xh);
-                    acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d),
-                                                _mm256_permutevar8x32_ps(sc[r][m], lane),
-                                                acc[r][m]);
+                    tw_vi d = dpbu8(dpbu8(c0, lo[r], xl), hi[r], xh);
+                    acc[r][m] = TW_V(fmadd_ps)(TW_V(cvtepi32_ps)(d), X8_PERMUTE(lane, sc[r][m]),
+                                               acc[r][m]);
                 }
             }
         }
     }
     for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) t[r * M + m] = hsum256(_mm256_add_ps(acc[r][m], off[r][m]));
+        for (int m = 0; m < M; m++) t[r * M + m] = TW_VSUM(TW_V(add_ps)(acc[r][m], off[r][m]));
 }
 
-/* int8 weights: 32 values (one block) per step. */
+/* int8 weights: 4 * TW_VW values (TW_VW / 8 blocks) per step; lanes 8j..8j+7 hold block j. */
 INLINE void q8x8_block(const qctx *c, int64_t n, float *t, const int R, const int M) {
     const int64_t K = c->K, nb = K / X8_BLOCK;
     const int8_t *q = (const int8_t *)c->q + n * K;
     const int8_t *xq = c->xq8;
     const int32_t *corr = c->xcorr;
-    __m256 acc[4][MAX_M], off[4][MAX_M];
+    const tw_vi lane0 = TW_V(srli_epi32)(X8_LANE_IDS, 3);
+    tw_vf acc[4][MAX_M], off[4][MAX_M];
     for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) acc[r][m] = off[r][m] = _mm256_setzero_ps();
-    for (int64_t b0 = 0; b0 < nb; b0 += 8) {
-        X8_CHUNK256()
-        for (int j = 0; j < nbc; j++) {
-            const int64_t k = (b0 + j) * X8_BLOCK;
-            const __m256i lane = _mm256_set1_epi32(j);
-            __m256i w[4];
+        for (int m = 0; m < M; m++) acc[r][m] = off[r][m] = TW_V(setzero_ps)();
+    for (int64_t b0 = 0; b0 < nb; b0 += TW_VW) {
+        X8_CHUNK()
+        for (int j = 0; j < nbc / (TW_VW / 8); j++) {
+            const int64_t k = (b0 + (TW_VW / 8) * j) * X8_BLOCK;
+            const tw_vi lane = TW_V(add_epi32)(lane0, TW_V(set1_epi32)((TW_VW / 8) * j));
+            tw_vi w[4];
             for (int r = 0; r < R; r++) {
                 const int8_t *p = q + r * K + k;
                 if (!(k & 63)) PREFETCH(p);
-                w[r] = _mm256_loadu_si256((const __m256i *)p);
+                w[r] = TW_VI_LOAD(p);
 #if X8_VNNI
-                w[r] = _mm256_xor_si256(w[r], _mm256_set1_epi8((char)0x80));
+                w[r] = TW_VI_XOR(w[r], TW_V(set1_epi8)((char)0x80));
 #endif
             }
             for (int m = 0; m < M; m++) {
-                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * K + k));
+                tw_vi xv = TW_VI_LOAD(xq + m * K + k);
 #if X8_VNNI
-                __m256i c0 = _mm256_loadu_si256((const __m256i *)(corr + (m * K + k) / 4));
+                tw_vi c0 = TW_VI_LOAD(corr + (m * K + k) / 4);
 #endif
                 for (int r = 0; r < R; r++) {
 #if X8_VNNI
-                    __m256i d = dpbu8_256(c0, w[r], xv);
+                    tw_vi d = dpbu8(c0, w[r], xv);
 #else
-                    __m256i d = dpbu8_256(_mm256_setzero_si256(), _mm256_abs_epi8(w[r]),
-                                          _mm256_sign_epi8(xv, w[r]));
+                    tw_vi d = dot_signed(w[r], xv);
 #endif
-                    acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d),
-                                                _mm256_permutevar8x32_ps(sc[r][m], lane),
-                                                acc[r][m]);
+                    acc[r][m] = TW_V(fmadd_ps)(TW_V(cvtepi32_ps)(d), X8_PERMUTE(lane, sc[r][m]),
+                                               acc[r][m]);
                 }
             }
         }
     }
     for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) t[r * M + m] = hsum256(_mm256_add_ps(acc[r][m], off[r][m]));
+        for (int m = 0; m < M; m++) t[r * M + m] = TW_VSUM(TW_V(add_ps)(acc[r][m], off[r][m]));
 }
-#endif
-
 #endif
 
 #endif
