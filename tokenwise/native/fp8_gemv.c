@@ -66,8 +66,7 @@ INLINE void block_fp8(const fp8w *W, int64_t n, const float *x, float *t, const 
                       const int M) {
     const int64_t K = W->K;
     vf acc[4][MAX_M];
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) acc[r][m] = TW_V(setzero_ps)();
+    TW_FOR_RM(acc[r][m] = TW_V(setzero_ps)());
     const int64_t step = W->kind == 2 ? W->bk : K;
     /* fp8 rows are short (K bytes): prefetch the same place in the next row block, once per
      * cache line (on a 768-wide layer 1.5x the bandwidth of `PREFETCH`, 512 bytes ahead). */

@@ -24,35 +24,67 @@ int tw_gemv_isa(void) {
 #endif
 }
 
+/* s plus the dot product of weight row r (float32, or bf16 when `wbf16`) with row m of x over
+ * values [k0, K): the plain-C path, and the tail the AVX2 path leaves. */
+INLINE float dot_tail(float s, const void *wv, int wbf16, const float *x, int64_t K, int64_t k0,
+                      int r, int m) {
+    for (int64_t j = k0; j < K; j++) {
+        float wj = wbf16 ? bf16_to_f32(((const uint16_t *)wv)[r * K + j])
+                         : ((const float *)wv)[r * K + j];
+        s += wj * x[m * K + j];
+    }
+    return s;
+}
+
+#if defined(TW_AVX512) || defined(TW_AVX2)
+/* TW_VW values of a float32 or bf16 row from k: with AVX-512 the row's last step is a masked
+ * load; with AVX2 the vector loop stops before it and `dot_tail` adds the rest. */
 #if defined(TW_AVX512)
-/* float32 weights (or bf16 widened in registers when WBF16), float32 x. */
-INLINE void block512_f32(const void *wv, int wbf16, const float *x, int64_t K, float *t,
-                         const int R, const int M) {
-    __m512 acc[4][MAX_M];
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-        __mmask16 mask = K - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1);
-        __m512 w[4];
+#define STEP_MASK(k) const __mmask16 mask = K - (k) >= 16 ? 0xffff : (__mmask16)((1u << (K - (k))) - 1)
+#define LOAD_F32(p) _mm512_maskz_loadu_ps(mask, p)
+#define LOAD_BF16(p)                                                                       \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16))
+#define STEPS_END K
+#else
+#define STEP_MASK(k) (void)(k)
+#define LOAD_F32(p) _mm256_loadu_ps(p)
+#define LOAD_BF16(p)                                                                       \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define STEPS_END (K - 7)
+#endif
+
+/* float32 weights (or bf16 widened in registers when `wbf16`), float32 x. */
+INLINE void block_f32(const void *wv, int wbf16, const float *x, int64_t K, float *t,
+                      const int R, const int M) {
+    tw_vf acc[4][MAX_M];
+    TW_FOR_RM(acc[r][m] = TW_V(setzero_ps)());
+    int64_t k = 0;
+    for (; k < STEPS_END; k += TW_VW) {
+        STEP_MASK(k);
+        tw_vf w[4];
         for (int r = 0; r < R; r++) {
             if (wbf16) {
                 const uint16_t *p = (const uint16_t *)wv + r * K + k;
                 PREFETCH(p);
-                __m256i h = _mm256_maskz_loadu_epi16(mask, p);
-                w[r] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+                w[r] = LOAD_BF16(p);
             } else {
                 const float *p = (const float *)wv + r * K + k;
                 PREFETCH(p);
-                w[r] = _mm512_maskz_loadu_ps(mask, p);
+                w[r] = LOAD_F32(p);
             }
         }
         for (int m = 0; m < M; m++) {
-            __m512 xv = _mm512_maskz_loadu_ps(mask, x + m * K + k);
-            for (int r = 0; r < R; r++) acc[r][m] = _mm512_fmadd_ps(w[r], xv, acc[r][m]);
+            tw_vf xv = LOAD_F32(x + m * K + k);
+            for (int r = 0; r < R; r++) acc[r][m] = TW_V(fmadd_ps)(w[r], xv, acc[r][m]);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) t[r * M + m] = _mm512_reduce_add_ps(acc[r][m]);
+    TW_FOR_RM(t[r * M + m] = dot_tail(TW_VSUM(acc[r][m]), wv, wbf16, x, K, k, r, m));
+}
+#else
+/* Plain C, for CPUs without AVX2 (the caller does not use it there; kept for correctness). */
+static void block_f32(const void *wv, int wbf16, const float *x, int64_t K, float *t, int R,
+                      int M) {
+    TW_FOR_RM(t[r * M + m] = dot_tail(0.0f, wv, wbf16, x, K, 0, r, m));
 }
 #endif
 
@@ -61,8 +93,7 @@ INLINE void block512_f32(const void *wv, int wbf16, const float *x, int64_t K, f
 INLINE void block512_dpbf16(const uint16_t *w, const uint16_t *x, int64_t K, float *t,
                             const int R, const int M) {
     __m512 acc[4][MAX_M];
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
+    TW_FOR_RM(acc[r][m] = _mm512_setzero_ps());
     for (int64_t k = 0; k < K; k += 32) {
         __mmask32 mask = K - k >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (K - k)) - 1);
         __m512bh wr[4];
@@ -75,64 +106,7 @@ INLINE void block512_dpbf16(const uint16_t *w, const uint16_t *x, int64_t K, flo
             for (int r = 0; r < R; r++) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wr[r], xv);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) t[r * M + m] = _mm512_reduce_add_ps(acc[r][m]);
-}
-#endif
-
-#if defined(TW_AVX2)
-INLINE void block256_f32(const void *wv, int wbf16, const float *x, int64_t K, float *t,
-                         const int R, const int M) {
-    __m256 acc[4][MAX_M];
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k + 8 <= K; k += 8) {
-        __m256 w[4];
-        for (int r = 0; r < R; r++) {
-            if (wbf16) {
-                const uint16_t *p = (const uint16_t *)wv + r * K + k;
-                PREFETCH(p);
-                __m128i h = _mm_loadu_si128((const __m128i *)p);
-                w[r] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-            } else {
-                const float *p = (const float *)wv + r * K + k;
-                PREFETCH(p);
-                w[r] = _mm256_loadu_ps(p);
-            }
-        }
-        for (int m = 0; m < M; m++) {
-            __m256 xv = _mm256_loadu_ps(x + m * K + k);
-            for (int r = 0; r < R; r++) acc[r][m] = _mm256_fmadd_ps(w[r], xv, acc[r][m]);
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) {
-            float s = hsum256(acc[r][m]);
-            for (int64_t j = k; j < K; j++) {
-                float wj = wbf16 ? bf16_to_f32(((const uint16_t *)wv)[r * K + j])
-                                 : ((const float *)wv)[r * K + j];
-                s += wj * x[m * K + j];
-            }
-            t[r * M + m] = s;
-        }
-}
-#endif
-
-#if !defined(TW_AVX512) && !defined(TW_AVX2)
-/* Plain C, for CPUs without AVX2 (the caller does not use it there; kept for correctness). */
-static void block_scalar(const void *wv, int wbf16, const float *x, int64_t K, float *t, int R,
-                         int M) {
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) {
-            float s = 0.0f;
-            for (int64_t j = 0; j < K; j++) {
-                float wj = wbf16 ? bf16_to_f32(((const uint16_t *)wv)[r * K + j])
-                                 : ((const float *)wv)[r * K + j];
-                s += wj * x[m * K + j];
-            }
-            t[r * M + m] = s;
-        }
+    TW_FOR_RM(t[r * M + m] = _mm512_reduce_add_ps(acc[r][m]));
 }
 #endif
 
@@ -149,25 +123,11 @@ static void run_rows(const void *w, int wbf16, const float *xf, const uint16_t *
         return;
     }
 #endif
-#if defined(TW_AVX512)
     if (wbf16) {
-        SWITCH_M(block512_f32((const uint16_t *)w + n * K, 1, xf, K, t, R, M));
+        SWITCH_M(block_f32((const uint16_t *)w + n * K, 1, xf, K, t, R, M));
     } else {
-        SWITCH_M(block512_f32((const float *)w + n * K, 0, xf, K, t, R, M));
+        SWITCH_M(block_f32((const float *)w + n * K, 0, xf, K, t, R, M));
     }
-#elif defined(TW_AVX2)
-    if (wbf16) {
-        SWITCH_M(block256_f32((const uint16_t *)w + n * K, 1, xf, K, t, R, M));
-    } else {
-        SWITCH_M(block256_f32((const float *)w + n * K, 0, xf, K, t, R, M));
-    }
-#else
-    if (wbf16) {
-        SWITCH_M(block_scalar((const uint16_t *)w + n * K, 1, xf, K, t, R, M));
-    } else {
-        SWITCH_M(block_scalar((const float *)w + n * K, 0, xf, K, t, R, M));
-    }
-#endif
     (void)xh;
 }
 

@@ -48,6 +48,11 @@ INLINE int tw_vector_isa(void) {
 #define R_FOR(M) 1
 #endif
 
+/* The statement `...` for every (r, m) of a block: R weight rows by M rows of x. */
+#define TW_FOR_RM(...)                                                                     \
+    for (int r = 0; r < R; r++)                                                            \
+        for (int m = 0; m < M; m++) __VA_ARGS__
+
 /* Write the R x M dot products of weight rows n..n+R-1 (t[r * M + m]) into y, with bias. */
 INLINE void store(const float *t, int R, int M, int64_t n, int64_t N, const void *bias, void *y,
                   int bf16) {

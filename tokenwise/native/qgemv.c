@@ -21,130 +21,74 @@
 
 int tw_qgemv_isa(void) { return tw_vector_isa(); }
 
+#if defined(TW_AVX512) || defined(TW_AVX2)
+/* TW_VW int8 / uint8 values at p widened to int32 lanes. */
 #if defined(TW_AVX512)
-INLINE void qblock512(const qctx *c, int64_t n, float *t, const int R, const int M) {
-    const uint8_t *q = c->q + n * (c->bits == 8 ? c->K : c->K / 2);
-    const void *sc = c->sc, *of = c->of;
-    const int bits = c->bits, sf32 = c->sf32;
-    const float *x = c->xf;
-    const int64_t K = c->K, G = c->G;
-    __m512 acc[4][MAX_M];
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
-    const int64_t ng = K / G, row_bytes = bits == 8 ? K : K / 2;
-    const __m512i low4 = _mm512_set1_epi32(15);
-    for (int64_t g = 0; g < ng; g++) {
-        __m512 s[4], o[4];
-        for (int r = 0; r < R; r++) {
-            float sv, ov;
-            group_params(sc, of, n + r, ng, g, bits, sf32, &sv, &ov);
-            s[r] = _mm512_set1_ps(sv);
-            o[r] = _mm512_set1_ps(ov);
-        }
-        if (bits == 8) {
-            for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
-                __m512 w[4];
-                for (int r = 0; r < R; r++) {
-                    const uint8_t *p = q + r * row_bytes + k;
-                    if (!(k & 63)) PREFETCH(p);
-                    __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
-                    w[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), s[r], o[r]);
-                }
-                for (int m = 0; m < M; m++) {
-                    __m512 xv = _mm512_loadu_ps(x + m * K + k);
-                    for (int r = 0; r < R; r++) acc[r][m] = _mm512_fmadd_ps(w[r], xv, acc[r][m]);
-                }
-            }
-        } else {
-            for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
-                __m512 lo[4], hi[4];
-                for (int r = 0; r < R; r++) {
-                    const uint8_t *p = q + r * row_bytes + k / 2;
-                    if (!(k & 127)) PREFETCH(p);
-                    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-                    __m512 l = _mm512_cvtepi32_ps(_mm512_and_si512(v, low4));
-                    __m512 h = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-                    lo[r] = _mm512_fmadd_ps(l, s[r], o[r]);
-                    hi[r] = _mm512_fmadd_ps(h, s[r], o[r]);
-                }
-                for (int m = 0; m < M; m++) {
-                    __m512 xl = _mm512_loadu_ps(x + m * K + k);
-                    __m512 xh = _mm512_loadu_ps(x + m * K + k + 16);
-                    for (int r = 0; r < R; r++) {
-                        acc[r][m] = _mm512_fmadd_ps(lo[r], xl, acc[r][m]);
-                        acc[r][m] = _mm512_fmadd_ps(hi[r], xh, acc[r][m]);
-                    }
-                }
-            }
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) t[r * M + m] = _mm512_reduce_add_ps(acc[r][m]);
-}
+#define LOAD_I8(p) _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define LOAD_U8(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#else
+#define LOAD_I8(p) _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define LOAD_U8(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
 #endif
 
-#if defined(TW_AVX2)
-INLINE void qblock256(const qctx *c, int64_t n, float *t, const int R, const int M) {
+/* float32 x: each weight widened to float32 in registers (w = q * s + o), TW_VW at a time. */
+INLINE void qblock(const qctx *c, int64_t n, float *t, const int R, const int M) {
     const uint8_t *q = c->q + n * (c->bits == 8 ? c->K : c->K / 2);
     const void *sc = c->sc, *of = c->of;
     const int bits = c->bits, sf32 = c->sf32;
     const float *x = c->xf;
     const int64_t K = c->K, G = c->G;
-    __m256 acc[4][MAX_M];
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps();
+    tw_vf acc[4][MAX_M];
+    TW_FOR_RM(acc[r][m] = TW_V(setzero_ps)());
     const int64_t ng = K / G, row_bytes = bits == 8 ? K : K / 2;
-    const __m256i low4 = _mm256_set1_epi32(15);
+    const tw_vi low4 = TW_V(set1_epi32)(15);
     for (int64_t g = 0; g < ng; g++) {
-        __m256 s[4], o[4];
+        tw_vf s[4], o[4];
         for (int r = 0; r < R; r++) {
             float sv, ov;
             group_params(sc, of, n + r, ng, g, bits, sf32, &sv, &ov);
-            s[r] = _mm256_set1_ps(sv);
-            o[r] = _mm256_set1_ps(ov);
+            s[r] = TW_V(set1_ps)(sv);
+            o[r] = TW_V(set1_ps)(ov);
         }
         if (bits == 8) {
-            for (int64_t k = g * G; k < (g + 1) * G; k += 8) {
-                __m256 w[4];
+            for (int64_t k = g * G; k < (g + 1) * G; k += TW_VW) {
+                tw_vf w[4];
                 for (int r = 0; r < R; r++) {
                     const uint8_t *p = q + r * row_bytes + k;
                     if (!(k & 63)) PREFETCH(p);
-                    __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
-                    w[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), s[r], o[r]);
+                    w[r] = TW_V(fmadd_ps)(TW_V(cvtepi32_ps)(LOAD_I8(p)), s[r], o[r]);
                 }
                 for (int m = 0; m < M; m++) {
-                    __m256 xv = _mm256_loadu_ps(x + m * K + k);
-                    for (int r = 0; r < R; r++) acc[r][m] = _mm256_fmadd_ps(w[r], xv, acc[r][m]);
+                    tw_vf xv = TW_V(loadu_ps)(x + m * K + k);
+                    for (int r = 0; r < R; r++) acc[r][m] = TW_V(fmadd_ps)(w[r], xv, acc[r][m]);
                 }
             }
-        } else {
-            /* 32 values in two halves: bytes 8h..8h+7 hold values 8h.. (low) and 16+8h.. (high). */
-            for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
-                for (int half = 0; half < 2; half++) {
-                    __m256 lo[4], hi[4];
+            continue;
+        }
+        /* int4: 32 values (16 bytes) a step, in parts of TW_VW bytes: byte j of a part holds
+         * value j of it (low nibble) and value 16 + j (high). */
+        for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
+            for (int part = 0; part < 16 / TW_VW; part++) {
+                tw_vf lo[4], hi[4];
+                for (int r = 0; r < R; r++) {
+                    const uint8_t *p = q + r * row_bytes + k / 2 + TW_VW * part;
+                    if (!(k & 127) && !part) PREFETCH(p);
+                    const tw_vi v = LOAD_U8(p);
+                    lo[r] = TW_V(fmadd_ps)(TW_V(cvtepi32_ps)(TW_VI_AND(v, low4)), s[r], o[r]);
+                    hi[r] = TW_V(fmadd_ps)(TW_V(cvtepi32_ps)(TW_V(srli_epi32)(v, 4)), s[r], o[r]);
+                }
+                for (int m = 0; m < M; m++) {
+                    tw_vf xl = TW_V(loadu_ps)(x + m * K + k + TW_VW * part);
+                    tw_vf xh = TW_V(loadu_ps)(x + m * K + k + 16 + TW_VW * part);
                     for (int r = 0; r < R; r++) {
-                        const uint8_t *p = q + r * row_bytes + k / 2 + 8 * half;
-                        if (!(k & 127) && !half) PREFETCH(p);
-                        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-                        __m256 l = _mm256_cvtepi32_ps(_mm256_and_si256(v, low4));
-                        __m256 h = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-                        lo[r] = _mm256_fmadd_ps(l, s[r], o[r]);
-                        hi[r] = _mm256_fmadd_ps(h, s[r], o[r]);
-                    }
-                    for (int m = 0; m < M; m++) {
-                        __m256 xl = _mm256_loadu_ps(x + m * K + k + 8 * half);
-                        __m256 xh = _mm256_loadu_ps(x + m * K + k + 16 + 8 * half);
-                        for (int r = 0; r < R; r++) {
-                            acc[r][m] = _mm256_fmadd_ps(lo[r], xl, acc[r][m]);
-                            acc[r][m] = _mm256_fmadd_ps(hi[r], xh, acc[r][m]);
-                        }
+                        acc[r][m] = TW_V(fmadd_ps)(lo[r], xl, acc[r][m]);
+                        acc[r][m] = TW_V(fmadd_ps)(hi[r], xh, acc[r][m]);
                     }
                 }
             }
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) t[r * M + m] = hsum256(acc[r][m]);
+    TW_FOR_RM(t[r * M + m] = TW_VSUM(acc[r][m]));
 }
 #endif
 
@@ -173,13 +117,11 @@ static void qblock_scalar(const qctx *c, int64_t n, float *t, int R, int M) {
     TW_SWITCH_M(Mr, BLOCK(c, n, t, R, M), R_FOR_M, c->N, c->bias, c->y, c->ybf16)
 
 #if defined(TW_AVX512)
-#define QBLOCK qblock512
 #define QR_FOR(M) ((M) <= 2 ? 4 : 2)
 #elif defined(TW_AVX2)
-#define QBLOCK qblock256
 #define QR_FOR(M) ((M) <= 1 ? 4 : (M) <= 2 ? 2 : 1)
 #else
-#define QBLOCK qblock_scalar
+#define qblock qblock_scalar
 #define QR_FOR(M) 1
 #endif
 /* The integer path keeps R * M int32 and R * M float accumulators live. */
@@ -207,7 +149,7 @@ static void run_rows(const qctx *c, int64_t n0, int64_t n1, int Mr) {
         return;
     }
 #endif
-    SWITCH_M(QBLOCK, QR_FOR)
+    SWITCH_M(qblock, QR_FOR)
 }
 
 static int check_shape(int64_t N, int64_t K, int bits, int64_t G) {

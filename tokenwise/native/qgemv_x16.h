@@ -74,6 +74,30 @@ INLINE float x16_sum256(__m256 acc, __m256 off) { return hsum256(_mm256_add_ps(a
         }                                                                                  \
     }
 
+/* One step of int4 weights in W-bit registers (W / 8 values: W / 16 bytes of each row): the
+ * nibbles widened to int16 (`lo`: values 0..15 of each 32-value block, `hi`: 16..31), times x
+ * (in that order: `x4_order` for 512 bits) into `gi`. */
+#define X16_LOAD_U4_256(p) _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p)))
+#define X16_LOAD_X_256(p) _mm256_loadu_si256((const __m256i *)(p))
+#define X16_LOAD_U4_512(p) _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(p)))
+#define X16_LOAD_X_512(p) _mm512_loadu_si512((const void *)(p))
+#define X16_Q4_STEP(W)                                                                     \
+    for (int r = 0; r < R; r++) {                                                          \
+        const uint8_t *p = q + r * rb + k / 2;                                             \
+        if (!(k & 127)) PREFETCH(p);                                                       \
+        const __m##W##i v = X16_LOAD_U4_##W(p);                                            \
+        lo[r] = _mm##W##_and_si##W(v, low4);                                               \
+        hi[r] = _mm##W##_srli_epi16(v, 4);                                                 \
+    }                                                                                      \
+    for (int m = 0; m < M; m++) {                                                          \
+        const __m##W##i xl = X16_LOAD_X_##W(c->xq + m * K + k);                            \
+        const __m##W##i xh = X16_LOAD_X_##W(c->xq + m * K + k + W / 16);                  \
+        for (int r = 0; r < R; r++) {                                                      \
+            gi[r][m] = dp16_##W(gi[r][m], lo[r], xl);                                      \
+            gi[r][m] = dp16_##W(gi[r][m], hi[r], xh);                                      \
+        }                                                                                  \
+    }
+
 /* int4 weights, 32 values (16 bytes) at a time in 256-bit registers: low nibbles are values
  * 0..15 of the block, high nibbles 16..31. */
 INLINE void q4x16_block256(const qctx *c, int64_t n, float *t, const int R, const int M) {
@@ -81,32 +105,16 @@ INLINE void q4x16_block256(const qctx *c, int64_t n, float *t, const int R, cons
     const uint8_t *q = c->q + n * rb;
     const __m256i low4 = _mm256_set1_epi16(15);
     __m256 acc[4][MAX_M], off[4][MAX_M];
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) acc[r][m] = off[r][m] = _mm256_setzero_ps();
+    TW_FOR_RM(acc[r][m] = off[r][m] = _mm256_setzero_ps());
     for (int64_t g0 = 0; g0 < ng; g0 += 8) {
         X16_CHUNK_BEGIN()
         for (int j = 0; j < valid; j++) {
             const int64_t g = g0 + j;
             __m256i gi[4][MAX_M];
-            for (int r = 0; r < R; r++)
-                for (int m = 0; m < M; m++) gi[r][m] = _mm256_setzero_si256();
+            TW_FOR_RM(gi[r][m] = _mm256_setzero_si256());
             for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
                 __m256i lo[4], hi[4];
-                for (int r = 0; r < R; r++) {
-                    const uint8_t *p = q + r * rb + k / 2;
-                    if (!(k & 127)) PREFETCH(p);
-                    __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
-                    lo[r] = _mm256_and_si256(v, low4);
-                    hi[r] = _mm256_srli_epi16(v, 4);
-                }
-                for (int m = 0; m < M; m++) {
-                    __m256i xl = _mm256_loadu_si256((const __m256i *)(c->xq + m * K + k));
-                    __m256i xh = _mm256_loadu_si256((const __m256i *)(c->xq + m * K + k + 16));
-                    for (int r = 0; r < R; r++) {
-                        gi[r][m] = dp16_256(gi[r][m], lo[r], xl);
-                        gi[r][m] = dp16_256(gi[r][m], hi[r], xh);
-                    }
-                }
+                X16_Q4_STEP(256)
             }
             for (int r = 0; r < R; r++)
                 for (int m = 0; m < M; m++)
@@ -114,8 +122,7 @@ INLINE void q4x16_block256(const qctx *c, int64_t n, float *t, const int R, cons
                                                 _mm256_set1_ps(pbuf[r][m][j]), acc[r][m]);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) t[r * M + m] = x16_sum256(acc[r][m], off[r][m]);
+    TW_FOR_RM(t[r * M + m] = x16_sum256(acc[r][m], off[r][m]));
 }
 
 #if defined(TW_AVX512)
@@ -153,30 +160,14 @@ INLINE void q4x16_block512(const qctx *c, int64_t n, float *t, const int R, cons
     const __m512i low4 = _mm512_set1_epi16(15);
     __m512 acc[4][MAX_M];
     __m256 off[4][MAX_M];
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps(), off[r][m] = _mm256_setzero_ps();
+    TW_FOR_RM(acc[r][m] = _mm512_setzero_ps(), off[r][m] = _mm256_setzero_ps());
     for (int64_t g0 = 0; g0 < ng; g0 += 8) {
         X16_CHUNK_BEGIN()
         __m512i gi[4][MAX_M];
-        for (int r = 0; r < R; r++)
-            for (int m = 0; m < M; m++) gi[r][m] = _mm512_setzero_si512();
+        TW_FOR_RM(gi[r][m] = _mm512_setzero_si512());
         for (int64_t k = g0 * G; k < (g0 + valid) * G; k += 64) {
             __m512i lo[4], hi[4];
-            for (int r = 0; r < R; r++) {
-                const uint8_t *p = q + r * rb + k / 2;
-                if (!(k & 127)) PREFETCH(p);
-                __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
-                lo[r] = _mm512_and_si512(v, low4);
-                hi[r] = _mm512_srli_epi16(v, 4);
-            }
-            for (int m = 0; m < M; m++) {
-                __m512i xl = _mm512_loadu_si512((const void *)(c->xq + m * K + k));
-                __m512i xh = _mm512_loadu_si512((const void *)(c->xq + m * K + k + 32));
-                for (int r = 0; r < R; r++) {
-                    gi[r][m] = dp16_512(gi[r][m], lo[r], xl);
-                    gi[r][m] = dp16_512(gi[r][m], hi[r], xh);
-                }
-            }
+            X16_Q4_STEP(512)
             if (G == 32 || (k + 64) % G == 0) {
                 const int a = (int)(k / G - g0), b = (int)((k + 32) / G - g0);
                 const __m512i lane =
@@ -190,8 +181,7 @@ INLINE void q4x16_block512(const qctx *c, int64_t n, float *t, const int R, cons
             }
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) t[r * M + m] = x16_sum512(acc[r][m], off[r][m]);
+    TW_FOR_RM(t[r * M + m] = x16_sum512(acc[r][m], off[r][m]));
 }
 
 #endif
@@ -213,15 +203,13 @@ INLINE void q8x16_block(const qctx *c, int64_t n, float *t, const int R, const i
     const int8_t *q = (const int8_t *)c->q + n * K;
     tw_vf acc[4][MAX_M];
     __m256 off[4][MAX_M];
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) acc[r][m] = TW_V(setzero_ps)(), off[r][m] = _mm256_setzero_ps();
+    TW_FOR_RM(acc[r][m] = TW_V(setzero_ps)(), off[r][m] = _mm256_setzero_ps());
     for (int64_t g0 = 0; g0 < ng; g0 += 8) {
         X16_CHUNK_BEGIN()
         for (int j = 0; j < valid; j++) {
             const int64_t g = g0 + j;
             tw_vi gi[4][MAX_M];
-            for (int r = 0; r < R; r++)
-                for (int m = 0; m < M; m++) gi[r][m] = TW_VI_ZERO();
+            TW_FOR_RM(gi[r][m] = TW_VI_ZERO());
             for (int64_t k = g * G; k < (g + 1) * G; k += 2 * TW_VW) {
                 tw_vi w[4];
                 for (int r = 0; r < R; r++) {
@@ -242,8 +230,7 @@ INLINE void q8x16_block(const qctx *c, int64_t n, float *t, const int R, const i
                                                TW_V(set1_ps)(pbuf[r][m][j]), acc[r][m]);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) t[r * M + m] = X16_SUM(acc[r][m], off[r][m]);
+    TW_FOR_RM(t[r * M + m] = X16_SUM(acc[r][m], off[r][m]));
 }
 
 #endif

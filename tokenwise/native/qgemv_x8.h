@@ -160,16 +160,21 @@ static void x8_setup(qctx *c) {
     c->x8_tshift = (t & (t - 1)) == 0 ? __builtin_ctzll((unsigned long long)t) : -1;
 }
 
-/* What differs between the 512- and 256-bit paths; the block functions below serve both. */
-#if defined(TW_AVX512)
-INLINE __m512i dpbu8(__m512i acc, __m512i u, __m512i s) {
-#if X8_VNNI
+/* acc + the sums of four unsigned-by-signed byte products per int32 lane. */
+INLINE tw_vi dpbu8(tw_vi acc, tw_vi u, tw_vi s) {
+#if X8_VNNI && defined(TW_AVX512)
     return _mm512_dpbusd_epi32(acc, u, s);
+#elif X8_VNNI && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#elif X8_VNNI
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
 #else
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s),
-                                                   _mm512_set1_epi16(1)));
+    return TW_V(add_epi32)(acc, TW_V(madd_epi16)(TW_V(maddubs_epi16)(u, s), TW_V(set1_epi16)(1)));
 #endif
 }
+
+/* What differs between the 512- and 256-bit paths; the block functions below serve both. */
+#if defined(TW_AVX512)
 
 /* sum(w * x) per 4 bytes for signed w without VNNI: |w| times x with w's sign. */
 INLINE __m512i dot_signed(__m512i w, __m512i xv) {
@@ -189,17 +194,6 @@ INLINE __m512 x8_loadv(const void *p, int64_t i, int count, int f32) {
 #define X8_LANE_IDS _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)
 #define X8_PERMUTE(idx, v) _mm512_permutexvar_ps(idx, v)
 #else /* AVX2 */
-INLINE __m256i dpbu8(__m256i acc, __m256i u, __m256i s) {
-#if X8_VNNI && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(acc, u, s);
-#elif X8_VNNI
-    return _mm256_dpbusd_avx_epi32(acc, u, s);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
-                                                   _mm256_set1_epi16(1)));
-#endif
-}
-
 INLINE __m256i dot_signed(__m256i w, __m256i xv) {
     return dpbu8(_mm256_setzero_si256(), _mm256_abs_epi8(w), _mm256_sign_epi8(xv, w));
 }
@@ -253,8 +247,7 @@ INLINE void q4x8_block(const qctx *c, int64_t n, float *t, const int R, const in
     const tw_vi low4 = TW_V(set1_epi8)(15);
     const tw_vi lane0 = TW_V(srli_epi32)(X8_LANE_IDS, 2);
     tw_vf acc[4][MAX_M], off[4][MAX_M];
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) acc[r][m] = off[r][m] = TW_V(setzero_ps)();
+    TW_FOR_RM(acc[r][m] = off[r][m] = TW_V(setzero_ps)());
     for (int64_t b0 = 0; b0 < nb; b0 += TW_VW) {
         X8_CHUNK()
         for (int j = 0; j < nbc / (TW_VW / 4); j++) {
@@ -280,8 +273,7 @@ INLINE void q4x8_block(const qctx *c, int64_t n, float *t, const int R, const in
             }
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) t[r * M + m] = TW_VSUM(TW_V(add_ps)(acc[r][m], off[r][m]));
+    TW_FOR_RM(t[r * M + m] = TW_VSUM(TW_V(add_ps)(acc[r][m], off[r][m])));
 }
 
 /* int8 weights: 4 * TW_VW values (TW_VW / 8 blocks) per step; lanes 8j..8j+7 hold block j. */
@@ -292,8 +284,7 @@ INLINE void q8x8_block(const qctx *c, int64_t n, float *t, const int R, const in
     const int32_t *corr = c->xcorr;
     const tw_vi lane0 = TW_V(srli_epi32)(X8_LANE_IDS, 3);
     tw_vf acc[4][MAX_M], off[4][MAX_M];
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) acc[r][m] = off[r][m] = TW_V(setzero_ps)();
+    TW_FOR_RM(acc[r][m] = off[r][m] = TW_V(setzero_ps)());
     for (int64_t b0 = 0; b0 < nb; b0 += TW_VW) {
         X8_CHUNK()
         for (int j = 0; j < nbc / (TW_VW / 8); j++) {
@@ -325,8 +316,7 @@ INLINE void q8x8_block(const qctx *c, int64_t n, float *t, const int R, const in
             }
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) t[r * M + m] = TW_VSUM(TW_V(add_ps)(acc[r][m], off[r][m]));
+    TW_FOR_RM(t[r * M + m] = TW_VSUM(TW_V(add_ps)(acc[r][m], off[r][m])));
 }
 #endif
 
