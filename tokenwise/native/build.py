@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -127,6 +128,31 @@ def _warn_no_compiler() -> None:
         "Install gcc, or set CC to a C compiler, to use them.",
         os.environ.get("CC", "cc"),
     )
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One C file of this folder, and what to tell the user when it cannot be built: `what`
+    names it, `fallback` says what its callers do without it."""
+
+    file: str
+    what: str
+    fallback: str
+
+    @property
+    def source(self) -> Path:
+        return NATIVE_DIR / self.file
+
+    def load(self, flags: list[str], opener: Callable[[Path], ctypes.CDLL]) -> ctypes.CDLL | None:
+        """`load` of this kernel, cached as `<file stem>_<key>.so`."""
+        return load(
+            self.source,
+            self.source.stem,
+            flags,
+            what=self.what,
+            fallback=self.fallback,
+            opener=opener,
+        )
 
 
 def load(

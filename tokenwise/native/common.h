@@ -171,7 +171,8 @@ INLINE float pow2i(int n) {
 
 /* exp(x) within a few float ulps: n = x / ln2 rounded (half away from zero), r = x - n ln2,
  * exp(x) = 2^n p(r). Tiny below -87, infinite above 88.72 (as expf overflows): 2^n is applied
- * in two halves so that n = 128 overflows the product, not the exponent field. Plain
+ * in two halves so that n = 128 overflows the product, not the exponent field (built with
+ * -fassociative-math, as paged_decode.c is, the halves may be merged: there x <= 0). Plain
  * arithmetic, so a loop over it vectorises (libm's expf is one call per value). */
 INLINE float tw_exp(float x) {
     x = x < -87.0f ? -87.0f : (x > 89.0f ? 89.0f : x);

@@ -27,7 +27,10 @@ from tokenwise.native import build, trace
 
 logger = logging.getLogger(__name__)
 
-SOURCE = build.source("fp8_gemv.c")
+KERNEL = build.Kernel(
+    "fp8_gemv.c", what="the fp8 CPU linear kernel", fallback="fp8 layers dequantize with torch ops"
+)
+SOURCE = KERNEL.source
 MAX_ROWS = 8
 ISA_NAMES = {0: "plain C", 1: "AVX2 + F16C", 2: "AVX-512"}
 KINDS = {"tensor": 0, "channel": 1, "block": 2}
@@ -44,14 +47,7 @@ def load() -> ctypes.CDLL | None:
     if not build.torch_uses_libgomp():
         logger.info("fp8 CPU linear kernel not used: torch's OpenMP runtime is not libgomp")
         return None
-    lib = build.load(
-        SOURCE,
-        "fp8",
-        build.OPENMP_FLAGS,
-        what="the fp8 CPU linear kernel",
-        fallback="fp8 layers dequantize with torch ops",
-        opener=open_library,
-    )
+    lib = KERNEL.load(build.OPENMP_FLAGS, open_library)
     if lib is None:
         return None
     if lib.tw_fp8_isa() == 0:
@@ -104,11 +100,7 @@ def gemv(
     status = trace.call(
         lib,
         "tw_fp8_gemv",
-        x2.data_ptr(),
-        weight.data_ptr(),
-        scale.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        out.data_ptr(),
+        *trace.ptrs(x2, weight, scale, bias, out),
         rows,
         n,
         k,

@@ -30,7 +30,10 @@ import torch
 
 from tokenwise.native import build, trace
 
-SOURCE = build.source("fused.c")
+KERNEL = build.Kernel(
+    "fused.c", what="the RMSNorm/RoPE/activation kernels", fallback="layers keep their torch ops"
+)
+SOURCE = KERNEL.source
 FLAGS = [*build.BASE_FLAGS, "-ffp-contract=off"]
 DTYPES = (torch.float32, torch.bfloat16)
 # Tokens per call at most: decode steps (one row per running sequence), not prefill chunks.
@@ -53,14 +56,7 @@ def load() -> ctypes.CDLL | None:
     """The compiled library, or None where it is switched off or cannot be built."""
     if not enabled():
         return None
-    return build.load(
-        SOURCE,
-        "fused",
-        FLAGS,
-        what="the CPU RMSNorm/RoPE/activation kernels",
-        fallback="those layers keep their torch ops",
-        opener=open_library,
-    )
+    return KERNEL.load(FLAGS, open_library)
 
 
 def open_library(path: Path) -> ctypes.CDLL:

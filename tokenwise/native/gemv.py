@@ -38,7 +38,10 @@ from tokenwise.native import build, trace
 
 logger = logging.getLogger(__name__)
 
-SOURCE = build.source("gemv.c")
+KERNEL = build.Kernel(
+    "gemv.c", what="the small-M CPU linear kernel", fallback="linear layers keep oneDNN/F.linear"
+)
+SOURCE = KERNEL.source
 # The kernel takes up to 8 rows; the engine sends it calls of up to this many rows per dtype,
 # where it was as fast as or faster than the prepacked path in benchmarks/linear_bandwidth.py
 # (2 threads, AVX-512 + AVX512_BF16 + AMX): float32 1.0-1.25x at 1 to 8 rows (the LM head at
@@ -72,14 +75,7 @@ def load() -> ctypes.CDLL | None:
     if not build.torch_uses_libgomp():
         logger.info("small-M CPU linear kernel not used: torch's OpenMP runtime is not libgomp")
         return None
-    lib = build.load(
-        SOURCE,
-        "gemv",
-        _flags(),
-        what="the small-M CPU linear kernel",
-        fallback="linear layers keep the oneDNN/F.linear path",
-        opener=open_library,
-    )
+    lib = KERNEL.load(_flags(), open_library)
     if lib is None:
         return None
     isa = lib.tw_gemv_isa()
@@ -132,10 +128,7 @@ def linear(
     status = trace.call(
         lib,
         "tw_gemv",
-        x2.data_ptr(),
-        weight.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        out.data_ptr(),
+        *trace.ptrs(x2, weight, bias, out),
         rows,
         n,
         k,

@@ -15,20 +15,16 @@ import numpy as np
 
 from tokenwise.native import build
 
-SOURCE = build.source("graph.c")
+KERNEL = build.Kernel(
+    "graph.c", what="the CPU graph replay loop", fallback="decode steps run eagerly"
+)
+SOURCE = KERNEL.source
 
 
 @cache
 def load() -> ctypes.CDLL | None:
     """The replay loop, or None where no compiler is found or the build fails."""
-    return build.load(
-        SOURCE,
-        "graph",
-        build.BASE_FLAGS,
-        what="the CPU graph replay loop",
-        fallback="decode steps run eagerly",
-        opener=open_library,
-    )
+    return KERNEL.load(build.BASE_FLAGS, open_library)
 
 
 def open_library(path: Path) -> ctypes.CDLL:

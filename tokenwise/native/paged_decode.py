@@ -29,7 +29,10 @@ import torch
 
 from tokenwise.native import build, trace
 
-SOURCE = build.source("paged_decode.c")
+KERNEL = build.Kernel(
+    "paged_decode.c", what="the decode-attention kernel", fallback="attention runs its torch code"
+)
+SOURCE = KERNEL.source
 CFLAGS = ["-O3", "-march=native", *build.FAST_MATH, "-fopenmp-simd", "-shared", "-fPIC"]
 _torch_uses_libgomp = build.torch_uses_libgomp
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -68,14 +71,7 @@ def load() -> ctypes.CDLL | None:
     """The compiled kernel library, or None when it cannot be used on this machine."""
     if os.environ.get("TOKENWISE_CPU_KERNELS", "1") == "0":
         return None
-    return build.load(
-        SOURCE,
-        "paged_decode",
-        _flags(),
-        what="the CPU decode-attention kernel",
-        fallback="decode attention runs its PyTorch code",
-        opener=open_library,
-    )
+    return KERNEL.load(_flags(), open_library)
 
 
 def open_library(path: Path) -> ctypes.CDLL:

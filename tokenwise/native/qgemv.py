@@ -26,7 +26,10 @@ from tokenwise.native import build, trace
 
 logger = logging.getLogger(__name__)
 
-SOURCE = build.source("qgemv.c")
+KERNEL = build.Kernel(
+    "qgemv.c", what="the quantized CPU linear kernel", fallback="layers dequantize with torch ops"
+)
+SOURCE = KERNEL.source
 MAX_ROWS = 8
 ISA_NAMES = {0: "plain C", 1: "AVX2", 2: "AVX-512"}
 ACTIVATIONS_ENV = "TOKENWISE_CPU_QUANT_ACTIVATIONS"
@@ -44,14 +47,7 @@ def load() -> ctypes.CDLL | None:
     if not build.torch_uses_libgomp():
         logger.info("quantized CPU linear kernel not used: torch's OpenMP runtime is not libgomp")
         return None
-    lib = build.load(
-        SOURCE,
-        "qgemv",
-        flags(),
-        what="the quantized CPU linear kernel",
-        fallback="quantized layers dequantize with torch ops",
-        opener=open_library,
-    )
+    lib = KERNEL.load(flags(), open_library)
     if lib is None:
         return None
     logger.info("quantized CPU linear kernel built for %s", ISA_NAMES.get(lib.tw_qgemv_isa()))
@@ -90,10 +86,6 @@ def activation_bits() -> int:
     return ACTIVATION_BITS[name]
 
 
-def _ptr(tensor: torch.Tensor | None) -> int | None:
-    return None if tensor is None else tensor.data_ptr()
-
-
 def qgemv(
     lib: ctypes.CDLL,
     x: torch.Tensor,
@@ -121,12 +113,7 @@ def qgemv(
     status = trace.call(
         lib,
         "tw_qgemv",
-        x.data_ptr(),
-        qweight.data_ptr(),
-        scales.data_ptr(),
-        _ptr(offsets),
-        _ptr(bias),
-        out.data_ptr(),
+        *trace.ptrs(x, qweight, scales, offsets, bias, out),
         rows,
         out_features,
         k,
@@ -158,10 +145,7 @@ def dequantize(
     """The dense `[N, K]` weight in `dtype` (float32 or bfloat16)."""
     out = torch.empty(shape, dtype=dtype)
     status = lib.tw_qdequant(
-        qweight.data_ptr(),
-        scales.data_ptr(),
-        _ptr(offsets),
-        out.data_ptr(),
+        *trace.ptrs(qweight, scales, offsets, out),
         shape[0],
         shape[1],
         bits,
@@ -195,10 +179,7 @@ def rows(
     status = trace.call(
         lib,
         "tw_qrows",
-        qweight.data_ptr(),
-        scales.data_ptr(),
-        _ptr(offsets),
-        flat.data_ptr(),
+        *trace.ptrs(qweight, scales, offsets, flat),
         flat.numel(),
         out.data_ptr(),
         k,
