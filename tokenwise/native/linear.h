@@ -140,7 +140,7 @@ INLINE void tw_thread_rows(int64_t N, int64_t align, int64_t *n0, int64_t *n1) {
 #define TW_PARALLEL_ROWS(N, ALIGN, RUN)                                                    \
     do {                                                                                   \
         const int64_t n0 = 0, n1 = (N);                                                    \
-        (void)num_threads;                                                                 \
+        (void)num_threads, (void)(ALIGN);                                                  \
         RUN;                                                                               \
     } while (0)
 #endif
