@@ -258,7 +258,7 @@ def test_kernel_without_f16c_widens_fp8_the_same() -> None:
     compiler = native_build.find_compiler()
     flags = [*cpu_paged_decode._flags(), "-mno-f16c"]
     lib = ctypes.CDLL(
-        str(native_build.build(compiler, cpu_paged_decode.SOURCE, "pd_nof16c", flags))
+        str(native_build.build(compiler, cpu_paged_decode.KERNEL.source, "pd_nof16c", flags))
     )
     lib.paged_decode.restype = ctypes.c_int
     lib.paged_decode.argtypes = cpu_paged_decode.load().paged_decode.argtypes

@@ -41,7 +41,7 @@ def any_lib(request, lib):
         return lib
     flags = [*cpu_gemv._flags(), *VARIANTS[request.param]]
     variant = cpu_gemv.open_library(
-        native_build.build(native_build.find_compiler(), cpu_gemv.SOURCE, "gemv", flags)
+        native_build.build(native_build.find_compiler(), cpu_gemv.KERNEL.source, "gemv", flags)
     )
     if variant.tw_gemv_isa() != EXPECTED_ISA[request.param]:
         pytest.skip(f"this CPU has no {request.param} path")

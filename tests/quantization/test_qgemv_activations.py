@@ -41,7 +41,7 @@ def lib(request, native):
     if request.param == "native":
         return native
     flags = [*cpu_qgemv.flags(), *VARIANTS[request.param]]
-    path = native_build.build(native_build.find_compiler(), cpu_qgemv.SOURCE, "qgemv", flags)
+    path = native_build.build(native_build.find_compiler(), cpu_qgemv.KERNEL.source, "qgemv", flags)
     variant = cpu_qgemv.open_library(path)
     if variant.tw_qgemv_isa() != EXPECTED_ISA[request.param]:
         pytest.skip(f"this CPU has no {request.param} path")

@@ -138,6 +138,8 @@ class Kernel:
     file: str
     what: str
     fallback: str
+    # Used only where torch's OpenMP runtime is libgomp, whose threads it then shares.
+    needs_libgomp: bool = False
 
     @property
     def source(self) -> Path:
@@ -145,6 +147,9 @@ class Kernel:
 
     def load(self, flags: list[str], opener: Callable[[Path], ctypes.CDLL]) -> ctypes.CDLL | None:
         """`load` of this kernel, cached as `<file stem>_<key>.so`."""
+        if self.needs_libgomp and not torch_uses_libgomp():
+            logger.info("%s not used: torch's OpenMP runtime is not libgomp", self.what)
+            return None
         return load(
             self.source,
             self.source.stem,

@@ -28,9 +28,11 @@ from tokenwise.native import build, trace
 logger = logging.getLogger(__name__)
 
 KERNEL = build.Kernel(
-    "fp8_gemv.c", what="the fp8 CPU linear kernel", fallback="fp8 layers dequantize with torch ops"
+    "fp8_gemv.c",
+    what="the fp8 CPU linear kernel",
+    fallback="fp8 layers dequantize with torch ops",
+    needs_libgomp=True,
 )
-SOURCE = KERNEL.source
 MAX_ROWS = 8
 ISA_NAMES = {0: "plain C", 1: "AVX2 + F16C", 2: "AVX-512"}
 KINDS = {"tensor": 0, "channel": 1, "block": 2}
@@ -44,9 +46,6 @@ _INT = ctypes.c_int
 def load() -> ctypes.CDLL | None:
     """The compiled kernels, or None where they cannot be built, would not share torch's
     OpenMP threads, or have no vector path on this CPU."""
-    if not build.torch_uses_libgomp():
-        logger.info("fp8 CPU linear kernel not used: torch's OpenMP runtime is not libgomp")
-        return None
     lib = KERNEL.load(build.OPENMP_FLAGS, open_library)
     if lib is None:
         return None

@@ -33,7 +33,6 @@ from tokenwise.native import build, trace
 KERNEL = build.Kernel(
     "fused.c", what="the RMSNorm/RoPE/activation kernels", fallback="layers keep their torch ops"
 )
-SOURCE = KERNEL.source
 FLAGS = [*build.BASE_FLAGS, "-ffp-contract=off"]
 DTYPES = (torch.float32, torch.bfloat16)
 # Tokens per call at most: decode steps (one row per running sequence), not prefill chunks.

@@ -39,9 +39,11 @@ from tokenwise.native import build, trace
 logger = logging.getLogger(__name__)
 
 KERNEL = build.Kernel(
-    "gemv.c", what="the small-M CPU linear kernel", fallback="linear layers keep oneDNN/F.linear"
+    "gemv.c",
+    what="the small-M CPU linear kernel",
+    fallback="linear layers keep oneDNN/F.linear",
+    needs_libgomp=True,
 )
-SOURCE = KERNEL.source
 # The kernel takes up to 8 rows; the engine sends it calls of up to this many rows per dtype,
 # where it was as fast as or faster than the prepacked path in benchmarks/linear_bandwidth.py
 # (2 threads, AVX-512 + AVX512_BF16 + AMX): float32 1.0-1.25x at 1 to 8 rows (the LM head at
@@ -71,9 +73,6 @@ def load() -> ctypes.CDLL | None:
     """The compiled kernel, or None where it is switched off, cannot be built, or would not
     be faster than the prepacked path (no vector ISA, or no libgomp to share threads with)."""
     if not enabled():
-        return None
-    if not build.torch_uses_libgomp():
-        logger.info("small-M CPU linear kernel not used: torch's OpenMP runtime is not libgomp")
         return None
     lib = KERNEL.load(_flags(), open_library)
     if lib is None:

@@ -18,7 +18,6 @@ from tokenwise.native import build
 KERNEL = build.Kernel(
     "graph.c", what="the CPU graph replay loop", fallback="decode steps run eagerly"
 )
-SOURCE = KERNEL.source
 
 
 @cache

@@ -32,7 +32,6 @@ from tokenwise.native import build, trace
 KERNEL = build.Kernel(
     "paged_decode.c", what="the decode-attention kernel", fallback="attention runs its torch code"
 )
-SOURCE = KERNEL.source
 CFLAGS = ["-O3", "-march=native", *build.FAST_MATH, "-fopenmp-simd", "-shared", "-fPIC"]
 _torch_uses_libgomp = build.torch_uses_libgomp
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -63,7 +62,7 @@ def kernel_code(dtype: torch.dtype) -> int:
 
 
 def _build(compiler: str) -> Path:
-    return build.build(compiler, SOURCE, "paged_decode", _flags())
+    return build.build(compiler, KERNEL.source, "paged_decode", _flags())
 
 
 @cache

@@ -27,9 +27,11 @@ from tokenwise.native import build, trace
 logger = logging.getLogger(__name__)
 
 KERNEL = build.Kernel(
-    "qgemv.c", what="the quantized CPU linear kernel", fallback="layers dequantize with torch ops"
+    "qgemv.c",
+    what="the quantized CPU linear kernel",
+    fallback="layers dequantize with torch ops",
+    needs_libgomp=True,
 )
-SOURCE = KERNEL.source
 MAX_ROWS = 8
 ISA_NAMES = {0: "plain C", 1: "AVX2", 2: "AVX-512"}
 ACTIVATIONS_ENV = "TOKENWISE_CPU_QUANT_ACTIVATIONS"
@@ -44,9 +46,6 @@ _INT = ctypes.c_int
 def load() -> ctypes.CDLL | None:
     """The compiled kernels, or None where they cannot be built or would not share torch's
     OpenMP threads (the caller then dequantizes with torch ops)."""
-    if not build.torch_uses_libgomp():
-        logger.info("quantized CPU linear kernel not used: torch's OpenMP runtime is not libgomp")
-        return None
     lib = KERNEL.load(flags(), open_library)
     if lib is None:
         return None
