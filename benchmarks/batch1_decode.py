@@ -3,8 +3,8 @@
     python benchmarks/batch1_decode.py --config llama-100m --dtype bfloat16 [--repeats 3]
 
 One stream, a 256-token prompt and 128 greedy tokens (dummy weights, EOS ignored), timed with
-each combination of the small-M linear kernel (`tokenwise.layers.cpu_gemv`) and the KV-head split
-of the decode-attention kernel (`cpu_kernels.MIN_KEYS_FOR_HEAD_SPLIT`), the combinations taking
+each combination of the small-M linear kernel (`tokenwise.native.gemv`) and the KV-head split
+of the decode-attention kernel (`cpu_paged_decode.MIN_KEYS_FOR_HEAD_SPLIT`), the combinations taking
 turns so machine noise hits them alike. Prints out tok/s, the ratio to both off, whether the
 greedy tokens equal those with both off, and the CPU flags.
 """
@@ -21,18 +21,18 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tokenwise import LLM, SamplingParams  # noqa: E402
-from tokenwise.attention.backends import cpu_kernels  # noqa: E402
-from tokenwise.layers import cpu_gemv  # noqa: E402
 from tokenwise.model_config import cpu_flag_summary  # noqa: E402
+from tokenwise.native import gemv as cpu_gemv  # noqa: E402
+from tokenwise.native import paged_decode as cpu_paged_decode  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 NEVER = 1 << 40
 # name -> (small-M linear kernel on, MIN_KEYS_FOR_HEAD_SPLIT)
 MODES = {
     "both off": (False, NEVER),
-    "head split": (False, cpu_kernels.MIN_KEYS_FOR_HEAD_SPLIT),
+    "head split": (False, cpu_paged_decode.MIN_KEYS_FOR_HEAD_SPLIT),
     "gemv": (True, NEVER),
-    "both": (True, cpu_kernels.MIN_KEYS_FOR_HEAD_SPLIT),
+    "both": (True, cpu_paged_decode.MIN_KEYS_FOR_HEAD_SPLIT),
 }
 
 
@@ -59,7 +59,7 @@ def main() -> None:
         for _ in range(args.repeats):
             for name, (gemv, split) in MODES.items():
                 cpu_gemv.load = load if gemv else (lambda: None)
-                cpu_kernels.MIN_KEYS_FOR_HEAD_SPLIT = split
+                cpu_paged_decode.MIN_KEYS_FOR_HEAD_SPLIT = split
                 start = time.perf_counter()
                 out = llm.generate([prompt], params, use_tqdm=False)
                 best[name] = min(best[name], time.perf_counter() - start)

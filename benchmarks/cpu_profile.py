@@ -6,7 +6,7 @@
    greedy, EOS ignored) under `torch.profiler`: the ops with the most self CPU time and their
    share. `aten::mm` is the linear layers; `tokenwise::unified_attention` (plus the SDPA ops
    under it) is attention.
-2. The C decode kernel (`cpu_kernels.paged_decode`) over 48 sequences of 240 cached tokens
+2. The C decode kernel (`cpu_paged_decode.paged_decode`) over 48 sequences of 240 cached tokens
    (12 heads of 64, fp32 and bf16 caches), as GB/s of K/V read, next to a plain `sum` over the
    same bytes: decode attention is memory-bound, so the second figure is its ceiling here.
 The CPU flags are printed with the figures.
@@ -24,8 +24,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tokenwise import LLM, SamplingParams  # noqa: E402
-from tokenwise.attention.backends import cpu_kernels  # noqa: E402
 from tokenwise.model_config import cpu_flag_summary  # noqa: E402
+from tokenwise.native import paged_decode as cpu_paged_decode  # noqa: E402
 
 MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "llama-100m")
 
@@ -53,7 +53,7 @@ def profile_workload(num_prompts: int, output_len: int) -> None:
 
 
 def decode_kernel_bandwidth() -> None:
-    lib = cpu_kernels.load()
+    lib = cpu_paged_decode.load()
     if lib is None:
         print("no C compiler: the decode kernel cannot be built here")
         return
@@ -72,7 +72,7 @@ def decode_kernel_bandwidth() -> None:
         nbytes = 2 * nseq * ctx * heads * head * k.element_size()
 
         def kernel(k=k, v=v) -> None:
-            cpu_kernels.paged_decode(lib, q, k, v, tables, lens, first, None, head**-0.5, out)
+            cpu_paged_decode.paged_decode(lib, q, k, v, tables, lens, first, None, head**-0.5, out)
 
         def read(k=k, v=v) -> None:
             k.sum()

@@ -3,7 +3,7 @@
     python benchmarks/fp8_decode.py [--config llama-100m] [--repeats 3]
 
 Three engines of one config (dummy weights, bf16 activations): "bf16" (no quantization),
-"fp8" (`quantization="fp8"`, fp8 bytes kept: the `cpu_fp8` kernel at decode, the weight
+"fp8" (`quantization="fp8"`, fp8 bytes kept: the `native.fp8_gemv` kernel at decode, the weight
 dequantized per call for prefill) and "fp8-dense" (`TOKENWISE_CPU_FP8_WEIGHTS=dense`: the fp8
 values dequantized to bf16 once at load). Times a 256-token prompt (prefill, max_tokens=1) and
 128 greedy tokens after it (decode tok/s, prefill time subtracted), engines taking turns, best

@@ -8,7 +8,7 @@ fastest call of:
 - dense: the bf16 weight through the engine's CPU path (`cpu_prepack.linear`: the small-M C
   kernel at M <= 2, else oneDNN / F.linear), what a layer dequantized once at load runs;
 - fp8-kernel: `FP8Weight.linear` keeping the fp8 bytes (per-tensor scale): the C kernel
-  (`cpu_fp8`) at M <= 8, else the weight dequantized by it per call then `F.linear`;
+  (`native.fp8_gemv`) at M <= 8, else the weight dequantized by it per call then `F.linear`;
 - fp8-torch: the same weight dequantized with torch ops per call then `F.linear` (the path
   where the kernel is unavailable);
 - scaled_mm: `scaled_linear`, W8A8 through torch's CPU `torch._scaled_mm` (row-wise scales).

@@ -25,9 +25,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tokenwise import LLM, SamplingParams  # noqa: E402
-from tokenwise.attention.backends import cpu_kernels  # noqa: E402
 from tokenwise.attention.backends.kv_quant import quantize  # noqa: E402
 from tokenwise.model_config import cpu_flag_summary  # noqa: E402
+from tokenwise.native import paged_decode as cpu_paged_decode  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 CACHES = ("auto", "fp8")  # auto = the weights' bf16
@@ -37,7 +37,7 @@ OUT_TOKENS = 64
 def kernel_alone(context: int, heads: int, head_size: int, rounds: int) -> dict[str, float]:
     """Microseconds per call of the C decode kernel, one sequence of `context` keys: the two
     caches take turns call by call (noise hits both alike), the fastest call of each kept."""
-    lib = cpu_kernels.load()
+    lib = cpu_paged_decode.load()
     if lib is None:
         return {}
     block = 16
@@ -55,7 +55,7 @@ def kernel_alone(context: int, heads: int, head_size: int, rounds: int) -> dict[
     for _ in range(rounds):
         for name, (k, v) in caches.items():
             start = time.perf_counter()
-            cpu_kernels.paged_decode(lib, q, k, v, table, lens, first, None, 0.125, out)
+            cpu_paged_decode.paged_decode(lib, q, k, v, table, lens, first, None, 0.125, out)
             best[name] = min(best[name], time.perf_counter() - start)
     return {name: t * 1e6 for name, t in best.items()}
 

@@ -31,8 +31,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tokenwise.layers import cpu_gemv, cpu_prepack  # noqa: E402
+from tokenwise.layers import cpu_prepack  # noqa: E402
 from tokenwise.model_config import cpu_flag_summary  # noqa: E402
+from tokenwise.native import gemv as cpu_gemv  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 

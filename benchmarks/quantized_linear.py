@@ -25,9 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.linear_bandwidth import _best_seconds, linear_shapes  # noqa: E402
 from tokenwise.layers import cpu_prepack  # noqa: E402
-from tokenwise.layers.quantization import cpu_qgemv  # noqa: E402
 from tokenwise.layers.quantization.weight_only import quantize  # noqa: E402
 from tokenwise.model_config import cpu_flag_summary  # noqa: E402
+from tokenwise.native import qgemv as cpu_qgemv  # noqa: E402
 
 FORMATS = {"int8": (8, True), "int4": (4, True), "int4+offsets": (4, False)}
 

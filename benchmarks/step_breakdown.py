@@ -32,11 +32,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tokenwise import LLM, SamplingParams  # noqa: E402
-from tokenwise.attention.backends import cpu_kernels  # noqa: E402
 from tokenwise.engine import llm_engine  # noqa: E402
-from tokenwise.layers import cpu_gemv  # noqa: E402
-from tokenwise.layers.quantization import cpu_qgemv  # noqa: E402
 from tokenwise.model_config import cpu_flag_summary  # noqa: E402
+from tokenwise.native import gemv as cpu_gemv  # noqa: E402
+from tokenwise.native import paged_decode as cpu_paged_decode  # noqa: E402
+from tokenwise.native import qgemv as cpu_qgemv  # noqa: E402
 from tokenwise.runner import sample_step  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
@@ -103,9 +103,11 @@ def instrument(llm: LLM, timers: Timers) -> None:
         return (in_forward if "model forward" in timers.active else linear)(*args, **kwargs)
 
     cpu_gemv.linear = any_linear
-    cpu_kernels.paged_decode = timers.wrap("  attention kernel", cpu_kernels.paged_decode)
-    if hasattr(cpu_kernels, "decode_step"):  # the one-call decode step, where it exists
-        cpu_kernels.decode_step = timers.wrap("  attention kernel", cpu_kernels.decode_step)
+    cpu_paged_decode.paged_decode = timers.wrap("  attention kernel", cpu_paged_decode.paged_decode)
+    if hasattr(cpu_paged_decode, "decode_step"):  # the one-call decode step, where it exists
+        cpu_paged_decode.decode_step = timers.wrap(
+            "  attention kernel", cpu_paged_decode.decode_step
+        )
     qgemv = cpu_qgemv.qgemv
     q_in_forward = timers.wrap("  quantized linear kernels", qgemv)
 

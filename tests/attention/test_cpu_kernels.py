@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenwise.attention.backends import cpu_kernels
-from tokenwise.layers import native_build
+from tokenwise.native import build as native_build
+from tokenwise.native import paged_decode as cpu_paged_decode
 
 pytestmark = pytest.mark.skipif(
-    cpu_kernels.load() is None, reason="no C compiler: the kernel cannot be built here"
+    cpu_paged_decode.load() is None, reason="no C compiler: the kernel cannot be built here"
 )
 
 
@@ -77,7 +77,7 @@ def _paged_case(
 def _run(case: dict) -> torch.Tensor:
     out = torch.full_like(case["query"], float("nan"))
     args = {k: v for k, v in case.items() if k != "expected"}
-    cpu_kernels.paged_decode(cpu_kernels.load(), out=out, **args)
+    cpu_paged_decode.paged_decode(cpu_paged_decode.load(), out=out, **args)
     return out
 
 
@@ -126,9 +126,9 @@ def test_peaked_softmax_stays_exact() -> None:
 def test_thread_split_gives_the_same_result(monkeypatch: pytest.MonkeyPatch, openmp: bool) -> None:
     case = _paged_case([300, 2, 150, 77, 1, 64, 260], 4, 2, 16, 16, seed=3)
     single = _run(case)
-    monkeypatch.setattr(cpu_kernels, "MIN_KEYS_PER_THREAD", 1)
+    monkeypatch.setattr(cpu_paged_decode, "MIN_KEYS_PER_THREAD", 1)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
-    monkeypatch.setattr(cpu_kernels, "_torch_uses_libgomp", lambda: openmp)
+    monkeypatch.setattr(cpu_paged_decode, "_torch_uses_libgomp", lambda: openmp)
     torch.testing.assert_close(_run(case), single, atol=0, rtol=0)
     torch.testing.assert_close(single, case["expected"], atol=1e-5, rtol=1e-4)
 
@@ -146,7 +146,7 @@ def test_fewer_sequences_than_threads_split_kv_heads(
     lens = [200] if threads == 2 else [200, 37]  # fewer sequences than threads
     case = _paged_case(lens, 6, 3, 32, 16, window=window, seed=threads, dtype=dtype)
     single = _run(case)
-    lib = cpu_kernels.load()
+    lib = cpu_paged_decode.load()
     seen: list[int] = []
     kernel = lib.paged_decode
 
@@ -156,7 +156,7 @@ def test_fewer_sequences_than_threads_split_kv_heads(
 
     monkeypatch.setattr(lib, "paged_decode", recording)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-    monkeypatch.setattr(cpu_kernels, "_torch_uses_libgomp", lambda: True)
+    monkeypatch.setattr(cpu_paged_decode, "_torch_uses_libgomp", lambda: True)
     split = _run(case)
     assert seen == [threads]  # the kernel was handed every thread, not one per sequence
     torch.testing.assert_close(split, single, atol=1e-6, rtol=1e-5)
@@ -166,7 +166,7 @@ def test_fewer_sequences_than_threads_split_kv_heads(
 def test_kernel_shares_torchs_openmp_runtime() -> None:
     """Built with OpenMP, the kernel must bind to the libgomp torch loaded, not a second one
     whose threads would compete with torch's."""
-    if not cpu_kernels._torch_uses_libgomp():
+    if not cpu_paged_decode._torch_uses_libgomp():
         pytest.skip("torch's OpenMP runtime is not libgomp here: the kernel uses a thread pool")
     # In a fresh process: other libraries a test session imported (sentencepiece ships its own
     # libgomp) must not decide the outcome. Loading the kernel may add no OpenMP runtime.
@@ -176,8 +176,8 @@ def test_kernel_shares_torchs_openmp_runtime() -> None:
         "    with open('/proc/self/maps') as maps:\n"
         "        return {line.split()[-1] for line in maps if 'libgomp' in line}\n"
         "before = gomps()\n"
-        "from tokenwise.attention.backends import cpu_kernels\n"
-        "assert cpu_kernels.load() is not None\n"
+        "from tokenwise.native import paged_decode as cpu_paged_decode\n"
+        "assert cpu_paged_decode.load() is not None\n"
         "print(len(before), len(gomps() - before))\n"
     )
     done = subprocess.run(
@@ -190,7 +190,7 @@ def test_kernel_shares_torchs_openmp_runtime() -> None:
 @pytest.mark.parametrize("parts", [1, 2, 3, 8])
 def test_split_covers_every_sequence_once_with_balanced_keys(parts: int) -> None:
     lens = torch.tensor([500, 3, 3, 3, 250, 250, 1, 700, 20], dtype=torch.int32)
-    ranges = cpu_kernels._split(lens, parts)
+    ranges = cpu_paged_decode._split(lens, parts)
     flat = [i for a, b in ranges for i in range(a, b)]
     assert flat == list(range(len(lens)))
     assert len(ranges) <= parts
@@ -201,35 +201,36 @@ def test_split_covers_every_sequence_once_with_balanced_keys(parts: int) -> None
 
 def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TOKENWISE_CPU_KERNELS", "0")
-    cpu_kernels.load.cache_clear()
+    cpu_paged_decode.load.cache_clear()
     try:
-        assert cpu_kernels.load() is None
+        assert cpu_paged_decode.load() is None
     finally:
         monkeypatch.delenv("TOKENWISE_CPU_KERNELS")
-        cpu_kernels.load.cache_clear()
-    assert cpu_kernels.load() is not None
+        cpu_paged_decode.load.cache_clear()
+    assert cpu_paged_decode.load() is not None
 
 
 def test_no_compiler_falls_back_with_a_warning(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(native_build, "find_compiler", lambda: None)
-    cpu_kernels.load.cache_clear()
+    cpu_paged_decode.load.cache_clear()
+    native_build._warn_no_compiler.cache_clear()  # said once per process
     try:
         with caplog.at_level(logging.WARNING):
-            assert cpu_kernels.load() is None
+            assert cpu_paged_decode.load() is None
         assert "no C compiler" in caplog.text
     finally:
         monkeypatch.undo()
-        cpu_kernels.load.cache_clear()
+        cpu_paged_decode.load.cache_clear()
 
 
 def test_build_is_cached_per_source(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TOKENWISE_KERNEL_CACHE", str(tmp_path))
     compiler = native_build.find_compiler()
-    first = cpu_kernels._build(compiler)
+    first = cpu_paged_decode._build(compiler)
     stamp = first.stat().st_mtime_ns
-    assert cpu_kernels._build(compiler) == first
+    assert cpu_paged_decode._build(compiler) == first
     assert first.stat().st_mtime_ns == stamp  # reused, not rebuilt
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temp files left behind
 
@@ -239,8 +240,8 @@ def test_loading_the_kernel_keeps_subnormal_floats(tmp_path) -> None:
     crtfastmath.o does): a fresh process loads it, then multiplies a subnormal."""
 
     code = (
-        "from tokenwise.attention.backends import cpu_kernels\n"
-        "assert cpu_kernels.load() is not None, 'kernel did not build'\n"
+        "from tokenwise.native import paged_decode as cpu_paged_decode\n"
+        "assert cpu_paged_decode.load() is not None, 'kernel did not build'\n"
         "import torch\n"
         "tiny = torch.tensor([1e-40], dtype=torch.float32)\n"
         "print(float((tiny * 1.0)[0]) != 0.0 and 5e-324 * 1.0 != 0.0)\n"
@@ -280,8 +281,8 @@ def test_decode_step_writes_kv_then_matches_paged_decode(
         expected_cache[0].view(-1, 2, 32)[slot] = key[i].view(2, 32)
         expected_cache[1].view(-1, 2, 32)[slot] = value[i].view(2, 32)
     expected = torch.empty(n, 4, 32)
-    cpu_kernels.paged_decode(
-        cpu_kernels.load(),
+    cpu_paged_decode.paged_decode(
+        cpu_paged_decode.load(),
         query.float().reshape(n, 4, 32).contiguous(),
         expected_cache[0],
         expected_cache[1],
@@ -292,9 +293,9 @@ def test_decode_step_writes_kv_then_matches_paged_decode(
         case["scale"],
         expected,
     )
-    assert cpu_kernels.step_usable(query, key, value, kv_cache)
-    out = cpu_kernels.decode_step(
-        cpu_kernels.load(),
+    assert cpu_paged_decode.step_usable(query, key, value, kv_cache)
+    out = cpu_paged_decode.decode_step(
+        cpu_paged_decode.load(),
         query.contiguous(),
         key,
         value,

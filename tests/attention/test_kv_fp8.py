@@ -15,18 +15,18 @@ import os
 import pytest
 import torch
 
-from tokenwise.attention.backends import cpu_kernels
 from tokenwise.attention.backends.kv_quant import quantize
 from tokenwise.attention.backends.paged_reference import paged_decode_reference
 from tokenwise.attention.backends.torch_backend import write_kv_cache
-from tokenwise.layers import native_build
+from tokenwise.native import build as native_build
+from tokenwise.native import paged_decode as cpu_paged_decode
 
 # As in test_triton_kernel.py: the Triton kernel runs under its interpreter on CPU tensors
 # (read when the kernel module is first imported, so set at collection).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2]
-needs_kernel = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
+needs_kernel = pytest.mark.skipif(cpu_paged_decode.load() is None, reason="no C compiler here")
 
 
 def _finite_codes(dtype: torch.dtype) -> torch.Tensor:
@@ -98,7 +98,7 @@ def test_c_kernel_matches_definition(dtype: torch.dtype, shape: tuple) -> None:
         dtype, [1, 7, 33, 90], heads, kv_heads, head_size, block_size, window, 0.03, 0.5
     )
     out = torch.full_like(args["query"], float("nan"))
-    cpu_kernels.paged_decode(cpu_kernels.load(), out=out, **args)
+    cpu_paged_decode.paged_decode(cpu_paged_decode.load(), out=out, **args)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
     # The PyTorch reference (GPU fallback, graph steps) reads the same cache the same way.
     ref = paged_decode_reference(
@@ -122,7 +122,7 @@ def test_c_kernel_softcap(dtype: torch.dtype) -> None:
     args, _ = _case(dtype, [5, 40], 4, 2, 16, 16, None, 1.0, 1.0)
     cap = 2.0
     out = torch.empty_like(args["query"])
-    cpu_kernels.paged_decode(cpu_kernels.load(), out=out, softcap=cap, **args)
+    cpu_paged_decode.paged_decode(cpu_paged_decode.load(), out=out, softcap=cap, **args)
     ref = paged_decode_reference(
         *(args[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens")),
         args["scale"],
@@ -152,8 +152,8 @@ def test_c_kernel_widens_every_code_exactly(dtype: torch.dtype, head_size: int) 
     n = rows.shape[0]
     value_cache = rows.view(dtype)
     out = torch.empty(n, 1, head_size)
-    cpu_kernels.paged_decode(
-        cpu_kernels.load(),
+    cpu_paged_decode.paged_decode(
+        cpu_paged_decode.load(),
         torch.ones(n, 1, head_size),
         torch.zeros_like(value_cache),
         value_cache,
@@ -175,7 +175,7 @@ def test_fused_step_writes_like_torch_and_attends_the_same(
 ) -> None:
     """The C step's fp8 write rounds (to nearest even), scales and saturates exactly as
     `write_kv_cache` does, and its attention equals the unfused path's."""
-    if not cpu_kernels._torch_uses_libgomp():
+    if not cpu_paged_decode._torch_uses_libgomp():
         pytest.skip("the fused step runs on torch's libgomp threads only")
     gen = torch.Generator().manual_seed(3)
     heads, kv_heads, head_size, block_size, num_blocks = 4, 2, 32, 8, 12
@@ -192,8 +192,8 @@ def test_fused_step_writes_like_torch_and_attends_the_same(
     slots = torch.tensor([7 * block_size + 3, 1 * block_size + 2, 2 * block_size + 3])
     k_scale, v_scale = 0.02, 3.0
     fused = cache.clone()
-    out = cpu_kernels.decode_step(
-        cpu_kernels.load(), query, key, value, fused, slots, tables, seq_lens,
+    out = cpu_paged_decode.decode_step(
+        cpu_paged_decode.load(), query, key, value, fused, slots, tables, seq_lens,
         torch.zeros(n, dtype=torch.int32), int(seq_lens.sum()), heads, None,
         1 / math.sqrt(head_size), None, k_scale, v_scale,
     )  # fmt: skip
@@ -209,8 +209,8 @@ def test_fused_step_writes_like_torch_and_attends_the_same(
     )
     assert torch.equal(fused.view(torch.uint8), unfused.view(torch.uint8))
     ref = torch.empty(n, heads, head_size)
-    cpu_kernels.paged_decode(
-        cpu_kernels.load(), query.float().view(n, heads, head_size), unfused[0], unfused[1],
+    cpu_paged_decode.paged_decode(
+        cpu_paged_decode.load(), query.float().view(n, heads, head_size), unfused[0], unfused[1],
         tables, seq_lens, torch.zeros(n, dtype=torch.int32), None, 1 / math.sqrt(head_size),
         ref, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
@@ -256,16 +256,18 @@ def test_kernel_without_f16c_widens_fp8_the_same() -> None:
     """The portable widening (exponent rebias, no F16C: older x86, other CPUs), built with
     `-mno-f16c`, gives every fp8 code exactly and the same attention as the definition."""
     compiler = native_build.find_compiler()
-    flags = [*cpu_kernels._flags(), "-mno-f16c"]
-    lib = ctypes.CDLL(str(native_build.build(compiler, cpu_kernels.SOURCE, "pd_nof16c", flags)))
+    flags = [*cpu_paged_decode._flags(), "-mno-f16c"]
+    lib = ctypes.CDLL(
+        str(native_build.build(compiler, cpu_paged_decode.KERNEL.source, "pd_nof16c", flags))
+    )
     lib.paged_decode.restype = ctypes.c_int
-    lib.paged_decode.argtypes = cpu_kernels.load().paged_decode.argtypes
+    lib.paged_decode.argtypes = cpu_paged_decode.load().paged_decode.argtypes
     for dtype in FORMATS:
         codes = _finite_codes(dtype)
         codes = torch.cat([codes, codes[: (-len(codes)) % 16]]).view(-1, 1, 1, 16).view(dtype)
         n = codes.shape[0]
         out = torch.empty(n, 1, 16)
-        cpu_kernels.paged_decode(
+        cpu_paged_decode.paged_decode(
             lib, torch.ones(n, 1, 16), torch.zeros_like(codes), codes,
             torch.arange(n, dtype=torch.int32)[:, None], torch.ones(n, dtype=torch.int32),
             torch.zeros(n, dtype=torch.int32), None, 1.0, out,
@@ -273,5 +275,5 @@ def test_kernel_without_f16c_widens_fp8_the_same() -> None:
         assert torch.equal(out.view(n, 16), codes.float().view(n, 16))
         args, expected = _case(dtype, [1, 7, 33, 90], 8, 2, 32, 16, None, 0.03, 0.5)
         out = torch.full_like(args["query"], float("nan"))
-        cpu_kernels.paged_decode(lib, out=out, **args)
+        cpu_paged_decode.paged_decode(lib, out=out, **args)
         torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from tests.attention._metadata_oracle import ListMetadataBuilder
-from tokenwise.attention.backends import cpu_kernels
 from tokenwise.attention.backends.torch_backend import (
     TorchAttentionBackend,
     TorchAttentionImpl,
@@ -25,6 +24,7 @@ from tokenwise.attention.backends.torch_backend import (
 from tokenwise.attention.graph_state import CommonAttentionState
 from tokenwise.attention.metadata import AttentionMetadata
 from tokenwise.attention.utils import PAD_SLOT_ID
+from tokenwise.native import paged_decode as cpu_paged_decode
 
 H, KVH, D, B = 8, 2, 16, 4  # GQA: 4 query heads per KV head
 SCALE = D**-0.5
@@ -35,8 +35,8 @@ NUM_BLOCKS = 40
 def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test runs with the C decode kernel and again with the pure-PyTorch fallback."""
     if request.param == "torch_fallback":
-        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
-    elif cpu_kernels.load() is None:
+        monkeypatch.setattr(cpu_paged_decode, "load", lambda: None)
+    elif cpu_paged_decode.load() is None:
         pytest.skip("no C compiler: the kernel cannot be built here")
     return request.param
 

@@ -17,11 +17,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.attention._metadata_oracle import ListMetadataBuilder
-from tokenwise.attention.backends import cpu_kernels
 from tokenwise.attention.backends.torch_backend import TorchAttentionBackend, TorchAttentionImpl
 from tokenwise.attention.metadata import AttentionMetadata
 from tokenwise.attention.ubatch_metadata import split_attention_metadata, split_metadata_by_layer
 from tokenwise.distributed.ubatching import UBatchSlice, create_ubatch_slices
+from tokenwise.native import paged_decode as cpu_paged_decode
 
 H, KVH, D, B = 4, 2, 16, 4  # GQA: 2 query heads per KV head
 SCALE = D**-0.5
@@ -173,9 +173,9 @@ def decode_path(impl: TorchAttentionImpl, path: str) -> Iterator[None]:
     """`cpu`: the default CPU path (C decode kernel when it builds); `fallback`: the PyTorch
     per-sequence decode; `gpu_formulation`: the packed prefill and batched decode that GPUs
     run, here on CPU tensors (they read `seq_lens_tensor` and the first blocks)."""
-    original = cpu_kernels.load
+    original = cpu_paged_decode.load
     if path == "fallback":
-        cpu_kernels.load = lambda: None  # type: ignore[assignment]
+        cpu_paged_decode.load = lambda: None  # type: ignore[assignment]
     elif path == "gpu_formulation":
         impl._prefill = impl._prefill_packed  # type: ignore[method-assign]
         impl._decode_cpu = lambda q, kc, vc, md, out: out.copy_(  # type: ignore[method-assign]
@@ -184,7 +184,7 @@ def decode_path(impl: TorchAttentionImpl, path: str) -> Iterator[None]:
     try:
         yield
     finally:
-        cpu_kernels.load = original  # type: ignore[assignment]
+        cpu_paged_decode.load = original  # type: ignore[assignment]
         impl.__dict__.pop("_prefill", None)
         impl.__dict__.pop("_decode_cpu", None)
 

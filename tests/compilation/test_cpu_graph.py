@@ -19,14 +19,15 @@ import torch
 
 from tests.engine._fixtures import LLAMA, assert_pool_clean, checkpoint, hf_greedy, mixed_prompts
 from tokenwise import LLM, SamplingParams
-from tokenwise.compilation import cpu_graph
 from tokenwise.compilation.cpu_graph import CPUGraphCapturer, GraphCaptureRejected
 from tokenwise.config import CUDAGraphMode
 from tokenwise.entrypoints.engine_config import build_engine_config
-from tokenwise.layers import cpu_fused, native_trace
+from tokenwise.native import fused as cpu_fused
+from tokenwise.native import graph as native_graph
+from tokenwise.native import trace as native_trace
 
 pytestmark = pytest.mark.skipif(
-    cpu_graph.load() is None or cpu_fused.load() is None, reason="no C compiler"
+    native_graph.load() is None or cpu_fused.load() is None, reason="no C compiler"
 )
 
 MAX_TOKENS = 10
@@ -133,7 +134,7 @@ def test_a_torch_op_in_the_forward_refuses_the_capture(
 
 
 def test_a_kernel_call_around_the_recording_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A kernel called without `native_trace` is missing from the recording: the capture's
+    """A kernel called without `native.trace` is missing from the recording: the capture's
     check replay (temporaries filled with a sentinel first) does not reproduce the output."""
     call = native_trace.call
 

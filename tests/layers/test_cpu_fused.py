@@ -1,4 +1,4 @@
-"""The C RMSNorm and RoPE kernels (`tokenwise.layers.cpu_fused`) against the torch code of
+"""The C RMSNorm and RoPE kernels (`tokenwise.native.fused`) against the torch code of
 `RMSNorm` and `RotaryEmbedding` they stand in for: bit for bit, in float32 and bfloat16."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import platform
 import pytest
 import torch
 
-from tokenwise.layers import cpu_fused
 from tokenwise.layers.layernorm import RMSNorm
 from tokenwise.layers.rotary_embedding import RotaryEmbedding
+from tokenwise.native import fused as cpu_fused
 
 pytestmark = pytest.mark.skipif(cpu_fused.load() is None, reason="no C compiler here")
 

@@ -1,4 +1,4 @@
-"""The small-M C linear kernel (`tokenwise.layers.cpu_gemv`) against F.linear, and the
+"""The small-M C linear kernel (`tokenwise.native.gemv`) against F.linear, and the
 CPU linear path's choice between it and the prepacked / F.linear paths."""
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenwise.layers import cpu_gemv, cpu_prepack, native_build
+from tokenwise.layers import cpu_prepack
+from tokenwise.native import build as native_build
+from tokenwise.native import gemv as cpu_gemv
 
 # Odd sizes: neither a multiple of the vector width (8/16 floats, 32 bf16) nor of the block
 # of 4 weight rows; N=37 stays on one thread (below the kernel's parallel minimum), the others
@@ -39,7 +41,7 @@ def any_lib(request, lib):
         return lib
     flags = [*cpu_gemv._flags(), *VARIANTS[request.param]]
     variant = cpu_gemv.open_library(
-        native_build.build(native_build.find_compiler(), cpu_gemv.SOURCE, "gemv", flags)
+        native_build.build(native_build.find_compiler(), cpu_gemv.KERNEL.source, "gemv", flags)
     )
     if variant.tw_gemv_isa() != EXPECTED_ISA[request.param]:
         pytest.skip(f"this CPU has no {request.param} path")
@@ -150,12 +152,12 @@ def test_build_failure_falls_back_with_a_warning(monkeypatch, caplog) -> None:
     monkeypatch.setattr(native_build, "torch_uses_libgomp", lambda: True)
     cpu_gemv.load.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="tokenwise.layers.cpu_gemv"):
+        with caplog.at_level(logging.WARNING, logger="tokenwise.native.build"):
             assert cpu_gemv.load() is None
             weight, x = torch.randn(20, 12), torch.randn(1, 12)
             out = cpu_prepack.linear(x, weight, None, None)
         torch.testing.assert_close(out, F.linear(x, weight))
-        assert "CPU linear kernel build failed" in caplog.text
+        assert "small-M CPU linear kernel failed to build" in caplog.text
         assert "no such instruction" in caplog.text
     finally:
         monkeypatch.undo()
@@ -166,8 +168,9 @@ def test_no_compiler_falls_back_with_a_warning(monkeypatch, caplog) -> None:
     monkeypatch.setattr(native_build, "find_compiler", lambda: None)
     monkeypatch.setattr(native_build, "torch_uses_libgomp", lambda: True)
     cpu_gemv.load.cache_clear()
+    native_build._warn_no_compiler.cache_clear()  # said once per process
     try:
-        with caplog.at_level(logging.WARNING, logger="tokenwise.layers.cpu_gemv"):
+        with caplog.at_level(logging.WARNING, logger="tokenwise.native.build"):
             assert cpu_gemv.load() is None
         assert "no C compiler" in caplog.text
     finally:

@@ -11,10 +11,11 @@ import torch.nn.functional as F
 
 from tests.engine._fixtures import LLAMA, NUM_BLOCKS, checkpoint, hf_greedy, mixed_prompts
 from tokenwise import LLM, SamplingParams
-from tokenwise.layers import cpu_gemv, cpu_prepack
+from tokenwise.layers import cpu_prepack
 from tokenwise.layers.cpu_prepack import linear, prepack_linear_weights
 from tokenwise.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenwise.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from tokenwise.native import gemv as cpu_gemv
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN"

@@ -30,7 +30,6 @@ from tests.engine._fixtures import hf_greedy, hf_model, mixed_prompts
 from tests.tiny_checkpoints import build_tiny_checkpoint
 from tokenwise import LLM, SamplingParams
 from tokenwise.config import EngineConfig
-from tokenwise.layers.quantization import cpu_fp8
 from tokenwise.layers.quantization.fp8 import (
     FP8_DTYPE,
     FP8Weight,
@@ -40,6 +39,7 @@ from tokenwise.layers.quantization.fp8 import (
 from tokenwise.layers.quantization.fp8_loading import _cut
 from tokenwise.loader import load_model
 from tokenwise.model_config import ModelConfig
+from tokenwise.native import fp8_gemv as cpu_fp8
 
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FULL_TILES = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2}
@@ -274,7 +274,7 @@ KERNEL_CASES = {
 
 @pytest.mark.parametrize("case", KERNEL_CASES)
 def test_cpu_kernel_matches_the_definition(case: str) -> None:
-    """The C kernel (`cpu_fp8`) at 1 to 8 rows, float32 and bf16, against x times the dense
+    """The C kernel (`native.fp8_gemv`) at 1 to 8 rows, float32 and bf16, against x times the dense
     weight of the definition (float64): fp32 order (1e-5 relative) and, for bf16, its output
     rounding (1e-2); its dequantized weight equals torch's bit for bit."""
     lib = cpu_fp8.load()

@@ -379,9 +379,9 @@ def test_permuted_input_layers_compute_their_dense_weight(
     dequantized matmul beyond; `dequantize` and `reference_dequantize` undo the order. (bf16 x
     on the int16 path, whose error this tolerance bounds; the int8 path's own bound is in
     test_qgemv_activations.py.)"""
-    from tokenwise.layers.quantization import cpu_qgemv
     from tokenwise.layers.quantization.prequantized import group_dense, integer_weight
     from tokenwise.layers.quantization.weight_only import reference_dequantize
+    from tokenwise.native import qgemv as cpu_qgemv
 
     monkeypatch.setattr(cpu_qgemv, "activation_bits", lambda: 16)
     gen = torch.Generator().manual_seed(rows)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenwise.layers import native_build
-from tokenwise.layers.quantization import cpu_qgemv
 from tokenwise.layers.quantization.weight_only import quantize, reference_dequantize
+from tokenwise.native import build as native_build
+from tokenwise.native import qgemv as cpu_qgemv
 
 FORMATS = [(8, True), (8, False), (4, True), (4, False)]
 # The narrower builds a CPU with fewer extensions gets: no VNNI (byte products through
@@ -41,7 +41,7 @@ def lib(request, native):
     if request.param == "native":
         return native
     flags = [*cpu_qgemv.flags(), *VARIANTS[request.param]]
-    path = native_build.build(native_build.find_compiler(), cpu_qgemv.SOURCE, "qgemv", flags)
+    path = native_build.build(native_build.find_compiler(), cpu_qgemv.KERNEL.source, "qgemv", flags)
     variant = cpu_qgemv.open_library(path)
     if variant.tw_qgemv_isa() != EXPECTED_ISA[request.param]:
         pytest.skip(f"this CPU has no {request.param} path")

@@ -17,13 +17,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenwise.layers.quantization import cpu_qgemv, weight_only
+from tokenwise.layers.quantization import weight_only
 from tokenwise.layers.quantization.weight_only import (
     pack_int4,
     quantize,
     reference_dequantize,
     unpack_int4,
 )
+from tokenwise.native import qgemv as cpu_qgemv
 
 FORMATS = [(8, True), (8, False), (4, True), (4, False)]
 Q = gguf.GGMLQuantizationType

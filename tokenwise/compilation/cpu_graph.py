@@ -10,36 +10,30 @@ and the persistent input buffers are the CUDA graphs' own (`graph_runner.py`, SP
 `CPUGraphCapturer.capture(fn)` runs `fn` (the whole model on a padded decode batch, over the
 input batch's persistent buffers and the capture metadata) three times:
 1. eagerly, so libraries are built and lazy state exists;
-2. recording (`layers.native_trace`): every kernel call with its arguments, while a torch
+2. recording (`native.trace`): every kernel call with its arguments, while a torch
    dispatch guard lets through only views and allocations. Any other op (a matmul torch
    would run, a host read, a collective) means this batch size cannot be replayed: the capture
    is refused with the op's name (`GraphCaptureRejected`) and the runner runs that size eagerly;
 3. as a replay, after every tensor allocated during the recording was filled with a sentinel:
    the output must equal the recorded run's bit for bit, or the capture is refused (a kernel
-   called around `native_trace` would leave sentinels behind).
+   called around `native.trace` would leave sentinels behind).
 The tensors allocated while recording stay alive with the graph (their addresses are in the
-recorded arguments), like a CUDA graph's private pool; `replay()` rewrites them in place.
+recorded arguments), like a CUDA graph's private pool; `replay()` rewrites them in place. The
+replay loop itself is C (`tokenwise/native/graph.c`, loaded by `native.graph`).
 """
 
 from __future__ import annotations
 
 import ctypes
-import logging
-import subprocess
 from collections.abc import Callable
-from functools import cache
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tokenwise.layers import native_build, native_trace
+from tokenwise.native import graph, trace
 
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("cpu_graph.c")
 # Allocations (outputs the kernels fill) are the only ops besides views a recording may run.
 _ALLOCATIONS = frozenset(
     {
@@ -55,26 +49,6 @@ _SENTINEL = -1.5e38
 
 class GraphCaptureRejected(RuntimeError):
     """This forward cannot be replayed from recorded kernels (the message says why)."""
-
-
-@cache
-def load() -> ctypes.CDLL | None:
-    """The replay loop, or None where no compiler is found or the build fails."""
-    compiler = native_build.find_compiler()
-    if compiler is None:
-        return None
-    try:
-        lib = ctypes.CDLL(
-            str(native_build.build(compiler, SOURCE, "graph", native_build.BASE_FLAGS))
-        )
-    except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("CPU graph replay failed to build: %s", getattr(exc, "stderr", "") or exc)
-        return None
-    fn = lib.tw_graph_replay
-    fn.restype = ctypes.c_int64
-    fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    fn.argtypes += [ctypes.POINTER(ctypes.c_int)]
-    return lib
 
 
 class _KernelOnlyGuard(TorchDispatchMode):
@@ -114,19 +88,19 @@ class CPUGraphCapturer:
     """One recorded forward (see the module); the `GraphCapturer` of CPU devices."""
 
     def __init__(self) -> None:
-        self.calls: list[native_trace.RecordedCall] = []
+        self.calls: list[trace.RecordedCall] = []
         self._keep: list[torch.Tensor] = []
         self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._status = ctypes.c_int(0)
         self.num_replays = 0
 
     def capture(self, fn: Callable[[], Any]) -> Any:
-        lib = load()
+        lib = graph.load()
         if lib is None:
             raise GraphCaptureRejected("the CPU graph replay loop could not be built")
         fn()  # warm-up: libraries loaded, lazily built state in place
         guard = _KernelOnlyGuard()
-        with native_trace.recording() as rec, guard:
+        with trace.recording() as rec, guard:
             output = fn()
         if not rec.calls:
             raise GraphCaptureRejected("the forward called no C kernel")
@@ -156,16 +130,9 @@ class CPUGraphCapturer:
 
     def replay(self) -> None:
         assert self._arrays is not None, "replay() before capture()"
-        lib = load()
+        lib = graph.load()
         assert lib is not None
-        entries, offsets, args = self._arrays
-        failed = lib.tw_graph_replay(
-            len(entries),
-            entries.ctypes.data,
-            offsets.ctypes.data,
-            args.ctypes.data,
-            ctypes.byref(self._status),
-        )
+        failed = graph.replay(lib, *self._arrays, self._status)
         self.num_replays += 1
         if failed:
             call = self.calls[failed - 1]

@@ -29,13 +29,13 @@ from tokenwise.engine.kinds.multimodal_settings import (
     parse_limit_mm_per_prompt,
 )
 from tokenwise.layers.fused_moe.experts import grouped_mm_available
-from tokenwise.layers.quantization import cpu_qgemv
 from tokenwise.model_config import ModelConfig
 from tokenwise.models.registry import (
     is_encoder_decoder_architecture,
     is_moe_architecture,
     is_multimodal_architecture,
 )
+from tokenwise.native import qgemv as cpu_qgemv
 from tokenwise.pooling.task import check_embed_settings, resolve_pooler_config, resolve_task
 from tokenwise.quantization_config import uses_cpu_kernels
 

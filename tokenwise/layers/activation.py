@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenwise.layers import cpu_fused
+from tokenwise.native import fused as cpu_fused
 
 
 class SiluAndMul(nn.Module):

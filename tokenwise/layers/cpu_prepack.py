@@ -19,7 +19,7 @@ packed copy is the weight widened to float32, and the layer computes `x` widened
 times it, rounded back to bf16: the products of bf16 values are exact in fp32 and the sums
 accumulate in fp32, as native bf16 kernels do, so results stay bf16 results.
 
-Decode-sized calls (`cpu_gemv.MAX_ROWS` rows at most, by dtype) skip all this for `cpu_gemv`'s C
+Decode-sized calls (`cpu_gemv.MAX_ROWS` rows at most, by dtype) skip all this for `native.gemv`'s C
 kernel over the plain weight, which streams weights closer to the memory bandwidth; it says
 when it is used and how to turn it off (`TOKENWISE_CPU_GEMV=0`).
 """
@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenwise.layers import cpu_gemv
 from tokenwise.layers.quantization.fp8 import FP8Weight
 from tokenwise.layers.quantization.weight_only import QuantizedParts, QuantizedWeight
+from tokenwise.native import gemv as cpu_gemv
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenwise.distributed.tp_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
-from tokenwise.layers import cpu_fused
 from tokenwise.layers.cpu_prepack import linear
 from tokenwise.layers.weight_utils import (
     CheckpointTensor,
@@ -27,6 +26,7 @@ from tokenwise.layers.weight_utils import (
     copy_checked,
     default_weight_loader,
 )
+from tokenwise.native import fused as cpu_fused
 
 
 def vocab_range(num_embeddings: int, tp_rank: int, tp_size: int) -> tuple[int, int, int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenwise.layers import cpu_fused
+from tokenwise.native import fused as cpu_fused
 
 
 class RMSNorm(nn.Module):

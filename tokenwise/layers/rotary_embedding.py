@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenwise.layers import cpu_fused
 from tokenwise.layers.rope_yarn import yarn_attention_factor, yarn_inv_freq
+from tokenwise.native import fused as cpu_fused
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 

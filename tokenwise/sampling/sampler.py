@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tokenwise.layers import cpu_fused
+from tokenwise.native import fused as cpu_fused
 from tokenwise.sampling.metadata import SamplingMetadata
 from tokenwise.sampling.params import _SAMPLING_EPS, SamplingParams
 

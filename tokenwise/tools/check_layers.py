@@ -76,6 +76,9 @@ LAYERS: tuple[Layer, ...] = (
             "tokenwise.kv_cache.hashing",
         ),
     ),
+    # The C kernels of CPU decode, their ctypes wrappers and build: tensors and plain settings
+    # in, tensors out; the layers, attention backends and CPU graphs call them.
+    Layer("native kernels", ("tokenwise.native.*",)),
     # Tensor-parallel rank, size and collectives: what parallel layers read at construction;
     # the pipeline stage and its layer range, which models read at construction.
     Layer("process groups", ("tokenwise.distributed.tp_state", "tokenwise.distributed.pp_state")),

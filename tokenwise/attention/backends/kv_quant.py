@@ -22,8 +22,6 @@ from __future__ import annotations
 import torch
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-# The C kernel's cache dtype codes (`cpu_paged_decode.c`, CACHE_* there).
-_KERNEL_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 _NAMED = {
     "bfloat16": torch.bfloat16,
     "fp8": torch.float8_e4m3fn,
@@ -41,11 +39,6 @@ def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dt
 
 def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in FP8_DTYPES
-
-
-def kernel_code(dtype: torch.dtype) -> int:
-    """The C kernel's code for a cache dtype (KeyError: a dtype the kernel cannot read)."""
-    return _KERNEL_CODES[dtype]
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:

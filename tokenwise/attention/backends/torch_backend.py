@@ -7,7 +7,7 @@ touch a block the block manager hands out.
 
 Prefill: one `scaled_dot_product_attention` per sequence (the fastest formulation on CPU);
 with cached context the keys come from the cache and the causal mask is aligned bottom-right.
-Decode on CPU: a small C kernel (`cpu_kernels.py`) streams each sequence's blocks once, in
+Decode on CPU: a small C kernel (`tokenwise/native/paged_decode.c`) streams each sequence's blocks once, in
 place, for all sequences in one call; without it (no compiler, non-fp32 cache) each sequence's
 blocks are gathered and attended with a grouped-query matmul. Decode on GPU / under CUDA graphs:
 one padded batched gather. KV heads are never repeated. Prefill rows whose metadata lists image
@@ -33,7 +33,6 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from tokenwise.attention.backends import cpu_kernels
 from tokenwise.attention.backends.encoder_only import encoder_only_attention
 from tokenwise.attention.backends.image_mask import Span, visible_keys
 from tokenwise.attention.backends.kv_quant import dequantize, gather_rows, write_rows
@@ -42,6 +41,7 @@ from tokenwise.attention.backends.paged_reference import paged_decode_reference
 from tokenwise.attention.backends.single_sequence import single_sequence_attention
 from tokenwise.attention.backends.softcap import causal_mask, soft_cap, softcapped_attention
 from tokenwise.attention.utils import AttentionType
+from tokenwise.native import paged_decode as cpu_paged_decode
 
 if TYPE_CHECKING:
     from tokenwise.attention.metadata import AttentionMetadata
@@ -151,10 +151,10 @@ class TorchAttentionImpl:
         dtype); None where the kernel cannot take it. The general path below costs five or six
         torch ops around the kernel per layer, about as long as one stream's attention itself.
         """
-        lib = cpu_kernels.load()
-        if lib is None or not cpu_kernels.step_usable(query, key, value, kv_cache):
+        lib = cpu_paged_decode.load()
+        if lib is None or not cpu_paged_decode.step_usable(query, key, value, kv_cache):
             return None
-        return cpu_kernels.decode_step(
+        return cpu_paged_decode.decode_step(
             lib,
             query,
             key,
@@ -319,14 +319,14 @@ class TorchAttentionImpl:
         """CPU decode: the C kernel reads each block once where it lies (fp32, bf16 or fp8 caches,
         fp32 math). Other dtypes, or a machine where it cannot be built, take the PyTorch path.
         """
-        lib = cpu_kernels.load()
-        if lib is None or key_cache.dtype not in cpu_kernels.CACHE_DTYPES:
+        lib = cpu_paged_decode.load()
+        if lib is None or key_cache.dtype not in cpu_paged_decode.CACHE_DTYPES:
             self._decode_per_sequence(q, key_cache, value_cache, md, output)
             return
         first = md.num_prefills
         direct = output.dtype == torch.float32 and output.is_contiguous()
         out = output if direct else torch.empty(output.shape, dtype=torch.float32)
-        cpu_kernels.paged_decode(
+        cpu_paged_decode.paged_decode(
             lib,
             q.to(torch.float32).contiguous(),
             key_cache,

@@ -4,7 +4,7 @@ column): the checkpoint's own integers, scales and offsets, laid out in equal gr
 Why this is not a plain column slice: an act-order record stores its columns sorted by group
 (`QuantizedWeight.input_perm`), and a row-parallel layer (o_proj, down_proj) gives each rank a
 range of the *input's* columns. Those lie scattered over every group, in unequal numbers, while
-the kernel (`cpu_qgemv.c`) reads groups of one size, each group's columns consecutive.
+the kernel (`native/qgemv.c`) reads groups of one size, each group's columns consecutive.
 
 What a rank holds instead: its columns in storage order (so sorted by group: one run of
 consecutive columns per group), each run padded with columns that contribute exactly nothing
@@ -86,7 +86,7 @@ def kernel_group_size(counts: torch.Tensor, bits: int, scale_bytes: int) -> int:
     """The kernel group size that stores runs of `counts[g]` columns in the fewest bytes per
     row: each run rounded up to whole groups, the total to `ALIGN` columns (`kernel_groups`),
     `bits / 8` bytes a column and `scale_bytes` a group. Candidates are the sizes the kernel's
-    fast paths take (`cpu_qgemv.c`): 32 times a power of two, up to the longest run. (Other
+    fast paths take (`native/qgemv.c`): 32 times a power of two, up to the longest run. (Other
     sizes take slower loops: Llama-3-8B's padded down_proj slice in groups of 96 measured 2.2 ms
     per bf16 row, in groups of 32, 64 or 128 1.6-1.8 ms.)"""
     top = max(int(counts.max()) if counts.numel() else 1, 1)

@@ -15,7 +15,7 @@ Formats (`quantization_config.format`, or a config group's own `format`):
   applied), so logits differ from a W8A8 kernel's by the activations' rounding, which is
   what weight-only avoids.
 - `float-quantized` (FP8 W8A8): `weight` float8_e4m3fn with its scales (tensor, channel or
-  block strategy): kept as an `FP8Weight` (`fp8`: W8A8 on CUDA, the `cpu_fp8` kernel on CPU)
+  block strategy): kept as an `FP8Weight` (`fp8`: W8A8 on CUDA, the `native.fp8_gemv` kernel on CPU)
   where the loader keeps FP8 layers, else dequantized to the model's dtype on load.
 `w = (q - z) * s` per group for the integer formats, as in `prequantized`.
 """

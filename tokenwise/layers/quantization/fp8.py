@@ -16,7 +16,7 @@ How a layer computes (`linear`):
   multiples of 16, the layer falls back (logged once) to its weight dequantized per call in the
   activations' dtype. Unverified on a GPU so far (tests/test_gpu_path.py has the checks).
 - CPU: weight-only, activations stay in floating point. Up to 8 rows (decode) run the C kernel
-  `cpu_fp8` over the fp8 bytes (half bf16's memory traffic); more rows (prefill) dequantize the
+  `native.fp8_gemv` over the fp8 bytes (half bf16's memory traffic); more rows (prefill) dequantize the
   weight per call (by the same kernels) and run torch's matmul. torch's own routes are far
   slower (`benchmarks/fp8_linear.py`, Llama-100m shapes, one row: its fp8 -> bf16 conversion and
   its CPU `_scaled_mm` take 25-100x a bf16 layer's time), so without the kernel the loader
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenwise.layers.quantization import cpu_fp8
+from tokenwise.native import fp8_gemv as cpu_fp8
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class FP8Weight:
         return (self.weight.float() * self._full_scale()).to(dtype)
 
     def _cpu_kernels(self):  # noqa: ANN202 (ctypes.CDLL | None)
-        """The C kernels (`cpu_fp8`) where they take this CPU weight, else None."""
+        """The C kernels (`native.fp8_gemv`) where they take this CPU weight, else None."""
         if self.weight.device.type != "cpu":
             return None
         if torch.compiler.is_compiling():  # ctypes calls cannot be traced

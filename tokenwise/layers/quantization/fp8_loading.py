@@ -14,7 +14,7 @@ at load (their records are not used): `FusedMoE` has no FP8 path.
 Under tensor parallelism each rank keeps its slice of a record: rows of column-parallel layers,
 columns of row-parallel ones, which must fall on the checkpoint's block boundaries (a slice
 cutting a block would need that block's scale on two ranks): otherwise loading stops, naming
-the layer. On CPU the layers keep their fp8 bytes where the C kernel (`cpu_fp8`) builds, else
+the layer. On CPU the layers keep their fp8 bytes where the C kernel (`native.fp8_gemv`) builds, else
 they are dequantized to the model's dtype once at load (`keep_fp8_on_cpu`).
 """
 
@@ -27,7 +27,6 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from tokenwise.layers.quantization import cpu_fp8
 from tokenwise.layers.quantization.fp8 import FP8_DTYPE, FP8Weight, quantize_fp8
 from tokenwise.layers.quantization.schemes import ROUTERS
 from tokenwise.layers.quantization.tp_slice import RankSlices
@@ -38,6 +37,7 @@ from tokenwise.layers.weight_utils import (
     checkpoint_names,
     materialize,
 )
+from tokenwise.native import fp8_gemv as cpu_fp8
 from tokenwise.platform import release_freed_memory
 from tokenwise.quantization_config import FP8CheckpointConfig
 
@@ -55,7 +55,7 @@ INPUT_SCALES = ("input_scale", "activation_scale")
 def keep_fp8_on_cpu() -> bool:
     """`TOKENWISE_CPU_FP8_WEIGHTS`: "fp8" (fp8 bytes kept: half bf16's memory; the C kernel
     at decode, the weight dequantized per call for prefill), "dense" (dequantized once at load:
-    bf16's memory and speed), or "auto" (default: "fp8" where the C kernel `cpu_fp8` builds,
+    bf16's memory and speed), or "auto" (default: "fp8" where the C kernel `native.fp8_gemv` builds,
     since without it each call dequantizes with torch ops, 50-100x slower than bf16)."""
     setting = os.environ.get("TOKENWISE_CPU_FP8_WEIGHTS", "auto").strip().lower()
     if setting not in ("auto", "dense", "fp8"):

@@ -7,7 +7,7 @@ products float16 does not hold, e.g. GPTQ's offsets `-z * s`.) Without offsets i
 centred on 8 (`o = -8 s`, q in [0, 15]): those are GGUF's Q8_0 and Q4_0 exactly (float16 scale
 per 32 values), and with offsets int4 is Q4_1's form (GPTQ's and AWQ's too, with `o = -z s`).
 int4 values are packed two per byte in GGUF's order: within each 32 values, byte j holds value j
-(low nibble) and value j + 16 (high nibble). See `cpu_qgemv.c` for the kernel that reads them.
+(low nibble) and value j + 16 (high nibble). See `native/qgemv.c` for the kernel that reads them.
 
 `input_perm` (GPTQ's act-order, `g_idx`): a checkpoint may group input columns that are not
 consecutive. The columns are then stored sorted by group, so each group is consecutive again,
@@ -34,7 +34,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tokenwise.layers.quantization import cpu_qgemv, gpu_weight_only
+from tokenwise.layers.quantization import gpu_weight_only
+from tokenwise.native import qgemv as cpu_qgemv
 
 BITS = (8, 4)
 # Row counts above which the dense weight is rebuilt for torch's matmul, rather than the kernel

@@ -1,4 +1,4 @@
-/* The integer path of cpu_qgemv.c: bf16 activations as int16, dot products in int32.
+/* The integer path of qgemv.c: bf16 activations as int16, dot products in int32.
  *
  * Widening every weight to float32 costs three instructions per 16 weights before its multiply
  * (convert to int32, to float, scale), which left the float path compute-bound below the
@@ -14,8 +14,10 @@
  * path's, so float32 activations keep the float path (their parity tests are at 1e-4).
  * Integer range: |q x| <= 128 * 32767 per product, so G <= 256 keeps a group's sum in int32.
  */
-#ifndef TW_CPU_QGEMV_X16_H
-#define TW_CPU_QGEMV_X16_H
+#ifndef TW_QGEMV_X16_H
+#define TW_QGEMV_X16_H
+
+#include "qgemv.h"
 
 #define X16_MAX_GROUP 256
 
@@ -50,17 +52,8 @@ INLINE __m256i dp16_256(__m256i acc, __m256i a, __m256i b) {
 #endif
 }
 
-/* Eight consecutive group parameters as floats (fewer when `valid` < 8: the rest are 0). */
-INLINE __m256 load8(const void *p, int64_t i, int valid, int f32) {
-#if defined(__F16C__)
-    if (valid == 8)
-        return f32 ? _mm256_loadu_ps((const float *)p + i)
-                   : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
-#endif
-    float tmp[8] = {0};
-    for (int j = 0; j < valid; j++) tmp[j] = param(p, i + j, f32);
-    return _mm256_loadu_ps(tmp);
-}
+/* One (r, m)'s result: its group sums' accumulator plus the offsets' (256-bit accumulators). */
+INLINE float x16_sum256(__m256 acc, __m256 off) { return hsum256(_mm256_add_ps(acc, off)); }
 
 /* Groups are folded eight at a time: the weights' scales (and offsets) of groups g0..g0+7
  * of each row are loaded as one vector and multiplied by x's group scales once, so a group's
@@ -81,6 +74,30 @@ INLINE __m256 load8(const void *p, int64_t i, int valid, int f32) {
         }                                                                                  \
     }
 
+/* One step of int4 weights in W-bit registers (W / 8 values: W / 16 bytes of each row): the
+ * nibbles widened to int16 (`lo`: values 0..15 of each 32-value block, `hi`: 16..31), times x
+ * (in that order: `x4_order` for 512 bits) into `gi`. */
+#define X16_LOAD_U4_256(p) _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p)))
+#define X16_LOAD_X_256(p) _mm256_loadu_si256((const __m256i *)(p))
+#define X16_LOAD_U4_512(p) _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(p)))
+#define X16_LOAD_X_512(p) _mm512_loadu_si512((const void *)(p))
+#define X16_Q4_STEP(W)                                                                     \
+    for (int r = 0; r < R; r++) {                                                          \
+        const uint8_t *p = q + r * rb + k / 2;                                             \
+        if (!(k & 127)) PREFETCH(p);                                                       \
+        const __m##W##i v = X16_LOAD_U4_##W(p);                                            \
+        lo[r] = _mm##W##_and_si##W(v, low4);                                               \
+        hi[r] = _mm##W##_srli_epi16(v, 4);                                                 \
+    }                                                                                      \
+    for (int m = 0; m < M; m++) {                                                          \
+        const __m##W##i xl = X16_LOAD_X_##W(c->xq + m * K + k);                            \
+        const __m##W##i xh = X16_LOAD_X_##W(c->xq + m * K + k + W / 16);                  \
+        for (int r = 0; r < R; r++) {                                                      \
+            gi[r][m] = dp16_##W(gi[r][m], lo[r], xl);                                      \
+            gi[r][m] = dp16_##W(gi[r][m], hi[r], xh);                                      \
+        }                                                                                  \
+    }
+
 /* int4 weights, 32 values (16 bytes) at a time in 256-bit registers: low nibbles are values
  * 0..15 of the block, high nibbles 16..31. */
 INLINE void q4x16_block256(const qctx *c, int64_t n, float *t, const int R, const int M) {
@@ -88,32 +105,16 @@ INLINE void q4x16_block256(const qctx *c, int64_t n, float *t, const int R, cons
     const uint8_t *q = c->q + n * rb;
     const __m256i low4 = _mm256_set1_epi16(15);
     __m256 acc[4][MAX_M], off[4][MAX_M];
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) acc[r][m] = off[r][m] = _mm256_setzero_ps();
+    TW_FOR_RM(acc[r][m] = off[r][m] = _mm256_setzero_ps());
     for (int64_t g0 = 0; g0 < ng; g0 += 8) {
         X16_CHUNK_BEGIN()
         for (int j = 0; j < valid; j++) {
             const int64_t g = g0 + j;
             __m256i gi[4][MAX_M];
-            for (int r = 0; r < R; r++)
-                for (int m = 0; m < M; m++) gi[r][m] = _mm256_setzero_si256();
+            TW_FOR_RM(gi[r][m] = _mm256_setzero_si256());
             for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
                 __m256i lo[4], hi[4];
-                for (int r = 0; r < R; r++) {
-                    const uint8_t *p = q + r * rb + k / 2;
-                    if (!(k & 127)) PREFETCH(p);
-                    __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
-                    lo[r] = _mm256_and_si256(v, low4);
-                    hi[r] = _mm256_srli_epi16(v, 4);
-                }
-                for (int m = 0; m < M; m++) {
-                    __m256i xl = _mm256_loadu_si256((const __m256i *)(c->xq + m * K + k));
-                    __m256i xh = _mm256_loadu_si256((const __m256i *)(c->xq + m * K + k + 16));
-                    for (int r = 0; r < R; r++) {
-                        gi[r][m] = dp16_256(gi[r][m], lo[r], xl);
-                        gi[r][m] = dp16_256(gi[r][m], hi[r], xh);
-                    }
-                }
+                X16_Q4_STEP(256)
             }
             for (int r = 0; r < R; r++)
                 for (int m = 0; m < M; m++)
@@ -121,8 +122,7 @@ INLINE void q4x16_block256(const qctx *c, int64_t n, float *t, const int R, cons
                                                 _mm256_set1_ps(pbuf[r][m][j]), acc[r][m]);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) t[r * M + m] = hsum256(_mm256_add_ps(acc[r][m], off[r][m]));
+    TW_FOR_RM(t[r * M + m] = x16_sum256(acc[r][m], off[r][m]));
 }
 
 #if defined(TW_AVX512)
@@ -133,6 +133,9 @@ INLINE __m512i dp16_512(__m512i acc, __m512i a, __m512i b) {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
 #endif
 }
+
+/* As x16_sum256, for 512-bit accumulators. */
+INLINE float x16_sum512(__m512 acc, __m256 off) { return _mm512_reduce_add_ps(acc) + hsum256(off); }
 
 /* Whether int4 weights take the 512-bit path: 64 values (two 32-value blocks) per step, which
  * needs steps that never straddle two groups' folds (G 32, or a multiple of 64). */
@@ -157,30 +160,14 @@ INLINE void q4x16_block512(const qctx *c, int64_t n, float *t, const int R, cons
     const __m512i low4 = _mm512_set1_epi16(15);
     __m512 acc[4][MAX_M];
     __m256 off[4][MAX_M];
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps(), off[r][m] = _mm256_setzero_ps();
+    TW_FOR_RM(acc[r][m] = _mm512_setzero_ps(), off[r][m] = _mm256_setzero_ps());
     for (int64_t g0 = 0; g0 < ng; g0 += 8) {
         X16_CHUNK_BEGIN()
         __m512i gi[4][MAX_M];
-        for (int r = 0; r < R; r++)
-            for (int m = 0; m < M; m++) gi[r][m] = _mm512_setzero_si512();
+        TW_FOR_RM(gi[r][m] = _mm512_setzero_si512());
         for (int64_t k = g0 * G; k < (g0 + valid) * G; k += 64) {
             __m512i lo[4], hi[4];
-            for (int r = 0; r < R; r++) {
-                const uint8_t *p = q + r * rb + k / 2;
-                if (!(k & 127)) PREFETCH(p);
-                __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
-                lo[r] = _mm512_and_si512(v, low4);
-                hi[r] = _mm512_srli_epi16(v, 4);
-            }
-            for (int m = 0; m < M; m++) {
-                __m512i xl = _mm512_loadu_si512((const void *)(c->xq + m * K + k));
-                __m512i xh = _mm512_loadu_si512((const void *)(c->xq + m * K + k + 32));
-                for (int r = 0; r < R; r++) {
-                    gi[r][m] = dp16_512(gi[r][m], lo[r], xl);
-                    gi[r][m] = dp16_512(gi[r][m], hi[r], xh);
-                }
-            }
+            X16_Q4_STEP(512)
             if (G == 32 || (k + 64) % G == 0) {
                 const int a = (int)(k / G - g0), b = (int)((k + 32) / G - g0);
                 const __m512i lane =
@@ -194,87 +181,57 @@ INLINE void q4x16_block512(const qctx *c, int64_t n, float *t, const int R, cons
             }
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++)
-            t[r * M + m] = _mm512_reduce_add_ps(acc[r][m]) + hsum256(off[r][m]);
+    TW_FOR_RM(t[r * M + m] = x16_sum512(acc[r][m], off[r][m]));
 }
 
-/* int8 weights, 32 values at a time widened to int16 in a 512-bit register. */
+#endif
+
+/* int8 weights, 2 * TW_VW values at a time widened to int16 in the widest integer register. */
+#if defined(TW_AVX512)
+#define X16_LOAD_I8(p) _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(p)))
+#define X16_LOAD(p) _mm512_loadu_si512((const void *)(p))
+#define X16_DP dp16_512
+#define X16_SUM x16_sum512
+#else
+#define X16_LOAD_I8(p) _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p)))
+#define X16_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define X16_DP dp16_256
+#define X16_SUM x16_sum256
+#endif
 INLINE void q8x16_block(const qctx *c, int64_t n, float *t, const int R, const int M) {
     const int64_t K = c->K, G = c->G, ng = K / G;
     const int8_t *q = (const int8_t *)c->q + n * K;
-    __m512 acc[4][MAX_M];
+    tw_vf acc[4][MAX_M];
     __m256 off[4][MAX_M];
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps(), off[r][m] = _mm256_setzero_ps();
+    TW_FOR_RM(acc[r][m] = TW_V(setzero_ps)(), off[r][m] = _mm256_setzero_ps());
     for (int64_t g0 = 0; g0 < ng; g0 += 8) {
         X16_CHUNK_BEGIN()
         for (int j = 0; j < valid; j++) {
             const int64_t g = g0 + j;
-            __m512i gi[4][MAX_M];
-            for (int r = 0; r < R; r++)
-                for (int m = 0; m < M; m++) gi[r][m] = _mm512_setzero_si512();
-            for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
-                __m512i w[4];
+            tw_vi gi[4][MAX_M];
+            TW_FOR_RM(gi[r][m] = TW_VI_ZERO());
+            for (int64_t k = g * G; k < (g + 1) * G; k += 2 * TW_VW) {
+                tw_vi w[4];
                 for (int r = 0; r < R; r++) {
                     const int8_t *p = q + r * K + k;
                     if (!(k & 63)) PREFETCH(p);
-                    w[r] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));
+                    w[r] = X16_LOAD_I8(p);
                 }
                 for (int m = 0; m < M; m++) {
-                    __m512i xv = _mm512_loadu_si512((const void *)(c->xq + m * K + k));
-                    for (int r = 0; r < R; r++) gi[r][m] = dp16_512(gi[r][m], w[r], xv);
+                    tw_vi xv = X16_LOAD(c->xq + m * K + k);
+                    for (int r = 0; r < R; r++) gi[r][m] = X16_DP(gi[r][m], w[r], xv);
                 }
             }
             /* The scale is broadcast from memory (a load port), not shuffled out of `prod`:
              * the shuffle port already widens every weight vector. */
             for (int r = 0; r < R; r++)
                 for (int m = 0; m < M; m++)
-                    acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(gi[r][m]),
-                                                _mm512_set1_ps(pbuf[r][m][j]), acc[r][m]);
+                    acc[r][m] = TW_V(fmadd_ps)(TW_V(cvtepi32_ps)(gi[r][m]),
+                                               TW_V(set1_ps)(pbuf[r][m][j]), acc[r][m]);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++)
-            t[r * M + m] = _mm512_reduce_add_ps(acc[r][m]) + hsum256(off[r][m]);
+    TW_FOR_RM(t[r * M + m] = X16_SUM(acc[r][m], off[r][m]));
 }
-#elif defined(TW_AVX2)
-/* int8 weights, 16 values at a time widened to int16 in a 256-bit register. */
-INLINE void q8x16_block(const qctx *c, int64_t n, float *t, const int R, const int M) {
-    const int64_t K = c->K, G = c->G, ng = K / G;
-    const int8_t *q = (const int8_t *)c->q + n * K;
-    __m256 acc[4][MAX_M], off[4][MAX_M];
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) acc[r][m] = off[r][m] = _mm256_setzero_ps();
-    for (int64_t g0 = 0; g0 < ng; g0 += 8) {
-        X16_CHUNK_BEGIN()
-        for (int j = 0; j < valid; j++) {
-            const int64_t g = g0 + j;
-            __m256i gi[4][MAX_M];
-            for (int r = 0; r < R; r++)
-                for (int m = 0; m < M; m++) gi[r][m] = _mm256_setzero_si256();
-            for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
-                __m256i w[4];
-                for (int r = 0; r < R; r++) {
-                    const int8_t *p = q + r * K + k;
-                    if (!(k & 63)) PREFETCH(p);
-                    w[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
-                }
-                for (int m = 0; m < M; m++) {
-                    __m256i xv = _mm256_loadu_si256((const __m256i *)(c->xq + m * K + k));
-                    for (int r = 0; r < R; r++) gi[r][m] = dp16_256(gi[r][m], w[r], xv);
-                }
-            }
-            for (int r = 0; r < R; r++)
-                for (int m = 0; m < M; m++)
-                    acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(gi[r][m]),
-                                                _mm256_set1_ps(pbuf[r][m][j]), acc[r][m]);
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) t[r * M + m] = hsum256(_mm256_add_ps(acc[r][m], off[r][m]));
-}
-#endif
 
 #endif
 

@@ -70,6 +70,11 @@ def call(lib: ctypes.CDLL, name: str, *args: Any) -> Any:
     return fn(*args)
 
 
+def ptrs(*tensors: Any) -> list[int | None]:
+    """The tensors' data pointers, as a kernel takes them (None for an absent tensor)."""
+    return [None if t is None else t.data_ptr() for t in tensors]
+
+
 def is_recording() -> bool:
     return _recording is not None
 

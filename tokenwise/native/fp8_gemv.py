@@ -1,4 +1,4 @@
-"""The C kernels of FP8 linear layers on CPU (`cpu_fp8.c`), loaded through ctypes.
+"""The C kernels of FP8 linear layers on CPU (`fp8_gemv.c`), loaded through ctypes.
 
 `tw_fp8_gemv` multiplies up to 8 rows of activations by float8_e4m3fn weights, widening them
 in registers (an e4m3 byte's bits moved into an IEEE half, then F16C), each tile's, row's or
@@ -8,7 +8,7 @@ Activations stay in floating point (weight-only, as on CPU for every quantized f
 torch's matmul. torch's own CPU routes are far slower (`benchmarks/fp8_linear.py`: its fp8 ->
 bf16 conversion and its CPU `_scaled_mm` take 50-100x a bf16 layer's time at one row).
 
-Built at first use for this CPU by `native_build`, like `cpu_qgemv`, used under the same
+Built at first use for this CPU by `native.build`, like `qgemv`, used under the same
 conditions (libgomp, so it runs on torch's OpenMP threads, and a vector ISA: AVX2 + F16C or
 AVX-512), for layers whose input size is a multiple of 16 and whose tiles are multiples of 16
 columns and 4 rows. Elsewhere `FP8Weight` dequantizes with torch ops: slower, same values.
@@ -18,17 +18,21 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import subprocess
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from tokenwise.layers import native_build, native_trace
+from tokenwise.native import build, trace
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent.parent / "cpu_fp8.c"
+KERNEL = build.Kernel(
+    "fp8_gemv.c",
+    what="the fp8 CPU linear kernel",
+    fallback="fp8 layers dequantize with torch ops",
+    needs_libgomp=True,
+)
 MAX_ROWS = 8
 ISA_NAMES = {0: "plain C", 1: "AVX2 + F16C", 2: "AVX-512"}
 KINDS = {"tensor": 0, "channel": 1, "block": 2}
@@ -42,19 +46,8 @@ _INT = ctypes.c_int
 def load() -> ctypes.CDLL | None:
     """The compiled kernels, or None where they cannot be built, would not share torch's
     OpenMP threads, or have no vector path on this CPU."""
-    if not native_build.torch_uses_libgomp():
-        logger.info("fp8 CPU linear kernel not used: torch's OpenMP runtime is not libgomp")
-        return None
-    compiler = native_build.find_compiler()
-    if compiler is None:
-        logger.warning("no C compiler found: fp8 layers dequantize with torch ops")
-        return None
-    try:
-        path = native_build.build(compiler, SOURCE, "fp8", [*native_build.BASE_FLAGS, "-fopenmp"])
-        lib = open_library(path)
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", "") or exc
-        logger.warning("fp8 CPU linear kernel build failed, using torch ops: %s", detail)
+    lib = KERNEL.load(build.OPENMP_FLAGS, open_library)
+    if lib is None:
         return None
     if lib.tw_fp8_isa() == 0:
         logger.info("fp8 CPU linear kernel not used: no AVX2 + F16C or AVX-512 on this CPU")
@@ -103,14 +96,10 @@ def gemv(
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
     if bias is not None:
         bias = bias.to(x.dtype).contiguous()
-    status = native_trace.call(
+    status = trace.call(
         lib,
         "tw_fp8_gemv",
-        x2.data_ptr(),
-        weight.data_ptr(),
-        scale.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        out.data_ptr(),
+        *trace.ptrs(x2, weight, scale, bias, out),
         rows,
         n,
         k,

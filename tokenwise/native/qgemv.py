@@ -1,4 +1,4 @@
-"""The C kernels of group-quantized linear layers on CPU (`cpu_qgemv.c`), loaded through ctypes.
+"""The C kernels of group-quantized linear layers on CPU (`qgemv.c`), loaded through ctypes.
 
 `tw_qgemv` multiplies up to 8 rows of activations by int8 or int4 weights, widening each group
 in registers (decode: bound by reading the weights, so fewer bytes per weight is faster).
@@ -7,7 +7,7 @@ arithmetic for its Q8_0 / Q4_0 dot products (`TOKENWISE_CPU_QUANT_ACTIVATIONS=in
 bits instead: 1/65534 of a group's largest value rather than 1/254, and 1.3-1.8x slower on
 AVX512_VNNI); float32 activations always take the exact float path;
 `tw_qdequant` writes the dense weights for larger row counts (prefill), which then run through
-torch's matmul. Built at first use for this CPU by `native_build`, like `cpu_gemv`, and used
+torch's matmul. Built at first use for this CPU by `native.build`, like `gemv`, and used
 under the same conditions (libgomp, so the kernel runs on torch's OpenMP threads). Where it is
 unavailable, `weight_only` dequantizes with torch ops instead: slower, same values.
 """
@@ -17,17 +17,21 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import subprocess
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from tokenwise.layers import native_build, native_trace
+from tokenwise.native import build, trace
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent.parent / "cpu_qgemv.c"
+KERNEL = build.Kernel(
+    "qgemv.c",
+    what="the quantized CPU linear kernel",
+    fallback="layers dequantize with torch ops",
+    needs_libgomp=True,
+)
 MAX_ROWS = 8
 ISA_NAMES = {0: "plain C", 1: "AVX2", 2: "AVX-512"}
 ACTIVATIONS_ENV = "TOKENWISE_CPU_QUANT_ACTIVATIONS"
@@ -42,25 +46,15 @@ _INT = ctypes.c_int
 def load() -> ctypes.CDLL | None:
     """The compiled kernels, or None where they cannot be built or would not share torch's
     OpenMP threads (the caller then dequantizes with torch ops)."""
-    if not native_build.torch_uses_libgomp():
-        logger.info("quantized CPU linear kernel not used: torch's OpenMP runtime is not libgomp")
-        return None
-    compiler = native_build.find_compiler()
-    if compiler is None:
-        logger.warning("no C compiler found: quantized layers dequantize with torch ops")
-        return None
-    try:
-        lib = open_library(native_build.build(compiler, SOURCE, "qgemv", flags()))
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", "") or exc
-        logger.warning("quantized CPU linear kernel build failed, using torch ops: %s", detail)
+    lib = KERNEL.load(flags(), open_library)
+    if lib is None:
         return None
     logger.info("quantized CPU linear kernel built for %s", ISA_NAMES.get(lib.tw_qgemv_isa()))
     return lib
 
 
 def flags() -> list[str]:
-    return [*native_build.BASE_FLAGS, "-fopenmp"]
+    return build.OPENMP_FLAGS
 
 
 def open_library(path: Path) -> ctypes.CDLL:
@@ -74,7 +68,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.tw_qdequant.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _INT, _I64, _INT, _INT, _INT]
     lib.tw_qrows.restype = _INT
     lib.tw_qrows.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _INT, _I64, _INT, _INT]
-    for name in ("tw_qgemv", "tw_qrows"):  # what a replayed CPU graph calls (`native_trace`)
+    for name in ("tw_qgemv", "tw_qrows"):  # what a replayed CPU graph calls (`trace`)
         packed = getattr(lib, name + "_packed")
         packed.restype, packed.argtypes = _INT, [_PTR]
     return lib
@@ -89,10 +83,6 @@ def activation_bits() -> int:
             f"{ACTIVATIONS_ENV} must be one of {', '.join(ACTIVATION_BITS)}, got {name!r}"
         )
     return ACTIVATION_BITS[name]
-
-
-def _ptr(tensor: torch.Tensor | None) -> int | None:
-    return None if tensor is None else tensor.data_ptr()
 
 
 def qgemv(
@@ -119,15 +109,10 @@ def qgemv(
     out = torch.empty(x.shape[:-1] + (out_features,), dtype=x.dtype)
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
-    status = native_trace.call(
+    status = trace.call(
         lib,
         "tw_qgemv",
-        x.data_ptr(),
-        qweight.data_ptr(),
-        scales.data_ptr(),
-        _ptr(offsets),
-        _ptr(bias),
-        out.data_ptr(),
+        *trace.ptrs(x, qweight, scales, offsets, bias, out),
         rows,
         out_features,
         k,
@@ -159,10 +144,7 @@ def dequantize(
     """The dense `[N, K]` weight in `dtype` (float32 or bfloat16)."""
     out = torch.empty(shape, dtype=dtype)
     status = lib.tw_qdequant(
-        qweight.data_ptr(),
-        scales.data_ptr(),
-        _ptr(offsets),
-        out.data_ptr(),
+        *trace.ptrs(qweight, scales, offsets, out),
         shape[0],
         shape[1],
         bits,
@@ -193,13 +175,10 @@ def rows(
     if flat.dtype != torch.int64 or not flat.is_contiguous():
         flat = flat.to(torch.int64).contiguous()
     out = torch.empty(ids.shape + (k,), dtype=dtype)
-    status = native_trace.call(
+    status = trace.call(
         lib,
         "tw_qrows",
-        qweight.data_ptr(),
-        scales.data_ptr(),
-        _ptr(offsets),
-        flat.data_ptr(),
+        *trace.ptrs(qweight, scales, offsets, flat),
         flat.numel(),
         out.data_ptr(),
         k,

@@ -1,8 +1,8 @@
 """Build, load and call the C paged-decode kernel of the CPU backend.
 
-The kernel (`cpu_paged_decode.c`) is compiled on first use for this very CPU and cached, by
-`tokenwise.layers.native_build` (shared with the small-M linear kernel, which says how). It
-needs no PyTorch headers (plain C through ctypes), so the build takes about a second.
+The kernel (`paged_decode.c`) is compiled on first use for this very CPU and cached, by
+`tokenwise.native.build` (shared with every native kernel, which says how). It needs no PyTorch
+headers (plain C through ctypes), so the build takes about a second.
 
 Where no compiler is found, the build fails, or `TOKENWISE_CPU_KERNELS=0` is set, `load()`
 returns None and the backend keeps its pure-PyTorch decode; the engine works either way.
@@ -19,9 +19,7 @@ sequences are split over a small Python thread pool instead (ctypes releases the
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from itertools import pairwise
@@ -29,16 +27,17 @@ from pathlib import Path
 
 import torch
 
-from tokenwise.attention.backends.kv_quant import FP8_DTYPES, kernel_code
-from tokenwise.layers import native_build, native_trace
-from tokenwise.layers.native_build import FAST_MATH
+from tokenwise.native import build, trace
 
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
-CFLAGS = ["-O3", "-march=native", *FAST_MATH, "-fopenmp-simd", "-shared", "-fPIC"]
-_torch_uses_libgomp = native_build.torch_uses_libgomp
-CACHE_DTYPES = (torch.float32, torch.bfloat16, *FP8_DTYPES)
+KERNEL = build.Kernel(
+    "paged_decode.c", what="the decode-attention kernel", fallback="attention runs its torch code"
+)
+CFLAGS = ["-O3", "-march=native", *build.FAST_MATH, "-fopenmp-simd", "-shared", "-fPIC"]
+_torch_uses_libgomp = build.torch_uses_libgomp
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# The kernel's cache dtype codes (CACHE_* in `paged_decode.c`).
+_KERNEL_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
+CACHE_DTYPES = tuple(_KERNEL_CODES)
 IO_DTYPES = (torch.float32, torch.bfloat16)  # queries, new K/V rows and outputs of a step
 # Below this many keys in a batch, one thread is cheaper than handing work to the pool.
 MIN_KEYS_PER_THREAD = 4096
@@ -57,8 +56,13 @@ def _flags() -> list[str]:
     return [*CFLAGS, "-fopenmp"] if _torch_uses_libgomp() else CFLAGS
 
 
+def kernel_code(dtype: torch.dtype) -> int:
+    """The kernel's code for a cache dtype (KeyError: a dtype the kernel cannot read)."""
+    return _KERNEL_CODES[dtype]
+
+
 def _build(compiler: str) -> Path:
-    return native_build.build(compiler, SOURCE, "paged_decode", _flags())
+    return build.build(compiler, KERNEL.source, "paged_decode", _flags())
 
 
 @cache
@@ -66,16 +70,12 @@ def load() -> ctypes.CDLL | None:
     """The compiled kernel library, or None when it cannot be used on this machine."""
     if os.environ.get("TOKENWISE_CPU_KERNELS", "1") == "0":
         return None
-    compiler = native_build.find_compiler()
-    if compiler is None:
-        logger.warning("no C compiler found: CPU decode attention uses the PyTorch fallback")
-        return None
-    try:
-        lib = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", "") or exc
-        logger.warning("CPU attention kernel build failed, using the PyTorch fallback: %s", detail)
-        return None
+    return KERNEL.load(_flags(), open_library)
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """The built kernel at `path`, its functions typed."""
+    lib = ctypes.CDLL(str(path))
     fn = lib.paged_decode
     fn.restype = ctypes.c_int
     fn.argtypes = [_PTR, _PTR, _PTR, ctypes.c_int, _PTR, _I64, _PTR, _PTR, _I64, _I64]
@@ -179,7 +179,7 @@ def decode_step(
     threads = (
         torch.get_num_threads() if total_keys is None else _num_threads(n, num_kv_heads, total_keys)
     )
-    status = native_trace.call(
+    status = trace.call(
         lib,
         "paged_decode_step",
         query.data_ptr(),

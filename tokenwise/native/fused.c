@@ -22,40 +22,22 @@
  * integers as they are, a float's bits in the low half): a replayed CPU graph
  * (tokenwise/compilation/cpu_graph.py) calls every recorded kernel through that one signature.
  */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "common.h"
 
 #define LANES 8
 #define ILP 4
 #define LEVELS 4
 
-static inline float widen(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float out;
-    memcpy(&out, &bits, sizeof out);
-    return out;
-}
-
-static inline uint16_t narrow(float f) { /* round to nearest even; NaN stays a quiet NaN */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
 /* A value of the model's dtype as float32, and a float32 result rounded to it. */
 static inline float load(const void *p, int64_t i, int bf16) {
-    return bf16 ? widen(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-static inline float round_to(float f, int bf16) { return bf16 ? widen(narrow(f)) : f; }
+static inline float round_to(float f, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(f)) : f; }
 
 static inline void store(void *p, int64_t i, float f, int bf16) {
     if (bf16)
-        ((uint16_t *)p)[i] = narrow(f);
+        ((uint16_t *)p)[i] = f32_to_bf16(f);
     else
         ((float *)p)[i] = f;
 }
@@ -259,31 +241,7 @@ void tw_argmax(const float *x, int64_t rows, int64_t n, int64_t *out) {
     }
 }
 
-/* exp(x) within a few float ulps (the exponent by rounding, the rest by a degree-6
- * polynomial on |r| <= ln2/2), as plain arithmetic the compiler vectorises; tiny below -87,
- * infinite above 88.72 (as expf overflows). 2^n is applied in two halves so that n = 128
- * overflows the product, not the exponent field. */
-static inline float exp_poly(float x) {
-    x = x < -87.0f ? -87.0f : (x > 89.0f ? 89.0f : x);
-    const float t = x * 1.44269504088896341f;
-    const int n = (int)(t + (t >= 0.0f ? 0.5f : -0.5f));
-    const float r = x - (float)n * 0.693145751953125f - (float)n * 1.42860682030941723e-6f;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const int n1 = n / 2;
-    const uint32_t bits1 = (uint32_t)(n1 + 127) << 23, bits2 = (uint32_t)(n - n1 + 127) << 23;
-    float scale1, scale2;
-    memcpy(&scale1, &bits1, sizeof scale1);
-    memcpy(&scale2, &bits2, sizeof scale2);
-    return p * scale1 * scale2;
-}
-
-/* `exp_poly` of AW values at once, the same operations in the same order (so the same
+/* `tw_exp` (common.h) of AW values at once, the same operations in the same order (so the same
  * results), written with vector types: the scalar version's clamps are branches to GCC
  * (float compares may trap), which keeps it from vectorising that loop. */
 static inline vf16 select16(vi16 mask, vf16 a, vf16 b) {
@@ -294,27 +252,12 @@ static inline vf16 exp16(vf16 x) {
     const vf16 zero = {0};
     x = select16(x < -87.0f, zero - 87.0f, x);
     x = select16(x > 89.0f, zero + 89.0f, x);
-    const vf16 t = x * 1.44269504088896341f;
+    const vf16 t = x * TW_LOG2E;
     const vi16 n = __builtin_convertvector(t + select16(t >= 0.0f, zero + 0.5f, zero - 0.5f), vi16);
     const vf16 nf = __builtin_convertvector(n, vf16);
-    const vf16 r = x - nf * 0.693145751953125f - nf * 1.42860682030941723e-6f;
-    vf16 p = zero + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
+    const vf16 r = x - nf * TW_LN2_HI - nf * TW_LN2_LO;
     const vi16 n1 = n / 2;
-    return p * (vf16)((n1 + 127) << 23) * (vf16)((n - n1 + 127) << 23);
-}
-
-/* `narrow` without a branch, for loops the compiler should vectorise. */
-static inline uint16_t narrow_select(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? (bits >> 16) | 0x40u : rounded);
+    return TW_EXP_POLY(r) * (vf16)((n1 + 127) << 23) * (vf16)((n - n1 + 127) << 23);
 }
 
 /* SwiGLU's `silu(gate) * up` over `rows` rows of [gate | up] (2 * d values each) into
@@ -335,11 +278,11 @@ int tw_act_mul(const void *x, void *out, int64_t rows, int64_t d, int act, int b
                 const vf16 v = load16(g + i), y = v / (1.0f + exp16(-v));
                 memcpy(g + i, &y, sizeof y);
             }
-            for (; i < m; ++i) g[i] = g[i] / (1.0f + exp_poly(-g[i]));
+            for (; i < m; ++i) g[i] = g[i] / (1.0f + tw_exp(-g[i]));
             if (bf16) {
                 uint16_t *o = (uint16_t *)out + r * d + i0;
-                for (int64_t i = 0; i < m; ++i) g[i] = widen(narrow_select(g[i]));
-                for (int64_t i = 0; i < m; ++i) o[i] = narrow_select(g[i] * u[i]);
+                for (int64_t i = 0; i < m; ++i) g[i] = bf16_to_f32(f32_to_bf16(g[i]));
+                for (int64_t i = 0; i < m; ++i) o[i] = f32_to_bf16(g[i] * u[i]);
             } else {
                 for (int64_t i = 0; i < m; ++i) ((float *)out)[r * d + i0 + i] = g[i] * u[i];
             }
@@ -356,29 +299,22 @@ int tw_embed_rows(const void *table, const int64_t *ids, int64_t n, int64_t row_
     return 0;
 }
 
-/* The `_packed` entries (see the top of this file). */
-static inline float f32_arg(int64_t bits) {
-    const uint32_t low = (uint32_t)bits;
-    float f;
-    memcpy(&f, &low, sizeof f);
-    return f;
-}
-
-#define P(i) ((void *)(intptr_t)a[i])
-
+/* The `_packed` entries (common.h). */
 int tw_rms_norm_packed(const int64_t *a) {
-    return tw_rms_norm(P(0), P(1), P(2), P(3), P(4), a[5], a[6], f32_arg(a[7]), (int)a[8],
-                       a[9], a[10]);
+    return tw_rms_norm(TW_PTR(0), TW_PTR(1), TW_PTR(2), TW_PTR(3), TW_PTR(4), a[5], a[6],
+                       tw_f32_arg(a[7]), (int)a[8], a[9], a[10]);
 }
 
 int tw_rope_neox_packed(const int64_t *a) {
-    tw_rope_neox(P(0), P(1), P(2), P(3), P(4), P(5), a[6], a[7], a[8], a[9], a[10], a[11],
-                 (int)a[12]);
+    tw_rope_neox(TW_PTR(0), TW_PTR(1), TW_PTR(2), TW_PTR(3), TW_PTR(4), TW_PTR(5), a[6], a[7],
+                 a[8], a[9], a[10], a[11], (int)a[12]);
     return 0;
 }
 
 int tw_act_mul_packed(const int64_t *a) {
-    return tw_act_mul(P(0), P(1), a[2], a[3], (int)a[4], (int)a[5]);
+    return tw_act_mul(TW_PTR(0), TW_PTR(1), a[2], a[3], (int)a[4], (int)a[5]);
 }
 
-int tw_embed_rows_packed(const int64_t *a) { return tw_embed_rows(P(0), P(1), a[2], a[3], P(4)); }
+int tw_embed_rows_packed(const int64_t *a) {
+    return tw_embed_rows(TW_PTR(0), TW_PTR(1), a[2], a[3], TW_PTR(4));
+}

@@ -3,7 +3,7 @@ each weight row once, at close to the memory bandwidth.
 
 Batch-1 decode is bound by weight bytes: every step reads every weight once for one row of
 activations. oneDNN's prepacked linear (`cpu_prepack`) and `F.linear` reach about half the
-machine's bandwidth there. `cpu_gemv.c` loads each weight row once for all rows of `x` (they
+machine's bandwidth there. `gemv.c` loads each weight row once for all rows of `x` (they
 stay in L1), a few weight rows at a time, split over torch's OpenMP threads in contiguous
 ranges; bf16 weights are read as bf16 (half the bytes of the float32 copy oneDNN uses on
 CPUs without bf16 kernels) and accumulated in float32.
@@ -16,7 +16,7 @@ of that bandwidth; prepacked 27-29, F.linear 30-31) and 27-28 GB/s in bf16 (86-9
 26-27, F.linear 19-23). At 4-8 bf16 rows oneDNN's AMX kernels win (the kernel drops to 16-21
 GB/s, compute-bound), hence the per-dtype `MAX_ROWS`.
 
-The kernel is built at first use by `native_build` (as the decode-attention kernel is) and
+The kernel is built at first use by `native.build` (as every native kernel is) and
 used only where it is expected to be faster: an AVX2 or AVX-512 build, torch's OpenMP runtime
 being GNU libgomp (so the kernel runs on torch's threads), eager mode (not under
 `torch.compile`, which lowers its own matmuls), no autograd, contiguous float32/bfloat16
@@ -29,17 +29,21 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import subprocess
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from tokenwise.layers import native_build, native_trace
+from tokenwise.native import build, trace
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_gemv.c")
+KERNEL = build.Kernel(
+    "gemv.c",
+    what="the small-M CPU linear kernel",
+    fallback="linear layers keep oneDNN/F.linear",
+    needs_libgomp=True,
+)
 # The kernel takes up to 8 rows; the engine sends it calls of up to this many rows per dtype,
 # where it was as fast as or faster than the prepacked path in benchmarks/linear_bandwidth.py
 # (2 threads, AVX-512 + AVX512_BF16 + AMX): float32 1.0-1.25x at 1 to 8 rows (the LM head at
@@ -61,7 +65,7 @@ def enabled() -> bool:
 
 
 def _flags() -> list[str]:
-    return [*native_build.BASE_FLAGS, "-fopenmp"]
+    return build.OPENMP_FLAGS
 
 
 @cache
@@ -70,20 +74,8 @@ def load() -> ctypes.CDLL | None:
     be faster than the prepacked path (no vector ISA, or no libgomp to share threads with)."""
     if not enabled():
         return None
-    if not native_build.torch_uses_libgomp():
-        logger.info("small-M CPU linear kernel not used: torch's OpenMP runtime is not libgomp")
-        return None
-    compiler = native_build.find_compiler()
-    if compiler is None:
-        logger.warning("no C compiler found: CPU linear layers keep the oneDNN/F.linear path")
-        return None
-    try:
-        lib = open_library(native_build.build(compiler, SOURCE, "gemv", _flags()))
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", "") or exc
-        logger.warning(
-            "CPU linear kernel build failed, keeping the oneDNN/F.linear path: %s", detail
-        )
+    lib = KERNEL.load(_flags(), open_library)
+    if lib is None:
         return None
     isa = lib.tw_gemv_isa()
     if isa == 0:
@@ -132,13 +124,10 @@ def linear(
     out = torch.empty((rows, n) if x.dim() == 2 else (*x.shape[:-1], n), dtype=x.dtype)
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
-    status = native_trace.call(
+    status = trace.call(
         lib,
         "tw_gemv",
-        x2.data_ptr(),
-        weight.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        out.data_ptr(),
+        *trace.ptrs(x2, weight, bias, out),
         rows,
         n,
         k,

@@ -14,7 +14,7 @@
  * `TILE` token rows into the output per load/store of it, the softmax uses a vectorised
  * exponential, and no integer division is left in a per-token loop.
  *
- * It is built at first use by tokenwise/attention/backends/cpu_kernels.py with the machine's C
+ * It is built at first use by tokenwise/native/paged_decode.py with the machine's C
  * compiler (-O3 -march=native) and called through ctypes, which releases the GIL: the caller
  * splits the sequences over threads. No OpenMP runtime is linked (torch has its own), only
  * `omp simd` vectorisation hints. A bfloat16 cache is widened to float32 in registers as it is
@@ -24,16 +24,7 @@
  * half the bytes of bf16 for a few integer ops per value. Its keys are read as stored * k_scale
  * (folded into the score scale) and values as stored * v_scale (applied to the output).
  */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
+#include "common.h"
 
 #if defined(__AVX512F__)
 #define VW 16
@@ -48,7 +39,7 @@ typedef uint32_t vu __attribute__((vector_size(VW * 4)));
 typedef uint16_t vh __attribute__((vector_size(VW * 2)));
 typedef uint8_t vb __attribute__((vector_size(VW)));
 
-/* Cache dtype codes (`kv_quant.kernel_code`). */
+/* Cache dtype codes (`paged_decode.kernel_code`). */
 enum { CACHE_F32 = 0, CACHE_BF16 = 1, CACHE_E4M3 = 2, CACHE_E5M2 = 3 };
 
 static inline size_t cache_elt(int cdt) { return cdt == CACHE_F32 ? 4 : cdt == CACHE_BF16 ? 2 : 1; }
@@ -63,46 +54,30 @@ static inline vf loadf(const float *p) {
 
 static inline void storef(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
-/* VW fp8 values as float32. Exponent and mantissa move to float32's positions with the
- * exponent rebiased (exact for normal numbers); a subnormal (exponent 0) is rebuilt as the
- * smallest normal plus its mantissa, minus the smallest normal. No NaN or infinity is ever
- * stored (writes saturate), so the top codes need no case of their own. */
+/* VW fp8 values at p as float32 (common.h has the scalar conversion and says how). */
 #if defined(__F16C__)
 /* With F16C an fp8 byte becomes a float16 and one instruction widens VW of them: e5m2 is the
- * top byte of a float16; e4m3's sign, exponent and mantissa shifted into place read as a
- * float16 of 2^-8 times the e4m3 value (float16 subnormals included), so these "raw" values
- * are e4m3 / 256 and `FP8_UNIT` multiplies the scales that read them instead of each value.
- * Measured on a Xeon (AVX-512): the rebiasing below cost 1.35-1.65x a bf16 cache's time per
- * key, this about as much as bf16. */
-#define FP8_E4M3_UNIT 256.0f
-static inline vf half_to_f32(vh h) {
+ * top byte of a float16; e4m3 reads as e4m3 / 256 (common.h), so `TW_E4M3_UNIT` multiplies
+ * the scales that read them instead of each value. Measured on a Xeon (AVX-512): the
+ * rebiasing below cost 1.35-1.65x a bf16 cache's time per key, this about as much as bf16. */
+#define FP8_E4M3_UNIT TW_E4M3_UNIT
+static inline vf fp8_load(const uint8_t *p, int cdt) {
 #if VW == 16
-    __m256i x;
-    memcpy(&x, &h, sizeof x);
-    const __m512 f = _mm512_cvtph_ps(x);
+    const __m512 f = cdt == CACHE_E5M2 ? e5m2x16_to_f32(p) : e4m3x16_to_f32(p);
 #else
-    __m128i x;
-    memcpy(&x, &h, sizeof x);
-    const __m256 f = _mm256_cvtph_ps(x);
+    const __m256 f = cdt == CACHE_E5M2 ? e5m2x8_to_f32(p) : e4m3x8_to_f32(p);
 #endif
     vf out;
     memcpy(&out, &f, sizeof out);
     return out;
 }
-
-static inline vf fp8_to_f32(vb b, int cdt) {
-    const vh h = __builtin_convertvector(b, vh);
-    if (cdt == CACHE_E5M2) return half_to_f32(h << 8);
-    /* (int16)(b << 8) >> 1 repeats the sign in bits 15 and 14 and puts exponent and
-     * mantissa at bits 13..7; clearing bit 14 leaves float16 bits of e4m3 / 256. */
-    typedef int16_t vs __attribute__((vector_size(VW * 2)));
-    const vs wide = ((vs)(h << 8)) >> 1;
-    return half_to_f32((vh)wide & (uint16_t)0xbf80u);
-}
 #else
 #define FP8_E4M3_UNIT 1.0f
-static inline vf fp8_to_f32(vb b, int cdt) {
+/* The rebiasing of `fp8_to_f32` on VW values. */
+static inline vf fp8_load(const uint8_t *p, int cdt) {
     const int e5m2 = cdt == CACHE_E5M2;
+    vb b;
+    memcpy(&b, p, sizeof b);
     /* Widened in two steps: GCC scalarises a direct 8 -> 32-bit conversion vector. */
     const vu x = __builtin_convertvector(__builtin_convertvector(b, vh), vu);
     const vu sign = (x & 0x80u) << 24;
@@ -112,7 +87,7 @@ static inline vf fp8_to_f32(vb b, int cdt) {
     vf sub;
     const vu sub_bits = normal + (1u << 23);
     memcpy(&sub, &sub_bits, sizeof sub);
-    sub -= e5m2 ? 6.103515625e-05f : 0.015625f; /* the smallest normal: 2^-14, 2^-6 */
+    sub -= TW_FP8_MIN_NORMAL(e5m2);
     vu sub_u;
     memcpy(&sub_u, &sub, sizeof sub_u);
     const vu bits = ((normal & ~is_sub) | (sub_u & is_sub)) | sign;
@@ -125,48 +100,10 @@ static inline vf fp8_to_f32(vb b, int cdt) {
 /* What `load_row` gives for an fp8 cache is the value / FP8_UNIT (exact: a power of two). */
 static inline float fp8_unit(int cdt) { return cdt == CACHE_E4M3 ? FP8_E4M3_UNIT : 1.0f; }
 
-static inline float fp8_scalar(uint8_t b, int cdt) {
-    const int e5m2 = cdt == CACHE_E5M2;
-    const uint32_t mag = (uint32_t)(b & 0x7fu) << (e5m2 ? 21 : 20);
-    uint32_t bits = mag + (e5m2 ? 112u << 23 : 120u << 23);
-    float f;
-    if (mag < (1u << 23)) {
-        bits += 1u << 23;
-        memcpy(&f, &bits, sizeof f);
-        f -= e5m2 ? 6.103515625e-05f : 0.015625f;
-    } else {
-        memcpy(&f, &bits, sizeof f);
-    }
-    return (b & 0x80u) ? -f : f;
-}
-
-/* float32 -> fp8, rounding to nearest even as torch does; the caller has clamped to the
- * finite range already (`kv_quant.quantize`), and an infinity saturates here too. */
-static inline uint8_t f32_to_fp8(float x, int cdt) {
-    const int e5m2 = cdt == CACHE_E5M2;
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    const uint8_t sign = (uint8_t)((bits >> 24) & 0x80u);
-    uint32_t abits = bits & 0x7fffffffu;
-    if (abits > 0x7f800000u) return sign | (e5m2 ? 0x7e : 0x7f); /* NaN stays NaN */
-    float a;
-    memcpy(&a, &abits, sizeof a);
-    if (!(a <= (e5m2 ? 57344.0f : 448.0f))) return sign | (e5m2 ? 0x7b : 0x7e);
-    if (a < (e5m2 ? 6.103515625e-05f : 0.015625f)) /* subnormal: a multiple of 2^-16 / 2^-9 */
-        return sign | (uint8_t)(int)rintf(a * (e5m2 ? 65536.0f : 512.0f));
-    const int shift = e5m2 ? 21 : 20;
-    abits += ((1u << (shift - 1)) - 1u) + ((abits >> shift) & 1u);
-    return sign | (uint8_t)((abits >> shift) - (e5m2 ? 112u << 2 : 120u << 3));
-}
-
 /* VW cache values at element `i` of a row, as float32. */
 static inline vf load_row(const void *row, int cdt, int64_t i) {
     if (cdt == CACHE_F32) return loadf((const float *)row + i);
-    if (cdt >= CACHE_E4M3) {
-        vb b;
-        memcpy(&b, (const uint8_t *)row + i, sizeof b);
-        return fp8_to_f32(b, cdt);
-    }
+    if (cdt >= CACHE_E4M3) return fp8_load((const uint8_t *)row + i, cdt);
     vh h;
     memcpy(&h, (const uint16_t *)row + i, sizeof h);
     vu bits = __builtin_convertvector(h, vu) << 16;
@@ -177,29 +114,11 @@ static inline vf load_row(const void *row, int cdt, int64_t i) {
 
 static inline float scalar_at(const void *row, int cdt, int64_t i) {
     if (cdt == CACHE_F32) return ((const float *)row)[i];
-    if (cdt >= CACHE_E4M3) return fp8_scalar(((const uint8_t *)row)[i], cdt) / fp8_unit(cdt);
+    if (cdt >= CACHE_E4M3) return fp8_to_f32(((const uint8_t *)row)[i], cdt == CACHE_E5M2) / fp8_unit(cdt);
     uint32_t bits = (uint32_t)((const uint16_t *)row)[i] << 16;
     float out;
     memcpy(&out, &bits, sizeof out);
     return out;
-}
-
-/* A bf16 model's queries and outputs: widening is exact; narrowing rounds to nearest even, as
- * torch's float32 -> bfloat16 conversion does (NaN stays a quiet NaN), so an output written
- * here is bit for bit the one torch's copy of the float32 result would give. */
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float out;
-    memcpy(&out, &bits, sizeof out);
-    return out;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
 }
 
 static inline float hsum(vf v) {
@@ -238,26 +157,6 @@ static inline void accumulate(float *o, const float *p, const void *const *v, in
         for (int r = 0; r < rows; ++r) o[i] += p[r] * scalar_at(v[r], cdt, i);
 }
 
-/* exp(x) for x <= 0 (scores minus their maximum), within a few float ulps: the exponent by
- * rounding, the rest by a degree-6 polynomial on |r| <= ln2/2. Written as scalar code in an
- * `omp simd` loop, which GCC and Clang vectorise (libm's expf is called one value at a time). */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const int n = (int)(x * 1.44269504088896341f - 0.5f); /* rounds: x * log2(e) <= 0 */
-    const float r = x - (float)n * 0.693145751953125f - (float)n * 1.42860682030941723e-6f;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const uint32_t bits = (uint32_t)(n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
-
 /* Softmax of one head's `n` scores in place, soft-capped first when `softcap` > 0. */
 static void softmax(float *sc, int64_t n, float softcap) {
     if (softcap > 0.0f)
@@ -267,7 +166,7 @@ static void softmax(float *sc, int64_t n, float softcap) {
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < n; ++t) {
-        sc[t] = exp_nonpositive(sc[t] - m);
+        sc[t] = tw_exp(sc[t] - m); /* common.h; vectorised here */
         sum += sc[t];
     }
     const float inv = 1.0f / sum;
@@ -345,33 +244,19 @@ static inline __attribute__((always_inline)) void attend(
     }
 }
 
-static void attend_f32(const float *q, const void *kc, const void *vc, const int32_t *table,
-                       int64_t base, int64_t start, int64_t n, int64_t nh, int64_t nkv,
-                       int64_t hs, int64_t bs, float scale, float cap, int64_t kb, int64_t ke,
-                       float *qs, float *sc, float *o) {
-    attend(q, kc, vc, 0, table, base, start, n, nh, nkv, hs, bs, scale, cap, kb, ke, qs, sc, o);
-}
-
-static void attend_bf16(const float *q, const void *kc, const void *vc, const int32_t *table,
-                        int64_t base, int64_t start, int64_t n, int64_t nh, int64_t nkv,
-                        int64_t hs, int64_t bs, float scale, float cap, int64_t kb, int64_t ke,
-                        float *qs, float *sc, float *o) {
-    attend(q, kc, vc, 1, table, base, start, n, nh, nkv, hs, bs, scale, cap, kb, ke, qs, sc, o);
-}
-
-static void attend_e4m3(const float *q, const void *kc, const void *vc, const int32_t *table,
-                        int64_t base, int64_t start, int64_t n, int64_t nh, int64_t nkv,
-                        int64_t hs, int64_t bs, float scale, float cap, int64_t kb, int64_t ke,
-                        float *qs, float *sc, float *o) {
-    attend(q, kc, vc, 2, table, base, start, n, nh, nkv, hs, bs, scale, cap, kb, ke, qs, sc, o);
-}
-
-static void attend_e5m2(const float *q, const void *kc, const void *vc, const int32_t *table,
-                        int64_t base, int64_t start, int64_t n, int64_t nh, int64_t nkv,
-                        int64_t hs, int64_t bs, float scale, float cap, int64_t kb, int64_t ke,
-                        float *qs, float *sc, float *o) {
-    attend(q, kc, vc, 3, table, base, start, n, nh, nkv, hs, bs, scale, cap, kb, ke, qs, sc, o);
-}
+/* `attend` for one cache dtype (the constant CDT). */
+#define ATTEND_FOR(NAME, CDT)                                                                  \
+    static void NAME(const float *q, const void *kc, const void *vc, const int32_t *table,       \
+                     int64_t base, int64_t start, int64_t n, int64_t nh, int64_t nkv,            \
+                     int64_t hs, int64_t bs, float scale, float cap, int64_t kb, int64_t ke,     \
+                     float *qs, float *sc, float *o) {                                           \
+        attend(q, kc, vc, CDT, table, base, start, n, nh, nkv, hs, bs, scale, cap, kb, ke, qs,   \
+               sc, o);                                                                           \
+    }
+ATTEND_FOR(attend_f32, CACHE_F32)
+ATTEND_FOR(attend_bf16, CACHE_BF16)
+ATTEND_FOR(attend_e4m3, CACHE_E4M3)
+ATTEND_FOR(attend_e5m2, CACHE_E5M2)
 
 typedef void (*attend_fn)(const float *, const void *, const void *, const int32_t *, int64_t,
                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, float,
@@ -551,13 +436,14 @@ int paged_decode_step(const void *query, const void *new_keys, const void *new_v
             continue;
         }
         uint8_t *kd = (uint8_t *)key_cache + at, *vd = (uint8_t *)value_cache + at;
+        const int e5m2 = cache_dtype == CACHE_E5M2;
         for (int64_t i = 0; i < width; ++i) {
             const float k = io_bf16 ? bf16_to_f32(((const uint16_t *)new_keys)[kj + i])
                                     : ((const float *)new_keys)[kj + i];
             const float v = io_bf16 ? bf16_to_f32(((const uint16_t *)new_values)[vj + i])
                                     : ((const float *)new_values)[vj + i];
-            kd[i] = f32_to_fp8(k / k_scale, cache_dtype); /* torch's order: divide, then round */
-            vd[i] = f32_to_fp8(v / v_scale, cache_dtype);
+            kd[i] = f32_to_fp8(k / k_scale, e5m2); /* torch's order: divide, then round */
+            vd[i] = f32_to_fp8(v / v_scale, e5m2);
         }
     }
     return decode(query, key_cache, value_cache, cache_dtype, io_bf16, block_tables,
@@ -566,21 +452,11 @@ int paged_decode_step(const void *query, const void *new_keys, const void *new_v
                   out);
 }
 
-/* `paged_decode_step` with its arguments as one int64 array (pointers and integers as they
- * are, a float's bits in the low half), the one signature a replayed CPU graph calls kernels
- * through (tokenwise/compilation/cpu_graph.py). */
-static inline float f32_arg(int64_t bits) {
-    const uint32_t low = (uint32_t)bits;
-    float f;
-    memcpy(&f, &low, sizeof f);
-    return f;
-}
-
+/* `paged_decode_step`'s packed entry (common.h). */
 int paged_decode_step_packed(const int64_t *a) {
-#define P(i) ((void *)(intptr_t)a[i])
-    return paged_decode_step(P(0), P(1), P(2), a[3], a[4], P(5), P(6), P(7), (int)a[8],
-                             (int)a[9], P(10), a[11], P(12), P(13), a[14], a[15], a[16], a[17],
-                             a[18], a[19], a[20], f32_arg(a[21]), f32_arg(a[22]), f32_arg(a[23]),
-                             f32_arg(a[24]), P(25));
-#undef P
+    return paged_decode_step(TW_PTR(0), TW_PTR(1), TW_PTR(2), a[3], a[4], TW_PTR(5), TW_PTR(6),
+                             TW_PTR(7), (int)a[8], (int)a[9], TW_PTR(10), a[11], TW_PTR(12),
+                             TW_PTR(13), a[14], a[15], a[16], a[17], a[18], a[19], a[20],
+                             tw_f32_arg(a[21]), tw_f32_arg(a[22]), tw_f32_arg(a[23]),
+                             tw_f32_arg(a[24]), TW_PTR(25));
 }

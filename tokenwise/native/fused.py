@@ -1,9 +1,9 @@
 """RMSNorm (with its residual add), neox-style RoPE, SwiGLU's gated activation and the
-embedding lookup for decode-sized CPU tensors, one C call each (`cpu_fused.c`), with results
+embedding lookup for decode-sized CPU tensors, one C call each (`fused.c`), with results
 bit for bit those of the torch code they replace (the activation within a rounding: its
 exponential is not torch's); and a row argmax for the sampler (torch's CPU argmax is several
 times slower than a plain scan). All but the argmax can be recorded into a CPU graph
-(`native_trace`).
+(`native.trace`).
 
 At one token per step the torch versions of these ops spend their time in dispatch, not in
 arithmetic: an RMSNorm with residual is nine ops, a RoPE of q and k about fifteen, and a
@@ -14,7 +14,7 @@ help), dtypes other than float32 and bfloat16, non-contiguous rows, tensors that
 autograd, `torch.compile` (which fuses these ops itself), or no usable compiler
 (`TOKENWISE_CPU_FUSED=0` switches the kernels off too).
 
-The library is built at first use by `native_build`, without OpenMP (one row is a few
+The library is built at first use by `native.build`, without OpenMP (one row is a few
 microseconds) and without any fast-math flag or FMA contraction, which would change the
 rounding.
 """
@@ -22,20 +22,18 @@ rounding.
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
-import subprocess
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from tokenwise.layers import native_build, native_trace
+from tokenwise.native import build, trace
 
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("cpu_fused.c")
-FLAGS = [*native_build.BASE_FLAGS, "-ffp-contract=off"]
+KERNEL = build.Kernel(
+    "fused.c", what="the RMSNorm/RoPE/activation kernels", fallback="layers keep their torch ops"
+)
+FLAGS = [*build.BASE_FLAGS, "-ffp-contract=off"]
 DTYPES = (torch.float32, torch.bfloat16)
 # Tokens per call at most: decode steps (one row per running sequence), not prefill chunks.
 MAX_ROWS = 64
@@ -57,15 +55,12 @@ def load() -> ctypes.CDLL | None:
     """The compiled library, or None where it is switched off or cannot be built."""
     if not enabled():
         return None
-    compiler = native_build.find_compiler()
-    if compiler is None:
-        return None
-    try:
-        lib = ctypes.CDLL(str(native_build.build(compiler, SOURCE, "fused", FLAGS)))
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", "") or exc
-        logger.warning("CPU RMSNorm/RoPE kernels failed to build, keeping torch ops: %s", detail)
-        return None
+    return KERNEL.load(FLAGS, open_library)
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """The built kernels at `path`, their functions typed."""
+    lib = ctypes.CDLL(str(path))
     lib.tw_rms_norm.restype = ctypes.c_int
     lib.tw_rms_norm.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float]
     lib.tw_rms_norm.argtypes += [ctypes.c_int, _I64, _I64]
@@ -119,7 +114,7 @@ def rms_norm(
         return None
     out = torch.empty(x.shape, dtype=x.dtype)
     summed = None if residual is None else torch.empty(x.shape, dtype=x.dtype)
-    status = native_trace.call(
+    status = trace.call(
         lib,
         "tw_rms_norm",
         x.data_ptr(),
@@ -184,7 +179,7 @@ def rope_neox(
         return None
     q_out = torch.empty(query.shape, dtype=query.dtype)
     k_out = torch.empty(key.shape, dtype=key.dtype)
-    native_trace.call(
+    trace.call(
         lib,
         "tw_rope_neox",
         query.data_ptr(),
@@ -206,7 +201,7 @@ def rope_neox(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     """`silu(gate) * up` of `x` = `[..., gate | up]` as `SiluAndMul` computes it (its
-    exponential aside: see `cpu_fused.c`), in a new contiguous tensor; None where the kernel
+    exponential aside: see `fused.c`), in a new contiguous tensor; None where the kernel
     does not apply (see the module)."""
     width = x.shape[-1] if x.dim() else 0
     if not (_eligible(x) and width and width % 2 == 0 and x.numel() <= MAX_ROWS * width):
@@ -218,7 +213,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
         return None
     d = width // 2
     out = torch.empty(x.shape[:-1] + (d,), dtype=x.dtype)
-    native_trace.call(
+    trace.call(
         lib,
         "tw_act_mul",
         x.data_ptr(),
@@ -250,7 +245,7 @@ def embedding_rows(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor | Non
         return None
     out = torch.empty(ids.shape + (table.shape[1],), dtype=table.dtype)
     row_bytes = table.shape[1] * table.element_size()
-    native_trace.call(
+    trace.call(
         lib, "tw_embed_rows", table.data_ptr(), ids.data_ptr(), ids.numel(), row_bytes,
         out.data_ptr(),
     )  # fmt: skip
