@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tokenwise.distributed.rendezvous import WorkerStartupError, wait_polled
 from tokenwise.distributed.tp_launch import TPWorkers
 from tokenwise.distributed.tp_state import (
     destroy_tp_group,
@@ -96,7 +97,12 @@ class TPDriver:
         if not self.active:
             return value
         box = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(box, op=dist.ReduceOp.MIN, group=get_tp_cpu_group())
+        work = dist.all_reduce(box, op=dist.ReduceOp.MIN, group=get_tp_cpu_group(), async_op=True)
+        try:  # the driver checks its workers while they build their shards
+            wait_polled(work, self.workers, "agreeing on the KV cache size")
+        except WorkerStartupError:
+            self.abandon()  # the other workers stop too; the groups are left
+            raise
         return int(box.item())
 
     def check_workers(self) -> None:
