@@ -20,7 +20,7 @@ from tests.engine._fixtures import checkpoint
 from tokenwise import LLM
 from tokenwise.distributed.rendezvous import (
     ENV_WORKER_START_TIMEOUT,
-    WorkerStartupError,
+    WorkerLostError,
     worker_start_timeout_s,
 )
 
@@ -31,7 +31,7 @@ def _start_with(monkeypatch: pytest.MonkeyPatch, entry: Callable[..., None]) -> 
     """Start a TP=2 engine whose worker runs `entry`: the seconds until it failed, and why."""
     monkeypatch.setattr(llm_engine, "run_tp_worker", entry)
     started = time.monotonic()
-    with pytest.raises(WorkerStartupError) as info:
+    with pytest.raises(WorkerLostError) as info:
         LLM(checkpoint(), dtype="float32", tensor_parallel_size=2, kv_cache_memory=2**20)
     return time.monotonic() - started, str(info.value)
 

@@ -1,4 +1,4 @@
-"""Bounded waits on other processes at start-up: the rendezvous and the first collectives.
+"""Bounded waits on other processes: the rendezvous, and the driver's collectives.
 
 A spawned world used to meet inside `torch.distributed.init_process_group`, which waits up to
 its whole timeout (minutes) for a rank that will never come: a worker whose spawn failed (a
@@ -10,9 +10,10 @@ and a worker that never arrives ends it after `worker_start_timeout_s()` (60 s u
 `TOKENWISE_WORKER_START_TIMEOUT_S` says otherwise). Only once every rank has arrived does the
 process group form over the same store, which then takes milliseconds.
 
-`wait_polled` does the same for a collective started with `async_op=True` (the KV cache
-sizing all-reduce runs after every rank built its model, which may legitimately take long): it
-waits without a deadline as long as every worker lives, and fails as soon as one is gone.
+`wait_polled` does the same for a collective the driver started with `async_op=True`: the KV
+cache sizing all-reduce (after every rank built its model, which may legitimately take long:
+no deadline while every worker lives) and each step's message to the workers
+(`step_messages`, bounded by the activation timeout). A dead worker ends either at once.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch.distributed as dist
 ENV_WORKER_START_TIMEOUT = "TOKENWISE_WORKER_START_TIMEOUT_S"
 DEFAULT_WORKER_START_TIMEOUT_S = 60.0
 POLL_INTERVAL_S = 0.05
+LIVENESS_CHECK_S = 0.2  # how often a collective's wait looks at the workers
 # The hint for the commonest cause of a worker dying before it arrives.
 MAIN_GUARD_HINT = (
     "workers are started with multiprocessing's spawn, which re-imports the main module: a "
@@ -35,8 +37,8 @@ MAIN_GUARD_HINT = (
 )
 
 
-class WorkerStartupError(RuntimeError):
-    """A worker died or never arrived while the engine was starting."""
+class WorkerLostError(RuntimeError):
+    """A worker the driver waited on died, never arrived, or stopped answering."""
 
 
 class Liveness(Protocol):
@@ -45,6 +47,8 @@ class Liveness(Protocol):
     def dead_worker(self) -> str | None: ...
 
     def missing(self, ranks: list[int]) -> str: ...
+
+    def everyone(self) -> str: ...
 
 
 def worker_start_timeout_s() -> float:
@@ -86,7 +90,7 @@ def open_rendezvous(init_method: str, world: int, rank: int) -> dist.TCPStore:
 
 
 def wait_for_arrivals(store: dist.Store, world: int, rank: int, workers: Liveness) -> None:
-    """Return once every rank of the world has arrived; raise `WorkerStartupError` naming the
+    """Return once every rank of the world has arrived; raise `WorkerLostError` naming the
     worker as soon as one of `workers` is dead, or the ranks still missing at the deadline."""
     timeout = worker_start_timeout_s()
     deadline = time.monotonic() + timeout
@@ -97,35 +101,49 @@ def wait_for_arrivals(store: dist.Store, world: int, rank: int, workers: Livenes
             return
         dead = workers.dead_worker()
         if dead is not None:
-            raise WorkerStartupError(
+            raise WorkerLostError(
                 f"{dead} before joining the engine's process group ({MAIN_GUARD_HINT})"
             )
         if time.monotonic() > deadline:
-            raise WorkerStartupError(
+            raise WorkerLostError(
                 f"{workers.missing(missing)} did not reach the rendezvous within {timeout:g} s "
                 f"(raise {ENV_WORKER_START_TIMEOUT} for a slow start)"
             )
         time.sleep(POLL_INTERVAL_S)
 
 
-def wait_polled(work: Any, workers: Liveness | None, what: str) -> None:
+def wait_polled(
+    work: Any, workers: Liveness | None, what: str, timeout_s: float | None = None
+) -> None:
     """Wait for an `async_op=True` collective, checking `workers` while it runs: a dead one
     ends the wait with an error naming it (the collective itself would wait out its timeout
-    for a peer that stopped before joining it). Without workers (a worker itself): plain
-    wait; its driver bounds it, and kills it on failure."""
+    for a peer that stopped before joining it), and so does `timeout_s` (None: as long as the
+    workers live, e.g. while they build their shards). Without workers (a worker itself):
+    plain wait; its driver bounds it, and kills it on failure. The wait itself is gloo's
+    (`work.wait(timeout)` returns the moment the collective completes and leaves it running
+    when it times out), so checking costs a step nothing."""
     if workers is not None:
-        while not work.is_completed():
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        slice_ = timedelta(seconds=LIVENESS_CHECK_S)
+        while True:
+            try:
+                work.wait(timeout=slice_)
+                return
+            except Exception as exc:
+                if work.is_completed():  # it failed (a peer's socket closed), not timed out
+                    dead = dead_within(workers, 1.0)
+                    if dead is not None:
+                        raise WorkerLostError(f"{dead} while {what}") from exc
+                    raise
             dead = workers.dead_worker()
             if dead is not None:
-                raise WorkerStartupError(f"{dead} while {what}")
-            time.sleep(POLL_INTERVAL_S)
-    try:
-        work.wait()
-    except Exception as exc:  # a peer's socket closed: name it if it is one of ours
-        dead = dead_within(workers, 1.0) if workers is not None else None
-        if dead is not None:
-            raise WorkerStartupError(f"{dead} while {what}") from exc
-        raise
+                raise WorkerLostError(f"{dead} while {what}")
+            if deadline is not None and time.monotonic() > deadline:
+                raise WorkerLostError(
+                    f"{what} did not finish within {timeout_s:g} s: {workers.everyone()} "
+                    "alive but not answering"
+                )
+    work.wait()
 
 
 def dead_within(workers: Liveness, seconds: float) -> str | None:

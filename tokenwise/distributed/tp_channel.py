@@ -17,7 +17,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tokenwise.distributed.rendezvous import WorkerStartupError, wait_polled
+from tokenwise.distributed.rendezvous import WorkerLostError, wait_polled
+from tokenwise.distributed.step_messages import broadcast_message, receive_message
 from tokenwise.distributed.tp_launch import TPWorkers
 from tokenwise.distributed.tp_state import (
     destroy_tp_group,
@@ -84,13 +85,13 @@ class TPDriver:
         self._stopped = False
 
     def broadcast(self, message: tuple) -> None:
-        box = [message]
-        dist.broadcast_object_list(box, group=get_tp_cpu_group(), group_src=0)
+        try:  # checking the workers while it is sent (`step_messages`)
+            broadcast_message(message, get_tp_cpu_group(), self.workers)
+        except WorkerLostError as exc:
+            self._fail(str(exc))
 
     def receive(self) -> tuple:
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, group=get_tp_cpu_group(), group_src=0)
-        return box[0]
+        return receive_message(get_tp_cpu_group())
 
     def agree_on_min(self, value: int) -> int:
         """The smallest of every TP rank's `value` (e.g. KV blocks: every rank needs as many)."""
@@ -100,7 +101,7 @@ class TPDriver:
         work = dist.all_reduce(box, op=dist.ReduceOp.MIN, group=get_tp_cpu_group(), async_op=True)
         try:  # the driver checks its workers while they build their shards
             wait_polled(work, self.workers, "agreeing on the KV cache size")
-        except WorkerStartupError:
+        except WorkerLostError:
             self.abandon()  # the other workers stop too; the groups are left
             raise
         return int(box.item())

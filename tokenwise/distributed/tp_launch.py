@@ -30,7 +30,7 @@ import torch
 
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.parallel_state import destroy_dp_group, init_dp_group
-from tokenwise.distributed.rendezvous import WorkerStartupError, dead_within
+from tokenwise.distributed.rendezvous import WorkerLostError, dead_within
 from tokenwise.distributed.tp_state import (
     abort_join,
     destroy_tp_group,
@@ -124,6 +124,12 @@ class TPWorkers:
             else:
                 names.append(f"global rank {rank} (another data-parallel rank's process)")
         return ", ".join(names)
+
+    def everyone(self) -> str:
+        """Every spawned worker, named with its pid."""
+        return ", ".join(
+            f"{self.describe(rank)} (pid {proc.pid})" for rank, proc in enumerate(self.procs, 1)
+        )
 
     def kill(self) -> None:
         for proc in self.procs:
@@ -229,8 +235,8 @@ def startup_failures_named(workers: TPWorkers) -> Iterator[None]:
         destroy_dp_group()
         destroy_tp_group()
         abort_join()
-        if dead is not None and not isinstance(exc, WorkerStartupError):
-            raise WorkerStartupError(
+        if dead is not None and not isinstance(exc, WorkerLostError):
+            raise WorkerLostError(
                 f"{dead} while the engine was starting ({type(exc).__name__}: "
                 f"{str(exc).splitlines()[0] if str(exc) else ''})"
             ) from exc
