@@ -57,7 +57,7 @@ def _engine_tokens(engine: LLMEngine) -> list[int]:
     return tokens
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300, method="thread")  # a hang blocks in C++: signals wait
 def test_engines_one_after_another_leave_nothing_behind() -> None:
     before = child_processes()
     for arch, parallel, ending in SEQUENCE:

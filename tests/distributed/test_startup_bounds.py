@@ -36,7 +36,7 @@ def _start_with(monkeypatch: pytest.MonkeyPatch, entry: Callable[..., None]) -> 
     return time.monotonic() - started, str(info.value)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120, method="thread")
 def test_worker_dead_before_the_rendezvous_is_named_at_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -49,7 +49,7 @@ def test_worker_dead_before_the_rendezvous_is_named_at_once(
     assert_nothing_left(before, "a start-up whose worker died")
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120, method="thread")
 def test_worker_that_never_arrives_is_named_at_the_deadline(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -62,7 +62,7 @@ def test_worker_that_never_arrives_is_named_at_the_deadline(
     assert_nothing_left(before, "a start-up whose worker never arrived")  # it was killed
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120, method="thread")
 def test_worker_dead_after_joining_is_named_while_sizing_the_cache(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
