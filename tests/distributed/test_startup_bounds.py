@@ -1,4 +1,4 @@
-"""A tensor-parallel worker that dies or never arrives while the engine starts ends start-up
+"""A tensor-parallel worker (or pipeline stage) that dies or never arrives while the engine starts ends start-up
 within seconds (never the collectives' minutes), with an error naming the worker (rank, pid,
 exit code), and leaves no process or group behind. The engine spawns the worker entries of
 `_startup_workers` in place of the real one; everything else is the ordinary `LLM` start-up.
@@ -72,6 +72,21 @@ def test_worker_dead_after_joining_is_named_while_sizing_the_cache(
     assert f"exited with code {entries.EXIT_AFTER_JOINING_CODE}" in message
     assert elapsed < BOUND_S
     assert_nothing_left(before, "a start-up whose worker died after joining")
+
+
+@pytest.mark.timeout(120, method="thread")
+def test_pipeline_stage_dead_before_the_rendezvous_is_named_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Stages start through the same rendezvous as TP workers."""
+    monkeypatch.setattr(llm_engine, "run_pp_worker", entries.exit_at_once)
+    before = child_processes()
+    started = time.monotonic()
+    path = checkpoint("LlamaForCausalLM", num_hidden_layers=4)
+    with pytest.raises(WorkerLostError, match=r"pipeline stage 1 \(pid \d+\) exited with code 3"):
+        LLM(path, dtype="float32", pipeline_parallel_size=2, kv_cache_memory=2**20)
+    assert time.monotonic() - started < BOUND_S
+    assert_nothing_left(before, "a pipeline start-up whose stage died")
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "soon"])
