@@ -23,11 +23,17 @@ import torch
 
 from tokenwise.config import CUDAGraphMode, EngineConfig
 from tokenwise.distributed.pp_state import (
+    destroy_pp_group,
     init_pp_group,
     is_pp_initialized,
     pp_layer_partition,
 )
-from tokenwise.distributed.tp_launch import TPWorkers, WorkerMain, launched_by_torchrun
+from tokenwise.distributed.tp_launch import (
+    TPWorkers,
+    WorkerMain,
+    launched_by_torchrun,
+    startup_failures_named,
+)
 from tokenwise.distributed.tp_state import free_port
 
 # Dense decoder-only models whose `LlamaModel` runs as pipeline stages.
@@ -130,11 +136,12 @@ def start_pipeline_parallel(
     limit_cpu_threads(config)
     init_method = f"tcp://127.0.0.1:{free_port()}"
     workers = TPWorkers(config, init_method, worker_main, pp * tp, describe=_stage_namer(tp))
-    try:
-        init_pp_group(pp, tp, 0, 0, init_method, config.device)
-    except BaseException:
-        workers.kill()
-        raise
+    with startup_failures_named(workers):
+        try:
+            init_pp_group(pp, tp, 0, 0, init_method, config.device, workers)
+        except BaseException:
+            destroy_pp_group()
+            raise
     return workers
 
 

@@ -20,11 +20,12 @@ import os
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from tokenwise.distributed.rendezvous import Liveness
 from tokenwise.distributed.tp_state import (
-    IDLE_TIMEOUT,
     destroy_tp_group,
     init_tp_group,
     join_world,
+    new_group_bounded,
 )
 
 __all__ = [
@@ -106,27 +107,35 @@ def init_pp_group(
     tp_rank: int,
     init_method: str | None,
     device: str = "cpu",
+    workers: Liveness | None = None,
 ) -> None:
     """Join the pipeline as `tp_rank` of stage `pp_rank` (collective over all P * T ranks).
 
     `init_method`: the spawned world's `tcp://` rendezvous, or None for torch.distributed's
-    environment. With T > 1 each stage's TP group is made here too (the TP groups of a
+    environment; `workers`: the stages this process spawned, checked while they arrive. With T > 1 each stage's TP group is made here too (the TP groups of a
     `dp * tp` world have the same layout, one group per stage instead of per DP rank).
     """
     global _pp_rank, _pp_size, _tp_size, _idle_group, _owns_default_group
     if _idle_group is not None:
         raise RuntimeError("the pipeline-parallel group is already initialised")
     world = pp_size * tp_size
-    if join_world(world, pp_rank * tp_size + tp_rank, init_method, device):
+    if join_world(world, pp_rank * tp_size + tp_rank, init_method, device, workers):
         _owns_default_group = True
-    if dist.get_world_size() != world:
-        raise ValueError(
-            f"torch.distributed has {dist.get_world_size()} processes, but "
-            f"pipeline_parallel_size * tensor_parallel_size is {pp_size} * {tp_size}"
-        )
-    _idle_group = dist.new_group(ranks=list(range(world)), backend="gloo", timeout=IDLE_TIMEOUT)
-    if tp_size > 1:
-        init_tp_group(tp_size, tp_rank, None, device, dp_size=pp_size, dp_rank=pp_rank)
+    try:
+        if dist.get_world_size() != world:
+            raise ValueError(
+                f"torch.distributed has {dist.get_world_size()} processes, but "
+                f"pipeline_parallel_size * tensor_parallel_size is {pp_size} * {tp_size}"
+            )
+        _idle_group = new_group_bounded(list(range(world)))
+        if tp_size > 1:
+            init_tp_group(tp_size, tp_rank, None, device, dp_size=pp_size, dp_rank=pp_rank)
+    except BaseException:  # leave nothing half-joined for the next engine of this process
+        _idle_group = None
+        if _owns_default_group and dist.is_initialized():
+            dist.destroy_process_group()
+        _owns_default_group = False
+        raise
     _pp_rank, _pp_size, _tp_size = pp_rank, pp_size, tp_size
 
 

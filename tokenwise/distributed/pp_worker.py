@@ -12,8 +12,10 @@ import logging
 import traceback
 
 from tokenwise.config import EngineConfig
+from tokenwise.distributed.lifecycle import watch_parent
 from tokenwise.distributed.pp_launch import limit_cpu_threads
 from tokenwise.distributed.pp_state import destroy_pp_group, init_pp_group
+from tokenwise.distributed.startup import start_runner
 from tokenwise.models.registry import is_moe_architecture
 from tokenwise.platform import configure_cpu_allocator
 from tokenwise.runner.pipeline_runner import PipelineModelRunner
@@ -38,12 +40,13 @@ def run_pp_worker(config: EngineConfig, rank: int, init_method: str | None) -> N
     if not str(config.device).startswith("cuda"):
         configure_cpu_allocator()
     limit_cpu_threads(config)
+    if init_method is not None:  # spawned: leave with the driver, however it ends
+        watch_parent()
     try:
         init_pp_group(
             parallel.pipeline_parallel_size, tp, stage, rank % tp, init_method, config.device
         )
-        runner = PipelineModelRunner(config, config.device)
-        runner.initialize_kv_cache(runner.determine_num_blocks())
+        runner, _ = start_runner(lambda: PipelineModelRunner(config, config.device))
         runner.serve_pipeline_steps()
     except BaseException:
         logger.error("pipeline stage %d failed:\n%s", stage, traceback.format_exc())

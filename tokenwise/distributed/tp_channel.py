@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from tokenwise.distributed.rendezvous import WorkerLostError, wait_polled
+from tokenwise.distributed.tp_broadcast import broadcast_message, receive_message
 from tokenwise.distributed.tp_launch import TPWorkers
 from tokenwise.distributed.tp_state import (
     destroy_tp_group,
@@ -34,20 +35,25 @@ class TPDriver:
         self._stopped = False
 
     def broadcast(self, message: tuple) -> None:
-        box = [message]
-        dist.broadcast_object_list(box, group=get_tp_cpu_group(), group_src=0)
+        try:  # checking the workers while it is sent (`tp_broadcast`)
+            broadcast_message(message, get_tp_cpu_group(), self.workers)
+        except WorkerLostError as exc:
+            self._fail(str(exc))
 
     def receive(self) -> tuple:
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, group=get_tp_cpu_group(), group_src=0)
-        return box[0]
+        return receive_message(get_tp_cpu_group())
 
     def agree_on_min(self, value: int) -> int:
         """The smallest of every TP rank's `value` (e.g. KV blocks: every rank needs as many)."""
         if not self.active:
             return value
         box = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(box, op=dist.ReduceOp.MIN, group=get_tp_cpu_group())
+        work = dist.all_reduce(box, op=dist.ReduceOp.MIN, group=get_tp_cpu_group(), async_op=True)
+        try:  # the driver checks its workers while they build their shards
+            wait_polled(work, self.workers, "agreeing on the KV cache size")
+        except WorkerLostError:
+            self.abandon()  # the other workers stop too; the groups are left
+            raise
         return int(box.item())
 
     def check_workers(self) -> None:

@@ -22,14 +22,22 @@ import multiprocessing as mp
 import os
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from tokenwise.config import EngineConfig
-from tokenwise.distributed.parallel_state import init_dp_group
-from tokenwise.distributed.tp_state import free_port, init_tp_group, is_tp_initialized
+from tokenwise.distributed.parallel_state import destroy_dp_group, init_dp_group
+from tokenwise.distributed.rendezvous import WorkerLostError, dead_within
+from tokenwise.distributed.tp_state import (
+    abort_join,
+    destroy_tp_group,
+    free_port,
+    init_tp_group,
+    is_tp_initialized,
+)
 
 logger = logging.getLogger("tokenwise.engine")
 
@@ -79,9 +87,11 @@ class TPWorkers:
         worker_main: WorkerMain,
         world_size: int | None = None,
         describe: Callable[[int], str] = _tp_worker_name,
+        first_rank: int = 0,
     ) -> None:
         size = world_size or config.parallel.tensor_parallel_size
         self.describe = describe
+        self.first_rank = first_rank  # this driver's global rank (DP rank * TP size under DP)
         ctx = mp.get_context("spawn")  # fork would copy torch's threads and locks
         self.procs = [
             ctx.Process(
@@ -103,6 +113,24 @@ class TPWorkers:
                 return f"{self.describe(rank)} (pid {proc.pid}) exited with code {proc.exitcode}"
         return None
 
+    def missing(self, ranks: list[int]) -> str:
+        """Name the processes of global `ranks` (still missing at the rendezvous): this
+        driver's own workers with their pids, other drivers' processes by global rank."""
+        names = []
+        for rank in ranks:
+            local = rank - self.first_rank
+            if 1 <= local <= len(self.procs):
+                names.append(f"{self.describe(local)} (pid {self.procs[local - 1].pid})")
+            else:
+                names.append(f"global rank {rank} (another data-parallel rank's process)")
+        return ", ".join(names)
+
+    def everyone(self) -> str:
+        """Every spawned worker, named with its pid."""
+        return ", ".join(
+            f"{self.describe(rank)} (pid {proc.pid})" for rank, proc in enumerate(self.procs, 1)
+        )
+
     def kill(self) -> None:
         for proc in self.procs:
             if proc.is_alive():
@@ -121,14 +149,26 @@ def _reap(procs: list[Any]) -> None:
             proc.join(timeout=STOP_TIMEOUT_S)
 
 
-def join_parallel_groups(config: EngineConfig, tp_rank: int, init_method: str | None) -> None:
+def join_parallel_groups(
+    config: EngineConfig,
+    tp_rank: int,
+    init_method: str | None,
+    workers: TPWorkers | None = None,
+) -> None:
     """Join this engine's TP group and, under DP x TP, the DP group of the ranks sharing this
     TP rank (the one MoE layers exchange tokens over). Both are collective: the driver and
-    every worker of every DP rank make the same calls in the same order."""
+    every worker of every DP rank make the same calls in the same order. `workers`: those
+    the driver spawned, checked while it waits for them at the rendezvous."""
     parallel = config.parallel
     dp_size, dp_rank = parallel.data_parallel_size, parallel.data_parallel_rank
     init_tp_group(
-        parallel.tensor_parallel_size, tp_rank, init_method, config.device, dp_size, dp_rank
+        parallel.tensor_parallel_size,
+        tp_rank,
+        init_method,
+        config.device,
+        dp_size,
+        dp_rank,
+        workers,
     )
     if dp_size > 1:
         init_dp_group(parallel, timeout_s=DP_COLLECTIVE_TIMEOUT_S, device=config.device)
@@ -174,10 +214,30 @@ def start_tensor_parallel(config: EngineConfig, worker_main: WorkerMain | None) 
             "build the runner through LLMEngine (or pass "
             "tp_worker_main=tokenwise.distributed.tp_worker.run_tp_worker)"
         )
-    workers = TPWorkers(config, init_method, worker_main)
-    try:
-        join_parallel_groups(config, 0, init_method)
-    except BaseException:
-        workers.kill()
-        raise
+    workers = TPWorkers(
+        config, init_method, worker_main, first_rank=size * parallel.data_parallel_rank
+    )
+    with startup_failures_named(workers):
+        join_parallel_groups(config, 0, init_method, workers)
     return workers
+
+
+@contextmanager
+def startup_failures_named(workers: TPWorkers) -> Iterator[None]:
+    """On a failed start-up: stop the workers, leave no group behind, and name a dead worker
+    (a collective that failed because a peer died says only that a socket closed)."""
+    try:
+        yield
+    except BaseException as exc:
+        dead = dead_within(workers, 1.0)
+        workers.kill()
+        workers.join()
+        destroy_dp_group()
+        destroy_tp_group()
+        abort_join()
+        if dead is not None and not isinstance(exc, WorkerLostError):
+            raise WorkerLostError(
+                f"{dead} while the engine was starting ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''})"
+            ) from exc
+        raise

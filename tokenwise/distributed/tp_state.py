@@ -16,8 +16,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+from torch.distributed.distributed_c10d import _set_pg_timeout
+
+from tokenwise.distributed.rendezvous import (
+    Liveness,
+    open_rendezvous,
+    wait_for_arrivals,
+    worker_start_timeout_s,
+)
 
 __all__ = [
+    "abort_join",
     "destroy_tp_group",
     "free_port",
     "get_tp_cpu_group",
@@ -27,6 +36,7 @@ __all__ = [
     "init_tp_group",
     "is_tp_initialized",
     "join_world",
+    "new_group_bounded",
     "tp_all_gather",
     "tp_all_reduce",
 ]
@@ -48,22 +58,51 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def join_world(world: int, rank: int, init_method: str | None, device: str) -> bool:
+def join_world(
+    world: int,
+    rank: int,
+    init_method: str | None,
+    device: str,
+    workers: Liveness | None = None,
+) -> bool:
     """Join torch.distributed's default group as `rank` of `world`, unless already in one;
     True when this call created it (its owner destroys it). Shared by the TP and PP groups:
     gloo on CPU (NCCL too on CUDA), with the activation timeout. `init_method`: a spawned
-    world's `tcp://` rendezvous, or None for torchrun's environment (MASTER_ADDR, RANK, ...)."""
+    world's `tcp://` rendezvous, or None for torchrun's environment (MASTER_ADDR, RANK, ...).
+    A spawned world meets at a store first (`rendezvous`): a process that spawned `workers`
+    waits there, checking them, until every rank has arrived, so a dead or missing worker
+    fails start-up at once (or after the start-up timeout) instead of after minutes."""
     if dist.is_initialized():
         return False
     cuda = str(device).startswith("cuda")
+    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    timeout = timedelta(seconds=ACTIVATION_TIMEOUT_S)
+    if init_method is None:
+        dist.init_process_group(
+            backend=backend, init_method="env://", world_size=world, rank=rank, timeout=timeout
+        )
+        return True
+    store = open_rendezvous(init_method, world, rank)
+    if workers is not None:
+        wait_for_arrivals(store, world, rank, workers)
     dist.init_process_group(
-        backend="cpu:gloo,cuda:nccl" if cuda else "gloo",
-        init_method=init_method or "env://",
-        world_size=world,
-        rank=rank,
-        timeout=timedelta(seconds=ACTIVATION_TIMEOUT_S),
+        backend=backend, store=store, world_size=world, rank=rank, timeout=timeout
     )
     return True
+
+
+def new_group_bounded(
+    ranks: list[int], timeout: timedelta = IDLE_TIMEOUT, backend: str | None = "gloo"
+) -> ProcessGroup:
+    """A process group whose operations wait `timeout` (by default as long as the engine
+    idles: the step messages' gloo group), but whose forming waits only the start-up timeout:
+    a peer that died before joining fails it within that instead of within `timeout`."""
+    group = dist.new_group(
+        ranks=ranks, backend=backend, timeout=timedelta(seconds=worker_start_timeout_s())
+    )
+    if dist.get_rank() in ranks:
+        _set_pg_timeout(timeout, group)
+    return group
 
 
 def init_tp_group(
@@ -73,6 +112,7 @@ def init_tp_group(
     device: str = "cpu",
     dp_size: int = 1,
     dp_rank: int = 0,
+    workers: Liveness | None = None,
 ) -> None:
     """Join the TP group as `tp_rank` of `tp_size` (every rank calls this; it is collective).
 
@@ -80,13 +120,23 @@ def init_tp_group(
     torch.distributed's environment (`torchrun` sets MASTER_ADDR, RANK, WORLD_SIZE, ...).
     Under data parallelism (`dp_size > 1`) the world holds `dp_size * tp_size` processes, global
     rank `dp_rank * tp_size + tp_rank`, and each DP rank's TP ranks form their own group.
+    `workers`: the processes this one spawned, checked while it waits for them to arrive.
     """
-    global _tp_group, _tp_cpu_group, _tp_rank, _tp_size, _owns_default_group
+    global _owns_default_group
     if _tp_group is not None:
         raise RuntimeError("the tensor-parallel group is already initialised")
     world = dp_size * tp_size
-    if join_world(world, dp_rank * tp_size + tp_rank, init_method, device):
+    if join_world(world, dp_rank * tp_size + tp_rank, init_method, device, workers):
         _owns_default_group = True
+    try:
+        _make_tp_groups(world, tp_size, tp_rank, dp_size, dp_rank)
+    except BaseException:
+        abort_join()
+        raise
+
+
+def _make_tp_groups(world: int, tp_size: int, tp_rank: int, dp_size: int, dp_rank: int) -> None:
+    global _tp_group, _tp_cpu_group, _tp_rank, _tp_size
     if dist.get_world_size() != world:
         raise ValueError(
             f"torch.distributed has {dist.get_world_size()} processes, but tensor_parallel_size "
@@ -94,15 +144,13 @@ def init_tp_group(
         )
     if dp_size == 1:
         _tp_group = dist.group.WORLD
-        _tp_cpu_group = dist.new_group(
-            ranks=list(range(tp_size)), backend="gloo", timeout=IDLE_TIMEOUT
-        )
+        _tp_cpu_group = new_group_bounded(list(range(tp_size)))
     else:
         # new_group is collective over the world: every process creates every DP rank's groups.
         for d in range(dp_size):
             ranks = [d * tp_size + t for t in range(tp_size)]
-            group = dist.new_group(ranks=ranks, timeout=timedelta(seconds=ACTIVATION_TIMEOUT_S))
-            cpu_group = dist.new_group(ranks=ranks, backend="gloo", timeout=IDLE_TIMEOUT)
+            group = new_group_bounded(ranks, timedelta(seconds=ACTIVATION_TIMEOUT_S), None)
+            cpu_group = new_group_bounded(ranks)
             if d == dp_rank:
                 _tp_group, _tp_cpu_group = group, cpu_group
     _tp_rank, _tp_size = tp_rank, tp_size
@@ -130,6 +178,15 @@ def get_tp_cpu_group() -> ProcessGroup:
     if _tp_cpu_group is None:
         raise RuntimeError("the tensor-parallel group is not initialised (init_tp_group)")
     return _tp_cpu_group
+
+
+def abort_join() -> None:
+    """Undo a join that failed half-way: the default group this module created, if any, so
+    that the next engine in this process starts from nothing."""
+    global _owns_default_group
+    if _owns_default_group and dist.is_initialized():
+        dist.destroy_process_group()
+    _owns_default_group = False
 
 
 def destroy_tp_group() -> None:

@@ -24,9 +24,11 @@ import sys
 import traceback
 
 from tokenwise.config import EngineConfig
+from tokenwise.distributed.lifecycle import watch_parent
 from tokenwise.distributed.parallel_state import destroy_dp_group
 from tokenwise.distributed.pp_launch import torchrun_pp_rank
 from tokenwise.distributed.pp_worker import run_pp_worker
+from tokenwise.distributed.startup import start_runner
 from tokenwise.distributed.tp_launch import join_parallel_groups, torchrun_tp_rank
 from tokenwise.distributed.tp_state import destroy_tp_group
 from tokenwise.models.registry import is_moe_architecture
@@ -43,7 +45,7 @@ def run_tp_worker(config: EngineConfig, rank: int, init_method: str | None) -> N
     environment's). The same order of collectives as the driver's `LLMEngine.__init__`: group,
     model, agreed block count, cache; then the step loop. Returns when the driver stops the
     workers; a failure is logged and ends the process with exit status 1 (the driver names the
-    dead worker in its next step's error).
+    dead worker in its next step's error). A spawned worker also exits when its driver dies.
     """
     name = f"TP rank {rank}"
     if config.parallel.data_parallel_size > 1:
@@ -54,10 +56,11 @@ def run_tp_worker(config: EngineConfig, rank: int, init_method: str | None) -> N
         parallel.is_moe_model = is_moe_architecture(config.model.architectures)
     if not str(config.device).startswith("cuda"):
         configure_cpu_allocator()
+    if init_method is not None:  # spawned: leave with the driver, however it ends
+        watch_parent()
     try:
         join_parallel_groups(config, rank, init_method)
-        runner = ModelRunner(config, config.device)
-        runner.initialize_kv_cache(runner.determine_num_blocks())
+        runner, _ = start_runner(lambda: ModelRunner(config, config.device))
         runner.serve_tp_steps()
     except BaseException:
         logger.error("tensor-parallel worker %d failed:\n%s", rank, traceback.format_exc())

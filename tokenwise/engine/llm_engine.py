@@ -20,7 +20,9 @@ from typing import Any
 
 from tokenwise.batchsize_stats import get_batchsize_forward_time_summary
 from tokenwise.config import EngineConfig
+from tokenwise.distributed.lifecycle import ensure_clean_parallel_state
 from tokenwise.distributed.pp_worker import run_pp_worker
+from tokenwise.distributed.startup import start_runner
 from tokenwise.distributed.tp_worker import maybe_serve_torchrun_worker, run_tp_worker
 from tokenwise.engine.kinds.base import ModelKind, NewRequest
 from tokenwise.engine.kinds.select import model_kind_for
@@ -95,26 +97,22 @@ class LLMEngine:
         self.grammar_timeout_s = grammar_compile_timeout_s()
         self._grammars: GrammarCompileCache | None = None  # made at the first guided request
         pp = parallel.pipeline_parallel_size
-        if pp > 1:  # stage 0 of a pipeline (`engine/virtual_engines.py`, `pipeline_loop.py`)
-            self.runner = PipelineModelRunner(
-                config, device, tp_worker_main=run_tp_worker, pp_worker_main=run_pp_worker
-            )
-        else:
-            self.runner = kind_cls.runner_cls(config, device, tp_worker_main=run_tp_worker)
-        self.kind = kind_cls(self)
-        self.dp_lockstep = self.runner.dp_lockstep
-        num_blocks = self.runner.determine_num_blocks()  # per virtual engine
-        try:
-            self.kind.check_kv_capacity(num_blocks)
-        except ValueError as exc:
-            self.runner.shutdown()
-            if pp == 1:
-                raise
-            raise ValueError(
-                f"{exc}; that is per virtual engine: pipeline_parallel_size={pp} splits the "
-                f"KV cache {pp} ways, so num_gpu_blocks must be {pp} times as large"
-            ) from None
-        self.runner.initialize_kv_cache(num_blocks)
+        ensure_clean_parallel_state()  # no dropped engine's workers or groups left behind
+
+        def make_runner() -> Any:
+            if pp > 1:  # stage 0 of a pipeline (`engine/virtual_engines.py`, `pipeline_loop.py`)
+                self.runner = PipelineModelRunner(
+                    config, device, tp_worker_main=run_tp_worker, pp_worker_main=run_pp_worker
+                )
+            else:
+                self.runner = kind_cls.runner_cls(config, device, tp_worker_main=run_tp_worker)
+            self.kind = kind_cls(self)
+            self.dp_lockstep = self.runner.dp_lockstep
+            return self.runner
+
+        # The start-up sequence every rank runs (`distributed/startup.py`); blocks per
+        # virtual engine.
+        _, num_blocks = start_runner(make_runner, self._check_kv_capacity)
         max_loras = config.lora.max_loras if config.lora is not None else None
         managers = [self.kind.make_block_manager(num_blocks) for _ in range(pp)]
         schedulers = [
@@ -197,6 +195,18 @@ class LLMEngine:
                 self.step_recorder.num_aborted += 1
 
     abort = abort_request
+
+    def _check_kv_capacity(self, num_blocks: int) -> None:
+        pp = self.config.parallel.pipeline_parallel_size
+        try:
+            self.kind.check_kv_capacity(num_blocks)
+        except ValueError as exc:
+            if pp == 1:
+                raise
+            raise ValueError(
+                f"{exc}; that is per virtual engine: pipeline_parallel_size={pp} splits the "
+                f"KV cache {pp} ways, so num_gpu_blocks must be {pp} times as large"
+            ) from None
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers (if any); the engine cannot step afterwards."""

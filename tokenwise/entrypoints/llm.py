@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -69,15 +70,20 @@ class LLM:
         torch.manual_seed(config.model.seed)
         self.llm_engine = create_engine(config)
         self._counter = itertools.count()
+        # `del llm` (or dropping the last reference) stops the engine's workers and leaves
+        # its process groups at once: the engine itself sits in reference cycles, which only
+        # the cyclic collector would free, and the next engine of this process needs them gone.
+        stop = getattr(self.llm_engine, "shutdown", None)
+        self._finalizer = weakref.finalize(self, stop) if stop is not None else None
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
     def shutdown(self) -> None:
-        """Stop the engine's rank processes (data parallelism); a no-op for one engine."""
-        stop = getattr(self.llm_engine, "shutdown", None)
-        if stop is not None:
-            stop()
+        """Stop the engine: its TP / PP workers or data-parallel rank processes, and its
+        process groups. Idempotent; dropping the `LLM` does the same."""
+        if self._finalizer is not None:
+            self._finalizer()
 
     def generate(
         self,

@@ -31,7 +31,13 @@ from tokenwise.attention.metadata import AttentionMetadata
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.pp_channel import PipelineChannel, StageMessage
 from tokenwise.distributed.pp_launch import start_pipeline_parallel
-from tokenwise.distributed.pp_state import ENV_LAYER_PARTITION, get_pp_rank, get_pp_size
+from tokenwise.distributed.pp_state import (
+    ENV_LAYER_PARTITION,
+    get_pp_idle_group,
+    get_pp_rank,
+    get_pp_size,
+)
+from tokenwise.distributed.rendezvous import wait_polled
 from tokenwise.distributed.step_message import decode_step, encode_step, step_inputs
 from tokenwise.distributed.tp_launch import WorkerMain
 from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
@@ -102,8 +108,13 @@ class PipelineModelRunner(ModelRunner):
         """Every process read the partition itself (torchrun: on its own machine); refuse
         stages whose layer ranges do not follow each other (collective, at start-up)."""
         model = self.model.model
-        ranges: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(ranges, (get_pp_rank(), model.start_layer, model.end_layer))
+        mine = torch.tensor([get_pp_rank(), model.start_layer, model.end_layer])
+        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        self._wait_for_stages(
+            dist.all_gather(parts, mine, group=get_pp_idle_group(), async_op=True),
+            "comparing the stages' layer ranges",
+        )
+        ranges = [tuple(int(v) for v in part.tolist()) for part in parts]
         ends = {stage: end for stage, _, end in ranges}
         for stage, start, end in ranges:
             if start != (ends[stage - 1] if stage else 0) or (
@@ -114,6 +125,11 @@ class PipelineModelRunner(ModelRunner):
                     f"cover the layers in order: set the same {ENV_LAYER_PARTITION} everywhere"
                 )
 
+    def _wait_for_stages(self, work: Any, what: str) -> None:
+        """A start-up collective over every stage: the driver checks its stages while they
+        build theirs (as long as it takes while they live; a dead one is named at once)."""
+        wait_polled(work, self.channel.workers if self.channel.is_driver else None, what)
+
     # ---- KV cache: one slice per virtual engine ---------------------------------------------
 
     def determine_num_blocks(self) -> int:
@@ -121,7 +137,12 @@ class PipelineModelRunner(ModelRunner):
         memory budget holds for this stage's layers) split over the P virtual engines, the
         smallest over the stages (collective: every stage calls it once, in the same order)."""
         per_engine = torch.tensor([super().determine_num_blocks() // self.pp_size])
-        dist.all_reduce(per_engine, op=dist.ReduceOp.MIN)
+        self._wait_for_stages(
+            dist.all_reduce(
+                per_engine, op=dist.ReduceOp.MIN, group=get_pp_idle_group(), async_op=True
+            ),
+            "agreeing on the KV cache size",
+        )
         num_blocks = int(per_engine.item())
         if num_blocks < 1:
             raise ValueError(

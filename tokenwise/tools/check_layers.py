@@ -81,7 +81,14 @@ LAYERS: tuple[Layer, ...] = (
     Layer("native kernels", ("tokenwise.native.*",)),
     # Tensor-parallel rank, size and collectives: what parallel layers read at construction;
     # the pipeline stage and its layer range, which models read at construction.
-    Layer("process groups", ("tokenwise.distributed.tp_state", "tokenwise.distributed.pp_state")),
+    Layer(
+        "process groups",
+        (
+            "tokenwise.distributed.rendezvous",
+            "tokenwise.distributed.tp_state",
+            "tokenwise.distributed.pp_state",
+        ),
+    ),
     # Plain PyTorch building blocks and weight-copy helpers: no engine state, no context.
     Layer("layers", ("tokenwise.layers.*",)),
     # The DP group and batch coordination, which the forward context calls into.

@@ -1,0 +1,156 @@
+"""Bounded waits on other processes: the rendezvous, and the driver's collectives.
+
+A spawned world used to meet inside `torch.distributed.init_process_group`, which waits up to
+its whole timeout (minutes) for a rank that will never come: a worker whose spawn failed (a
+script without an `if __name__ == "__main__":` guard), one killed while importing, one out of
+memory. Here every process first connects to a plain `TCPStore` (global rank 0 hosts it) and
+writes an arrival key; a process that spawned workers polls those keys while checking its own
+workers' liveness, so a dead worker ends start-up at once, with its rank, pid and exit code,
+and a worker that never arrives ends it after `worker_start_timeout_s()` (60 s unless
+`TOKENWISE_WORKER_START_TIMEOUT_S` says otherwise). Only once every rank has arrived does the
+process group form over the same store, which then takes milliseconds.
+
+`wait_polled` does the same for a collective the driver started with `async_op=True`: the KV
+cache sizing all-reduce (after every rank built its model, which may legitimately take long:
+no deadline while every worker lives) and each step's message to the workers
+(`tp_broadcast`, bounded by the activation timeout). A dead worker ends either at once.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import Any, Protocol
+from urllib.parse import urlparse
+
+import torch.distributed as dist
+
+ENV_WORKER_START_TIMEOUT = "TOKENWISE_WORKER_START_TIMEOUT_S"
+DEFAULT_WORKER_START_TIMEOUT_S = 60.0
+POLL_INTERVAL_S = 0.05
+LIVENESS_CHECK_S = 0.2  # how often a collective's wait looks at the workers
+# The hint for the commonest cause of a worker dying before it arrives.
+MAIN_GUARD_HINT = (
+    "workers are started with multiprocessing's spawn, which re-imports the main module: a "
+    "script that builds the engine must do so under `if __name__ == '__main__':`"
+)
+
+
+class WorkerLostError(RuntimeError):
+    """A worker the driver waited on died, never arrived, or stopped answering."""
+
+
+class Liveness(Protocol):
+    """What a process that spawned workers knows of them (`tp_launch.TPWorkers`)."""
+
+    def dead_worker(self) -> str | None: ...
+
+    def missing(self, ranks: list[int]) -> str: ...
+
+    def everyone(self) -> str: ...
+
+
+def worker_start_timeout_s() -> float:
+    """How long a spawned process may take to reach the rendezvous (import, connect)."""
+    text = os.environ.get(ENV_WORKER_START_TIMEOUT, "").strip()
+    if not text:
+        return DEFAULT_WORKER_START_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(
+            f"{ENV_WORKER_START_TIMEOUT} must be a number of seconds > 0, got {text!r}"
+        )
+    return value
+
+
+def arrival_key(rank: int) -> str:
+    return f"tokenwise/arrived/{rank}"
+
+
+def open_rendezvous(init_method: str, world: int, rank: int) -> dist.TCPStore:
+    """Connect to (global rank 0: host) the world's store at `tcp://host:port` and say that
+    this rank has arrived. A client retries its connection until the start-up timeout."""
+    url = urlparse(init_method)
+    if url.scheme != "tcp" or url.hostname is None or url.port is None:
+        raise ValueError(f"init_method must be tcp://host:port, got {init_method!r}")
+    store = dist.TCPStore(
+        url.hostname,
+        url.port,
+        world,
+        is_master=rank == 0,
+        timeout=timedelta(seconds=worker_start_timeout_s()),
+        wait_for_workers=False,
+    )
+    store.set(arrival_key(rank), str(os.getpid()))
+    return store
+
+
+def wait_for_arrivals(store: dist.Store, world: int, rank: int, workers: Liveness) -> None:
+    """Return once every rank of the world has arrived; raise `WorkerLostError` naming the
+    worker as soon as one of `workers` is dead, or the ranks still missing at the deadline."""
+    timeout = worker_start_timeout_s()
+    deadline = time.monotonic() + timeout
+    missing = [r for r in range(world) if r != rank]
+    while True:
+        missing = [r for r in missing if not store.check([arrival_key(r)])]
+        if not missing:
+            return
+        dead = workers.dead_worker()
+        if dead is not None:
+            raise WorkerLostError(
+                f"{dead} before joining the engine's process group ({MAIN_GUARD_HINT})"
+            )
+        if time.monotonic() > deadline:
+            raise WorkerLostError(
+                f"{workers.missing(missing)} did not reach the rendezvous within {timeout:g} s "
+                f"(raise {ENV_WORKER_START_TIMEOUT} for a slow start)"
+            )
+        time.sleep(POLL_INTERVAL_S)
+
+
+def wait_polled(
+    work: Any, workers: Liveness | None, what: str, timeout_s: float | None = None
+) -> None:
+    """Wait for an `async_op=True` collective, checking `workers` while it runs: a dead one
+    ends the wait with an error naming it (the collective itself would wait out its timeout
+    for a peer that stopped before joining it), and so does `timeout_s` (None: as long as the
+    workers live, e.g. while they build their shards). Without workers (a worker itself):
+    plain wait; its driver bounds it, and kills it on failure. The wait itself is gloo's
+    (`work.wait(timeout)` returns the moment the collective completes and leaves it running
+    when it times out), so checking costs a step nothing."""
+    if workers is not None:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        slice_ = timedelta(seconds=LIVENESS_CHECK_S)
+        while True:
+            try:
+                work.wait(timeout=slice_)
+                return
+            except Exception as exc:
+                if work.is_completed():  # it failed (a peer's socket closed), not timed out
+                    dead = dead_within(workers, 1.0)
+                    if dead is not None:
+                        raise WorkerLostError(f"{dead} while {what}") from exc
+                    raise
+            dead = workers.dead_worker()
+            if dead is not None:
+                raise WorkerLostError(f"{dead} while {what}")
+            if deadline is not None and time.monotonic() > deadline:
+                raise WorkerLostError(
+                    f"{what} did not finish within {timeout_s:g} s: {workers.everyone()} "
+                    "alive but not answering"
+                )
+    work.wait()
+
+
+def dead_within(workers: Liveness, seconds: float) -> str | None:
+    """A dead worker, giving one that is dying (its socket already closed) `seconds` to go."""
+    deadline = time.monotonic() + seconds
+    while True:
+        dead = workers.dead_worker()
+        if dead is not None or time.monotonic() > deadline:
+            return dead
+        time.sleep(POLL_INTERVAL_S)

@@ -1,0 +1,44 @@
+"""The TP driver's step messages, sent so that the driver never waits on a dead worker.
+
+Each message (a step's inputs, a dummy batch, stop) is pickled and broadcast over the TP
+group's gloo channel as two tensors: its length, then its bytes. The driver starts each
+broadcast asynchronously and waits for it while checking its workers (`rendezvous.wait_polled`):
+a dead worker ends the wait at once, naming it, and a live one that stops taking messages ends
+it after the activation timeout, instead of the channel's idle timeout (a year: workers must
+wait that long for the next step, the driver must not). Workers receive with plain blocking
+broadcasts: they wait as long as the engine idles, and their driver's death wakes them (its
+socket closes) or ends them (`lifecycle.watch_parent`).
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from tokenwise.distributed.rendezvous import Liveness, wait_polled
+from tokenwise.distributed.tp_state import ACTIVATION_TIMEOUT_S
+
+
+def broadcast_message(
+    message: Any, group: ProcessGroup, workers: Liveness | None, what: str = "sending a step"
+) -> None:
+    """Send `message` from rank 0 of `group` to the others (the driver's side)."""
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    length = torch.tensor([len(data)], dtype=torch.int64)
+    body = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    for tensor in (length, body):
+        work = dist.broadcast(tensor, group=group, group_src=0, async_op=True)
+        wait_polled(work, workers, what, ACTIVATION_TIMEOUT_S)
+
+
+def receive_message(group: ProcessGroup) -> Any:
+    """The next message rank 0 of `group` sends (a worker's side; waits as long as needed)."""
+    length = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(length, group=group, group_src=0)
+    body = torch.empty(int(length.item()), dtype=torch.uint8)
+    dist.broadcast(body, group=group, group_src=0)
+    return pickle.loads(body.numpy().tobytes())
