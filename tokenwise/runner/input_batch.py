@@ -177,8 +177,11 @@ class InputBatch:
                     f"{self.group_num_blocks[group][row]} blocks, but the step's new blocks "
                     f"start at block {start}; a scheduled step was not seen by the runner"
                 )
-            if new:  # a window's dropped entries (NULL_BLOCK, -1) are never read: block 0
-                self.group_tables[group][row, start:num_blocks] = np.maximum(new, 0)
+            if new:  # a window's dropped entries (NULL_BLOCK, -1, only ever leading a list
+                # of new blocks: a hit's) are never read: block 0 stands in for them
+                self.group_tables[group][row, start:num_blocks] = (
+                    new if new[0] >= 0 else np.maximum(new, 0)
+                )
             # Shorter than before after a rollback: the tail is simply no longer read.
             self.group_num_blocks[group][row] = num_blocks
 
@@ -234,10 +237,15 @@ class InputBatch:
         token_rows = rows[owner]
         self.input_ids.np[:num_tokens] = self.token_ids[token_rows, positions]
         self.positions.np[:num_tokens] = positions
-        block_index, offset = positions // self.block_size, positions % self.block_size
-        for group, slots in enumerate(self.group_slot_mapping):
-            blocks = self.group_tables[group][token_rows, block_index]
-            slots.np[:num_tokens] = blocks * self.block_size + offset
+        bs = self.block_size
+        if self.num_self_groups == 1:
+            blocks = self.row_block_tables[token_rows, positions // bs]
+            self.slot_mapping.np[:num_tokens] = blocks * bs + positions % bs
+        else:  # each group keeps the tokens in blocks of its own
+            block_index, offset = positions // bs, positions % bs
+            for group, slots in enumerate(self.group_slot_mapping):
+                blocks = self.group_tables[group][token_rows, block_index]
+                slots.np[:num_tokens] = blocks * bs + offset
         slot_mapping = self.slot_mapping.copy_to_device(num_tokens)
         seq_lens = context_lens + query_lens
         self.seq_lens.np[:n] = seq_lens
