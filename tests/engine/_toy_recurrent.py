@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from tokenwise.attention.recurrent import RecurrentMetadata, RecurrentStateLayer
+from tokenwise.distributed.tp_state import get_tp_rank
 from tokenwise.layer_registry import get_layers_from_config
 from tokenwise.models.llama import LlamaForCausalLM
 from tokenwise.models.registry import MODEL_REGISTRY
@@ -30,10 +31,13 @@ ARCH = "ToyHybridForCausalLM"
 
 
 class ToyRecurrentMixer(RecurrentStateLayer):
-    def __init__(self, width: int, prefix: str, config: Any) -> None:
+    """`width` channels of the model's `full_width`, starting at `offset` (a TP rank's)."""
+
+    def __init__(self, width: int, prefix: str, config: Any, offset: int, full_width: int) -> None:
         super().__init__(width, prefix, config)
         g = torch.Generator().manual_seed(zlib.crc32(prefix.encode()))
-        self.register_buffer("decay", torch.rand(width, generator=g) * 0.5 + 0.4)
+        decay = torch.rand(full_width, generator=g) * 0.5 + 0.4
+        self.register_buffer("decay", decay[offset : offset + width].clone())
 
     def mix(self, x: torch.Tensor, states: torch.Tensor, md: RecurrentMetadata) -> torch.Tensor:
         q, k, v = x.chunk(3, dim=-1)
@@ -56,14 +60,21 @@ class ToyRecurrentMixer(RecurrentStateLayer):
 
 
 class ToyMixerBlock(nn.Module):
-    """Stands in for a layer's `self_attn`: its projections around the recurrent mixer."""
+    """Stands in for a layer's `self_attn`: its projections around the recurrent mixer.
+
+    Per KV head: its group's first query head, its key and value feed one channel block of the
+    state; the output goes to every query head of the group. Under TP a rank holds whole
+    groups, so the same function is computed split by heads.
+    """
 
     def __init__(self, attn: nn.Module, prefix: str, config: Any) -> None:
         super().__init__()
         self.qkv_proj, self.o_proj = attn.qkv_proj, attn.o_proj
-        self.width = attn.num_kv_heads * attn.head_dim
-        self.repeat = attn.num_heads // attn.num_kv_heads
-        self.mixer = ToyRecurrentMixer(self.width, prefix, config)
+        self.kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.group = attn.num_heads // attn.num_kv_heads
+        width = self.kv_heads * self.head_dim
+        full = config.model.num_kv_heads * self.head_dim
+        self.mixer = ToyRecurrentMixer(width, prefix, config, get_tp_rank() * width, full)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         # One token at a time: a matmul's rows may round differently with the batch's height,
@@ -71,8 +82,11 @@ class ToyMixerBlock(nn.Module):
         rows = [self.qkv_proj(hidden_states[t : t + 1]) for t in range(hidden_states.shape[0])]
         qkv = torch.cat(rows) if rows else self.qkv_proj(hidden_states)
         q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
-        out = self.mixer(torch.cat([q[:, : self.width], k, v], dim=-1))
-        return self.o_proj(out.repeat(1, self.repeat))
+        n, kv, hd = q.shape[0], self.kv_heads, self.head_dim
+        first_q = q.reshape(n, kv, self.group, hd)[:, :, 0].reshape(n, kv * hd)
+        out = self.mixer(torch.cat([first_q, k, v], dim=-1))
+        per_head = out.reshape(n, kv, 1, hd).expand(n, kv, self.group, hd)
+        return self.o_proj(per_head.reshape(n, kv * self.group * hd))
 
 
 class ToyHybridForCausalLM(LlamaForCausalLM):

@@ -23,6 +23,7 @@ from tokenwise import LLM, SamplingParams
 from tokenwise.engine.block_manager import BlockManager
 from tokenwise.kv_cache.managers import ZERO_STATE
 from tokenwise.kv_cache.specs import FullAttentionSpec, RecurrentStateSpec
+from tokenwise.models.registry import ENV_PLUGINS, resolve_model_class
 
 BS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -184,36 +185,41 @@ def test_no_free_slot_means_no_admission_and_no_snapshot() -> None:
     bm.check_invariants()
 
 
-def test_a_tp_worker_does_what_the_driver_does(toy: str) -> None:
-    """Under TP every rank applies the same state plan: the driver's plan, sent in the step
-    message, makes a worker's runner start, snapshot and roll back the same slots. (A TP
-    engine of the toy itself cannot start: its spawned workers do not import this test's
-    model; the Gated DeltaNet models of the next issue run the engine end to end.)"""
-    from tokenwise.distributed.step_message import decode_step, encode_step
+def test_tensor_parallel_keeps_every_shard_in_step(
+    toy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TP=2: each rank holds half of every state; the step message carries the state plan
+    and the driver broadcasts the rollbacks, so tokens equal one process's, with prefix hits
+    and rejected drafts along the way. (The spawned workers load the toy as a plugin.)"""
+    monkeypatch.setenv(ENV_PLUGINS, "tests.engine._toy_recurrent")
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    # Two batches: the second prompt's prefix hits the snapshots the first batch left (a
+    # snapshot is published once its step has run, so a batch cannot hit its own).
+    batches = [[REPETITIVE, PROMPT], [REPETITIVE + [5]]]
 
-    llm = make(toy)
-    engine = llm.llm_engine
-    runner = engine.runner
-    seen: list = []
-    encode = encode_step
+    def run(llm: LLM) -> list[list[int]]:
+        return [
+            list(o.outputs[0].token_ids)
+            for batch in batches
+            for o in llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        ]
 
-    def spy(step, tables, loras=None, states=None):  # what a TP driver would broadcast
-        data = encode(step, tables, loras, states)
-        seen.append((states, decode_step(data).states))
-        return data
-
-    import tokenwise.runner.model_runner as mr
-
-    original, runner.tp_size = mr.encode_step, 2
-    mr.encode_step = spy
-    broadcasts: list = []
-    runner.tp.broadcast = broadcasts.append  # type: ignore[method-assign]
+    one = make(toy, num_gpu_blocks=48, speculative_config=spec)
+    want = run(one)
+    del one
+    two = make(toy, num_gpu_blocks=48, speculative_config=spec, tensor_parallel_size=2)
     try:
-        spec_params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-        llm.generate([{"prompt_token_ids": PROMPT}], spec_params, use_tqdm=False)
+        assert run(two) == want
+        stats = two.llm_engine.get_stats()
+        assert stats.prefix_cache_hits > 0
+        assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+        assert_pool_clean(two.llm_engine)
     finally:
-        mr.encode_step = original
-        runner.tp_size = 1
-    assert seen and all(sent == received for sent, received in seen)
-    assert any(plan.init for plan, _ in seen) and any(plan.snapshot for plan, _ in seen)
-    assert len(broadcasts) == len(seen)  # one step message per step, no rollback needed
+        two.shutdown()
+
+
+def test_a_plugin_that_does_not_import_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_PLUGINS, "tests.engine.no_such_plugin")
+    with pytest.raises(ValueError, match=r"TOKENWISE_PLUGINS names module 'tests.engine.no_"):
+        resolve_model_class(["NoSuchForCausalLM"])

@@ -1,6 +1,16 @@
-"""Which tokenwise class serves which Hugging Face `architectures` entry."""
+"""Which tokenwise class serves which Hugging Face `architectures` entry.
+
+Out-of-tree models register themselves by adding to `MODEL_REGISTRY` when their module is
+imported. Name such modules in `TOKENWISE_PLUGINS` (comma-separated import paths) so that every
+process of an engine imports them, not only the caller's: spawned tensor-parallel workers,
+pipeline stages and engine cores inherit the variable and load the plugins when an
+architecture is not found (`load_plugins`), as vLLM's plugins do.
+"""
 
 from __future__ import annotations
+
+import importlib
+import os
 
 from torch import nn
 
@@ -64,14 +74,38 @@ def supported_architectures() -> list[str]:
     return sorted(MODEL_REGISTRY)
 
 
+ENV_PLUGINS = "TOKENWISE_PLUGINS"
+
+
+def load_plugins() -> list[str]:
+    """Import the modules `TOKENWISE_PLUGINS` names (they register their models); the names.
+
+    A module that cannot be imported is an error naming it and the variable.
+    """
+    names = [n.strip() for n in os.environ.get(ENV_PLUGINS, "").split(",") if n.strip()]
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            raise ValueError(
+                f"{ENV_PLUGINS} names module {name!r}, which cannot be imported: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+    return names
+
+
 def resolve_model_class(architectures: list[str]) -> type[nn.Module]:
-    """The class for the first listed architecture that tokenwise implements."""
-    for arch in architectures or []:
-        if arch in MODEL_REGISTRY:
-            return MODEL_REGISTRY[arch]
+    """The class for the first listed architecture that tokenwise (or a plugin) implements."""
+    for attempt in range(2):
+        for arch in architectures or []:
+            if arch in MODEL_REGISTRY:
+                return MODEL_REGISTRY[arch]
+        if attempt == 0 and not load_plugins():
+            break
     raise ValueError(
         f"unsupported model architecture(s) {list(architectures or [])}; "
-        f"tokenwise supports: {', '.join(supported_architectures())}"
+        f"tokenwise supports: {', '.join(supported_architectures())} (out-of-tree models: "
+        f"name their modules in {ENV_PLUGINS})"
     )
 
 
