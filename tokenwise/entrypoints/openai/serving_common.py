@@ -148,15 +148,19 @@ def json_response(payload: BaseModel) -> Response:
     return Response(payload.model_dump_json(), media_type="application/json")
 
 
+def api_error(exc: BaseException) -> OpenAIError:
+    """What a failure during generation tells the client: the error itself when it is one of
+    the API's, the engine's death, or a failed generation."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return engine_dead(exc)
+    return generation_failed(exc)
+
+
 def stream_error(exc: BaseException) -> str:
     """An error after the 200 was sent can only travel as an event; OpenAI clients raise it."""
-    if isinstance(exc, OpenAIError):
-        error = exc
-    elif isinstance(exc, EngineDeadError):
-        error = engine_dead(exc)
-    else:
-        error = generation_failed(exc)
-    return sse(error.body())
+    return sse(api_error(exc).body())
 
 
 def event_stream(events: AsyncIterator[str]) -> StreamingResponse:

@@ -34,9 +34,7 @@ from tokenwise.entrypoints.openai.anthropic_input import (
 from tokenwise.entrypoints.openai.async_engine import AsyncEngine, RequestStream
 from tokenwise.entrypoints.openai.chat_images import FETCHED_IMAGES, prefetch_chat_images
 from tokenwise.entrypoints.openai.errors import (
-    EngineDeadError,
     OpenAIError,
-    engine_dead,
     generation_failed,
     invalid_request,
 )
@@ -54,6 +52,7 @@ from tokenwise.entrypoints.openai.server_config import ServerConfig
 from tokenwise.entrypoints.openai.serving_chat import ChatServing
 from tokenwise.entrypoints.openai.serving_common import (
     UsageCounter,
+    api_error,
     collect_outputs,
     event_stream,
     json_response,
@@ -178,13 +177,7 @@ class MessagesServing:
             for event in events.finish(*reason, usage.usage().completion_tokens):
                 yield event
         except Exception as exc:
-            if isinstance(exc, OpenAIError):
-                error = exc
-            elif isinstance(exc, EngineDeadError):
-                error = engine_dead(exc)
-            else:
-                error = generation_failed(exc)
-            for event in events.error(error):
+            for event in events.error(api_error(exc)):
                 yield event
         finally:
             stream.close()

@@ -27,9 +27,7 @@ from pydantic import BaseModel
 from tokenwise.entrypoints.openai.access_log import record_usage, set_request_id
 from tokenwise.entrypoints.openai.async_engine import AsyncEngine, RequestStream
 from tokenwise.entrypoints.openai.errors import (
-    EngineDeadError,
     OpenAIError,
-    engine_dead,
     generation_failed,
     invalid_request,
 )
@@ -56,6 +54,7 @@ from tokenwise.entrypoints.openai.server_config import ServerConfig
 from tokenwise.entrypoints.openai.serving_chat import ChatServing
 from tokenwise.entrypoints.openai.serving_common import (
     UsageCounter,
+    api_error,
     collect_outputs,
     event_stream,
     json_response,
@@ -253,13 +252,7 @@ class ResponsesServing:
             for event in final:
                 yield event
         except Exception as exc:
-            if isinstance(exc, OpenAIError):
-                error = exc
-            elif isinstance(exc, EngineDeadError):
-                error = engine_dead(exc)
-            else:
-                error = generation_failed(exc)
-            for event in events.error(error):
+            for event in events.error(api_error(exc)):
                 yield event
         finally:
             stream.close()

@@ -143,6 +143,19 @@ class ToolParser:
             pass
         return out
 
+    def _content_until(self, tag: str, out: list[Event], final: bool) -> bool:
+        """Pass the buffer on as content up to `tag` (holding back what may be its start,
+        unless `final`); True, with the buffer just past `tag`, when `tag` is there."""
+        start = self._buffer.find(tag)
+        if start >= 0:
+            cut = start
+        else:
+            cut = len(self._buffer) - (0 if final else partial_tag_len(self._buffer, tag))
+        if cut:
+            out.append(Content(self._buffer[:cut]))
+        self._buffer = self._buffer[cut + (len(tag) if start >= 0 else 0) :]
+        return start >= 0
+
     def _step(self, out: list[Event], final: bool) -> bool:
         """Consume what the buffer decides, appending events; True while another step may
         consume more. With `final`, the text is complete and everything must be decided."""

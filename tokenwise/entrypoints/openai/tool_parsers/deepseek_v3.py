@@ -19,7 +19,6 @@ from tokenwise.entrypoints.openai.tool_parsers.base import (
     Content,
     Event,
     ToolParser,
-    partial_tag_len,
 )
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
@@ -44,17 +43,9 @@ class DeepSeekV3ToolParser(ToolParser):
         return getattr(self, "_" + self._mode)(out, final)
 
     def _content(self, out: list[Event], final: bool) -> bool:
-        start = self._buffer.find(CALLS_BEGIN)
-        if start < 0:
-            keep = 0 if final else partial_tag_len(self._buffer, CALLS_BEGIN)
-            cut = len(self._buffer) - keep
-            if cut:
-                out.append(Content(self._buffer[:cut]))
-            self._buffer = self._buffer[cut:]
+        if not self._content_until(CALLS_BEGIN, out, final):
             return False
-        if start:
-            out.append(Content(self._buffer[:start]))
-        self._buffer, self._mode = self._buffer[start + len(CALLS_BEGIN) :], "section"
+        self._mode = "section"
         return True
 
     def _expect(self, out: list[Event], final: bool, tags: dict[str, str]) -> bool:

@@ -44,17 +44,8 @@ class HermesToolParser(ToolParser):
 
     def _step(self, out: list[Event], final: bool) -> bool:
         if not self._in_call:
-            start = self._buffer.find(OPEN_TAG)
-            if start < 0:
-                keep = 0 if final else partial_tag_len(self._buffer, OPEN_TAG)
-                cut = len(self._buffer) - keep
-                if cut:
-                    out.append(Content(self._buffer[:cut]))
-                self._buffer = self._buffer[cut:]
+            if not self._content_until(OPEN_TAG, out, final):
                 return False
-            if start:
-                out.append(Content(self._buffer[:start]))
-            self._buffer = self._buffer[start + len(OPEN_TAG) :]
             self._in_call = True
         if self._streaming:
             return self._arguments(out, final)
