@@ -92,6 +92,22 @@ def _metadata_fn(builder: Any) -> Any:
     return new
 
 
+def _runner_states(reqs: list[Any]) -> Any:
+    """This revision's runner-owned request states for `reqs` (None before they existed)."""
+    import tokenwise
+
+    root = os.path.dirname(tokenwise.__file__)
+    if not os.path.exists(os.path.join(root, "runner", "request_states.py")):
+        return None
+    from tokenwise.engine.step_outputs import NewRequestData
+    from tokenwise.runner.request_states import CachedRequestState, RequestStates
+
+    states = RequestStates()
+    for req in reqs:
+        states.by_id[req.request_id] = CachedRequestState.create(NewRequestData.of(req))
+    return states
+
+
 def _measure(n: int, mixed: bool, steps: int) -> float:
     import torch
 
@@ -114,6 +130,9 @@ def _measure(n: int, mixed: bool, steps: int) -> float:
         reqs.append(req)
     batch = batch_cls(n, n * 64 + n, MAX_MODEL_LEN, BLOCK, torch.device("cpu"))
     metadata = _metadata_fn(builder_cls(BLOCK))
+    # Revisions whose runner keeps its own request state: the states are made once (from each
+    # request's first step) and looked up each step, which is timed with `prepare`.
+    runner_states = _runner_states(reqs)
     times = []
     for _ in range(steps):
         items = []
@@ -128,12 +147,17 @@ def _measure(n: int, mixed: bool, steps: int) -> float:
                 items.append(scheduled_cls(req, new))
         items.sort(key=lambda s: s.num_new_tokens == 1)
         start = time.perf_counter()
-        step = batch.prepare(items)
+        if runner_states is None:
+            step = batch.prepare(items)
+        else:
+            step = batch.prepare(items, runner_states.of(items))
         metadata(step)
         torch.tensor(step.logits_indices, dtype=torch.int64)
         times.append(time.perf_counter() - start)
         for req, table in zip(reqs, tables, strict=True):  # what a decode step does to each
             req.append_output_token(7)
+            if runner_states is not None:
+                runner_states.by_id[req.request_id].append([7])
             if req.num_tokens > len(table) * BLOCK:
                 table.append(table[-1] + 1)
     return statistics.median(times)

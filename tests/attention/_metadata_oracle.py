@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from tests._states import states_of
 from tokenwise.attention.metadata import AttentionMetadata, CommonMetadataBuilder
 from tokenwise.attention.utils import PAD_SLOT_ID, compute_slot_mapping
 from tokenwise.engine.request import Request
@@ -139,7 +140,7 @@ def engine_metadata(
         req.num_computed_tokens = context
         # A request new to the batch: its whole table is this step's new blocks.
         items.append(ScheduledRequest(req, query, 0, (list(table),), (len(table),)))
-    step = batch.prepare(items)
+    step = batch.prepare(items, states_of(items))
     pad = -1
     if graph_batch_size is not None:
         pad = graph_batch_size - len(seqs)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-import tokenwise.engine.llm_engine as llm_engine
+import tokenwise.executor.executor as executor_module
 from tests.distributed import _startup_workers as entries
 from tests.distributed._leftovers import assert_nothing_left, child_processes
 from tests.engine._fixtures import checkpoint
@@ -29,7 +29,7 @@ BOUND_S = 60.0  # what the engine promises; each case below takes a few seconds
 
 def _start_with(monkeypatch: pytest.MonkeyPatch, entry: Callable[..., None]) -> tuple[float, str]:
     """Start a TP=2 engine whose worker runs `entry`: the seconds until it failed, and why."""
-    monkeypatch.setattr(llm_engine, "run_tp_worker", entry)
+    monkeypatch.setattr(executor_module, "run_tp_worker", entry)
     started = time.monotonic()
     with pytest.raises(WorkerLostError) as info:
         LLM(checkpoint(), dtype="float32", tensor_parallel_size=2, kv_cache_memory=2**20)
@@ -79,7 +79,7 @@ def test_pipeline_stage_dead_before_the_rendezvous_is_named_at_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Stages start through the same rendezvous as TP workers."""
-    monkeypatch.setattr(llm_engine, "run_pp_worker", entries.exit_at_once)
+    monkeypatch.setattr(executor_module, "run_pp_worker", entries.exit_at_once)
     before = child_processes()
     started = time.monotonic()
     path = checkpoint("LlamaForCausalLM", num_hidden_layers=4)

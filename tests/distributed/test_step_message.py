@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests._states import states_of
 from tokenwise.distributed.step_message import decode_step, encode_step, step_inputs
 from tokenwise.engine.request import Request
 from tokenwise.engine.step_outputs import ScheduledRequest
@@ -23,7 +24,7 @@ def _step() -> tuple:
         ),
         ScheduledRequest(Request("b", list(range(7)), SamplingParams()), 7, 0, ([3], [7]), (1, 1)),
     ]
-    step = batch.prepare(reqs)
+    step = batch.prepare(reqs, states_of(reqs))
     table1, first1 = batch.windowed_block_tables(step, 8, 1)
     tables = {
         0: (step.block_tables, None, step.slot_mapping),

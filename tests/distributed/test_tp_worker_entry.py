@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from tests.engine._fixtures import checkpoint
-from tokenwise.distributed import tp_worker
 from tokenwise.engine import client
 from tokenwise.engine.llm_engine import LLMEngine
 from tokenwise.entrypoints.llm import build_engine_config
+from tokenwise.executor import worker_main as tp_worker
 
 
 @pytest.fixture

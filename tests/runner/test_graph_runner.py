@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests._states import states_of
 from tests.engine._fixtures import checkpoint
 from tokenwise import LLM, SamplingParams
 from tokenwise.attention.backends import selector
@@ -300,10 +301,12 @@ def test_padding_rows_are_one_token_decodes_on_pad_slots() -> None:
     batch = InputBatch(8, 16, 32, 4, torch.device("cpu"))
     # Blocks [3, 7] and [2, 9], as the block manager would report them to a new row.
     step = batch.prepare(
-        [
-            ScheduledRequest(prefill, 5, 0, ([3, 7],), (2,)),
-            ScheduledRequest(decode, 1, 0, ([2, 9],), (2,)),
-        ]
+        *_prep(
+            [
+                ScheduledRequest(prefill, 5, 0, ([3, 7],), (2,)),
+                ScheduledRequest(decode, 1, 0, ([2, 9],), (2,)),
+            ]
+        )
     )
     padded = batch.pad(step, 8)
     assert batch.pad(step, step.num_tokens) is step
@@ -328,3 +331,7 @@ def test_padding_rows_are_one_token_decodes_on_pad_slots() -> None:
     assert md.decode_metadata.num_decodes == 3
     with pytest.raises(ValueError, match="pad"):
         batch.pad(step, step.num_tokens - 1)
+
+
+def _prep(items: list) -> tuple[list, list]:
+    return items, states_of(items)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests._states import states_of
 from tests.attention._metadata_oracle import ListMetadataBuilder
 from tokenwise.attention.metadata import CommonMetadataBuilder
 from tokenwise.engine.request import Request
@@ -50,7 +51,7 @@ def assert_same(
     tables: dict[str, list[int]],
 ) -> None:
     want, ids, pos = reference(items, window, tables)
-    step = batch.prepare(items)
+    step = batch.prepare(items, states_of(items))
     tables, first = step.block_tables, None
     if window is not None:
         tables, first = batch.windowed_block_tables(step, window)
@@ -154,18 +155,24 @@ def test_prepared_inputs_equal_the_reference_builder_over_a_simulation(
 def test_a_full_batch_refuses_a_new_row_with_a_clear_error() -> None:
     batch = InputBatch(1, 16, MAX_LEN, B, torch.device("cpu"))
     a, b = (Request(rid, [1, 2], SamplingParams()) for rid in ("a", "b"))
-    batch.prepare([ScheduledRequest(a, 2, 0, ([0],), (1,))])
+    batch.prepare(*_prep([ScheduledRequest(a, 2, 0, ([0],), (1,))]))
     with pytest.raises(RuntimeError, match="no free row for request b"):
-        batch.prepare([ScheduledRequest(b, 2, 0, ([0],), (1,))])
+        batch.prepare(*_prep([ScheduledRequest(b, 2, 0, ([0],), (1,))]))
     batch.remove_requests(["a"])
-    assert np.array_equal(batch.prepare([ScheduledRequest(b, 2, 0, ([0],), (1,))]).rows, [0])
+    assert np.array_equal(
+        batch.prepare(*_prep([ScheduledRequest(b, 2, 0, ([0],), (1,))])).rows, [0]
+    )
 
 
 def test_blocks_the_runner_never_saw_are_a_clear_error() -> None:
     """A step whose new blocks start past the mirror's end means a step was lost."""
     batch = InputBatch(2, 16, MAX_LEN, B, torch.device("cpu"))
     req = Request("a", list(range(10)), SamplingParams())
-    batch.prepare([ScheduledRequest(req, 4, 0, ([5],), (1,))])
+    batch.prepare(*_prep([ScheduledRequest(req, 4, 0, ([5],), (1,))]))
     req.num_computed_tokens = 4
     with pytest.raises(RuntimeError, match="mirrors 1 blocks, but the step's new blocks start"):
-        batch.prepare([ScheduledRequest(req, 6, 0, ([9],), (3,))])
+        batch.prepare(*_prep([ScheduledRequest(req, 6, 0, ([9],), (3,))]))
+
+
+def _prep(items: list) -> tuple[list, list]:
+    return items, states_of(items)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tests._states import states_of
 from tokenwise.engine.request import Request
 from tokenwise.engine.step_outputs import ScheduledRequest
 from tokenwise.runner.input_batch import InputBatch
@@ -36,23 +37,23 @@ def decoding(rid: str, prompt_len: int, blocks: list[int], drafts: int) -> Sched
 def test_only_steps_where_every_request_verifies_k_drafts_are_uniform_verify() -> None:
     b = batch()
     a, c = decoding("a", 6, [3, 7], K), decoding("c", 3, [5], K)
-    assert uniform_query_len(b.prepare([a, c]), 1 + K) == 1 + K
-    assert uniform_query_len(b.prepare([a, c]), None) == 0  # no verify graphs
+    assert uniform_query_len(b.prepare(*_prep([a, c])), 1 + K) == 1 + K
+    assert uniform_query_len(b.prepare(*_prep([a, c])), None) == 0  # no verify graphs
     fewer = decoding("d", 6, [2, 4], K - 1)
-    assert uniform_query_len(b.prepare([a, fewer]), 1 + K) == 0
+    assert uniform_query_len(b.prepare(*_prep([a, fewer])), 1 + K) == 0
     # A prompt chunk of 1 + k tokens (no drafts) has the same query length: not a verify row.
     chunk = ScheduledRequest(
         Request("p", list(range(10)), SamplingParams()), 1 + K, 0, ([6],), (1,)
     )
-    assert uniform_query_len(b.prepare([chunk, a]), 1 + K) == 0
+    assert uniform_query_len(b.prepare(*_prep([chunk, a])), 1 + K) == 0
     plain = ScheduledRequest(a.request, 1, 0, ([3, 7],), (2,))
-    assert uniform_query_len(b.prepare([plain]), 1 + K) == 1
+    assert uniform_query_len(b.prepare(*_prep([plain])), 1 + K) == 1
 
 
 def test_decode_rows_see_their_request_blocks_and_causal_lengths() -> None:
     b = batch()
     a, c = decoding("a", 6, [3, 7, 9], K), decoding("c", 3, [5, 8], K)
-    step = write_decode_rows(b, b.prepare([a, c]))
+    step = write_decode_rows(b, b.prepare(*_prep([a, c])))
     # a: context 5, queries at 5..8; c: context 2, queries at 2..5.
     assert step.num_reqs == step.num_tokens == 8
     assert step.seq_lens.tolist() == [6, 7, 8, 9, 3, 4, 5, 6]
@@ -68,3 +69,7 @@ def test_decode_rows_see_their_request_blocks_and_causal_lengths() -> None:
     assert step.slot_mapping.tolist() == [
         7 * B + 1, 7 * B + 2, 7 * B + 3, 9 * B + 0, 5 * B + 2, 5 * B + 3, 8 * B + 0, 8 * B + 1
     ]  # fmt: skip
+
+
+def _prep(items: list) -> tuple[list, list]:
+    return items, states_of(items)

@@ -4,7 +4,7 @@ With `pipeline_parallel_size=P` the engine process is stage 0 (and the driver: i
 samples and owns every request); it spawns one process per other stage, as tensor parallelism
 spawns its workers (`tp_launch.TPWorkers`), and all of them rendezvous over TCP on 127.0.0.1.
 Under torchrun (`torchrun_pp_rank`) every process runs the same command: rank 0 becomes the
-engine and the others stages (`tp_worker.maybe_serve_torchrun_worker`), over torchrun's
+engine and the others stages (`executor.worker_main.maybe_serve_torchrun_worker`), over torchrun's
 rendezvous, so stages may sit on different machines.
 Each stage builds only its layers (`pp_state.pp_layer_range`) and a KV cache for them.
 
@@ -116,7 +116,7 @@ def start_pipeline_parallel(
     Called before the model is built: the model reads its layer range at construction.
     Returns the spawned stages on the driver; None with P = 1 and in a spawned stage, which
     joined the group before building its runner. `worker_main(config, rank, init_method)` is
-    the stages' entry (`tokenwise.distributed.pp_worker.run_pp_worker`, above the runner).
+    the stages' entry (`tokenwise.executor.worker_main.run_pp_worker`, above the runner).
     """
     check_pipeline_config(config)
     parallel = config.parallel

@@ -1,17 +1,18 @@
 """The one start-up sequence every rank of an engine runs, in one place.
 
-The driver (`LLMEngine`), each spawned tensor-parallel worker (`tp_worker`) and each pipeline
-stage (`pp_worker`) make the same start-up collectives in the same order only if they run the
-same code, so they all start through `start_runner`:
+The driver's worker (built by the engine's executor), each spawned tensor-parallel worker and
+each pipeline stage (`executor/worker_main.py`) make the same start-up collectives in the same
+order only if they run the same code, so every `Worker.start` runs `start_runner`:
 
-1. build the runner: it joins the groups (on the driver it spawns the workers and waits for
-   them at the rendezvous; a worker has joined already) and builds this rank's model shard;
+1. build the runner: its worker has joined the groups already (on the driver, the executor
+   spawned the other ranks and met them at the rendezvous); it builds this rank's model shard;
 2. agree on the KV block count (`determine_num_blocks`: a MIN over the ranks, which the driver
    waits for while checking its workers);
 3. check the count (driver only; no collective), then allocate the cache (local).
 
-A failure after the runner exists shuts it down (the workers are stopped, the groups left),
-so a failed start-up leaves nothing behind for the next engine of this process.
+A failure after the runner exists shuts it down; the executor then stops the other ranks and
+leaves the groups, so a failed start-up leaves nothing behind for the next engine of this
+process.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The TP driver's step messages, sent so that the driver never waits on a dead worker.
+"""The TP driver's step messages (and its workers' replies), sent so that the driver never
+waits on a dead worker.
 
 Each message (a step's inputs, a dummy batch, stop) is pickled and broadcast over the TP
 group's gloo channel as two tensors: its length, then its bytes. The driver starts each
@@ -42,3 +43,33 @@ def receive_message(group: ProcessGroup) -> Any:
     body = torch.empty(int(length.item()), dtype=torch.uint8)
     dist.broadcast(body, group=group, group_src=0)
     return pickle.loads(body.numpy().tobytes())
+
+
+def gather_replies(
+    message: Any,
+    group: ProcessGroup,
+    workers: Liveness | None = None,
+    what: str = "gathering replies",
+    timeout_s: float | None = None,
+) -> list[Any]:
+    """Every rank's `message`, in rank order; every rank of `group` calls it (a worker
+    answering the driver, e.g. an RPC's result). Two all-gathers (the lengths, then the bytes
+    padded to the longest), which keep running when a timed wait gives up, so the driver can
+    check its workers while it waits (`wait_polled`): a dead one is named at once, a silent one
+    after `timeout_s`. Workers pass no `workers` and wait plainly."""
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    size = dist.get_world_size(group)
+    length = torch.tensor([len(data)], dtype=torch.int64)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    wait_polled(
+        dist.all_gather(lengths, length, group=group, async_op=True), workers, what, timeout_s
+    )
+    longest = max(int(n.item()) for n in lengths)
+    body = torch.zeros(longest, dtype=torch.uint8)
+    body[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    bodies = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
+    wait_polled(dist.all_gather(bodies, body, group=group, async_op=True), workers, what, timeout_s)
+    return [
+        pickle.loads(b[: int(n.item())].numpy().tobytes())
+        for b, n in zip(bodies, lengths, strict=True)
+    ]

@@ -11,7 +11,7 @@ shards. Two ways to start:
   over TCP on 127.0.0.1;
 - `torchrun --nproc-per-node N [--nnodes M ...]`: every process runs the same command, the
   group comes from torchrun's environment, rank 0 becomes the driver and the other ranks hand
-  over to the worker entry point before any engine is built (`tokenwise.distributed.tp_worker`)
+  over to the worker entry point before any engine is built (`tokenwise.executor.worker_main`)
   and exit when the driver shuts down.
 """
 
@@ -179,7 +179,7 @@ def start_tensor_parallel(config: EngineConfig, worker_main: WorkerMain | None) 
 
     Called before the model is built, since the layers read their TP rank at construction.
     `worker_main(config, rank, init_method)` is what each spawned worker runs
-    (`tokenwise.distributed.tp_worker.run_tp_worker`, passed in because it sits above this
+    (`tokenwise.executor.worker_main.run_tp_worker`, passed in because it sits above this
     module); None where no worker can be spawned (a worker's own runner).
     Returns the spawned workers on the driver of a spawned group, None otherwise.
     Under DP x TP every DP rank is the driver of its own TP group, and all `dp * tp` processes
@@ -211,8 +211,7 @@ def start_tensor_parallel(config: EngineConfig, worker_main: WorkerMain | None) 
     if worker_main is None:
         raise ValueError(
             f"tensor_parallel_size={size} needs the TP worker entry point to spawn workers: "
-            "build the runner through LLMEngine (or pass "
-            "tp_worker_main=tokenwise.distributed.tp_worker.run_tp_worker)"
+            "start the engine through LLMEngine (its executor spawns them)"
         )
     workers = TPWorkers(
         config, init_method, worker_main, first_rank=size * parallel.data_parallel_rank

@@ -24,7 +24,6 @@ import os
 from typing import Any, Protocol, runtime_checkable
 
 from tokenwise.config import EngineConfig
-from tokenwise.distributed.tp_worker import maybe_serve_torchrun_worker
 from tokenwise.engine.core_client import EngineCoreClient
 from tokenwise.engine.kinds.generate import GenerateKind
 from tokenwise.engine.kinds.multimodal import MultiModalKind
@@ -32,6 +31,7 @@ from tokenwise.engine.kinds.select import model_kind_for
 from tokenwise.engine.llm_engine import LLMEngine
 from tokenwise.engine.prompts import PromptInput
 from tokenwise.engine.stats import EngineStats
+from tokenwise.executor.worker_main import maybe_serve_torchrun_worker
 from tokenwise.lora.request import LoRARequest
 from tokenwise.outputs import EmbeddingRequestOutput, RequestOutput
 
@@ -95,7 +95,7 @@ def create_engine(config: EngineConfig, core_process: bool = False) -> EngineCli
     The model kind (generate, embed, encoder-decoder) is the engine's to choose from the
     configuration. Under torchrun, on a TP rank other than 0 this never returns: the rank
     serves rank 0's steps and its process exits with status 0 when rank 0 shuts down (see
-    `tokenwise.distributed.tp_worker`).
+    `tokenwise.executor.worker_main`).
     """
     maybe_serve_torchrun_worker(config)
     if config.parallel.data_parallel_size > 1:

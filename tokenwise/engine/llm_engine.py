@@ -20,10 +20,6 @@ from typing import Any
 
 from tokenwise.batchsize_stats import get_batchsize_forward_time_summary
 from tokenwise.config import EngineConfig
-from tokenwise.distributed.lifecycle import ensure_clean_parallel_state
-from tokenwise.distributed.pp_worker import run_pp_worker
-from tokenwise.distributed.startup import start_runner
-from tokenwise.distributed.tp_worker import maybe_serve_torchrun_worker, run_tp_worker
 from tokenwise.engine.kinds.base import ModelKind, NewRequest
 from tokenwise.engine.kinds.select import model_kind_for
 from tokenwise.engine.output_routing import (
@@ -44,12 +40,14 @@ from tokenwise.engine.stats import EngineStats, StatLogger, finished_request_lin
 from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from tokenwise.engine.step_records import StepRecorder, StepRecords
 from tokenwise.engine.virtual_engines import VirtualEngineBlockManagers, VirtualEngineSchedulers
+from tokenwise.executor.executor import Executor
+from tokenwise.executor.worker import RPCMethod
+from tokenwise.executor.worker_main import maybe_serve_torchrun_worker
 from tokenwise.lora.request import LoRARequest
 from tokenwise.models.registry import is_moe_architecture
 from tokenwise.outputs import EmbeddingRequestOutput, RequestOutput
 from tokenwise.platform import configure_cpu_allocator
 from tokenwise.pooling.params import PoolingParams
-from tokenwise.runner.pipeline_runner import PipelineModelRunner
 from tokenwise.sampling.guided.compiler import GrammarCompileCache, grammar_compile_timeout_s
 from tokenwise.sampling.params import SamplingParams
 
@@ -68,7 +66,7 @@ class LLMEngine:
     def __new__(cls, *args: Any, **kwargs: Any) -> LLMEngine:
         # Under torchrun every rank runs the caller's code: a TP rank other than 0 is no
         # engine, so before one is built it serves rank 0's steps and its process exits with
-        # status 0 once rank 0 shuts down (`tokenwise.distributed.tp_worker`). (No config:
+        # status 0 once rank 0 shuts down (`tokenwise.executor.worker_main`). (No config:
         # `copy`/`pickle` making an empty instance.)
         config = args[0] if args else kwargs.get("config")
         if config is not None:
@@ -97,22 +95,18 @@ class LLMEngine:
         self.grammar_timeout_s = grammar_compile_timeout_s()
         self._grammars: GrammarCompileCache | None = None  # made at the first guided request
         pp = parallel.pipeline_parallel_size
-        ensure_clean_parallel_state()  # no dropped engine's workers or groups left behind
 
-        def make_runner() -> Any:
-            if pp > 1:  # stage 0 of a pipeline (`engine/virtual_engines.py`, `pipeline_loop.py`)
-                self.runner = PipelineModelRunner(
-                    config, device, tp_worker_main=run_tp_worker, pp_worker_main=run_pp_worker
-                )
-            else:
-                self.runner = kind_cls.runner_cls(config, device, tp_worker_main=run_tp_worker)
+        def on_runner(runner: Any) -> None:  # the kind reads the model (before KV sizing)
+            self.runner = runner
             self.kind = kind_cls(self)
-            self.dp_lockstep = self.runner.dp_lockstep
-            return self.runner
+            self.dp_lockstep = runner.dp_lockstep
 
-        # The start-up sequence every rank runs (`distributed/startup.py`); blocks per
-        # virtual engine.
-        _, num_blocks = start_runner(make_runner, self._check_kv_capacity)
+        # The executor owns the workers (this process's and any it spawns) and runs the
+        # start-up sequence on them; `num_blocks` is per virtual engine.
+        self.model_executor = Executor.create(
+            config, device, kind_cls.runner_cls, on_runner, self._check_kv_capacity
+        )
+        num_blocks = self.model_executor.num_blocks
         max_loras = config.lora.max_loras if config.lora is not None else None
         managers = [self.kind.make_block_manager(num_blocks) for _ in range(pp)]
         schedulers = [
@@ -209,11 +203,22 @@ class LLMEngine:
             ) from None
 
     def shutdown(self) -> None:
-        """Stop tensor-parallel workers (if any); the engine cannot step afterwards."""
-        self.runner.shutdown()
+        """Stop the workers (the executor's); the engine cannot step afterwards."""
+        self.model_executor.shutdown()
         if self._grammars is not None:
             self._grammars.shutdown()
         self.kind.shutdown()
+
+    def collective_rpc(
+        self,
+        method: RPCMethod,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """Run `method` on every worker of this engine; results in rank order
+        (`Executor.collective_rpc`)."""
+        return self.model_executor.collective_rpc(method, args, kwargs, timeout)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.groups
@@ -224,7 +229,7 @@ class LLMEngine:
     def execute_dummy_batch(self) -> None:
         """One forward pass of a single dummy token: a DP rank with no work joins its peers'."""
         started = time.perf_counter()
-        self.runner.execute_dummy_batch()
+        self.model_executor.execute_dummy_batch()
         self._stats.num_dummy_steps_total += 1
         self.step_recorder.dummy(started, self.block_manager.pool)
 
@@ -243,10 +248,10 @@ class LLMEngine:
         self.warn_aborted(sched)
         if not sched.is_empty:
             try:
-                result = self.runner.execute_model(sched)
+                result = self.model_executor.execute_model(sched)
             except Exception as exc:  # keep serving: fail only the requests of this step
                 self.step_recorder.forward_done(failed=True)
-                if self.dp_lockstep or self.runner.tp.active:
+                if self.dp_lockstep or self.model_executor.is_collective:
                     # Other ranks may be inside a collective this rank left half-way: the
                     # step sequence cannot be resumed, so the rank fails (the client says so).
                     raise

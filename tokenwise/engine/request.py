@@ -12,6 +12,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -134,6 +135,10 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    def runner_inputs(self) -> dict[str, Any]:
+        """A model kind's extras the runner keeps for the request (`NewRequestData`)."""
+        return {}
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -71,6 +71,8 @@ class Scheduler(KindHooks):
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._left_since_last_step: list[str] = []
+        self._preempted_since_last_step: list[str] = []
+        self._sent_to_runner: set[str] = set()  # requests the runner keeps state for
 
     def add_request(self, request: Request) -> None:
         """Queue a request; one that can never fit is rejected here, not left waiting forever."""
@@ -235,6 +237,9 @@ class Scheduler(KindHooks):
                 out.aborted.append((req, reason))
         if not out.is_empty:  # an empty step reaches no runner: keep the ids for the next
             out.finished_req_ids, self._left_since_last_step = self._left_since_last_step, []
+            out.preempted_req_ids = self._preempted_since_last_step
+            self._preempted_since_last_step = []
+            out.send_new_requests(self._sent_to_runner)
         return out
 
     def update_from_output(
@@ -359,7 +364,7 @@ class Scheduler(KindHooks):
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req.request_id)
-        self._left_since_last_step.append(req.request_id)
+        self._preempted_since_last_step.append(req.request_id)
         req.num_computed_tokens = 0  # its cross blocks went too: the encoder reruns on resume
         req.spec_token_ids = []
         req.num_preemptions += 1
@@ -380,6 +385,7 @@ class Scheduler(KindHooks):
             req.status = status
             self.block_manager.free(req.request_id, discard_cached=discard_cached)
             self._left_since_last_step.append(req.request_id)
+            self._sent_to_runner.discard(req.request_id)
         if done:
             ids = {id(r) for r in done}
             self.running = [r for r in self.running if id(r) not in ids]

@@ -14,7 +14,41 @@ import torch
 
 from tokenwise.engine.request import Request
 from tokenwise.kv_cache.managers import StateStep
+from tokenwise.lora.request import LoRARequest
+from tokenwise.sampling.guided.state import GrammarState
+from tokenwise.sampling.params import SamplingParams
 from tokenwise.sampling.sampler import LogprobsTensors
+
+
+@dataclass
+class NewRequestData:
+    """What the runner keeps of a request, sent once: in the first step that schedules it.
+
+    The runner makes its own state from it (`runner/request_states.py`) and from then on
+    appends the tokens it samples. `grammar` is the source of the request's logits mask (the
+    scheduler advances it as tokens are accepted); `kind_inputs` are a model kind's extras
+    (`Request.runner_inputs`: pooling settings, encoder inputs, images).
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    lora_request: LoRARequest | None = None
+    grammar: GrammarState | None = None
+    kind_inputs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, req: Request) -> NewRequestData:
+        return cls(
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling_params,
+            req.eos_token_ids,
+            req.lora_request,
+            req.grammar,
+            req.runner_inputs(),
+        )
 
 
 @dataclass
@@ -28,6 +62,11 @@ class ScheduledRequest:
     or the whole table for a request new to the runner). A table that was cut back
     (`BlockManager.truncate`) shows as `num_blocks` below the mirror's length. A model without
     a KV cache has no groups: both are empty.
+
+    The runner reads the data fields only: `req_id` and the counts (`num_computed_tokens`,
+    `num_tokens`, `num_preemptions`) are the request's when the step was scheduled, and `new_request` carries its
+    settings in the first step that schedules it. `request` is the engine's own handle, which
+    the runner hands back in its output and never reads.
     """
 
     request: Request
@@ -43,13 +82,24 @@ class ScheduledRequest:
     # Recurrent-state models: start the live state from a snapshot (or zeros) before the
     # step, snapshot it after (`kv_cache.managers.StateStep`); None when neither.
     state_step: StateStep | None = None
+    new_request: NewRequestData | None = None
+    req_id: str = ""
+    num_computed_tokens: int = 0
+    num_tokens: int = 0
+    num_preemptions: int = 0  # EAGLE's target features are kept per preemption generation
+
+    def __post_init__(self) -> None:
+        req = self.request
+        self.req_id = req.request_id
+        self.num_computed_tokens = req.num_computed_tokens
+        self.num_tokens = req.num_tokens
+        self.num_preemptions = req.num_preemptions
 
     @property
     def completes_sequence(self) -> bool:
         """True when this step computes the sequence's last known token (so it samples)."""
-        req = self.request
-        computed = req.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids)
-        return computed == req.num_tokens
+        computed = self.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids)
+        return computed == self.num_tokens
 
 
 @dataclass
@@ -58,9 +108,19 @@ class SchedulerOutput:
     num_preempted: int = 0
     # Requests aborted because they can never be placed, each with the reason why.
     aborted: list[tuple[Request, str]] = field(default_factory=list)
-    # Requests that left the running set (finished, aborted or preempted) since the last
-    # step: the runner frees their input-batch rows.
+    # Requests that left the running set since the last step: finished or aborted (the
+    # runner forgets them) and preempted (the runner frees their batch rows, keeps their state).
     finished_req_ids: list[str] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+    def send_new_requests(self, known: set[str]) -> None:
+        """Give each entry whose request the runner has not been sent yet its `new_request`,
+        once (`known`: the ids sent so far; the scheduler drops an id when the request
+        finishes). Called as the step is handed over, after any entry was taken out again."""
+        for item in self.scheduled:
+            if item.req_id not in known:
+                known.add(item.req_id)
+                item.new_request = NewRequestData.of(item.request)
 
     @property
     def total_num_tokens(self) -> int:

@@ -16,7 +16,10 @@ So one step runs: sample (banned tokens masked) -> detokenize -> append -> check
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from tokenwise.engine.request import Request, RequestStatus
+from tokenwise.sampling.params import SamplingParams
 
 
 def may_stop(req: Request) -> bool:
@@ -24,7 +27,17 @@ def may_stop(req: Request) -> bool:
     return req.num_output_tokens >= req.sampling_params.min_tokens
 
 
-def tokens_banned_before_min_tokens(req: Request) -> list[int]:
+class SamplesOutputs(Protocol):
+    """What the `min_tokens` ban reads: a `Request`, or the runner's state of one."""
+
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def num_output_tokens(self) -> int: ...
+
+
+def tokens_banned_before_min_tokens(req: SamplesOutputs) -> list[int]:
     """Tokens the next sample must not be: the stop tokens, and EOS unless `ignore_eos`.
 
     Empty once the request has `min_tokens` outputs (the next token would be the

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -84,6 +84,27 @@ class LLM:
         process groups. Idempotent; dropping the `LLM` does the same."""
         if self._finalizer is not None:
             self._finalizer()
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """Run `method` on every worker of the engine (every TP rank); results in rank order.
+
+        `method` is a worker method's name or a module-level function called as
+        `method(worker, *args, **kwargs)`, where `worker.runner.model` is that rank's shard.
+        """
+        rpc = getattr(self.llm_engine, "collective_rpc", None)
+        if rpc is None:
+            raise NotImplementedError(
+                "collective_rpc reaches the workers of an engine in this process; with "
+                "data_parallel_size > 1 the ranks run in engine-core processes, which it does "
+                "not reach yet"
+            )
+        return rpc(method, args, kwargs, timeout)
 
     def generate(
         self,

@@ -26,6 +26,7 @@ import torch
 
 from tokenwise.attention.utils import PAD_SLOT_ID
 from tokenwise.engine.step_outputs import ScheduledRequest
+from tokenwise.runner.request_states import CachedRequestState
 
 
 class CpuGpuBuffer:
@@ -71,6 +72,9 @@ class StepInputs:
     sampled: list[ScheduledRequest]
     # Every real request of the step, in step order (a TP worker's copy has none).
     scheduled: list[ScheduledRequest] = field(default_factory=list)
+    # The runner's state of each request of `scheduled` and of `sampled` (same orders).
+    states: list[CachedRequestState] = field(default_factory=list)
+    sampled_states: list[CachedRequestState] = field(default_factory=list)
     # The slot mapping of every attention KV-cache group, group 0's (`slot_mapping`) first;
     # empty with one group. Each group keeps the same tokens in blocks of its own.
     group_slot_mappings: tuple[torch.Tensor, ...] = ()
@@ -173,7 +177,7 @@ class InputBatch:
             start = num_blocks - len(new)
             if start > self.group_num_blocks[group][row]:
                 raise RuntimeError(
-                    f"request {item.request.request_id}: KV-cache group {group} mirrors "
+                    f"request {item.req_id}: KV-cache group {group} mirrors "
                     f"{self.group_num_blocks[group][row]} blocks, but the step's new blocks "
                     f"start at block {start}; a scheduled step was not seen by the runner"
                 )
@@ -187,8 +191,11 @@ class InputBatch:
 
     # ---- one step -------------------------------------------------------------------------
 
-    def prepare(self, ordered: list[ScheduledRequest]) -> StepInputs:
-        """Gather the step's flat inputs for `ordered` (prefills first) and move them."""
+    def prepare(
+        self, ordered: list[ScheduledRequest], states: list[CachedRequestState]
+    ) -> StepInputs:
+        """Gather the step's flat inputs for `ordered` (prefills first) and move them;
+        `states[i]` is the runner's state of `ordered[i]` (its tokens)."""
         n = len(ordered)
         row_list, q_list, ctx_list, sample_at = [], [], [], []
         num_spec = 0
@@ -196,11 +203,11 @@ class InputBatch:
         # every request of every step, so it is written for as little Python as possible.
         req_index, have_tokens, have_blocks = self.req_index, self.num_tokens, self.num_blocks
         for i, item in enumerate(ordered):
-            req = item.request
-            row = req_index.get(req.request_id)
+            rid = item.req_id
+            row = req_index.get(rid)
             if row is None:
-                row = self._new_row(req.request_id)
-            tokens = req.all_token_ids
+                row = self._new_row(rid)
+            tokens = states[i].all_token_ids
             total, have = len(tokens), have_tokens[row]
             if total > have:
                 self.token_ids[row, have:total] = tokens[have:total]
@@ -216,7 +223,7 @@ class InputBatch:
                 total += len(spec)
                 num_spec += len(spec)
             row_list.append(row)
-            computed, new = req.num_computed_tokens, item.num_new_tokens
+            computed, new = item.num_computed_tokens, item.num_new_tokens
             q_list.append(new)
             ctx_list.append(computed)
             if computed + new == total:
@@ -276,6 +283,8 @@ class InputBatch:
             logits_indices=logits_indices,
             sampled=sampled,
             scheduled=list(ordered),
+            states=list(states),
+            sampled_states=[states[i] for i in sample_at],
             group_slot_mappings=self._group_slots(slot_mapping, num_tokens),
         )
 

@@ -9,7 +9,6 @@ completes), and samples them.
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import Any
 
 import torch
@@ -23,7 +22,6 @@ from tokenwise.config import CUDAGraphMode, EngineConfig
 from tokenwise.distributed.dp_coordination import DPStepCounts, coordinate_step_across_dp
 from tokenwise.distributed.step_message import decode_step, encode_step, step_inputs
 from tokenwise.distributed.tp_channel import TPDriver
-from tokenwise.distributed.tp_launch import WorkerMain, start_tensor_parallel
 from tokenwise.distributed.tp_state import get_tp_size
 from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenwise.forward_context import set_forward_context
@@ -39,8 +37,9 @@ from tokenwise.runner.input_batch import InputBatch, StepInputs
 from tokenwise.runner.kv_cache_sizing import KVCacheSizingMixin
 from tokenwise.runner.prompt_logprobs import plan_prompt_logprobs, score_prompt_tokens
 from tokenwise.runner.recurrent_states import RecurrentStates
+from tokenwise.runner.request_states import RequestStates
 from tokenwise.runner.sample_step import sample_step
-from tokenwise.runner.step_metadata import StepMetadataMixin, metadata_groups
+from tokenwise.runner.step_metadata import StepMetadata
 from tokenwise.runner.target_hidden import TargetHiddenCapture
 from tokenwise.runner.ubatch_runner import Trace, run_ubatches
 from tokenwise.sampling.sampler import Sampler
@@ -51,32 +50,21 @@ logger = logging.getLogger(__name__)
 MetadataByLayer = dict[str, AttentionMetadata] | None
 
 
-class ModelRunner(KVCacheSizingMixin, StepMetadataMixin):
+class ModelRunner(KVCacheSizingMixin):
     def __init__(
-        self,
-        config: EngineConfig,
-        device: str | torch.device = "cpu",
-        tp_worker_main: WorkerMain | None = None,
+        self, config: EngineConfig, device: str | torch.device = "cpu", tp: TPDriver | None = None
     ) -> None:
-        """`tp_worker_main` is what spawned TP workers run (`tokenwise.distributed.tp_worker.
-        run_tp_worker`, which sits above the runner, so the engine hands it in); it is needed
-        only by the driver of a spawned TP group."""
+        """`tp` is the channel to the other TP ranks, which this rank's worker has joined
+        (`tokenwise/executor/`); None without tensor parallelism."""
         if config.model is None:
             raise ValueError("ModelRunner needs EngineConfig.model (a ModelConfig)")
         self.config = config
         self.device = torch.device(device)
         self.model_config = config.model
         self.block_size = config.cache.block_size
-        # Before the model: parallel layers read their TP rank when they are built.
-        self.tp = TPDriver(start_tensor_parallel(config, tp_worker_main))
+        self.tp = tp if tp is not None else TPDriver(None)
         self.tp_size = get_tp_size()
-        if self.tp.active and self.tp.is_driver:
-            weakref.finalize(self, self.tp.stop)  # workers leave their loop with the driver
-        try:
-            self.model = load_model(config, self.device)
-        except BaseException:
-            self.tp.abandon()  # the workers fail the same way; do not leave them waiting
-            raise
+        self.model = load_model(config, self.device)
         self._capturer_factory, wrap_piece = graph_setup(config, self.device)
         scheduler = config.scheduler
         compilation = config.compilation
@@ -104,6 +92,7 @@ class ModelRunner(KVCacheSizingMixin, StepMetadataMixin):
         if not self.attn_layers:
             raise RuntimeError("the model registered no attention layers")
         self.sampler = Sampler()
+        self.requests = RequestStates()  # the runner's own copy of each request it runs
         parallel = config.parallel
         # MoE under DP: every forward pass is a collective (see tokenwise.engine.core_process).
         self.dp_lockstep = parallel.data_parallel_size > 1 and bool(parallel.is_moe_model)
@@ -118,16 +107,19 @@ class ModelRunner(KVCacheSizingMixin, StepMetadataMixin):
         self.hidden_capture: TargetHiddenCapture | None = None
         # Layers grouped by KV-cache spec; each group's layers share one metadata object.
         self.kv_cache_layout = self.make_kv_cache_layout()
-        self._builders, self._metadata_group_of = metadata_groups(
-            self.kv_cache_layout, self.attn_layers, self.block_size, self.device
-        )
         # Verification steps may attend as decode rows (`verify_rows.py`): plain causal decoder
         # attention on CPU only, where the one-call decode kernel takes them.
         plain_decoder = all(
             type(layer) is Attention and layer.attn_type is AttentionType.DECODER
             for layer in self.attn_layers.values()
         )
-        self._verify_as_decode = self.device.type == "cpu" and plain_decoder
+        self.step_metadata = StepMetadata(
+            self.kv_cache_layout,
+            self.attn_layers,
+            self.block_size,
+            self.device,
+            verify_as_decode=self.device.type == "cpu" and plain_decoder,
+        )
         # Uniform verification batches replay FULL graphs over the same decode rows (any device).
         self._verify_query_len = verify_rows.graph_verify_len(config.speculative, plain_decoder)
         self.input_batch = InputBatch(
@@ -200,19 +192,16 @@ class ModelRunner(KVCacheSizingMixin, StepMetadataMixin):
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: the scheduler's output is the only input."""
-        self.input_batch.remove_requests(scheduler_output.finished_req_ids)
-        # Prefills (query > 1) first, then decodes; stable, so admission order is kept.
-        ordered = sorted(scheduler_output.scheduled, key=lambda s: s.num_new_tokens == 1)
-        step = self.input_batch.prepare(ordered)
+        step, ordered = self._prepare(scheduler_output, self.input_batch)
         num_sample_rows = len(step.logits_indices)
         prompt_rows = plan_prompt_logprobs(step)
         if prompt_rows is not None:  # after the sampling rows; TP workers compute them too
             step.logits_indices = step.logits_indices + prompt_rows.flat_indices
         num_tokens = step.num_tokens
-        loras = [s.request.lora_request for s in ordered]
+        loras = [state.lora_request for state in step.states]
         has_lora = self._prepare_lora(loras, step)
         mode, desc, query_len = CUDAGraphMode.NONE, None, 0
-        if self.graph_runner is not None and self._may_replay_graphs(ordered):
+        if self.graph_runner is not None and self._may_replay_graphs(step):
             query_len = verify_rows.uniform_query_len(step, self._verify_query_len)
             mode, desc = self.graph_runner.plan(num_tokens, bool(query_len), has_lora, query_len)
             if mode == CUDAGraphMode.FULL and query_len > 1:
@@ -223,8 +212,8 @@ class ModelRunner(KVCacheSizingMixin, StepMetadataMixin):
         self.last_query_len = query_len
         attn_metadata, tables = None, {}
         if mode != CUDAGraphMode.FULL:
-            tables = self._metadata_tables(step)
-            attn_metadata = self._attn_metadata(step, tables)
+            tables = self.step_metadata.tables(self.input_batch, step)
+            attn_metadata = self.step_metadata.build(step, tables)
         state_plan = self.recurrent.plan(step) if self.recurrent is not None else None
         if state_plan is not None:
             attn_metadata.update(self.recurrent.begin(state_plan))
@@ -257,7 +246,9 @@ class ModelRunner(KVCacheSizingMixin, StepMetadataMixin):
             )
         vocab = self.model_config.vocab_size
         logits = logits[:num_sample_rows]
-        token_ids, logprobs = sample_step(self.sampler, logits, sampled, vocab, self.device)
+        states = step.sampled_states
+        token_ids, logprobs = sample_step(self.sampler, logits, sampled, states, vocab, self.device)
+        self.requests.record(states, token_ids)
         if state_plan is not None:
             pairs = self.recurrent.restores(step, state_plan, sampled, token_ids)
             self.recurrent.restore(pairs, self.tp if self.tp_size > 1 else None)
@@ -270,6 +261,18 @@ class ModelRunner(KVCacheSizingMixin, StepMetadataMixin):
             target_hidden=target_hidden,
         )
 
+    def _prepare(
+        self, scheduler_output: SchedulerOutput, batch: InputBatch
+    ) -> tuple[StepInputs, list[ScheduledRequest]]:
+        """Take in the step's new and finished requests and lay out its inputs in `batch`:
+        the step, and its entries in the order laid out (prefills first)."""
+        self.requests.update(scheduler_output)
+        batch.remove_requests(scheduler_output.finished_req_ids)
+        batch.remove_requests(scheduler_output.preempted_req_ids)
+        # Prefills (query > 1) first, then decodes; stable, so admission order is kept.
+        ordered = sorted(scheduler_output.scheduled, key=lambda s: s.num_new_tokens == 1)
+        return batch.prepare(ordered, self.requests.of(ordered)), ordered
+
     def _model_inputs(self, step: StepInputs, attn_metadata: MetadataByLayer) -> dict[str, Any]:
         """Extra keyword inputs of the model for this step (none for a decoder-only model).
 
@@ -279,7 +282,7 @@ class ModelRunner(KVCacheSizingMixin, StepMetadataMixin):
         """
         return {}
 
-    def _may_replay_graphs(self, ordered: list[ScheduledRequest]) -> bool:
+    def _may_replay_graphs(self, step: StepInputs) -> bool:
         """Whether this step may run through the CUDA-graph dispatcher (else eagerly).
 
         Always for a decoder-only model; the encoder-decoder runner says no for steps that
@@ -301,33 +304,23 @@ class ModelRunner(KVCacheSizingMixin, StepMetadataMixin):
         return self.model.compute_logits(hidden.index_select(0, rows))
 
     @torch.inference_mode()
-    def serve_tp_steps(self) -> None:
-        """A TP worker's loop: run each step the driver broadcasts, until it says stop."""
-        while True:
-            message = self.tp.receive()
-            if message[0] == "stop":
-                return
-            if message[0] == "dummy":
-                self.execute_dummy_batch(message[1])
-                continue
-            if message[0] == "restore":  # a recurrent model's rollback after verification
-                self.recurrent.restore(message[1])
-                continue
-            step_message = decode_step(message[1])
-            step, tables = step_inputs(step_message, self.device)
-            self._prepare_lora(step_message.loras, step)
-            metadata = self._attn_metadata(step, tables)
-            if (plan := step_message.states) is not None:
-                metadata.update(self.recurrent.begin(plan))
-            hidden = self._run_eager(step, metadata)
-            if plan is not None:
-                self.recurrent.finish(plan)
-            if step.logits_indices:
-                self._logits(hidden, step.logits_indices)  # joins the vocab all-gather
+    def execute_worker_step(self, payload: bytes) -> None:
+        """A TP rank other than the driver: the same forward pass as the driver's step, from
+        the step message it broadcast (the vocab all-gather of the logits included)."""
+        step_message = decode_step(payload)
+        step, tables = step_inputs(step_message, self.device)
+        self._prepare_lora(step_message.loras, step)
+        metadata = self.step_metadata.build(step, tables)
+        if (plan := step_message.states) is not None:
+            metadata.update(self.recurrent.begin(plan))
+        hidden = self._run_eager(step, metadata)
+        if plan is not None:
+            self.recurrent.finish(plan)
+        if step.logits_indices:
+            self._logits(hidden, step.logits_indices)  # joins the vocab all-gather
 
     def shutdown(self) -> None:
-        """Release the TP workers (they exit their loop); a no-op without TP."""
-        self.tp.stop()
+        """Release what the runner holds; the other ranks are the executor's to stop."""
 
     def _run_eager(
         self,

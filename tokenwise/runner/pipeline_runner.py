@@ -19,7 +19,6 @@ back). Each stage counts the seconds it spends computing (`stage_busy_seconds`).
 from __future__ import annotations
 
 import time
-import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +29,6 @@ import torch.distributed as dist
 from tokenwise.attention.metadata import AttentionMetadata
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.pp_channel import PipelineChannel, StageMessage
-from tokenwise.distributed.pp_launch import start_pipeline_parallel
 from tokenwise.distributed.pp_state import (
     ENV_LAYER_PARTITION,
     get_pp_idle_group,
@@ -39,7 +37,7 @@ from tokenwise.distributed.pp_state import (
 )
 from tokenwise.distributed.rendezvous import wait_polled
 from tokenwise.distributed.step_message import decode_step, encode_step, step_inputs
-from tokenwise.distributed.tp_launch import WorkerMain
+from tokenwise.distributed.tp_channel import TPDriver
 from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from tokenwise.forward_context import set_forward_context
 from tokenwise.layers.pipeline import IntermediateTensors
@@ -67,25 +65,15 @@ class PipelineModelRunner(ModelRunner):
     def __init__(
         self,
         config: EngineConfig,
-        device: str | torch.device = "cpu",
-        tp_worker_main: WorkerMain | None = None,
-        pp_worker_main: WorkerMain | None = None,
+        device: str | torch.device,
+        tp: TPDriver,
+        channel: PipelineChannel,
     ) -> None:
-        """`pp_worker_main` is what each spawned stage runs (`tokenwise.distributed.pp_worker.
-        run_pp_worker`, handed in by the engine); None in a spawned stage, which has joined."""
-        if config.model is None:
-            raise ValueError("PipelineModelRunner needs EngineConfig.model (a ModelConfig)")
-        workers = start_pipeline_parallel(config, pp_worker_main)
-        hidden_size = int(config.model.hf_config.hidden_size)
-        self.channel = PipelineChannel(workers, config.model.dtype, hidden_size)
-        try:
-            super().__init__(config, device, tp_worker_main)
-            self._check_layer_ranges()
-        except BaseException:
-            self.channel.abandon()  # the stages fail the same way; do not leave them waiting
-            raise
-        if self.channel.is_driver:
-            weakref.finalize(self, self.channel.stop)  # the stages leave their loop with it
+        """`channel` is the link to the neighbouring stages, which this rank's worker joined
+        (`tokenwise/executor/`)."""
+        self.channel = channel
+        super().__init__(config, device, tp)
+        self._check_layer_ranges()
         self.pp_rank, self.pp_size = get_pp_rank(), get_pp_size()
         batch = self.input_batch
         self._input_batches = [batch] + [
@@ -177,19 +165,19 @@ class PipelineModelRunner(ModelRunner):
         """Run stage 0 of virtual engine `virtual_engine`'s batch and send it on (no wait)."""
         self.channel.check_stages()
         self.input_batch = self._input_batches[virtual_engine]
-        self.input_batch.remove_requests(sched.finished_req_ids)
-        ordered = sorted(sched.scheduled, key=lambda s: s.num_new_tokens == 1)
-        step = self.input_batch.prepare(ordered)
+        step, _ = self._prepare(sched, self.input_batch)
         num_sample_rows = len(step.logits_indices)
         prompt_rows = plan_prompt_logprobs(step)
         if prompt_rows is not None:  # after the sampling rows; the last stage computes them
             step.logits_indices = step.logits_indices + prompt_rows.flat_indices
-        tables = self._metadata_tables(step)
+        tables = self.step_metadata.tables(self.input_batch, step)
         payload = encode_step(step, tables)  # bytes: owned, whatever the buffers do next
         with self.channel.failures_named():
             if self.tp.active:  # stage 0's other TP ranks run the same batch
                 self.tp.broadcast(("pp_step", virtual_engine, payload))
-            out = self._run_stage(step, self._attn_metadata(step, tables), virtual_engine, None)
+            out = self._run_stage(
+                step, self.step_metadata.build(step, tables), virtual_engine, None
+            )
             self.channel.send_step(virtual_engine, payload, out, [self._busy_s])
         self._in_flight.append(_InFlight(virtual_engine, step, num_sample_rows, prompt_rows))
 
@@ -211,13 +199,16 @@ class PipelineModelRunner(ModelRunner):
         token_ids: list[list[int]] = []
         logprobs = None
         if sampled:
+            states = step.sampled_states
             token_ids, logprobs = sample_step(
                 self.sampler,
                 logits[: batch.num_sample_rows],
                 sampled,
+                states,
                 self.model_config.vocab_size,
                 self.device,
             )
+            self.requests.record(states, token_ids)
         output = ModelRunnerOutput(
             sampled, token_ids, logprobs, step.num_tokens, prompt_logprobs=prompt_lps
         )
@@ -278,7 +269,7 @@ class PipelineModelRunner(ModelRunner):
             intermediate = None
             if received is not None:
                 intermediate = IntermediateTensors(*(t.to(self.device) for t in received))
-            metadata = self._attn_metadata(step, tables)
+            metadata = self.step_metadata.build(step, tables)
             out = self._run_stage(step, metadata, virtual_engine, intermediate)
             busy = [*busy, self._busy_s]
             if not channel.is_last:
@@ -291,8 +282,3 @@ class PipelineModelRunner(ModelRunner):
 
     def execute_dummy_batch(self, num_tokens: int = 1) -> None:
         raise RuntimeError("pipeline parallelism runs no dummy batches (it refuses DP)")
-
-    def shutdown(self) -> None:
-        """Stop the stages (driver); they leave their loops and exit."""
-        self.tp.stop()  # stage 0's TP ranks (they pass the stop on to their next stage)
-        self.channel.stop()

@@ -8,8 +8,9 @@ gather) and this module turns their logits into log-softmax, the token's own val
 and the top-N, as vLLM reports them.
 
 Chunked prefill scores each chunk's tokens in its own step. A request resumed after a
-preemption recomputes its prompt, but only tokens past what its `Request.prompt_logprobs`
-already holds are scored, so none is reported twice. Every position must be computed by the
+preemption recomputes its prompt, but only tokens past what the runner has scored for it
+(`CachedRequestState.next_prompt_logprob`, which outlives the preemption) are scored, so none
+is reported twice. Every position must be computed by the
 request itself: the scheduler gives such requests no prefix-cache hits (a cached block keeps
 K/V, not the hidden states these rows need).
 """
@@ -40,31 +41,30 @@ class PromptLogprobRows:
 
 def plan_prompt_logprobs(step: StepInputs) -> PromptLogprobRows | None:
     """The prompt tokens this step can score for requests that ask (None: no such rows)."""
+    states = step.states
     wanted = [
-        i
-        for i, item in enumerate(step.scheduled)
-        if item.request.prompt_logprobs is not None
-        and len(item.request.prompt_logprobs) < item.request.num_prompt_tokens
+        i for i, state in enumerate(states) if state.next_prompt_logprob < state.num_prompt_tokens
     ]
     if not wanted:
         return None
     starts = np.cumsum(step.query_lens_np) - step.query_lens_np
     rows = PromptLogprobRows([], [], [], 0)
     for i in wanted:
-        req = step.scheduled[i].request
+        state = states[i]
         ctx, q = int(step.context_lens_np[i]), int(step.query_lens_np[i])
-        assert req.prompt_logprobs is not None
-        first = max(ctx + 1, len(req.prompt_logprobs))
-        last = min(ctx + q, req.num_prompt_tokens - 1)
+        first = max(ctx + 1, state.next_prompt_logprob)
+        last = min(ctx + q, state.num_prompt_tokens - 1)
         if first > last:
             continue
+        state.next_prompt_logprob = last + 1  # scored by this step
+        req = step.scheduled[i].request  # the engine's handle: the scores go back to it
         rows.requests.append((req, first, last - first + 1))
         # Token t is scored by the hidden state of position t - 1, row (t - 1 - ctx) of the
         # request's query.
         base = int(starts[i]) - ctx - 1
         rows.flat_indices.extend(range(base + first, base + last + 1))
-        rows.token_ids.extend(req.prompt_token_ids[first : last + 1])
-        num = req.sampling_params.prompt_logprobs or 0
+        rows.token_ids.extend(state.prompt_token_ids[first : last + 1])
+        num = state.sampling_params.prompt_logprobs or 0
         rows.num_logprobs = max(rows.num_logprobs, num)
     return rows if rows.requests else None
 

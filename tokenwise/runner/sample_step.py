@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from tokenwise.engine.step_outputs import ScheduledRequest
+from tokenwise.runner.request_states import CachedRequestState
 from tokenwise.runner.spec_verify import suppress_stop_tokens_before_min_tokens, verify_drafts
 from tokenwise.sampling.guided.bitmask import apply_grammar_bitmask
 from tokenwise.sampling.logits_processors import apply_logits_processors
@@ -23,25 +24,27 @@ def sample_step(
     sampler: Sampler,
     logits: torch.Tensor,
     sampled: list[ScheduledRequest],
+    states: list[CachedRequestState],
     vocab_size: int,
     device: torch.device,
 ) -> tuple[list[list[int]], LogprobsTensors | None]:
-    """The tokens each of `sampled` emits this step (`logits` holds their rows), and the
-    logprob rows of those tokens when any request asked for logprobs."""
+    """The tokens each of `sampled` emits this step (`logits` holds their rows; `states` are
+    the runner's states of those requests), and the logprob rows of those tokens when any
+    request asked for logprobs."""
     if any(s.spec_token_ids for s in sampled):
-        return verify_drafts(logits, sampled, vocab_size, device)
-    suppress_stop_tokens_before_min_tokens(logits, sampled)
-    params = [s.request.sampling_params for s in sampled]
-    apply_logits_processors(logits, params, lambda i: sampled[i].request.output_token_ids)
+        return verify_drafts(logits, sampled, states, vocab_size, device)
+    suppress_stop_tokens_before_min_tokens(logits, states)
+    params = [st.sampling_params for st in states]
+    apply_logits_processors(logits, params, lambda i: states[i].output_token_ids)
     # Guided rows: what their grammars forbid goes to -inf, one batched op for all rows.
-    apply_grammar_bitmask(logits, [s.request.grammar for s in sampled], vocab_size)
+    apply_grammar_bitmask(logits, [st.grammar for st in states], vocab_size)
     if Sampler.is_plain_greedy(params):  # argmax only: no sampling metadata to build
         return _singles(sampler.greedy(logits).sampled_token_ids), None
     metadata = SamplingMetadata.from_params(
         params,
-        [s.request.generator for s in sampled],
-        output_token_ids=[s.request.output_token_ids for s in sampled],
-        prompt_token_ids=[s.request.prompt_token_ids for s in sampled],
+        [st.generator for st in states],
+        output_token_ids=[st.output_token_ids for st in states],
+        prompt_token_ids=[st.prompt_token_ids for st in states],
         vocab_size=logits.shape[-1],
         device=device,
     )

@@ -13,6 +13,7 @@ import torch
 
 from tokenwise.engine.step_outputs import ScheduledRequest
 from tokenwise.engine.stop_rules import tokens_banned_before_min_tokens
+from tokenwise.runner.request_states import CachedRequestState
 from tokenwise.sampling.guided.bitmask import apply_grammar_bitmask
 from tokenwise.sampling.logits_processors import apply_logits_processors
 from tokenwise.sampling.metadata import SamplingMetadata
@@ -21,13 +22,13 @@ from tokenwise.sampling.sampler import LogprobsTensors, Sampler
 
 
 def suppress_stop_tokens_before_min_tokens(
-    logits: torch.Tensor, rows: list[ScheduledRequest]
+    logits: torch.Tensor, rows: list[CachedRequestState]
 ) -> None:
     """`min_tokens`: until a request has that many outputs, its stop rules' tokens are banned.
 
     `rows[i]` is the request that logit row `i` belongs to."""
-    for row, item in enumerate(rows):
-        banned = tokens_banned_before_min_tokens(item.request)
+    for row, state in enumerate(rows):
+        banned = tokens_banned_before_min_tokens(state)
         if banned:
             logits[row, banned] = float("-inf")
 
@@ -35,43 +36,48 @@ def suppress_stop_tokens_before_min_tokens(
 def verify_drafts(
     logits: torch.Tensor,
     sampled: list[ScheduledRequest],
+    states: list[CachedRequestState],
     vocab_size: int,
     device: torch.device,
 ) -> tuple[list[list[int]], LogprobsTensors | None]:
-    """The tokens each request emits in a step with drafts, and their logprob rows.
+    """The tokens each request emits in a step with drafts, and their logprob rows
+    (`states[i]`: the runner's state of `sampled[i]`).
 
     Each row is sampled with its request's settings; the drafts before a row count as output
     tokens there, so penalties see what the request will have written by then. The engine
     proposes no drafts before `min_tokens` is reached, so the stop-token ban only ever touches single-row requests; a guided request's row j is
     masked as its grammar stands after its first j drafts.
     """
-    rows = [s for s in sampled for _ in range(len(s.spec_token_ids) + 1)]
+    rows = [
+        st for s, st in zip(sampled, states, strict=True) for _ in range(len(s.spec_token_ids) + 1)
+    ]
     suppress_stop_tokens_before_min_tokens(logits, rows)
     # Row j of a request follows its first j drafts: they count as generated for bad_words.
     drafts_before = [j for s in sampled for j in range(len(s.spec_token_ids) + 1)]
+    drafts_of_row = [s.spec_token_ids for s in sampled for _ in range(len(s.spec_token_ids) + 1)]
     apply_logits_processors(
         logits,
-        [s.request.sampling_params for s in rows],
-        lambda i: rows[i].request.output_token_ids + rows[i].spec_token_ids[: drafts_before[i]],
+        [st.sampling_params for st in rows],
+        lambda i: rows[i].output_token_ids + drafts_of_row[i][: drafts_before[i]],
     )
     apply_grammar_bitmask(
         logits,
-        [s.request.grammar for s in sampled],
+        [st.grammar for st in states],
         vocab_size,
         [s.spec_token_ids for s in sampled],
     )
-    params = [s.request.sampling_params for s in rows]
+    params = [st.sampling_params for st in rows]
     metadata = None
     if not Sampler.is_plain_greedy(params):
         metadata = SamplingMetadata.from_params(
             params,
-            [s.request.generator for s in rows],
+            [st.generator for st in rows],
             output_token_ids=[
-                s.request.output_token_ids + s.spec_token_ids[:j]
-                for s in sampled
+                st.output_token_ids + s.spec_token_ids[:j]
+                for s, st in zip(sampled, states, strict=True)
                 for j in range(len(s.spec_token_ids) + 1)
             ],
-            prompt_token_ids=[s.request.prompt_token_ids for s in rows],
+            prompt_token_ids=[st.prompt_token_ids for st in rows],
             vocab_size=logits.shape[-1],
             device=device,
         )

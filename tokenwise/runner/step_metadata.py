@@ -1,15 +1,13 @@
 """A step's attention metadata: one object per KV-cache group (and window), over the step's
 buffers.
 
-A mixin of `ModelRunner` and the runners built on it (pipeline stages, pooling and
-encoder-decoder kinds), kept apart as a concept of its own: layers of one KV-cache group
+A part the runner holds (`runner.step_metadata`; pipeline stages, pooling and encoder-decoder
+kinds use the same one), a concept of its own: layers of one KV-cache group
 (`tokenwise.kv_cache.layout`) share block tables and a slot mapping, so they get the same
 metadata object, built once per step by the group's `CommonMetadataBuilder` (SPEC §3's
 `prepare()` then `build(...)`); sliding-window groups read window-trimmed tables. Layers with no
 table of their own (encoder-only attention, and cross-attention, which adds its fields to the
-decoder's metadata) read group 0's. It reads the runner's `_builders` (metadata index ->
-(group, builder)), `_metadata_group_of` (layer -> metadata index), `_verify_as_decode` and
-`input_batch`.
+decoder's metadata) read group 0's.
 """
 
 from __future__ import annotations
@@ -55,27 +53,39 @@ def metadata_groups(
     return builders, index_of
 
 
-class StepMetadataMixin:
-    _builders: dict[int, tuple[int, CommonMetadataBuilder]]
-    _metadata_group_of: dict[str, int]
-    _verify_as_decode: bool
-    input_batch: InputBatch
+class StepMetadata:
+    """The builders of one runner's metadata objects and which object each layer reads.
 
-    def _metadata_tables(self, step: StepInputs) -> GroupTables:
+    `verify_as_decode`: speculative verification rows attend as decode rows
+    (`verify_rows.py`), where the one-call CPU decode kernel takes them.
+    """
+
+    def __init__(
+        self,
+        layout: KVCacheLayout,
+        layers: dict[str, Any],
+        block_size: int,
+        device: torch.device,
+        verify_as_decode: bool,
+    ) -> None:
+        self.builders, self.index_of = metadata_groups(layout, layers, block_size, device)
+        self.verify_as_decode = verify_as_decode
+
+    def tables(self, batch: InputBatch, step: StepInputs) -> GroupTables:
         """Each group's block tables (window-trimmed where it slides) and slot mapping."""
         tables: GroupTables = {}
         slots = step.group_slot_mappings or (step.slot_mapping,)
-        for index, (group, builder) in self._builders.items():
+        for index, (group, builder) in self.builders.items():
             window = builder.sliding_window
             if window is None:
-                table = self.input_batch.group_block_tables(step, group)
+                table = batch.group_block_tables(step, group)
                 tables[index] = (table, None, slots[group])
             else:
-                table, first = self.input_batch.windowed_block_tables(step, window, group)
+                table, first = batch.windowed_block_tables(step, window, group)
                 tables[index] = (table, first, slots[group])
         return tables
 
-    def _attn_metadata(
+    def build(
         self, step: StepInputs, tables: GroupTables, cuda_graph_pad_size: int = -1
     ) -> dict[str, AttentionMetadata]:
         """One metadata object per KV-cache group over the step's buffers, keyed by layer.
@@ -85,12 +95,12 @@ class StepMetadataMixin:
         of a step a FULL graph replays) marks graph metadata; PIECEWISE steps run attention
         eagerly, so their padded metadata is plain.
         """
-        if cuda_graph_pad_size == -1 and self._verify_as_decode and is_verify_step(step):
+        if cuda_graph_pad_size == -1 and self.verify_as_decode and is_verify_step(step):
             step, tables = as_decode_rows(step, tables)
         seq_lens = step.context_lens_np + step.query_lens_np
         batch_size = step.num_reqs if cuda_graph_pad_size != -1 else -1
         metadata_by_group = {}
-        for index, (_, builder) in self._builders.items():
+        for index, (_, builder) in self.builders.items():
             table, first, slots = tables[index]
             builder.prepare()
             metadata_by_group[index] = builder.build(
@@ -103,4 +113,4 @@ class StepMetadataMixin:
                 block_tables=table,
                 block_table_first_block=first,
             )
-        return {name: metadata_by_group[g] for name, g in self._metadata_group_of.items()}
+        return {name: metadata_by_group[g] for name, g in self.index_of.items()}

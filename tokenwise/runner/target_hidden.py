@@ -84,12 +84,11 @@ class TargetHiddenCapture:
             self._pieces = {}
         spans, offset = [], 0
         for item in ordered:
-            req = item.request
             spans.append(
                 HiddenSpan(
-                    req.request_id,
-                    req.num_preemptions,
-                    req.num_computed_tokens,
+                    item.req_id,
+                    item.num_preemptions,
+                    item.num_computed_tokens,
                     item.num_new_tokens,
                     offset,
                 )

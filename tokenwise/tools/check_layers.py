@@ -185,12 +185,11 @@ LAYERS: tuple[Layer, ...] = (
             "tokenwise.distributed.step_message",
         ),
     ),
-    # A TP worker's start-up (spawned or torchrun): it builds a runner, and the engine
-    # constructors call it (a torchrun rank other than 0 turns into a worker before any engine).
-    Layer(
-        "tensor-parallel worker entry",
-        ("tokenwise.distributed.tp_worker", "tokenwise.distributed.pp_worker"),
-    ),
+    # Executor -> worker -> runner: the executor owns an engine's workers (this process's and
+    # the ranks it spawns); a worker owns its device, its groups and one runner; the other
+    # ranks' entry point (spawned or torchrun) builds theirs. The engine constructors call it
+    # (a torchrun rank other than 0 turns into a worker before any engine).
+    Layer("executor", ("tokenwise.executor.*",)),
     # Model kinds as strategies (generate, embed, encoder-decoder): each names its runner and
     # scheduler and supplies prompt processing, KV-cache groups and outputs to the one loop.
     Layer("model kinds", ("tokenwise.engine.kinds.*",)),

@@ -69,39 +69,51 @@ class EncoderDecoderModelRunner(ModelRunner):
 
     def _model_inputs(self, step: StepInputs, attn_metadata: MetadataByLayer) -> dict[str, Any]:
         ordered = step.scheduled
+        # Each request's encoder input, as the runner keeps it (`EncoderDecoderRequest`).
+        enc_inputs = [state.kind_inputs.get("encoder_inputs") for state in step.states]
+        full_lens = [0 if x is None else x.num_tokens for x in enc_inputs]
         cross_tables = [self.input_batch.block_ids(int(row), CROSS_ATTN) for row in step.rows]
         if attn_metadata is None:  # a FULL graph replays: its cross rows, into its buffers
             assert self.graph_runner is not None
             pad = step.num_reqs - len(ordered)
-            graph_md = self._attn_metadata(step, self._metadata_tables(step), pad)
+            graph_md = self.step_metadata.build(
+                step, self.step_metadata.tables(self.input_batch, step), pad
+            )
             decoder_md = graph_md[self.cross_layers[0]]
-            cross_md = self._cross_metadata(ordered, cross_tables, [], decoder_md, step.num_reqs)
+            cross_md = self._cross_metadata(
+                ordered, full_lens, cross_tables, [], decoder_md, step.num_reqs
+            )
             self.graph_runner.prepare_replay(cross_md)
             return {}
-        encoders = [item for item in ordered if item.num_encoder_tokens]
-        for item in encoders:
-            if item.num_encoder_tokens != item.request.num_encoder_tokens:
-                raise RuntimeError(f"request {item.request.request_id}: partial encoder run")
+        running = [i for i, item in enumerate(ordered) if item.num_encoder_tokens]
+        encoders = [ordered[i] for i in running]
+        for i in running:
+            if ordered[i].num_encoder_tokens != full_lens[i]:
+                raise RuntimeError(f"request {ordered[i].req_id}: partial encoder run")
         enc_lens = [item.num_encoder_tokens for item in encoders]
         decoder_md = attn_metadata[self.cross_layers[0]]
-        cross_md = self._cross_metadata(ordered, cross_tables, encoders, decoder_md, step.num_reqs)
+        cross_md = self._cross_metadata(
+            ordered, full_lens, cross_tables, encoders, decoder_md, step.num_reqs
+        )
         encoder_md = self._encoder_metadata(enc_lens)
         for name in self.cross_layers:
             attn_metadata[name] = cross_md
         for name in self.encoder_layers:
             attn_metadata[name] = encoder_md
         self.num_encoder_runs += len(encoders)
-        return self._encoder_kwargs(encoders)
+        return self._encoder_kwargs([enc_inputs[i] for i in running])
 
     def _cross_metadata(
         self,
         ordered: list[ScheduledRequest],
+        encoder_lens: list[int],
         cross_tables: list[list[int]],
         encoders: list[ScheduledRequest],
         decoder_md: AttentionMetadata,
         num_rows: int,
     ) -> AttentionMetadata:
-        """The decoder's metadata plus where each sequence's encoder K/V is (or goes).
+        """The decoder's metadata plus where each sequence's encoder K/V is (or goes);
+        `encoder_lens[i]`: the length of `ordered[i]`'s whole encoder input.
 
         `num_rows` counts the step's sequences with the padding rows of a piecewise graph, which
         read encoder length 1 through an all-zero cross table, as they read block 0 for their
@@ -110,19 +122,16 @@ class EncoderDecoderModelRunner(ModelRunner):
         dev = self.device
         pad = num_rows - len(ordered)
         tables = cross_tables + [[]] * pad
-        table_of = {
-            item.request.request_id: table
-            for item, table in zip(ordered, cross_tables, strict=True)
-        }
+        table_of = {item.req_id: table for item, table in zip(ordered, cross_tables, strict=True)}
         width = max((len(t) for t in tables), default=0)
         rows = [t + [0] * (width - len(t)) for t in tables]
         cross_tables = torch.tensor(rows, dtype=torch.int32).reshape(len(rows), width)
         slots: list[int] = []
         for i, item in enumerate(encoders):
-            table = table_of[item.request.request_id]
+            table = table_of[item.req_id]
             n = item.num_encoder_tokens
             compute_slot_mapping(False, slots, i, n, 0, 0, self.block_size, {i: table})
-        lens = [item.request.num_encoder_tokens for item in ordered] + [1] * pad
+        lens = list(encoder_lens) + [1] * pad
         return dataclasses.replace(
             decoder_md,
             num_encoder_tokens=len(slots),
@@ -133,8 +142,8 @@ class EncoderDecoderModelRunner(ModelRunner):
             cross_block_tables=cross_tables.to(dev),
         )
 
-    def _may_replay_graphs(self, ordered: list[ScheduledRequest]) -> bool:
-        return not any(item.num_encoder_tokens for item in ordered)
+    def _may_replay_graphs(self, step: StepInputs) -> bool:
+        return not any(item.num_encoder_tokens for item in step.scheduled)
 
     def _forward_model(self, model_kwargs: dict[str, Any] | None) -> Any:
         """A step with encoders runs the uncompiled model; others as for any model."""
@@ -158,11 +167,11 @@ class EncoderDecoderModelRunner(ModelRunner):
         md.max_encoder_seq_len = max(enc_lens, default=0)
         return md
 
-    def _encoder_kwargs(self, encoders: list[ScheduledRequest]) -> dict[str, Any]:
-        """The model's encoder inputs: none when no encoder runs (decoder steps only)."""
-        if not encoders:
+    def _encoder_kwargs(self, inputs: list[Any]) -> dict[str, Any]:
+        """The model's encoder inputs (of the requests whose encoder runs): none when no
+        encoder runs (decoder steps only)."""
+        if not inputs:
             return {}
-        inputs = [item.request.encoder_inputs for item in encoders]
         if inputs[0] is not None and inputs[0].input_features is not None:
             feats = [x.input_features for x in inputs if x is not None]
             return {"encoder_input_features": torch.stack(feats).to(self.device)}

@@ -52,20 +52,21 @@ def prompt_mrope_positions(
 
 
 def step_mrope_positions(
-    out: np.ndarray, positions: np.ndarray, scheduled: list[Any]
+    out: np.ndarray, positions: np.ndarray, scheduled: list[Any], states: list[Any]
 ) -> np.ndarray:
     """Fill `out[:T]` (`[T, 3]`) for a step whose flat 1-D positions are `positions[:T]` and
-    whose chunks are `scheduled` (in flat order): a prompt token takes its request's
-    precomputed row, any other token `p + delta` on all three axes."""
+    whose chunks are `scheduled` (in flat order; `states`: the runner's states of them, whose
+    `kind_inputs` hold the positions): a prompt token takes its request's precomputed row, any
+    other token `p + delta` on all three axes."""
     start = 0
-    for item in scheduled:
-        req = item.request
+    for item, state in zip(scheduled, states, strict=True):
+        inputs = state.kind_inputs
         new = item.num_new_tokens
         chunk = out[start : start + new]
-        chunk[:] = (positions[start : start + new] + req.mrope_position_delta)[:, None]
-        table = req.mrope_positions
+        chunk[:] = (positions[start : start + new] + inputs["mrope_position_delta"])[:, None]
+        table = inputs["mrope_positions"]
         if table is not None:
-            computed = req.num_computed_tokens
+            computed = item.num_computed_tokens
             hi = min(computed + new, table.shape[1])
             if hi > computed:
                 chunk[: hi - computed] = table[:, computed:hi].T

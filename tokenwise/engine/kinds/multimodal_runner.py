@@ -40,37 +40,41 @@ from tokenwise.engine.kinds.mrope_positions import step_mrope_positions
 from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenwise.runner.input_batch import CpuGpuBuffer, StepInputs
 from tokenwise.runner.model_runner import MetadataByLayer, ModelRunner
+from tokenwise.runner.request_states import CachedRequestState
 
 # One image's part of a step: (request id, image, first and end prompt position, flat index).
 ImageSlice = tuple[str, ImageInput, int, int, int]
 
 
-def image_slices(ordered: list[ScheduledRequest]) -> list[ImageSlice]:
+def image_slices(
+    ordered: list[ScheduledRequest], states: list[CachedRequestState]
+) -> list[ImageSlice]:
     """The placeholder tokens each scheduled chunk computes, image by image, in step order."""
     slices: list[ImageSlice] = []
     start = 0
-    for item in ordered:
-        req = item.request
-        computed, new = req.num_computed_tokens, item.num_new_tokens
-        for image in getattr(req, "images", ()):
+    for item, state in zip(ordered, states, strict=True):
+        computed, new = item.num_computed_tokens, item.num_new_tokens
+        for image in state.kind_inputs.get("images", ()):
             lo, hi = max(computed, image.offset), min(computed + new, image.end)
             if lo < hi:
-                slices.append((req.request_id, image, lo, hi, start + lo - computed))
+                slices.append((item.req_id, image, lo, hi, start + lo - computed))
         start += new
     return slices
 
 
-def image_spans_by_row(ordered: list[ScheduledRequest]) -> list[list[tuple[int, int]]]:
+def image_spans_by_row(
+    ordered: list[ScheduledRequest], states: list[CachedRequestState]
+) -> list[list[tuple[int, int]]]:
     """Per prefill row (step order; prefills lead): the images its query tokens touch, as
     `(start, end)` prompt positions. Earlier images need none: their tokens are all cached, and
     the query tokens after an image see it causally anyway."""
     spans: list[list[tuple[int, int]]] = []
-    for item in ordered:
+    for item, state in zip(ordered, states, strict=True):
         if item.num_new_tokens == 1:  # a decode row (the scheduler never leaves one image
             break  # token alone in a chunk, unless it is the image's last: causal suffices)
-        lo = item.request.num_computed_tokens
+        lo = item.num_computed_tokens
         hi = lo + item.num_new_tokens
-        images = getattr(item.request, "images", ())
+        images = state.kind_inputs.get("images", ())
         spans.append([(im.offset, im.end) for im in images if im.offset < hi and im.end > lo])
     return spans
 
@@ -94,12 +98,12 @@ class MultiModalModelRunner(ModelRunner):
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         # Requests that left the batch (finished, aborted, preempted) let go of their images.
-        for request_id in scheduler_output.finished_req_ids:
+        for request_id in scheduler_output.finished_req_ids + scheduler_output.preempted_req_ids:
             self.encoder_cache.release_request(request_id)
         return super().execute_model(scheduler_output)
 
-    def _may_replay_graphs(self, ordered: list[ScheduledRequest]) -> bool:
-        return self.mrope_buffer is None and not image_slices(ordered)
+    def _may_replay_graphs(self, step: StepInputs) -> bool:
+        return self.mrope_buffer is None and not image_slices(step.scheduled, step.states)
 
     def _forward_model(self, model_kwargs: dict[str, Any] | None) -> Any:
         return self.eager_model if model_kwargs else self.model
@@ -107,20 +111,20 @@ class MultiModalModelRunner(ModelRunner):
     def _model_inputs(self, step: StepInputs, attn_metadata: MetadataByLayer) -> dict[str, Any]:
         inputs = self._image_inputs(step)
         if self.bidirectional_images and attn_metadata:
-            spans = image_spans_by_row(step.scheduled)
+            spans = image_spans_by_row(step.scheduled, step.states)
             if any(spans):
                 for md in {id(md): md for md in attn_metadata.values()}.values():
                     md.bidirectional_spans = spans
         if self.mrope_buffer is not None:
             buffer = self.mrope_buffer
             n = step_mrope_positions(
-                buffer.np, self.input_batch.positions.np, step.scheduled
+                buffer.np, self.input_batch.positions.np, step.scheduled, step.states
             ).shape[0]
             inputs["mrope_positions"] = buffer.copy_to_device(n).t()
         return inputs
 
     def _image_inputs(self, step: StepInputs) -> dict[str, Any]:
-        slices = image_slices(step.scheduled)
+        slices = image_slices(step.scheduled, step.states)
         if not slices:
             return {}
         embeds = self._embeddings(slices)

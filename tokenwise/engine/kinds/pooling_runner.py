@@ -63,23 +63,24 @@ class PoolingModelRunner(ModelRunner):
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Encode every scheduled prompt in one pass; one embedding per request, in order."""
+        self.requests.update(scheduler_output)
         self.input_batch.remove_requests(scheduler_output.finished_req_ids)
         scheduled = list(scheduler_output.scheduled)
         for item in scheduled:
-            req = item.request
-            if req.num_computed_tokens or item.num_new_tokens != req.num_tokens:
+            if item.num_computed_tokens or item.num_new_tokens != item.num_tokens:
                 raise RuntimeError(
-                    f"request {req.request_id}: an encoder step must hold its whole prompt "
-                    f"({req.num_tokens} tokens), got {item.num_new_tokens} after "
-                    f"{req.num_computed_tokens}"
+                    f"request {item.req_id}: an encoder step must hold its whole prompt "
+                    f"({item.num_tokens} tokens), got {item.num_new_tokens} after "
+                    f"{item.num_computed_tokens}"
                 )
-        step = self.input_batch.prepare(scheduled)
-        attn_metadata = self._attn_metadata(step, self._metadata_tables(step))
+        states = self.requests.of(scheduled)
+        step = self.input_batch.prepare(scheduled, states)
+        attn_metadata = self.step_metadata.build(
+            step, self.step_metadata.tables(self.input_batch, step)
+        )
         hidden = self._run_eager(step, attn_metadata)
-        normalize = [
-            None if s.request.pooling_params is None else s.request.pooling_params.normalize
-            for s in scheduled
-        ]
+        params = [st.kind_inputs.get("pooling_params") for st in states]
+        normalize = [None if p is None else p.normalize for p in params]
         pooled = self.pooler(hidden, step.query_lens_np.tolist(), normalize)
         if self.head is not None and len(scheduled):
             pooled = self.head(pooled)

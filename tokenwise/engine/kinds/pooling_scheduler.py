@@ -52,4 +52,5 @@ class PoolingScheduler(Scheduler):
         out.scheduled.sort(key=lambda item: item.num_new_tokens == 1)
         if not out.is_empty:
             out.finished_req_ids, self._left_since_last_step = self._left_since_last_step, []
+            out.send_new_requests(set())  # every request runs once: each is new to the runner
         return out

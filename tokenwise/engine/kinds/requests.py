@@ -9,6 +9,7 @@ encoder-decoder request's encoder input (budgeted by its scheduler, run by its r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -23,6 +24,9 @@ class EmbeddingRequest(Request):
     """A prompt to embed; its `sampling_params` are a placeholder that nothing reads."""
 
     pooling_params: PoolingParams = field(default_factory=PoolingParams)
+
+    def runner_inputs(self) -> dict[str, Any]:
+        return {"pooling_params": self.pooling_params}
 
 
 @dataclass(eq=False)
@@ -39,6 +43,9 @@ class EncoderDecoderRequest(Request):
     def num_encoder_tokens(self) -> int:
         """Rows of cross K/V the encoder makes."""
         return 0 if self.encoder_inputs is None else self.encoder_inputs.num_tokens
+
+    def runner_inputs(self) -> dict[str, Any]:
+        return {"encoder_inputs": self.encoder_inputs}
 
 
 @dataclass(eq=False)
@@ -62,3 +69,10 @@ class MultiModalRequest(Request):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.image_hash_spans = hash_spans(self.images)
+
+    def runner_inputs(self) -> dict[str, Any]:
+        return {
+            "images": self.images,
+            "mrope_positions": self.mrope_positions,
+            "mrope_position_delta": self.mrope_position_delta,
+        }

@@ -1,0 +1,156 @@
+"""One rank of an engine: its device, its process-group membership and one model runner.
+
+The executor builds the driver's worker in the engine's process; every other rank builds its
+own in its process (`worker_main.py`) after joining the groups. Both then run the same
+start-up sequence (`start`: build the runner, agree on the KV block count, allocate), so the
+ranks' start-up collectives line up by construction.
+
+A worker other than the driver has no scheduler: `serve` runs the driver's messages until it is
+told to stop. The messages are tuples whose first item names them: `step` (a `StepMessage`),
+`dummy` (a DP rank's empty forward), `restore` (a recurrent model's rollback after
+verification), `rpc` (a method every worker runs, `collective_rpc`) and `stop`; a pipeline
+stage's loop is the pipeline runner's own (`serve_pipeline_steps`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tokenwise.config import EngineConfig
+from tokenwise.distributed.pp_channel import PipelineChannel
+from tokenwise.distributed.startup import start_runner
+from tokenwise.distributed.tp_broadcast import gather_replies
+from tokenwise.distributed.tp_channel import TPDriver
+from tokenwise.distributed.tp_state import get_tp_cpu_group, get_tp_rank
+from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
+from tokenwise.platform import configure_cpu_allocator
+from tokenwise.runner.model_runner import ModelRunner
+from tokenwise.runner.pipeline_runner import PipelineModelRunner
+
+logger = logging.getLogger("tokenwise.engine")
+
+# What `collective_rpc` runs: a method name of `Worker`, or a function called as f(worker, ...).
+RPCMethod = str | Callable[..., Any]
+
+
+def run_rpc(worker: Worker, method: RPCMethod, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """Call `method` on `worker`; an unknown name is a clear error, not an AttributeError."""
+    if callable(method):
+        return method(worker, *args, **kwargs)
+    target = getattr(worker, method, None)
+    if target is None or method.startswith("_") or not callable(target):
+        raise ValueError(f"collective_rpc: the worker has no method {method!r}")
+    return target(*args, **kwargs)
+
+
+class Worker:
+    """One rank: `device`, the TP (and pipeline) channel it joined, and `runner` once started.
+
+    `runner_cls` is the model kind's runner on the driver (a worker rank builds the plain
+    decoder runner: a kind's extra inputs run on the driver only); `pipeline` is the channel
+    between stages when the engine is a pipeline (its runner is then a `PipelineModelRunner`).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        device: str | torch.device,
+        tp: TPDriver,
+        runner_cls: type[ModelRunner] = ModelRunner,
+        pipeline: PipelineChannel | None = None,
+    ) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.tp = tp
+        self.pipeline = pipeline
+        self.runner_cls = runner_cls
+        self.runner: Any = None
+        self.num_blocks = 0
+        self.init_device()
+
+    @property
+    def rank(self) -> int:
+        """This worker's TP rank (0: the driver)."""
+        return get_tp_rank()
+
+    def init_device(self) -> None:
+        """CPU: the allocator tuned for decode (huge pages, tcmalloc-like reuse); CUDA: the
+        device made current, so every tensor this rank creates lands on it."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        else:
+            configure_cpu_allocator()
+
+    def start(
+        self,
+        on_runner: Callable[[Any], None] | None = None,
+        check_num_blocks: Callable[[int], None] | None = None,
+    ) -> int:
+        """The start-up sequence (`distributed/startup.py`); returns the agreed block count.
+        `on_runner(runner)` runs once the runner exists, before the collectives that follow
+        (the engine builds its model kind there)."""
+
+        def make_runner() -> Any:
+            if self.pipeline is not None:
+                self.runner = PipelineModelRunner(self.config, self.device, self.tp, self.pipeline)
+            else:
+                self.runner = self.runner_cls(self.config, self.device, self.tp)
+            if on_runner is not None:
+                on_runner(self.runner)
+            return self.runner
+
+        _, self.num_blocks = start_runner(make_runner, check_num_blocks)
+        return self.num_blocks
+
+    # ---- the driver ---------------------------------------------------------------------------
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)
+
+    def execute_dummy_batch(self, num_tokens: int = 1) -> None:
+        self.runner.execute_dummy_batch(num_tokens)
+
+    # ---- every other rank ---------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def serve(self) -> None:
+        """Run the driver's messages until it says stop (a rank other than the driver)."""
+        if isinstance(self.runner, PipelineModelRunner):
+            self.runner.serve_pipeline_steps()
+            return
+        while True:
+            message = self.tp.receive()
+            kind = message[0]
+            if kind == "stop":
+                return
+            if kind == "dummy":
+                self.runner.execute_dummy_batch(message[1])
+            elif kind == "restore":
+                self.runner.recurrent.restore(message[1])
+            elif kind == "rpc":
+                self._answer_rpc(*message[1:])
+            else:
+                self.runner.execute_worker_step(message[1])
+
+    def _answer_rpc(self, method: RPCMethod, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Run an RPC and send the driver its result, or the error (the driver raises it)."""
+        try:
+            reply: tuple[bool, Any] = (True, run_rpc(self, method, args, kwargs))
+        except Exception as exc:  # the worker serves on; the caller sees what went wrong
+            reply = (False, f"{type(exc).__name__}: {exc}")
+        gather_replies(reply, get_tp_cpu_group())
+
+    # ---- methods callers reach through `collective_rpc` ---------------------------------------
+
+    def check_health(self) -> None:
+        """Raises when this rank cannot serve (its runner is gone)."""
+        if self.runner is None:
+            raise RuntimeError(f"rank {self.rank} has no runner")
+
+    def shutdown(self) -> None:
+        if self.runner is not None:
+            self.runner.shutdown()
