@@ -32,7 +32,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tokenwise import LLM, SamplingParams  # noqa: E402
-from tokenwise.engine import llm_engine  # noqa: E402
 from tokenwise.model_config import cpu_flag_summary  # noqa: E402
 from tokenwise.native import gemv as cpu_gemv  # noqa: E402
 from tokenwise.native import paged_decode as cpu_paged_decode  # noqa: E402
@@ -80,13 +79,14 @@ def instrument(llm: LLM, timers: Timers) -> None:
         return out
 
     engine.step = step
-    # The engine passes this module-level function to the scheduler, which calls it per token.
-    llm_engine.detokenize_token = timers.wrap("detokenize", llm_engine.detokenize_token)
+    # The engine passes this method to the scheduler, which calls it per token.
+    outputs = engine.output_processor
+    outputs.detokenize_token = timers.wrap("detokenize", outputs.detokenize_token)
     scheduler.schedule = timers.wrap("schedule", scheduler.schedule)
     scheduler.update_from_output = timers.wrap("update_from_output", scheduler.update_from_output)
     runner.execute_model = timers.wrap("execute_model", runner.execute_model)
     runner.input_batch.prepare = timers.wrap("prepare inputs", runner.input_batch.prepare)
-    runner._attn_metadata = timers.wrap("attn metadata", runner._attn_metadata)
+    runner.step_metadata.build = timers.wrap("attn metadata", runner.step_metadata.build)
     runner._run_eager = timers.wrap("model forward", runner._run_eager)
     if runner.graph_runner is not None:  # CPU graphs: a replay is the whole forward
         runner.graph_runner.execute = timers.wrap("model forward", runner.graph_runner.execute)

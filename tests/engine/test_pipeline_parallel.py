@@ -61,7 +61,10 @@ def _record_in_flight(llm: LLM) -> list[int]:
 
 # "windowed": a Qwen2 whose layers 1-3 slide (window 8): one stage holds a global and a
 # sliding layer, the other two sliding ones, and both must see the driver's KV-cache groups.
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM", "windowed"])
+# Qwen2-MoE: routed experts and a gated shared expert, each stage loading only its layers'.
+@pytest.mark.parametrize(
+    "arch", ["LlamaForCausalLM", "Qwen3ForCausalLM", "windowed", "Qwen2MoeForCausalLM"]
+)
 def test_pp2_gives_hf_tokens_on_two_virtual_engines(arch: str) -> None:
     path = (
         checkpoint(
@@ -212,8 +215,7 @@ def test_stages_that_split_the_layers_differently_are_refused(
         ),
         ("LlamaForCausalLM", 2, "4", rf"{ENV_LAYER_PARTITION}='4' has 1 entries"),
         ("LlamaForCausalLM", 2, "4,0", "at least one layer"),
-        ("Qwen2MoeForCausalLM", 2, None, "pipeline_parallel_size=2 supports dense"),
-        ("Gemma2ForCausalLM", 2, None, "pipeline_parallel_size=2 supports dense"),
+        ("Gemma2ForCausalLM", 2, None, "pipeline_parallel_size=2 supports Llama-family"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_setting(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from tokenwise.engine import llm_engine
+from tokenwise.engine.output_processor import OutputProcessor
 from tokenwise.entrypoints.cli import main
 
 PLANTED = "planted bug in output processing"
@@ -23,6 +23,6 @@ def _broken_route_samples(*_: object) -> None:
 # starts by importing this module as `__mp_main__` (the step runs there); not in a test that
 # merely imports a constant from here.
 if __name__ in ("__main__", "__mp_main__"):
-    llm_engine.route_samples = _broken_route_samples  # the name the engine loop calls
+    OutputProcessor.record_samples = _broken_route_samples  # what the engine loop calls
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -37,11 +37,16 @@ from tokenwise.distributed.tp_launch import (
 from tokenwise.distributed.tp_state import free_port
 
 # Dense decoder-only models whose `LlamaModel` runs as pipeline stages.
+# The Llama-family decoders (`models/llama.py`'s `LlamaModel` builds only a stage's layers),
+# their mixtures of experts included (`models/sparse_moe.py`).
 PP_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 
 
@@ -56,7 +61,7 @@ def check_pipeline_config(config: EngineConfig) -> None:
     archs = list(model.architectures or [])
     if not any(arch in PP_ARCHITECTURES for arch in archs):
         raise ValueError(
-            f"pipeline_parallel_size={pp} supports dense decoder-only models "
+            f"pipeline_parallel_size={pp} supports Llama-family decoder-only models "
             f"({', '.join(PP_ARCHITECTURES)}); this model is {', '.join(archs) or 'unknown'}"
         )
     pp_layer_partition(int(model.hf_config.num_hidden_layers), pp)

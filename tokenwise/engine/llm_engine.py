@@ -22,11 +22,7 @@ from tokenwise.batchsize_stats import get_batchsize_forward_time_summary
 from tokenwise.config import EngineConfig
 from tokenwise.engine.kinds.base import ModelKind, NewRequest
 from tokenwise.engine.kinds.select import model_kind_for
-from tokenwise.engine.output_routing import (
-    detokenize_token,
-    route_prompt_logprobs,
-    route_samples,
-)
+from tokenwise.engine.output_processor import OutputProcessor, Touched
 from tokenwise.engine.pipeline_loop import PipelineLoop
 from tokenwise.engine.prompts import (
     PromptInput,
@@ -120,10 +116,10 @@ class LLMEngine:
             self.block_manager = VirtualEngineBlockManagers(managers)
             self.scheduler = VirtualEngineSchedulers(schedulers)
             self.pipeline = PipelineLoop(self, self.runner, schedulers)
-        # The caller's request id -> its samples (one `Request` each, `n` of them); the
-        # requests themselves carry their output state, so there is no other record of them.
-        self.groups: dict[str, list[Request]] = {}
         self._stats = EngineStats(num_total_blocks=num_blocks * pp)
+        # The caller's requests (id -> its samples) and what each sample reports.
+        self.output_processor = OutputProcessor(self.tokenizer, self._stats)
+        self.groups = self.output_processor.groups
         self._consecutive_failed_steps = 0
         self._stat_logger = StatLogger()
         # One record per step for the server's engine view (`step_records`; always on: cheap).
@@ -153,11 +149,11 @@ class LLMEngine:
         samples = self.kind.make_requests(
             NewRequest(request_id, prompt, params, cache_salt, lora_request)
         )
-        for req in samples:
+        for req, _ in samples:
             req.priority = priority
             self.scheduler.add_request(req)
         # The caller's id -> its samples, until their finished output is made.
-        self.groups[request_id] = samples
+        self.output_processor.add(request_id, samples)
 
     def check_lora(self, lora_request: LoRARequest) -> None:
         """Raise ValueError unless this engine serves LoRA and the adapter loads and fits."""
@@ -244,7 +240,7 @@ class LLMEngine:
         started = time.perf_counter()
         sched = self.scheduler.schedule()
         self.step_recorder.begin(sched, started, self._stats)  # before the pass moves tokens
-        touched: dict[str, list[Request]] = {}
+        touched: Touched = {}
         self.warn_aborted(sched)
         if not sched.is_empty:
             try:
@@ -264,7 +260,7 @@ class LLMEngine:
                 )
                 for req in reqs:
                     req.error = f"{type(exc).__name__}: {exc}"
-                    touched[req.group_id] = self.groups[req.group_id]
+                    self.output_processor.touch(req, touched)
                 self._consecutive_failed_steps += 1
                 if self._consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
                     raise RuntimeError(
@@ -293,24 +289,25 @@ class LLMEngine:
             )
 
     def apply_result(
-        self, sched: SchedulerOutput, result: ModelRunnerOutput, touched: dict[str, list[Request]]
+        self, sched: SchedulerOutput, result: ModelRunnerOutput, touched: Touched
     ) -> None:
         """A forward pass's output into the scheduler and its requests (`touched`: by group)."""
         self._consecutive_failed_steps = 0
         for item in sched.scheduled:
             if item.num_new_tokens > 1 or item.request.num_output_tokens == 0:
                 self._stats.prompt_tokens_total += item.num_new_tokens
-        sampled = self.scheduler.update_from_output(sched, result, detokenize_token)
-        route_samples(sampled, result, touched, self.groups, self.tokenizer, self._stats)
+        outputs = self.output_processor
+        sampled = self.scheduler.update_from_output(sched, result, outputs.detokenize_token)
+        outputs.record_samples(sampled, result, touched)
         if result.prompt_logprobs is not None:
-            route_prompt_logprobs(result.prompt_logprobs, self.tokenizer)
+            outputs.record_prompt_logprobs(result.prompt_logprobs)
         if self.drafter is not None:
             self.drafter.record(result, self._stats)
         for req in self.kind.record_pooled(result):
-            touched[req.group_id] = self.groups[req.group_id]
+            outputs.touch(req, touched)
 
     def end_step(
-        self, sched: SchedulerOutput, touched: dict[str, list[Request]], num_preempted: int
+        self, sched: SchedulerOutput, touched: Touched, num_preempted: int
     ) -> list[RequestOutput | EmbeddingRequestOutput]:
         """The step's outputs (every request `touched` or newly finished), its record and
         statistics; `sched` is the step the record describes."""
@@ -319,9 +316,8 @@ class LLMEngine:
         self._stats.num_steps_total += 1
         self._stats.num_preemptions_total += num_preempted
         # Aborted or errored requests surface here even if nothing was scheduled for them.
-        for rid, samples in self.groups.items():
-            if any(r.is_finished and not r.reported_finish for r in samples):
-                touched[rid] = samples
+        for rid, samples in self.output_processor.unreported_finished():
+            touched[rid] = samples
         outputs = [self._make_output(rid, samples) for rid, samples in touched.items()]
         self.step_recorder.end(self, sched, outputs)
         self._stat_logger.maybe_log(self.get_stats())
@@ -330,7 +326,7 @@ class LLMEngine:
     def _make_output(
         self, request_id: str, samples: list[Request]
     ) -> RequestOutput | EmbeddingRequestOutput:
-        out = self.kind.make_output(request_id, samples)
+        out = self.kind.make_output(request_id, samples, self.output_processor.outputs_of(samples))
         if out.finished:
             self._forget(request_id, samples)
         return out
@@ -342,9 +338,11 @@ class LLMEngine:
         for req in samples:
             reason = req.status.finish_reason or "unknown"
             self._stats.finished_reasons[reason] = self._stats.finished_reasons.get(reason, 0) + 1
-        del self.groups[request_id]
+        firsts = [o.first_token_time for o in self.output_processor.outputs_of(samples)]
+        self.output_processor.forget(request_id)
         if self.config.log_requests and logger.isEnabledFor(logging.INFO):
-            logger.info("%s", finished_request_line(request_id, samples, time.monotonic()))
+            line = finished_request_line(request_id, samples, firsts, time.monotonic())
+            logger.info("%s", line)
 
     # ---- observability ------------------------------------------------------------------------
 

@@ -1,9 +1,12 @@
-"""One sample of a request: its tokens and progress, its own RNG, and what it reports.
+"""One sample of a request as the scheduler sees it: its tokens, progress and status.
 
-The one request object: the scheduler advances it, the runner reads it, the engine detokenizes
-and reports it. A caller's request with `n > 1` becomes n of these (siblings with the same
-`group_id`). It carries no blocks: the block manager owns every block table. It carries no
-kind's fields either: embedding and encoder-decoder requests subclass it (`kinds/requests.py`).
+The scheduler is its one writer (and the drafter, which leaves its proposals on it). The runner
+keeps its own copy of what it needs (`NewRequestData`, sent once; the generator of a seeded
+request is the runner's), and what the engine reports lives in the output processor
+(`output_processor.SampleOutput`). A caller's request with `n > 1` becomes n of these (siblings
+with the same `group_id`). It carries no blocks: the block manager owns every block table. It
+carries no kind's fields either: embedding and encoder-decoder requests subclass it
+(`kinds/requests.py`).
 """
 
 from __future__ import annotations
@@ -14,11 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from tokenwise.engine.detokenizer import IncrementalDetokenizer
 from tokenwise.lora.request import LoRARequest
-from tokenwise.outputs import Logprob
 from tokenwise.sampling.guided.state import GrammarState
 from tokenwise.sampling.params import SamplingParams
 
@@ -60,8 +59,8 @@ class Request:
     `all_token_ids[num_computed_tokens:]` (or a chunk of it). A preempted request drops its
     cache and recomputes prompt + output so far, keeping what it generated.
 
-    Timestamps live here and only here: `arrival_time` (set when the engine accepts it) and
-    `first_token_time` (its first sampled token), which the outputs' metrics read.
+    `arrival_time` is set when the engine accepts it (the time of its first token is the output
+    processor's).
 
     `priority` orders the waiting queue under the "priority" scheduling policy (lower first,
     then `arrival_time`, then `seq`: the order requests were made in, which keeps the samples
@@ -83,9 +82,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit tokens at first admission; -1 = not yet
     num_preemptions: int = 0
-    generator: torch.Generator | None = None
     stop_reason: int | str | None = None
-    first_token_time: float | None = None
     # Speculative decoding: draft tokens proposed for the request's next step (the engine's
     # proposer writes them after a step; the scheduler takes them into the next one).
     spec_token_ids: list[int] = field(default_factory=list)
@@ -95,34 +92,15 @@ class Request:
     error: str | None = None
     # Pipeline parallelism: the virtual engine (scheduler, KV cache slice) it lives on, always.
     virtual_engine: int = 0
-    # ---- what the engine reports (its output state) -------------------------------------
     # The caller's request id (shared by the samples of an `n > 1` request; defaults to
-    # `request_id`), this sample's index among them, and the prompt's text if it had one.
+    # `request_id`): siblings are placed together (pipeline virtual engines).
     group_id: str = ""
-    index: int = 0
-    prompt: str | None = None
-    detokenizer: IncrementalDetokenizer | None = None
-    # Tokens and logprob entries sampled since the last output was made.
-    new_token_ids: list[int] = field(default_factory=list)
-    new_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
-    cumulative_logprob: float = 0.0
-    reported_finish: bool = False  # its finished output was made: it is gone from the engine
-    # `SamplingParams.prompt_logprobs`: one entry per prompt token scored so far (the first is
-    # None: nothing comes before it). The runner scores only tokens past its end, so a prompt
-    # recomputed after a preemption is not scored twice. None when not asked for.
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    prompt_logprobs_reported: bool = False  # the request's output carried them once
 
     def __post_init__(self) -> None:
         if not self.group_id:
             self.group_id = self.request_id
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
-        if self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None:
-            self.prompt_logprobs = [None]
-        seed = self.sampling_params.seed
-        if seed is not None and self.generator is None:
-            self.generator = torch.Generator().manual_seed(seed)
 
     @property
     def num_prompt_tokens(self) -> int:

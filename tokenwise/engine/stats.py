@@ -97,17 +97,20 @@ class StatLogger:
         )
 
 
-def finished_request_line(request_id: str, samples: list[Request], now: float) -> str:
+def finished_request_line(
+    request_id: str, samples: list[Request], first_token_times: list[float | None], now: float
+) -> str:
     """`request r1 finished: stop, 12 prompt + 40 output tokens, ttft 0.031 s, total 0.412 s`.
 
     With `n > 1` the output tokens are the samples' sum, the reasons each distinct one (in
     sample order, "/"-joined) and the ttft the earliest sample's; "ttft -" when no token came
-    (aborted or failed while waiting, or an embedding).
+    (aborted or failed while waiting, or an embedding). `first_token_times[i]`: when
+    sample i's first token came (None: none came).
     """
     first = samples[0]
     reasons = dict.fromkeys(r.status.finish_reason or "unknown" for r in samples)
     output_tokens = sum(r.num_output_tokens for r in samples)
-    first_tokens = [r.first_token_time for r in samples if r.first_token_time is not None]
+    first_tokens = [t for t in first_token_times if t is not None]
     ttft = f"{min(first_tokens) - first.arrival_time:.3f} s" if first_tokens else "-"
     return (
         f"request {request_id} finished: {'/'.join(reasons)}, {first.num_prompt_tokens} "

@@ -152,7 +152,7 @@ LAYERS: tuple[Layer, ...] = (
             "tokenwise.engine.prompts",
             "tokenwise.engine.stats",
             "tokenwise.engine.step_records",
-            "tokenwise.engine.output_routing",
+            "tokenwise.engine.output_processor",
             "tokenwise.engine.drafter",
             "tokenwise.engine.virtual_engines",
             "tokenwise.engine.kinds",

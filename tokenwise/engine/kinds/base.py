@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Protocol
 
 from tokenwise.config import EngineConfig
 from tokenwise.engine.block_manager import BlockManager
+from tokenwise.engine.output_processor import SampleOutput
 from tokenwise.engine.prompts import PromptInput
 from tokenwise.engine.request import Request
 from tokenwise.engine.scheduler import Scheduler
@@ -99,8 +100,9 @@ class ModelKind:
 
     # ---- requests and outputs ---------------------------------------------------------------
 
-    def make_requests(self, new: NewRequest) -> list[Request]:
-        """Validate a caller's request and make the requests to schedule; raise on bad input."""
+    def make_requests(self, new: NewRequest) -> list[tuple[Request, SampleOutput]]:
+        """Validate a caller's request and make the requests to schedule, each with its
+        output state; raise on bad input."""
         raise NotImplementedError
 
     def prompt_settings(self) -> dict[str, int]:
@@ -113,24 +115,21 @@ class ModelKind:
         return []
 
     def make_output(
-        self, request_id: str, samples: list[Request]
+        self, request_id: str, samples: list[Request], outs: list[SampleOutput]
     ) -> RequestOutput | EmbeddingRequestOutput:
-        """The caller's output for `request_id`: what its samples produced since the last."""
+        """The caller's output for `request_id`: what its samples (`outs`: their output
+        states) produced since the last."""
         raise NotImplementedError
 
     def shutdown(self) -> None:
         """Release what the kind started (threads); the engine is going away."""
 
 
-def timing_metrics(samples: list[Request], finished: bool) -> dict[str, float]:
-    """Time to first token (the earliest sample's) and, once finished, end-to-end latency.
-
-    Both from the requests' own timestamps (`arrival_time`, `first_token_time`), the one place
-    they are kept.
-    """
+def timing_metrics(arrival: float, outs: list[SampleOutput], finished: bool) -> dict[str, float]:
+    """Time to first token (the earliest sample's) and, once finished, end-to-end latency,
+    from the request's `arrival_time` and its samples' `first_token_time`."""
     metrics: dict[str, float] = {}
-    arrival = samples[0].arrival_time
-    firsts = [r.first_token_time for r in samples if r.first_token_time is not None]
+    firsts = [o.first_token_time for o in outs if o.first_token_time is not None]
     if firsts:
         metrics["time_to_first_token"] = min(firsts) - arrival
     if finished:

@@ -15,6 +15,7 @@ from typing import Any
 
 from tokenwise.engine.detokenizer import IncrementalDetokenizer
 from tokenwise.engine.kinds.base import ModelKind, NewRequest, timing_metrics
+from tokenwise.engine.output_processor import SampleOutput
 from tokenwise.engine.prompts import PromptInput, validate_request
 from tokenwise.engine.request import Request
 from tokenwise.outputs import CompletionOutput, PromptLogprobs, RequestOutput
@@ -44,7 +45,7 @@ class GenerateKind(ModelKind):
     def request_cls(self) -> type[Request]:
         return Request
 
-    def make_requests(self, new: NewRequest) -> list[Request]:
+    def make_requests(self, new: NewRequest) -> list[tuple[Request, SampleOutput]]:
         engine = self.engine
         request_id, cache_salt, lora_request = new.request_id, new.cache_salt, new.lora_request
         params = new.params or SamplingParams()
@@ -67,7 +68,7 @@ class GenerateKind(ModelKind):
             cache_salt = f"{cache_salt or ''}/{uuid.uuid4().hex}"
         arrival = time.monotonic()
         request_cls = self.request_cls()
-        samples: list[Request] = []
+        samples: list[tuple[Request, SampleOutput]] = []
         for i in range(params.n):
             child_params = params
             if params.n > 1 and params.seed is not None:
@@ -82,67 +83,69 @@ class GenerateKind(ModelKind):
                 lora_request=lora_request,
                 arrival_time=arrival,
                 group_id=request_id,
-                index=i,
-                prompt=text,
                 **extra,
             )
             if compiled is not None:
                 req.grammar = GrammarState(compiled, engine.eos_token_ids, engine.grammar_timeout_s)
+            out = SampleOutput(index=i, prompt=text)
             if engine.tokenizer is not None:
-                req.detokenizer = IncrementalDetokenizer.from_params(
+                out.detokenizer = IncrementalDetokenizer.from_params(
                     engine.tokenizer, token_ids, params
                 )
-            samples.append(req)
+            samples.append((req, out))
         return samples
 
-    def make_output(self, request_id: str, samples: list[Request]) -> RequestOutput:
+    def make_output(
+        self, request_id: str, samples: list[Request], outs: list[SampleOutput]
+    ) -> RequestOutput:
         completions = []
-        for req in samples:
-            finished_now = req.is_finished and not req.reported_finish
-            if not req.new_token_ids and not finished_now:
+        for req, o in zip(samples, outs, strict=True):
+            finished_now = req.is_finished and not o.reported_finish
+            if not o.new_token_ids and not finished_now:
                 continue
-            text = req.detokenizer.take_new_text(req.is_finished) if req.detokenizer else ""
+            text = o.detokenizer.take_new_text(req.is_finished) if o.detokenizer else ""
             want_lp = req.sampling_params.logprobs is not None
             completions.append(
                 CompletionOutput(
-                    index=req.index,
+                    index=o.index,
                     text=text,
-                    token_ids=req.new_token_ids,
-                    cumulative_logprob=req.cumulative_logprob if want_lp else None,
-                    logprobs=req.new_logprobs if want_lp else None,
+                    token_ids=o.new_token_ids,
+                    cumulative_logprob=o.cumulative_logprob if want_lp else None,
+                    logprobs=o.new_logprobs if want_lp else None,
                     finish_reason=req.status.finish_reason,
                     stop_reason=req.stop_reason,
                 )
             )
-            req.new_token_ids = []
-            req.new_logprobs = []
+            o.new_token_ids = []
+            o.new_logprobs = []
             if req.is_finished:
-                req.reported_finish = True
+                o.reported_finish = True
         first = samples[0]
         finished = all(r.is_finished for r in samples)
         out = RequestOutput(
             request_id=request_id,
-            prompt=first.prompt,
+            prompt=outs[0].prompt,
             prompt_token_ids=first.prompt_token_ids,
             outputs=completions,
             finished=finished,
             num_cached_tokens=max(0, first.num_cached_tokens),
             error=next((r.error for r in samples if r.error), None),
-            prompt_logprobs=_take_prompt_logprobs(samples),
+            prompt_logprobs=_take_prompt_logprobs(samples, outs),
         )
-        out.metrics.update(timing_metrics(samples, finished))
+        out.metrics.update(timing_metrics(first.arrival_time, outs, finished))
         return out
 
 
-def _take_prompt_logprobs(samples: list[Request]) -> PromptLogprobs | None:
+def _take_prompt_logprobs(
+    samples: list[Request], outs: list[SampleOutput]
+) -> PromptLogprobs | None:
     """The request's prompt logprobs, once: from the first sample that has scored its whole
     prompt (each sample scores its own, so none waits for a sibling still prefilling)."""
-    first = samples[0]
-    if first.sampling_params.prompt_logprobs is None or first.prompt_logprobs_reported:
+    if samples[0].sampling_params.prompt_logprobs is None or outs[0].prompt_logprobs_reported:
         return None
-    for req in samples:
-        scored = req.prompt_logprobs
+    for req, o in zip(samples, outs, strict=True):
+        scored = o.prompt_logprobs
         if scored is not None and len(scored) == req.num_prompt_tokens:
-            first.prompt_logprobs_reported = True
+            outs[0].prompt_logprobs_reported = True
             return scored
     return None

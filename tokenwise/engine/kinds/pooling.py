@@ -20,6 +20,7 @@ from tokenwise.engine.kinds.base import ModelKind, NewRequest
 from tokenwise.engine.kinds.pooling_runner import PoolingModelRunner
 from tokenwise.engine.kinds.pooling_scheduler import PoolingScheduler
 from tokenwise.engine.kinds.requests import EmbeddingRequest
+from tokenwise.engine.output_processor import SampleOutput
 from tokenwise.engine.prompts import PromptInput, to_token_ids
 from tokenwise.engine.request import Request
 from tokenwise.engine.step_outputs import ModelRunnerOutput
@@ -52,7 +53,7 @@ class EmbedKind(ModelKind):
     def check_kv_capacity(self, num_blocks: int) -> None:
         """No cache to check: an encoder step holds whole prompts and keeps nothing."""
 
-    def make_requests(self, new: NewRequest) -> list[Request]:
+    def make_requests(self, new: NewRequest) -> list[tuple[Request, SampleOutput]]:
         """One prompt to embed; bad input raises here, before anything is queued."""
         model = self.engine.model_config
         params = PoolingParams() if new.params is None else new.params
@@ -78,11 +79,8 @@ class EmbedKind(ModelKind):
         text, token_ids = to_token_ids(new.prompt, self.engine.tokenizer, model.vocab_size)
         types = _token_type_ids(new.prompt, len(token_ids), model.hf_config)
         token_ids = pack_token_types(token_ids, types)
-        return [
-            EmbeddingRequest(
-                new.request_id, token_ids, _NO_SAMPLING, prompt=text, pooling_params=params
-            )
-        ]
+        req = EmbeddingRequest(new.request_id, token_ids, _NO_SAMPLING, pooling_params=params)
+        return [(req, SampleOutput(prompt=text))]
 
     def record_pooled(self, result: ModelRunnerOutput) -> list[Request]:
         """Keep each encoded request's embedding until its output is made (this step)."""
@@ -94,10 +92,12 @@ class EmbedKind(ModelKind):
             self._embeddings[req.request_id] = row
         return pooled
 
-    def make_output(self, request_id: str, samples: list[Request]) -> EmbeddingRequestOutput:
+    def make_output(
+        self, request_id: str, samples: list[Request], outs: list[SampleOutput]
+    ) -> EmbeddingRequestOutput:
         """The request's one output: its embedding, or its error, or an abort (empty)."""
         req = samples[0]
-        req.reported_finish = True
+        outs[0].reported_finish = True
         return EmbeddingRequestOutput(
             request_id=request_id,
             outputs=EmbeddingOutput(self._embeddings.pop(request_id, [])),
