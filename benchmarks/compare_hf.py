@@ -31,7 +31,7 @@ not credited, so every engine is measured against the same useful FLOPs.
 
 The allocator variables (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`) only act when set
 before the process starts, so the script re-executes itself once with them when they are
-missing (see /work/shared/PERF_NOTES.md: large temporaries are otherwise page-faulted anew).
+missing (see docs/performance.md: large temporaries are otherwise page-faulted anew).
 """
 
 from __future__ import annotations

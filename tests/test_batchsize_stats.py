@@ -1,4 +1,4 @@
-"""Batch-size forward-time statistics (SPEC §1, "Batch-size forward-time statistics").
+"""Batch-size forward-time statistics (forward-context.md §1, "Batch-size forward-time ...").
 
 Most tests use a private `BatchSizeForwardStats` with an explicit interval and the `now=`
 parameter, so report timing is deterministic. The module-level store is only touched through

@@ -1,4 +1,4 @@
-"""Engine configuration (SPEC §2): graph modes, validation, capture-size padding."""
+"""Engine configuration (forward-context.md §2): graph modes, validation, capture-size padding."""
 
 from __future__ import annotations
 

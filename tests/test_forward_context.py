@@ -1,8 +1,8 @@
-"""The forward context (SPEC §1): batch keys, DP metadata, install/restore, isolation.
+"""The forward context (forward-context.md §1): batch keys, DP metadata, install/restore, threads.
 
-Expected values are taken from the SPEC examples or derived by hand in each test. The DP
-collective is never run here: `coordinate_batch_across_dp` is monkeypatched, either to fail the
-test if it is reached or to record how it was called.
+Expected values are taken from the examples of docs/forward-context.md or derived by hand in
+each test. The DP collective is never run here: `coordinate_batch_across_dp` is monkeypatched,
+either to fail the test if it is reached or to record how it was called.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The static layer registry (SPEC §5): layers found by name through the forward context."""
+"""The static layer registry (forward-context.md §5): layers found by name through the context."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The static registry through which opaque ops find their layers by name (SPEC §5).
+"""The static registry through which opaque ops find their layers by name
+(docs/forward-context.md §5).
 
 Layers that read the forward context (attention, MoE) register under their full module path
 (`model.layers.3.self_attn.attn`) when constructed. The registry is the config's

@@ -1,6 +1,6 @@
-"""Test oracle for attention metadata: the seed's list-building form of SPEC §3's builder.
+"""Test oracle for attention metadata: the list-building builder of docs/forward-context.md §3.
 
-`ListMetadataBuilder` is the per-sequence form SPEC §3 describes (`prepare()`, one
+`ListMetadataBuilder` is the per-sequence form forward-context.md §3 describes (`prepare()`, one
 `add_sequence(...)` per sequence, then `build(seq_lens, query_lens, cuda_graph_pad_size,
 batch_size)`), written from plain Python lists. The engine no longer builds metadata this way
 (`CommonMetadataBuilder` works over the runner's persistent buffers); tests use it as an

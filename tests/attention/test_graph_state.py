@@ -1,4 +1,4 @@
-"""`CommonAttentionState`: the persistent buffers behind graph capture and replay (SPEC §3).
+"""`CommonAttentionState`: the buffers behind graph capture and replay (forward-context.md §3).
 
 No GPU is needed: capture itself happens in the runner; these are the buffers' contents and
 the rules for when they may be used. Expected slots are hand-computed with block size 4.

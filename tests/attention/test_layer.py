@@ -1,4 +1,4 @@
-"""The `Attention` layer and its custom op `tokenwise::unified_attention` (SPEC §5).
+"""The `Attention` layer and its custom op `tokenwise::unified_attention` (forward-context.md §5).
 
 References are dense float64 attention with explicit masks, built from the test's own K/V.
 """

@@ -1,4 +1,4 @@
-"""`AttentionMetadata` and `CommonMetadataBuilder` (SPEC §3), as the engine builds them.
+"""`AttentionMetadata` and `CommonMetadataBuilder` (forward-context.md §3), as the engine builds.
 
 Every expected slot, offset and table below is worked out by hand from
 `slot = table[i // B] * B + i % B` with block size B = 4; nothing is copied from the builder.

@@ -1,4 +1,4 @@
-"""The torch paged-attention backend against plain dense attention (SPEC §3, §5).
+"""The torch paged-attention backend against plain dense attention (forward-context.md §3, §5).
 
 The reference rebuilds each sequence's full K/V from the test's own tensors (never from the
 cache) and computes softmax(q k^T * scale + mask) v in float64 with an explicit mask: query at

@@ -1,4 +1,4 @@
-"""Per-micro-batch attention metadata (SPEC §4): `split_attention_metadata` and the dict form.
+"""Per-micro-batch attention metadata (forward-context.md §4): `split_attention_metadata`, dicts.
 
 The field tests work every expectation out by hand from one scenario (block size 4,
 `slot = table[pos // 4] * 4 + pos % 4`). The equivalence tests are the point: running a batch

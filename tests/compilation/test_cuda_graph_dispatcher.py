@@ -1,4 +1,4 @@
-"""Graph dispatch (SPEC §2), on CPU: which graph kind and key a batch of `n` tokens runs with.
+"""Graph dispatch (forward-context.md §2), on CPU: the graph kind and key of a batch of `n` tokens.
 
 Capture sizes are [1, 2, 4, 8, 16] throughout; `padded(n)` is the smallest of them >= n,
 computed by brute force here. Rules from the spec: FULL when a captured FULL key matches (exact

@@ -1,7 +1,7 @@
 """The cross KV cache: written once per request (in the step its encoder runs), read through
 the request's cross block table in every later step, never in the prefix cache, freed with the
-request; and the SPEC helpers of `attention.utils` read the encoder / cross fields the runner
-sets on the metadata.
+request; and the helpers of `attention.utils` (forward-context.md §3) read the encoder / cross
+fields the runner sets on the metadata.
 """
 
 from __future__ import annotations

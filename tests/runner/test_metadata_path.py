@@ -1,4 +1,4 @@
-"""The engine's attention metadata comes from `CommonMetadataBuilder` (SPEC §3), every step.
+"""The engine's attention metadata comes from `CommonMetadataBuilder` (forward-context.md §3).
 
 A stub `build` that raises must make `LLM.generate` fail with the stub's own error (the
 engine fails the step's requests with it): if the runner built metadata any other way,

@@ -1,4 +1,6 @@
-"""`CommonAttentionState` (SPEC §3): persistent attention buffers for CUDA-graph capture and replay.
+"""`CommonAttentionState`: persistent attention buffers for CUDA-graph capture and replay.
+
+The contract is docs/forward-context.md §3.
 
 A captured graph reads fixed addresses, so the metadata tensors a graph uses (slot mapping,
 sequence lengths, block tables) must live in buffers allocated once. The engine binds the input
@@ -124,9 +126,9 @@ class CommonAttentionState:
     def graph_clone(self, batch_size: int) -> CommonAttentionState:
         """A state with fresh buffers of the same shape (for capturing another graph family).
 
-        SPEC §3 names it; the engine has no use for it: all of a model's graphs (FULL and
-        PIECEWISE, every size) share one state bound to the input batch's buffers, so nothing
-        captures a second family. Kept minimal, for callers that do.
+        docs/forward-context.md §3 names it; the engine has no use for it: all of a model's graphs
+        (FULL and PIECEWISE, every size) share one state bound to the input batch's buffers, so
+        nothing captures a second family. Kept minimal, for callers that do.
         """
         if not self._is_graph_capturing:
             raise RuntimeError("graph_clone() is only valid inside graph_capture()")
@@ -245,8 +247,8 @@ class CommonAttentionState:
     def begin_forward(self, model_input: Any) -> None:
         """Hook before each forward pass: the graph runner calls it once per graph step.
 
-        SPEC §3 names it for backends that prepare per-step state outside the metadata
-        (e.g. planning a kernel's work split). tokenwise's backends need none, so it does
+        docs/forward-context.md §3 names it for backends that prepare per-step state outside the
+        metadata (e.g. planning a kernel's work split). tokenwise's backends need none, so it does
         nothing; `model_input` is the step's metadata (None for a FULL replay of a decoder).
         """
 

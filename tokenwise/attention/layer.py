@@ -1,4 +1,4 @@
-"""The attention layer and its one opaque custom op (SPEC §5).
+"""The attention layer and its one opaque custom op (docs/forward-context.md §5).
 
 Model code calls `Attention.forward(q, k, v)` on a flat token stream and never sees batch
 structure. The layer hands its tensors and *its name* to `tokenwise::unified_attention`; the

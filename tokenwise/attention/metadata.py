@@ -8,9 +8,9 @@ All layers that share an attention spec (block size, sliding window) share one m
 the runner builds one per distinct spec per step, with `CommonMetadataBuilder` over its
 persistent input buffers (`tokenwise.runner.input_batch`).
 
-`CommonAttentionState` (SPEC §3), the persistent buffers for CUDA-graph capture and replay,
-lives in `tokenwise.attention.graph_state`, which imports this module: it is not re-exported
-here, because that would make the two modules import each other.
+`CommonAttentionState` (docs/forward-context.md §3), the persistent buffers for CUDA-graph capture
+and replay, lives in `tokenwise.attention.graph_state`, which imports this module: it is not
+re-exported here, because that would make the two modules import each other.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ class AttentionMetadata:
     block_table_first_block: list[int] = field(default_factory=list)
     block_size: int = 16
     sliding_window: int | None = None
-    # Encoder-decoder models only (None otherwise; `attention.utils` reads them, SPEC §3).
+    # Encoder-decoder models only (None otherwise; `attention.utils` reads them,
+    # docs/forward-context.md §3).
     # For encoder self-attention: the encoders that run this step. For cross-attention: one
     # entry per decoder sequence of the step (its encoder's length, its cross block table),
     # and the cache slots of the encoder tokens whose K/V this step writes.
@@ -111,9 +112,9 @@ class AttentionMetadata:
             sliding_window=sliding_window,
         )
 
-    # SPEC §3 fields that no backend reads on the engine's path: derived from the host-side
-    # lengths on first access (on the slot mapping's device) instead of built and copied to
-    # the device every step.
+    # Fields of docs/forward-context.md §3 that no backend reads on the engine's path: derived from
+    # the host-side lengths on first access (on the slot mapping's device) instead of built and
+    # copied to the device every step.
     @cached_property
     def query_start_loc(self) -> torch.Tensor:
         """[num_seqs + 1] int32: where each sequence's query starts in the flat token stream."""
@@ -198,12 +199,12 @@ class CommonMetadataBuilder:
     """Builds a step's `AttentionMetadata` over the runner's persistent input buffers.
 
     Per step: `prepare()`, then `build(seq_lens, query_lens, cuda_graph_pad_size, batch_size,
-    slot_mapping=..., seq_lens_tensor=..., block_tables=...)`. SPEC §3 describes the seed's
-    list form (one `add_sequence` call per sequence between the two); here the sequences are
-    already laid out by `InputBatch.prepare` in its buffers (prefills first, slots computed,
-    block table rows zero past each sequence's last block), so `build` receives the step's
-    device views of those buffers and the host-side lengths, and uses the tensors as they are:
-    nothing is rebuilt from Python lists, nothing is copied.
+    slot_mapping=..., seq_lens_tensor=..., block_tables=...)`. docs/forward-context.md §3 describes
+    the seed's list form (one `add_sequence` call per sequence between the two); here the sequences
+    are already laid out by `InputBatch.prepare` in its buffers (prefills first, slots computed,
+    block table rows zero past each sequence's last block), so `build` receives the step's device
+    views of those buffers and the host-side lengths, and uses the tensors as they are: nothing is
+    rebuilt from Python lists, nothing is copied.
 
     Every token's K/V is written to the cache, also under a sliding window: blocks are never
     recycled inside a request and prefix caching shares full blocks, so a cached block must

@@ -7,9 +7,10 @@
   `model.generate_batch`), given one `max_new_tokens` per request. Its KV cache must be sized
   explicitly (`hf_num_blocks`): left alone on a CPU it takes 90% of the machine's RAM.
 
-Both run under `torch.no_grad()` (PERF_NOTES: continuous batching wants `no_grad`, not
-`inference_mode`), ignore EOS and decode greedily. A failure is returned as `EngineRun.error` so that one broken
-baseline (transformers' API moves between releases) does not lose the others' results.
+Both run under `torch.no_grad()` (docs/performance.md: continuous batching wants `no_grad`, not
+`inference_mode`), ignore EOS and decode greedily. A failure is returned as `EngineRun.error` so
+that one broken baseline (transformers' API moves between releases) does not lose the others'
+results.
 """
 
 from __future__ import annotations

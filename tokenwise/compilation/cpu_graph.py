@@ -5,7 +5,8 @@ layers, RoPE, attention, the gated activation) joined by Python that costs as mu
 on the 100M Llama shape with int4 weights, 1.9 ms of a 4.6 ms forward was module calls, checks,
 allocations and ctypes conversions. A GPU removes that overhead with a CUDA graph; this is the
 CPU's counterpart, behind the same `GraphCapturer` interface, so the runner, the dispatcher
-and the persistent input buffers are the CUDA graphs' own (`graph_runner.py`, SPEC §2).
+and the persistent input buffers are the CUDA graphs' own (`graph_runner.py`,
+docs/forward-context.md §2).
 
 `CPUGraphCapturer.capture(fn)` runs `fn` (the whole model on a padded decode batch, over the
 input batch's persistent buffers and the capture metadata) three times:

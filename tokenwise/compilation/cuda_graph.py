@@ -1,4 +1,6 @@
-"""CUDA-graph capture and replay of one callable, keyed by the forward context (SPEC §2).
+"""CUDA-graph capture and replay of one callable, keyed by the forward context.
+
+The keys and modes are docs/forward-context.md §2.
 
 `CUDAGraphWrapper` wraps a callable (a compiled piece between attention calls, or the whole
 model) for one runtime mode, PIECEWISE or FULL. Each call reads the forward context: when its

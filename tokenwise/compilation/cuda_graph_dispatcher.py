@@ -1,4 +1,4 @@
-"""Which captured graph (if any) a batch runs with (SPEC §2).
+"""Which captured graph (if any) a batch runs with (docs/forward-context.md §2).
 
 Pure Python, so the decisions are unit-tested on CPU; only capture and replay need a GPU.
 Keys are `BatchDescriptor`s of *padded* batches. Mixed-batch (piecewise) graphs are captured

@@ -166,8 +166,8 @@ def build_engine_config(
     # CPU graphs (recorded C kernels) unless eagerness is asked for or a model kind rules it.
     cpu_graphs = enforce_eager is None
     if enforce_eager is None:
-        # On CPU compiling costs 15+ s and gained only 3-16% in decode (PERF_NOTES), so eager
-        # is the default there; on GPU compilation is what makes the small kernels cheap.
+        # On CPU compiling costs 15+ s and gained only 3-16% in decode (docs/performance.md), so
+        # eager is the default there; on GPU compilation is what makes the small kernels cheap.
         enforce_eager = not device.startswith("cuda")
     model_config = ModelConfig.from_pretrained(
         resolve_model_path(model),

@@ -1,4 +1,4 @@
-"""Per-step CUDA-graph dispatch: pick a graph for the step, run it (SPEC §2).
+"""Per-step CUDA-graph dispatch: pick a graph for the step, run it (docs/forward-context.md §2).
 
 The model runner asks `plan` for a runtime mode and padded `BatchDescriptor` (the
 `CUDAGraphDispatcher` decides), pads the step in its input batch, and calls `execute`:

@@ -2,7 +2,8 @@
 
 Every stage holds its layers only (`pp_state.pp_layer_range`) and, for each attention layer,
 one KV cache per virtual engine: `layer.kv_cache[k]` is virtual engine k's slice, which the
-attention op picks with `ForwardContext.virtual_engine` (SPEC §1). Virtual engine k is the k-th
+attention op picks with `ForwardContext.virtual_engine` (docs/forward-context.md §1). Virtual
+engine k is the k-th
 of `pipeline_parallel_size` batches in flight; each has its own scheduler and block pool in the
 engine (`engine/virtual_engines.py`) and its own input batch here, because its requests, block
 tables and step buffers are its own.

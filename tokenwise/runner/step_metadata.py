@@ -4,8 +4,9 @@ buffers.
 A part the runner holds (`runner.step_metadata`; pipeline stages, pooling and encoder-decoder
 kinds use the same one), a concept of its own: layers of one KV-cache group
 (`tokenwise.kv_cache.layout`) share block tables and a slot mapping, so they get the same
-metadata object, built once per step by the group's `CommonMetadataBuilder` (SPEC §3's
-`prepare()` then `build(...)`); sliding-window groups read window-trimmed tables. Layers with no
+metadata object, built once per step by the group's `CommonMetadataBuilder`
+(docs/forward-context.md §3: `prepare()` then `build(...)`); sliding-window groups read
+window-trimmed tables. Layers with no
 table of their own (encoder-only attention, and cross-attention, which adds its fields to the
 decoder's metadata) read group 0's.
 """
@@ -90,7 +91,7 @@ class StepMetadata:
     ) -> dict[str, AttentionMetadata]:
         """One metadata object per KV-cache group over the step's buffers, keyed by layer.
 
-        Each group's `CommonMetadataBuilder` makes it (SPEC §3's `prepare()` then
+        Each group's `CommonMetadataBuilder` makes it (docs/forward-context.md §3: `prepare()` then
         `build(...)`), over the step's device buffers. `cuda_graph_pad_size` (the padding rows
         of a step a FULL graph replays) marks graph metadata; PIECEWISE steps run attention
         eagerly, so their padded metadata is plain.

@@ -9,11 +9,12 @@ cross cache at `cross_slot_mapping`; every later decoder step passes no encoder 
 reads them back through the request's cross block table. Cross-attention is never causal: a
 decoder token sees every encoder token of its own request, and none of another's.
 
-Where each of those lives in the step's metadata is read through the SPEC's helpers
-(`get_num_prefill_decode_query_kv_tokens`, `get_seq_len_block_table_args`,
-`is_all_encoder_attn_metadata_set`, `is_all_cross_attn_metadata_set`), the fields they name
-being set by the encoder-decoder runner. The cross cache has the decoder cache's layout
-(`torch_backend`: K then V, token-major blocks, a trash block for PAD slots).
+Where each of those lives in the step's metadata is read through the helpers of
+docs/forward-context.md §3 (`get_num_prefill_decode_query_kv_tokens`,
+`get_seq_len_block_table_args`, `is_all_encoder_attn_metadata_set`,
+`is_all_cross_attn_metadata_set`), the fields they name being set by the encoder-decoder runner. The
+cross cache has the decoder cache's layout (`torch_backend`: K then V, token-major blocks, a trash
+block for PAD slots).
 """
 
 from __future__ import annotations
