@@ -65,7 +65,7 @@ def test_encoder_runs_and_cross_kv_is_written_once_per_request(recorded: dict[st
         assert md.encoder_seq_lens == ENCODER_LENS  # every decode step still reads all of them
     slots = per_layer[0][0].cross_slot_mapping.tolist()
     assert len(set(slots)) == len(slots) and min(slots) >= 0
-    assert llm.llm_engine.runner.num_encoder_runs == len(ENCODER_LENS)
+    assert llm.llm_engine.runner.kind_part.num_encoder_runs == len(ENCODER_LENS)
     assert all(len(o.outputs[0].token_ids) == 10 for o in recorded["outs"])
     assert_pool_clean(llm.llm_engine)
 

@@ -19,11 +19,11 @@ from tokenwise import LLM, SamplingParams
 from tokenwise.engine.client import EngineClient
 from tokenwise.engine.core_client import EngineCoreClient
 from tokenwise.engine.kinds.encoder_decoder import EncoderDecoderKind
-from tokenwise.engine.kinds.encoder_decoder_runner import EncoderDecoderModelRunner
+from tokenwise.engine.kinds.encoder_decoder_runner import EncoderDecoderRunnerPart
 from tokenwise.engine.kinds.encoder_decoder_scheduler import EncoderDecoderScheduler
 from tokenwise.engine.kinds.generate import GenerateKind
 from tokenwise.engine.kinds.pooling import EmbedKind
-from tokenwise.engine.kinds.pooling_runner import PoolingModelRunner
+from tokenwise.engine.kinds.pooling_runner import PoolingRunnerPart
 from tokenwise.engine.kinds.pooling_scheduler import PoolingScheduler
 from tokenwise.engine.kinds.requests import EmbeddingRequest, EncoderDecoderRequest
 from tokenwise.engine.llm_engine import LLMEngine
@@ -31,6 +31,7 @@ from tokenwise.engine.request import Request
 from tokenwise.engine.scheduler import Scheduler
 from tokenwise.lora.request import LoRARequest
 from tokenwise.pooling.params import PoolingParams
+from tokenwise.runner.kind_part import RunnerKindPart
 from tokenwise.runner.model_runner import ModelRunner
 
 
@@ -51,27 +52,29 @@ def llama_llm() -> LLM:
     return LLM(checkpoint(), dtype="float32", device="cpu")
 
 
-def test_each_kind_gets_its_groups_scheduler_runner_and_requests(
+def test_each_kind_gets_its_groups_scheduler_runner_part_and_requests(
     llama_llm: LLM, embed_llm: LLM, bart_llm: LLM
 ) -> None:
     expected = [
-        (llama_llm, GenerateKind, 1, Scheduler, ModelRunner, Request),
-        (embed_llm, EmbedKind, 0, PoolingScheduler, PoolingModelRunner, EmbeddingRequest),
+        (llama_llm, GenerateKind, 1, Scheduler, RunnerKindPart, Request),
+        (embed_llm, EmbedKind, 0, PoolingScheduler, PoolingRunnerPart, EmbeddingRequest),
         (
             bart_llm,
             EncoderDecoderKind,
             2,
             EncoderDecoderScheduler,
-            EncoderDecoderModelRunner,
+            EncoderDecoderRunnerPart,
             EncoderDecoderRequest,
         ),
     ]
-    for llm, kind, groups, scheduler, runner, request in expected:
+    for llm, kind, groups, scheduler, part, request in expected:
         engine = llm.llm_engine
         assert type(engine) is LLMEngine  # one loop for every kind
         assert type(engine.kind) is kind
         assert engine.block_manager.num_kv_cache_groups == groups
-        assert type(engine.scheduler) is scheduler and type(engine.runner) is runner
+        assert type(engine.scheduler) is scheduler
+        # One runner for every kind; what a kind adds is a part it holds.
+        assert type(engine.runner) is ModelRunner and type(engine.runner.kind_part) is part
         params = PoolingParams() if kind is EmbedKind else SamplingParams(max_tokens=2)
         engine.add_request("probe", [5, 6, 7], params)
         assert [type(r) for r in engine.groups["probe"]] == [request]
@@ -99,6 +102,9 @@ def test_a_generative_kind_refuses_pooling_params(llama_llm: LLM) -> None:
 def test_base_request_carries_no_kind_fields() -> None:
     base = {f.name for f in dataclasses.fields(Request)}
     assert not base & {"pooling_params", "encoder_inputs", "block_table", "cross_block_table"}
+    # Scheduling state only: the runner keeps its own copy (the generator is the runner's),
+    # and what is reported lives in the output processor.
+    assert not base & {"generator", "detokenizer", "new_token_ids", "prompt_logprobs", "index"}
     assert "pooling_params" in {f.name for f in dataclasses.fields(EmbeddingRequest)}
     assert "encoder_inputs" in {f.name for f in dataclasses.fields(EncoderDecoderRequest)}
 

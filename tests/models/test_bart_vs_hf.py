@@ -126,7 +126,7 @@ def test_batched_greedy_equals_hf_with_chunked_decoder_prefill(bart_dir: str) ->
     for (enc, dec), tokens in zip(reqs, got, strict=True):
         assert tokens == hf_greedy(bart_dir, enc, dec, MAX_TOKENS)
     engine = llm.llm_engine
-    assert engine.runner.num_encoder_runs == len(reqs)  # no preemption here: once each
+    assert engine.runner.kind_part.num_encoder_runs == len(reqs)  # no preemption here: once each
     assert_pool_clean(engine)
 
 
@@ -138,7 +138,7 @@ def test_greedy_equals_hf_under_preemption(bart_dir: str) -> None:
     got = generate(llm, reqs)
     engine = llm.llm_engine
     assert engine.get_stats().num_preemptions_total > 0
-    assert engine.runner.num_encoder_runs > len(reqs)  # preempted requests encoded again
+    assert engine.runner.kind_part.num_encoder_runs > len(reqs)  # preempted requests encoded again
     for (enc, dec), tokens in zip(reqs, got, strict=True):
         assert tokens == hf_greedy(bart_dir, enc, dec, MAX_TOKENS)
     assert_pool_clean(engine)

@@ -125,8 +125,8 @@ def test_mixed_batch_equals_hf(ckpt: str, budget: int) -> None:
         assert len(prefill_ends) > 5
         assert not any(s < end < e for end, images in ends for s, e in images)
     runner = llm.llm_engine.runner
-    assert runner.num_encoder_runs == 5
-    assert len(runner.encoder_cache) == 0
+    assert runner.kind_part.num_encoder_runs == 5
+    assert len(runner.kind_part.encoder_cache) == 0
     assert_pool_clean(llm.llm_engine)
 
 
@@ -171,7 +171,7 @@ def test_prefix_cache_hits_through_and_into_images(ckpt: str) -> None:
     assert again.num_cached_tokens == (n - 1) // 8 * 8  # every full block, through the image
     eos = engine.eos_token_ids[0]
     assert strip_eos(list(again.outputs[0].token_ids), eos) == hf_greedy(ckpt, prompt, specs)
-    assert engine.runner.num_encoder_runs == 1  # the hit covered the image
+    assert engine.runner.kind_part.num_encoder_runs == 1  # the hit covered the image
     # The same image, other text after it: the hit ends inside the image, whose cached K/V
     # were computed with the whole image; the rest of the image runs in one chunk.
     image_id = engine.kind.image_token_id
@@ -201,7 +201,7 @@ def test_preempting_pool_recomputes_images(ckpt: str) -> None:
     assert run(llm, cases) == [hf_greedy(ckpt, *c) for c in cases]
     assert llm.llm_engine.scheduler.num_preemptions > 0
     # A preempted request lost its K/V: its image was embedded again when it came back.
-    assert llm.llm_engine.runner.num_encoder_runs > 4
+    assert llm.llm_engine.runner.kind_part.num_encoder_runs > 4
     assert_pool_clean(llm.llm_engine)
 
 

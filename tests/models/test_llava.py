@@ -99,8 +99,8 @@ def test_mixed_batch_equals_hf(llava_dir: str, budget: int) -> None:
     assert run(llm, other) == [hf_greedy(llava_dir, *other[0])] != [got[0]]
     runner = llm.llm_engine.runner
     # Each of the 4 + 1 distinct images was encoded once, however many chunks read it.
-    assert runner.num_encoder_runs == 5
-    assert len(runner.encoder_cache) == 0  # nothing kept once the prefills were done
+    assert runner.kind_part.num_encoder_runs == 5
+    assert len(runner.kind_part.encoder_cache) == 0  # nothing kept once the prefills were done
     assert_pool_clean(llm.llm_engine)
 
 
@@ -114,7 +114,9 @@ def test_prefix_cache_hits_same_image_and_never_another(llava_dir: str) -> None:
     assert first.num_cached_tokens == 0
     assert again.num_cached_tokens == (n - 1) // 8 * 8  # every full block, through the image
     assert list(again.outputs[0].token_ids) == list(first.outputs[0].token_ids)
-    assert engine.runner.num_encoder_runs == 1  # the hit covered the image: not encoded again
+    assert (
+        engine.runner.kind_part.num_encoder_runs == 1
+    )  # the hit covered the image: not encoded again
     # Same text, another image: only the blocks before the image may be shared.
     offset = first.prompt_token_ids.index(engine.kind.image_token_id)
     assert first.prompt_token_ids.count(engine.kind.image_token_id) == TOKENS_PER_IMAGE
@@ -126,14 +128,14 @@ def test_prefix_cache_hits_same_image_and_never_another(llava_dir: str) -> None:
     assert strip_eos(list(other.outputs[0].token_ids), eos) == hf_greedy(
         llava_dir, prompt, other_specs
     )
-    assert engine.runner.num_encoder_runs == 2
+    assert engine.runner.kind_part.num_encoder_runs == 2
     # The same image with other text after it: the hit ends inside the image, and the step
     # that follows computes the image's remaining rows from a fresh encoding.
     tail = ("USER: <image>Who is it? ASSISTANT:", specs)
     third = llm.generate(engine_prompt(*tail), GREEDY, use_tqdm=False)[0]
     assert offset < third.num_cached_tokens < offset + TOKENS_PER_IMAGE
     assert strip_eos(list(third.outputs[0].token_ids), eos) == hf_greedy(llava_dir, *tail)
-    assert engine.runner.num_encoder_runs == 3
+    assert engine.runner.kind_part.num_encoder_runs == 3
     assert_pool_clean(engine)
 
 
@@ -144,8 +146,11 @@ def test_same_image_in_one_batch_is_encoded_once(llava_dir: str) -> None:
     cases = [CASES[0], ("Look: <image> it is a", CASES[0][1])]
     assert run(llm, cases) == [hf_greedy(llava_dir, *c) for c in cases]
     runner = llm.llm_engine.runner
-    assert runner.num_encoder_runs == 1
-    assert runner.encoder_cache.num_hits == 1 and runner.encoder_cache.num_misses == 1
+    assert runner.kind_part.num_encoder_runs == 1
+    assert (
+        runner.kind_part.encoder_cache.num_hits == 1
+        and runner.kind_part.encoder_cache.num_misses == 1
+    )
     assert_pool_clean(llm.llm_engine)
 
 
@@ -163,8 +168,8 @@ def test_preempting_pool_recomputes_images(llava_dir: str) -> None:
     assert run(llm, CASES) == [hf_greedy(llava_dir, *c) for c in CASES]
     assert llm.llm_engine.scheduler.num_preemptions > 0
     # A preempted request lost its K/V: its images were embedded again when it came back.
-    assert llm.llm_engine.runner.num_encoder_runs > 4
-    assert len(llm.llm_engine.runner.encoder_cache) == 0
+    assert llm.llm_engine.runner.kind_part.num_encoder_runs > 4
+    assert len(llm.llm_engine.runner.kind_part.encoder_cache) == 0
     assert_pool_clean(llm.llm_engine)
 
 
@@ -244,7 +249,7 @@ def test_siglip_tower_equals_hf(tmp_path: Any) -> None:
     cases = CASES[:3]
     assert run(llm, cases) == [hf_greedy(path, *c) for c in cases]
     # (Its checkpoint has a pooling head and post_layernorm, skipped: LLaVA never reads them.)
-    assert llm.llm_engine.runner.num_encoder_runs == 3
+    assert llm.llm_engine.runner.kind_part.num_encoder_runs == 3
     assert_pool_clean(llm.llm_engine)
 
 
@@ -266,7 +271,7 @@ def test_encoder_budget_of_one_image_per_step_equals_hf(llava_dir: str) -> None:
         max_num_encoder_input_tokens=TOKENS_PER_IMAGE,
     )
     engine = llm.llm_engine
-    model = engine.runner.eager_model
+    model = engine.runner.kind_part.eager_model
     runs: list[int] = []  # images per tower run (one run per step)
     embed = model.embed_image_list
 
@@ -277,6 +282,6 @@ def test_encoder_budget_of_one_image_per_step_equals_hf(llava_dir: str) -> None:
     model.embed_image_list = spy
     assert run(llm, cases) == [hf_greedy(llava_dir, *c) for c in cases]
     assert runs and max(runs) == 1
-    assert len(engine.runner.encoder_cache) == 0
+    assert len(engine.runner.kind_part.encoder_cache) == 0
     assert engine.scheduler.encoder_budget.num_held() == 0
     assert_pool_clean(engine)

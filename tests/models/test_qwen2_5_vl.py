@@ -124,8 +124,8 @@ def test_mixed_batch_equals_hf(qwen_dir: str, budget: int) -> None:
     other = [(CASES[0][0], ((9, 40, 56),))]
     assert run(llm, other) == [hf_greedy(qwen_dir, *other[0])] != [got[0]]
     runner = llm.llm_engine.runner
-    assert runner.num_encoder_runs == 4  # each distinct image once, however many chunks
-    assert len(runner.encoder_cache) == 0
+    assert runner.kind_part.num_encoder_runs == 4  # each distinct image once, however many chunks
+    assert len(runner.kind_part.encoder_cache) == 0
     assert_pool_clean(llm.llm_engine)
 
 
@@ -201,7 +201,7 @@ def test_vision_tower_equals_hf(qwen_dir: str) -> None:
     grids = [tuple(g) for g in inputs["image_grid_thw"].tolist()]
     pixels = list(inputs["pixel_values"].split([t * h * w for t, h, w in grids]))
     with torch.inference_mode():
-        got = llm.llm_engine.runner.eager_model.embed_image_list(pixels, grids)
+        got = llm.llm_engine.runner.kind_part.eager_model.embed_image_list(pixels, grids)
     assert [g.shape for g in got] == [w.shape for w in want]
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
@@ -213,7 +213,9 @@ def test_one_d_positions_would_not_equal_hf(qwen_dir: str) -> None:
     llm = LLM(qwen_dir, dtype="float32", num_gpu_blocks=32, block_size=8, max_model_len=128)
     cases = CASES[:2]
     assert run(llm, cases) == [hf_greedy(qwen_dir, *c) for c in cases]
-    llm.llm_engine.runner.mrope_buffer = None  # the model then rotates by the 1-D positions
+    llm.llm_engine.runner.kind_part.mrope_buffer = (
+        None  # the model then rotates by the 1-D positions
+    )
     flat = run(llm, cases)
     assert flat != [hf_greedy(qwen_dir, *c) for c in cases]
 
@@ -231,7 +233,7 @@ def test_prefix_cache_hits_same_image_and_never_another(qwen_dir: str) -> None:
     assert again.num_cached_tokens == (n - 1) // 8 * 8  # every full block, through the image
     assert hits.prefix_cache_hits - before == again.num_cached_tokens
     assert list(again.outputs[0].token_ids) == list(first.outputs[0].token_ids)
-    assert engine.runner.num_encoder_runs == 1  # the hit covered the image
+    assert engine.runner.kind_part.num_encoder_runs == 1  # the hit covered the image
     # Same text, another image of the same size: only the blocks before the image are shared.
     image_id = engine.kind.image_token_id
     offset = first.prompt_token_ids.index(image_id)
@@ -250,7 +252,7 @@ def test_prefix_cache_hits_same_image_and_never_another(qwen_dir: str) -> None:
     count = first.prompt_token_ids.count(image_id)
     assert offset < third.num_cached_tokens < offset + count
     assert strip_eos(list(third.outputs[0].token_ids), eos) == hf_greedy(qwen_dir, *tail)
-    assert engine.runner.num_encoder_runs == 3
+    assert engine.runner.kind_part.num_encoder_runs == 3
     assert_pool_clean(engine)
 
 
@@ -268,8 +270,8 @@ def test_preempting_pool_equals_hf(qwen_dir: str) -> None:
     )
     assert run(llm, CASES) == [hf_greedy(qwen_dir, *c) for c in CASES]
     assert llm.llm_engine.scheduler.num_preemptions > 0
-    assert llm.llm_engine.runner.num_encoder_runs > 3  # re-embedded after a preemption
-    assert len(llm.llm_engine.runner.encoder_cache) == 0
+    assert llm.llm_engine.runner.kind_part.num_encoder_runs > 3  # re-embedded after a preemption
+    assert len(llm.llm_engine.runner.kind_part.encoder_cache) == 0
     assert_pool_clean(llm.llm_engine)
 
 
@@ -395,7 +397,7 @@ def test_encoder_budget_spreads_tower_runs_and_equals_hf(
         enable_chunked_prefill=chunked,
     )
     engine = llm.llm_engine
-    model = engine.runner.eager_model
+    model = engine.runner.kind_part.eager_model
     runs: list[list[int]] = []  # image tokens of each tower run (one run per step)
     embed = model.embed_image_list
 
@@ -415,7 +417,7 @@ def test_encoder_budget_spreads_tower_runs_and_equals_hf(
     per_prompt = [sizes[:1], sizes[1:]]
     assert all(sum(r) <= budget or len(r) == 1 or (not chunked and r in per_prompt) for r in runs)
     assert runs == [[sizes[i] for i in run_] for run_ in expected_runs]
-    assert len(engine.runner.encoder_cache) == 0
+    assert len(engine.runner.kind_part.encoder_cache) == 0
     assert engine.scheduler.encoder_budget.num_held() == 0
     assert_pool_clean(engine)
 
@@ -440,7 +442,7 @@ def test_encoder_budget_with_preemption_and_shared_images_equals_hf(qwen_dir: st
         max_num_encoder_input_tokens=36,
     )
     engine = llm.llm_engine
-    model = engine.runner.eager_model
+    model = engine.runner.kind_part.eager_model
     runs: list[list[int]] = []
     embed = model.embed_image_list
 
@@ -453,6 +455,6 @@ def test_encoder_budget_with_preemption_and_shared_images_equals_hf(qwen_dir: st
     assert engine.scheduler.num_preemptions > 0
     assert all(sum(r) <= 36 for r in runs)
     assert {t for r in runs for t in r} == {6, 35, 36}  # every image ran
-    assert len(engine.runner.encoder_cache) == 0
+    assert len(engine.runner.kind_part.encoder_cache) == 0
     assert engine.scheduler.encoder_budget.num_held() == 0
     assert_pool_clean(engine)

@@ -74,7 +74,7 @@ def test_batched_greedy_transcription_equals_hf(whisper_dir: str, llm: LLM) -> N
     got = [strip_eos(list(o.outputs[0].token_ids), eos) for o in outs]
     assert got == [strip_eos(row.tolist(), eos) for row in ref]
     assert len({tuple(g) for g in got}) > 1  # the clips do give different transcriptions
-    assert llm.llm_engine.runner.num_encoder_runs == len(CLIPS)
+    assert llm.llm_engine.runner.kind_part.num_encoder_runs == len(CLIPS)
     assert_pool_clean(llm.llm_engine)
 
 
@@ -94,7 +94,7 @@ def test_greedy_equals_hf_under_preemption(whisper_dir: str) -> None:
     assert got == [strip_eos(row.tolist(), eos) for row in ref]
     engine = small.llm_engine
     assert engine.get_stats().num_preemptions_total > 0
-    assert engine.runner.num_encoder_runs > len(clips)
+    assert engine.runner.kind_part.num_encoder_runs > len(clips)
     assert_pool_clean(engine)
 
 

@@ -109,7 +109,7 @@ def test_bart_decode_graphs_replay_fresh_cross_rows(
     assert log is not None
     # Every encoder ran in an eager step, and only those never reached the dispatcher.
     encoder_steps = [s for s in log.steps if s[0]]
-    assert encoder_steps and llm.llm_engine.runner.num_encoder_runs == len(BART_PROMPTS)
+    assert encoder_steps and llm.llm_engine.runner.kind_part.num_encoder_runs == len(BART_PROMPTS)
     assert len(fake_graphs.steps) == len(log.steps) - len(encoder_steps)
     # Decode batches of 6 down to 1 replay FULL graphs padded to 8, 8, 4, 4, 2, 1 -> 2.
     decodes = [(n, m, d) for n, uniform, m, d in fake_graphs.steps if uniform]
@@ -163,7 +163,9 @@ def test_whisper_full_decode_graphs_give_eager_transcriptions(
     llm, outs, log = run(arch, prompts, params, M.FULL_DECODE_ONLY, fake_graphs, **engine)
     assert_same_outputs(outs, eager)
     assert log is not None
-    assert log.steps[0] == (True, None) and llm.llm_engine.runner.num_encoder_runs == len(CLIPS)
+    assert log.steps[0] == (True, None) and llm.llm_engine.runner.kind_part.num_encoder_runs == len(
+        CLIPS
+    )
     assert any(m == M.FULL for _, m in log.steps) and fake_graphs.replays > 0
     # The cross buffers are as wide as the longest encoder's table.
     runner = llm.llm_engine.runner

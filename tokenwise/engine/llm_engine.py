@@ -100,7 +100,7 @@ class LLMEngine:
         # The executor owns the workers (this process's and any it spawns) and runs the
         # start-up sequence on them; `num_blocks` is per virtual engine.
         self.model_executor = Executor.create(
-            config, device, kind_cls.runner_cls, on_runner, self._check_kv_capacity
+            config, device, kind_cls.runner_part, on_runner, self._check_kv_capacity
         )
         num_blocks = self.model_executor.num_blocks
         max_loras = config.lora.max_loras if config.lora is not None else None

@@ -34,7 +34,7 @@ from tokenwise.distributed.tp_state import ACTIVATION_TIMEOUT_S, get_tp_cpu_grou
 from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from tokenwise.executor.worker import RPCMethod, Worker, run_rpc
 from tokenwise.executor.worker_main import run_pp_worker, run_tp_worker
-from tokenwise.runner.model_runner import ModelRunner
+from tokenwise.runner.kind_part import RunnerKindPart
 
 
 class Executor:
@@ -48,7 +48,7 @@ class Executor:
     def create(
         config: EngineConfig,
         device: str | torch.device,
-        runner_cls: type[ModelRunner] = ModelRunner,
+        kind_part: type[RunnerKindPart] = RunnerKindPart,
         on_runner: Callable[[Any], None] | None = None,
         check_num_blocks: Callable[[int], None] | None = None,
     ) -> Executor:
@@ -59,14 +59,14 @@ class Executor:
             cls: type[Executor] = UniProcExecutor
         else:
             cls = MultiprocExecutor
-        return cls.start(config, device, runner_cls, on_runner, check_num_blocks)
+        return cls.start(config, device, kind_part, on_runner, check_num_blocks)
 
     @classmethod
     def start(
         cls,
         config: EngineConfig,
         device: str | torch.device,
-        runner_cls: type[ModelRunner],
+        kind_part: type[RunnerKindPart],
         on_runner: Callable[[Any], None] | None,
         check_num_blocks: Callable[[int], None] | None,
     ) -> Executor:
@@ -120,11 +120,11 @@ class UniProcExecutor(Executor):
         cls,
         config: EngineConfig,
         device: str | torch.device,
-        runner_cls: type[ModelRunner],
+        kind_part: type[RunnerKindPart],
         on_runner: Callable[[Any], None] | None,
         check_num_blocks: Callable[[int], None] | None,
     ) -> Executor:
-        worker = Worker(config, device, TPDriver(None), runner_cls)
+        worker = Worker(config, device, TPDriver(None), kind_part)
         worker.start(on_runner, check_num_blocks)
         return cls(config, worker)
 
@@ -142,7 +142,7 @@ class MultiprocExecutor(Executor):
         cls,
         config: EngineConfig,
         device: str | torch.device,
-        runner_cls: type[ModelRunner],
+        kind_part: type[RunnerKindPart],
         on_runner: Callable[[Any], None] | None,
         check_num_blocks: Callable[[int], None] | None,
     ) -> Executor:
@@ -158,7 +158,7 @@ class MultiprocExecutor(Executor):
             if pipeline is not None:
                 pipeline.abandon()
             raise
-        worker = Worker(config, device, tp, runner_cls, pipeline)
+        worker = Worker(config, device, tp, kind_part, pipeline)
         try:
             worker.start(on_runner, check_num_blocks)
         except BaseException:

@@ -28,6 +28,7 @@ from tokenwise.distributed.tp_channel import TPDriver
 from tokenwise.distributed.tp_state import get_tp_cpu_group, get_tp_rank
 from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from tokenwise.platform import configure_cpu_allocator
+from tokenwise.runner.kind_part import RunnerKindPart
 from tokenwise.runner.model_runner import ModelRunner
 from tokenwise.runner.pipeline_runner import PipelineModelRunner
 
@@ -50,9 +51,10 @@ def run_rpc(worker: Worker, method: RPCMethod, args: tuple, kwargs: dict[str, An
 class Worker:
     """One rank: `device`, the TP (and pipeline) channel it joined, and `runner` once started.
 
-    `runner_cls` is the model kind's runner on the driver (a worker rank builds the plain
-    decoder runner: a kind's extra inputs run on the driver only); `pipeline` is the channel
-    between stages when the engine is a pipeline (its runner is then a `PipelineModelRunner`).
+    `kind_part` is what the model kind adds to the runner's step, on the driver (a worker rank
+    runs the plain decoder step: a kind's extra inputs run on the driver only); `pipeline` is
+    the channel between stages when the engine is a pipeline (its runner is then a
+    `PipelineModelRunner`).
     """
 
     def __init__(
@@ -60,14 +62,14 @@ class Worker:
         config: EngineConfig,
         device: str | torch.device,
         tp: TPDriver,
-        runner_cls: type[ModelRunner] = ModelRunner,
+        kind_part: type[RunnerKindPart] = RunnerKindPart,
         pipeline: PipelineChannel | None = None,
     ) -> None:
         self.config = config
         self.device = torch.device(device)
         self.tp = tp
         self.pipeline = pipeline
-        self.runner_cls = runner_cls
+        self.kind_part = kind_part
         self.runner: Any = None
         self.num_blocks = 0
         self.init_device()
@@ -96,9 +98,11 @@ class Worker:
 
         def make_runner() -> Any:
             if self.pipeline is not None:
-                self.runner = PipelineModelRunner(self.config, self.device, self.tp, self.pipeline)
+                self.runner = PipelineModelRunner(
+                    self.config, self.device, self.tp, self.pipeline, self.kind_part
+                )
             else:
-                self.runner = self.runner_cls(self.config, self.device, self.tp)
+                self.runner = ModelRunner(self.config, self.device, self.tp, self.kind_part)
             if on_runner is not None:
                 on_runner(self.runner)
             return self.runner

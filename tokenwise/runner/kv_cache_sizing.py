@@ -47,6 +47,7 @@ class KVCacheSizingMixin:
     kv_caches: dict[str, torch.Tensor]
     graph_runner: CUDAGraphRunner | None
     kv_cache_layout: KVCacheLayout
+    kind_part: Any
     num_state_slots: int = 0
 
     def make_kv_cache_layout(self) -> KVCacheLayout:
@@ -108,6 +109,9 @@ class KVCacheSizingMixin:
     def determine_num_blocks(self) -> int:
         """KV blocks for the pool (the same on every TP rank); also sets `num_state_slots`,
         the recurrent-state slots, whose memory comes out of the same budget first."""
+        if not self.kind_part.needs_kv_cache:
+            self.num_state_slots = 0
+            return 0  # encoder-only attention keeps nothing between steps
         self._check_kv_cache_dtype()
         cache = self.config.cache
         self.num_state_slots = self._wanted_state_slots()

@@ -34,6 +34,7 @@ from tokenwise.runner import verify_rows
 from tokenwise.runner.graph_runner import CUDAGraphRunner
 from tokenwise.runner.graph_setup import default_capture_sizes, graph_setup
 from tokenwise.runner.input_batch import InputBatch, StepInputs
+from tokenwise.runner.kind_part import RunnerKindPart
 from tokenwise.runner.kv_cache_sizing import KVCacheSizingMixin
 from tokenwise.runner.prompt_logprobs import plan_prompt_logprobs, score_prompt_tokens
 from tokenwise.runner.recurrent_states import RecurrentStates
@@ -52,10 +53,15 @@ MetadataByLayer = dict[str, AttentionMetadata] | None
 
 class ModelRunner(KVCacheSizingMixin):
     def __init__(
-        self, config: EngineConfig, device: str | torch.device = "cpu", tp: TPDriver | None = None
+        self,
+        config: EngineConfig,
+        device: str | torch.device = "cpu",
+        tp: TPDriver | None = None,
+        kind_part: type[RunnerKindPart] = RunnerKindPart,
     ) -> None:
         """`tp` is the channel to the other TP ranks, which this rank's worker has joined
-        (`tokenwise/executor/`); None without tensor parallelism."""
+        (`tokenwise/executor/`); None without tensor parallelism. `kind_part` is what the
+        model kind adds to a step (`runner/kind_part.py`)."""
         if config.model is None:
             raise ValueError("ModelRunner needs EngineConfig.model (a ModelConfig)")
         self.config = config
@@ -65,6 +71,7 @@ class ModelRunner(KVCacheSizingMixin):
         self.tp = tp if tp is not None else TPDriver(None)
         self.tp_size = get_tp_size()
         self.model = load_model(config, self.device)
+        self.kind_part = kind_part(self)
         self._capturer_factory, wrap_piece = graph_setup(config, self.device)
         scheduler = config.scheduler
         compilation = config.compilation
@@ -149,25 +156,21 @@ class ModelRunner(KVCacheSizingMixin):
                 get_attn_backend(config),
                 self.input_batch,
                 self.lora_manager.state if self.lora_manager is not None else None,
-                self.max_cross_blocks_per_seq(),
+                self.kind_part.max_cross_blocks_per_seq(),
                 self._verify_query_len,
                 num_groups=self.kv_cache_layout.num_attention_groups,
             )
-        self._setup_kind()
-
-    def _setup_kind(self) -> None:
-        """What a model kind's runner adds once the model, batch and graphs exist (nothing
-        for a decoder-only model); subclasses extend this, not `__init__`."""
-
-    def max_cross_blocks_per_seq(self) -> int:
-        """The widest cross block table, for the graphs' cross buffers (0: no cross-attention;
-        the encoder-decoder runner answers from its model's longest encoder input)."""
-        return 0
+        self.kind_part.setup()
 
     # ---- KV cache -------------------------------------------------------------------------
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache, then capture CUDA graphs on it (when the mode has any)."""
+        if not self.kind_part.needs_kv_cache:
+            if num_blocks:
+                raise ValueError(f"this model keeps no KV cache, got {num_blocks} blocks")
+            logger.info("no KV cache: the model's attention keeps nothing between steps")
+            return
         self._bind_kv_cache(num_blocks)
         self.num_blocks = num_blocks
         logger.info(
@@ -192,6 +195,7 @@ class ModelRunner(KVCacheSizingMixin):
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: the scheduler's output is the only input."""
+        self.kind_part.begin_step(scheduler_output)
         step, ordered = self._prepare(scheduler_output, self.input_batch)
         num_sample_rows = len(step.logits_indices)
         prompt_rows = plan_prompt_logprobs(step)
@@ -201,7 +205,7 @@ class ModelRunner(KVCacheSizingMixin):
         loras = [state.lora_request for state in step.states]
         has_lora = self._prepare_lora(loras, step)
         mode, desc, query_len = CUDAGraphMode.NONE, None, 0
-        if self.graph_runner is not None and self._may_replay_graphs(step):
+        if self.graph_runner is not None and self.kind_part.may_replay_graphs(step):
             query_len = verify_rows.uniform_query_len(step, self._verify_query_len)
             mode, desc = self.graph_runner.plan(num_tokens, bool(query_len), has_lora, query_len)
             if mode == CUDAGraphMode.FULL and query_len > 1:
@@ -217,7 +221,7 @@ class ModelRunner(KVCacheSizingMixin):
         state_plan = self.recurrent.plan(step) if self.recurrent is not None else None
         if state_plan is not None:
             attn_metadata.update(self.recurrent.begin(state_plan))
-        model_kwargs = self._model_inputs(step, attn_metadata)
+        model_kwargs = self.kind_part.model_inputs(step, attn_metadata)
         if self.tp_size > 1:
             self.tp.check_workers()
             self.tp.broadcast(("step", encode_step(step, tables, loras, state_plan)))
@@ -232,6 +236,8 @@ class ModelRunner(KVCacheSizingMixin):
                 hidden = self._run_eager(step, attn_metadata, model_kwargs)
             if state_plan is not None:
                 self.recurrent.finish(state_plan)
+            if (kind_output := self.kind_part.finish_step(step, hidden)) is not None:
+                return kind_output
             target_hidden = capture.collect(hidden, ordered) if capture is not None else None
             if not step.logits_indices:
                 return ModelRunnerOutput([], [], None, num_tokens, target_hidden=target_hidden)
@@ -272,23 +278,6 @@ class ModelRunner(KVCacheSizingMixin):
         # Prefills (query > 1) first, then decodes; stable, so admission order is kept.
         ordered = sorted(scheduler_output.scheduled, key=lambda s: s.num_new_tokens == 1)
         return batch.prepare(ordered, self.requests.of(ordered)), ordered
-
-    def _model_inputs(self, step: StepInputs, attn_metadata: MetadataByLayer) -> dict[str, Any]:
-        """Extra keyword inputs of the model for this step (none for a decoder-only model).
-
-        The encoder-decoder runner passes the encoder inputs of the requests whose encoder runs
-        this step, and adds their encoder and cross-attention fields to `attn_metadata` (or,
-        when a FULL graph replays and there is none, writes them into the graph's buffers).
-        """
-        return {}
-
-    def _may_replay_graphs(self, step: StepInputs) -> bool:
-        """Whether this step may run through the CUDA-graph dispatcher (else eagerly).
-
-        Always for a decoder-only model; the encoder-decoder runner says no for steps that
-        run an encoder, whose extra inputs no graph was captured with.
-        """
-        return True
 
     def _prepare_lora(self, loras: list[Any], step: StepInputs) -> bool:
         """Slot the step's adapters and set its token mask (every TP rank does the same)."""
@@ -350,13 +339,8 @@ class ModelRunner(KVCacheSizingMixin):
             num_tokens=num_tokens,
             num_tokens_across_dp=None if counts is None else counts.num_tokens_across_dp,
         ):
-            model = self._forward_model(model_kwargs)
+            model = self.kind_part.forward_model(model_kwargs)
             return model(step.input_ids, step.positions, **(model_kwargs or {}))
-
-    def _forward_model(self, model_kwargs: dict[str, Any] | None) -> Any:
-        """What an eager step calls: the model (compiled, when compilation is on). The
-        encoder-decoder runner calls its uncompiled model for steps with encoder inputs."""
-        return self.model
 
     def _run_ubatches(
         self, step: StepInputs, attn_metadata: dict[str, AttentionMetadata], counts: DPStepCounts

@@ -43,6 +43,7 @@ from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from tokenwise.forward_context import set_forward_context
 from tokenwise.layers.pipeline import IntermediateTensors
 from tokenwise.runner.input_batch import InputBatch, StepInputs
+from tokenwise.runner.kind_part import RunnerKindPart
 from tokenwise.runner.model_runner import ModelRunner
 from tokenwise.runner.prompt_logprobs import (
     PromptLogprobRows,
@@ -69,11 +70,12 @@ class PipelineModelRunner(ModelRunner):
         device: str | torch.device,
         tp: TPDriver,
         channel: PipelineChannel,
+        kind_part: type[RunnerKindPart] = RunnerKindPart,
     ) -> None:
         """`channel` is the link to the neighbouring stages, which this rank's worker joined
         (`tokenwise/executor/`)."""
         self.channel = channel
-        super().__init__(config, device, tp)
+        super().__init__(config, device, tp, kind_part)
         self._check_layer_ranges()
         self.pp_rank, self.pp_size = get_pp_rank(), get_pp_size()
         batch = self.input_batch

@@ -8,7 +8,7 @@ model kind supplies the four things that differ, and nothing else:
 - its block manager over the runner's KV-cache groups (none for an encoder-only embedding
   model, self-attention groups for a decoder, plus cross-attention for an encoder-decoder
   model) and the capacity check of its pool (`check_kv_capacity`);
-- its per-step extra inputs, through the runner and scheduler classes it names (`runner_cls`,
+- its per-step extra inputs, through the runner part and scheduler class it names (`runner_part`,
   `scheduler_cls`): the encoder-decoder runner adds encoder inputs and cross metadata, the
   pooling runner pools instead of sampling;
 - its outputs (`make_output`, and `record_pooled` for what a step pools).
@@ -33,6 +33,7 @@ from tokenwise.engine.step_outputs import ModelRunnerOutput
 from tokenwise.lora.request import LoRARequest
 from tokenwise.model_config import ModelConfig
 from tokenwise.outputs import EmbeddingRequestOutput, RequestOutput
+from tokenwise.runner.kind_part import RunnerKindPart
 from tokenwise.runner.memory_profiling import check_kv_cache_holds_one_sequence
 from tokenwise.runner.model_runner import ModelRunner
 from tokenwise.sampling.guided.compiler import GrammarCompileCache
@@ -68,7 +69,8 @@ class ModelKind:
     """A kind of model as the engine sees it. One instance per engine, made by the engine."""
 
     name: ClassVar[str] = ""
-    runner_cls: ClassVar[type[ModelRunner]] = ModelRunner
+    # What the kind adds to the runner's step (`runner/kind_part.py`): nothing for a decoder.
+    runner_part: ClassVar[type[RunnerKindPart]] = RunnerKindPart
     scheduler_cls: ClassVar[type[Scheduler]] = Scheduler
 
     def __init__(self, engine: EngineContext) -> None:

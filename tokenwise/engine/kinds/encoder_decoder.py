@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from tokenwise.engine.kinds.encoder_decoder_prompts import EncoderDecoderPrompts
-from tokenwise.engine.kinds.encoder_decoder_runner import EncoderDecoderModelRunner
+from tokenwise.engine.kinds.encoder_decoder_runner import EncoderDecoderRunnerPart
 from tokenwise.engine.kinds.encoder_decoder_scheduler import EncoderDecoderScheduler
 from tokenwise.engine.kinds.generate import GenerateKind
 from tokenwise.engine.kinds.requests import EncoderDecoderRequest
@@ -24,7 +24,7 @@ from tokenwise.sampling.params import SamplingParams
 
 class EncoderDecoderKind(GenerateKind):
     name = "encoder-decoder"
-    runner_cls = EncoderDecoderModelRunner
+    runner_part = EncoderDecoderRunnerPart
     scheduler_cls = EncoderDecoderScheduler
     # A decoder's K/V depends on its encoder's input too, not on its tokens alone.
     unique_prefix_cache = True

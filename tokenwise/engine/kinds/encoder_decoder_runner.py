@@ -1,4 +1,5 @@
-"""The runner of an encoder-decoder model (BART, Whisper): the decoder runner plus encoders.
+"""An encoder-decoder model's part of the runner (BART, Whisper): encoders on top of the
+decoder's step.
 
 A step is laid out as for a decoder-only model (the decoder tokens of every scheduled request,
 prefills first); on top of that, the requests admitted this step run their encoder in the same
@@ -17,7 +18,7 @@ happens once per request, so a graph would buy little for a second compilation o
 with its own dynamic size. Every other step goes through the dispatcher as for a decoder-only
 model: a uniform decode batch replays a FULL graph whose cross-attention reads the encoder
 lengths and cross block tables from `CommonAttentionState`'s encoder-decoder buffers, which
-`_model_inputs` rewrites before the replay (padding rows: length 1, block 0) through the state's
+`model_inputs` rewrites before the replay (padding rows: length 1, block 0) through the state's
 `prepare_graph_input_buffers`, given the step's graph metadata with its cross fields; a mixed
 batch (a chunk of a long decoder prompt) replays PIECEWISE graphs with eager attention on
 metadata built here, padded like the decoder's. Models run on one rank.
@@ -36,54 +37,58 @@ from tokenwise.compilation.compile import CompiledModel
 from tokenwise.engine.block_manager import CROSS_ATTN
 from tokenwise.engine.step_outputs import ScheduledRequest
 from tokenwise.runner.input_batch import StepInputs
-from tokenwise.runner.model_runner import MetadataByLayer, ModelRunner
+from tokenwise.runner.kind_part import RunnerKindPart
 
 
-class EncoderDecoderModelRunner(ModelRunner):
-    def _setup_kind(self) -> None:
-        if self.tp_size > 1:
+class EncoderDecoderRunnerPart(RunnerKindPart):
+    def setup(self) -> None:
+        runner = self.runner
+        if runner.tp_size > 1:
             raise ValueError("encoder-decoder models run on one rank")
+        self.block_size, self.device = runner.block_size, runner.device
         kinds = {
             name: getattr(layer, "attn_type", AttentionType.DECODER)
-            for name, layer in self.attn_layers.items()
+            for name, layer in runner.attn_layers.items()
         }
         self.encoder_layers = [n for n, k in kinds.items() if k is AttentionType.ENCODER]
         self.cross_layers = [n for n, k in kinds.items() if k is AttentionType.ENCODER_DECODER]
         if not self.cross_layers:
-            raise ValueError(f"{type(self.model).__name__} has no cross-attention layers")
+            raise ValueError(f"{type(runner.model).__name__} has no cross-attention layers")
         self.num_encoder_runs = 0  # requests whose encoder ran, over the runner's life
         # The input batch mirrors each request's cross table too (the block manager's
         # CROSS_ATTN group): metadata and graph buffers read it from there.
-        if self.input_batch.add_kv_cache_group(self.max_cross_blocks_per_seq()) != CROSS_ATTN:
+        if runner.input_batch.add_kv_cache_group(self.max_cross_blocks_per_seq()) != CROSS_ATTN:
             raise RuntimeError("the input batch's cross-attention group must be CROSS_ATTN")
         # Steps that run an encoder call the model uncompiled (see the module docstring).
-        model = self.model
+        model = runner.model
         self.eager_model = model.model if isinstance(model, CompiledModel) else model
 
     def max_cross_blocks_per_seq(self) -> int:
-        """Blocks of the longest encoder input (the base runner's graph runner asks this)."""
-        return -(-self.max_encoder_len() // self.block_size)
+        """Blocks of the longest encoder input (the runner's graph runner asks this)."""
+        return -(-self.max_encoder_len() // self.runner.block_size)
 
     def max_encoder_len(self) -> int:
-        return int(self.model.max_encoder_len(self.model_config.hf_config))
+        runner = self.runner
+        return int(runner.model.max_encoder_len(runner.model_config.hf_config))
 
-    def _model_inputs(self, step: StepInputs, attn_metadata: MetadataByLayer) -> dict[str, Any]:
+    def model_inputs(self, step: StepInputs, attn_metadata: Any) -> dict[str, Any]:
+        runner = self.runner
         ordered = step.scheduled
         # Each request's encoder input, as the runner keeps it (`EncoderDecoderRequest`).
         enc_inputs = [state.kind_inputs.get("encoder_inputs") for state in step.states]
         full_lens = [0 if x is None else x.num_tokens for x in enc_inputs]
-        cross_tables = [self.input_batch.block_ids(int(row), CROSS_ATTN) for row in step.rows]
+        cross_tables = [runner.input_batch.block_ids(int(row), CROSS_ATTN) for row in step.rows]
         if attn_metadata is None:  # a FULL graph replays: its cross rows, into its buffers
-            assert self.graph_runner is not None
+            assert runner.graph_runner is not None
             pad = step.num_reqs - len(ordered)
-            graph_md = self.step_metadata.build(
-                step, self.step_metadata.tables(self.input_batch, step), pad
+            graph_md = runner.step_metadata.build(
+                step, runner.step_metadata.tables(runner.input_batch, step), pad
             )
             decoder_md = graph_md[self.cross_layers[0]]
             cross_md = self._cross_metadata(
                 ordered, full_lens, cross_tables, [], decoder_md, step.num_reqs
             )
-            self.graph_runner.prepare_replay(cross_md)
+            runner.graph_runner.prepare_replay(cross_md)
             return {}
         running = [i for i, item in enumerate(ordered) if item.num_encoder_tokens]
         encoders = [ordered[i] for i in running]
@@ -142,12 +147,12 @@ class EncoderDecoderModelRunner(ModelRunner):
             cross_block_tables=cross_tables.to(dev),
         )
 
-    def _may_replay_graphs(self, step: StepInputs) -> bool:
+    def may_replay_graphs(self, step: StepInputs) -> bool:
         return not any(item.num_encoder_tokens for item in step.scheduled)
 
-    def _forward_model(self, model_kwargs: dict[str, Any] | None) -> Any:
+    def forward_model(self, model_kwargs: dict[str, Any] | None) -> Any:
         """A step with encoders runs the uncompiled model; others as for any model."""
-        return self.eager_model if model_kwargs else self.model
+        return self.eager_model if model_kwargs else self.runner.model
 
     def _encoder_metadata(self, enc_lens: list[int]) -> AttentionMetadata:
         """Bounds of the encoders that run this step (their attention keeps no cache)."""

@@ -39,7 +39,7 @@ from tokenwise.engine.kinds.multimodal_prompts import (
     ProcessedImagePrompt,
     prompt_settings,
 )
-from tokenwise.engine.kinds.multimodal_runner import MultiModalModelRunner
+from tokenwise.engine.kinds.multimodal_runner import MultiModalRunnerPart
 from tokenwise.engine.kinds.requests import MultiModalRequest
 from tokenwise.engine.prompts import PromptInput
 from tokenwise.engine.request import Request, RequestStatus
@@ -113,7 +113,7 @@ class MultiModalScheduler(Scheduler):
 
 class MultiModalKind(GenerateKind):
     name = "multimodal"
-    runner_cls = MultiModalModelRunner
+    runner_part = MultiModalRunnerPart
     scheduler_cls = MultiModalScheduler
 
     def __init__(self, engine: Any) -> None:
@@ -121,7 +121,7 @@ class MultiModalKind(GenerateKind):
         mc = engine.model_config
         token_id = image_token_id(mc.hf_multimodal_config)
         self.processor = MultiModalPrompts(
-            mc, engine.tokenizer, prompt_settings(engine.runner.eager_model, token_id)
+            mc, engine.tokenizer, prompt_settings(engine.runner.kind_part.eager_model, token_id)
         )
         self.image_token_id = token_id
         self.uses_mrope = self.processor.uses_mrope

@@ -1,5 +1,5 @@
-"""The runner of a vision-language model (LLaVA, Qwen2.5-VL): the decoder runner plus image
-embeddings (and 3-D positions).
+"""A vision-language model's part of the runner (LLaVA, Qwen2.5-VL, Gemma 3): image
+embeddings (and 3-D positions) on top of the decoder's step.
 
 A step is laid out as for any decoder (prefills first, one flat token stream). What a
 multimodal step adds is, for each prompt chunk that covers placeholder tokens of an image, the
@@ -37,9 +37,9 @@ from tokenwise.compilation.compile import CompiledModel
 from tokenwise.engine.kinds.encoder_cache import EncoderCache
 from tokenwise.engine.kinds.image_inputs import ImageInput
 from tokenwise.engine.kinds.mrope_positions import step_mrope_positions
-from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenwise.engine.step_outputs import ScheduledRequest, SchedulerOutput
 from tokenwise.runner.input_batch import CpuGpuBuffer, StepInputs
-from tokenwise.runner.model_runner import MetadataByLayer, ModelRunner
+from tokenwise.runner.kind_part import RunnerKindPart
 from tokenwise.runner.request_states import CachedRequestState
 
 # One image's part of a step: (request id, image, first and end prompt position, flat index).
@@ -79,36 +79,35 @@ def image_spans_by_row(
     return spans
 
 
-class MultiModalModelRunner(ModelRunner):
-    def _setup_kind(self) -> None:
-        if self.tp_size > 1:
+class MultiModalRunnerPart(RunnerKindPart):
+    def setup(self) -> None:
+        runner = self.runner
+        if runner.tp_size > 1:
             raise ValueError("vision-language models run on one rank")
         self.encoder_cache = EncoderCache()
         self.num_encoder_runs = 0  # images the vision tower encoded, over the runner's life
-        model = self.model
+        model = runner.model
         self.eager_model = model.model if isinstance(model, CompiledModel) else model
         self.mrope_buffer: CpuGpuBuffer | None = None
         self.bidirectional_images = bool(
             getattr(self.eager_model, "bidirectional_image_attention", False)
         )
         if getattr(self.eager_model, "uses_mrope", False):
-            rows = self.input_batch.max_num_tokens
-            self.mrope_buffer = CpuGpuBuffer(rows, 3, dtype=torch.int64, device=self.device)
+            rows = runner.input_batch.max_num_tokens
+            self.mrope_buffer = CpuGpuBuffer(rows, 3, dtype=torch.int64, device=runner.device)
 
-    @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def begin_step(self, scheduler_output: SchedulerOutput) -> None:
         # Requests that left the batch (finished, aborted, preempted) let go of their images.
         for request_id in scheduler_output.finished_req_ids + scheduler_output.preempted_req_ids:
             self.encoder_cache.release_request(request_id)
-        return super().execute_model(scheduler_output)
 
-    def _may_replay_graphs(self, step: StepInputs) -> bool:
+    def may_replay_graphs(self, step: StepInputs) -> bool:
         return self.mrope_buffer is None and not image_slices(step.scheduled, step.states)
 
-    def _forward_model(self, model_kwargs: dict[str, Any] | None) -> Any:
-        return self.eager_model if model_kwargs else self.model
+    def forward_model(self, model_kwargs: dict[str, Any] | None) -> Any:
+        return self.eager_model if model_kwargs else self.runner.model
 
-    def _model_inputs(self, step: StepInputs, attn_metadata: MetadataByLayer) -> dict[str, Any]:
+    def model_inputs(self, step: StepInputs, attn_metadata: Any) -> dict[str, Any]:
         inputs = self._image_inputs(step)
         if self.bidirectional_images and attn_metadata:
             spans = image_spans_by_row(step.scheduled, step.states)
@@ -118,7 +117,7 @@ class MultiModalModelRunner(ModelRunner):
         if self.mrope_buffer is not None:
             buffer = self.mrope_buffer
             n = step_mrope_positions(
-                buffer.np, self.input_batch.positions.np, step.scheduled, step.states
+                buffer.np, self.runner.input_batch.positions.np, step.scheduled, step.states
             ).shape[0]
             inputs["mrope_positions"] = buffer.copy_to_device(n).t()
         return inputs
@@ -138,7 +137,7 @@ class MultiModalModelRunner(ModelRunner):
                 self.encoder_cache.release(request_id, key)
         return {
             "image_embeds": torch.cat(rows),
-            "image_token_rows": torch.cat(indices).to(self.device),
+            "image_token_rows": torch.cat(indices).to(self.runner.device),
         }
 
     def _embeddings(self, slices: list[ImageSlice]) -> dict[bytes, torch.Tensor]:
@@ -158,7 +157,7 @@ class MultiModalModelRunner(ModelRunner):
         if missing:
             images = [image for image, _ in missing.values()]
             encoded = self.eager_model.embed_image_list(
-                [image.pixel_values.to(self.device) for image in images],
+                [image.pixel_values.to(self.runner.device) for image in images],
                 [image.grid_thw for image in images],
             )
             self.num_encoder_runs += len(missing)

@@ -2,7 +2,7 @@
 
 The same engine loop as for generation (request bookkeeping, abort handling, failure isolation:
 a failed forward pass fails only its own requests, statistics), with this kind's parts: a step
-encodes whole prompts (`PoolingScheduler`) and pools them (`PoolingModelRunner`), and each
+encodes whole prompts (`PoolingScheduler`) and pools them (`PoolingRunnerPart`), and each
 request ends in that step with its embedding (`EmbeddingRequestOutput`), or with its error. A
 classifier's vector is its label probabilities, which the offline API and the server present as
 scores or classifications (`entrypoints/scoring.py`); a pair's token types ride in its ids.
@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from tokenwise.engine.kinds.base import ModelKind, NewRequest
-from tokenwise.engine.kinds.pooling_runner import PoolingModelRunner
+from tokenwise.engine.kinds.pooling_runner import PoolingRunnerPart
 from tokenwise.engine.kinds.pooling_scheduler import PoolingScheduler
 from tokenwise.engine.kinds.requests import EmbeddingRequest
 from tokenwise.engine.output_processor import SampleOutput
@@ -42,7 +42,7 @@ _NO_SAMPLING = SamplingParams(max_tokens=1)
 
 class EmbedKind(ModelKind):
     name = "embed"
-    runner_cls = PoolingModelRunner
+    runner_part = PoolingRunnerPart
     scheduler_cls = PoolingScheduler
 
     def __init__(self, engine: Any) -> None:

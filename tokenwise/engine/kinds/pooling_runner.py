@@ -1,6 +1,6 @@
-"""The runner of an embedding model: one forward pass over whole prompts, then pooling.
+"""An embedding model's part of the runner: one forward pass over whole prompts, then pooling.
 
-It is the decoder runner (`model_runner.py`) with the end of the step swapped: the same
+The runner (`model_runner.py`) runs the step as for any model, and this part swaps its end: the same
 persistent input batch, the same attention metadata built from the step's buffers (encoder-only
 attention reads only where sequences start and end from it), the same forward context; then,
 instead of logits and sampling, each sequence's hidden states are pooled into one embedding (a
@@ -20,70 +20,57 @@ import torch
 from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from tokenwise.pooling.classifier import ClassifierHead
 from tokenwise.pooling.pooler import Pooler
-from tokenwise.runner.model_runner import ModelRunner
+from tokenwise.runner.input_batch import StepInputs
+from tokenwise.runner.kind_part import RunnerKindPart
 
 logger = logging.getLogger(__name__)
 
 
-class PoolingModelRunner(ModelRunner):
-    def _setup_kind(self) -> None:
-        pooler_config = self.model_config.pooler_config
+class PoolingRunnerPart(RunnerKindPart):
+    needs_kv_cache = False  # encoder-only attention keeps nothing between steps
+
+    def setup(self) -> None:
+        runner = self.runner
+        model_config = runner.model_config
+        pooler_config = model_config.pooler_config
         if pooler_config is None:
             raise ValueError("an embedding model needs ModelConfig.pooler_config (task='embed')")
         self.pooler = Pooler(pooler_config)
         # A sequence classifier (tasks score / classify) puts the pooled rows through its head.
         self.head = None
-        if self.model_config.task != "embed":
-            classify = getattr(self.model, "classify", None)
+        if model_config.task != "embed":
+            classify = getattr(runner.model, "classify", None)
             if classify is None:
                 raise ValueError(
-                    f"task={self.model_config.task!r} needs a classification head, and "
-                    f"{type(self.model).__name__} has none"
+                    f"task={model_config.task!r} needs a classification head, and "
+                    f"{type(runner.model).__name__} has none"
                 )
-            self.head = ClassifierHead(classify, self.model_config.hf_config)
-        if self.cache_layers():
+            self.head = ClassifierHead(classify, model_config.hf_config)
+        if runner.cache_layers():
             raise ValueError(
-                f"{type(self.model).__name__} has attention layers with a KV cache; the "
+                f"{type(runner.model).__name__} has attention layers with a KV cache; the "
                 "pooling runner serves encoder-only models"
             )
+        logger.info("pooling %s, normalize=%s", self.pooler.pooling_type, self.pooler.normalize)
 
-    def determine_num_blocks(self) -> int:
-        return 0  # encoder-only attention keeps nothing between steps
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        if num_blocks:
-            raise ValueError(f"an encoder-only model has no KV cache, got {num_blocks} blocks")
-        self.num_blocks = 0
-        logger.info(
-            "no KV cache: encoder-only model; pooling %s, normalize=%s",
-            self.pooler.pooling_type,
-            self.pooler.normalize,
-        )
-
-    @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Encode every scheduled prompt in one pass; one embedding per request, in order."""
-        self.requests.update(scheduler_output)
-        self.input_batch.remove_requests(scheduler_output.finished_req_ids)
-        scheduled = list(scheduler_output.scheduled)
-        for item in scheduled:
+    def begin_step(self, scheduler_output: SchedulerOutput) -> None:
+        """Every scheduled prompt is encoded whole, in one pass."""
+        for item in scheduler_output.scheduled:
             if item.num_computed_tokens or item.num_new_tokens != item.num_tokens:
                 raise RuntimeError(
                     f"request {item.req_id}: an encoder step must hold its whole prompt "
                     f"({item.num_tokens} tokens), got {item.num_new_tokens} after "
                     f"{item.num_computed_tokens}"
                 )
-        states = self.requests.of(scheduled)
-        step = self.input_batch.prepare(scheduled, states)
-        attn_metadata = self.step_metadata.build(
-            step, self.step_metadata.tables(self.input_batch, step)
-        )
-        hidden = self._run_eager(step, attn_metadata)
-        params = [st.kind_inputs.get("pooling_params") for st in states]
+
+    @torch.inference_mode()
+    def finish_step(self, step: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
+        """One embedding per request, in the step's order, instead of sampling."""
+        params = [st.kind_inputs.get("pooling_params") for st in step.states]
         normalize = [None if p is None else p.normalize for p in params]
         pooled = self.pooler(hidden, step.query_lens_np.tolist(), normalize)
-        if self.head is not None and len(scheduled):
+        if self.head is not None and step.num_reqs:
             pooled = self.head(pooled)
         return ModelRunnerOutput(
-            [], [], None, step.num_tokens, pooled_requests=scheduled, pooler_output=pooled
+            [], [], None, step.num_tokens, pooled_requests=step.scheduled, pooler_output=pooled
         )
