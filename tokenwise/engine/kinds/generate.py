@@ -4,7 +4,7 @@ Prompt processing validates the prompt and sampling parameters, keys the prefix 
 adapter and cache salt, starts the compile of a guided-decoding grammar, and makes one request
 per sample (`n`), each with its detokenizer and seed. Outputs carry each sample's new text,
 tokens and logprobs, and the timings read off the requests. One KV-cache group (self
-attention), the plain runner and scheduler. The encoder-decoder kind builds on this one.
+attention), the plain runner (no part of its own) and scheduler. The encoder-decoder kind builds on this one.
 """
 
 from __future__ import annotations
