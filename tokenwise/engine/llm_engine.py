@@ -1,8 +1,8 @@
 """The engine loop: requests in, incremental outputs out, one scheduled forward pass per step.
 
 One loop for every model kind: the kind (`engine/kinds/`: generate, embed, encoder-decoder)
-supplies the prompt processing, the KV-cache groups, what it adds to the runner, the scheduler, and the
-outputs. `add_request` has the kind validate and make the requests (bad input fails there,
+supplies the prompt processing, the KV-cache groups, what it adds to the runner, the
+scheduler, and the outputs. `add_request` has the kind validate and make the requests (bad input fails there,
 with a message naming the problem, before anything is queued; a guided-decoding grammar starts
 compiling on a thread, its request waiting in the queue until it is ready); `step` schedules,
 runs the model, detokenizes the sampled tokens, has the scheduler append them and apply the
