@@ -16,7 +16,6 @@ from tokenwise.distributed.lifecycle import watch_parent
 from tokenwise.distributed.pp_launch import limit_cpu_threads
 from tokenwise.distributed.pp_state import destroy_pp_group, init_pp_group
 from tokenwise.distributed.startup import start_runner
-from tokenwise.models.registry import is_moe_architecture
 from tokenwise.platform import configure_cpu_allocator
 from tokenwise.runner.pipeline_runner import PipelineModelRunner
 
@@ -35,8 +34,6 @@ def run_pp_worker(config: EngineConfig, rank: int, init_method: str | None) -> N
     tp = parallel.tensor_parallel_size
     stage = rank // tp
     logging.basicConfig(level=logging.INFO, format=f"[PP stage {stage}] %(levelname)s %(message)s")
-    if parallel.is_moe_model is None and config.model is not None:
-        parallel.is_moe_model = is_moe_architecture(config.model.architectures)
     if not str(config.device).startswith("cuda"):
         configure_cpu_allocator()
     limit_cpu_threads(config)

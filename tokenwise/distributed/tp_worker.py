@@ -19,10 +19,10 @@ It sits above the runner (it builds one) and below the engine loop (which calls 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import traceback
 
+from tokenwise import envs
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.lifecycle import watch_parent
 from tokenwise.distributed.parallel_state import destroy_dp_group
@@ -31,7 +31,6 @@ from tokenwise.distributed.pp_worker import run_pp_worker
 from tokenwise.distributed.startup import start_runner
 from tokenwise.distributed.tp_launch import join_parallel_groups, torchrun_tp_rank
 from tokenwise.distributed.tp_state import destroy_tp_group
-from tokenwise.models.registry import is_moe_architecture
 from tokenwise.platform import configure_cpu_allocator
 from tokenwise.runner.model_runner import ModelRunner
 
@@ -51,9 +50,6 @@ def run_tp_worker(config: EngineConfig, rank: int, init_method: str | None) -> N
     if config.parallel.data_parallel_size > 1:
         name = f"DP rank {config.parallel.data_parallel_rank} {name}"
     logging.basicConfig(level=logging.INFO, format=f"[{name}] %(levelname)s %(message)s")
-    parallel = config.parallel
-    if parallel.is_moe_model is None and config.model is not None:
-        parallel.is_moe_model = is_moe_architecture(config.model.architectures)
     if not str(config.device).startswith("cuda"):
         configure_cpu_allocator()
     if init_method is not None:  # spawned: leave with the driver, however it ends
@@ -86,7 +82,7 @@ def maybe_serve_torchrun_worker(config: EngineConfig) -> None:
     logger.info(
         "tensor-parallel rank %d of %d (torchrun): serving rank 0's steps",
         rank,
-        os.environ.get("WORLD_SIZE"),
+        envs.external("WORLD_SIZE"),
     )
     run_tp_worker(config, rank, None)
     logger.info("tensor-parallel rank %d: the driver shut down; exiting", rank)

@@ -45,7 +45,6 @@ from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from tokenwise.engine.step_records import StepRecorder, StepRecords
 from tokenwise.engine.virtual_engines import VirtualEngineBlockManagers, VirtualEngineSchedulers
 from tokenwise.lora.request import LoRARequest
-from tokenwise.models.registry import is_moe_architecture
 from tokenwise.outputs import EmbeddingRequestOutput, RequestOutput
 from tokenwise.platform import configure_cpu_allocator
 from tokenwise.pooling.params import PoolingParams
@@ -89,8 +88,6 @@ class LLMEngine:
         self.tokenizer = None if config.model.skip_tokenizer_init else load_tokenizer(config.model)
         self.eos_token_ids = resolve_eos_token_ids(config.model, self.tokenizer)
         parallel = config.parallel
-        if parallel.is_moe_model is None:
-            parallel.is_moe_model = is_moe_architecture(config.model.architectures)
         # Under DP an MoE model's layers are collectives: every rank must run one forward pass
         # per step, a dummy one when it has nothing scheduled (see tokenwise.engine.core_process).
         kind_cls = kind or model_kind_for(config)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import logging
-import os
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -28,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from tokenwise import envs
 from tokenwise.entrypoints.openai.access_log import AccessLogMiddleware, request_id
 from tokenwise.entrypoints.openai.async_core_engine import AsyncCoreEngine
 from tokenwise.entrypoints.openai.async_engine import AsyncEngine
@@ -290,7 +290,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     # /metrics reports forward time per batch size, so collect it (the table is also logged,
     # at INFO, once a minute while busy).
-    os.environ.setdefault(ENV_INTERVAL, "60")
+    envs.set_default(ENV_INTERVAL, "60")
     reset_batchsize_forward_time_stats()
     engine_config = build_engine_config(args.model, **engine_kwargs(args))
     if engine_config.model.skip_tokenizer_init:
