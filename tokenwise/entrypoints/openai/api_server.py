@@ -280,8 +280,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     from tokenwise.batchsize_stats import ENV_INTERVAL, reset_batchsize_forward_time_stats
     from tokenwise.engine.client import create_engine
-    from tokenwise.entrypoints.engine_args import engine_kwargs
-    from tokenwise.entrypoints.llm import build_engine_config
+    from tokenwise.entrypoints.engine_args import EngineArgs
     from tokenwise.entrypoints.openai.cli_args import lora_modules_dict, server_config_kwargs
     from tokenwise.entrypoints.openai.tool_parsers import check_tool_call_parser
 
@@ -292,7 +291,7 @@ def run_server(args: argparse.Namespace) -> int:
     # at INFO, once a minute while busy).
     envs.set_default(ENV_INTERVAL, "60")
     reset_batchsize_forward_time_stats()
-    engine_config = build_engine_config(args.model, **engine_kwargs(args))
+    engine_config = EngineArgs.from_cli_args(args).create_engine_config()
     if engine_config.model.skip_tokenizer_init:
         raise ValueError("the server needs a tokenizer")
     import torch
