@@ -10,14 +10,17 @@ Checks that are not pure functions of the settings and the model's kind stay whe
 facts are known, and are listed here so a reader finds them:
 - `distributed.pp_launch.check_pipeline_config`: pipeline stages against the model's layer
   count, the KV block split and the *resolved* compile / graph mode, at launch (also for
-  configs built by hand);
+  configs built by hand). Its refusals of non-dense architectures, data parallelism,
+  speculation and LoRA are pure and belong here; they stay there for now because that
+  module is being split (and the distributed layer cannot import this one);
 - `runner.graph_setup.check_cudagraph_config`: the graph mode against the attention backend
   the device selects;
 - `engine.speculative_setup.make_drafter`: speculation against the model kind the engine
   actually built (a guard behind the row below);
 - `engine_config.resolve_cudagraph_mode`: a graph mode against device, eagerness and MoE
   host reads, which are derived there;
-- the draft model's vocabulary and an EAGLE head's hidden size, read when they load.
+- the draft model's vocabulary and an EAGLE head's hidden size, read when they load;
+- `distributed.ubatching`: micro-batch splits of one step's tokens (per step, not config).
 """
 
 from __future__ import annotations
