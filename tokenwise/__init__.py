@@ -11,6 +11,7 @@ from typing import Any
 __version__ = "0.1.0"
 __all__ = [
     "LLM",
+    "EngineArgs",
     "SamplingParams",
     "BeamSearchParams",
     "LoRARequest",
@@ -46,6 +47,10 @@ def __getattr__(name: str) -> Any:
         from tokenwise.entrypoints.llm import LLM
 
         return LLM
+    if name == "EngineArgs":
+        from tokenwise.entrypoints.engine_args import EngineArgs
+
+        return EngineArgs
     if name == "SamplingParams":
         from tokenwise.sampling.params import SamplingParams
 

@@ -11,10 +11,11 @@ report is cumulative); only the report timer resets. A lock makes concurrent for
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import threading
 import time
+
+from tokenwise import envs
 
 logger = logging.getLogger("tokenwise.forward_context")
 
@@ -23,7 +24,7 @@ REPORT_PREFIX = "Batchsize forward time stats (batchsize, count, median_time(ms)
 
 
 def _interval_from_env() -> float:
-    raw = os.environ.get(ENV_INTERVAL, "-1")
+    raw = envs.get(ENV_INTERVAL)
     try:
         return float(raw)
     except ValueError as exc:

@@ -456,12 +456,17 @@ class SpeculativeConfig:
         return cls(**fields)
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine instance is configured with.
 
     `model` holds the resolved model settings (a `tokenwise.model_config.ModelConfig`) once an
     engine is built; it is None when the forward context is used on its own.
+
+    Frozen: which sub-configs an engine has is decided once, by
+    `EngineArgs.create_engine_config`, and never swapped later. The sub-configs themselves stay
+    mutable dataclasses, since the runner still fills in what only the loaded model tells
+    (e.g. the CUDA-graph capture sizes).
     """
 
     model: Any | None = None

@@ -21,7 +21,7 @@ from tests.engine._fixtures import LLAMA, assert_pool_clean, checkpoint, hf_gree
 from tokenwise import LLM, SamplingParams
 from tokenwise.compilation.cpu_graph import CPUGraphCapturer, GraphCaptureRejected
 from tokenwise.config import CUDAGraphMode
-from tokenwise.entrypoints.engine_config import build_engine_config
+from tokenwise.entrypoints.engine_args import build_engine_config
 from tokenwise.native import fused as cpu_fused
 from tokenwise.native import graph as native_graph
 from tokenwise.native import trace as native_trace

@@ -18,7 +18,7 @@ from tests.distributed._leftovers import assert_nothing_left, child_processes
 from tests.engine._fixtures import checkpoint, hf_greedy
 from tokenwise import LLM, SamplingParams
 from tokenwise.engine.llm_engine import LLMEngine
-from tokenwise.entrypoints.engine_config import build_engine_config
+from tokenwise.entrypoints.engine_args import build_engine_config
 
 MAX_TOKENS = 4
 PROMPT = [5, 17, 42, 99, 7, 3, 61]

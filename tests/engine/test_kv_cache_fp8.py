@@ -23,8 +23,7 @@ from transformers import AutoConfig
 
 from tests.engine._fixtures import LLAMA, assert_pool_clean, checkpoint, mixed_prompts
 from tokenwise import LLM, SamplingParams
-from tokenwise.entrypoints.engine_args import add_engine_args, engine_kwargs
-from tokenwise.entrypoints.engine_config import build_engine_config
+from tokenwise.entrypoints.engine_args import add_engine_args, build_engine_config, engine_kwargs
 
 E4M3_LOGPROB_BOUND = 8 * 2**-4
 MAX_TOKENS = 16  # enough decode steps to crowd the preempting pool

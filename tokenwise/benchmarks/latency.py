@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from tokenwise.entrypoints.llm import LLM
     from tokenwise.sampling.params import SamplingParams
 
-    llm = LLM(args.model, skip_tokenizer_init=True, **engine_kwargs(args))
+    llm = LLM(args.model, **{**engine_kwargs(args), "skip_tokenizer_init": True})
     model_config = llm.engine_config.model
     check_fits((args.input_len, args.input_len), args.output_len, model_config.max_model_len)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)

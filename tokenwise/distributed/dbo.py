@@ -22,12 +22,13 @@ unparks the other thread, which unwinds instead of waiting for a turn that will 
 from __future__ import annotations
 
 import contextvars
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
+
+from tokenwise import envs
 
 __all__ = [
     "DualBatchRunner",
@@ -47,7 +48,7 @@ DEFAULT_TIMEOUT_S = 300.0
 
 
 def _env_float(name: str, default: float, minimum: float, strict: bool) -> float:
-    raw = os.environ.get(name, "")
+    raw = envs.get(name)
     if not raw:
         return default
     try:

@@ -21,7 +21,6 @@ micro-batch computes while this one's exchange is in flight; otherwise the yield
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from tokenwise import envs
 from tokenwise.config import ParallelConfig
 from tokenwise.distributed.dbo import dbo_record, dbo_yield, wait_collective
 from tokenwise.distributed.parallel_state import get_dp_device_group
@@ -51,7 +51,7 @@ LocalExperts = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def moe_dp_chunk_size() -> int:
     """Tokens per rank per exchange, from `TOKENWISE_MOE_DP_CHUNK_SIZE` (default 256)."""
-    raw = os.environ.get(_CHUNK_ENV, "")
+    raw = envs.get(_CHUNK_ENV)
     if not raw:
         return DEFAULT_MOE_DP_CHUNK_SIZE
     try:

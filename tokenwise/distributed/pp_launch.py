@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from tokenwise import envs
 from tokenwise.config import CUDAGraphMode, EngineConfig
 from tokenwise.distributed.pp_state import (
     destroy_pp_group,
@@ -98,12 +99,12 @@ def torchrun_pp_rank(config: EngineConfig) -> int | None:
     if parallel.pipeline_parallel_size == 1 or not launched_by_torchrun():
         return None
     world = parallel.pipeline_parallel_size * parallel.tensor_parallel_size
-    if int(os.environ["WORLD_SIZE"]) != world:
+    if int(envs.external("WORLD_SIZE") or 0) != world:
         raise ValueError(
-            f"torchrun started {os.environ['WORLD_SIZE']} processes, but "
+            f"torchrun started {envs.external('WORLD_SIZE')} processes, but "
             f"pipeline_parallel_size * tensor_parallel_size is {world}: start that many"
         )
-    return int(os.environ["RANK"])
+    return int(envs.external("RANK") or 0)
 
 
 def _stage_namer(tp_size: int) -> Callable[[int], str]:
@@ -152,7 +153,7 @@ def start_pipeline_parallel(
 
 def limit_cpu_threads(config: EngineConfig) -> None:
     """P stages on one CPU share its cores instead of each claiming all of them."""
-    if str(config.device).startswith("cuda") or "OMP_NUM_THREADS" in os.environ:
+    if str(config.device).startswith("cuda") or envs.external("OMP_NUM_THREADS") is not None:
         return
     processes = config.parallel.pipeline_parallel_size * config.parallel.tensor_parallel_size
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))

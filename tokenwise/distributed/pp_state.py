@@ -15,11 +15,10 @@ activation timeout, carries the last stage's logits back to the engine.
 
 from __future__ import annotations
 
-import os
-
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from tokenwise import envs
 from tokenwise.distributed.rendezvous import Liveness
 from tokenwise.distributed.tp_state import (
     destroy_tp_group,
@@ -64,7 +63,7 @@ def pp_layer_partition(num_layers: int, pp_size: int) -> list[int]:
             f"pipeline_parallel_size ({pp_size}) exceeds the model's num_hidden_layers "
             f"({num_layers}): every stage needs at least one layer"
         )
-    text = os.environ.get(ENV_LAYER_PARTITION, "").strip()
+    text = envs.get(ENV_LAYER_PARTITION).strip()
     if not text:
         parts = [num_layers // pp_size] * pp_size
         for i in range(num_layers % pp_size):

@@ -26,6 +26,8 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
+from tokenwise import envs
+
 ENV_WORKER_START_TIMEOUT = "TOKENWISE_WORKER_START_TIMEOUT_S"
 DEFAULT_WORKER_START_TIMEOUT_S = 60.0
 POLL_INTERVAL_S = 0.05
@@ -53,7 +55,7 @@ class Liveness(Protocol):
 
 def worker_start_timeout_s() -> float:
     """How long a spawned process may take to reach the rendezvous (import, connect)."""
-    text = os.environ.get(ENV_WORKER_START_TIMEOUT, "").strip()
+    text = envs.get(ENV_WORKER_START_TIMEOUT).strip()
     if not text:
         return DEFAULT_WORKER_START_TIMEOUT_S
     try:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from tokenwise import envs
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.parallel_state import destroy_dp_group, init_dp_group
 from tokenwise.distributed.rendezvous import WorkerLostError, dead_within
@@ -51,8 +52,8 @@ DP_COLLECTIVE_TIMEOUT_S = 300.0
 
 def launched_by_torchrun() -> bool:
     """torchrun (and other launchers using its environment) set these for every process."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or (
-        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    return envs.external("TORCHELASTIC_RUN_ID") is not None or (
+        all(envs.external(n) is not None for n in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
     )
 
 
@@ -66,7 +67,7 @@ def torchrun_tp_rank(config: EngineConfig) -> int | None:
             "data_parallel_size > 1 under torchrun is not supported: the engine starts its "
             "DP ranks itself; launch with tensor parallelism only"
         )
-    return int(os.environ["RANK"])
+    return int(envs.external("RANK") or 0)
 
 
 def _tp_worker_name(rank: int) -> str:
@@ -190,7 +191,7 @@ def start_tensor_parallel(config: EngineConfig, worker_main: WorkerMain | None) 
     if size == 1:
         return None
     processes = size * parallel.data_parallel_size
-    if not str(config.device).startswith("cuda") and "OMP_NUM_THREADS" not in os.environ:
+    if not str(config.device).startswith("cuda") and envs.external("OMP_NUM_THREADS") is None:
         # N ranks on one CPU: share its cores instead of each claiming all of them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
     if is_tp_initialized():  # a spawned worker joined before building its runner

@@ -20,9 +20,9 @@ engine, not yet in the client.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Protocol, runtime_checkable
 
+from tokenwise import envs
 from tokenwise.config import EngineConfig
 from tokenwise.engine.core_client import EngineCoreClient
 from tokenwise.engine.kinds.generate import GenerateKind
@@ -107,7 +107,7 @@ def create_engine(config: EngineConfig, core_process: bool = False) -> EngineCli
 
 
 def _multiprocessing_enabled() -> bool:
-    value = os.environ.get(ENV_MULTIPROCESSING, "1").strip().lower()
+    value = envs.get(ENV_MULTIPROCESSING).strip().lower()
     if value not in ("0", "1", "false", "true"):
         raise ValueError(f"{ENV_MULTIPROCESSING} must be 0 or 1, got {value!r}")
     return value in ("1", "true")

@@ -42,7 +42,6 @@ from tokenwise.engine.request_queue import check_priority
 from tokenwise.engine.stats import EngineStats, combine_stats
 from tokenwise.engine.step_records import StepRecords
 from tokenwise.lora.request import LoRARequest
-from tokenwise.models.registry import is_moe_architecture
 from tokenwise.outputs import EmbeddingRequestOutput, RequestOutput
 from tokenwise.sampling.params import SamplingParams
 
@@ -60,8 +59,6 @@ class EngineCoreClient:
         parallel = config.parallel
         self.config = config
         self.model_config = config.model
-        if parallel.is_moe_model is None:
-            parallel.is_moe_model = is_moe_architecture(config.model.architectures)
         skip = config.model.skip_tokenizer_init
         self.tokenizer = None if skip else load_tokenizer(config.model)
         # A vision-language model's prompts are processed here, with what its core reports

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from tokenwise import envs
 from tokenwise.batchsize_stats import get_batchsize_forward_time_summary
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.parallel_state import destroy_dp_group, get_dp_group, init_dp_group
@@ -95,7 +96,10 @@ def serve_engine_core(
     try:
         if dp > 1:
             config.parallel.data_parallel_rank = rank
-            if not str(config.device).startswith("cuda") and "OMP_NUM_THREADS" not in os.environ:
+            if (
+                not str(config.device).startswith("cuda")
+                and envs.external("OMP_NUM_THREADS") is None
+            ):
                 # N ranks on one CPU: share the cores instead of each claiming all of them.
                 local = config.parallel.local_dp_size
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))

@@ -40,7 +40,6 @@ from tokenwise.executor.executor import Executor
 from tokenwise.executor.worker import RPCMethod
 from tokenwise.executor.worker_main import maybe_serve_torchrun_worker
 from tokenwise.lora.request import LoRARequest
-from tokenwise.models.registry import is_moe_architecture
 from tokenwise.outputs import EmbeddingRequestOutput, RequestOutput
 from tokenwise.platform import configure_cpu_allocator
 from tokenwise.pooling.params import PoolingParams
@@ -83,8 +82,6 @@ class LLMEngine:
         self.tokenizer = None if config.model.skip_tokenizer_init else load_tokenizer(config.model)
         self.eos_token_ids = resolve_eos_token_ids(config.model, self.tokenizer)
         parallel = config.parallel
-        if parallel.is_moe_model is None:
-            parallel.is_moe_model = is_moe_architecture(config.model.architectures)
         # Under DP an MoE model's layers are collectives: every rank must run one forward pass
         # per step, a dummy one when it has nothing scheduled (see tokenwise.engine.core_process).
         kind_cls = kind or model_kind_for(config)

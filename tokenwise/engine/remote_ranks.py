@@ -18,12 +18,12 @@ threads (never held up by a long step), close a connection whose host stopped an
 
 from __future__ import annotations
 
-import os
 import socket
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from tokenwise import envs
 from tokenwise.config import EngineConfig, ParallelConfig
 from tokenwise.engine import core_messages as msg
 
@@ -36,7 +36,7 @@ HEARTBEAT_TIMEOUT_MS = 10_000  # a host that answers no ping for this long is lo
 def engine_ready_timeout_s() -> float:
     """How long start-up waits for every rank (local ones loading, remote ones connecting and
     loading), and a headless core for the front end's answer."""
-    text = os.environ.get(ENV_READY_TIMEOUT, "").strip()
+    text = envs.get(ENV_READY_TIMEOUT).strip()
     if not text:
         return DEFAULT_READY_TIMEOUT_S
     try:

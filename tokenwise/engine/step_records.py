@@ -18,13 +18,14 @@ missed. An engine-core process sends each step's record to its client with the s
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from tokenwise import envs
 
 if TYPE_CHECKING:
     from tokenwise.engine.block_pool import BlockPool
@@ -38,7 +39,7 @@ KV_FREE, KV_CACHED, KV_USED = 0, 1, 2
 
 
 def capacity_from_env() -> int:
-    raw = os.environ.get(ENV_CAPACITY, str(DEFAULT_CAPACITY))
+    raw = envs.get(ENV_CAPACITY)
     try:
         capacity = int(raw)
     except ValueError:

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from tokenwise import envs
+
 if TYPE_CHECKING:
     from tokenwise.sampling.params import SamplingParams
 
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+envs.set_default("TOKENIZERS_PARALLELISM", "false")
 
 USER_ERRORS = (ValueError, FileNotFoundError, TypeError, NotImplementedError)
 

@@ -1,319 +1,205 @@
-"""Engine flags and argparse validators shared by every CLI subcommand (generate, chat, serve,
-bench).
+"""`EngineArgs`: every engine setting declared once, and the CLI flags generated from it.
 
-They live here, in the engine package, rather than in `tokenwise.entrypoints`: the benchmarks
-need the same flags, and the CLI registers the benchmarks, so a home under `entrypoints` would
-make benchmarks and entrypoints import each other. Both now import this module from above.
-Only the standard library is imported at module level (`tokenwise.config` lazily, when a flag
-is parsed), so building a parser stays instant: no torch, no engine.
+A setting is one dataclass field: its name is the `LLM(...)` keyword (vLLM's), its default is
+the default everywhere, and its metadata holds the help text and the command-line spelling.
+`add_engine_args` turns the fields into the argparse flags of `tokenwise generate`, `chat`,
+`serve`, `run-batch` and the benchmarks; `engine_kwargs` turns parsed flags back into keywords;
+`EngineArgs.create_engine_config()` resolves them against the model and the device into the
+`EngineConfig` the engine is built from (`engine_config.py`). Adding a setting is therefore one
+field here plus the code that reads it; `tests/entrypoints/test_engine_args_walk.py` proves
+that the CLI, `LLM(...)` and the server accept each field under the same name and default.
+
+It lives under `entrypoints/` because resolving a config needs the model registry and the
+quantization and pooling rules (layers the engine package sits below). Module level imports
+only the standard library and `tokenwise.config` (plain dataclasses), so building a parser
+stays instant: no torch, no engine.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
-from collections.abc import Callable
+import difflib
+from dataclasses import dataclass, fields
 from typing import Any
 
-from tokenwise.config import KV_CACHE_DTYPES
+from tokenwise.config import KV_CACHE_DTYPES, EngineConfig, PoolerConfig, SpeculativeConfig
+from tokenwise.entrypoints.arg_types import (  # noqa: F401 (re-exported: the flags' parsers)
+    bounded_int,
+    non_negative_int,
+    parse_capture_sizes,
+    parse_cudagraph_mode,
+    parse_json_dict,
+    parse_memory_size,
+    parse_pooler_config,
+    parse_speculative_config,
+    positive_int,
+)
+from tokenwise.entrypoints.engine_flags import (
+    ALL_COMMANDS,
+    SERVE_ONLY,
+    add_flags,
+    flag_values,
+    setting,
+)
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-
-
-def parse_memory_size(text: str) -> int:
-    """Bytes from '1073741824', '512MiB', '2GB' or '1.5g' (binary units for the 'i' forms)."""
-    match = _SIZE.match(str(text))
-    if not match:
-        raise argparse.ArgumentTypeError(
-            f"invalid size {text!r}: use bytes or a unit such as 512MiB or 2GiB"
-        )
-    number = float(match.group(1))
-    unit = (match.group(2) or "").lower().rstrip("b")  # "mib" -> "mi", "gb" -> "g"
-    scale = 1
-    if unit:
-        power = "kmgt".index(unit[0]) + 1
-        scale = 1024**power if unit.endswith("i") else 1000**power
-    value = int(number * scale)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
-    return value
-
-
-def bounded_int(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
-    """An argparse `type` accepting integers in [minimum, maximum] with a one-line error."""
-    span = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer {span}, got {text!r}") from None
-        if value < minimum or (maximum is not None and value > maximum):
-            raise argparse.ArgumentTypeError(f"expected an integer {span}, got {value}")
-        return value
-
-    return parse
+PARALLEL = "parallelism (one process per rank)"
+LORA = "LoRA adapters"
 
 
-positive_int = bounded_int(1)
-non_negative_int = bounded_int(0)
+@dataclass
+class EngineArgs:
+    """The settings an engine is built from, with vLLM's names; see the module docstring."""
 
-
-def parse_json_dict(text: str) -> dict[str, Any]:
-    """An argparse `type` for a JSON object flag (`--limit-mm-per-prompt '{"image": 2}'`)."""
-    import json
-
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
-
-
-def parse_cudagraph_mode(text: str) -> str:
-    """A `CUDAGraphMode` name, any case; the error lists the valid names."""
-    from tokenwise.config import CUDAGraphMode
-
-    try:
-        return CUDAGraphMode.parse(text).name
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def parse_capture_sizes(text: str) -> list[int]:
-    """Comma-separated token counts >= 1, e.g. '1,2,4,8,16'."""
-    parts = [p.strip() for p in str(text).split(",") if p.strip()]
-    try:
-        sizes = [int(p) for p in parts]
-    except ValueError:
-        sizes = []
-    if not sizes or any(s < 1 for s in sizes):
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers >= 1 such as 1,2,4,8, got {text!r}"
-        )
-    return sorted(set(sizes))
-
-
-def parse_speculative_config(text: str) -> Any:
-    """A `SpeculativeConfig` from JSON such as '{"method": "ngram", "num_speculative_tokens": 4}'."""
-    import json
-
-    from tokenwise.config import SpeculativeConfig
-
-    try:
-        return SpeculativeConfig.from_dict(json.loads(text))
-    except (ValueError, TypeError) as e:
-        raise argparse.ArgumentTypeError(
-            f"invalid speculative config {text!r} ({e}); expected JSON such as "
-            '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\''
-        ) from None
-
-
-def parse_pooler_config(text: str) -> Any:
-    """A `PoolerConfig` from JSON such as '{"pooling_type": "MEAN", "normalize": false}'."""
-    import json
-
-    from tokenwise.config import PoolerConfig
-
-    try:
-        fields = json.loads(text)
-        if not isinstance(fields, dict):
-            raise ValueError("expected a JSON object")
-        return PoolerConfig(**fields)
-    except (ValueError, TypeError) as e:
-        raise argparse.ArgumentTypeError(
-            f"invalid pooler config {text!r} ({e}); expected JSON such as "
-            '\'{"pooling_type": "MEAN", "normalize": true}\''
-        ) from None
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine")
-    g.add_argument(
-        "--model",
-        default=None,
-        help="local Hugging Face checkpoint directory or GGUF file (default: the built-in model)",
+    model: str | None = setting(
+        None,
+        "local Hugging Face checkpoint directory or GGUF file (default: the built-in model)",
     )
-    g.add_argument(
-        "--tokenizer",
-        default=None,
-        help="tokenizer directory (default: the model's; for a GGUF file, its metadata's, "
+    tokenizer: str | None = setting(
+        None,
+        "tokenizer directory (default: the model's; for a GGUF file, its metadata's, "
         "where transformers can convert it)",
     )
-    g.add_argument(
-        "--quantization",
-        "-q",
-        default=None,
-        choices=["int8", "int4", "gguf", "fp8"],
-        help="quantize the linear layers' weights on load, weight-only, per group of 32 (CPU): "
+    skip_tokenizer_init: bool = setting(
+        False,
+        "load no tokenizer: prompts are token ids and outputs carry no text (benchmarks); "
+        "the server refuses it",
+    )
+    quantization: str | None = setting(
+        None,
+        "quantize the linear layers' weights on load, weight-only, per group of 32 (CPU): "
         "int8 or int4; gguf (the default for a .gguf file) keeps each tensor's bit width; fp8: "
         "float8 e4m3 per tensor (W8A8 on CUDA; also an fp8 checkpoint's own method)",
+        flags=("--quantization", "-q"),
+        choices=["int8", "int4", "gguf", "fp8"],
     )
-    g.add_argument(
-        "--limit-mm-per-prompt",
+    limit_mm_per_prompt: dict[str, int] | None = setting(
+        None,
+        "most images one prompt may carry, as vLLM takes it: '{\"image\": 2}' (default: no limit)",
         type=parse_json_dict,
-        default=None,
         metavar="JSON",
-        help="most images one prompt may carry, as vLLM takes it: '{\"image\": 2}' "
-        "(default: no limit)",
     )
-    g.add_argument(
-        "--max-num-encoder-input-tokens",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="image tokens a vision-language model's vision tower encodes per step at most; "
+    max_num_encoder_input_tokens: int | None = setting(
+        None,
+        "image tokens a vision-language model's vision tower encodes per step at most; "
         "prompts stop before images that would pass it (default: --max-num-batched-tokens)",
+        type=positive_int,
+        metavar="N",
     )
-    g.add_argument(
-        "--task",
-        default="generate",
-        choices=["auto", "generate", "embed", "score", "classify"],
-        help="generate text; embed (encoder-only models such as BERT: /v1/embeddings); score "
+    task: str = setting(
+        "generate",
+        "generate text; embed (encoder-only models such as BERT: /v1/embeddings); score "
         "(cross-encoders: /v1/score, /v1/rerank); classify (sequence classifiers: "
         "/v1/classify); auto = embed for encoder-only architectures, score or classify for "
         "classifiers with one or more labels (default: generate)",
+        choices=["auto", "generate", "embed", "score", "classify"],
     )
-    g.add_argument(
-        "--override-pooler-config",
-        type=parse_pooler_config,
-        default=None,
-        metavar="JSON",
-        help='pooling of an embed model, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' '
+    override_pooler_config: PoolerConfig | None = setting(
+        None,
+        'pooling of an embed model, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' '
         "(default: the checkpoint's sentence-transformers config, else CLS + normalize)",
+        type=parse_pooler_config,
+        metavar="JSON",
     )
-    g.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="weight/activation dtype; auto = bf16 on CPUs that support it, else fp32; "
+    dtype: Any = setting(
+        "auto",
+        "weight/activation dtype; auto = bf16 on CPUs that support it, else fp32; "
         "the checkpoint's dtype on GPU",
+        choices=["auto", "float32", "bfloat16", "float16"],
     )
-    g.add_argument(
-        "--max-model-len",
+    max_model_len: int | None = setting(
+        None,
+        "longest prompt + output in tokens (default: the model's limit)",
         type=positive_int,
-        default=None,
-        help="longest prompt + output in tokens (default: the model's limit)",
     )
-    g.add_argument(
-        "--max-num-seqs",
+    max_num_seqs: int = setting(128, "most requests in one step (default: 128)", type=positive_int)
+    max_num_batched_tokens: int = setting(
+        2048,
+        "token budget of one step; longer prompts are chunked (default: 2048)",
         type=positive_int,
-        default=128,
-        help="most requests in one step (default: 128)",
     )
-    g.add_argument(
-        "--max-num-batched-tokens",
-        type=positive_int,
-        default=2048,
-        help="token budget of one step; longer prompts are chunked (default: 2048)",
+    enable_chunked_prefill: bool = setting(
+        True,
+        "split prompts longer than --max-num-batched-tokens over several steps (default: on)",
     )
-    g.add_argument(
-        "--block-size",
-        type=positive_int,
-        default=16,
-        help="tokens per KV-cache block (default: 16)",
-    )
-    g.add_argument(
-        "--kv-cache-memory",
+    block_size: int = setting(16, "tokens per KV-cache block (default: 16)", type=positive_int)
+    kv_cache_memory: int | None = setting(
+        None,
+        "KV cache size, e.g. 512MiB or 2GiB (default: on CPU 1GiB or what max-num-seqs "
+        "full-length sequences need, if less; on GPU what --gpu-memory-utilization leaves "
+        "after a profiling run; at least one max-model-len sequence)",
         type=parse_memory_size,
-        default=None,
-        help="KV cache size, e.g. 512MiB or 2GiB (default: on CPU 1GiB or what max-num-seqs "
-        "full-length sequences need, if less; "
-        "on GPU what --gpu-memory-utilization leaves after a profiling run; at least one "
-        "max-model-len sequence)",
     )
-    g.add_argument(
-        "--num-gpu-blocks",
-        type=positive_int,
-        default=None,
-        help="exact number of KV cache blocks (overrides --kv-cache-memory); the pool must "
+    num_gpu_blocks: int | None = setting(
+        None,
+        "exact number of KV cache blocks (overrides --kv-cache-memory); the pool must "
         "hold one max-model-len sequence",
+        type=positive_int,
     )
-    g.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=list(KV_CACHE_DTYPES),
-        help="dtype of the KV cache entries: auto (the model's dtype), bfloat16, or an fp8 "
+    kv_cache_dtype: str = setting(
+        "auto",
+        "dtype of the KV cache entries: auto (the model's dtype), bfloat16, or an fp8 "
         "format (fp8 = fp8_e4m3), which stores twice the tokens of a bf16 cache in the same "
         "memory (default: auto)",
+        choices=list(KV_CACHE_DTYPES),
     )
-    g.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        help="fraction of total GPU memory the engine may use: the KV cache gets what a "
+    gpu_memory_utilization: float = setting(
+        0.9,
+        "fraction of total GPU memory the engine may use: the KV cache gets what a "
         "profiling run leaves of it (default: 0.9)",
+        type=float,
     )
-    g.add_argument(
-        "--load-format",
-        default="auto",
-        choices=["auto", "safetensors", "gguf", "dummy"],
-        help="dummy = random weights from --seed, for benchmarks; auto = gguf for a .gguf "
+    load_format: str = setting(
+        "auto",
+        "dummy = random weights from --seed, for benchmarks; auto = gguf for a .gguf "
         "file, else safetensors (default: auto)",
+        choices=["auto", "safetensors", "gguf", "dummy"],
     )
-    g.add_argument(
-        "--enforce-eager",
-        action="store_const",
-        const=True,
-        default=None,
-        help="never use torch.compile or CUDA graphs (default on CPU, where compiling costs "
+    enforce_eager: bool | None = setting(
+        None,
+        "never use torch.compile or CUDA graphs (default on CPU, where compiling costs "
         "more than it gains for short runs)",
+        const=True,
+        extra_flags=(
+            (
+                ("--compile",),
+                {
+                    "action": "store_const",
+                    "const": False,
+                    "help": "torch.compile the model (default on GPU)",
+                },
+            ),
+        ),
     )
-    g.add_argument(
-        "--compile",
-        dest="enforce_eager",
-        action="store_const",
-        const=False,
-        help="torch.compile the model (default on GPU)",
-    )
-    g.add_argument(
-        "--cudagraph-mode",
-        type=parse_cudagraph_mode,
-        default=None,
-        help="CUDA graphs: NONE, PIECEWISE, FULL, FULL_DECODE_ONLY or FULL_AND_PIECEWISE "
+    cudagraph_mode: Any = setting(
+        None,
+        "CUDA graphs: NONE, PIECEWISE, FULL, FULL_DECODE_ONLY or FULL_AND_PIECEWISE "
         "(default: FULL_AND_PIECEWISE on GPU when compiling, NONE otherwise)",
+        type=parse_cudagraph_mode,
     )
-    g.add_argument(
-        "--cudagraph-capture-sizes",
-        type=parse_capture_sizes,
-        default=None,
-        metavar="N,N,...",
-        help="token counts to capture graphs for (default: 1, 2, 4, then multiples of 8 up "
+    cudagraph_capture_sizes: list[int] | None = setting(
+        None,
+        "token counts to capture graphs for (default: 1, 2, 4, then multiples of 8 up "
         "to --max-num-seqs)",
+        type=parse_capture_sizes,
+        metavar="N,N,...",
     )
-    g.add_argument(
-        "--no-enable-prefix-caching",
-        dest="enable_prefix_caching",
-        action="store_false",
-        help="do not reuse KV blocks across requests",
-    )
-    g.add_argument(
-        "--scheduling-policy",
-        default="fcfs",
-        choices=["fcfs", "priority"],
-        help="fcfs serves requests in arrival order; priority by each request's `priority` "
+    enable_prefix_caching: bool = setting(True, "reuse KV blocks across requests (default: on)")
+    scheduling_policy: str = setting(
+        "fcfs",
+        "fcfs serves requests in arrival order; priority by each request's `priority` "
         "(lower first, then arrival), preempting less urgent running requests when the KV "
         "cache or --max-num-seqs is full (default: fcfs)",
+        choices=["fcfs", "priority"],
     )
-    g.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="random seed of the engine and of dummy weights (default: 0)",
-    )
-    g.add_argument(
-        "--device",
-        default=None,
+    seed: int = setting(0, "random seed of the engine and of dummy weights (default: 0)", type=int)
+    device: str | None = setting(
+        None,
+        "device (default: cuda when available, else cpu)",
         choices=["cpu", "cuda"],
-        help="device (default: cuda when available, else cpu)",
     )
-    g.add_argument(
-        "--speculative-config",
-        type=parse_speculative_config,
-        default=None,
-        help="speculative decoding, as JSON with vLLM's names: "
+    speculative_config: dict[str, Any] | SpeculativeConfig | None = setting(
+        None,
+        "speculative decoding, as JSON with vLLM's names: "
         '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
         '"prompt_lookup_min": 1}\' (n-gram prompt lookup), or \'{"model": "./draft", '
         '"num_speculative_tokens": 4}\' (a draft model with the same vocabulary), '
@@ -321,158 +207,177 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         '(an EAGLE / EAGLE-3 head), \'{"method": "mtp", "num_speculative_tokens": 1}\' '
         "(DeepSeek-V3's MTP module); "
         '"disable_by_batch_size": N stops proposing while N or more requests run',
+        type=parse_speculative_config,
     )
-    p = parser.add_argument_group("parallelism (one process per rank)")
-    p.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=bounded_int(1),
-        default=1,
-        help="split each layer over this many processes; with torchrun, the number of "
-        "processes torchrun starts (default: 1)",
-    )
-    p.add_argument(
-        "--pipeline-parallel-size",
-        "-pp",
-        type=bounded_int(1),
-        default=1,
-        help="split the layers into this many stages, one process each, with as many batches "
-        "in flight (dense Llama/Qwen models; TOKENWISE_PP_LAYER_PARTITION='4,4' sets the "
-        "split; default: 1)",
-    )
-    p.add_argument(
-        "--data-parallel-size",
-        "-dp",
-        type=bounded_int(1),
-        default=1,
-        help="number of engine ranks; requests go to the least loaded (default: 1)",
-    )
-    p.add_argument(
-        "--data-parallel-size-local",
-        type=bounded_int(1),
-        default=None,
-        help="data-parallel ranks on this host, for ranks on several hosts (default: every "
-        "rank from --data-parallel-start-rank on, i.e. all of them on one host)",
-    )
-    p.add_argument(
-        "--data-parallel-start-rank",
-        type=bounded_int(0),
-        default=0,
-        help="global rank of this host's first data-parallel rank: 0 on the front end's host, "
-        "the first rank it runs on a --headless host (default: 0)",
-    )
-    p.add_argument(
-        "--data-parallel-address",
-        default=None,
-        help="address of the first host, where the front end runs: the ranks rendezvous "
-        "there (torch.distributed TCP store) and other hosts' ranks connect to it "
-        "(default 127.0.0.1; required with --headless)",
-    )
-    p.add_argument(
-        "--data-parallel-rpc-port",
-        type=bounded_int(1, 65535),
-        default=29550,
-        help="port of the front end that the ranks of other hosts connect to (default 29550)",
-    )
-    p.add_argument(
-        "--data-parallel-port",
-        type=bounded_int(1, 65535),
-        default=None,
-        help="rendezvous port on the first host (default: a free port, which the front end "
-        "tells the other hosts' ranks)",
-    )
-    p.add_argument(
-        "--enable-expert-parallel",
-        action="store_true",
-        help="MoE under DP: each rank holds whole experts instead of a slice of every expert",
-    )
-    p.add_argument(
-        "--enable-microbatching",
-        "--enable-dbo",
-        dest="enable_microbatching",
-        action="store_true",
-        help="MoE under DP: run large steps as two micro-batches whose MoE exchanges overlap "
-        "each other's compute (dual-batch overlap; --enable-dbo is vLLM's name)",
-    )
-
-    lora = parser.add_argument_group("LoRA adapters")
-    lora.add_argument(
-        "--enable-lora", action="store_true", help="serve LoRA adapters (PEFT directories)"
-    )
-    lora.add_argument(
-        "--max-loras",
-        type=bounded_int(1),
-        default=1,
-        help="adapters one step may mix; slots allocated at start-up (default: 1)",
-    )
-    lora.add_argument(
-        "--max-lora-rank",
-        type=bounded_int(1),
-        default=16,
-        help="largest adapter rank accepted (default: 16)",
-    )
-    lora.add_argument(
-        "--max-cpu-loras",
-        type=bounded_int(1),
-        default=None,
-        help="parsed adapters kept on the host (default: --max-loras)",
-    )
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The keyword arguments `LLM(...)` / `build_engine_config(...)` take, from parsed flags."""
-    return {
-        "dtype": args.dtype,
-        "seed": args.seed,
-        "max_model_len": args.max_model_len,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "block_size": args.block_size,
-        "kv_cache_memory": args.kv_cache_memory,
-        "kv_cache_dtype": args.kv_cache_dtype,
-        "num_gpu_blocks": args.num_gpu_blocks,
-        "gpu_memory_utilization": args.gpu_memory_utilization,
-        "load_format": args.load_format,
-        "tokenizer": getattr(args, "tokenizer", None),
-        "enforce_eager": args.enforce_eager,
-        "enable_prefix_caching": args.enable_prefix_caching,
-        "device": args.device,
-        "cudagraph_mode": args.cudagraph_mode,
-        "cudagraph_capture_sizes": args.cudagraph_capture_sizes,
-        "data_parallel_size": args.data_parallel_size,
-        "tensor_parallel_size": args.tensor_parallel_size,
-        "pipeline_parallel_size": args.pipeline_parallel_size,
-        "data_parallel_address": args.data_parallel_address,
-        "data_parallel_port": args.data_parallel_port,
-        "data_parallel_size_local": args.data_parallel_size_local,
-        "data_parallel_start_rank": args.data_parallel_start_rank,
-        "data_parallel_rpc_port": args.data_parallel_rpc_port,
-        "enable_expert_parallel": args.enable_expert_parallel,
-        "enable_microbatching": args.enable_microbatching,
-        "enable_lora": args.enable_lora,
-        "max_loras": args.max_loras,
-        "max_lora_rank": args.max_lora_rank,
-        "max_cpu_loras": args.max_cpu_loras,
-        "task": getattr(args, "task", "generate"),
-        "override_pooler_config": getattr(args, "override_pooler_config", None),
-        # Only `serve` has the flag; the offline commands keep `LLM`'s default (off).
-        "disable_log_requests": getattr(args, "disable_log_requests", True),
-        "speculative_config": getattr(args, "speculative_config", None),
-        "quantization": getattr(args, "quantization", None),
-        "scheduling_policy": getattr(args, "scheduling_policy", "fcfs"),
-        "limit_mm_per_prompt": getattr(args, "limit_mm_per_prompt", None),
-        "max_num_encoder_input_tokens": getattr(args, "max_num_encoder_input_tokens", None),
-    }
-
-
-def add_request_log_args(parser: argparse.ArgumentParser) -> None:
-    """`--disable-log-requests` (vLLM's name), for the server, where request lines are on."""
-    parser.add_argument(
-        "--disable-log-requests",
-        action="store_true",
-        help="do not log one line per finished request (id, prompt and output tokens, time "
+    disable_log_requests: bool = setting(
+        True,
+        "do not log one line per finished request (id, prompt and output tokens, time "
         "to first token, total time, finish reason; INFO on logger tokenwise.engine, shown with "
         "`tokenwise --log-level INFO serve`); the server logs them by default, the offline LLM "
         "(its disable_log_requests keyword defaults to True) and the generate/chat commands "
         "do not, so batch jobs are not flooded",
+        commands=SERVE_ONLY,
+        cli_default=False,
     )
+    tensor_parallel_size: int = setting(
+        1,
+        "split each layer over this many processes; with torchrun, the number of "
+        "processes torchrun starts (default: 1)",
+        flags=("--tensor-parallel-size", "-tp"),
+        type=bounded_int(1),
+        group=PARALLEL,
+    )
+    pipeline_parallel_size: int = setting(
+        1,
+        "split the layers into this many stages, one process each, with as many batches "
+        "in flight (dense Llama/Qwen models; TOKENWISE_PP_LAYER_PARTITION='4,4' sets the "
+        "split; default: 1)",
+        flags=("--pipeline-parallel-size", "-pp"),
+        type=bounded_int(1),
+        group=PARALLEL,
+    )
+    data_parallel_size: int = setting(
+        1,
+        "number of engine ranks; requests go to the least loaded (default: 1)",
+        flags=("--data-parallel-size", "-dp"),
+        type=bounded_int(1),
+        group=PARALLEL,
+    )
+    data_parallel_size_local: int | None = setting(
+        None,
+        "data-parallel ranks on this host, for ranks on several hosts (default: every "
+        "rank from --data-parallel-start-rank on, i.e. all of them on one host)",
+        type=bounded_int(1),
+        group=PARALLEL,
+    )
+    data_parallel_start_rank: int = setting(
+        0,
+        "global rank of this host's first data-parallel rank: 0 on the front end's host, "
+        "the first rank it runs on a --headless host (default: 0)",
+        type=bounded_int(0),
+        group=PARALLEL,
+    )
+    data_parallel_address: str | None = setting(
+        None,
+        "address of the first host, where the front end runs: the ranks rendezvous "
+        "there (torch.distributed TCP store) and other hosts' ranks connect to it "
+        "(default 127.0.0.1; required with --headless)",
+        group=PARALLEL,
+    )
+    data_parallel_rpc_port: int = setting(
+        29550,
+        "port of the front end that the ranks of other hosts connect to (default 29550)",
+        type=bounded_int(1, 65535),
+        group=PARALLEL,
+    )
+    data_parallel_port: int | None = setting(
+        None,
+        "rendezvous port on the first host (default: a free port, which the front end "
+        "tells the other hosts' ranks)",
+        type=bounded_int(1, 65535),
+        group=PARALLEL,
+    )
+    enable_expert_parallel: bool = setting(
+        False,
+        "MoE under DP: each rank holds whole experts instead of a slice of every expert",
+        group=PARALLEL,
+    )
+    enable_microbatching: bool = setting(
+        False,
+        "MoE under DP: run large steps as two micro-batches whose MoE exchanges overlap "
+        "each other's compute (dual-batch overlap; --enable-dbo is vLLM's name)",
+        flags=("--enable-microbatching", "--enable-dbo"),
+        group=PARALLEL,
+    )
+    enable_dbo: bool = setting(
+        False,
+        "vLLM's name for --enable-microbatching",
+        group=PARALLEL,
+        alias_of="enable_microbatching",
+    )
+    microbatching_token_threshold: int | None = setting(
+        None,
+        "with micro-batching: steps with fewer tokens than this are not split, decode and "
+        "prefill alike (default: 32 for decode, 512 for prefill)",
+        type=positive_int,
+        group=PARALLEL,
+    )
+    dbo_decode_token_threshold: int | None = setting(
+        None,
+        "with micro-batching: decode steps with fewer tokens are not split (default: 32)",
+        type=positive_int,
+        group=PARALLEL,
+    )
+    dbo_prefill_token_threshold: int | None = setting(
+        None,
+        "with micro-batching: steps with prefills and fewer tokens are not split (default: 512)",
+        type=positive_int,
+        group=PARALLEL,
+    )
+    enable_lora: bool = setting(False, "serve LoRA adapters (PEFT directories)", group=LORA)
+    max_loras: int = setting(
+        1,
+        "adapters one step may mix; slots allocated at start-up (default: 1)",
+        type=bounded_int(1),
+        group=LORA,
+    )
+    max_lora_rank: int = setting(
+        16, "largest adapter rank accepted (default: 16)", type=bounded_int(1), group=LORA
+    )
+    max_cpu_loras: int | None = setting(
+        None,
+        "parsed adapters kept on the host (default: --max-loras)",
+        type=bounded_int(1),
+        group=LORA,
+    )
+
+    def __post_init__(self) -> None:
+        if self.enable_dbo:  # vLLM's name for the same switch (dual-batch overlap)
+            self.enable_microbatching = True
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The settings parsed by `add_engine_args` (a command's missing flags: defaults)."""
+        return cls(model=getattr(args, "model", None), **engine_kwargs(args))
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineArgs:
+        """`LLM(model, **kwargs)`'s settings; an unknown keyword is a TypeError naming it."""
+        known = {f.name for f in fields(cls)}
+        for name in kwargs:
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise TypeError(f"unknown engine argument {name!r}{hint}")
+        return cls(model=model, **kwargs)
+
+    def create_engine_config(self) -> EngineConfig:
+        """The `EngineConfig` these settings give for their model and device: every derived
+        field (model kind, MoE, graph mode, ...) is filled in here, once, and the feature
+        table (`feature_rules.py`) refuses what does not combine."""
+        from tokenwise.entrypoints.engine_config import resolve_engine_config
+
+        return resolve_engine_config(self)
+
+
+def build_engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
+    """`EngineArgs(model=model, **kwargs).create_engine_config()`: the keyword form that
+    `LLM(...)`, the server and the tests use."""
+    return EngineArgs.from_kwargs(model, **kwargs).create_engine_config()
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Every engine setting's flag, generated from `EngineArgs`, for any command."""
+    add_flags(parser, EngineArgs, ALL_COMMANDS)
+
+
+def add_request_log_args(parser: argparse.ArgumentParser) -> None:
+    """`--disable-log-requests` (vLLM's name), for the server, where request lines are on."""
+    add_flags(parser, EngineArgs, SERVE_ONLY)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments `LLM(...)` / `build_engine_config(...)` take, from parsed flags
+    (every setting but `model`, which callers pass first; a flag the command lacks keeps
+    `LLM`'s default, e.g. `disable_log_requests` outside `serve`)."""
+    return flag_values(args, EngineArgs, skip=("model",))

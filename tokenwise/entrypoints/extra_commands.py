@@ -55,10 +55,9 @@ def _run_serve(args: argparse.Namespace) -> int:
 def _run_headless(args: argparse.Namespace) -> int:
     """`serve --headless`: this host's engine cores only (`tokenwise.engine.headless`)."""
     from tokenwise.engine.headless import check_headless, run_headless
-    from tokenwise.entrypoints.engine_args import engine_kwargs
-    from tokenwise.entrypoints.llm import build_engine_config
+    from tokenwise.entrypoints.engine_args import EngineArgs
 
-    config = build_engine_config(args.model, **engine_kwargs(args))
+    config = EngineArgs.from_cli_args(args).create_engine_config()
     check_headless(config.parallel, args.data_parallel_address is not None)
     return run_headless(config)
 

@@ -21,9 +21,11 @@ from tokenwise.entrypoints.beam_search import (
     run_beam_search,
     top_logprobs,
 )
-from tokenwise.entrypoints.engine_config import (  # noqa: F401 (re-exported: the offline API's home)
+from tokenwise.entrypoints.engine_args import (  # noqa: F401 (re-exported: the offline API's home)
+    EngineArgs,
     build_engine_config,
-    check_encoder_decoder_settings,
+)
+from tokenwise.entrypoints.engine_config import (  # noqa: F401 (re-exported)
     default_device,
     resolve_cudagraph_mode,
 )
@@ -53,6 +55,7 @@ class LLM:
     """Generate completions for a batch of prompts with continuous batching.
 
     `model` is a local Hugging Face checkpoint directory; None means the built-in model.
+    The keyword arguments are `EngineArgs`' fields (vLLM's names), with the same defaults.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:

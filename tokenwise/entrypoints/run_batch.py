@@ -198,8 +198,7 @@ def run_batch_command(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from tokenwise.engine.client import create_engine
-    from tokenwise.entrypoints.engine_args import engine_kwargs
-    from tokenwise.entrypoints.llm import build_engine_config
+    from tokenwise.entrypoints.engine_args import EngineArgs
     from tokenwise.entrypoints.openai.api_server import build_app, image_settings
     from tokenwise.entrypoints.openai.async_engine import AsyncEngine
     from tokenwise.entrypoints.openai.metrics import ServerMetrics
@@ -211,7 +210,7 @@ def run_batch_command(args: argparse.Namespace) -> int:
         lines = f.read().splitlines()
     with open(args.output_file, "w", encoding="utf-8"):
         pass  # writable, before the model loads
-    engine_config = build_engine_config(args.model, **engine_kwargs(args))
+    engine_config = EngineArgs.from_cli_args(args).create_engine_config()
     engine = create_engine(engine_config)
     image_token, image_limit = image_settings(engine)
     config = ServerConfig(

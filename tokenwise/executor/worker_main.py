@@ -22,10 +22,10 @@ also exits when its driver dies.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import traceback
 
+from tokenwise import envs
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.lifecycle import watch_parent
 from tokenwise.distributed.parallel_state import destroy_dp_group
@@ -36,16 +36,12 @@ from tokenwise.distributed.tp_channel import TPDriver
 from tokenwise.distributed.tp_launch import join_parallel_groups, torchrun_tp_rank
 from tokenwise.distributed.tp_state import destroy_tp_group
 from tokenwise.executor.worker import Worker
-from tokenwise.models.registry import is_moe_architecture
 
 logger = logging.getLogger("tokenwise.engine")
 
 
 def _prepare(config: EngineConfig, name: str, init_method: str | None) -> None:
     logging.basicConfig(level=logging.INFO, format=f"[{name}] %(levelname)s %(message)s")
-    parallel = config.parallel
-    if parallel.is_moe_model is None and config.model is not None:
-        parallel.is_moe_model = is_moe_architecture(config.model.architectures)
     if init_method is not None:  # spawned: leave with the driver, however it ends
         watch_parent()
 
@@ -116,7 +112,7 @@ def maybe_serve_torchrun_worker(config: EngineConfig) -> None:
     logger.info(
         "tensor-parallel rank %d of %d (torchrun): serving rank 0's steps",
         rank,
-        os.environ.get("WORLD_SIZE"),
+        envs.external("WORLD_SIZE"),
     )
     run_tp_worker(config, rank, None)
     logger.info("tensor-parallel rank %d: the driver shut down; exiting", rank)

@@ -24,16 +24,17 @@ import os
 import shutil
 import tempfile
 
+from tokenwise import envs
 from tokenwise.gguf.reader import read_metadata
 
 logger = logging.getLogger(__name__)
 
 
 def cache_root() -> str:
-    root = os.environ.get("TOKENWISE_GGUF_CACHE")
+    root = envs.get("TOKENWISE_GGUF_CACHE")
     if root:
         return root
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = envs.external("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "tokenwise", "gguf-tokenizers")
 
 

@@ -27,12 +27,12 @@ when it is used and how to turn it off (`TOKENWISE_CPU_GEMV=0`).
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenwise import envs
 from tokenwise.layers.quantization.fp8 import FP8Weight
 from tokenwise.layers.quantization.weight_only import QuantizedParts, QuantizedWeight
 from tokenwise.native import gemv as cpu_gemv
@@ -106,7 +106,7 @@ def _available_bytes() -> int | None:
 
 
 def _wanted(total_bytes: int) -> bool:
-    setting = os.environ.get("TOKENWISE_CPU_PREPACK", "auto").strip().lower()
+    setting = envs.get("TOKENWISE_CPU_PREPACK").strip().lower()
     if setting in ("0", "false", "off", "no"):
         return False
     if setting in ("1", "true", "on", "yes"):

@@ -16,11 +16,11 @@ view into a bigger storage stays where it is. `TOKENWISE_CPU_HUGE_PAGES=0` switc
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
 
+from tokenwise import envs
 from tokenwise.layers.quantization.weight_only import (
     QuantizedExperts,
     QuantizedParts,
@@ -34,7 +34,7 @@ MIN_BYTES = HUGE_PAGE  # smaller tensors would waste most of their 2 MB page
 
 
 def enabled() -> bool:
-    setting = os.environ.get("TOKENWISE_CPU_HUGE_PAGES", "1").strip().lower()
+    setting = envs.get("TOKENWISE_CPU_HUGE_PAGES").strip().lower()
     return setting not in ("0", "false", "off", "no")
 
 

@@ -10,10 +10,10 @@ architecture is not found (`load_plugins`), as vLLM's plugins do.
 from __future__ import annotations
 
 import importlib
-import os
 
 from torch import nn
 
+from tokenwise import envs
 from tokenwise.config import PoolerConfig
 from tokenwise.models.bart import BartForConditionalGeneration
 from tokenwise.models.bert import BertEmbeddingModel, XLMRobertaEmbeddingModel
@@ -82,7 +82,7 @@ def load_plugins() -> list[str]:
 
     A module that cannot be imported is an error naming it and the variable.
     """
-    names = [n.strip() for n in os.environ.get(ENV_PLUGINS, "").split(",") if n.strip()]
+    names = [n.strip() for n in envs.get(ENV_PLUGINS).split(",") if n.strip()]
     for name in names:
         try:
             importlib.import_module(name)

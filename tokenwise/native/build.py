@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from tokenwise import envs
+
 logger = logging.getLogger(__name__)
 
 NATIVE_DIR = Path(__file__).parent
@@ -66,7 +68,7 @@ def cpu_flags() -> str:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("TOKENWISE_KERNEL_CACHE")
+    root = envs.get("TOKENWISE_KERNEL_CACHE")
     return Path(root) if root else Path.home() / ".cache" / "tokenwise" / "kernels"
 
 
@@ -83,7 +85,7 @@ def torch_uses_libgomp() -> bool:
 
 def find_compiler() -> str | None:
     """`$CC` (default `cc`), else `gcc`, as a path; None when neither is installed."""
-    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    return shutil.which(envs.external("CC") or "cc") or shutil.which("gcc")
 
 
 def build(compiler: str, source: Path, stem: str, flags: list[str]) -> Path:
@@ -126,7 +128,7 @@ def _warn_no_compiler() -> None:
         "no C compiler found (looked for %r and 'gcc' on PATH): tokenwise's native CPU kernels "
         "are not built and their callers run PyTorch code instead (same results, slower). "
         "Install gcc, or set CC to a C compiler, to use them.",
-        os.environ.get("CC", "cc"),
+        (envs.external("CC") or "cc"),
     )
 
 

@@ -22,12 +22,12 @@ rounding.
 from __future__ import annotations
 
 import ctypes
-import os
 from functools import cache
 from pathlib import Path
 
 import torch
 
+from tokenwise import envs
 from tokenwise.native import build, trace
 
 KERNEL = build.Kernel(
@@ -46,7 +46,7 @@ _PTR = ctypes.c_void_p
 
 def enabled() -> bool:
     """Whether `TOKENWISE_CPU_FUSED` allows the kernels (on unless 0/false/off/no)."""
-    setting = os.environ.get("TOKENWISE_CPU_FUSED", "1").strip().lower()
+    setting = envs.get("TOKENWISE_CPU_FUSED").strip().lower()
     return setting not in ("0", "false", "off", "no")
 
 

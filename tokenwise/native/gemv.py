@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from functools import cache
 from pathlib import Path
 
 import torch
 
+from tokenwise import envs
 from tokenwise.native import build, trace
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ _PTR = ctypes.c_void_p
 
 def enabled() -> bool:
     """Whether `TOKENWISE_CPU_GEMV` allows the kernel (on unless 0/false/off/no)."""
-    setting = os.environ.get("TOKENWISE_CPU_GEMV", "1").strip().lower()
+    setting = envs.get("TOKENWISE_CPU_GEMV").strip().lower()
     return setting not in ("0", "false", "off", "no")
 
 

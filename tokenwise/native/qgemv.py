@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from functools import cache
 from pathlib import Path
 
 import torch
 
+from tokenwise import envs
 from tokenwise.native import build, trace
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ def open_library(path: Path) -> ctypes.CDLL:
 @cache
 def activation_bits() -> int:
     """The bits bfloat16 activations are quantized to (`TOKENWISE_CPU_QUANT_ACTIVATIONS`)."""
-    name = os.environ.get(ACTIVATIONS_ENV, "int8").strip().lower()
+    name = envs.get(ACTIVATIONS_ENV).strip().lower()
     if name not in ACTIVATION_BITS:
         raise ValueError(
             f"{ACTIVATIONS_ENV} must be one of {', '.join(ACTIVATION_BITS)}, got {name!r}"

@@ -82,22 +82,3 @@ def resolve_pooler_config(
         if layer.normalize is not None:
             resolved = replace(resolved, normalize=layer.normalize)
     return resolved
-
-
-def check_embed_settings(
-    data_parallel_size: int, tensor_parallel_size: int, cudagraph_mode: object
-) -> None:
-    """What a pooling engine cannot do yet, refused by name (it runs eagerly on one rank)."""
-    if data_parallel_size > 1 or tensor_parallel_size > 1:
-        raise ValueError(
-            "pooling tasks (embed, score, classify) run on one rank: data_parallel_size and "
-            f"tensor_parallel_size must be 1, got {data_parallel_size} and {tensor_parallel_size}"
-        )
-    if (
-        cudagraph_mode is not None
-        and str(getattr(cudagraph_mode, "name", cudagraph_mode)).upper() != "NONE"
-    ):
-        raise ValueError(
-            "pooling tasks (embed, score, classify) run eagerly: cudagraph_mode must be NONE, "
-            f"got {cudagraph_mode}"
-        )

@@ -12,12 +12,12 @@ the same result: micro-batch 0 runs each layer's attention before micro-batch 1 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from tokenwise import envs
 from tokenwise.attention.metadata import AttentionMetadata
 from tokenwise.attention.ubatch_metadata import split_metadata_by_layer
 from tokenwise.config import EngineConfig
@@ -38,7 +38,7 @@ Trace = list[tuple[int, str, str]] | None
 
 def dbo_sequential() -> bool:
     """Whether `TOKENWISE_DBO_SEQUENTIAL` asks for micro-batches without overlap."""
-    raw = os.environ.get(_SEQUENTIAL_ENV, "0").strip().lower()
+    raw = envs.get(_SEQUENTIAL_ENV).strip().lower()
     if raw not in ("", "0", "1", "false", "true"):
         raise ValueError(f"{_SEQUENTIAL_ENV} must be 0 or 1, got {raw!r}")
     return raw in ("1", "true")

@@ -66,6 +66,7 @@ LAYERS: tuple[Layer, ...] = (
             "tokenwise.platform",
             "tokenwise.outputs",
             "tokenwise.default_model",
+            "tokenwise.envs",
             "tokenwise.batchsize_stats",
             "tokenwise.tools.*",
             # KV-cache specs and groups: plain data the layers declare and the runner and the
@@ -214,14 +215,26 @@ LAYERS: tuple[Layer, ...] = (
             "tokenwise.engine.client",
         ),
     ),
-    # The engine flags every CLI (and benchmark) shares.
-    Layer("engine arguments", ("tokenwise.entrypoints.engine_args",)),
     # Beam search over any engine's one-token steps: `LLM.beam_search` and the server drive it.
     Layer("beam search", ("tokenwise.entrypoints.beam_search",)),
     # Score / classify requests (text pairs, probabilities): `LLM.score` and the server share it.
     Layer("scoring", ("tokenwise.entrypoints.scoring",)),
     # The offline `LLM` API: what the benchmarks run.
-    Layer("engine configuration", ("tokenwise.entrypoints.engine_config",)),
+    # Settings resolved against the model into an `EngineConfig`, with the feature table.
+    Layer(
+        "engine configuration",
+        ("tokenwise.entrypoints.feature_rules", "tokenwise.entrypoints.engine_config"),
+    ),
+    # `EngineArgs`, where each setting is declared once, and the flags every CLI (and
+    # benchmark) generates from it; `create_engine_config` calls the layer below.
+    Layer(
+        "engine arguments",
+        (
+            "tokenwise.entrypoints.arg_types",
+            "tokenwise.entrypoints.engine_flags",
+            "tokenwise.entrypoints.engine_args",
+        ),
+    ),
     Layer("offline API", ("tokenwise.entrypoints.llm",)),
     # Benchmarks run `LLM`, and the CLI below registers them: they sit between the two.
     Layer("benchmarks", ("tokenwise.benchmarks.*",)),

@@ -11,9 +11,9 @@ tests exercise full-graph replay without a GPU).
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
+from tokenwise import envs
 from tokenwise.attention.backends.torch_backend import TorchAttentionBackend
 from tokenwise.attention.backends.triton_backend import TritonAttentionBackend, triton_available
 
@@ -23,11 +23,11 @@ ENV_VAR = "TOKENWISE_ATTENTION_BACKEND"
 
 def backend_name_for(device: str) -> str:
     """The backend a device gets: the override, else triton on CUDA with Triton, else torch."""
-    forced = os.environ.get(ENV_VAR, "").strip().lower()
+    forced = envs.get(ENV_VAR).strip().lower()
     if forced:
         if forced not in BACKENDS:
             raise ValueError(
-                f"{ENV_VAR} must be one of {', '.join(BACKENDS)}, got {os.environ[ENV_VAR]!r}"
+                f"{ENV_VAR} must be one of {', '.join(BACKENDS)}, got {envs.get(ENV_VAR)!r}"
             )
         return forced
     if str(device).startswith("cuda") and triton_available():

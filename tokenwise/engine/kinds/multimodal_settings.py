@@ -1,6 +1,6 @@
 """Engine settings of a vision-language model, checked once when the engine is configured.
 
-Kept apart from the kind so the configuration code (`entrypoints/llm.py`) can check them
+Kept apart from the kind so the configuration code (`entrypoints/engine_config.py`) can read them
 without importing the engine: images run on one rank, eagerly (`multimodal_runner.py` says
 why), and `limit_mm_per_prompt` (vLLM's `{"image": N}`) must name modalities this engine
 reads, with non-negative counts.
@@ -31,17 +31,3 @@ def parse_limit_mm_per_prompt(limit: Any) -> dict[str, int] | None:
             raise ValueError(f"limit_mm_per_prompt[{key!r}] must be an integer >= 0, got {value!r}")
         out[key] = value
     return out
-
-
-def check_multimodal_settings(
-    model_config: Any, limit: Any, data_parallel_size: int, tensor_parallel_size: int
-) -> None:
-    """Refuse what a vision-language engine does not do; store the per-prompt limit."""
-    if data_parallel_size != 1 or tensor_parallel_size != 1:
-        raise ValueError(
-            "vision-language models run on one rank: data_parallel_size and "
-            f"tensor_parallel_size must be 1, got {data_parallel_size} and {tensor_parallel_size}"
-        )
-    if model_config.is_pooling:
-        raise ValueError("vision-language models generate; task='embed' does not apply")
-    model_config.limit_mm_per_prompt = parse_limit_mm_per_prompt(limit)

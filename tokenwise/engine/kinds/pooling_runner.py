@@ -7,7 +7,7 @@ instead of logits and sampling, each sequence's hidden states are pooled into on
 classifier's head then turns it into label probabilities: tasks score and classify).
 Its attention layers keep no KV cache, so none is allocated: the engine runs with zero blocks.
 
-Embedding models run eagerly (no torch.compile, no CUDA graphs: `build_engine_config` says so)
+Embedding models run eagerly (no torch.compile, no CUDA graphs: `EngineArgs.create_engine_config` says so)
 and on one rank (tensor and data parallelism are refused there).
 """
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import logging
-import os
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -28,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from tokenwise import envs
 from tokenwise.entrypoints.openai.access_log import AccessLogMiddleware, request_id
 from tokenwise.entrypoints.openai.async_core_engine import AsyncCoreEngine
 from tokenwise.entrypoints.openai.async_engine import AsyncEngine
@@ -280,8 +280,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     from tokenwise.batchsize_stats import ENV_INTERVAL, reset_batchsize_forward_time_stats
     from tokenwise.engine.client import create_engine
-    from tokenwise.entrypoints.engine_args import engine_kwargs
-    from tokenwise.entrypoints.llm import build_engine_config
+    from tokenwise.entrypoints.engine_args import EngineArgs
     from tokenwise.entrypoints.openai.cli_args import lora_modules_dict, server_config_kwargs
     from tokenwise.entrypoints.openai.tool_parsers import check_tool_call_parser
 
@@ -290,9 +289,9 @@ def run_server(args: argparse.Namespace) -> int:
 
     # /metrics reports forward time per batch size, so collect it (the table is also logged,
     # at INFO, once a minute while busy).
-    os.environ.setdefault(ENV_INTERVAL, "60")
+    envs.set_default(ENV_INTERVAL, "60")
     reset_batchsize_forward_time_stats()
-    engine_config = build_engine_config(args.model, **engine_kwargs(args))
+    engine_config = EngineArgs.from_cli_args(args).create_engine_config()
     if engine_config.model.skip_tokenizer_init:
         raise ValueError("the server needs a tokenizer")
     import torch

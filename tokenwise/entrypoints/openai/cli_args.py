@@ -7,9 +7,9 @@ engine: `tokenwise --help` stays fast.
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
+from tokenwise import envs
 from tokenwise.entrypoints.engine_args import (
     bounded_int,
     non_negative_int,
@@ -43,7 +43,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--api-key",
-        default=os.environ.get(API_KEY_ENV) or None,
+        default=envs.get(API_KEY_ENV) or None,
         help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, "
         "else no auth); the environment variable keeps the key out of the process list",
     )

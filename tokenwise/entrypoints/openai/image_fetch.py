@@ -18,11 +18,11 @@ fetched concurrently. The bytes are decoded later, with the request's other imag
 from __future__ import annotations
 
 import asyncio
-import os
 from urllib.parse import urlparse
 
 import httpx
 
+from tokenwise import envs
 from tokenwise.entrypoints.openai.errors import OpenAIError
 
 PARAM = "messages"
@@ -39,7 +39,7 @@ def is_remote(url: str) -> bool:
 
 
 def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
+    raw = envs.get(name)
     if raw is None or not raw.strip():
         return default
     try:
@@ -55,7 +55,7 @@ def fetch_limits() -> tuple[float, int, bool]:
     """(timeout in seconds, size limit in bytes, follow redirects) from the environment."""
     timeout = _env_float(ENV_TIMEOUT, DEFAULT_TIMEOUT_S)
     max_bytes = int(_env_float(ENV_MAX_MB, DEFAULT_MAX_MB) * 1024 * 1024)
-    redirects = os.environ.get(ENV_REDIRECTS, "1").strip().lower() not in ("0", "false")
+    redirects = envs.get(ENV_REDIRECTS).strip().lower() not in ("0", "false")
     return timeout, max_bytes, redirects
 
 

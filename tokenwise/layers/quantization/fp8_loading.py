@@ -21,12 +21,12 @@ they are dequantized to the model's dtype once at load (`keep_fp8_on_cpu`).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
+from tokenwise import envs
 from tokenwise.layers.quantization.fp8 import FP8_DTYPE, FP8Weight, quantize_fp8
 from tokenwise.layers.quantization.schemes import ROUTERS
 from tokenwise.layers.quantization.tp_slice import RankSlices
@@ -57,7 +57,7 @@ def keep_fp8_on_cpu() -> bool:
     at decode, the weight dequantized per call for prefill), "dense" (dequantized once at load:
     bf16's memory and speed), or "auto" (default: "fp8" where the C kernel `native.fp8_gemv` builds,
     since without it each call dequantizes with torch ops, 50-100x slower than bf16)."""
-    setting = os.environ.get("TOKENWISE_CPU_FP8_WEIGHTS", "auto").strip().lower()
+    setting = envs.get("TOKENWISE_CPU_FP8_WEIGHTS").strip().lower()
     if setting not in ("auto", "dense", "fp8"):
         raise ValueError(
             f"TOKENWISE_CPU_FP8_WEIGHTS must be 'auto', 'dense' or 'fp8', got {setting!r}"

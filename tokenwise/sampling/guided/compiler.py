@@ -27,6 +27,7 @@ from typing import Any
 
 import xgrammar
 
+from tokenwise import envs
 from tokenwise.sampling.guided.grammar import build_grammar
 from tokenwise.sampling.guided.params import GuidedDecodingParams
 
@@ -37,7 +38,7 @@ DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 30.0
 
 def grammar_compile_timeout_s() -> float:
     """The compile timeout from the environment (seconds, > 0), else the default."""
-    raw = os.environ.get(GRAMMAR_COMPILE_TIMEOUT_ENV)
+    raw = envs.get(GRAMMAR_COMPILE_TIMEOUT_ENV)
     if raw is None or raw == "":
         return DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
     try:

@@ -1,0 +1,202 @@
+"""Which features combine: one table of refusals, walked once when a config is created.
+
+Each row names two features and a rule that refuses their combination with the message a user
+sees (naming the settings, saying what to do instead). `EngineArgs.create_engine_config` walks
+the rows in order once the model's kind is known and before any engine part is built; the
+first row that refuses raises ValueError. A new feature that does not combine with another is
+one row here, not a check in the module that implements it.
+
+Checks that are not pure functions of the settings and the model's kind stay where their
+facts are known, and are listed here so a reader finds them:
+- `distributed.pp_launch.check_pipeline_config`: pipeline stages against the model's layer
+  count, the KV block split and the *resolved* compile / graph mode, at launch (also for
+  configs built by hand). Its refusals of non-dense architectures, data parallelism,
+  speculation and LoRA are pure and belong here; they stay there for now because that
+  module is being split (and the distributed layer cannot import this one);
+- `runner.graph_setup.check_cudagraph_config`: the graph mode against the attention backend
+  the device selects;
+- `engine.speculative_setup.make_drafter`: speculation against the model kind the engine
+  actually built (a guard behind the row below);
+- `engine_config.resolve_cudagraph_mode`: a graph mode against device, eagerness and MoE
+  host reads, which are derived there;
+- the draft model's vocabulary and an EAGLE head's hidden size, read when they load;
+- `distributed.ubatching`: micro-batch splits of one step's tokens (per step, not config).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tokenwise.config import SPEC_MODEL_METHODS, SpeculativeConfig
+from tokenwise.quantization_config import uses_cpu_kernels
+
+
+@dataclass(frozen=True)
+class Features:
+    """What the rules read: the settings as given, and the model's kind as resolved."""
+
+    args: Any  # EngineArgs
+    model: Any  # ModelConfig, task resolved
+    device: str
+    enforce_eager: bool  # as asked, or the device's default
+    encoder_decoder: bool
+    multimodal: bool
+    speculative: SpeculativeConfig | None
+
+    @property
+    def pooling(self) -> bool:
+        return bool(self.model.is_pooling)
+
+    @property
+    def multi_rank(self) -> bool:
+        return self.args.data_parallel_size != 1 or self.args.tensor_parallel_size != 1
+
+    def ranks(self) -> str:
+        return f"{self.args.data_parallel_size} and {self.args.tensor_parallel_size}"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Feature A with feature B: refused when `refuses` holds, with `message`."""
+
+    feature: str
+    other: str
+    refuses: Callable[[Features], bool]
+    message: Callable[[Features], str]
+
+
+def _graphs_asked(f: Features) -> bool:
+    mode = f.args.cudagraph_mode
+    return mode is not None and str(getattr(mode, "name", mode)).upper() != "NONE"
+
+
+def _fp8_cache(f: Features) -> bool:
+    return str(f.args.kv_cache_dtype).startswith("fp8")
+
+
+def _not_text_decoder(f: Features) -> bool:
+    return f.pooling or f.encoder_decoder or f.multimodal
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(
+        "quantization with CPU kernels",
+        "torch.compile (enforce_eager=False)",
+        lambda f: uses_cpu_kernels(f.model.quantization, f.device) and not f.enforce_eager,
+        lambda f: (
+            f"quantization={f.model.quantization!r} runs its CPU kernels eagerly "
+            "(torch.compile does not trace them): leave enforce_eager at its default or True"
+        ),
+    ),
+    Rule(
+        "fp8 KV cache",
+        "pooling models",
+        lambda f: _fp8_cache(f) and f.pooling,
+        lambda f: (
+            f"kv_cache_dtype={f.args.kv_cache_dtype!r} is not supported for "
+            f"task={f.model.task!r} (pooling) models; use 'auto'"
+        ),
+    ),
+    Rule(
+        "fp8 KV cache",
+        "encoder-decoder models",
+        lambda f: _fp8_cache(f) and f.encoder_decoder,
+        lambda f: (
+            f"kv_cache_dtype={f.args.kv_cache_dtype!r} is not supported for "
+            "encoder-decoder models; use 'auto'"
+        ),
+    ),
+    Rule(
+        "override_pooler_config",
+        "classifiers (task score / classify)",
+        lambda f: (
+            f.pooling and f.model.task != "embed" and f.args.override_pooler_config is not None
+        ),
+        lambda f: (
+            "override_pooler_config applies to task='embed' models only: a classifier "
+            "pools as it was trained (its head reads [CLS], or the last token)"
+        ),
+    ),
+    Rule(
+        "pooling tasks",
+        "data / tensor parallelism",
+        lambda f: f.pooling and (f.args.data_parallel_size > 1 or f.args.tensor_parallel_size > 1),
+        lambda f: (
+            "pooling tasks (embed, score, classify) run on one rank: data_parallel_size "
+            f"and tensor_parallel_size must be 1, got {f.ranks()}"
+        ),
+    ),
+    Rule(
+        "pooling tasks",
+        "CUDA graphs",
+        lambda f: f.pooling and _graphs_asked(f),
+        lambda f: (
+            "pooling tasks (embed, score, classify) run eagerly: cudagraph_mode must be "
+            f"NONE, got {f.args.cudagraph_mode}"
+        ),
+    ),
+    Rule(
+        "override_pooler_config",
+        "generation models",
+        lambda f: not f.pooling and f.args.override_pooler_config is not None,
+        lambda f: "override_pooler_config applies to task='embed' models only",
+    ),
+    Rule(
+        "encoder-decoder models",
+        "data / tensor parallelism",
+        lambda f: f.encoder_decoder and f.multi_rank,
+        lambda f: (
+            "encoder-decoder models (BART, Whisper) run on one rank: data_parallel_size "
+            f"and tensor_parallel_size must be 1, got {f.ranks()}"
+        ),
+    ),
+    Rule(
+        "vision-language models",
+        "data / tensor parallelism",
+        lambda f: f.multimodal and f.multi_rank,
+        lambda f: (
+            "vision-language models run on one rank: data_parallel_size and "
+            f"tensor_parallel_size must be 1, got {f.ranks()}"
+        ),
+    ),
+    Rule(
+        "vision-language models",
+        "pooling tasks",
+        lambda f: f.multimodal and f.pooling,
+        lambda f: "vision-language models generate; task='embed' does not apply",
+    ),
+    Rule(
+        "speculative decoding",
+        "pooling, encoder-decoder and vision-language models",
+        lambda f: f.speculative is not None and _not_text_decoder(f),
+        lambda f: (
+            "speculative_config applies to text-only decoder generation models, not to "
+            f"{', '.join(f.model.architectures)}"
+        ),
+    ),
+    Rule(
+        "speculative decoding with a draft model (draft_model, eagle, eagle3, mtp)",
+        "tensor parallelism",
+        # The draft (or EAGLE / MTP head) runs on the driver alone, unsharded; its layers
+        # would read the TP rank.
+        lambda f: (
+            f.speculative is not None
+            and f.speculative.method in SPEC_MODEL_METHODS
+            and f.args.tensor_parallel_size > 1
+        ),
+        lambda f: (
+            f"speculative_config.method {f.speculative.method!r}: its draft model does "
+            f"not run under tensor_parallel_size={f.args.tensor_parallel_size} yet (use data "
+            "parallelism, where each rank runs its own draft, or method 'ngram')"
+        ),
+    ),
+)
+
+
+def check_features(features: Features) -> None:
+    """Raise ValueError with the first refusing row's message."""
+    for rule in RULES:
+        if rule.refuses(features):
+            raise ValueError(rule.message(features))
