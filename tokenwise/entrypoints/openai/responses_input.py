@@ -190,6 +190,7 @@ def chat_request(
         "parallel_tool_calls": body.parallel_tool_calls,
         "ignore_eos": body.ignore_eos,
         "response_format": _response_format(body),
+        "reasoning_effort": body.reasoning.effort if body.reasoning is not None else None,
         **{name: getattr(body, name) for name in _SAMPLING},
     }
     if body.tools:
