@@ -49,7 +49,8 @@ SAMPLES: list[tuple[str, str | None, str | None, list[tuple[str, str]]]] = [
     # The recipient in the header before the channel (as the chat template renders calls), a
     # bare content type, the stop tokens kept (include_stop_str_in_output).
     (
-        '<|start|>assistant to=functions.convert<|channel|>commentary json<|message|>{"amount": 5}<|call|>',
+        "<|start|>assistant to=functions.convert<|channel|>commentary json<|message|>"
+        '{"amount": 5}<|call|>',
         None,
         None,
         [("convert", '{"amount": 5}')],

@@ -12,14 +12,15 @@ splits them; tool calls are then read from the content alone (`tool_calls`).
   content; a reply that never closes the tag is all reasoning.
 - `qwen3`: reasoning only where the model opens it: text before `<think>` and after `</think>`
   is content, and a reply without `<think>` (Qwen3 with `enable_thinking: false`) is all content.
-- `openai_gptoss`: gpt-oss's harmony messages (`tool_parsers.harmony`) instead of tags: the `analysis`
-  channel is the reasoning, `final` messages and commentary preambles the content (several of
-  a kind joined by a newline). A message addressed to a tool stays in the content as harmony
-  text, for the tool-call parser `openai` to read.
+- `openai_gptoss`: gpt-oss's harmony messages (`tool_parsers.harmony`) instead of tags: the
+  `analysis` channel is the reasoning, `final` messages and commentary preambles the content
+  (several of a kind joined by a newline). A message addressed to a tool stays in the content
+  as harmony text, for the tool-call parser `openai` to read. Its markers are special tokens,
+  so replies it reads are decoded with them kept.
 
-With tags, only the first reasoning block counts: tags after it are ordinary content. Whitespace between a
-tag and the text is dropped (the reasoning is trimmed, the content after `</think>` starts at
-its first visible character), as chat UIs show neither.
+With tags, only the first reasoning block counts: tags after it are ordinary content.
+Whitespace between a tag and the text is dropped (the reasoning is trimmed, the content after
+`</think>` starts at its first visible character), as chat UIs show neither.
 
 One incremental parser serves both shapes of response, so they cannot disagree: a stream feeds
 it each delta and sends what it returns at once, a collected response feeds the whole text.

@@ -5,7 +5,8 @@ tokens (the decoded text must keep them: `skip_special_tokens=False`):
 
     <|start|>assistant<|channel|>analysis<|message|>chain of thought<|end|>
     <|start|>assistant<|channel|>final<|message|>the answer<|return|>
-    <|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>{"city":"Paris"}<|call|>
+    <|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>
+    {"city":"Paris"}<|call|>          (one line: the message's header, then its body)
 
 The header holds the author's role (after `<|start|>`), the `<|channel|>` (analysis: reasoning;
 commentary: tool calls and preambles; final: the answer), an optional recipient `to=NAME`
@@ -20,8 +21,8 @@ reported as it is.
 `HarmonyLexer` turns text fed piece by piece into events; what could still be the start of a
 special token (`<|cha` at the end of a piece) waits for the next piece, so the events never
 depend on where the text was cut. The reasoning parser `openai_gptoss` (`reasoning`) and the
-tool-call parser `openai` (`openai.py`, beside this module) both read these events; `route` says what
-a message is to both of them, so they cannot disagree.
+tool-call parser `openai` (`openai.py`, beside this module) both read these events; `route`
+says what a message is to both of them, so they cannot disagree.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 A call is a message addressed to one of the request's functions, its body the JSON arguments:
 
-    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>
+    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>
+    {"city":"Paris"}<|call|>          (one line)
 
 Its name is reported as soon as the header is complete and its arguments stream as the model
 writes them (`<|call|>` is a stop token, so the reply usually ends inside them; a call without
