@@ -3,7 +3,8 @@ answers with a fixed harmony reply (`--reasoning-parser openai_gptoss --tool-cal
 openai`), read back as chat completions (reasoning_content, content, tool_calls; collected and
 streamed) and as Responses (reasoning and function_call items; collected and streamed); the
 prompt rendered by a harmony chat template with the request's reasoning effort, earlier calls
-and their reasoning; a reply cut off by max_tokens; and gpt-oss's stop tokens."""
+and their reasoning; a reply cut off by max_tokens; gpt-oss's stop tokens, and the parsers it
+gets by default."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 from tests.entrypoints._recording_engine import NAME, app_for
 from tests.entrypoints.harmony_samples import ANSWER, CALL, harmony_tokenizer
 from tokenwise.engine.prompts import resolve_eos_token_ids
+from tokenwise.entrypoints.openai.server_config import with_family_parsers
 
 PARSERS = {"reasoning_parser": "openai_gptoss", "tool_call_parser": "openai"}
 TOOLS = [
@@ -193,3 +195,11 @@ def test_gpt_oss_stops_at_return_and_call(tmp_path: Any) -> None:
     with open(os.path.join(tmp_path, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": [ret, call_id]}, f)
     assert {ret, call_id} <= set(resolve_eos_token_ids(other, tok))  # type: ignore[arg-type]
+
+
+def test_gpt_oss_gets_the_harmony_parsers_unless_flags_name_others() -> None:
+    flags = {"reasoning_parser": None, "tool_call_parser": None, "api_key": None}
+    assert with_family_parsers(flags, ["GptOssForCausalLM"]) == {**flags, **PARSERS}
+    named = {**flags, "tool_call_parser": "hermes"}
+    assert with_family_parsers(named, ["GptOssForCausalLM"])["tool_call_parser"] == "hermes"
+    assert with_family_parsers(flags, ["LlamaForCausalLM"]) == flags
