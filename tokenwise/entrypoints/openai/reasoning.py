@@ -34,17 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from tokenwise.entrypoints.openai.tool_parsers.harmony import (
-    END,
-    Body,
-    HarmonyEvent,
-    HarmonyLexer,
-    MessageEnd,
-    MessageStart,
-    Outside,
-    Separator,
-    route,
-)
+from tokenwise.entrypoints.openai.tool_parsers import harmony
 
 OPEN_TAG = "<think>"
 CLOSE_TAG = "</think>"
@@ -162,9 +152,9 @@ class GptOssReasoningParser(ReasoningParser):
     needs_special_tokens = True
 
     def __init__(self) -> None:
-        self._lexer = HarmonyLexer()
+        self._lexer = harmony.HarmonyLexer()
         self._kind = "content"
-        self._joins = {"reasoning": Separator(), "content": Separator()}
+        self._joins = {"reasoning": harmony.Separator(), "content": harmony.Separator()}
 
     def feed(self, text: str) -> ReasoningDelta:
         return self._read(self._lexer.feed(text), ended=False)
@@ -172,27 +162,27 @@ class GptOssReasoningParser(ReasoningParser):
     def finish(self) -> ReasoningDelta:
         return self._read(self._lexer.finish(), ended=True)
 
-    def _read(self, events: list[HarmonyEvent], ended: bool) -> ReasoningDelta:
+    def _read(self, events: list[harmony.HarmonyEvent], ended: bool) -> ReasoningDelta:
         out = ReasoningDelta()
         for event in events:
-            if isinstance(event, Outside):
+            if isinstance(event, harmony.Outside):
                 out.content += event.text
-            elif isinstance(event, MessageStart):
-                self._kind = route(event)
+            elif isinstance(event, harmony.MessageStart):
+                self._kind = harmony.route(event)
                 if self._kind in self._joins:
                     self._joins[self._kind].start()
                 else:
                     out.content += event.raw
-            elif isinstance(event, Body):
+            elif isinstance(event, harmony.Body):
                 if self._kind == "reasoning":
                     out.reasoning += self._joins["reasoning"].before(event.text)
                 elif self._kind == "content":
                     out.content += self._joins["content"].before(event.text)
                 else:
                     out.content += event.text
-            elif isinstance(event, MessageEnd):
+            elif isinstance(event, harmony.MessageEnd):
                 if self._kind not in self._joins:
-                    out.content += event.marker or ("" if ended else END)
+                    out.content += event.marker or ("" if ended else harmony.END)
                 self._kind = "content"
         return out
 

@@ -128,19 +128,25 @@ class HarmonyLexer:
             return self._header(out)
         return self._body(out, final)
 
-    def _emit_until(self, at: int, kind: type[Outside] | type[Body], out: list) -> None:
+    def _text_until(
+        self, tags: tuple[str, ...], kind: type[Outside] | type[Body], out: list, final: bool
+    ) -> str | None:
+        """Report the buffer as `kind` text up to the first of `tags`, which it then starts
+        with (returned); None when no tag has come (a partial one held back unless `final`)."""
+        found = find_first(self._buffer, tags)
+        if found is None:
+            at = len(self._buffer) - (0 if final else held_back(self._buffer, tags))
+        else:
+            at = found[0]
         if at:
             out.append(kind(self._buffer[:at]))
         self._buffer = self._buffer[at:]
+        return None if found is None else found[1]
 
     def _outside(self, out: list[HarmonyEvent], final: bool) -> bool:
-        found = find_first(self._buffer, _OUTSIDE_OPENS)
-        if found is None:
-            keep = 0 if final else held_back(self._buffer, _OUTSIDE_OPENS)
-            self._emit_until(len(self._buffer) - keep, Outside, out)
+        tag = self._text_until(_OUTSIDE_OPENS, Outside, out, final)
+        if tag is None:
             return False
-        at, tag = found
-        self._emit_until(at, Outside, out)
         self._open_header(tag)
         return True
 
@@ -165,13 +171,9 @@ class HarmonyLexer:
         return True
 
     def _body(self, out: list[HarmonyEvent], final: bool) -> bool:
-        found = find_first(self._buffer, _BODY_ENDS)
-        if found is None:
-            keep = 0 if final else held_back(self._buffer, _BODY_ENDS)
-            self._emit_until(len(self._buffer) - keep, Body, out)
+        tag = self._text_until(_BODY_ENDS, Body, out, final)
+        if tag is None:
             return False
-        at, tag = found
-        self._emit_until(at, Body, out)
         if tag in _OUTSIDE_OPENS:  # the next message, begun without an end token
             out.append(MessageEnd(""))
             self._open_header(tag)
