@@ -135,6 +135,19 @@ def test_responses_reasoning_and_function_call_items(call: Any) -> None:
     done = next(e for e in stream if e["type"] == "response.function_call_arguments.done")
     assert json.loads(done["arguments"]) == ARGUMENTS
     assert [i["type"] for i in stream[-1]["response"]["output"]] == ["reasoning", "function_call"]
+    # The tool loop: the call's result sent back on the stored response; the next prompt shows
+    # the model its call, the reasoning that led to it, and the result.
+    output = {
+        "type": "function_call_output",
+        "call_id": function_call["call_id"],
+        "output": "sunny",
+    }
+    follow = {**body, "input": [output], "previous_response_id": reply["id"]}
+    assert client.post("/v1/responses", json=follow).status_code == 200
+    text = engine.prompts[-1]["prompt"]
+    call_text = f"<|message|>{json.dumps(ARGUMENTS)}<|call|>"
+    assert f"<|channel|>analysis<|message|>{REASONING}<|end|>" in text
+    assert text.index(REASONING) < text.index(call_text) < text.index("sunny")
 
 
 def test_prompt_has_the_effort_special_tokens_and_earlier_calls(answer: Any) -> None:
