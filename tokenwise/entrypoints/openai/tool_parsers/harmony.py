@@ -133,8 +133,10 @@ class HarmonyLexer:
     ) -> str | None:
         """Report the buffer as `kind` text up to the first of `tags`, which it then starts
         with (returned); None when no tag has come (a partial one held back unless `final`)."""
-        found = find_first(self._buffer, tags)
-        if found is None:
+        found = None
+        if "<" not in self._buffer:  # every harmony token starts with "<": all settled
+            at = len(self._buffer)
+        elif (found := find_first(self._buffer, tags)) is None:
             at = len(self._buffer) - (0 if final else held_back(self._buffer, tags))
         else:
             at = found[0]
