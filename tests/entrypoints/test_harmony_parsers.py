@@ -1,7 +1,8 @@
 """gpt-oss's harmony format read by `--reasoning-parser openai_gptoss` and `--tool-call-parser
 openai` on hand-written replies: headers in the forms the model writes, the split into
 reasoning, content and calls, the same split from a stream cut at every position (special
-tokens cut in half included), and replies cut off by max_tokens read without an error."""
+tokens cut in half included) or as the engine's detokenizer sends it token by token, and
+replies cut off by max_tokens read without an error."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import random
 
 import pytest
 
-from tests.entrypoints.harmony_samples import ANSWER, CALL, SAMPLES
+from tests.entrypoints.harmony_samples import ANSWER, CALL, SAMPLES, harmony_tokenizer
+from tokenwise.engine.detokenizer import IncrementalDetokenizer
 from tokenwise.entrypoints.openai.protocol import DeltaMessage
 from tokenwise.entrypoints.openai.reasoning import (
     REASONING_PARSERS,
@@ -163,3 +165,24 @@ def test_harmony_parsers_ask_for_special_tokens() -> None:
     assert REASONING_PARSERS["openai_gptoss"].needs_special_tokens
     assert not REASONING_PARSERS["qwen3"].needs_special_tokens
     assert TOOL_PARSERS["openai"].needs_special_tokens
+
+
+@pytest.mark.parametrize("text", [ANSWER, CALL])
+def test_detokenized_token_by_token_with_special_tokens_kept(text: str) -> None:
+    """Through the engine's incremental detokenizer, as a served reply arrives: each harmony
+    token is one token whose text is kept whole, so the parsers read what they read above."""
+    tok = harmony_tokenizer()
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.convert_tokens_to_ids("<|message|>") in ids
+    detok = IncrementalDetokenizer(tok, [], skip_special_tokens=False)
+    pieces = []
+    for token in ids:
+        detok.add_token(token)
+        pieces.append(detok.take_new_text(finished=False))
+    pieces.append(detok.take_new_text(finished=True))
+    assert "".join(pieces) == text
+    message, _ = reader().message(text, "stop")
+    want = (message.reasoning_content or "", message.content or "")
+    got = streamed(pieces)
+    assert (got[0], got[1].strip()) == want
+    assert got[2] == [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
