@@ -20,14 +20,17 @@ NAME = "recorded"
 
 
 class RecordingEngine:
-    """Enough of LLMEngine for AsyncEngine: records each prompt, then answers it with `pieces`
-    (one per step, one token each), finishing with "stop"."""
+    """Enough of LLMEngine for AsyncEngine: records each prompt (and its sampling parameters),
+    then answers it with `pieces` (one per step, one token each), finishing with
+    `finish_reason` ("length": as if cut off by max_tokens)."""
 
-    def __init__(self, tokenizer: Any, pieces: list[str]) -> None:
+    def __init__(self, tokenizer: Any, pieces: list[str], finish_reason: str = "stop") -> None:
         self.tokenizer = tokenizer
         self.model_config = SimpleNamespace(max_model_len=256)
         self.prompts: list = []
+        self.params: list = []
         self._pieces = pieces
+        self._finish_reason = finish_reason
         self._progress: dict[str, int] = {}  # request id -> pieces sent
 
     def get_stats(self) -> EngineStats:
@@ -44,6 +47,7 @@ class RecordingEngine:
 
     def add_request(self, request_id: str, prompt, params) -> None:
         self.prompts.append(prompt)
+        self.params.append(params)
         self._progress[request_id] = 0
 
     def abort_request(self, request_ids) -> None:
@@ -55,7 +59,10 @@ class RecordingEngine:
         for rid, sent in list(self._progress.items()):
             last = sent + 1 == len(self._pieces)
             piece = CompletionOutput(
-                0, self._pieces[sent], [7 + sent], finish_reason="stop" if last else None
+                0,
+                self._pieces[sent],
+                [7 + sent],
+                finish_reason=self._finish_reason if last else None,
             )
             outputs.append(RequestOutput(rid, None, [1, 2, 3], [piece], finished=last))
             if last:
@@ -66,11 +73,11 @@ class RecordingEngine:
 
 
 def app_for(
-    tokenizer: Any, pieces: list[str] | None = None, **config: Any
+    tokenizer: Any, pieces: list[str] | None = None, finish_reason: str = "stop", **config: Any
 ) -> tuple[TestClient, RecordingEngine]:
     """A test client of the app (use it as a context manager) and the engine behind it;
     `config`: ServerConfig fields (a reasoning parser, say)."""
-    inner = RecordingEngine(tokenizer, pieces or ["total = a + b"])
+    inner = RecordingEngine(tokenizer, pieces or ["total = a + b"], finish_reason)
     server_config = ServerConfig(served_model_name=NAME, max_model_len=256, **config)
     metrics = ServerMetrics(NAME)
     engine = AsyncEngine(inner, observer=metrics.observe)  # type: ignore[arg-type]

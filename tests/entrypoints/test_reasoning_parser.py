@@ -101,7 +101,7 @@ def test_held_back_text_waits_only_for_what_a_tag_could_complete() -> None:
 def test_unknown_parser_name_lists_the_valid_ones() -> None:
     check_reasoning_parser(None)
     check_reasoning_parser("qwen3")
-    with pytest.raises(ValueError, match=r"'r1'.*\['deepseek_r1', 'qwen3'\]"):
+    with pytest.raises(ValueError, match=r"'r1'.*\['deepseek_r1', 'openai_gptoss', 'qwen3'\]"):
         check_reasoning_parser("r1")
     assert all(issubclass(cls, ReasoningParser) for cls in REASONING_PARSERS.values())
 

@@ -126,7 +126,7 @@ def test_unknown_parser_and_auto_choice_without_parser_are_refused() -> None:
         check_tool_call_parser(None, enable_auto_tool_choice=True)
     check_tool_call_parser("pythonic", enable_auto_tool_choice=True)
     assert sorted(TOOL_PARSERS) == [
-        "deepseek_v3", "hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"
+        "deepseek_v3", "hermes", "llama3_json", "mistral", "openai", "pythonic", "qwen3_coder"
     ]  # fmt: skip
 
 

@@ -13,6 +13,11 @@ from tokenwise.sampling.params import SamplingParams
 # A string, a list of token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."} as in vLLM.
 PromptInput = str | list[int] | dict[str, Any]
 
+# Families whose replies end at tokens a checkpoint may not list as EOS: gpt-oss's harmony ends
+# a reply with <|return|> and a tool call with <|call|> (as vLLM stops it, whatever
+# generation_config.json says).
+_FAMILY_STOP_TOKENS = {"gpt_oss": ("<|return|>", "<|call|>")}
+
 
 def load_tokenizer(model_config: ModelConfig) -> Any:
     """The checkpoint's tokenizer through transformers' AutoTokenizer, offline."""
@@ -29,7 +34,8 @@ def load_tokenizer(model_config: ModelConfig) -> Any:
 
 
 def resolve_eos_token_ids(model_config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
-    """EOS ids from the tokenizer, config.json and generation_config.json (Llama 3 has several)."""
+    """EOS ids from the tokenizer, config.json and generation_config.json (Llama 3 has several),
+    and the family's own stop tokens (`_FAMILY_STOP_TOKENS`) where the tokenizer has them."""
     ids: list[int] = []
 
     def add(value: Any) -> None:
@@ -45,6 +51,10 @@ def resolve_eos_token_ids(model_config: ModelConfig, tokenizer: Any) -> tuple[in
     if os.path.isfile(gen_path):
         with open(gen_path) as f:
             add(json.load(f).get("eos_token_id"))
+    stops = _FAMILY_STOP_TOKENS.get(getattr(model_config.hf_config, "model_type", None), ())
+    if stops and tokenizer is not None:
+        vocab = tokenizer.get_vocab()
+        add([vocab[t] for t in stops if t in vocab])
     return tuple(ids)
 
 

@@ -202,7 +202,7 @@ def run_batch_command(args: argparse.Namespace) -> int:
     from tokenwise.entrypoints.openai.api_server import build_app, image_settings
     from tokenwise.entrypoints.openai.async_engine import AsyncEngine
     from tokenwise.entrypoints.openai.metrics import ServerMetrics
-    from tokenwise.entrypoints.openai.server_config import ServerConfig
+    from tokenwise.entrypoints.openai.server_config import ServerConfig, with_family_parsers
 
     if args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
@@ -220,7 +220,9 @@ def run_batch_command(args: argparse.Namespace) -> int:
         image_token=image_token,
         limit_images_per_prompt=image_limit,
         max_tokens_cap=args.max_tokens_cap,
-        reasoning_parser=args.reasoning_parser,
+        **with_family_parsers(
+            {"reasoning_parser": args.reasoning_parser}, engine.model_config.architectures
+        ),
         access_log=False,
         ui=False,
     )

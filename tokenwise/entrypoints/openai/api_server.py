@@ -52,7 +52,7 @@ from tokenwise.entrypoints.openai.protocol_scoring import (
 from tokenwise.entrypoints.openai.protocol_tokenization import DetokenizeRequest
 from tokenwise.entrypoints.openai.request_fields import accept_fields
 from tokenwise.entrypoints.openai.responses_store import ResponseStore
-from tokenwise.entrypoints.openai.server_config import ServerConfig
+from tokenwise.entrypoints.openai.server_config import ServerConfig, with_family_parsers
 from tokenwise.entrypoints.openai.serving_chat import ChatServing
 from tokenwise.entrypoints.openai.serving_common import json_response
 from tokenwise.entrypoints.openai.serving_completions import CompletionServing
@@ -309,7 +309,7 @@ def run_server(args: argparse.Namespace) -> int:
         supports_audio=is_speech_architecture(engine.model_config.architectures),
         image_token=image_token,
         limit_images_per_prompt=image_limit,
-        **server_config_kwargs(args),
+        **with_family_parsers(server_config_kwargs(args), engine.model_config.architectures),
     )
     lora = engine_config.lora
     lora_modules = lora_modules_dict(args.lora_modules)

@@ -11,12 +11,20 @@ surrogate, which JSON can escape) are the client's problem to fix (400), not a s
 
 `chat_template_kwargs` become variables of the template (Qwen3 reads `enable_thinking`), as in
 vLLM. A key that would instead set a parameter of the template call itself (`tokenize`,
-`add_generation_prompt`, ...) is refused: those have request fields of their own.
+`add_generation_prompt`, ...) is refused: those have request fields of their own. The request's
+`reasoning_effort` is one more variable (gpt-oss's template writes it into its system message).
+
+Messages reach the template in the form Hugging Face templates expect, as vLLM passes them: an
+assistant's tool-call `arguments` as a JSON object, not OpenAI's JSON text (gpt-oss's and
+Llama 3's templates write them with `tojson`, which would quote the text again), and its
+`reasoning_content` also as `thinking` (where gpt-oss's template reads the reasoning that led to
+a call; only for a message without content, which that template refuses alongside it).
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 from typing import Any
 
 import jinja2
@@ -55,6 +63,8 @@ def template_kwargs(tokenizer: Any, body: ChatTemplateFields) -> dict[str, Any]:
         )
     if body.tools:
         extra["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools]
+    if body.reasoning_effort is not None:
+        extra["reasoning_effort"] = body.reasoning_effort
     extra["add_generation_prompt"] = body.add_generation_prompt
     if body.continue_final_message:  # only then: older tokenizers lack the parameter
         extra["continue_final_message"] = True
@@ -78,8 +88,34 @@ def _messages(body: ChatTemplateFields, image_token: str | None) -> list[dict[st
                 ]
             else:
                 message["content"] = "\n".join(image_token if t is None else t for t in texts)
+        if message.get("role") == "assistant":
+            _as_template_expects(message)
         messages.append(message)
     return messages
+
+
+def _arguments_object(call: Any) -> Any:
+    """A tool call (a copy) with its JSON-text arguments as an object; else as it was."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call  # not JSON: the template gets the text as it was sent
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+def _as_template_expects(message: dict[str, Any]) -> None:
+    """An assistant message's tool-call arguments as objects, its reasoning as `thinking`."""
+    calls = message.get("tool_calls")
+    if isinstance(calls, list):
+        message["tool_calls"] = [_arguments_object(call) for call in calls]
+    reasoning = message.get("reasoning_content")
+    if isinstance(reasoning, str) and "thinking" not in message and not message.get("content"):
+        message["thinking"] = reasoning
 
 
 def _apply(tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:

@@ -109,8 +109,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         choices=sorted(REASONING_PARSERS),
         default=None,
         help="return the <think> part of chat replies as reasoning_content (deepseek_r1: the "
-        "reply starts inside the reasoning; qwen3: only where the model writes <think>); "
-        "tool calls are read from the rest (default: off, the tags stay in the content)",
+        "reply starts inside the reasoning; qwen3: only where the model writes <think>; "
+        "openai_gptoss: harmony's analysis channel); tool calls are read from the rest "
+        "(default: off, the tags stay in the content; gpt-oss: openai_gptoss)",
     )
     g.add_argument(
         "--tool-call-parser",
@@ -118,7 +119,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="how tool_choice 'auto' reads the calls a model writes (vLLM's names; hermes: "
         "<tool_call>{json}</tool_call>, llama3_json, mistral, qwen3_coder, deepseek_v3, "
-        "pythonic) (default: hermes)",
+        "pythonic, openai: gpt-oss's harmony) (default: hermes; gpt-oss: openai)",
     )
     g.add_argument(
         "--enable-auto-tool-choice",

@@ -197,6 +197,10 @@ class AllowedToolsChoice(RequestModel):
     allowed_tools: AllowedTools
 
 
+# OpenAI's reasoning efforts (chat's `reasoning_effort`, the Responses API's `reasoning.effort`).
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
+
 class ChatTemplateFields(RequestModel):
     """What the chat template renders: chat completions and `/tokenize` with messages."""
 
@@ -210,6 +214,8 @@ class ChatTemplateFields(RequestModel):
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False  # templates write their own BOS
     chat_template: str | None = None  # refused: the tokenizer's template only
+    # OpenAI's values; a template variable, as in vLLM (gpt-oss writes "Reasoning: low").
+    reasoning_effort: ReasoningEffort | None = None
 
 
 class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
@@ -223,7 +229,6 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     include_reasoning: bool = True  # false: the reasoning part is dropped from the reply
-    reasoning_effort: str | None = None  # ignored
 
 
 # ---- responses -----------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from tokenwise.entrypoints.openai.protocol import ReasoningEffort
 from tokenwise.entrypoints.openai.request_fields import RequestModel
 
 
@@ -211,10 +212,11 @@ class TextConfig(RequestModel):
 
 
 class ReasoningConfig(RequestModel):
-    """Accepted and echoed: the reasoning a model writes is its own (split off as reasoning
-    items with `--reasoning-parser`); there is no effort knob to turn."""
+    """Echoed; `effort` reaches the chat template as `reasoning_effort` (gpt-oss reads it), the
+    summary settings are accepted only: the reasoning a model writes is its own (split off as
+    reasoning items with `--reasoning-parser`)."""
 
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    effort: ReasoningEffort | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
@@ -233,8 +235,9 @@ Includable = Literal[
 
 class ResponsesRequest(RequestModel):
     # Implemented here, though the chat endpoints only accept them (`request_fields.IGNORED`):
-    # `store` keeps the response for `previous_response_id`, `metadata` is echoed and stored.
-    implemented_fields: ClassVar[frozenset[str]] = frozenset({"store", "metadata"})
+    # `store` keeps the response for `previous_response_id`, `metadata` is echoed and stored;
+    # `reasoning`'s effort is the chat template's `reasoning_effort`.
+    implemented_fields: ClassVar[frozenset[str]] = frozenset({"store", "metadata", "reasoning"})
 
     model: str | None = None
     input: str | list[InputItem]

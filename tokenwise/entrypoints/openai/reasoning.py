@@ -12,10 +12,15 @@ splits them; tool calls are then read from the content alone (`tool_calls`).
   content; a reply that never closes the tag is all reasoning.
 - `qwen3`: reasoning only where the model opens it: text before `<think>` and after `</think>`
   is content, and a reply without `<think>` (Qwen3 with `enable_thinking: false`) is all content.
+- `openai_gptoss`: gpt-oss's harmony messages (`tool_parsers.harmony`) instead of tags: the
+  `analysis` channel is the reasoning, `final` messages and commentary preambles the content
+  (several of a kind joined by a newline). A message addressed to a tool stays in the content
+  as harmony text, for the tool-call parser `openai` to read. Its markers are special tokens,
+  so replies it reads are decoded with them kept.
 
-Only the first reasoning block counts: tags after it are ordinary content. Whitespace between a
-tag and the text is dropped (the reasoning is trimmed, the content after `</think>` starts at
-its first visible character), as chat UIs show neither.
+With tags, only the first reasoning block counts: tags after it are ordinary content.
+Whitespace between a tag and the text is dropped (the reasoning is trimmed, the content after
+`</think>` starts at its first visible character), as chat UIs show neither.
 
 One incremental parser serves both shapes of response, so they cannot disagree: a stream feeds
 it each delta and sends what it returns at once, a collected response feeds the whole text.
@@ -28,6 +33,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar
+
+from tokenwise.entrypoints.openai.tool_parsers import harmony
 
 OPEN_TAG = "<think>"
 CLOSE_TAG = "</think>"
@@ -52,6 +59,8 @@ class ReasoningParser:
 
     # True: the reply begins inside the reasoning (no opening tag needed).
     starts_in_reasoning: ClassVar[bool]
+    # The format's markers are special tokens that decoding would otherwise drop.
+    needs_special_tokens: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._mode = "reasoning" if self.starts_in_reasoning else "before"
@@ -135,9 +144,53 @@ class Qwen3ReasoningParser(ReasoningParser):
     starts_in_reasoning = False
 
 
+class GptOssReasoningParser(ReasoningParser):
+    """Harmony messages by channel; calls passed on as written (with an end token where the
+    next message began without one, so that the tool-call parser sees where each ends)."""
+
+    starts_in_reasoning = False
+    needs_special_tokens = True
+
+    def __init__(self) -> None:
+        self._lexer = harmony.HarmonyLexer()
+        self._kind = "content"
+        self._joins = {"reasoning": harmony.Separator(), "content": harmony.Separator()}
+
+    def feed(self, text: str) -> ReasoningDelta:
+        return self._read(self._lexer.feed(text), ended=False)
+
+    def finish(self) -> ReasoningDelta:
+        return self._read(self._lexer.finish(), ended=True)
+
+    def _read(self, events: list[harmony.HarmonyEvent], ended: bool) -> ReasoningDelta:
+        out = ReasoningDelta()
+        for event in events:
+            if isinstance(event, harmony.Outside):
+                out.content += event.text
+            elif isinstance(event, harmony.MessageStart):
+                self._kind = harmony.route(event)
+                if self._kind in self._joins:
+                    self._joins[self._kind].start()
+                else:
+                    out.content += event.raw
+            elif isinstance(event, harmony.Body):
+                if self._kind == "reasoning":
+                    out.reasoning += self._joins["reasoning"].before(event.text)
+                elif self._kind == "content":
+                    out.content += self._joins["content"].before(event.text)
+                else:
+                    out.content += event.text
+            elif isinstance(event, harmony.MessageEnd):
+                if self._kind not in self._joins:
+                    out.content += event.marker or ("" if ended else harmony.END)
+                self._kind = "content"
+        return out
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "deepseek_r1": DeepSeekR1ReasoningParser,
     "qwen3": Qwen3ReasoningParser,
+    "openai_gptoss": GptOssReasoningParser,
 }
 
 

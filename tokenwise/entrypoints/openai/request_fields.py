@@ -46,7 +46,6 @@ IGNORED = (
     "metadata",
     "store",
     "service_tier",
-    "reasoning_effort",
     "length_penalty",
     "early_stopping",
     "request_id",

@@ -16,7 +16,10 @@ The mapping of items to messages:
 - `function_call` items -> `tool_calls` of an assistant message: consecutive calls, and calls
   right after an assistant message, join that message, as a chat client would send them;
 - `function_call_output` items -> `tool` messages with the call's `tool_call_id`;
-- `reasoning` items are left out: chat templates drop earlier turns' reasoning too.
+- `reasoning` items right before function calls -> the `reasoning_content` of the assistant
+  message that makes the calls (gpt-oss's template shows the model the reasoning behind a call
+  it is continuing from); other reasoning items are left out, as chat templates drop earlier
+  turns' reasoning too.
 
 `truncation: "auto"` drops the oldest messages (never the instructions, never the last
 message) until the prompt fits the model's context, as OpenAI drops the oldest items.
@@ -84,7 +87,11 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict[str, Any]] = []
+    reasoning = ""  # a reasoning item's text, until the next item
     for item in items:
+        if isinstance(item, ReasoningItem):
+            reasoning = _reasoning_text(item)
+            continue
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
             messages.append({"role": role, "content": _text(item.content)})
@@ -95,16 +102,26 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
                 "function": {"name": item.name, "arguments": item.arguments},
             }
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif isinstance(item, FunctionCallOutputItem):
+            if last is None or last["role"] != "assistant":
+                last = {"role": "assistant", "content": None}
+                messages.append(last)
+            last.setdefault("tool_calls", []).append(call)
+            if reasoning and "reasoning_content" not in last:
+                last["reasoning_content"] = reasoning
+        else:
+            assert isinstance(item, FunctionCallOutputItem)
             output = item.output if isinstance(item.output, str) else _text(item.output)
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
-        else:
-            assert isinstance(item, ReasoningItem)
+        reasoning = ""
     return messages
+
+
+def _reasoning_text(item: ReasoningItem) -> str:
+    """A reasoning item's text: its content's (this server's), else its summary's."""
+    parts = item.content or item.summary
+    return "\n".join(
+        p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)
+    )
 
 
 def output_items(message: AssistantMessage) -> list[OutputItem]:
@@ -126,10 +143,13 @@ def output_items(message: AssistantMessage) -> list[OutputItem]:
 
 def output_messages(items: list[OutputItem]) -> list[dict[str, Any]]:
     """A response's output as chat messages, for the conversation `previous_response_id`
-    continues (its reasoning left out, as in `input_messages`)."""
+    continues (its reasoning as in `input_messages`: kept only for the calls it led to)."""
     converted: list[Any] = []
     for item in items:
-        if isinstance(item, OutputMessage):
+        if isinstance(item, OutputReasoning):
+            content = [part.model_dump() for part in item.content]
+            converted.append(ReasoningItem(type="reasoning", content=content))
+        elif isinstance(item, OutputMessage):
             text = "".join(part.text for part in item.content)
             converted.append(MessageItem(role="assistant", content=text))
         elif isinstance(item, OutputFunctionCall):
@@ -190,6 +210,7 @@ def chat_request(
         "parallel_tool_calls": body.parallel_tool_calls,
         "ignore_eos": body.ignore_eos,
         "response_format": _response_format(body),
+        "reasoning_effort": body.reasoning.effort if body.reasoning is not None else None,
         **{name: getattr(body, name) for name in _SAMPLING},
     }
     if body.tools:

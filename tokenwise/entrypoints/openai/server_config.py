@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass
+from typing import Any
 
 from tokenwise.entrypoints.openai.reasoning import check_reasoning_parser
 from tokenwise.entrypoints.openai.tool_parsers import check_tool_call_parser
@@ -23,6 +24,24 @@ DEFAULT_MAX_PROMPTS = 64  # prompts in one batched /v1/completions request (--ma
 DEFAULT_MAX_LOGPROBS = 20  # top logprobs per token (--max-logprobs); OpenAI's own cap
 DEFAULT_MAX_REQUEST_BODY_BYTES = 1 << 20  # 1 MiB (--max-request-body-bytes) -> 413 above
 DEFAULT_RESPONSES_STORE_SIZE = 1000  # kept for previous_response_id (--responses-store-size)
+
+# Families whose replies only their own parsers can read, and which get them when the flags name
+# none: gpt-oss always writes harmony (vLLM reads it so whatever its flags say); hermes or no
+# reasoning parser would hand its special tokens' text to the client.
+FAMILY_PARSERS: dict[str, dict[str, str]] = {
+    "GptOssForCausalLM": {"reasoning_parser": "openai_gptoss", "tool_call_parser": "openai"},
+}
+
+
+def with_family_parsers(kwargs: dict[str, Any], architectures: list[str]) -> dict[str, Any]:
+    """ServerConfig's `kwargs` with the model family's parsers (`FAMILY_PARSERS`) wherever
+    they name none."""
+    out = dict(kwargs)
+    for arch in architectures:
+        for key, name in FAMILY_PARSERS.get(arch, {}).items():
+            if out.get(key) is None:
+                out[key] = name
+    return out
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ With `tools`, the template receives them (`tools=`, as Hugging Face templates ex
 allowed ones under an `allowed_tools` choice), the reply is read for tool calls according to
 `tool_choice` (`tool_calls`) with the server's `--tool-call-parser` (`tool_parsers`), and a
 forced call is enforced with guided decoding (`structured_outputs`). A parser whose markers
-are special tokens (mistral) has them kept in the decoded text of "auto" replies, as vLLM does.
+are special tokens (mistral, openai) has them kept in the decoded text of "auto" replies, as
+vLLM does; so does a reasoning parser whose markers are (openai_gptoss: harmony's).
 
 With `--reasoning-parser`, each choice's `<think>` part comes back as `reasoning_content`
 (`reasoning`), and tool calls are read from what follows it. A guided reply (a response format,
@@ -45,6 +46,7 @@ from tokenwise.entrypoints.openai.serving_common import (
     check_cap,
 )
 from tokenwise.entrypoints.openai.structured_outputs import (
+    ToolMode,
     guided_decoding_for,
     is_guided,
     narrow_allowed_tools,
@@ -97,7 +99,7 @@ class ChatServing(OpenAIServing[ChatCompletionRequest, ChatLogprobs]):
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         mode = resolve_tool_mode(body)
         guided = guided_decoding_for(body, mode)
-        if mode.kind == "auto" and self._tool_parser_cls().needs_special_tokens:
+        if self._needs_special_tokens(body, mode):
             body = body.model_copy(update={"skip_special_tokens": False})
         params = build_sampling_params(
             body, self.config, max_tokens, logprobs, guided, body.prompt_logprobs
@@ -146,6 +148,15 @@ class ChatServing(OpenAIServing[ChatCompletionRequest, ChatLogprobs]):
             return ToolCallReader(mode, parser=parser)
         reasoning = REASONING_PARSERS[name]()
         return ToolCallReader(mode, reasoning, body.include_reasoning, parser)
+
+    def _needs_special_tokens(self, body: ChatCompletionRequest, mode: ToolMode) -> bool:
+        """Whether the reply's parsers read markers that are special tokens (harmony's)."""
+        if mode.kind == "auto" and self._tool_parser_cls().needs_special_tokens:
+            return True
+        name = self.config.reasoning_parser
+        if name is None or is_guided(body, mode):
+            return False
+        return REASONING_PARSERS[name].needs_special_tokens
 
     def _tool_parser_cls(self) -> type[ToolParser]:
         return TOOL_PARSERS[self.config.tool_call_parser or DEFAULT_TOOL_PARSER]

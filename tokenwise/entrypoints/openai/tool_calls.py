@@ -132,9 +132,11 @@ class ToolCallReader:
         content: str | None = text
         calls: list[ParsedToolCall] = []
         if self.mode.kind == "auto":
+            # Without calls the content is as the parser passed it on, untrimmed: the text
+            # itself, unless the format wraps even plain answers (harmony's messages).
             parsed = join_events(self._parser.feed(text) + self._parser.finish())
-            parsed.content = parsed.content.strip()
-            content, calls = (parsed.content or None, parsed.calls) if parsed.calls else (text, [])
+            calls = parsed.calls
+            content = (parsed.content.strip() or None) if calls else parsed.content
         elif self.mode.kind == "named":
             assert self.mode.name is not None
             content, calls = None, [ParsedToolCall(self.mode.name, text)]

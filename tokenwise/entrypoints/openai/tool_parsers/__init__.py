@@ -10,6 +10,7 @@ from tokenwise.entrypoints.openai.tool_parsers.deepseek_v3 import DeepSeekV3Tool
 from tokenwise.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from tokenwise.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
 from tokenwise.entrypoints.openai.tool_parsers.mistral import MistralToolParser
+from tokenwise.entrypoints.openai.tool_parsers.openai import OpenAIToolParser
 from tokenwise.entrypoints.openai.tool_parsers.pythonic import PythonicToolParser
 from tokenwise.entrypoints.openai.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
@@ -22,6 +23,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
         Qwen3CoderToolParser,
         DeepSeekV3ToolParser,
         PythonicToolParser,
+        OpenAIToolParser,
     )
 }
 # Without --tool-call-parser, "auto" reads Hermes / Qwen blocks, as tokenwise always has.
