@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	@echo "Setting up $(VENV) (first run takes a few minutes; log in $(LOG))..."
 	@: > $(LOG)
 	@$(PIP) install torch==2.13.0 $(QUIET)
-	@$(PIP) install -e '.[dev,docs]' $(QUIET)
+	@$(PIP) install -e '.[dev,docs,ray]' $(QUIET)
 	@$(PY) -c "import torch, transformers, tokenwise" $(QUIET)
 	@touch $(STAMP)
 

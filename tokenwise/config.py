@@ -99,8 +99,16 @@ class ParallelConfig:
     enable_microbatching: bool = False
     microbatching_decode_token_threshold: int = 32
     microbatching_prefill_token_threshold: int = 512
+    # How the other TP / PP ranks start (vLLM's name): "mp", spawned processes; "ray", Ray
+    # actors (`tokenwise/executor/ray_workers.py`).
+    distributed_executor_backend: str = "mp"
 
     def __post_init__(self) -> None:
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(
+                "distributed_executor_backend must be 'mp' or 'ray', got "
+                f"{self.distributed_executor_backend!r}"
+            )
         _check_int("data_parallel_size", self.data_parallel_size, 1)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)

@@ -198,6 +198,7 @@ EXTERNAL = (
     "WORLD_SIZE",
     "MASTER_ADDR",
     "TORCHELASTIC_RUN_ID",
+    "PYTHONPATH",  # handed to Ray actors with the TOKENWISE_* variables
 )
 
 
@@ -213,6 +214,12 @@ def external(name: str) -> str | None:
     if name not in EXTERNAL:
         raise KeyError(f"{name} is not listed in tokenwise.envs.EXTERNAL")
     return os.environ.get(name)
+
+
+def tokenwise_variables() -> dict[str, str]:
+    """The `TOKENWISE_*` variables set in this process, for workers started elsewhere (Ray
+    actors), which do not inherit this process's environment."""
+    return {name: value for name, value in os.environ.items() if name.startswith(PREFIX)}
 
 
 def set_default(name: str, value: str) -> None:

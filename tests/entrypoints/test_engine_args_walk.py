@@ -28,6 +28,7 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "max_num_encoder_input_tokens": ("64", 64),
     "override_pooler_config": ('{"pooling_type": "mean"}', PoolerConfig("MEAN")),
     "max_model_len": ("77", 77),
+    "distributed_executor_backend": ("ray", "ray"),
     "max_num_seqs": ("3", 3),
     "max_num_batched_tokens": ("99", 99),
     "block_size": ("32", 32),

@@ -115,14 +115,17 @@ def _stage_namer(tp_size: int) -> Callable[[int], str]:
 
 
 def start_pipeline_parallel(
-    config: EngineConfig, worker_main: WorkerMain | None
+    config: EngineConfig,
+    worker_main: WorkerMain | None,
+    launcher: type[TPWorkers] | None = None,
 ) -> TPWorkers | None:
     """Check the settings, then (on the driver) spawn the other stages and join the group.
 
     Called before the model is built: the model reads its layer range at construction.
     Returns the spawned stages on the driver; None with P = 1 and in a spawned stage, which
     joined the group before building its runner. `worker_main(config, rank, init_method)` is
-    the stages' entry (`tokenwise.executor.worker_main.run_pp_worker`, above the runner).
+    the stages' entry (`tokenwise.executor.worker_main.run_pp_worker`, above the runner);
+    `launcher` starts them (default `TPWorkers`: spawned processes).
     """
     check_pipeline_config(config)
     parallel = config.parallel
@@ -141,7 +144,9 @@ def start_pipeline_parallel(
         )
     limit_cpu_threads(config)
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    workers = TPWorkers(config, init_method, worker_main, pp * tp, describe=_stage_namer(tp))
+    workers = (launcher or TPWorkers)(
+        config, init_method, worker_main, pp * tp, describe=_stage_namer(tp)
+    )
     with startup_failures_named(workers):
         try:
             init_pp_group(pp, tp, 0, 0, init_method, config.device, workers)

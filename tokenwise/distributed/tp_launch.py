@@ -93,8 +93,17 @@ class TPWorkers:
         size = world_size or config.parallel.tensor_parallel_size
         self.describe = describe
         self.first_rank = first_rank  # this driver's global rank (DP rank * TP size under DP)
+        # Handles with `multiprocessing.Process`'s face (pid, exitcode, is_alive, join, kill):
+        # processes here, Ray actors for the Ray executor (`executor/ray_workers.py`).
+        self.procs: list[Any] = self._start(config, init_method, worker_main, size)
+        self._finalizer = weakref.finalize(self, _reap, self.procs)
+
+    def _start(
+        self, config: EngineConfig, init_method: str, worker_main: WorkerMain, size: int
+    ) -> list[Any]:
+        """Start ranks 1..size-1, each running `worker_main(config, rank, init_method)`."""
         ctx = mp.get_context("spawn")  # fork would copy torch's threads and locks
-        self.procs = [
+        procs = [
             ctx.Process(
                 target=worker_main,
                 args=(config, rank, init_method),
@@ -103,9 +112,9 @@ class TPWorkers:
             )
             for rank in range(1, size)
         ]
-        for proc in self.procs:
+        for proc in procs:
             proc.start()
-        self._finalizer = weakref.finalize(self, _reap, self.procs)
+        return procs
 
     def dead_worker(self) -> str | None:
         """A sentence naming the first worker that has exited, if any has."""
@@ -175,14 +184,19 @@ def join_parallel_groups(
         init_dp_group(parallel, timeout_s=DP_COLLECTIVE_TIMEOUT_S, device=config.device)
 
 
-def start_tensor_parallel(config: EngineConfig, worker_main: WorkerMain | None) -> TPWorkers | None:
+def start_tensor_parallel(
+    config: EngineConfig,
+    worker_main: WorkerMain | None,
+    launcher: type[TPWorkers] | None = None,
+) -> TPWorkers | None:
     """Join (and, unless torchrun did, start) this engine's TP group; None with TP size 1.
 
     Called before the model is built, since the layers read their TP rank at construction.
     `worker_main(config, rank, init_method)` is what each spawned worker runs
     (`tokenwise.executor.worker_main.run_tp_worker`, passed in because it sits above this
-    module); None where no worker can be spawned (a worker's own runner).
-    Returns the spawned workers on the driver of a spawned group, None otherwise.
+    module); None where no worker can be spawned (a worker's own runner). `launcher` starts
+    them (default `TPWorkers`: spawned processes; the Ray executor's starts Ray actors).
+    Returns the started workers on the driver of a started group, None otherwise.
     Under DP x TP every DP rank is the driver of its own TP group, and all `dp * tp` processes
     rendezvous at the DP address and port.
     """
@@ -214,7 +228,7 @@ def start_tensor_parallel(config: EngineConfig, worker_main: WorkerMain | None) 
             f"tensor_parallel_size={size} needs the TP worker entry point to spawn workers: "
             "start the engine through LLMEngine (its executor spawns them)"
         )
-    workers = TPWorkers(
+    workers = (launcher or TPWorkers)(
         config, init_method, worker_main, first_rank=size * parallel.data_parallel_rank
     )
     with startup_failures_named(workers):

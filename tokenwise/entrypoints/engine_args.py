@@ -236,6 +236,14 @@ class EngineArgs:
         type=bounded_int(1),
         group=PARALLEL,
     )
+    distributed_executor_backend: str = setting(
+        "mp",
+        "how the other tensor/pipeline-parallel ranks start: 'mp' spawned processes, 'ray' "
+        "Ray actors on this node (RAY_ADDRESS or a local Ray; pip install 'tokenwise[ray]'); "
+        "default: mp",
+        choices=["mp", "ray"],
+        group=PARALLEL,
+    )
     data_parallel_size: int = setting(
         1,
         "number of engine ranks; requests go to the least loaded (default: 1)",

@@ -265,5 +265,6 @@ def _parallel_config(args: Any, is_moe: bool) -> ParallelConfig:
         data_parallel_size_local=args.data_parallel_size_local,
         data_parallel_start_rank=args.data_parallel_start_rank,
         data_parallel_rpc_port=args.data_parallel_rpc_port,
+        distributed_executor_backend=args.distributed_executor_backend,
         **thresholds,
     )

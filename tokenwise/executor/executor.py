@@ -10,8 +10,8 @@ every worker, results in rank order) and `shutdown`. Two backends today:
   processes it spawned (or that torchrun started), joined over torch.distributed (gloo on CPU,
   NCCL on GPU). It keeps the spawned processes' handles: every wait on them checks that they
   live, and shutting down (or dropping the engine) stops them.
-
-A Ray backend (issue #48) is a third: workers as actors, the same interface.
+- `RayExecutor`: the same, with the other ranks as Ray actors in a placement group
+  (`distributed_executor_backend="ray"`, `ray_workers.py`).
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ from tokenwise.distributed.pp_launch import start_pipeline_parallel
 from tokenwise.distributed.rendezvous import WorkerLostError
 from tokenwise.distributed.tp_broadcast import gather_replies
 from tokenwise.distributed.tp_channel import TPDriver
-from tokenwise.distributed.tp_launch import start_tensor_parallel
+from tokenwise.distributed.tp_launch import TPWorkers, start_tensor_parallel
 from tokenwise.distributed.tp_state import ACTIVATION_TIMEOUT_S, get_tp_cpu_group
 from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
+from tokenwise.executor.ray_workers import RayWorkers
 from tokenwise.executor.worker import RPCMethod, Worker, run_rpc
 from tokenwise.executor.worker_main import run_pp_worker, run_tp_worker
 from tokenwise.runner.kind_part import RunnerKindPart
@@ -57,6 +58,8 @@ class Executor:
         parallel = config.parallel
         if parallel.tensor_parallel_size * parallel.pipeline_parallel_size == 1:
             cls: type[Executor] = UniProcExecutor
+        elif parallel.distributed_executor_backend == "ray":
+            cls = RayExecutor
         else:
             cls = MultiprocExecutor
         return cls.start(config, device, kind_part, on_runner, check_num_blocks)
@@ -132,6 +135,9 @@ class UniProcExecutor(Executor):
 class MultiprocExecutor(Executor):
     """The driver's worker here, the other ranks in processes started with the engine."""
 
+    # What starts the other ranks (`tp_launch.TPWorkers`: spawned processes).
+    launcher: type[TPWorkers] = TPWorkers
+
     def __init__(self, config: EngineConfig, driver_worker: Worker) -> None:
         super().__init__(config, driver_worker)
         # Dropping the engine stops the workers too (they leave their loops with the driver).
@@ -148,12 +154,12 @@ class MultiprocExecutor(Executor):
     ) -> Executor:
         pipeline = None
         if config.parallel.pipeline_parallel_size > 1:
-            stages = start_pipeline_parallel(config, run_pp_worker)
+            stages = start_pipeline_parallel(config, run_pp_worker, cls.launcher)
             assert config.model is not None
             hidden_size = int(config.model.hf_config.hidden_size)
             pipeline = PipelineChannel(stages, config.model.dtype, hidden_size)
         try:
-            tp = TPDriver(start_tensor_parallel(config, run_tp_worker))
+            tp = TPDriver(start_tensor_parallel(config, run_tp_worker, cls.launcher))
         except BaseException:
             if pipeline is not None:
                 pipeline.abandon()
@@ -214,6 +220,12 @@ class MultiprocExecutor(Executor):
     def shutdown(self) -> None:
         super().shutdown()
         self._finalizer()
+
+
+class RayExecutor(MultiprocExecutor):
+    """The driver's worker here, the other ranks as Ray actors (`ray_workers.py`)."""
+
+    launcher = RayWorkers
 
 
 def _stop(tp: TPDriver, pipeline: PipelineChannel | None) -> None:
