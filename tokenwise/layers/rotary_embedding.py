@@ -22,7 +22,7 @@ from torch import nn
 from tokenwise.layers.rope_yarn import yarn_attention_factor, yarn_inv_freq
 from tokenwise.native import fused as cpu_fused
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
 
 def get_rope_config(
@@ -87,6 +87,20 @@ def llama3_inv_freq(
     return (1.0 - smooth) * inv_freq / factor + smooth * inv_freq
 
 
+def proportional_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Gemma 4's global layers: only the first `partial_rotary_factor` of the frequency pairs
+    rotate, with the exponents of the *whole* head (`2i / head_dim`, not `2i / rotary_dim`);
+    the other pairs get frequency 0 (cos 1, sin 0: passed through), so the rotation still
+    spans the whole head in the usual rotate-half layout. `factor` divides every frequency."""
+    partial = float(scaling.get("partial_rotary_factor", 1.0))
+    if not 0.0 <= partial <= 1.0:
+        raise ValueError(f"proportional RoPE needs partial_rotary_factor in [0, 1], got {partial}")
+    rotated = int(partial * inv_freq.numel())
+    out = torch.zeros_like(inv_freq)
+    out[:rotated] = inv_freq[:rotated]
+    return out / float(scaling.get("factor", 1.0))
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(
         self,
@@ -116,6 +130,8 @@ class RotaryEmbedding(nn.Module):
     def _inv_freq(self, scaling: dict[str, Any]) -> torch.Tensor:
         exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim
         inv_freq = 1.0 / (self.base**exponent)
+        if self.rope_type == "proportional":
+            return proportional_inv_freq(inv_freq, scaling)
         if scaling.get("partial_rotary_factor", 1.0) != 1.0:
             raise NotImplementedError("partial rotary embeddings are not supported")
         if self.rope_type == "default":
