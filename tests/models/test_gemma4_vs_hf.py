@@ -154,3 +154,47 @@ def test_moe_checkpoint_is_refused_by_name() -> None:
     )
     with pytest.raises(NotImplementedError, match=r"Gemma 4 with enable_moe_block=True"):
         _load(path)
+
+
+def _conditional_generation_checkpoint(out: str) -> str:
+    """A hub-shaped Gemma 4 (`Gemma4ForConditionalGeneration`: a one-layer vision tower
+    beside the "dense" text model) written by transformers, with the tiny tokenizer."""
+    import transformers
+
+    from tests.tiny_checkpoints import _perturb, tiny_config
+
+    text = tiny_config(ARCH).to_dict()
+    vision = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+    }
+    config = transformers.Gemma4Config(
+        text_config=text,
+        vision_config=vision,
+        architectures=["Gemma4ForConditionalGeneration"],
+    )
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForConditionalGeneration(config)
+    _perturb(model, 0)
+    model.save_pretrained(out)
+    tiny_tokenizer().save_pretrained(out)
+    return out
+
+
+def test_conditional_generation_checkpoint_serves_text(tmp_path: Any) -> None:
+    """The hub's class loads its language model (the tower's tensors are skipped) and
+    generates HF's greedy tokens for text prompts."""
+    path = _conditional_generation_checkpoint(str(tmp_path / "gemma4-mm"))
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            _logits(_load(path), ids), _hf_logits(path, ids), atol=1e-4, rtol=0
+        )
+    prompts = mixed_prompts()[:4]
+    llm = LLM(path, dtype="float32", num_gpu_blocks=64)
+    got = _engine_tokens(llm, prompts)
+    assert got == [hf_greedy(path, p, MAX_TOKENS) for p in prompts]
