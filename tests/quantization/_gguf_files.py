@@ -85,6 +85,34 @@ def _tokenizer_metadata(writer: Any, hf_dir: str) -> None:
     writer.add_eos_token_id(vocab[tok_config["eos_token"]])
 
 
+def llama3_rope_factors(config: dict[str, Any], head_dim: int) -> np.ndarray | None:
+    """What llama.cpp's converter writes as `rope_freqs` for `llama3` rope scaling: one
+    divisor per frequency pair (1 for wavelengths under `original / high_freq_factor`,
+    `factor` over `original / low_freq_factor`, the reciprocal of the linear blend of `1 /
+    factor` and 1 between). Like the converter, the original context is the config's
+    top-level `original_max_position_embeddings`, 8192 when absent (the rope dict's own
+    value is not read: Llama 3.x checkpoints say 8192 in both places)."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type") != "llama3":
+        return None
+    theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    factor = float(rope.get("factor", 8.0))
+    low, high = float(rope.get("low_freq_factor", 1.0)), float(rope.get("high_freq_factor", 4.0))
+    original = float(config.get("original_max_position_embeddings", 8192))
+    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    wavelengths = 2 * np.pi * np.float32(theta) ** exponents
+    out = np.empty(len(wavelengths), dtype=np.float32)
+    for i, wavelength in enumerate(wavelengths.astype(np.float64)):
+        if wavelength < original / high:
+            out[i] = 1.0
+        elif wavelength > original / low:
+            out[i] = factor
+        else:
+            blend = (original / wavelength - low) / (high - low)
+            out[i] = 1.0 / ((1.0 - blend) / factor + blend)
+    return out
+
+
 def write_gguf(
     hf_dir: str,
     out_path: str,
@@ -182,6 +210,9 @@ def write_gguf(
         else:  # a stacked expert tensor: back to one tensor per expert
             for expert, hf_name in enumerate(hf_names):
                 stored[hf_name] = torch.from_numpy(np.ascontiguousarray(values[expert]))
+    factors = llama3_rope_factors(config, head_dim) if arch == "llama" else None
+    if factors is not None and "rope_freqs.weight" not in (extra_tensors or {}):
+        writer.add_tensor("rope_freqs.weight", factors)
     for name, data in (extra_tensors or {}).items():
         writer.add_tensor(name, data)  # as given (an int8 array is written as I8)
     if dense_dir is not None:

@@ -10,17 +10,25 @@ apply to another (transformers' own GGUF loader leaves Qwen3's `head_dim` at the
 of 128, for one).
 
 Unsupported files fail here, before anything is built: an architecture with no entry below,
-and rope scaling this reader does not translate (llama.cpp bakes Llama 3's frequency factors
-into a `rope_freqs` tensor, which is not handled yet).
+and rope scaling this reader does not translate.
+
+Llama 3.1+ files carry no rope scaling metadata: llama.cpp's converter turns the checkpoint's
+`llama3` scaling into one factor per frequency pair, stored as the `rope_freqs` tensor, and
+its rope kernel divides each inverse frequency by its factor. The original parameters cannot
+be recovered from the factors, so the config keeps the factors themselves
+(`rope_freq_factors`, a tokenwise attribute that `get_rope_config` turns into the
+`freq_factors` rope type): the same frequencies llama.cpp computes.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from tokenwise.gguf.gemma_config import gemma_kwargs
 from tokenwise.gguf.moe_config import expert_count, moe_kwargs
-from tokenwise.gguf.reader import read_metadata
+from tokenwise.gguf.reader import open_gguf, read_metadata
 
 # llama.cpp architecture -> (transformers model_type, architecture class name).
 # Mistral-style files are written as "llama" by llama.cpp, and load as Llama.
@@ -49,14 +57,35 @@ def gguf_architecture(metadata: dict[str, Any], path: str) -> str:
     return arch
 
 
-def _rope_scaling(metadata: dict[str, Any], arch: str, names: tuple[str, ...], path: str) -> Any:
-    if "rope_freqs.weight" in names:
-        raise NotImplementedError(
-            f"GGUF file {path!r} scales rope with per-frequency factors (a rope_freqs tensor, "
-            "as llama.cpp writes Llama 3.1+ models); tokenwise does not read those yet: load "
-            "the Hugging Face checkpoint directory instead"
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def rope_freq_factors(path: str, head_dim: int) -> list[float]:
+    """The `rope_freqs` tensor's factors, one per rotated pair (`head_dim / 2` of them)."""
+    from gguf.quants import dequantize
+
+    tensor = next(t for t in open_gguf(path).tensors if t.name == ROPE_FREQS)
+    values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float64).ravel()
+    if values.size != head_dim // 2:
+        raise ValueError(
+            f"GGUF file {path!r}: {ROPE_FREQS} holds {values.size} factors, the rotary head "
+            f"of {head_dim} needs {head_dim // 2} (one per frequency pair)"
         )
+    if not (np.isfinite(values).all() and (values > 0).all()):
+        raise ValueError(f"GGUF file {path!r}: {ROPE_FREQS} holds factors that are not > 0")
+    return [float(v) for v in values]
+
+
+def _rope_scaling(metadata: dict[str, Any], arch: str, names: tuple[str, ...], path: str) -> Any:
     kind = metadata.get(f"{arch}.rope.scaling.type")
+    if ROPE_FREQS in names:
+        if arch != "llama" or kind not in (None, "none"):
+            raise NotImplementedError(
+                f"GGUF file {path!r} has per-frequency rope factors ({ROPE_FREQS}) in a "
+                f"{arch!r} model with rope scaling {kind!r}; tokenwise applies them to llama "
+                "files without other rope scaling (Llama 3.1+ as llama.cpp converts them)"
+            )
+        return None
     if kind in (None, "none"):
         return None
     if kind == "linear":
@@ -118,6 +147,8 @@ def gguf_hf_config(path: str) -> Any:
     scaling = _rope_scaling(metadata, arch, names, path)
     if scaling is not None:
         kwargs["rope_scaling"] = scaling
+    if ROPE_FREQS in names:
+        kwargs["rope_freq_factors"] = rope_freq_factors(path, int(head_dim))
     if model_type in (
         "llama",
         "qwen3",

@@ -39,6 +39,8 @@ from tokenwise.gguf.gemma_config import GEMMA_ARCHS
 from tokenwise.gguf.hf_config import gguf_architecture
 from tokenwise.gguf.reader import open_gguf, read_metadata
 
+# Tensors that are configuration, not parameters: read by `hf_config` (rope factors).
+CONFIG_TENSORS = ("rope_freqs.weight",)
 # Architectures whose q/k rows llama.cpp's converter permutes.
 PERMUTED_QK = ("llama",)
 # An expert's tensor in the checkpoint names the loader asks for: `<layer>.experts.<e>.<proj>`.
@@ -109,6 +111,8 @@ def iterate_gguf(
     mapping = gguf_to_hf_names(arch, num_layers, expected_names)
     reader = open_gguf(path)
     for tensor in reader.tensors:
+        if tensor.name in CONFIG_TENSORS:
+            continue
         hf_name = mapping.get(tensor.name)
         if hf_name is None:
             raise ValueError(

@@ -22,7 +22,7 @@ from torch import nn
 from tokenwise.layers.rope_yarn import yarn_attention_factor, yarn_inv_freq
 from tokenwise.native import fused as cpu_fused
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional", "freq_factors")
 
 
 def get_rope_config(
@@ -57,6 +57,9 @@ def get_rope_config(
         legacy = getattr(hf_config, "rope_scaling", None)
         scaling = dict(legacy) if legacy else None
     theta = 10000.0 if theta is None else float(theta)
+    factors = getattr(hf_config, "rope_freq_factors", None)
+    if factors is not None:  # a GGUF file's per-frequency factors (tokenwise.gguf.hf_config)
+        return theta, {"rope_type": "freq_factors", "factors": tuple(factors)}
     if scaling is not None:
         scaling.pop("rope_theta", None)
         rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
@@ -132,6 +135,14 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (self.base**exponent)
         if self.rope_type == "proportional":
             return proportional_inv_freq(inv_freq, scaling)
+        if self.rope_type == "freq_factors":  # llama.cpp's rope_freqs: one divisor per pair
+            factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+            if factors.shape != inv_freq.shape:
+                raise ValueError(
+                    f"{factors.numel()} rope frequency factors for a rotary head of "
+                    f"{self.head_dim} (needs {inv_freq.numel()})"
+                )
+            return inv_freq / factors
         if scaling.get("partial_rotary_factor", 1.0) != 1.0:
             raise NotImplementedError("partial rotary embeddings are not supported")
         if self.rope_type == "default":
