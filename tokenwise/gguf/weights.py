@@ -68,6 +68,10 @@ def gguf_to_hf_names(arch: str, num_layers: int, expected_names: Iterable[str]) 
         gguf_base = name_map.get_name(base)
         if gguf_base is not None:
             mapping[f"{gguf_base}.{suffix}"] = hf_name
+        elif (whole := name_map.get_name(hf_name)) is not None:
+            # A parameter without a `.weight` suffix (Gemma 4's `layer_scalar`): llama.cpp's
+            # converter names it with one.
+            mapping[f"{whole}.weight"] = hf_name
     return mapping
 
 
@@ -107,7 +111,8 @@ def iterate_gguf(
     arch = gguf_architecture(metadata, path)
     num_layers = int(metadata[f"{arch}.block_count"])
     heads = int(metadata[f"{arch}.attention.head_count"])
-    kv_heads = int(metadata.get(f"{arch}.attention.head_count_kv", heads))
+    kv_heads = metadata.get(f"{arch}.attention.head_count_kv", heads)
+    kv_heads = int(kv_heads[0] if isinstance(kv_heads, list) else kv_heads)  # per layer: gemma4
     mapping = gguf_to_hf_names(arch, num_layers, expected_names)
     reader = open_gguf(path)
     for tensor in reader.tensors:
