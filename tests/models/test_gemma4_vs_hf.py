@@ -1,9 +1,9 @@
 """Gemma 4 against transformers on tiny checkpoints.
 
-Two shapes (tests/tiny_checkpoints.py): "dense" is the 31B model's (global layers with twice
+Three shapes (tests/tiny_checkpoints.py): "dense" is the 31B model's (global layers with twice
 the head size and one KV head that is also the value, proportional RoPE); "e" adds what the
 E2B/E4B models have (per-layer embeddings, the last two layers reading earlier layers' KV
-cache, double-width MLPs there). Prompts run far past the 8-token window through the engine's
+cache, double-width MLPs there); "moe" the 26B-A4B model's routed experts beside each MLP. Prompts run far past the 8-token window through the engine's
 paths that move window boundaries: chunked prefill with a 16-token budget, a pool small enough
 to preempt, a second pass that hits the prefix cache, and two tensor-parallel ranks.
 """
@@ -32,6 +32,13 @@ SHAPES: dict[str, dict[str, Any]] = {
         "vocab_size_per_layer_input": len(tiny_tokenizer()),
         "num_kv_shared_layers": 2,
         "use_double_wide_mlp": True,
+    },
+    # The 26B-A4B model's block: 4 GeGLU experts (top 2) beside every dense MLP.
+    "moe": {
+        "enable_moe_block": True,
+        "num_experts": 4,
+        "top_k_experts": 2,
+        "moe_intermediate_size": 32,
     },
 }
 
@@ -98,7 +105,10 @@ SCHEDULES = {
     # preempt each other.
     "preempt-chunked-16": {"max_model_len": 192, "max_num_batched_tokens": 16},
 }
-SMALL_POOL = {"dense": 24, "e": 24}
+SMALL_POOL = {"dense": 24, "e": 24, "moe": 24}
+# The six prompts of the TP test need a tighter pool to preempt: one 192-token sequence
+# (12 blocks in each global layer's group) and little more.
+TP_POOL = 16
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -125,11 +135,16 @@ def test_greedy_tokens_match_hf_under_every_schedule(shape: str, schedule: str) 
         assert llm.llm_engine.scheduler.num_preemptions > 0, "the small pool should preempt"
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-def test_tensor_parallel_2_gives_hf_tokens(shape: str) -> None:
-    """Two ranks: query heads split, the global layers' single KV head replicated ("dense"),
-    the per-layer embedding table split by vocabulary ("e"); chunked and preempting."""
-    path = checkpoint(ARCH, **SHAPES[shape])
+# Every feature at once, for the (slow) two-process test: k=v global layers with one KV head,
+# per-layer embeddings, KV sharing, double-width MLPs and routed experts.
+EVERYTHING = {**SHAPES["e"], **SHAPES["moe"], "attention_k_eq_v": True}
+
+
+def test_tensor_parallel_2_gives_hf_tokens() -> None:
+    """Two ranks: query heads split, the global layers' single KV head replicated, the
+    per-layer embedding table split by vocabulary, each expert's intermediate rows split;
+    chunked and preempting."""
+    path = checkpoint(ARCH, **EVERYTHING)
     prompts = mixed_prompts()[::3]
     llm = LLM(
         path,
@@ -137,22 +152,20 @@ def test_tensor_parallel_2_gives_hf_tokens(shape: str) -> None:
         tensor_parallel_size=2,
         max_model_len=192,
         max_num_batched_tokens=16,
-        num_gpu_blocks=SMALL_POOL[shape],
+        num_gpu_blocks=TP_POOL,
     )
     try:
         got = _engine_tokens(llm, prompts)
         for i, (tokens, prompt) in enumerate(zip(got, prompts, strict=True)):
-            assert tokens == hf_greedy(path, prompt, MAX_TOKENS), f"{shape}: prompt {i}"
+            assert tokens == hf_greedy(path, prompt, MAX_TOKENS), f"prompt {i}"
         assert llm.llm_engine.get_stats().num_preemptions_total > 0, "the pool should preempt"
     finally:
         llm.shutdown()
 
 
-def test_moe_checkpoint_is_refused_by_name() -> None:
-    path = checkpoint(
-        ARCH, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32
-    )
-    with pytest.raises(NotImplementedError, match=r"Gemma 4 with enable_moe_block=True"):
+def test_bidirectional_checkpoint_is_refused_by_name() -> None:
+    path = checkpoint(ARCH, use_bidirectional_attention="all")
+    with pytest.raises(NotImplementedError, match=r"Gemma 4 with use_bidirectional_attention"):
         _load(path)
 
 
@@ -198,3 +211,6 @@ def test_conditional_generation_checkpoint_serves_text(tmp_path: Any) -> None:
     llm = LLM(path, dtype="float32", num_gpu_blocks=64)
     got = _engine_tokens(llm, prompts)
     assert got == [hf_greedy(path, p, MAX_TOKENS) for p in prompts]
+    image = {"prompt": "hi", "multi_modal_data": {"image": torch.zeros(3, 32, 32)}}
+    with pytest.raises(ValueError, match="takes text only; the prompt carries image"):
+        llm.generate(image, GREEDY, use_tqdm=False)

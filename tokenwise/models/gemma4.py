@@ -22,8 +22,8 @@ layer, embeddings scaled by `sqrt(hidden_size)`, a final logit soft-cap) and cha
   have a double-width MLP (`use_double_wide_mlp`).
 - A learned `layer_scalar` multiplies each layer's output.
 
-Not built: the MoE block of the 26B-A4B model (`enable_moe_block`) and bidirectional attention
-(`use_bidirectional_attention`); such checkpoints are refused by name. Images, video and audio
+The 26B-A4B model's routed experts (`enable_moe_block`) are in `gemma4_moe.py`. Not built:
+bidirectional attention (`use_bidirectional_attention`); such checkpoints are refused by name. Images, video and audio
 of `Gemma4ForConditionalGeneration` are not served: its towers' weights are skipped and the
 model is text-only.
 """
@@ -53,13 +53,11 @@ from tokenwise.layers import (
 )
 from tokenwise.layers.layernorm import Gemma4RMSNorm
 from tokenwise.models.gemma2 import SLIDING, gemma_layer_types
+from tokenwise.models.gemma4_moe import EXPERT_TENSORS, Gemma4Experts, Gemma4Router
 from tokenwise.models.llama import LlamaForCausalLM, LlamaMLP
 
 # Options of Gemma 4 configs this file does not build: (config field, what it is).
-_UNSUPPORTED = (
-    ("enable_moe_block", "the mixture-of-experts block (Gemma 4 26B-A4B)"),
-    ("use_bidirectional_attention", "bidirectional attention"),
-)
+_UNSUPPORTED = (("use_bidirectional_attention", "bidirectional attention"),)
 
 
 def check_gemma4_config(hf: Any) -> None:
@@ -198,6 +196,13 @@ class Gemma4DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = Gemma4RMSNorm(size, eps)
         # A checkpoint value (1 in a fresh model), hence a parameter so the loader fills it.
         self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
+        self.router: Gemma4Router | None = None
+        if getattr(hf, "enable_moe_block", False):  # routed experts beside the MLP
+            self.router = Gemma4Router(size, int(hf.num_experts), eps)
+            self.experts = Gemma4Experts(config, self.router, f"{prefix}.experts")
+            self.post_feedforward_layernorm_1 = Gemma4RMSNorm(size, eps)
+            self.pre_feedforward_layernorm_2 = Gemma4RMSNorm(size, eps)
+            self.post_feedforward_layernorm_2 = Gemma4RMSNorm(size, eps)
         self.ple_size = int(getattr(hf, "hidden_size_per_layer_input", 0) or 0)
         if self.ple_size:
             self.act_fn = get_act_fn(hf.hidden_activation)
@@ -215,6 +220,10 @@ class Gemma4DecoderLayer(nn.Module):
         attn = self.self_attn(positions, self.input_layernorm(hidden_states), shared_kv)
         hidden_states = hidden_states + self.post_attention_layernorm(attn)
         mlp = self.mlp(self.pre_feedforward_layernorm(hidden_states))
+        if self.router is not None:
+            logits = self.router(hidden_states)
+            moe = self.experts(self.pre_feedforward_layernorm_2(hidden_states), logits)
+            mlp = self.post_feedforward_layernorm_1(mlp) + self.post_feedforward_layernorm_2(moe)
         hidden_states = hidden_states + self.post_feedforward_layernorm(mlp)
         if per_layer_input is not None:
             gate = self.act_fn(self.per_layer_input_gate(hidden_states)) * per_layer_input
@@ -329,6 +338,13 @@ class Gemma4ForCausalLM(nn.Module):
                 if self.tie_word_embeddings and name == "lm_head.weight":
                     continue
                 layer = _layer_index(name)
+                expert = name.rpartition(".experts.")[2] if ".experts." in name else None
+                if layer is not None and expert in EXPERT_TENSORS:  # stacked: all experts
+                    target, shard = EXPERT_TENSORS[expert]
+                    experts = self.model.layers[layer].experts
+                    experts.weight_loader(getattr(experts, target), tensor, shard, None)
+                    loaded.add(f"{name.rpartition('.experts.')[0]}.experts.{target}")
+                    continue
                 if layer is not None and self.model.kv_shared[layer] and ".q_proj." in name:
                     param = params[name]
                     param.weight_loader(param, tensor)  # type: ignore[attr-defined]
