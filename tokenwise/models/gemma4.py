@@ -31,17 +31,16 @@ model is text-only.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from tokenwise.attention.backends.softcap import soft_cap
 from tokenwise.attention.layer import Attention
 from tokenwise.config import EngineConfig
 from tokenwise.layers import (
     ColumnParallelLinear,
-    ParallelLMHead,
     QKVParallelLinear,
     ReplicatedLinear,
     RotaryEmbedding,
@@ -52,9 +51,9 @@ from tokenwise.layers import (
     load_stacked_weights,
 )
 from tokenwise.layers.layernorm import Gemma4RMSNorm
-from tokenwise.models.gemma2 import SLIDING, gemma_layer_types
+from tokenwise.models.gemma2 import SLIDING, Gemma2ForCausalLM, gemma_layer_types
 from tokenwise.models.gemma4_moe import EXPERT_TENSORS, Gemma4Experts, Gemma4Router
-from tokenwise.models.llama import LlamaForCausalLM, LlamaMLP
+from tokenwise.models.llama import LlamaMLP
 
 # Options of Gemma 4 configs this file does not build: (config field, what it is).
 _UNSUPPORTED = (("use_bidirectional_attention", "bidirectional attention"),)
@@ -106,22 +105,26 @@ def kv_producers(hf: Any, layer_types: list[str]) -> list[int | None]:
     return out
 
 
+@dataclass(frozen=True)
+class LayerPlan:
+    """What one decoder layer is: its index and attention type, the RoPE table of that type,
+    and the earlier attention whose KV cache it reads (None: it computes its own)."""
+
+    index: int
+    layer_type: str
+    rotary_emb: RotaryEmbedding
+    producer: Gemma4Attention | None
+
+
 class Gemma4Attention(nn.Module):
-    def __init__(
-        self,
-        config: EngineConfig,
-        layer: int,
-        layer_type: str,
-        rotary_emb: RotaryEmbedding,
-        producer: Gemma4Attention | None,
-        prefix: str,
-    ) -> None:
+    def __init__(self, config: EngineConfig, plan: LayerPlan, prefix: str) -> None:
         super().__init__()
         hf = config.model.hf_config
-        self.head_dim, kv_heads = layer_attention_shape(hf, layer, layer_type)
+        layer_type, producer = plan.layer_type, plan.producer
+        self.head_dim, kv_heads = layer_attention_shape(hf, plan.index, layer_type)
         heads, hidden = int(hf.num_attention_heads), int(hf.hidden_size)
         bias, eps = bool(getattr(hf, "attention_bias", False)), float(hf.rms_norm_eps)
-        self.rotary_emb = rotary_emb
+        self.rotary_emb = plan.rotary_emb
         self.q_norm = Gemma4RMSNorm(self.head_dim, eps)
         self.o_proj = RowParallelLinear(heads * self.head_dim, hidden, bias)
         # Not a submodule: the producer is registered (and loaded) at its own layer.
@@ -172,22 +175,12 @@ class Gemma4Attention(nn.Module):
 
 
 class Gemma4DecoderLayer(nn.Module):
-    def __init__(
-        self,
-        config: EngineConfig,
-        layer: int,
-        layer_type: str,
-        rotary_emb: RotaryEmbedding,
-        producer: Gemma4Attention | None,
-        prefix: str,
-    ) -> None:
+    def __init__(self, config: EngineConfig, plan: LayerPlan, prefix: str) -> None:
         super().__init__()
         hf = config.model.hf_config
         size, eps = int(hf.hidden_size), float(hf.rms_norm_eps)
-        self.self_attn = Gemma4Attention(
-            config, layer, layer_type, rotary_emb, producer, f"{prefix}.self_attn"
-        )
-        wide = producer is not None and bool(getattr(hf, "use_double_wide_mlp", False))
+        self.self_attn = Gemma4Attention(config, plan, f"{prefix}.self_attn")
+        wide = plan.producer is not None and bool(getattr(hf, "use_double_wide_mlp", False))
         inter = int(hf.intermediate_size) * (2 if wide else 1)
         self.mlp = LlamaMLP(size, inter, hf.hidden_activation, bias=False)
         self.input_layernorm = Gemma4RMSNorm(size, eps)
@@ -258,16 +251,9 @@ class Gemma4Model(nn.Module):
         built: list[Gemma4DecoderLayer] = []
         for i, layer_type in enumerate(layer_types):
             owner = producers[i]
-            built.append(
-                Gemma4DecoderLayer(
-                    config,
-                    i,
-                    layer_type,
-                    ropes[layer_type],
-                    None if owner is None else built[owner].self_attn,
-                    f"{prefix}.layers.{i}",
-                )
-            )
+            producer = None if owner is None else built[owner].self_attn
+            plan = LayerPlan(i, layer_type, ropes[layer_type], producer)
+            built.append(Gemma4DecoderLayer(config, plan, f"{prefix}.layers.{i}"))
         self.layers = nn.ModuleList(built)
         self.kv_shared = [p is not None for p in producers]
         self.norm = Gemma4RMSNorm(size, float(hf.rms_norm_eps))
@@ -305,26 +291,13 @@ class Gemma4Model(nn.Module):
         return self.norm(hidden_states)
 
 
-class Gemma4ForCausalLM(nn.Module):
-    stacked_params_mapping = LlamaForCausalLM.stacked_params_mapping
+class Gemma4ForCausalLM(Gemma2ForCausalLM):
+    """Gemma 2's LM head (tied embeddings, final soft-cap) over the Gemma 4 decoder."""
 
-    def __init__(self, config: EngineConfig, prefix: str = "") -> None:
-        super().__init__()
-        hf = config.model.hf_config
-        self.model = Gemma4Model(config, f"{prefix}.model" if prefix else "model")
-        self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", True))
-        tie_to = self.model.embed_tokens if self.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(int(hf.vocab_size), int(hf.hidden_size), tie_to=tie_to)
-        self.final_logit_softcapping = getattr(hf, "final_logit_softcapping", None)
+    model: Gemma4Model
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden_states)
-        if self.final_logit_softcapping:
-            logits = soft_cap(logits, float(self.final_logit_softcapping))
-        return logits
+    def build_model(self, config: EngineConfig, prefix: str) -> nn.Module:
+        return Gemma4Model(config, prefix)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """HF-named tensors in. q/k/v and gate/up go to their fused parameters, except the

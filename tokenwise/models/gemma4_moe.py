@@ -9,9 +9,7 @@ post-feed-forward norm. What differs from the other MoE families, and where it i
 - top-k over the softmax, renormalised, then multiplied by a learned `per_expert_scale` of the
   chosen experts: `Gemma4Experts.forward_local` applies it after `select_experts`, so the data
   parallel exchange (which routes from the logits on the receiving rank) applies it too;
-- the experts are GeGLU (`gelu_pytorch_tanh`), not SwiGLU: they run through `fused_experts`
-  with that activation, behind a custom op of their own so that torch.compile keeps them one
-  opaque node as it does `tokenwise::moe_experts`.
+- the experts are GeGLU (`gelu_pytorch_tanh`), not SwiGLU (`FusedMoE(hidden_act=...)`).
 The checkpoint stores the experts stacked (`experts.gate_up_proj [E, 2I, H]`,
 `experts.down_proj [E, H, I]`), which `FusedMoE.weight_loader` reads as its `w13` / `w2`.
 """
@@ -22,45 +20,9 @@ import torch
 from torch import nn
 
 from tokenwise.config import EngineConfig
-from tokenwise.layers import ReplicatedLinear, get_act_and_mul
-from tokenwise.layers.fused_moe import FusedMoE, fused_experts, select_experts
+from tokenwise.layers import ReplicatedLinear
+from tokenwise.layers.fused_moe import FusedMoE, select_experts
 from tokenwise.layers.layernorm import Gemma4RMSNorm
-
-GELU_TANH_AND_MUL = get_act_and_mul("gelu_pytorch_tanh")
-
-
-@torch.library.custom_op("tokenwise::gelu_moe_experts", mutates_args=())
-def gelu_moe_experts(
-    hidden_states: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    first_expert: int,
-) -> torch.Tensor:
-    """`fused_experts` with GeGLU (tanh GELU) as one node for torch.compile."""
-    return fused_experts(
-        hidden_states,
-        w13,
-        w2,
-        topk_weights,
-        topk_ids,
-        GELU_TANH_AND_MUL,
-        first_expert=first_expert,
-        weights_in_fp32=True,
-    )
-
-
-@gelu_moe_experts.register_fake
-def _gelu_moe_experts_fake(
-    hidden_states: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    first_expert: int,
-) -> torch.Tensor:
-    return torch.empty_like(hidden_states)
 
 
 class Gemma4Router(nn.Module):
@@ -94,6 +56,7 @@ class Gemma4Experts(FusedMoE):
             int(hf.moe_intermediate_size),
             config,
             renormalize=True,
+            hidden_act="gelu_pytorch_tanh",
             weights_in_fp32=True,
             prefix=prefix,
         )
@@ -104,21 +67,7 @@ class Gemma4Experts(FusedMoE):
     ) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.top_k, renormalize=True)
         weights = weights * self._router[0].per_expert_scale.float()[ids]
-        if self.quant_experts is not None:
-            return fused_experts(
-                hidden_states,
-                self.w13_weight,
-                self.w2_weight,
-                weights,
-                ids,
-                GELU_TANH_AND_MUL,
-                first_expert=self.shard.first_expert,
-                weights_in_fp32=True,
-                quantized=self.quant_experts,
-            )
-        return gelu_moe_experts(
-            hidden_states, self.w13_weight, self.w2_weight, weights, ids, self.shard.first_expert
-        )
+        return self.run_experts(hidden_states, weights, ids)
 
 
 # Checkpoint name (after `experts.`) -> (parameter, FusedMoE shard id).
