@@ -163,6 +163,21 @@ def test_tensor_parallel_2_gives_hf_tokens() -> None:
         llm.shutdown()
 
 
+def test_ngram_speculative_decoding_is_lossless() -> None:
+    """Drafts accepted and rejected: the KV-sharing layers read the cache rows the verify step
+    wrote (and a rejected draft's rows are overwritten later), so tokens stay HF's."""
+    path = checkpoint(ARCH, **EVERYTHING)
+    prompts = [p * 3 for p in mixed_prompts()[1:7]]  # repeated text: n-gram drafts hit
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    llm = LLM(path, dtype="float32", num_gpu_blocks=256, speculative_config=spec)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for i, (out, prompt) in enumerate(zip(outputs, prompts, strict=True)):
+        assert list(out.outputs[0].token_ids) == hf_greedy(path, prompt, 16), f"prompt {i}"
+    stats = llm.llm_engine.get_stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+
+
 def test_bidirectional_checkpoint_is_refused_by_name() -> None:
     path = checkpoint(ARCH, use_bidirectional_attention="all")
     with pytest.raises(NotImplementedError, match=r"Gemma 4 with use_bidirectional_attention"):
