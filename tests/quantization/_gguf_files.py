@@ -55,6 +55,8 @@ EXPERT = re.compile(
     r"^(?P<layer>.*\.experts)\.(?P<e>\d+)\.(?P<proj>w[123]|gate_proj|up_proj|down_proj)\.weight$"
 )
 CONTROL, NORMAL = 3, 1
+GEMMA4_ROUTER_SCALES = re.compile(r"^model\.layers\.(\d+)\.router\.(scale|per_expert_scale)$")
+GEMMA4_ROUTER_SCALES_AS = {"scale": "ffn_gate_inp", "per_expert_scale": "ffn_down_exps"}
 
 
 def llamacpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -219,7 +221,7 @@ def write_gguf(
     experts = config.get("num_local_experts") or config.get("num_experts")
     if experts:
         writer.add_expert_count(experts)
-        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_used_count(config.get("num_experts_per_tok") or config["top_k_experts"])
     if config.get("moe_intermediate_size"):
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     if config.get("shared_expert_intermediate_size"):
@@ -315,8 +317,13 @@ def _llamacpp_tensors(
             stacked = f"{name_map.get_name(expert['layer'] + '.' + expert['proj'])}.weight"
             stacks.setdefault(stacked, {})[int(expert["e"])] = (hf_name, data)
             continue
-        if hf_name.endswith(".layer_scalar"):  # Gemma 4: the converter appends ".weight"
-            hf_name_base, suffix = hf_name, "weight"
+        router = GEMMA4_ROUTER_SCALES.match(hf_name)
+        if router is not None:  # Gemma 4: stored beside the router and the down experts
+            layer, which = router.groups()
+            out.append(([hf_name], f"blk.{layer}.{GEMMA4_ROUTER_SCALES_AS[which]}.scale", data))
+            continue
+        if hf_name.endswith((".layer_scalar", ".experts.gate_up_proj", ".experts.down_proj")):
+            hf_name_base, suffix = hf_name, "weight"  # Gemma 4: the converter appends it
         else:
             hf_name_base, _, suffix = hf_name.rpartition(".")
         out.append(([hf_name], f"{name_map.get_name(hf_name_base)}.{suffix}", data))

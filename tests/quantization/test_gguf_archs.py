@@ -11,9 +11,9 @@ References, per architecture:
 - Mixtral: transformers' GGUF loader reads a llama file with experts as a dense Llama, so the
   reference is transformers' Mixtral on the checkpoint as the file stores it (`dense_dir`:
   every tensor dequantized from the file's own blocks).
-- Gemma 4 (both tiny shapes of tests/models/test_gemma4_vs_hf.py: k=v global layers; per-layer
-  embeddings with KV sharing): transformers' Gemma 4 on the checkpoint as the file stores it,
-  as for Mixtral.
+- Gemma 4 (the tiny shapes of tests/models/test_gemma4_vs_hf.py: k=v global layers; per-layer
+  embeddings with KV sharing; routed experts): transformers' Gemma 4 on the checkpoint as the
+  file stores it, as for Mixtral.
 Both sides hold the same float32 weights, so the bar is the repo's 1e-4 on fp32 logits.
 """
 
@@ -53,6 +53,12 @@ GEMMA4_E = {
     "num_kv_shared_layers": 2,
     "use_double_wide_mlp": True,
 }
+GEMMA4_MOE = {
+    "enable_moe_block": True,
+    "num_experts": 4,
+    "top_k_experts": 2,
+    "moe_intermediate_size": 32,
+}
 ARCHS = {
     "gemma2": ("Gemma2ForCausalLM", {"query_pre_attn_scalar": 16}),
     "gemma3": (
@@ -69,6 +75,7 @@ ARCHS = {
     ),
     "gemma4": ("Gemma4ForCausalLM", {}),
     "gemma4_e": ("Gemma4ForCausalLM", GEMMA4_E),
+    "gemma4_moe": ("Gemma4ForCausalLM", GEMMA4_MOE),
     "mixtral": ("MixtralForCausalLM", {}),
     # K-quant blocks hold 256 values: experts with rows of 256.
     "mixtral_wide": ("MixtralForCausalLM", {"hidden_size": 256, "intermediate_size": 256}),
@@ -125,7 +132,7 @@ def _ours(path: str) -> tuple[Any, torch.Tensor]:
 
 
 CASES = [(a, q) for a in ("gemma2", "gemma3") for q in (Q.F32, Q.F16, Q.Q8_0)]
-CASES += [(a, q) for a in ("gemma4", "gemma4_e") for q in (Q.F32, Q.Q8_0)]
+CASES += [(a, q) for a in ("gemma4", "gemma4_e", "gemma4_moe") for q in (Q.F32, Q.Q8_0)]
 CASES += [("mixtral", q) for q in (Q.F32, Q.F16, Q.Q8_0, Q.Q4_0)]
 CASES += [("mixtral_wide", Q.Q4_K), ("mixtral_wide", Q.Q6_K)]
 CASES += [(a, q) for a in ("qwen2moe", "qwen3moe") for q in (Q.F16, Q.Q8_0, Q.Q4_0)]
@@ -207,8 +214,13 @@ FIELDS["gemma4"] = (
     "vocab_size_per_layer_input",
     "intermediate_size",
     "tie_word_embeddings",
+    "enable_moe_block",
+    "num_experts",
+    "top_k_experts",
+    "moe_intermediate_size",
 )
-CONFIG_ARCHS = ["gemma2", "gemma3", "gemma4", "gemma4_e", "mixtral", "qwen2moe", "qwen3moe"]
+CONFIG_ARCHS = ["gemma2", "gemma3", "gemma4", "gemma4_e", "gemma4_moe", "mixtral", "qwen2moe"]
+CONFIG_ARCHS += ["qwen3moe"]
 
 
 @pytest.mark.parametrize("arch", CONFIG_ARCHS)
@@ -363,10 +375,13 @@ def _gemma4(factors: np.ndarray | None = None, **metadata: Any) -> dict[str, Any
 
 def test_gemma4_metadata_gives_proportional_rope_and_refuses_what_is_not_built() -> None:
     """The rope factors (1 for rotated pairs, 1e30 for the others) are proportional RoPE with
-    a quarter rotated; an MoE file, other factors and a bad layer pattern are refused by name."""
+    a quarter rotated; experts make the MoE block; a missing key, other factors and a bad
+    layer pattern are refused by name."""
     full = _gemma4()["rope_parameters"]["full_attention"]
     assert (full["rope_type"], full["partial_rotary_factor"]) == ("proportional", 0.25)
-    with pytest.raises(NotImplementedError, match="mixture-of-experts"):
+    moe = _gemma4(expert_count=4, expert_used_count=2, expert_feed_forward_length=32)
+    assert (moe["enable_moe_block"], moe["num_experts"], moe["top_k_experts"]) == (True, 4, 2)
+    with pytest.raises(ValueError, match="lacks the metadata key gemma4.expert_used_count"):
         _gemma4(expert_count=4)
     with pytest.raises(ValueError, match="sliding_window_pattern must hold one flag per layer"):
         _gemma4(**{"attention.sliding_window_pattern": [True]})

@@ -10,7 +10,10 @@ keys otherwise:
   embeddings; the table's vocabulary is its tensor's row count);
 - the global layers' proportional RoPE is the `rope_freqs` tensor: factor 1 for the rotated
   pairs and a huge one (frequency ~0) for the pairs that pass through;
-- `attention_k_eq_v` is no key at all: the global layers just have no `attn_v` tensor.
+- `attention_k_eq_v` is no key at all: the global layers just have no `attn_v` tensor;
+- the MoE block (`expert_count`, `expert_used_count`, `expert_feed_forward_length`): experts
+  stacked as `ffn_gate_up_exps` / `ffn_down_exps`, the router's input scale and per-expert
+  scale as `ffn_gate_inp.scale` / `ffn_down_exps.scale` (`gemma4_tensor_names`).
 Norms are stored as they are (Gemma 4's norms scale by `weight`, not `1 + weight`).
 """
 
@@ -75,11 +78,6 @@ def gemma4_kwargs(
             raise ValueError(f"GGUF file {path!r} lacks the metadata key gemma4.{name}")
         return value
 
-    if int(metadata.get("gemma4.expert_count") or 0) > 0:
-        raise NotImplementedError(
-            f"GGUF file {path!r} holds a Gemma 4 mixture-of-experts model (enable_moe_block), "
-            "which tokenwise does not support"
-        )
     layers = base["num_hidden_layers"]
     pattern = get("attention.sliding_window_pattern")
     if not isinstance(pattern, list) or len(pattern) != layers:
@@ -144,8 +142,28 @@ def gemma4_kwargs(
             },
         },
     }
+    experts = int(metadata.get("gemma4.expert_count") or 0)
+    if experts:  # the 26B-A4B block: routed experts beside every MLP
+        kwargs["enable_moe_block"] = True
+        kwargs["num_experts"] = experts
+        kwargs["top_k_experts"] = int(get("expert_used_count"))
+        kwargs["moe_intermediate_size"] = int(get("expert_feed_forward_length"))
     if k_eq_v:
         kwargs["num_global_key_value_heads"] = kv_global
     if ple:
         kwargs["vocab_size_per_layer_input"] = shapes["per_layer_token_embd.weight"][0]
     return kwargs
+
+
+def gemma4_tensor_names(num_layers: int) -> dict[str, str]:
+    """GGUF -> HF names of the MoE tensors gguf-py's name map does not give back: the
+    stacked experts (HF names without `.weight`) and the router's two scales, which the
+    converter stores as `.scale` tensors beside the router and the down experts."""
+    names: dict[str, str] = {}
+    for i in range(num_layers):
+        hf, blk = f"model.layers.{i}", f"blk.{i}"
+        names[f"{blk}.ffn_gate_up_exps.weight"] = f"{hf}.experts.gate_up_proj"
+        names[f"{blk}.ffn_down_exps.weight"] = f"{hf}.experts.down_proj"
+        names[f"{blk}.ffn_gate_inp.scale"] = f"{hf}.router.scale"
+        names[f"{blk}.ffn_down_exps.scale"] = f"{hf}.router.per_expert_scale"
+    return names

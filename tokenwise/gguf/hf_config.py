@@ -168,7 +168,7 @@ def gguf_hf_config(path: str) -> Any:
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
     if model_type == "llama":
         kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in names
-    if experts > 0:
+    if experts > 0 and arch != "gemma4":  # gemma4: its own MoE block (gemma4_config)
         kwargs.update(moe_kwargs(metadata, arch, key))
     if arch in ("gemma2", "gemma3"):
         kwargs.update(gemma_kwargs(metadata, arch, kwargs))

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tokenwise.gguf.gemma4_config import gemma4_tensor_names
 from tokenwise.gguf.gemma_config import GEMMA_ARCHS
 from tokenwise.gguf.hf_config import gguf_architecture
 from tokenwise.gguf.reader import open_gguf, read_metadata
@@ -114,6 +115,8 @@ def iterate_gguf(
     kv_heads = metadata.get(f"{arch}.attention.head_count_kv", heads)
     kv_heads = int(kv_heads[0] if isinstance(kv_heads, list) else kv_heads)  # per layer: gemma4
     mapping = gguf_to_hf_names(arch, num_layers, expected_names)
+    if arch == "gemma4":
+        mapping.update(gemma4_tensor_names(num_layers))
     reader = open_gguf(path)
     for tensor in reader.tensors:
         if tensor.name in CONFIG_TENSORS:
