@@ -23,7 +23,7 @@ layer, embeddings scaled by `sqrt(hidden_size)`, a final logit soft-cap) and cha
 - A learned `layer_scalar` multiplies each layer's output.
 
 The 26B-A4B model's routed experts (`enable_moe_block`) are in `gemma4_moe.py`. Not built:
-bidirectional attention (`use_bidirectional_attention`); such checkpoints are refused by name. Images, video and audio
+bidirectional attention over text (`use_bidirectional_attention="all"`), refused by name. Images, video and audio
 of `Gemma4ForConditionalGeneration` are not served: its towers' weights are skipped and the
 model is text-only.
 """
@@ -55,17 +55,19 @@ from tokenwise.models.gemma2 import SLIDING, Gemma2ForCausalLM, gemma_layer_type
 from tokenwise.models.gemma4_moe import EXPERT_TENSORS, Gemma4Experts, Gemma4Router
 from tokenwise.models.llama import LlamaMLP
 
-# Options of Gemma 4 configs this file does not build: (config field, what it is).
-_UNSUPPORTED = (("use_bidirectional_attention", "bidirectional attention"),)
-
 
 def check_gemma4_config(hf: Any) -> None:
-    """Refuse, by name, a Gemma 4 option that is not built (before any weight is allocated)."""
-    for field, what in _UNSUPPORTED:
-        if getattr(hf, field, None):
-            raise NotImplementedError(
-                f"Gemma 4 with {field}={getattr(hf, field)!r} ({what}) is not supported"
-            )
+    """Refuse, by name, a Gemma 4 option that is not built (before any weight is allocated).
+
+    `use_bidirectional_attention="vision"` (the larger hub models) makes only image tokens
+    attend both ways: text is causal, so a text-only model runs it as is; `"all"` (every
+    token both ways, an encoder) is not built."""
+    mode = getattr(hf, "use_bidirectional_attention", None)
+    if mode not in (None, "vision"):
+        raise NotImplementedError(
+            f"Gemma 4 with use_bidirectional_attention={mode!r} (bidirectional attention over "
+            "text) is not supported"
+        )
 
 
 def layer_attention_shape(hf: Any, layer: int, layer_type: str) -> tuple[int, int]:
