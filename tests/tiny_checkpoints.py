@@ -61,6 +61,7 @@ _MODEL_TYPES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
+    "Gemma4ForCausalLM": "gemma4_text",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "BartForConditionalGeneration": "bart",
@@ -138,6 +139,37 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 4.0},
         },
+        "tie_word_embeddings": True,
+    },
+    # Gemma 4 shaped like its 31B model: global layers with their own (wider) heads, one KV
+    # head that is also the value (`attention_k_eq_v`) and proportional RoPE (a quarter of the
+    # pairs rotate); 5 layers so that sliding ones come before and between the global ones.
+    # GEMMA4_E (tests/models/test_gemma4_vs_hf.py) adds the E2B/E4B features.
+    "Gemma4ForCausalLM": {
+        "head_dim": 16,
+        "global_head_dim": 32,
+        "num_global_key_value_heads": 1,
+        "attention_k_eq_v": True,
+        "num_hidden_layers": 5,
+        "sliding_window": 8,
+        "layer_types": [
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+            "full_attention",
+        ],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {
+                "rope_type": "proportional",
+                "partial_rotary_factor": 0.25,
+                "rope_theta": 1000000.0,
+            },
+        },
+        "final_logit_softcapping": 8.0,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size_per_layer_input": 0,
         "tie_word_embeddings": True,
     },
     "DeepseekV2ForCausalLM": dict(_DEEPSEEK),
@@ -355,6 +387,8 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
     for name, buffer in model.named_buffers():
         if name.endswith("e_score_correction_bias"):  # DeepSeek-V3: a saved buffer, zero in HF
             buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.1)
+        if name.endswith("layer_scalar"):  # Gemma 4: a saved buffer, one in HF
+            buffer.copy_(1.0 + torch.randn(buffer.shape, generator=generator) * 0.3)
 
 
 def _build(out_dir: str, arch: str, seed: int, overrides: dict[str, Any]) -> None:

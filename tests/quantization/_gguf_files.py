@@ -46,6 +46,7 @@ ARCH_OF = {
     "qwen3": "qwen3",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
+    "gemma4_text": "gemma4",
     "mixtral": "llama",
     "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe",
@@ -54,6 +55,8 @@ EXPERT = re.compile(
     r"^(?P<layer>.*\.experts)\.(?P<e>\d+)\.(?P<proj>w[123]|gate_proj|up_proj|down_proj)\.weight$"
 )
 CONTROL, NORMAL = 3, 1
+GEMMA4_ROUTER_SCALES = re.compile(r"^model\.layers\.(\d+)\.router\.(scale|per_expert_scale)$")
+GEMMA4_ROUTER_SCALES_AS = {"scale": "ffn_gate_inp", "per_expert_scale": "ffn_down_exps"}
 
 
 def llamacpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -83,6 +86,82 @@ def _tokenizer_metadata(writer: Any, hf_dir: str) -> None:
     writer.add_token_merges(merges)
     writer.add_bos_token_id(vocab[tok_config["bos_token"]])
     writer.add_eos_token_id(vocab[tok_config["eos_token"]])
+
+
+def llama3_rope_factors(config: dict[str, Any], head_dim: int) -> np.ndarray | None:
+    """What llama.cpp's converter writes as `rope_freqs` for `llama3` rope scaling: one
+    divisor per frequency pair (1 for wavelengths under `original / high_freq_factor`,
+    `factor` over `original / low_freq_factor`, the reciprocal of the linear blend of `1 /
+    factor` and 1 between). Like the converter, the original context is the config's
+    top-level `original_max_position_embeddings`, 8192 when absent (the rope dict's own
+    value is not read: Llama 3.x checkpoints say 8192 in both places)."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type") != "llama3":
+        return None
+    theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    factor = float(rope.get("factor", 8.0))
+    low, high = float(rope.get("low_freq_factor", 1.0)), float(rope.get("high_freq_factor", 4.0))
+    original = float(config.get("original_max_position_embeddings", 8192))
+    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    wavelengths = 2 * np.pi * np.float32(theta) ** exponents
+    out = np.empty(len(wavelengths), dtype=np.float32)
+    for i, wavelength in enumerate(wavelengths.astype(np.float64)):
+        if wavelength < original / high:
+            out[i] = 1.0
+        elif wavelength > original / low:
+            out[i] = factor
+        else:
+            blend = (original / wavelength - low) / (high - low)
+            out[i] = 1.0 / ((1.0 - blend) / factor + blend)
+    return out
+
+
+def gemma4_shape(config: dict[str, Any]) -> tuple[int, int | None]:
+    """(global_head_dim, num_global_key_value_heads) as the hub's config.json states them;
+    transformers 5 saves them per layer (`per_layer_config`) instead."""
+    per_layer = config.get("per_layer_config") or {}
+    first = per_layer[min(per_layer, key=int)] if per_layer else {}
+    global_dim = config.get("global_head_dim") or first.get("head_dim") or config["head_dim"]
+    global_kv = config.get("num_global_key_value_heads") or first.get("num_key_value_heads")
+    return int(global_dim), (None if global_kv is None else int(global_kv))
+
+
+def _gemma4_metadata(writer: Any, config: dict[str, Any]) -> None:
+    """What llama.cpp's converter adds for Gemma 4 over Gemma 3's keys: per-layer sliding
+    flags, the global layers' head size as `key_length` (overwriting Gemma 3's; the sliding
+    one as `*_swa`), their KV heads and (double-wide) MLP widths as per-layer arrays, KV
+    sharing, the per-layer embedding width; norms are stored as they are (no plus one). The
+    rope bases (global, `freq_base_swa`) and the final soft-cap are Gemma 3's keys."""
+    layers, types = config["num_hidden_layers"], config["layer_types"]
+    swa = [t == "sliding_attention" for t in types]
+    global_dim, global_kv = gemma4_shape(config)
+    shared = int(config.get("num_kv_shared_layers") or 0)
+    writer.add_shared_kv_layers(shared)
+    writer.add_embedding_length_per_layer_input(config.get("hidden_size_per_layer_input") or 0)
+    writer.add_sliding_window_pattern(swa)
+    writer.add_key_length(global_dim)
+    writer.add_value_length(global_dim)
+    writer.add_key_length_swa(config["head_dim"])
+    writer.add_value_length_swa(config["head_dim"])
+    if config.get("use_double_wide_mlp"):
+        ff = config["intermediate_size"]
+        writer.add_feed_forward_length(
+            [ff if i < layers - shared else 2 * ff for i in range(layers)]
+        )
+    if global_kv is not None and config.get("attention_k_eq_v"):
+        kv = config["num_key_value_heads"]
+        writer.add_head_count_kv([kv if s else global_kv for s in swa])
+    writer.add_rope_dimension_count(global_dim)
+    writer.add_rope_dimension_count_swa(config["head_dim"])
+
+
+def gemma4_rope_factors(config: dict[str, Any]) -> np.ndarray:
+    """The converter's `rope_freqs` for Gemma 4's global layers: proportional rope written as
+    factor 1 for the rotated pairs and 1e30 (frequency ~0: not rotated) for the rest."""
+    global_dim, _ = gemma4_shape(config)
+    partial = float(config["rope_parameters"]["full_attention"]["partial_rotary_factor"])
+    rotated = int(global_dim * partial / 2)
+    return np.array([1.0] * rotated + [1e30] * (global_dim // 2 - rotated), dtype=np.float32)
 
 
 def write_gguf(
@@ -142,11 +221,13 @@ def write_gguf(
     experts = config.get("num_local_experts") or config.get("num_experts")
     if experts:
         writer.add_expert_count(experts)
-        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_used_count(config.get("num_experts_per_tok") or config["top_k_experts"])
     if config.get("moe_intermediate_size"):
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     if config.get("shared_expert_intermediate_size"):
         writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+    if arch == "gemma4":
+        _gemma4_metadata(writer, config)
     if tokenizer:
         _tokenizer_metadata(writer, hf_dir)
     if chat_template is not None:
@@ -158,7 +239,7 @@ def write_gguf(
     state = load_file(os.path.join(hf_dir, "model.safetensors"))
     stored: dict[str, torch.Tensor] = {}
     for hf_names, gguf_name, data in _llamacpp_tensors(state, name_map):
-        if arch.startswith("gemma") and gguf_name.endswith("norm.weight"):
+        if arch in ("gemma2", "gemma3") and gguf_name.endswith("norm.weight"):
             data = data + np.float32(1.0)
         if arch == "llama" and ".attn_q." in gguf_name:
             data = llamacpp_permute(data, heads)
@@ -172,7 +253,7 @@ def write_gguf(
         if ".ffn_gate_inp_shexp." in gguf_name:  # [1, H] in HF, one row in the file
             data = data.reshape(-1)
         values = _add(writer, gguf_name, data, override[0] if override else qtype)
-        if arch.startswith("gemma") and gguf_name.endswith("norm.weight"):
+        if arch in ("gemma2", "gemma3") and gguf_name.endswith("norm.weight"):
             values = values - np.float32(1.0)
         if arch == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
             values = _unpermute(values, heads, kv_heads, gguf_name)
@@ -182,6 +263,11 @@ def write_gguf(
         else:  # a stacked expert tensor: back to one tensor per expert
             for expert, hf_name in enumerate(hf_names):
                 stored[hf_name] = torch.from_numpy(np.ascontiguousarray(values[expert]))
+    factors = llama3_rope_factors(config, head_dim) if arch == "llama" else None
+    if arch == "gemma4":
+        factors = gemma4_rope_factors(config)
+    if factors is not None and "rope_freqs.weight" not in (extra_tensors or {}):
+        writer.add_tensor("rope_freqs.weight", factors)
     for name, data in (extra_tensors or {}).items():
         writer.add_tensor(name, data)  # as given (an int8 array is written as I8)
     if dense_dir is not None:
@@ -231,8 +317,16 @@ def _llamacpp_tensors(
             stacked = f"{name_map.get_name(expert['layer'] + '.' + expert['proj'])}.weight"
             stacks.setdefault(stacked, {})[int(expert["e"])] = (hf_name, data)
             continue
-        base, _, suffix = hf_name.rpartition(".")
-        out.append(([hf_name], f"{name_map.get_name(base)}.{suffix}", data))
+        router = GEMMA4_ROUTER_SCALES.match(hf_name)
+        if router is not None:  # Gemma 4: stored beside the router and the down experts
+            layer, which = router.groups()
+            out.append(([hf_name], f"blk.{layer}.{GEMMA4_ROUTER_SCALES_AS[which]}.scale", data))
+            continue
+        if hf_name.endswith((".layer_scalar", ".experts.gate_up_proj", ".experts.down_proj")):
+            hf_name_base, suffix = hf_name, "weight"  # Gemma 4: the converter appends it
+        else:
+            hf_name_base, _, suffix = hf_name.rpartition(".")
+        out.append(([hf_name], f"{name_map.get_name(hf_name_base)}.{suffix}", data))
     for gguf_name, experts in stacks.items():
         ordered = [experts[e] for e in sorted(experts)]
         out.append(([n for n, _ in ordered], gguf_name, np.stack([d for _, d in ordered])))
@@ -263,6 +357,9 @@ def _add(writer: Any, name: str, data: np.ndarray, qtype: Any) -> np.ndarray:
     if data.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
         writer.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
         return data
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    if data.shape[-1] % block:  # rows the type cannot hold: F16, as llama.cpp's converter does
+        qtype = gguf.GGMLQuantizationType.F16
     if qtype.name in K_QUANT_SCALES:
         seed = int.from_bytes(name.encode()[-4:], "little")
         rows = data.reshape(-1, data.shape[-1])

@@ -1,5 +1,5 @@
-"""GGUF files of Gemma 2, Gemma 3, Mixtral (llama with experts), Qwen2-MoE and Qwen3-MoE load
-into tokenwise and compute what transformers computes.
+"""GGUF files of Gemma 2, Gemma 3, Gemma 4, Mixtral (llama with experts), Qwen2-MoE and
+Qwen3-MoE load into tokenwise and compute what transformers computes.
 
 References, per architecture:
 - Gemma 2 / 3, Qwen2-MoE, Qwen3-MoE: transformers loading the same `.gguf` (its loader
@@ -11,6 +11,9 @@ References, per architecture:
 - Mixtral: transformers' GGUF loader reads a llama file with experts as a dense Llama, so the
   reference is transformers' Mixtral on the checkpoint as the file stores it (`dense_dir`:
   every tensor dequantized from the file's own blocks).
+- Gemma 4 (the tiny shapes of tests/models/test_gemma4_vs_hf.py: k=v global layers; per-layer
+  embeddings with KV sharing; routed experts): transformers' Gemma 4 on the checkpoint as the
+  file stores it, as for Mixtral.
 Both sides hold the same float32 weights, so the bar is the repo's 1e-4 on fp32 logits.
 """
 
@@ -25,9 +28,10 @@ import pytest
 import torch
 
 from tests.quantization._gguf_files import write_gguf
-from tests.tiny_checkpoints import build_tiny_checkpoint
+from tests.tiny_checkpoints import build_tiny_checkpoint, tiny_tokenizer
 from tokenwise import LLM, SamplingParams
 from tokenwise.config import EngineConfig
+from tokenwise.gguf.gemma4_config import gemma4_kwargs
 from tokenwise.gguf.gemma_config import gemma_kwargs
 from tokenwise.gguf.moe_config import moe_kwargs
 from tokenwise.layers.quantization.weight_only import QuantizedExperts, reference_dequantize
@@ -42,6 +46,19 @@ SEQ_LEN = 24  # past the sliding window of 8: sliding and global layers differ
 # tiny checkpoints follow those rules. Gemma 3's local rope base is not the default 10000, so
 # reading `rope.freq_base_swa` is checked.
 SIX_LAYERS = ["sliding_attention"] * 5 + ["full_attention"]
+GEMMA4_E = {
+    "attention_k_eq_v": False,
+    "hidden_size_per_layer_input": 8,
+    "vocab_size_per_layer_input": len(tiny_tokenizer()),
+    "num_kv_shared_layers": 2,
+    "use_double_wide_mlp": True,
+}
+GEMMA4_MOE = {
+    "enable_moe_block": True,
+    "num_experts": 4,
+    "top_k_experts": 2,
+    "moe_intermediate_size": 32,
+}
 ARCHS = {
     "gemma2": ("Gemma2ForCausalLM", {"query_pre_attn_scalar": 16}),
     "gemma3": (
@@ -56,6 +73,9 @@ ARCHS = {
             },
         },
     ),
+    "gemma4": ("Gemma4ForCausalLM", {}),
+    "gemma4_e": ("Gemma4ForCausalLM", GEMMA4_E),
+    "gemma4_moe": ("Gemma4ForCausalLM", GEMMA4_MOE),
     "mixtral": ("MixtralForCausalLM", {}),
     # K-quant blocks hold 256 values: experts with rows of 256.
     "mixtral_wide": ("MixtralForCausalLM", {"hidden_size": 256, "intermediate_size": 256}),
@@ -90,7 +110,7 @@ def _files(tmp_path: Any, arch: str, qtype: Any) -> tuple[str, str, str]:
 def _reference(arch: str, hf_dir: str, path: str, dense: str) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if arch.startswith("mixtral"):
+    if arch.startswith(("mixtral", "gemma4")):
         return AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
     directory, name = os.path.split(path)
     config = AutoConfig.from_pretrained(hf_dir)
@@ -112,6 +132,7 @@ def _ours(path: str) -> tuple[Any, torch.Tensor]:
 
 
 CASES = [(a, q) for a in ("gemma2", "gemma3") for q in (Q.F32, Q.F16, Q.Q8_0)]
+CASES += [(a, q) for a in ("gemma4", "gemma4_e", "gemma4_moe") for q in (Q.F32, Q.Q8_0)]
 CASES += [("mixtral", q) for q in (Q.F32, Q.F16, Q.Q8_0, Q.Q4_0)]
 CASES += [("mixtral_wide", Q.Q4_K), ("mixtral_wide", Q.Q6_K)]
 CASES += [(a, q) for a in ("qwen2moe", "qwen3moe") for q in (Q.F16, Q.Q8_0, Q.Q4_0)]
@@ -181,17 +202,50 @@ FIELDS = {
 }
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "mixtral", "qwen2moe", "qwen3moe"])
+FIELDS["gemma4"] = (
+    "layer_types",
+    "sliding_window",
+    "final_logit_softcapping",
+    "rope_parameters",
+    "attention_k_eq_v",
+    "num_kv_shared_layers",
+    "use_double_wide_mlp",
+    "hidden_size_per_layer_input",
+    "vocab_size_per_layer_input",
+    "intermediate_size",
+    "tie_word_embeddings",
+    "enable_moe_block",
+    "num_experts",
+    "top_k_experts",
+    "moe_intermediate_size",
+)
+CONFIG_ARCHS = ["gemma2", "gemma3", "gemma4", "gemma4_e", "gemma4_moe", "mixtral", "qwen2moe"]
+CONFIG_ARCHS += ["qwen3moe"]
+
+
+@pytest.mark.parametrize("arch", CONFIG_ARCHS)
 def test_config_from_the_file_is_the_checkpoints(tmp_path: Any, arch: str) -> None:
-    """What llama.cpp's metadata and rules give equals the original config, field by field."""
+    """What llama.cpp's metadata and rules give equals the original config, field by field
+    (Gemma 4: also each layer's head size and KV heads)."""
     from transformers import AutoConfig
 
     hf_dir, path, _ = _files(tmp_path, arch, Q.F32)
     ours = ModelConfig.from_pretrained(path, skip_tokenizer_init=True).hf_config
     original = AutoConfig.from_pretrained(hf_dir)
     assert type(ours) is type(original)
-    for field in next(v for k, v in FIELDS.items() if arch.startswith(k)):
+    key = "gemma4" if arch.startswith("gemma4") else arch
+    fields = (
+        FIELDS[key] if key in FIELDS else next(v for k, v in FIELDS.items() if key.startswith(k))
+    )
+    for field in fields:
         assert getattr(ours, field, None) == getattr(original, field, None), field
+    if key == "gemma4":
+        for i in range(original.num_hidden_layers):
+            mine, theirs = ours.per_layer_config[i], original.per_layer_config[i]
+            assert (mine.head_dim, mine.num_key_value_heads) == (
+                theirs.head_dim,
+                theirs.num_key_value_heads,
+            ), i
 
 
 def test_mixtral_f32_file_round_trips_to_the_checkpoint_exactly(tmp_path: Any) -> None:
@@ -219,6 +273,7 @@ def _hf_greedy(model: Any, ids: list[int], steps: int) -> list[int]:
     [
         ("gemma2", Q.Q8_0),
         ("gemma3", Q.Q8_0),
+        ("gemma4_e", Q.Q8_0),
         ("mixtral", Q.Q8_0),
         ("mixtral", Q.Q4_0),
         ("qwen3moe", Q.Q4_0),
@@ -299,3 +354,38 @@ def test_experts_keep_the_files_bytes(tmp_path: Any, qtype: Any) -> None:
             data = torch.from_numpy(blocks[..., 2:].reshape(raw.shape[0], -1).copy())
             assert torch.equal(weight.scales, scales)
             assert torch.equal(weight.qweight, data.view(torch.int8) if block == 34 else data)
+
+
+def _gemma4(factors: np.ndarray | None = None, **metadata: Any) -> dict[str, Any]:
+    base = {"num_hidden_layers": 2}
+    meta = {
+        "attention.sliding_window_pattern": [True, False],
+        "attention.key_length": 32,
+        "attention.key_length_swa": 16,
+        "attention.head_count_kv": 2,
+        "feed_forward_length": 64,
+        "attention.sliding_window": 8,
+        "rope.freq_base": 1e6,
+        **metadata,
+    }
+    factors = np.array([1.0] * 4 + [1e30] * 12) if factors is None else factors
+    names = ("blk.1.attn_v.weight",)
+    return gemma4_kwargs({f"gemma4.{k}": v for k, v in meta.items()}, names, {}, factors, base, "f")
+
+
+def test_gemma4_metadata_gives_proportional_rope_and_refuses_what_is_not_built() -> None:
+    """The rope factors (1 for rotated pairs, 1e30 for the others) are proportional RoPE with
+    a quarter rotated; experts make the MoE block; a missing key, other factors and a bad
+    layer pattern are refused by name."""
+    full = _gemma4()["rope_parameters"]["full_attention"]
+    assert (full["rope_type"], full["partial_rotary_factor"]) == ("proportional", 0.25)
+    moe = _gemma4(expert_count=4, expert_used_count=2, expert_feed_forward_length=32)
+    assert (moe["enable_moe_block"], moe["num_experts"], moe["top_k_experts"]) == (True, 4, 2)
+    with pytest.raises(ValueError, match="lacks the metadata key gemma4.expert_used_count"):
+        _gemma4(expert_count=4)
+    with pytest.raises(ValueError, match="sliding_window_pattern must hold one flag per layer"):
+        _gemma4(**{"attention.sliding_window_pattern": [True]})
+    with pytest.raises(ValueError, match="feed_forward_length has 3 values for 2 layers"):
+        _gemma4(feed_forward_length=[64, 64, 64])
+    with pytest.raises(NotImplementedError, match="rope_freqs.weight must rotate the first"):
+        _gemma4(factors=np.array([1.0] * 4 + [2.0] * 12))

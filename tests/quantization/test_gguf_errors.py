@@ -61,7 +61,7 @@ def test_unsupported_architecture(tmp_path: Any) -> None:
     writer.close()
     with pytest.raises(
         NotImplementedError,
-        match="'mamba' model.*gemma2, gemma3, llama, qwen2, qwen2moe, qwen3, qwen3moe",
+        match="'mamba' model.*gemma2, gemma3, gemma4, llama, qwen2, qwen2moe, qwen3, qwen3moe",
     ):
         ModelConfig.from_pretrained(path)
 
@@ -82,10 +82,19 @@ def test_tensor_with_no_counterpart(tmp_path: Any, hf_dir: str) -> None:
         _llm(path)
 
 
-def test_rope_frequency_factors_are_refused(tmp_path: Any, hf_dir: str) -> None:
-    extra = {"rope_freqs.weight": np.ones(8, dtype=np.float32)}
-    path = write_gguf(hf_dir, str(tmp_path / "rope.gguf"), extra_tensors=extra)
-    with pytest.raises(NotImplementedError, match="rope_freqs"):
+@pytest.mark.parametrize(
+    ("factors", "problem"),
+    [(np.ones(5, dtype=np.float32), "holds 5 factors.*needs 8"), (np.zeros(8, np.float32), "> 0")],
+)
+def test_bad_rope_frequency_factors_are_refused(
+    tmp_path: Any, hf_dir: str, factors: np.ndarray, problem: str
+) -> None:
+    """A `rope_freqs` tensor (Llama 3.1+ as llama.cpp converts it) needs one positive factor
+    per frequency pair of the 16-wide head."""
+    path = write_gguf(
+        hf_dir, str(tmp_path / "rope.gguf"), extra_tensors={"rope_freqs.weight": factors}
+    )
+    with pytest.raises(ValueError, match=f"rope_freqs.weight.*{problem}"):
         ModelConfig.from_pretrained(path)
 
 

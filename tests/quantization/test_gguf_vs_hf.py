@@ -178,3 +178,60 @@ def test_chat_template_comes_from_the_file(tmp_path: Any) -> None:
         assert llm.get_tokenizer().chat_template == template
         messages = [{"role": "user", "content": "hi"}]
         assert llm.get_tokenizer().apply_chat_template(messages, tokenize=False) == "[hi]"
+
+
+# Llama 3.2's rope (theta 500000, llama3 scaling by 32 from an 8192 context) and tied
+# embeddings. llama.cpp stores the scaling as a `rope_freqs` tensor (one factor per pair).
+LLAMA32 = {
+    "rope_parameters": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 131072,
+}
+
+
+def _llama32_files(tmp_path: Any, qtype: Any) -> tuple[str, str]:
+    """A Llama-3.2-shaped GGUF file and, as the reference, the checkpoint holding the
+    file's (dequantized) weights with the original config (llama3 rope scaling)."""
+    hf_dir = build_tiny_checkpoint(tmp_path, "LlamaForCausalLM", **LLAMA32)
+    dense = str(tmp_path / f"dense-{qtype.name}")
+    path = write_gguf(hf_dir, str(tmp_path / f"llama32-{qtype.name}.gguf"), qtype, dense_dir=dense)
+    return dense, path
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=lambda q: q.name)
+def test_llama3_rope_factors_give_hf_logits_and_greedy_tokens(tmp_path: Any, qtype: Any) -> None:
+    """The file's `rope_freqs` divide the inverse frequencies: logits equal transformers'
+    llama3 rope on the same weights (1e-4), and the engine generates its greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    dense, path = _llama32_files(tmp_path, qtype)
+    ids = torch.randint(2, 300, (96,), generator=torch.Generator().manual_seed(0))
+    hf = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = hf(ids[None]).logits[0]
+    torch.testing.assert_close(_our_logits(path, ids), reference, atol=ATOL, rtol=0)
+    llm = LLM(path, dtype="float32", num_gpu_blocks=64, max_model_len=512)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for output in llm.generate(PROMPTS, params, use_tqdm=False):
+        assert output.outputs[0].token_ids == _hf_greedy(hf, output.prompt_token_ids, MAX_TOKENS)
+
+
+def test_llama3_rope_factors_change_the_logits(tmp_path: Any) -> None:
+    """Guards the test above: the same weights without the scaling (HF's plain rope) give
+    logits far off, so a loader that dropped the factors would fail it."""
+    from transformers import AutoModelForCausalLM
+
+    dense, path = _llama32_files(tmp_path, Q.F32)
+    ids = torch.randint(2, 300, (96,), generator=torch.Generator().manual_seed(0))
+    plain = {"rope_type": "default", "rope_theta": 500000.0}
+    hf = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32, rope_parameters=plain)
+    with torch.no_grad():
+        unscaled = hf.eval()(ids[None]).logits[0]
+    assert (_our_logits(path, ids) - unscaled).abs().max() > 100 * ATOL

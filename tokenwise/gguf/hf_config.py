@@ -1,5 +1,5 @@
 """A transformers config rebuilt from a GGUF file's metadata (llama, qwen2, qwen3, gemma2,
-gemma3, qwen2moe, qwen3moe; a llama file with experts is Mixtral).
+gemma3, gemma4, qwen2moe, qwen3moe; a llama file with experts is Mixtral).
 
 A GGUF file has no `config.json`: its metadata is the config, under llama.cpp's key names
 (`llama.embedding_length`, `qwen3.attention.head_count_kv`, ...). The engine's models read a
@@ -10,17 +10,26 @@ apply to another (transformers' own GGUF loader leaves Qwen3's `head_dim` at the
 of 128, for one).
 
 Unsupported files fail here, before anything is built: an architecture with no entry below,
-and rope scaling this reader does not translate (llama.cpp bakes Llama 3's frequency factors
-into a `rope_freqs` tensor, which is not handled yet).
+and rope scaling this reader does not translate.
+
+Llama 3.1+ files carry no rope scaling metadata: llama.cpp's converter turns the checkpoint's
+`llama3` scaling into one factor per frequency pair, stored as the `rope_freqs` tensor, and
+its rope kernel divides each inverse frequency by its factor. The original parameters cannot
+be recovered from the factors, so the config keeps the factors themselves
+(`rope_freq_factors`, a tokenwise attribute that `get_rope_config` turns into the
+`freq_factors` rope type): the same frequencies llama.cpp computes.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
+from tokenwise.gguf.gemma4_config import gemma4_kwargs
 from tokenwise.gguf.gemma_config import gemma_kwargs
 from tokenwise.gguf.moe_config import expert_count, moe_kwargs
-from tokenwise.gguf.reader import read_metadata
+from tokenwise.gguf.reader import open_gguf, read_metadata
 
 # llama.cpp architecture -> (transformers model_type, architecture class name).
 # Mistral-style files are written as "llama" by llama.cpp, and load as Llama.
@@ -30,6 +39,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "gemma4": ("gemma4_text", "Gemma4ForCausalLM"),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
@@ -49,14 +59,44 @@ def gguf_architecture(metadata: dict[str, Any], path: str) -> str:
     return arch
 
 
-def _rope_scaling(metadata: dict[str, Any], arch: str, names: tuple[str, ...], path: str) -> Any:
-    if "rope_freqs.weight" in names:
-        raise NotImplementedError(
-            f"GGUF file {path!r} scales rope with per-frequency factors (a rope_freqs tensor, "
-            "as llama.cpp writes Llama 3.1+ models); tokenwise does not read those yet: load "
-            "the Hugging Face checkpoint directory instead"
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def _rope_freqs(path: str) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    tensor = next(t for t in open_gguf(path).tensors if t.name == ROPE_FREQS)
+    return np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float64).ravel()
+
+
+def _tensor_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape in HF order (rows first; GGUF lists the fastest dimension first)."""
+    return {t.name: tuple(int(n) for n in reversed(t.shape)) for t in open_gguf(path).tensors}
+
+
+def rope_freq_factors(path: str, head_dim: int) -> list[float]:
+    """The `rope_freqs` tensor's factors, one per rotated pair (`head_dim / 2` of them)."""
+    values = _rope_freqs(path)
+    if values.size != head_dim // 2:
+        raise ValueError(
+            f"GGUF file {path!r}: {ROPE_FREQS} holds {values.size} factors, the rotary head "
+            f"of {head_dim} needs {head_dim // 2} (one per frequency pair)"
         )
+    if not (np.isfinite(values).all() and (values > 0).all()):
+        raise ValueError(f"GGUF file {path!r}: {ROPE_FREQS} holds factors that are not > 0")
+    return [float(v) for v in values]
+
+
+def _rope_scaling(metadata: dict[str, Any], arch: str, names: tuple[str, ...], path: str) -> Any:
     kind = metadata.get(f"{arch}.rope.scaling.type")
+    if ROPE_FREQS in names and arch != "gemma4":  # gemma4: proportional rope (gemma4_config)
+        if arch != "llama" or kind not in (None, "none"):
+            raise NotImplementedError(
+                f"GGUF file {path!r} has per-frequency rope factors ({ROPE_FREQS}) in a "
+                f"{arch!r} model with rope scaling {kind!r}; tokenwise applies them to llama "
+                "files without other rope scaling (Llama 3.1+ as llama.cpp converts them)"
+            )
+        return None
     if kind in (None, "none"):
         return None
     if kind == "linear":
@@ -98,10 +138,10 @@ def gguf_hf_config(path: str) -> Any:
     kwargs: dict[str, Any] = {
         "architectures": [architecture],
         "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length")),
+        "intermediate_size": _first(key("feed_forward_length")),
         "num_hidden_layers": int(key("block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "num_key_value_heads": _first(key("attention.head_count_kv", heads)),
         "head_dim": int(head_dim),
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
         "max_position_embeddings": int(key("context_length")),
@@ -118,6 +158,8 @@ def gguf_hf_config(path: str) -> Any:
     scaling = _rope_scaling(metadata, arch, names, path)
     if scaling is not None:
         kwargs["rope_scaling"] = scaling
+    if ROPE_FREQS in names and arch != "gemma4":
+        kwargs["rope_freq_factors"] = rope_freq_factors(path, int(head_dim))
     if model_type in (
         "llama",
         "qwen3",
@@ -126,8 +168,17 @@ def gguf_hf_config(path: str) -> Any:
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
     if model_type == "llama":
         kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in names
-    if experts > 0:
+    if experts > 0 and arch != "gemma4":  # gemma4: its own MoE block (gemma4_config)
         kwargs.update(moe_kwargs(metadata, arch, key))
     if arch in ("gemma2", "gemma3"):
         kwargs.update(gemma_kwargs(metadata, arch, kwargs))
+    if arch == "gemma4":
+        kwargs.pop("rope_theta", None)  # per layer type, in rope_parameters
+        factors = _rope_freqs(path) if ROPE_FREQS in names else None
+        kwargs.update(gemma4_kwargs(metadata, names, _tensor_shapes(path), factors, kwargs, path))
     return AutoConfig.for_model(model_type, **kwargs)
+
+
+def _first(value: Any) -> int:
+    """A per-layer array's first value (Gemma 4 writes some keys per layer), else the value."""
+    return int(value[0] if isinstance(value, list) else value)

@@ -35,10 +35,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from tokenwise.gguf.gemma4_config import gemma4_tensor_names
 from tokenwise.gguf.gemma_config import GEMMA_ARCHS
 from tokenwise.gguf.hf_config import gguf_architecture
 from tokenwise.gguf.reader import open_gguf, read_metadata
 
+# Tensors that are configuration, not parameters: read by `hf_config` (rope factors).
+CONFIG_TENSORS = ("rope_freqs.weight",)
 # Architectures whose q/k rows llama.cpp's converter permutes.
 PERMUTED_QK = ("llama",)
 # An expert's tensor in the checkpoint names the loader asks for: `<layer>.experts.<e>.<proj>`.
@@ -66,6 +69,10 @@ def gguf_to_hf_names(arch: str, num_layers: int, expected_names: Iterable[str]) 
         gguf_base = name_map.get_name(base)
         if gguf_base is not None:
             mapping[f"{gguf_base}.{suffix}"] = hf_name
+        elif (whole := name_map.get_name(hf_name)) is not None:
+            # A parameter without a `.weight` suffix (Gemma 4's `layer_scalar`): llama.cpp's
+            # converter names it with one.
+            mapping[f"{whole}.weight"] = hf_name
     return mapping
 
 
@@ -105,10 +112,15 @@ def iterate_gguf(
     arch = gguf_architecture(metadata, path)
     num_layers = int(metadata[f"{arch}.block_count"])
     heads = int(metadata[f"{arch}.attention.head_count"])
-    kv_heads = int(metadata.get(f"{arch}.attention.head_count_kv", heads))
+    kv_heads = metadata.get(f"{arch}.attention.head_count_kv", heads)
+    kv_heads = int(kv_heads[0] if isinstance(kv_heads, list) else kv_heads)  # per layer: gemma4
     mapping = gguf_to_hf_names(arch, num_layers, expected_names)
+    if arch == "gemma4":
+        mapping.update(gemma4_tensor_names(num_layers))
     reader = open_gguf(path)
     for tensor in reader.tensors:
+        if tensor.name in CONFIG_TENSORS:
+            continue
         hf_name = mapping.get(tensor.name)
         if hf_name is None:
             raise ValueError(

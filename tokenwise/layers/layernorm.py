@@ -62,3 +62,27 @@ class GemmaRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
+
+
+class Gemma4RMSNorm(nn.Module):
+    """Gemma 4's RMSNorm: a plain `weight` (not Gemma 2/3's `1 + weight`), applied in float32
+    before the cast back as transformers does; `with_scale=False` (the value norm, the MoE
+    router's input norm) normalises only and has no parameter at all."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, with_scale: bool = True) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.weight = (
+            nn.Parameter(torch.ones(hidden_size), requires_grad=False) if with_scale else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.pow(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps, -0.5)
+        if self.weight is not None:
+            x32 = x32 * self.weight.float()
+        return x32.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}, with_scale={self.weight is not None}"

@@ -22,7 +22,7 @@ from torch import nn
 from tokenwise.layers.rope_yarn import yarn_attention_factor, yarn_inv_freq
 from tokenwise.native import fused as cpu_fused
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional", "freq_factors")
 
 
 def get_rope_config(
@@ -57,6 +57,9 @@ def get_rope_config(
         legacy = getattr(hf_config, "rope_scaling", None)
         scaling = dict(legacy) if legacy else None
     theta = 10000.0 if theta is None else float(theta)
+    factors = getattr(hf_config, "rope_freq_factors", None)
+    if factors is not None:  # a GGUF file's per-frequency factors (tokenwise.gguf.hf_config)
+        return theta, {"rope_type": "freq_factors", "factors": tuple(factors)}
     if scaling is not None:
         scaling.pop("rope_theta", None)
         rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
@@ -85,6 +88,20 @@ def llama3_inv_freq(
     smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
     smooth = smooth.clamp(0.0, 1.0)
     return (1.0 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+def proportional_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Gemma 4's global layers: only the first `partial_rotary_factor` of the frequency pairs
+    rotate, with the exponents of the *whole* head (`2i / head_dim`, not `2i / rotary_dim`);
+    the other pairs get frequency 0 (cos 1, sin 0: passed through), so the rotation still
+    spans the whole head in the usual rotate-half layout. `factor` divides every frequency."""
+    partial = float(scaling.get("partial_rotary_factor", 1.0))
+    if not 0.0 <= partial <= 1.0:
+        raise ValueError(f"proportional RoPE needs partial_rotary_factor in [0, 1], got {partial}")
+    rotated = int(partial * inv_freq.numel())
+    out = torch.zeros_like(inv_freq)
+    out[:rotated] = inv_freq[:rotated]
+    return out / float(scaling.get("factor", 1.0))
 
 
 class RotaryEmbedding(nn.Module):
@@ -116,6 +133,16 @@ class RotaryEmbedding(nn.Module):
     def _inv_freq(self, scaling: dict[str, Any]) -> torch.Tensor:
         exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim
         inv_freq = 1.0 / (self.base**exponent)
+        if self.rope_type == "proportional":
+            return proportional_inv_freq(inv_freq, scaling)
+        if self.rope_type == "freq_factors":  # llama.cpp's rope_freqs: one divisor per pair
+            factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+            if factors.shape != inv_freq.shape:
+                raise ValueError(
+                    f"{factors.numel()} rope frequency factors for a rotary head of "
+                    f"{self.head_dim} (needs {inv_freq.numel()})"
+                )
+            return inv_freq / factors
         if scaling.get("partial_rotary_factor", 1.0) != 1.0:
             raise NotImplementedError("partial rotary embeddings are not supported")
         if self.rope_type == "default":

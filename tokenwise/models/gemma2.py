@@ -183,11 +183,15 @@ class Gemma2ForCausalLM(nn.Module):
     def __init__(self, config: EngineConfig, prefix: str = "") -> None:
         super().__init__()
         hf = config.model.hf_config
-        self.model = GemmaModel(config, self.variant, f"{prefix}.model" if prefix else "model")
+        self.model = self.build_model(config, f"{prefix}.model" if prefix else "model")
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", True))
         tie_to = self.model.embed_tokens if self.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(hf.vocab_size, hf.hidden_size, tie_to=tie_to)
         self.final_logit_softcapping = getattr(hf, "final_logit_softcapping", None)
+
+    def build_model(self, config: EngineConfig, prefix: str) -> nn.Module:
+        """The decoder under the LM head (Gemma 4 builds its own; the head is shared)."""
+        return GemmaModel(config, self.variant, prefix)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

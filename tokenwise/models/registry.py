@@ -25,6 +25,7 @@ from tokenwise.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCau
 from tokenwise.models.gemma2 import Gemma2ForCausalLM
 from tokenwise.models.gemma3 import Gemma3ForCausalLM
 from tokenwise.models.gemma3_vl import Gemma3ForConditionalGeneration
+from tokenwise.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 from tokenwise.models.llama import LlamaForCausalLM
 from tokenwise.models.llava import LlavaForConditionalGeneration
 from tokenwise.models.mistral import MistralForCausalLM
@@ -39,6 +40,9 @@ from tokenwise.models.whisper import WhisperForConditionalGeneration
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    # Text only: the vision and audio towers' weights are skipped (tokenwise.models.gemma4).
+    "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,
     # Encoder-only embedding models (task "embed"): class attribute `is_pooling_model`.
     "BertModel": BertEmbeddingModel,
     "BertForMaskedLM": BertEmbeddingModel,

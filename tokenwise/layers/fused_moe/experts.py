@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from tokenwise.layers.activation import SiluAndMul
+from tokenwise.layers.activation import SiluAndMul, get_act_and_mul
 from tokenwise.layers.quantization.weight_only import QuantizedExperts
 
 
@@ -164,6 +164,12 @@ def _grouped_pairs(
 
 
 SILU_AND_MUL = SiluAndMul()
+# The experts' gated activations by HF name: SwiGLU, and GeGLU with tanh GELU (Gemma 4).
+EXPERT_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": SILU_AND_MUL,
+    "swish": SILU_AND_MUL,
+    "gelu_pytorch_tanh": get_act_and_mul("gelu_pytorch_tanh"),
+}
 
 
 @torch.library.custom_op("tokenwise::moe_experts", mutates_args=())
@@ -175,15 +181,17 @@ def moe_experts(
     topk_ids: torch.Tensor,
     first_expert: int,
     weights_in_fp32: bool,
+    activation: str = "silu",
 ) -> torch.Tensor:
-    """`fused_experts` with SiLU as one node for torch.compile (the only activation supported)."""
+    """`fused_experts` as one node for torch.compile; `activation` names one of
+    `EXPERT_ACTIVATIONS`."""
     return fused_experts(
         hidden_states,
         w13,
         w2,
         topk_weights,
         topk_ids,
-        SILU_AND_MUL,
+        EXPERT_ACTIVATIONS[activation],
         first_expert=first_expert,
         weights_in_fp32=weights_in_fp32,
     )
@@ -198,5 +206,6 @@ def _moe_experts_fake(
     topk_ids: torch.Tensor,
     first_expert: int,
     weights_in_fp32: bool,
+    activation: str = "silu",
 ) -> torch.Tensor:
     return torch.empty_like(hidden_states)

@@ -15,7 +15,7 @@ from torch import nn
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.tp_state import get_tp_size, tp_all_reduce
 from tokenwise.forward_context import get_forward_context, is_forward_context_available
-from tokenwise.layers.fused_moe.experts import SILU_AND_MUL, fused_experts, moe_experts
+from tokenwise.layers.fused_moe.experts import EXPERT_ACTIVATIONS, fused_experts, moe_experts
 from tokenwise.layers.fused_moe.router import GroupedRouting, select_experts
 from tokenwise.layers.fused_moe.sharding import ExpertShard
 from tokenwise.layers.quantization.weight_only import QuantizedExperts
@@ -23,7 +23,7 @@ from tokenwise.layers.weight_utils import CheckpointTensor, check_full_shape, co
 
 
 class FusedMoE(nn.Module):
-    """Routed experts with SwiGLU, stored as `w13_weight [E_l, 2*I_l, H]`, `w2_weight [E_l, H, I_l]`.
+    """Routed experts (SwiGLU, or GeGLU: `hidden_act`), stored as `w13_weight [E_l, 2*I_l, H]`, `w2_weight [E_l, H, I_l]`.
 
     `weights_in_fp32`: scale expert outputs by the float32 routing weights (Mixtral) instead of
     weights rounded to the activation dtype (Qwen-MoE); it matters only below fp32. `routing`:
@@ -59,10 +59,12 @@ class FusedMoE(nn.Module):
         self.parallel = config.parallel
         self.tp_size = get_tp_size()
         self.shard = ExpertShard.for_rank(config.parallel, num_experts, intermediate_size)
-        if hidden_act not in ("silu", "swish"):  # the one activation the experts implement
+        if hidden_act not in EXPERT_ACTIVATIONS:
             raise NotImplementedError(
-                f"MoE experts support hidden_act silu only, got {hidden_act!r}"
+                f"MoE experts support hidden_act {', '.join(EXPERT_ACTIVATIONS)}; "
+                f"got {hidden_act!r}"
             )
+        self.activation = hidden_act
         local_e, local_i = self.shard.num_local_experts, self.shard.local_intermediate_size
         self.w13_weight = nn.Parameter(
             torch.empty(local_e, 2 * local_i, hidden_size), requires_grad=False
@@ -117,6 +119,12 @@ class FusedMoE(nn.Module):
         topk_weights, topk_ids = select_experts(
             router_logits, self.top_k, self.renormalize, self.routing
         )
+        return self.run_experts(hidden_states, topk_weights, topk_ids)
+
+    def run_experts(
+        self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """This rank's experts on routed tokens (a model with its own routing calls this)."""
         if self.quant_experts is not None:  # eager only, as every quantized layer
             return fused_experts(
                 hidden_states,
@@ -124,7 +132,7 @@ class FusedMoE(nn.Module):
                 self.w2_weight,
                 topk_weights,
                 topk_ids,
-                SILU_AND_MUL,
+                EXPERT_ACTIVATIONS[self.activation],
                 first_expert=self.shard.first_expert,
                 weights_in_fp32=self.weights_in_fp32,
                 quantized=self.quant_experts,
@@ -137,6 +145,7 @@ class FusedMoE(nn.Module):
             topk_ids,
             self.shard.first_expert,
             self.weights_in_fp32,
+            self.activation,
         )
 
     def weight_loader(
