@@ -63,7 +63,7 @@ def graph_modes(ctx: Context) -> None:
         kwargs = mode_kwargs(ctx, mode)
         start = time.perf_counter()
         llm = LLM(path, dtype="float32", device=ctx.device, seed=ctx.seed, num_gpu_blocks=256,
-                  max_num_seqs=16, **kwargs)  # fmt: skip
+                  max_num_seqs=ctx.size(4, 16), **kwargs)  # fmt: skip
         built = time.perf_counter() - start
         outs = llm.generate(prompts, params, use_tqdm=False)
         tokens = [list(o.outputs[0].token_ids) for o in outs]
@@ -192,6 +192,7 @@ def breakdown(ctx: Context) -> None:
         samples = get_batchsize_forward_time_samples()
     finally:
         reset_batchsize_forward_time_stats(-1)
+    kernels = top_kernels(ctx, llm, prompts[:16])
     del llm
     release()
     total = sum(sum(v) for v in samples.values()) or 1.0
@@ -200,6 +201,25 @@ def breakdown(ctx: Context) -> None:
         if times:
             ctx.figure(f"{label}_median_forward", round(statistics.median(times), 3), "ms",
                        steps=len(times), share=round(sum(times) / total, 3))  # fmt: skip
+    ctx.figure("top_kernels", kernels, "ms", bool(kernels))
+
+
+def top_kernels(ctx: Context, llm: Any, prompts: list[Any], count: int = 10) -> list[list[Any]]:
+    """[name, total ms] of the kernels (CPU ops in a dry run) that took longest in 32 decode
+    steps of up to 16 requests, from `torch.profiler`."""
+    import torch
+
+    from tokenwise import SamplingParams
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if ctx.device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    params = SamplingParams(temperature=0, max_tokens=ctx.size(4, 32), ignore_eos=True)
+    with torch.profiler.profile(activities=activities) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+    attr = "device_time_total" if ctx.device == "cuda" else "cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attr, 0), reverse=True)
+    return [[e.key, round(getattr(e, attr, 0) / 1e3, 3)] for e in events[:count]]
 
 
 PARTS = [

@@ -4,7 +4,9 @@ embeddings) from the engine on `ctx.device` against transformers' in fp32 on the
 Why the reference runs on the CPU: it is the one the CPU suite already trusts, so a mismatch
 here points at the device path (kernels, graphs, dtype handling), not at the reference. The
 checkpoints and the HF helpers are the test suite's (tests/tiny_checkpoints.py, tests/models):
-what the suite checks on CPU is checked here on the GPU with the same recipes.
+what the suite checks on CPU is checked here on the GPU with the same recipes. Engines run
+eagerly (the device's attention backend and kernels, no compilation): compiling each family
+would cost ~30 s of a 15-minute lease apiece, and graphs have their own part (graph_modes).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from benchmarks.gpu_check_parts.plan import Context, Part
 def _llm(ctx: Context, path: str, **kwargs: Any) -> Any:
     from tokenwise import LLM
 
+    kwargs.setdefault("enforce_eager", True)
     return LLM(path, dtype="float32", device=ctx.device, seed=ctx.seed, **kwargs)
 
 
