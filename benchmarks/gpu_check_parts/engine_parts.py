@@ -150,10 +150,11 @@ def throughput_hf(ctx: Context) -> None:
     shape = ModelShape.from_config(config)
     need = sum(r.prompt_len + r.output_len for r in work) * 2 * shape.layers * shape.kv_heads
     need *= shape.head_dim * dtype.itemsize
+    kv_bytes = int(need * 1.1)
     if ctx.device == "cuda":
-        need = min(int(need * 1.1), int(torch.cuda.mem_get_info()[0] * 0.6))
+        kv_bytes = min(kv_bytes, int(torch.cuda.mem_get_info()[0] * 0.6))
     cb = ContinuousBatchingConfig(
-        num_blocks=hf_num_blocks(shape, int(need * 1.1), 256, dtype.itemsize),
+        num_blocks=hf_num_blocks(shape, kv_bytes, 256, dtype.itemsize),
         max_batch_tokens=opts["max_num_batched_tokens"],
         max_requests_per_batch=opts["max_num_seqs"],
     )
