@@ -35,6 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository root: benchmarks.*, tests.*
 
 from benchmarks.gpu_check_parts import PLAN  # noqa: E402
+from benchmarks.gpu_check_parts.engine_parts import QWEN  # noqa: E402, F401 (test_gpu_path)
 from benchmarks.gpu_check_parts.plan import Context, run_plan  # noqa: E402
 
 NAMES = [p.name for p in PLAN]
