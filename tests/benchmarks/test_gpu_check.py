@@ -118,3 +118,17 @@ def test_a_figure_not_ok_fails_the_plan_and_bad_arguments_name_the_flag() -> Non
 def test_every_part_has_a_name_a_purpose_and_a_bound_within_the_lease() -> None:
     assert len({p.name for p in PLAN}) == len(PLAN)
     assert all(0 < p.seconds <= 180 and p.doc for p in PLAN)
+
+
+def test_results_replace_only_their_own_section(tmp_path) -> None:
+    from benchmarks.gpu_check import write_section
+
+    path = tmp_path / "RESULTS.md"
+    path.write_text("# Results\n\n<!-- gpu_check:status:begin -->\nold H100 run\n"
+                    "<!-- gpu_check:status:end -->\n")  # fmt: skip
+    write_section(str(path), ["first"])
+    write_section(str(path), ["second", "run"])
+    text = path.read_text()
+    assert text.count("<!-- gpu_check:begin -->") == 1 and "first" not in text
+    assert "<!-- gpu_check:begin -->\nsecond\nrun\n<!-- gpu_check:end -->" in text
+    assert text.startswith("# Results\n\n<!-- gpu_check:status:begin -->\nold H100 run\n")
