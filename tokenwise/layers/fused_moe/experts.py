@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from tokenwise.layers.activation import SiluAndMul
+from tokenwise.layers.activation import SiluAndMul, SwigluOAIAndMul
 from tokenwise.layers.quantization.weight_only import QuantizedExperts
 
 
@@ -47,6 +47,8 @@ def fused_experts(
     weights_in_fp32: bool = False,
     use_grouped_mm: bool | None = None,
     quantized: QuantizedExperts | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`sum_k w[t,k] * expert_{id[t,k]}(x[t])` over the experts held in `w13` / `w2`.
 
@@ -57,6 +59,8 @@ def fused_experts(
     product. The sum over a token's experts is float32 either way. `use_grouped_mm=None`
     picks the grouped matmul where `grouped_mm_supported` says it runs. `quantized` experts
     (`w13` / `w2` then only give shapes) run one at a time through their quantized layers.
+    `w13_bias` `[E_local, 2*I]` / `w2_bias` `[E_local, H]` (gpt-oss) are added to each
+    expert's projections before the routing weight scales its output.
     """
     num_tokens, top_k = topk_ids.shape
     num_local = w13.shape[0]
@@ -72,8 +76,8 @@ def fused_experts(
     local_ids = torch.where(held, local_ids, torch.full_like(local_ids, num_local))
     # Stable, so each expert sees its tokens in token order (deterministic sums).
     order = torch.argsort(local_ids, stable=True)
-    if quantized is not None:
-        use_grouped_mm = False
+    if quantized is not None or w13_bias is not None or w2_bias is not None:
+        use_grouped_mm = False  # the loop adds biases per expert
     elif use_grouped_mm is None:
         use_grouped_mm = grouped_mm_supported(hidden_states) and _grouped_mm_fits(hidden_states, w2)
     if use_grouped_mm:
@@ -93,7 +97,9 @@ def fused_experts(
             gate_up = quantized.w13[expert].linear(rows, None)
             rows = quantized.w2[expert].linear(act_and_mul(gate_up), None)
         else:
-            rows = F.linear(act_and_mul(F.linear(rows, w13[expert])), w2[expert])
+            b13 = None if w13_bias is None else w13_bias[expert]
+            b2 = None if w2_bias is None else w2_bias[expert]
+            rows = F.linear(act_and_mul(F.linear(rows, w13[expert], b13)), w2[expert], b2)
         rows = rows * sorted_weights[start : start + count, None]
         out.index_add_(0, tokens, rows.to(acc_dtype))
         start += count
@@ -164,6 +170,17 @@ def _grouped_pairs(
 
 
 SILU_AND_MUL = SiluAndMul()
+# The experts' activations by vLLM's names: "swigluoai" is gpt-oss's clamped SwiGLU.
+MOE_ACTIVATIONS = ("silu", "swigluoai")
+
+
+def moe_act_and_mul(activation: str, alpha: float = 1.702, limit: float = 7.0) -> torch.nn.Module:
+    """The gated activation of `MOE_ACTIVATIONS` on `[gate | up]` rows."""
+    if activation == "silu":
+        return SILU_AND_MUL
+    if activation == "swigluoai":
+        return SwigluOAIAndMul(alpha, limit)
+    raise ValueError(f"MoE activation must be one of {MOE_ACTIVATIONS}, got {activation!r}")
 
 
 @torch.library.custom_op("tokenwise::moe_experts", mutates_args=())
@@ -175,17 +192,25 @@ def moe_experts(
     topk_ids: torch.Tensor,
     first_expert: int,
     weights_in_fp32: bool,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> torch.Tensor:
-    """`fused_experts` with SiLU as one node for torch.compile (the only activation supported)."""
+    """`fused_experts` as one node for torch.compile; `activation` one of `MOE_ACTIVATIONS`
+    (`alpha` / `limit`: swigluoai's), biases as in `fused_experts`."""
     return fused_experts(
         hidden_states,
         w13,
         w2,
         topk_weights,
         topk_ids,
-        SILU_AND_MUL,
+        moe_act_and_mul(activation, alpha, limit),
         first_expert=first_expert,
         weights_in_fp32=weights_in_fp32,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
     )
 
 
@@ -198,5 +223,10 @@ def _moe_experts_fake(
     topk_ids: torch.Tensor,
     first_expert: int,
     weights_in_fp32: bool,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> torch.Tensor:
     return torch.empty_like(hidden_states)
