@@ -19,8 +19,15 @@
  */
 #include "common.h"
 
-/* 2^(s - 127) for every e8m0 code (255, NaN in the format, is read as 2^128 = inf). */
-static float scale_of(uint8_t s) { return ldexpf(1.0f, (int)s - 127); }
+/* 2^(s - 127) for an e8m0 code, built from its bits: the code is the float32 exponent field
+ * (0 is 2^-127, a subnormal; 255, NaN in the format, reads as inf). A libm ldexpf per group
+ * took a third of the time of a one-row product. */
+static inline float scale_of(uint8_t s) {
+    const uint32_t bits = s ? (uint32_t)s << 23 : 0x00400000u;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
 
 static const float E2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                                -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
