@@ -66,17 +66,23 @@ def _measure(name: str, n: int, k: int, rows: list[int], args: argparse.Namespac
     mx_bytes = blocks.numel() + scales.numel()
     mx = [(blocks.clone(), scales.clone()) for _ in range(_copies(mx_bytes, args.cold_gib))]
     q4 = quantize(weight, 4, 32, True)
-    q4s = [q4] + [quantize(weight, 4, 32, True) for _ in range(_copies(q4.nbytes, args.cold_gib) - 1)]
+    q4s = [q4] + [
+        quantize(weight, 4, 32, True) for _ in range(_copies(q4.nbytes, args.cold_gib) - 1)
+    ]
     dense = [weight.clone() for _ in range(_copies(n * k * 4, args.cold_gib))]
     for m in rows:
         x = torch.randn(m, k)
         xb = x.bfloat16()
         paths = {
-            "mxfp4": (lambda i: mxfp4.mxfp4_linear(x, *mx[i % len(mx)], None), mx_bytes, len(mx)),
-            "int4": (lambda i: q4s[i % len(q4s)].linear(x, None), q4.nbytes, len(q4s)),
-            "int4-bf16": (lambda i: q4s[i % len(q4s)].linear(xb, None), q4.nbytes, len(q4s)),
+            "mxfp4": (
+                lambda i, x=x: mxfp4.mxfp4_linear(x, *mx[i % len(mx)], None),
+                mx_bytes,
+                len(mx),
+            ),
+            "int4": (lambda i, x=x: q4s[i % len(q4s)].linear(x, None), q4.nbytes, len(q4s)),
+            "int4-bf16": (lambda i, xb=xb: q4s[i % len(q4s)].linear(xb, None), q4.nbytes, len(q4s)),
             "dense": (
-                lambda i: cpu_prepack.linear(x, dense[i % len(dense)], None, None),
+                lambda i, x=x: cpu_prepack.linear(x, dense[i % len(dense)], None, None),
                 n * k * 4,
                 len(dense),
             ),

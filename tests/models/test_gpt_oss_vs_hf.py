@@ -133,7 +133,11 @@ def _engine_tokens(path: str, prompts: list[list[int]], **kwargs: Any) -> tuple[
 SCHEDULES = {
     "one-batch": {},
     "chunked-16": {"max_num_batched_tokens": 16},
-    "preempt-chunked-16": {"max_model_len": 192, "max_num_batched_tokens": 16, "num_gpu_blocks": 17},
+    "preempt-chunked-16": {
+        "max_model_len": 192,
+        "max_num_batched_tokens": 16,
+        "num_gpu_blocks": 17,
+    },
 }
 
 

@@ -56,7 +56,9 @@ class GptOssAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(
             hf.hidden_size, head_dim, int(hf.num_attention_heads), config.model.num_kv_heads, bias
         )
-        self.o_proj = RowParallelLinear(int(hf.num_attention_heads) * head_dim, hf.hidden_size, bias)
+        self.o_proj = RowParallelLinear(
+            int(hf.num_attention_heads) * head_dim, hf.hidden_size, bias
+        )
         num_heads, num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         # This rank's heads' sink logits (the checkpoint's `self_attn.sinks`, sliced).
         self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False)
@@ -73,10 +75,14 @@ class GptOssAttention(nn.Module):
             sinks=self.sinks,
         )
 
-    def _load_sinks(self, param: nn.Parameter, loaded: CheckpointTensor, shard: object = None) -> None:
+    def _load_sinks(
+        self, param: nn.Parameter, loaded: CheckpointTensor, shard: object = None
+    ) -> None:
         total, local = self.qkv_proj.total_num_heads, param.shape[0]
         if tuple(loaded.shape) != (total,):
-            raise ValueError(f"sinks: expected ({total},), the checkpoint has {tuple(loaded.shape)}")
+            raise ValueError(
+                f"sinks: expected ({total},), the checkpoint has {tuple(loaded.shape)}"
+            )
         start = get_tp_rank() * local
         copy_checked(param, loaded[start : start + local])
 

@@ -41,7 +41,24 @@ BiasedFusedMoE = Any
 
 MXFP4 = "mxfp4"
 GROUP = 32
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E2M1_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
 # Checkpoint tensor (relative to the experts module) -> this method's parameter.
 TENSORS = {
     "gate_up_proj_blocks": "w13_blocks",
