@@ -14,8 +14,9 @@
  * and the sign bit is moved to bit 31; that gives the even- and odd-indexed values of 16
  * consecutive weights. x is reordered once per call to the same order (each group's evens,
  * then its odds), so the dot product needs no shuffle of the weights. The group's scale
- * multiplies its decoded weights (exact: a power of two). Rows are split over OpenMP threads.
- * Without AVX2 + FMA, a plain C loop computes the same (summation order aside).
+ * multiplies its decoded weights (exact: a power of two). With AVX-512 the 16-entry code table
+ * fits one register and a single permute decodes 16 codes, sign included. Rows are split over
+ * OpenMP threads. Without AVX2 + FMA, a plain C loop computes the same (summation order aside).
  */
 #include "common.h"
 
@@ -34,21 +35,53 @@ static const float E2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  
 
 #define MAX_M 8
 
-/* x [M, K] -> xp [M, K]: within each group of 32, values 0, 2, .., 14, then 1, 3, .., 15, then
- * 16, 18, .., 30, then 17, .., 31 (the order the AVX2 decode yields weights in). */
-static void permute_x(const float *x, float *xp, int64_t M, int64_t K) {
+/* x [M, K] -> xp [M, K] in the order a vector decode yields a group's weights: `lanes` even
+ * values (0, 2, ..), then as many odd ones, per 2 * lanes values (8 lanes: 0, 2, .., 14, 1,
+ * .., 15, 16, .., 30, 17, .., 31; 16 lanes: 0, .., 30, 1, .., 31). */
+static void permute_x(const float *x, float *xp, int64_t M, int64_t K, int lanes) {
     for (int64_t m = 0; m < M; ++m)
-        for (int64_t g = 0; g < K; g += 32)
-            for (int half = 0; half < 2; ++half)
-                for (int j = 0; j < 8; ++j) {
-                    const int64_t src = m * K + g + 16 * half + 2 * j;
-                    const int64_t dst = m * K + g + 16 * half + j;
-                    xp[dst] = x[src];
-                    xp[dst + 8] = x[src + 1];
-                }
+        for (int64_t g = 0; g < K; g += 2 * lanes)
+            for (int j = 0; j < lanes; ++j) {
+                xp[m * K + g + j] = x[m * K + g + 2 * j];
+                xp[m * K + g + lanes + j] = x[m * K + g + 2 * j + 1];
+            }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
+#define TW_MXFP4_ISA 2
+#define TW_MXFP4_LANES 16
+/* Rows [n0, n1): with 16 lanes one permute of a 16-entry table decodes 16 codes, sign
+ * included (the table is the whole e2m1 code space). */
+static void rows_vector(const float *xp, const uint8_t *blocks, const uint8_t *scales,
+                        const float *bias, float *y, int64_t M, int64_t N, int64_t K, int64_t n0,
+                        int64_t n1) {
+    const int64_t ng = K / 32;
+    const __m512 lut = _mm512_loadu_ps(E2M1);
+    const __m512i low4 = _mm512_set1_epi32(15);
+    for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t *q = blocks + n * ng * 16;
+        const uint8_t *sc = scales + n * ng;
+        __m512 acc[MAX_M];
+        for (int64_t m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < ng; ++g) {
+            if (!(g & 3)) _mm_prefetch((const char *)(q + (g + 8) * 16), _MM_HINT_T0);
+            const __m512 s = _mm512_set1_ps(scale_of(sc[g]));
+            const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + g * 16)));
+            const __m512 we = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(v, low4), lut), s);
+            const __m512 wo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut), s);
+            for (int64_t m = 0; m < M; ++m) {
+                const float *xg = xp + m * K + g * 32;
+                acc[m] = _mm512_fmadd_ps(we, _mm512_loadu_ps(xg), acc[m]);
+                acc[m] = _mm512_fmadd_ps(wo, _mm512_loadu_ps(xg + 16), acc[m]);
+            }
+        }
+        for (int64_t m = 0; m < M; ++m)
+            y[m * N + n] = _mm512_reduce_add_ps(acc[m]) + (bias ? bias[n] : 0.0f);
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define TW_MXFP4_ISA 1
+#define TW_MXFP4_LANES 8
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -57,7 +90,7 @@ static inline float hsum8(__m256 v) {
 }
 
 /* Rows [n0, n1) for M rows of the permuted x. */
-static void rows_avx2(const float *xp, const uint8_t *blocks, const uint8_t *scales,
+static void rows_vector(const float *xp, const uint8_t *blocks, const uint8_t *scales,
                       const float *bias, float *y, int64_t M, int64_t N, int64_t K, int64_t n0,
                       int64_t n1) {
     const int64_t ng = K / 32;
@@ -123,10 +156,10 @@ static void rows_scalar(const float *x, const uint8_t *blocks, const uint8_t *sc
     }
 }
 
-/* 1: the AVX2 + FMA path was compiled in; 0: plain C. */
+/* 2: the AVX-512 path was compiled in, 1: AVX2 + FMA, 0: plain C. */
 int tw_mxfp4_isa(void) {
-#if defined(__AVX2__) && defined(__FMA__)
-    return 1;
+#if defined(TW_MXFP4_ISA)
+    return TW_MXFP4_ISA;
 #else
     return 0;
 #endif
@@ -138,10 +171,10 @@ int tw_mxfp4_gemv(const float *x, const uint8_t *blocks, const uint8_t *scales,
                   const float *bias, float *y, int64_t M, int64_t N, int64_t K,
                   int64_t num_threads) {
     if (M < 1 || M > MAX_M || K % 32 || N < 1) return -1;
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(TW_MXFP4_ISA)
     float *xp = malloc(sizeof(float) * (size_t)(M * K));
     if (!xp) return -2;
-    permute_x(x, xp, M, K);
+    permute_x(x, xp, M, K, TW_MXFP4_LANES);
 #ifdef _OPENMP
 #pragma omp parallel num_threads(num_threads > 1 && N >= 64 ? (int)num_threads : 1)
 #endif
@@ -152,7 +185,7 @@ int tw_mxfp4_gemv(const float *x, const uint8_t *blocks, const uint8_t *scales,
         parts = omp_get_num_threads();
 #endif
         const int64_t n0 = N * part / parts, n1 = N * (part + 1) / parts;
-        rows_avx2(xp, blocks, scales, bias, y, M, N, K, n0, n1);
+        rows_vector(xp, blocks, scales, bias, y, M, N, K, n0, n1);
     }
     free(xp);
 #else

@@ -4,7 +4,7 @@
 checkpoint's own bytes (gpt-oss's experts: `*_blocks` + `*_scales`), decoding each group of 32
 in registers; `layers.quantization.mxfp4` calls it for decode-sized rows and dequantizes with
 torch ops for more rows (prefill) or where it cannot be built. Built at first use for this CPU
-by `native.build` (AVX2 + FMA where the CPU has them, else plain C), used only where torch's
+by `native.build` (AVX-512 or AVX2 + FMA where the CPU has them, else plain C), used only where torch's
 OpenMP runtime is libgomp, whose threads it then shares, as the other linear kernels.
 """
 
@@ -28,7 +28,7 @@ KERNEL = build.Kernel(
     needs_libgomp=True,
 )
 MAX_ROWS = 8
-ISA_NAMES = {0: "plain C", 1: "AVX2+FMA"}
+ISA_NAMES = {0: "plain C", 1: "AVX2+FMA", 2: "AVX-512"}
 
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
