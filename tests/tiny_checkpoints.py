@@ -146,7 +146,7 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     # interpolate at every position), and a SwiGLU clamp of 2 (the released 7 would never bind
     # at this size).
     "GptOssForCausalLM": {
-        "head_dim": 16,
+        "head_dim": 24,  # not hidden / heads (16), as in the released models
         "num_local_experts": 4,
         "num_experts_per_tok": 2,
         "intermediate_size": 64,

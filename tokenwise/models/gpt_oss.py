@@ -40,7 +40,7 @@ from tokenwise.layers import (
 from tokenwise.layers.fused_moe.biased import BiasedFusedMoE
 from tokenwise.layers.quantization.mxfp4 import mxfp4_method_for
 from tokenwise.layers.weight_utils import CheckpointTensor, copy_checked, load_stacked_weights
-from tokenwise.models.llama import LlamaForCausalLM, layer_sliding_window
+from tokenwise.models.llama import LlamaDecoderLayer, LlamaForCausalLM, layer_sliding_window
 
 _EXPERTS = ".mlp.experts."
 
@@ -117,28 +117,19 @@ class GptOssMoE(nn.Module):
         return self.experts(hidden_states, self.router(hidden_states))
 
 
-class GptOssDecoderLayer(nn.Module):
+class GptOssDecoderLayer(LlamaDecoderLayer):
+    """Llama's pre-norm layer (its `forward`, residual adds fused into the norms) around
+    gpt-oss's attention and MoE."""
+
     def __init__(
         self, config: EngineConfig, rotary_emb: RotaryEmbedding, layer_idx: int, prefix: str
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         hf = config.model.hf_config
         self.self_attn = GptOssAttention(config, rotary_emb, layer_idx, f"{prefix}.self_attn")
         self.mlp = GptOssMoE(config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
-
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
 
 
 class GptOssModel(nn.Module):

@@ -20,6 +20,7 @@ checkpoint's tensors into them and computes the experts.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -69,16 +70,19 @@ class BiasedFusedMoE(FusedMoE):
         prefix: str = "",
     ) -> None:
         # gpt-oss: softmax over the top-k logits, i.e. the top-k probabilities renormalised.
-        super().__init__(
-            num_experts,
-            top_k,
-            hidden_size,
-            intermediate_size,
-            config,
-            renormalize=True,
-            weights_in_fp32=True,
-            prefix=prefix,
-        )
+        # With a quant_method the dense weights are never used: made on the meta device (no
+        # memory, not even for a moment on a GPU), then replaced by the method's parameters.
+        with torch.device("meta") if quant_method is not None else nullcontext():
+            super().__init__(
+                num_experts,
+                top_k,
+                hidden_size,
+                intermediate_size,
+                config,
+                renormalize=True,
+                weights_in_fp32=True,
+                prefix=prefix,
+            )
         if activation not in MOE_ACTIVATIONS:
             raise ValueError(f"activation must be one of {MOE_ACTIVATIONS}, got {activation!r}")
         self.activation, self.alpha, self.limit = activation, swiglu_alpha, swiglu_limit
@@ -89,8 +93,6 @@ class BiasedFusedMoE(FusedMoE):
         self.adds_down_bias = self.shard.intermediate_start == 0
         self.quant_method = quant_method
         if quant_method is not None:
-            # The dense weights were never touched (no memory committed); the method's own
-            # parameters replace them.
             del self.w13_weight, self.w2_weight
             quant_method.create_weights(self)
 
