@@ -86,3 +86,22 @@ def test_refuses_unknown_tensors_and_shapes() -> None:
         layer.load_stacked("gate_proj", torch.zeros(1))
     with pytest.raises(ValueError, match="shape mismatch"):
         layer.load_stacked("down_proj_bias", torch.zeros(E, H + 1))
+
+
+def test_grouped_matmul_and_loop_add_the_biases_alike() -> None:
+    """The grouped-matmul path (what CUDA graphs capture: no host read) equals the loop."""
+    from tokenwise.layers.fused_moe.experts import fused_experts, grouped_mm_supported
+    from tokenwise.layers.fused_moe.router import select_experts
+
+    g = torch.Generator().manual_seed(3)
+    x, logits = torch.randn(11, H, generator=g), torch.randn(11, E, generator=g)
+    if not grouped_mm_supported(x):
+        pytest.skip("no torch._grouped_mm here")
+    layer = _layer()
+    weights, ids = select_experts(logits, K, True)
+    args = (x, layer.w13_weight, layer.w2_weight, weights, ids, layer.act_and_mul)
+    biases = {"w13_bias": layer.w13_bias, "w2_bias": layer.w2_bias, "weights_in_fp32": True}
+    loop = fused_experts(*args, use_grouped_mm=False, **biases)
+    grouped = fused_experts(*args, use_grouped_mm=True, **biases)
+    torch.testing.assert_close(grouped, loop, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(loop, _reference(x, logits, _checkpoint()), atol=1e-5, rtol=1e-5)

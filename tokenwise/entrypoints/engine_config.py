@@ -187,6 +187,10 @@ def build_engine_config(
                 "(torch.compile does not trace them): leave enforce_eager at its default or True"
             )
         cpu_qgemv.activation_bits()  # a bad TOKENWISE_CPU_QUANT_ACTIVATIONS fails here
+    if model_config.quantization == "mxfp4" and not enforce_eager:
+        # Its experts dequantize per call, one expert at a time (a host read): no graphs yet.
+        logger.info("MXFP4 experts run eagerly (no torch.compile or CUDA graphs) for now")
+        enforce_eager, cpu_graphs = True, False
     num_labels = int(getattr(model_config.hf_config, "num_labels", 2))
     model_config.task = resolve_task(task, model_config.architectures, num_labels)
     check_kv_cache_dtype(kv_cache_dtype, model_config)

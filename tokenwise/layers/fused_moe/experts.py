@@ -76,12 +76,14 @@ def fused_experts(
     local_ids = torch.where(held, local_ids, torch.full_like(local_ids, num_local))
     # Stable, so each expert sees its tokens in token order (deterministic sums).
     order = torch.argsort(local_ids, stable=True)
-    if quantized is not None or w13_bias is not None or w2_bias is not None:
-        use_grouped_mm = False  # the loop adds biases per expert
+    if quantized is not None:
+        use_grouped_mm = False
     elif use_grouped_mm is None:
         use_grouped_mm = grouped_mm_supported(hidden_states) and _grouped_mm_fits(hidden_states, w2)
     if use_grouped_mm:
-        pair_out = _grouped_pairs(hidden_states, w13, w2, local_ids, held, order, act_and_mul)
+        pair_out = _grouped_pairs(
+            hidden_states, w13, w2, local_ids, held, order, act_and_mul, w13_bias, w2_bias
+        )
         pair_out = pair_out * weights[:, None]
         return pair_out.view(num_tokens, top_k, -1).to(acc_dtype).sum(1).to(hidden_states.dtype)
     counts = torch.bincount(local_ids, minlength=num_local + 1)[:num_local].tolist()
@@ -148,10 +150,13 @@ def _grouped_pairs(
     held: torch.Tensor,
     order: torch.Tensor,
     act_and_mul: Callable[[torch.Tensor], torch.Tensor],
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each (token, expert) pair's expert output, in pair order, unscaled; 0 for pairs whose
     expert another rank holds. Rows past the last local group are never computed by the
-    grouped matmul (their contents are undefined), hence `where` rather than a product."""
+    grouped matmul (their contents are undefined), hence `where` rather than a product.
+    Biases are gathered per sorted row (an absent expert's row takes any bias: it is zeroed)."""
     num_local = w13.shape[0]
     top_k = local_ids.numel() // hidden_states.shape[0]
     # Not bincount: on CUDA it reads the largest id on the host to size its output.
@@ -159,8 +164,13 @@ def _grouped_pairs(
     counts.scatter_add_(0, local_ids, torch.ones_like(local_ids, dtype=torch.int32))
     offsets = torch.cumsum(counts[:num_local], 0, dtype=torch.int32)
     rows = hidden_states.index_select(0, order // top_k)
+    row_expert = local_ids[order].clamp(max=num_local - 1)
     rows = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets)
+    if w13_bias is not None:
+        rows = rows + w13_bias.index_select(0, row_expert)
     rows = torch._grouped_mm(act_and_mul(rows), w2.transpose(1, 2), offs=offsets)
+    if w2_bias is not None:
+        rows = rows + w2_bias.index_select(0, row_expert)
     rows = torch.where(
         held[order, None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device)
     )
