@@ -50,34 +50,51 @@ static void permute_x(const float *x, float *xp, int64_t M, int64_t K, int lanes
 #if defined(__AVX512F__)
 #define TW_MXFP4_ISA 2
 #define TW_MXFP4_LANES 16
-/* Rows [n0, n1): with 16 lanes one permute of a 16-entry table decodes 16 codes, sign
- * included (the table is the whole e2m1 code space). */
-static void rows_vector(const float *xp, const uint8_t *blocks, const uint8_t *scales,
-                        const float *bias, float *y, int64_t M, int64_t N, int64_t K, int64_t n0,
-                        int64_t n1) {
+/* R consecutive weight rows from n (R a compile-time 1 or 2: two rows share each load of x).
+ * With 16 lanes one permute of a 16-entry table decodes 16 codes, sign included (the table is
+ * the whole e2m1 code space). */
+static inline __attribute__((always_inline)) void row_block512(
+    const float *xp, const uint8_t *blocks, const uint8_t *scales, const float *bias, float *y,
+    int64_t M, int64_t N, int64_t K, int64_t n, const int R) {
     const int64_t ng = K / 32;
     const __m512 lut = _mm512_loadu_ps(E2M1);
     const __m512i low4 = _mm512_set1_epi32(15);
-    for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t *q = blocks + n * ng * 16;
-        const uint8_t *sc = scales + n * ng;
-        __m512 acc[MAX_M];
-        for (int64_t m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-        for (int64_t g = 0; g < ng; ++g) {
-            if (!(g & 3)) _mm_prefetch((const char *)(q + (g + 8) * 16), _MM_HINT_T0);
-            const __m512 s = _mm512_set1_ps(scale_of(sc[g]));
-            const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + g * 16)));
-            const __m512 we = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(v, low4), lut), s);
-            const __m512 wo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut), s);
-            for (int64_t m = 0; m < M; ++m) {
-                const float *xg = xp + m * K + g * 32;
-                acc[m] = _mm512_fmadd_ps(we, _mm512_loadu_ps(xg), acc[m]);
-                acc[m] = _mm512_fmadd_ps(wo, _mm512_loadu_ps(xg + 16), acc[m]);
+    __m512 acc[2][MAX_M];
+    for (int r = 0; r < R; ++r)
+        for (int64_t m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; ++g) {
+        __m512 we[2], wo[2];
+        for (int r = 0; r < R; ++r) {
+            const uint8_t *q = blocks + ((n + r) * ng + g) * 16;
+            if (!(g & 3)) _mm_prefetch((const char *)(q + 8 * 16), _MM_HINT_T0);
+            const __m512 s = _mm512_set1_ps(scale_of(scales[(n + r) * ng + g]));
+            const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+            we[r] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(v, low4), lut), s);
+            wo[r] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut), s);
+        }
+        for (int64_t m = 0; m < M; ++m) {
+            const float *xg = xp + m * K + g * 32;
+            const __m512 xe = _mm512_loadu_ps(xg), xo = _mm512_loadu_ps(xg + 16);
+            for (int r = 0; r < R; ++r) {
+                acc[r][m] = _mm512_fmadd_ps(we[r], xe, acc[r][m]);
+                acc[r][m] = _mm512_fmadd_ps(wo[r], xo, acc[r][m]);
             }
         }
-        for (int64_t m = 0; m < M; ++m)
-            y[m * N + n] = _mm512_reduce_add_ps(acc[m]) + (bias ? bias[n] : 0.0f);
     }
+    for (int r = 0; r < R; ++r)
+        for (int64_t m = 0; m < M; ++m)
+            y[m * N + n + r] = _mm512_reduce_add_ps(acc[r][m]) + (bias ? bias[n + r] : 0.0f);
+}
+
+/* Rows [n0, n1): two at a time for several rows of x (measured at M = 4 and 8: 1.4-1.6x
+ * faster than one at a time), one at a time for one (about 15% faster there). */
+static void rows_vector(const float *xp, const uint8_t *blocks, const uint8_t *scales,
+                        const float *bias, float *y, int64_t M, int64_t N, int64_t K, int64_t n0,
+                        int64_t n1) {
+    int64_t n = n0;
+    if (M > 1)
+        for (; n + 2 <= n1; n += 2) row_block512(xp, blocks, scales, bias, y, M, N, K, n, 2);
+    for (; n < n1; ++n) row_block512(xp, blocks, scales, bias, y, M, N, K, n, 1);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 #define TW_MXFP4_ISA 1
