@@ -64,6 +64,7 @@ _MODEL_TYPES = {
     "Gemma4ForCausalLM": "gemma4_text",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "GptOssForCausalLM": "gpt_oss",
     "BartForConditionalGeneration": "bart",
     "WhisperForConditionalGeneration": "whisper",
 }
@@ -171,6 +172,27 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         "hidden_activation": "gelu_pytorch_tanh",
         "hidden_size_per_layer_input": 0,
         "tie_word_embeddings": True,
+    },
+    # gpt-oss: 4 experts (top-2) of width 64 (two MXFP4 groups, one per rank under TP=2), a
+    # window of 8 on alternate layers, YaRN stretching 128 positions to 512 (its slow pairs
+    # interpolate at every position), and a SwiGLU clamp of 2 (the released 7 would never bind
+    # at this size).
+    "GptOssForCausalLM": {
+        "head_dim": 24,  # not hidden / heads (16), as in the released models
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 64,
+        "sliding_window": 8,
+        "swiglu_limit": 2.0,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 128,
+        },
     },
     "DeepseekV2ForCausalLM": dict(_DEEPSEEK),
     "DeepseekV3ForCausalLM": {**_DEEPSEEK, "n_group": 4, "topk_group": 2, "norm_topk_prob": True},
@@ -381,7 +403,8 @@ def tiny_config(arch: str = "LlamaForCausalLM", **overrides: Any) -> Any:
 def _perturb(model: torch.nn.Module, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed + 1)
     for name, param in model.named_parameters():
-        if param.dim() == 1:
+        # gpt-oss's stacked expert biases are 2-D (`gate_up_proj_bias [E, 2I]`).
+        if param.dim() == 1 or name.endswith("_bias"):
             noise = torch.randn(param.shape, generator=generator) * 0.1
             param.copy_(noise + (0.0 if name.endswith("bias") else 1.0))
     for name, buffer in model.named_buffers():

@@ -8,6 +8,8 @@ both. GPTQ's and AWQ's settings are checked here (`int_checkpoint_config`), so a
 tokenwise cannot read fails when it is opened, naming the field, not halfway through loading.
 FP8 (`fp8`): a checkpoint whose `quant_method` is "fp8" (block-scaled, as DeepSeek-V3 and
 Qwen3-FP8 ship), checked by `fp8_checkpoint_config`, or a float checkpoint quantized on load.
+MXFP4 (`mxfp4`): gpt-oss's experts as published (`*_blocks` + `*_scales`), read by the
+model's experts method (`layers.quantization.mxfp4`); only from such a checkpoint.
 Formats not built yet (bitsandbytes) are refused by name.
 """
 
@@ -23,7 +25,9 @@ CPU_METHODS = ("int8", "int4")
 PREQUANTIZED = ("gptq", "awq", "compressed-tensors")
 # FP8 weights: from an "fp8" checkpoint, or quantized on load; on any device.
 FP8 = "fp8"
-METHODS = (*CPU_METHODS, "gguf", *PREQUANTIZED, FP8)
+# gpt-oss's MXFP4 experts, read by the model itself (`layers.quantization.mxfp4`).
+MXFP4 = "mxfp4"
+METHODS = (*CPU_METHODS, "gguf", *PREQUANTIZED, FP8, MXFP4)
 # vLLM's names for GPU kernels of these formats: the same checkpoints.
 ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
 # vLLM's names of formats tokenwise does not load yet (a checkpoint's quant_method included).
@@ -149,19 +153,21 @@ def resolve_quantization(
     in_checkpoint = checkpoint_method(hf_config)
     if in_checkpoint is not None:
         in_checkpoint = ALIASES.get(in_checkpoint, in_checkpoint)
-        if in_checkpoint not in (*PREQUANTIZED, FP8):
+        if in_checkpoint not in (*PREQUANTIZED, FP8, MXFP4):
             raise ValueError(
                 f"this checkpoint is quantized with quant_method={in_checkpoint!r} (its "
                 f"config.json's quantization_config), which tokenwise does not load yet; "
-                f"supported: {(*PREQUANTIZED, FP8)}, and quantization in {(*CPU_METHODS, FP8)} over "
-                "float checkpoints and GGUF files"
+                f"supported: {(*PREQUANTIZED, FP8, MXFP4)}, and quantization in "
+                f"{(*CPU_METHODS, FP8)} over float checkpoints and GGUF files"
             )
         if method is not None and method != in_checkpoint:
             raise ValueError(
                 f"quantization={quantization!r} does not match the checkpoint's "
                 f"quant_method={in_checkpoint!r} (config.json's quantization_config)"
             )
-        if in_checkpoint == FP8:
+        if in_checkpoint == MXFP4:
+            _check_mxfp4(hf_config)
+        elif in_checkpoint == FP8:
             fp8_checkpoint_config(checkpoint_quantization_config(hf_config) or {})
         elif in_checkpoint != "compressed-tensors":
             int_checkpoint_config(in_checkpoint, checkpoint_quantization_config(hf_config) or {})
@@ -170,6 +176,11 @@ def resolve_quantization(
         raise ValueError(f"quantization={quantization!r} is not built yet; supported: {METHODS}")
     if method is not None and method not in METHODS:
         raise ValueError(f"quantization must be one of {METHODS} (or None), got {quantization!r}")
+    if method == MXFP4:
+        raise ValueError(
+            "quantization='mxfp4' needs an MXFP4 checkpoint (gpt-oss as published, "
+            "quant_method 'mxfp4' in config.json); tokenwise does not quantize to MXFP4 on load"
+        )
     if method in PREQUANTIZED:
         raise ValueError(
             f"quantization={quantization!r} needs a checkpoint quantized with it (config.json's "
@@ -189,6 +200,16 @@ def resolve_quantization(
             "the model unquantized (quantization=None)"
         )
     return method
+
+
+def _check_mxfp4(hf_config: Any) -> None:
+    """MXFP4 checkpoints exist for gpt-oss's experts only; other families are refused here."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    if "GptOssForCausalLM" not in archs:
+        raise ValueError(
+            f"quant_method='mxfp4' is supported for gpt-oss (GptOssForCausalLM) experts only; "
+            f"this checkpoint's architectures are {archs}"
+        )
 
 
 def uses_cpu_kernels(method: str | None, device: str) -> bool:

@@ -313,3 +313,48 @@ def test_decode_step_writes_kv_then_matches_paged_decode(
     assert torch.equal(out, expected.reshape(n, width).to(dtype))
     assert torch.equal(kv_cache, expected_cache)
     assert not torch.equal(kv_cache, before)  # the writes really happened
+
+
+def _with_sinks_reference(case: dict, sinks: torch.Tensor) -> torch.Tensor:
+    """Each sequence's last token over its visible keys, with one more softmax column per head
+    (its sink logit, no value), written out independently of every backend."""
+    block_size, kv_heads = case["key_cache"].shape[1], case["key_cache"].shape[2]
+    heads = case["query"].shape[1]
+    out = []
+    for i, n in enumerate(case["seq_lens"].tolist()):
+        first = int(case["first_block"][i])
+        blocks = case["block_tables"][i, : -(-n // block_size) - first].long()
+        keys = case["key_cache"][blocks].flatten(0, 1).float()[: n - first * block_size]
+        values = case["value_cache"][blocks].flatten(0, 1).float()[: n - first * block_size]
+        if case["sliding_window"] is not None:
+            keep = min(case["sliding_window"], n)
+            keys, values = keys[-keep:], values[-keep:]
+        k = keys.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        v = values.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        scores = (case["query"][i][:, None, :] @ k.transpose(1, 2)).squeeze(1) * case["scale"]
+        probs = F.softmax(torch.cat([scores, sinks[:, None]], dim=-1), -1)[:, :-1]
+        out.append((probs[:, None, :] @ v).squeeze(1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_with_sinks_matches_reference(
+    monkeypatch: pytest.MonkeyPatch, window: int | None, threads: int
+) -> None:
+    """gpt-oss's attention sinks join each head's denominator: sequences of 1..129 keys, GQA,
+    KV heads split over threads for one sequence, a windowed table; a very negative sink is
+    no sink at all."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    for lens in ([1, 2, 17, 40, 129], [300]):
+        case = _paged_case(lens, 8, 2, 32, 16, window=window, seed=len(lens))
+        sinks = torch.randn(8, generator=torch.Generator().manual_seed(3)) * 2 + 1
+        out = torch.empty_like(case["query"])
+        args = {k: v for k, v in case.items() if k != "expected"}
+        cpu_paged_decode.paged_decode(cpu_paged_decode.load(), out=out, sinks=sinks, **args)
+        expected = _with_sinks_reference(case, sinks)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+        assert (expected - case["expected"]).abs().max() > 1e-3  # the sinks matter here
+        none = torch.full((8,), -1e30)
+        cpu_paged_decode.paged_decode(cpu_paged_decode.load(), out=out, sinks=none, **args)
+        torch.testing.assert_close(out, case["expected"], atol=1e-5, rtol=1e-4)

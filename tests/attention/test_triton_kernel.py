@@ -71,7 +71,32 @@ def test_kernel_matches_the_torch_backend_decode(
     window: int | None,
     dtype: torch.dtype,
 ) -> None:
+    _check(heads, kv_heads, head, block, lengths, window, dtype, sinks=None)
+
+
+@pytest.mark.parametrize("case", [0, 2, 3])
+def test_kernel_with_sinks_matches_the_torch_backend_decode(case: int) -> None:
+    """gpt-oss's sinks (one logit per head in the softmax denominator): the Triton kernel,
+    the torch backend's CPU decode (the C kernel) and the reference agree. Sinks around the
+    scores' size, so they take a real share of each head's weight."""
+    heads = CASES[case][0]
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(case)) * 2 + 1
+    _check(*CASES[case], sinks=sinks)
+
+
+def _check(
+    heads: int,
+    kv_heads: int,
+    head: int,
+    block: int,
+    lengths: list[int],
+    window: int | None,
+    dtype: torch.dtype,
+    sinks: torch.Tensor | None,
+) -> None:
     kernel, device = _kernel_and_device()
+    if sinks is not None:
+        sinks = sinks.to(device, dtype)
     gen = torch.Generator().manual_seed(sum(lengths) + block)
     num_blocks = sum(-(-(n + 1) // block) for n in lengths) + 4
     tables, perm = [], torch.randperm(num_blocks, generator=gen).tolist()
@@ -96,6 +121,7 @@ def test_kernel_matches_the_torch_backend_decode(
         cache = torch.randn(shape, generator=torch.Generator().manual_seed(9)) * 10
         cache = cache.to(device, dtype)
         impl = impl_cls(heads, head, scale, kv_heads, sliding_window=window)
+        impl.sinks = sinks
         prefill = ListMetadataBuilder(block, window, device=device)
         for i, n in enumerate(lengths):
             prefill.add_sequence(i, 0, n, tables[i]) if n > 1 else None
@@ -122,8 +148,8 @@ def test_kernel_matches_the_torch_backend_decode(
         if window is not None and any(md.block_table_first_block):
             first = torch.tensor(md.block_table_first_block, dtype=torch.int32, device=device)
         args = (q.view(-1, heads, head), cache[0], cache[1], md.block_tables, md.seq_lens_tensor)
-        outputs[name] = kernel.paged_decode(*args, scale, window, first)
-        outputs["reference"] = paged_decode_reference(*args, scale, window, first)
+        outputs[name] = kernel.paged_decode(*args, scale, window, first, sinks=sinks)
+        outputs["reference"] = paged_decode_reference(*args, scale, window, first, sinks=sinks)
     tol = 2e-3 if dtype == torch.float16 else 1e-5
     torch.testing.assert_close(
         outputs["triton"].float(), outputs["torch"].float(), atol=tol, rtol=tol

@@ -87,6 +87,11 @@ class Attention(AttentionLayerBase):
     treated as one causal sequence with no cache, which makes the model usable like a plain
     PyTorch module in tests and notebooks.
 
+    `sinks` (gpt-oss, vLLM's name): a `[num_heads]` tensor of this rank's heads' sink logits,
+    the model's parameter itself (read at every call, so it may be filled after construction).
+    Each joins its head's softmax denominator with no value, in every backend path. A sink
+    holds no memory: the KV-cache spec stays the layer's window's.
+
     `attn_type=AttentionType.ENCODER_ONLY` (BERT-style embedding models): bidirectional
     attention within each sequence of the step and no KV cache at all; `needs_kv_cache` is
     False, so the engine allocates and binds nothing for the layer. Its op still reads the
@@ -111,6 +116,7 @@ class Attention(AttentionLayerBase):
         sliding_window: int | None = None,
         attn_type: str = AttentionType.DECODER,
         logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
@@ -125,6 +131,12 @@ class Attention(AttentionLayerBase):
                 if attn_type is not AttentionType.DECODER_NO_CACHE
                 else "decoder_no_cache attention takes no sliding window (a classifier with a "
                 "sliding-window config is not supported)"
+            )
+        if sinks is not None and attn_type is not AttentionType.DECODER:
+            raise ValueError(f"{attn_type.value} attention takes no sinks (decoder layers only)")
+        if sinks is not None and tuple(sinks.shape) != (num_heads,):
+            raise ValueError(
+                f"sinks must have one logit per head, shape ({num_heads},); got {tuple(sinks.shape)}"
             )
         self.num_heads = num_heads
         self.head_size = head_size
@@ -153,6 +165,7 @@ class Attention(AttentionLayerBase):
                 logits_soft_cap=logits_soft_cap,
                 attn_type=self.attn_type,
             )
+            self.impl.sinks = sinks
         if config is not None:
             register_static_layer(config, prefix, self)
 
@@ -202,6 +215,7 @@ class Attention(AttentionLayerBase):
             sliding_window=self.sliding_window,
             softcap=self.logits_soft_cap,
             causal=self.attn_type in (AttentionType.DECODER, AttentionType.DECODER_NO_CACHE),
+            sinks=getattr(self.impl, "sinks", None),  # held by the impl, not a second parameter
         )
 
     def extra_repr(self) -> str:

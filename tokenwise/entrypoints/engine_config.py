@@ -113,12 +113,16 @@ def _eager_kinds(features: Features, cudagraph_mode: Any) -> tuple[bool, Any, bo
     """(enforce_eager, cudagraph_mode, cpu_graphs) for the model kinds that run eagerly, or
     None for a kind the graph settings apply to.
 
-    Pooling models (`engine/kinds/pooling_runner.py`) and vision-language models
-    (`engine/kinds/multimodal_runner.py`) always run eagerly; encoder-decoder models are
+    Pooling models (`engine/kinds/pooling_runner.py`), vision-language models
+    (`engine/kinds/multimodal_runner.py`) and MXFP4 checkpoints always run eagerly; encoder-decoder models are
     compiled and graphed only when a graph mode is asked for: that path is tested on CPU with
     capture faked, not yet on a GPU (`engine/kinds/encoder_decoder_runner.py`).
     """
     if features.pooling or features.multimodal:
+        return True, None, False
+    if features.model.quantization == "mxfp4":
+        # Its experts dequantize per call, one expert at a time (a host read): no graphs yet.
+        logger.info("MXFP4 experts run eagerly (no torch.compile or graphs) for now")
         return True, None, False
     if features.encoder_decoder and (
         cudagraph_mode is None or CUDAGraphMode.parse(cudagraph_mode) == CUDAGraphMode.NONE

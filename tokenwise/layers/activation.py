@@ -39,6 +39,26 @@ class GeluAndMul(nn.Module):
         return f"approximate={self.approximate!r}"
 
 
+class SwigluOAIAndMul(nn.Module):
+    """gpt-oss's clamped SwiGLU (vLLM's `swigluoai`) on `[gate | up]`: the gate is clamped
+    above at `limit` and the up projection to `[-limit, limit]`, then
+    `(up + 1) * gate * sigmoid(alpha * gate)`. The clamps bound what one expert can add to
+    the residual stream; the `+ 1` lets an expert pass its gate through where up is 0."""
+
+    def __init__(self, alpha: float = 1.702, limit: float = 7.0) -> None:
+        super().__init__()
+        self.alpha, self.limit = float(alpha), float(limit)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}, limit={self.limit}"
+
+
 # transformers' names for the GELU variants (ACT2FN): which approximation each one means.
 _GELU_APPROXIMATIONS = {"gelu": "none", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh"}
 

@@ -152,6 +152,12 @@ def default_weight_loader(
     copy_checked(param, loaded_weight)
 
 
+def deinterleave_rows(t: torch.Tensor) -> torch.Tensor:
+    """`[E, 2I, ...]` rows `g0, u0, g1, u1, ...` -> gate rows, then up rows (gpt-oss stores
+    its experts' gate and up units interleaved; the fused layers keep the halves apart)."""
+    return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
+
+
 def _map_name(name: str, mapping: StackedMapping) -> tuple[str, str | int | None]:
     parts = name.split(".")
     for fused, ckpt, shard in mapping:

@@ -26,6 +26,7 @@ from tokenwise.models.gemma2 import Gemma2ForCausalLM
 from tokenwise.models.gemma3 import Gemma3ForCausalLM
 from tokenwise.models.gemma3_vl import Gemma3ForConditionalGeneration
 from tokenwise.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
+from tokenwise.models.gpt_oss import GptOssForCausalLM
 from tokenwise.models.llama import LlamaForCausalLM
 from tokenwise.models.llava import LlavaForConditionalGeneration
 from tokenwise.models.mistral import MistralForCausalLM
@@ -67,6 +68,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,

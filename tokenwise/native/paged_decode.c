@@ -157,13 +157,15 @@ static inline void accumulate(float *o, const float *p, const void *const *v, in
         for (int r = 0; r < rows; ++r) o[i] += p[r] * scalar_at(v[r], cdt, i);
 }
 
-/* Softmax of one head's `n` scores in place, soft-capped first when `softcap` > 0. */
-static void softmax(float *sc, int64_t n, float softcap) {
+/* Softmax of one head's `n` scores in place, soft-capped first when `softcap` > 0. A head
+ * with an attention sink (`sink`, gpt-oss: a learned logit with no value) counts it in the
+ * maximum and the denominator only, so the probabilities of the keys sum to less than one. */
+static void softmax(float *sc, int64_t n, float softcap, const float *sink) {
     if (softcap > 0.0f)
         for (int64_t t = 0; t < n; ++t) sc[t] = softcap * tanhf(sc[t] / softcap);
-    float m = -INFINITY;
+    float m = sink ? *sink : -INFINITY;
     for (int64_t t = 0; t < n; ++t) m = sc[t] > m ? sc[t] : m;
-    float sum = 0.0f;
+    float sum = sink ? tw_exp(*sink - m) : 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < n; ++t) {
         sc[t] = tw_exp(sc[t] - m); /* common.h; vectorised here */
@@ -181,7 +183,8 @@ static inline __attribute__((always_inline)) void attend(
     const float *q, const void *key_cache, const void *value_cache, int cdt,
     const int32_t *table, int64_t base_block, int64_t start, int64_t n_keys, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_size, int64_t block_size, float scale, float softcap,
-    int64_t kv_begin, int64_t kv_end, float *q_scaled, float *scores, float *o) {
+    int64_t kv_begin, int64_t kv_end, float *q_scaled, float *scores, float *o,
+    const float *sinks) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row = num_kv_heads * head_size; /* values per token in the cache */
     const size_t elt = cache_elt(cdt);
@@ -211,7 +214,8 @@ static inline __attribute__((always_inline)) void attend(
             }
         }
     }
-    for (int64_t h = h_begin; h < h_end; ++h) softmax(scores + h * n_keys, n_keys, softcap);
+    for (int64_t h = h_begin; h < h_end; ++h)
+        softmax(scores + h * n_keys, n_keys, softcap, sinks ? sinks + h : NULL);
 
     /* Pass 2, values: the same runs, TILE rows at a time accumulated into the output. */
     memset(o + h_begin * head_size, 0, sizeof(float) * (size_t)((h_end - h_begin) * head_size));
@@ -249,9 +253,9 @@ static inline __attribute__((always_inline)) void attend(
     static void NAME(const float *q, const void *kc, const void *vc, const int32_t *table,       \
                      int64_t base, int64_t start, int64_t n, int64_t nh, int64_t nkv,            \
                      int64_t hs, int64_t bs, float scale, float cap, int64_t kb, int64_t ke,     \
-                     float *qs, float *sc, float *o) {                                           \
+                     float *qs, float *sc, float *o, const float *sk) {                          \
         attend(q, kc, vc, CDT, table, base, start, n, nh, nkv, hs, bs, scale, cap, kb, ke, qs,   \
-               sc, o);                                                                           \
+               sc, o, sk);                                                                       \
     }
 ATTEND_FOR(attend_f32, CACHE_F32)
 ATTEND_FOR(attend_bf16, CACHE_BF16)
@@ -260,7 +264,7 @@ ATTEND_FOR(attend_e5m2, CACHE_E5M2)
 
 typedef void (*attend_fn)(const float *, const void *, const void *, const int32_t *, int64_t,
                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, float,
-                          int64_t, int64_t, float *, float *, float *);
+                          int64_t, int64_t, float *, float *, float *, const float *);
 static const attend_fn ATTEND[4] = {attend_f32, attend_bf16, attend_e4m3, attend_e5m2};
 
 /* Sequences [seq_begin, seq_end), KV heads [kv_begin, kv_end), on the calling thread.
@@ -271,7 +275,7 @@ static int attend_range(const void *query, const void *key_cache, const void *va
                         int64_t seq_begin, int64_t seq_end, int64_t kv_begin, int64_t kv_end,
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
                         int64_t block_size, int64_t window, float scale, float softcap,
-                        float v_scale, void *out) {
+                        float v_scale, void *out, const float *sinks) {
     const int64_t width = num_heads * head_size; /* one sequence's query / output row */
     int64_t max_len = 1;
     for (int64_t s = seq_begin; s < seq_end; ++s)
@@ -302,7 +306,7 @@ static int attend_range(const void *query, const void *key_cache, const void *va
         ATTEND[cdt](
             q, key_cache, value_cache, block_tables + s * table_stride, (int64_t)first_block[s],
             start, len - start, num_heads, num_kv_heads, head_size, block_size, scale, softcap,
-            kv_begin, kv_end, q_scaled, scores, o);
+            kv_begin, kv_end, q_scaled, scores, o, sinks);
         if (v_scale != 1.0f) /* values were stored divided by v_scale (fp8 caches) */
             for (int64_t i = lo; i < hi; ++i) o[i] *= v_scale;
         if (io_bf16) { /* only this thread's heads: the others belong to other threads */
@@ -331,6 +335,7 @@ static int attend_range(const void *query, const void *key_cache, const void *va
  * softcap:      caps every score as softcap * tanh(score / softcap) (Gemma 2), 0 for none
  * k_scale, v_scale: the cache holds keys / k_scale and values / v_scale (1 but for fp8)
  * out:          [num_seqs, num_heads, head_size] float32
+ * sinks:        [num_heads] float32 attention-sink logits (gpt-oss), or NULL for none
  * Returns 0, or -1 when scratch memory could not be allocated.
  *
  * Threads come from OpenMP when the kernel was built with it, which the loader does only when
@@ -343,7 +348,7 @@ static int decode(const void *query, const void *key_cache, const void *value_ca
                   const int32_t *seq_lens, const int32_t *first_block, int64_t num_seqs,
                   int64_t num_threads, int64_t num_heads, int64_t num_kv_heads,
                   int64_t head_size, int64_t block_size, int64_t window, float scale,
-                  float softcap, float k_scale, float v_scale, void *out) {
+                  float softcap, float k_scale, float v_scale, void *out, const float *sinks) {
     /* q . (k_stored * k_scale) == (q * k_scale) . k_stored; likewise for v_scale, with the
      * fp8 rows read in units of fp8_unit (see fp8_to_f32). */
     if (cdt < CACHE_E4M3) k_scale = v_scale = 1.0f; /* scales belong to fp8 caches only */
@@ -371,7 +376,7 @@ static int decode(const void *query, const void *key_cache, const void *value_ca
                                        block_tables, table_stride, seq_lens, first_block, 0,
                                        num_seqs, kb, ke,
                                        num_heads, num_kv_heads, head_size, block_size, window,
-                                       scale, softcap, v_scale, out);
+                                       scale, softcap, v_scale, out, sinks);
         } else {
         /* This thread's range: the sequences whose first key falls in its share of keys. */
         const int64_t lo = total * part / parts, hi = total * (part + 1) / parts;
@@ -386,7 +391,7 @@ static int decode(const void *query, const void *key_cache, const void *value_ca
                                    block_tables, table_stride, seq_lens, first_block, begin,
                                    end, 0,
                                    num_kv_heads, num_heads, num_kv_heads, head_size, block_size,
-                                   window, scale, softcap, v_scale, out);
+                                   window, scale, softcap, v_scale, out, sinks);
         }
     }
     return status ? -1 : 0;
@@ -397,10 +402,10 @@ int paged_decode(const float *query, const void *key_cache, const void *value_ca
                  const int32_t *seq_lens, const int32_t *first_block, int64_t num_seqs,
                  int64_t num_threads, int64_t num_heads, int64_t num_kv_heads,
                  int64_t head_size, int64_t block_size, int64_t window, float scale,
-                 float softcap, float k_scale, float v_scale, float *out) {
+                 float softcap, float k_scale, float v_scale, float *out, const float *sinks) {
     return decode(query, key_cache, value_cache, cache_dtype, 0, block_tables, table_stride,
                   seq_lens, first_block, num_seqs, num_threads, num_heads, num_kv_heads,
-                  head_size, block_size, window, scale, softcap, k_scale, v_scale, out);
+                  head_size, block_size, window, scale, softcap, k_scale, v_scale, out, sinks);
 }
 
 /* A whole decode step of one layer in one call (what the backend's per-layer Python cost to
@@ -422,7 +427,7 @@ int paged_decode_step(const void *query, const void *new_keys, const void *new_v
                       int64_t num_seqs, int64_t num_threads, int64_t num_heads,
                       int64_t num_kv_heads, int64_t head_size, int64_t block_size,
                       int64_t window, float scale, float softcap, float k_scale,
-                      float v_scale, void *out) {
+                      float v_scale, void *out, const float *sinks) {
     const size_t elt = cache_elt(cache_dtype);
     const int64_t width = num_kv_heads * head_size;
     const size_t row = (size_t)width * elt;
@@ -449,7 +454,7 @@ int paged_decode_step(const void *query, const void *new_keys, const void *new_v
     return decode(query, key_cache, value_cache, cache_dtype, io_bf16, block_tables,
                   table_stride, seq_lens, first_block, num_seqs, num_threads, num_heads,
                   num_kv_heads, head_size, block_size, window, scale, softcap, k_scale, v_scale,
-                  out);
+                  out, sinks);
 }
 
 /* `paged_decode_step`'s packed entry (common.h). */
@@ -458,5 +463,5 @@ int paged_decode_step_packed(const int64_t *a) {
                              TW_PTR(7), (int)a[8], (int)a[9], TW_PTR(10), a[11], TW_PTR(12),
                              TW_PTR(13), a[14], a[15], a[16], a[17], a[18], a[19], a[20],
                              tw_f32_arg(a[21]), tw_f32_arg(a[22]), tw_f32_arg(a[23]),
-                             tw_f32_arg(a[24]), TW_PTR(25));
+                             tw_f32_arg(a[24]), TW_PTR(25), TW_PTR(26));
 }

@@ -80,13 +80,13 @@ def open_library(path: Path) -> ctypes.CDLL:
     fn.restype = ctypes.c_int
     fn.argtypes = [_PTR, _PTR, _PTR, ctypes.c_int, _PTR, _I64, _PTR, _PTR, _I64, _I64]
     fn.argtypes += [_I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_float]
-    fn.argtypes += [ctypes.c_float, ctypes.c_float, _PTR]
+    fn.argtypes += [ctypes.c_float, ctypes.c_float, _PTR, _PTR]
     step = lib.paged_decode_step
     step.restype = ctypes.c_int
     step.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, ctypes.c_int, ctypes.c_int]
     step.argtypes += [_PTR, _I64, _PTR]
     step.argtypes += [_PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float]
-    step.argtypes += [ctypes.c_float, ctypes.c_float, ctypes.c_float, _PTR]
+    step.argtypes += [ctypes.c_float, ctypes.c_float, ctypes.c_float, _PTR, _PTR]
     lib.paged_decode_step_packed.restype = ctypes.c_int
     lib.paged_decode_step_packed.argtypes = [_PTR]  # what a replayed CPU graph calls
     return lib
@@ -160,6 +160,7 @@ def decode_step(
     softcap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One layer of a decode-only step in one kernel call: write each sequence's new K/V row
     (`key`, `value`: [n, kv_heads * head], rows may be strided) into `kv_cache` ([2, blocks,
@@ -168,7 +169,8 @@ def decode_step(
     fp8 cache gets the rows as `kv_quant.quantize` writes them (divided by `k_scale` /
     `v_scale`). `total_keys` (the sum of `seq_lens`, known on the host) picks the threads
     without reading a tensor; None (a CPU graph, whose lengths change at every replay) takes
-    all of torch's.
+    all of torch's. `sinks` (gpt-oss): contiguous float32 `[heads]` sink logits that join each
+    head's softmax denominator (`sinks_f32`); it must outlive a CPU graph that records the call.
     """
     n = query.shape[0]
     _, _, block_size, num_kv_heads, head_size = kv_cache.shape
@@ -208,6 +210,7 @@ def decode_step(
         k_scale,
         v_scale,
         out.data_ptr(),
+        None if sinks is None else sinks.data_ptr(),
     )
     if status != 0:
         raise MemoryError("paged decode kernel could not allocate its score buffer")
@@ -228,13 +231,15 @@ def paged_decode(
     softcap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Decode attention of `query` [n, heads, head] over the paged cache, into `out`.
 
     `query` and `out` are contiguous float32, the caches contiguous float32, bfloat16 or fp8
     (read as stored * `k_scale` / `v_scale`), the
     index tensors contiguous int32, all on the CPU (the caller checks); block-table rows may be
-    longer than needed. `softcap` caps each score as `cap * tanh(score / cap)` (Gemma 2).
+    longer than needed. `softcap` caps each score as `cap * tanh(score / cap)` (Gemma 2);
+    `sinks` (contiguous float32 `[heads]`, gpt-oss) join each head's softmax denominator.
     """
     n, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -264,6 +269,7 @@ def paged_decode(
             k_scale,
             v_scale,
             out[begin].data_ptr(),
+            None if sinks is None else sinks.data_ptr(),
         )
         if status != 0:
             raise MemoryError("paged decode kernel could not allocate its score buffer")

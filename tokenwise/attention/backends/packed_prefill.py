@@ -37,8 +37,10 @@ def packed_prefill(
     softcap: float | None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
-    """Attend the prefill queries `q` (`[tokens, heads, head]`) into `output[:tokens]`."""
+    """Attend the prefill queries `q` (`[tokens, heads, head]`) into `output[:tokens]`;
+    `sinks` (`[heads]`, gpt-oss) join each head's softmax denominator."""
     num_heads, head_size = q.shape[1], q.shape[2]
     num, block_size, dev = md.num_prefills, md.block_size, q.device
     q_lens = torch.tensor(md.query_lens[:num], device=dev)
@@ -74,8 +76,10 @@ def packed_prefill(
         mask &= k_pos > q_pos - sliding_window
     mask |= (i >= q_lens[:, None, None]) & (j == 0)
     queries = padded.view(num, max_q, num_heads, head_size).transpose(1, 2)
-    if softcap:
-        out = softcapped_attention(queries, keys, values, scale=scale, softcap=softcap, mask=mask)
+    if softcap or sinks is not None:
+        out = softcapped_attention(
+            queries, keys, values, scale=scale, softcap=softcap, mask=mask, sinks=sinks
+        )
     else:
         out = F.scaled_dot_product_attention(
             queries,

@@ -26,13 +26,15 @@ def paged_decode_reference(
     softcap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged keys, in plain PyTorch.
 
     q `[n, heads, head]`; caches `[blocks, block_size, kv_heads, head]`; `block_tables[i, j]` is
     the cache block of the sequence's logical block `first_block[i] + j` (0 when not given);
     `seq_lens[i]` counts the keys of sequence i, this step's included. No host reads. An fp8
-    cache is read as stored * `k_scale` / `v_scale` (`kv_quant.py`).
+    cache is read as stored * `k_scale` / `v_scale` (`kv_quant.py`). `sinks` `[heads]`
+    (gpt-oss): one logit per head that joins the softmax denominator and carries no value.
     """
     n, num_heads, head_size = q.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -54,6 +56,10 @@ def paged_decode_reference(
     if sliding_window is not None:
         visible = visible & (key_pos >= lens - sliding_window)
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        sink = sinks.float().view(1, num_kv_heads, group, 1).expand(n, -1, -1, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, values.permute(0, 2, 1, 3).float())
     return out.reshape(n, num_heads, head_size).to(q.dtype)

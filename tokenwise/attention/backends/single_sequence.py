@@ -27,6 +27,7 @@ def single_sequence_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     causal: bool = True,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """All tokens are one sequence: q `[n, heads * head]`, k/v `[n, kv_heads * head]`.
 
@@ -35,16 +36,17 @@ def single_sequence_attention(
 
     Returns `[n, heads * head]`. Grouped-query attention is SDPA's `enable_gqa`, so KV heads
     are never repeated; a sliding window becomes an explicit band mask, and soft-capped scores
-    take the explicit formulation of `softcap.py`.
+    and attention sinks (`[heads]` logits, gpt-oss) take the explicit formulation of
+    `softcap.py`.
     """
     num_tokens = query.shape[0]
     q = query.view(num_tokens, num_heads, head_size).transpose(0, 1)
     k = key.view(num_tokens, num_kv_heads, head_size).transpose(0, 1)
     v = value.view(num_tokens, num_kv_heads, head_size).transpose(0, 1)
-    if softcap:
+    if softcap or sinks is not None:
         pos = torch.arange(num_tokens, device=query.device)
         mask = causal_mask(pos, pos, sliding_window) if causal else None
-        out = softcapped_attention(q, k, v, scale=scale, softcap=softcap, mask=mask)
+        out = softcapped_attention(q, k, v, scale=scale, softcap=softcap, mask=mask, sinks=sinks)
         return out.transpose(0, 1).reshape(num_tokens, num_heads * head_size)
     mask = None
     if sliding_window is not None and not causal:

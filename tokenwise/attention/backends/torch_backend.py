@@ -85,6 +85,10 @@ class TorchAttentionImpl:
         # floats (no tensor read per step); 1.0 unless the checkpoint gives them.
         self.k_scale = 1.0
         self.v_scale = 1.0
+        # gpt-oss's attention sinks: `[num_heads]` logits that join every softmax denominator
+        # (set by the layer, a reference to its parameter: filled when weights load).
+        self.sinks: torch.Tensor | None = None
+        self._sinks_f32: torch.Tensor | None = None
 
     def forward(
         self,
@@ -111,6 +115,7 @@ class TorchAttentionImpl:
                 scale=self.scale,
                 sliding_window=self.sliding_window,
                 softcap=self.logits_soft_cap,
+                sinks=self.sinks,
             )
         num_tokens = query.shape[0]
         if (
@@ -171,7 +176,20 @@ class TorchAttentionImpl:
             self.logits_soft_cap,
             self.k_scale,
             self.v_scale,
+            self.sinks_f32(),
         )
+
+    def sinks_f32(self) -> torch.Tensor | None:
+        """The sinks as the C kernel reads them: contiguous float32, one tensor for the
+        model's life (a CPU graph records its address). Made at the first decode, after the
+        weights loaded; an fp32 model's parameter is used as it is."""
+        if self.sinks is None:
+            return None
+        if self.sinks.dtype == torch.float32 and self.sinks.is_contiguous():
+            return self.sinks
+        if self._sinks_f32 is None:
+            self._sinks_f32 = self.sinks.detach().float().contiguous()
+        return self._sinks_f32
 
     def _prefill(
         self,
@@ -225,6 +243,7 @@ class TorchAttentionImpl:
             softcap=self.logits_soft_cap,
             k_scale=self.k_scale,
             v_scale=self.v_scale,
+            sinks=self.sinks,
         )
 
     @staticmethod
@@ -244,7 +263,7 @@ class TorchAttentionImpl:
         """Causal attention of queries at positions ctx_len.. over keys at offset.. (and
         bidirectional within each of `spans`, an image's positions)."""
         q_len, n_keys = q.shape[0], keys.shape[0]
-        if self.logits_soft_cap or spans:
+        if self.logits_soft_cap or spans or self.sinks is not None:
             dev = q.device
             q_pos = torch.arange(ctx_len, ctx_len + q_len, device=dev)
             k_pos = torch.arange(offset, offset + n_keys, device=dev)
@@ -252,7 +271,7 @@ class TorchAttentionImpl:
                 visible = visible_keys(q_pos, k_pos, spans, self.sliding_window)
             else:
                 visible = causal_mask(q_pos, k_pos, self.sliding_window)
-            if not self.logits_soft_cap:
+            if not self.logits_soft_cap and self.sinks is None:
                 out = F.scaled_dot_product_attention(
                     q.transpose(0, 1)[None],
                     keys.transpose(0, 1)[None],
@@ -269,6 +288,7 @@ class TorchAttentionImpl:
                 scale=self.scale,
                 softcap=self.logits_soft_cap,
                 mask=visible,
+                sinks=self.sinks,
             )
             return out.transpose(0, 1)
         mask: torch.Tensor | None = None
@@ -340,6 +360,7 @@ class TorchAttentionImpl:
             softcap=self.logits_soft_cap,
             k_scale=self.k_scale,
             v_scale=self.v_scale,
+            sinks=self.sinks_f32(),
         )
         if not direct:
             output.copy_(out)
@@ -374,7 +395,12 @@ class TorchAttentionImpl:
             scores = torch.matmul(qg, keys.permute(1, 2, 0)).float() * self.scale
             if self.logits_soft_cap:
                 scores = soft_cap(scores, self.logits_soft_cap)
-            probs = torch.softmax(scores, dim=-1).to(values.dtype)
+            if self.sinks is not None:
+                sink = self.sinks.float().view(self.num_kv_heads, self.group, 1)
+                probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+                probs = probs.to(values.dtype)
+            else:
+                probs = torch.softmax(scores, dim=-1).to(values.dtype)
             out = torch.matmul(probs, values.transpose(0, 1))
             output[j] = out.view(self.num_heads, self.head_size)
 
@@ -410,8 +436,8 @@ class TorchAttentionImpl:
 
     def _paged_decode_fn(self, q: torch.Tensor) -> Callable[..., torch.Tensor]:
         """The batched decode function (the GPU backend swaps in its Triton kernel)."""
-        if self.logits_soft_cap:
-            return partial(paged_decode_reference, softcap=self.logits_soft_cap)
+        if self.logits_soft_cap or self.sinks is not None:
+            return partial(paged_decode_reference, softcap=self.logits_soft_cap, sinks=self.sinks)
         return paged_decode_reference
 
 

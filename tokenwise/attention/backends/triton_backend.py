@@ -21,7 +21,7 @@ buffers (`supports_full_cudagraph`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -65,7 +65,7 @@ class TritonAttentionImpl(TorchAttentionImpl):
         if q.is_cuda and triton_available() and not self.logits_soft_cap:
             from tokenwise.attention.backends.triton_paged_decode import paged_decode
 
-            return paged_decode
+            return paged_decode if self.sinks is None else partial(paged_decode, sinks=self.sinks)
         return super()._paged_decode_fn(q)
 
 

@@ -36,6 +36,7 @@ def _paged_decode_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     first_block_ptr,
+    sinks_ptr,
     scale,
     stride_q_tok,
     stride_q_head,
@@ -50,6 +51,7 @@ def _paged_decode_kernel(
     FP8: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_FIRST_BLOCK: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
@@ -121,6 +123,12 @@ def _paged_decode_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
+    if HAS_SINKS:  # one more softmax column per head, with no value: rescale, widen the sum
+        sink = tl.load(sinks_ptr + heads, mask=g < GROUP, other=0.0).to(tl.float32)
+        m_fin = tl.maximum(m_i, sink)
+        alpha = tl.exp(m_i - m_fin)
+        l_i = l_i * alpha + tl.exp(sink - m_fin)
+        acc = acc * alpha[:, None]
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # a row without keys (padding rows of a graph) gives 0
     out = acc / l_i[:, None]
     if FP8:
@@ -140,8 +148,13 @@ def paged_decode(
     first_block: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as `triton_backend.paged_decode_reference`; returns `[n, heads, head]`."""
+    """Same contract as `triton_backend.paged_decode_reference`; returns `[n, heads, head]`.
+
+    `sinks` (`[heads]`, gpt-oss): folded in after the walk, as one more column of the online
+    softmax with no value. Written and reviewed, not yet run on a GPU.
+    """
     n, num_heads, head_size = q.shape
     _, block_size, num_kv_heads, cache_head_size = key_cache.shape
     if cache_head_size != head_size or num_heads % num_kv_heads:
@@ -168,6 +181,7 @@ def paged_decode(
         block_tables,
         seq_lens,
         seq_lens if first_block is None else first_block,
+        seq_lens if sinks is None else sinks,
         scale * k_scale,
         q.stride(0),
         q.stride(1),
@@ -182,6 +196,7 @@ def paged_decode(
         FP8=fp8,
         HAS_WINDOW=sliding_window is not None,
         HAS_FIRST_BLOCK=first_block is not None,
+        HAS_SINKS=sinks is not None,
         BLOCK_SIZE=block_size,
         TILE=tile,
         HEAD_SIZE=head_size,

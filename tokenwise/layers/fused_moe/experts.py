@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from tokenwise.layers.activation import SiluAndMul, get_act_and_mul
+from tokenwise.layers.activation import SiluAndMul, SwigluOAIAndMul, get_act_and_mul
 from tokenwise.layers.quantization.weight_only import QuantizedExperts
 
 
@@ -47,6 +47,8 @@ def fused_experts(
     weights_in_fp32: bool = False,
     use_grouped_mm: bool | None = None,
     quantized: QuantizedExperts | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`sum_k w[t,k] * expert_{id[t,k]}(x[t])` over the experts held in `w13` / `w2`.
 
@@ -57,6 +59,8 @@ def fused_experts(
     product. The sum over a token's experts is float32 either way. `use_grouped_mm=None`
     picks the grouped matmul where `grouped_mm_supported` says it runs. `quantized` experts
     (`w13` / `w2` then only give shapes) run one at a time through their quantized layers.
+    `w13_bias` `[E_local, 2*I]` / `w2_bias` `[E_local, H]` (gpt-oss) are added to each
+    expert's projections before the routing weight scales its output.
     """
     num_tokens, top_k = topk_ids.shape
     num_local = w13.shape[0]
@@ -77,7 +81,9 @@ def fused_experts(
     elif use_grouped_mm is None:
         use_grouped_mm = grouped_mm_supported(hidden_states) and _grouped_mm_fits(hidden_states, w2)
     if use_grouped_mm:
-        pair_out = _grouped_pairs(hidden_states, w13, w2, local_ids, held, order, act_and_mul)
+        pair_out = _grouped_pairs(
+            hidden_states, w13, w2, local_ids, held, order, act_and_mul, w13_bias, w2_bias
+        )
         pair_out = pair_out * weights[:, None]
         return pair_out.view(num_tokens, top_k, -1).to(acc_dtype).sum(1).to(hidden_states.dtype)
     counts = torch.bincount(local_ids, minlength=num_local + 1)[:num_local].tolist()
@@ -93,7 +99,9 @@ def fused_experts(
             gate_up = quantized.w13[expert].linear(rows, None)
             rows = quantized.w2[expert].linear(act_and_mul(gate_up), None)
         else:
-            rows = F.linear(act_and_mul(F.linear(rows, w13[expert])), w2[expert])
+            b13 = None if w13_bias is None else w13_bias[expert]
+            b2 = None if w2_bias is None else w2_bias[expert]
+            rows = F.linear(act_and_mul(F.linear(rows, w13[expert], b13)), w2[expert], b2)
         rows = rows * sorted_weights[start : start + count, None]
         out.index_add_(0, tokens, rows.to(acc_dtype))
         start += count
@@ -142,10 +150,13 @@ def _grouped_pairs(
     held: torch.Tensor,
     order: torch.Tensor,
     act_and_mul: Callable[[torch.Tensor], torch.Tensor],
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each (token, expert) pair's expert output, in pair order, unscaled; 0 for pairs whose
     expert another rank holds. Rows past the last local group are never computed by the
-    grouped matmul (their contents are undefined), hence `where` rather than a product."""
+    grouped matmul (their contents are undefined), hence `where` rather than a product.
+    Biases are gathered per sorted row (an absent expert's row takes any bias: it is zeroed)."""
     num_local = w13.shape[0]
     top_k = local_ids.numel() // hidden_states.shape[0]
     # Not bincount: on CUDA it reads the largest id on the host to size its output.
@@ -153,8 +164,13 @@ def _grouped_pairs(
     counts.scatter_add_(0, local_ids, torch.ones_like(local_ids, dtype=torch.int32))
     offsets = torch.cumsum(counts[:num_local], 0, dtype=torch.int32)
     rows = hidden_states.index_select(0, order // top_k)
+    row_expert = local_ids[order].clamp(max=num_local - 1)
     rows = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets)
+    if w13_bias is not None:
+        rows = rows + w13_bias.index_select(0, row_expert)
     rows = torch._grouped_mm(act_and_mul(rows), w2.transpose(1, 2), offs=offsets)
+    if w2_bias is not None:
+        rows = rows + w2_bias.index_select(0, row_expert)
     rows = torch.where(
         held[order, None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device)
     )
@@ -164,12 +180,21 @@ def _grouped_pairs(
 
 
 SILU_AND_MUL = SiluAndMul()
-# The experts' gated activations by HF name: SwiGLU, and GeGLU with tanh GELU (Gemma 4).
-EXPERT_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": SILU_AND_MUL,
-    "swish": SILU_AND_MUL,
-    "gelu_pytorch_tanh": get_act_and_mul("gelu_pytorch_tanh"),
-}
+# The experts' gated activations: SwiGLU ("silu", HF's "swish"), GeGLU with tanh GELU
+# (Gemma 4, HF's "gelu_pytorch_tanh") and gpt-oss's clamped SwiGLU ("swigluoai", vLLM's name).
+MOE_ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh", "swigluoai")
+GELU_TANH_AND_MUL = get_act_and_mul("gelu_pytorch_tanh")
+
+
+def moe_act_and_mul(activation: str, alpha: float = 1.702, limit: float = 7.0) -> torch.nn.Module:
+    """The gated activation of `MOE_ACTIVATIONS` on `[gate | up]` rows."""
+    if activation in ("silu", "swish"):
+        return SILU_AND_MUL
+    if activation == "gelu_pytorch_tanh":
+        return GELU_TANH_AND_MUL
+    if activation == "swigluoai":
+        return SwigluOAIAndMul(alpha, limit)
+    raise ValueError(f"MoE activation must be one of {MOE_ACTIVATIONS}, got {activation!r}")
 
 
 @torch.library.custom_op("tokenwise::moe_experts", mutates_args=())
@@ -181,19 +206,25 @@ def moe_experts(
     topk_ids: torch.Tensor,
     first_expert: int,
     weights_in_fp32: bool,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
     activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> torch.Tensor:
-    """`fused_experts` as one node for torch.compile; `activation` names one of
-    `EXPERT_ACTIVATIONS`."""
+    """`fused_experts` as one node for torch.compile; `activation` one of `MOE_ACTIVATIONS`
+    (`alpha` / `limit`: swigluoai's), biases as in `fused_experts`."""
     return fused_experts(
         hidden_states,
         w13,
         w2,
         topk_weights,
         topk_ids,
-        EXPERT_ACTIVATIONS[activation],
+        moe_act_and_mul(activation, alpha, limit),
         first_expert=first_expert,
         weights_in_fp32=weights_in_fp32,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
     )
 
 
@@ -206,6 +237,10 @@ def _moe_experts_fake(
     topk_ids: torch.Tensor,
     first_expert: int,
     weights_in_fp32: bool,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
     activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> torch.Tensor:
     return torch.empty_like(hidden_states)

@@ -15,11 +15,15 @@ from torch import nn
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.tp_state import get_tp_size, tp_all_reduce
 from tokenwise.forward_context import get_forward_context, is_forward_context_available
-from tokenwise.layers.fused_moe.experts import EXPERT_ACTIVATIONS, fused_experts, moe_experts
+from tokenwise.layers.fused_moe.experts import fused_experts, moe_act_and_mul, moe_experts
 from tokenwise.layers.fused_moe.router import GroupedRouting, select_experts
 from tokenwise.layers.fused_moe.sharding import ExpertShard
 from tokenwise.layers.quantization.weight_only import QuantizedExperts
 from tokenwise.layers.weight_utils import CheckpointTensor, check_full_shape, copy_checked
+
+# The checkpoints' `hidden_act` values the experts run (gpt-oss's clamped SwiGLU has a layer
+# of its own, `biased.py`).
+HF_EXPERT_ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")
 
 
 class FusedMoE(nn.Module):
@@ -59,9 +63,9 @@ class FusedMoE(nn.Module):
         self.parallel = config.parallel
         self.tp_size = get_tp_size()
         self.shard = ExpertShard.for_rank(config.parallel, num_experts, intermediate_size)
-        if hidden_act not in EXPERT_ACTIVATIONS:
+        if hidden_act not in HF_EXPERT_ACTIVATIONS:
             raise NotImplementedError(
-                f"MoE experts support hidden_act {', '.join(EXPERT_ACTIVATIONS)}; "
+                f"MoE experts support hidden_act {', '.join(HF_EXPERT_ACTIVATIONS)}; "
                 f"got {hidden_act!r}"
             )
         self.activation = hidden_act
@@ -132,7 +136,7 @@ class FusedMoE(nn.Module):
                 self.w2_weight,
                 topk_weights,
                 topk_ids,
-                EXPERT_ACTIVATIONS[self.activation],
+                moe_act_and_mul(self.activation),
                 first_expert=self.shard.first_expert,
                 weights_in_fp32=self.weights_in_fp32,
                 quantized=self.quant_experts,
@@ -145,7 +149,7 @@ class FusedMoE(nn.Module):
             topk_ids,
             self.shard.first_expert,
             self.weights_in_fp32,
-            self.activation,
+            activation=self.activation,
         )
 
     def weight_loader(
