@@ -127,7 +127,8 @@ def test_a_more_urgent_request_takes_a_less_urgent_ones_slot(policy: str) -> Non
     assert out.num_preempted == 1 and [i.request for i in out.scheduled] == [urgent]
     assert low.status is RequestStatus.PREEMPTED and low.num_output_tokens == 4  # kept
     assert scheduler.block_manager.num_blocks_of("low") == 0
-    assert out.finished_req_ids == ["low"]  # the runner drops its row
+    # The runner drops its row and keeps its state (its tokens, its generator) for the resume.
+    assert out.preempted_req_ids == ["low"] and out.finished_req_ids == []
     # Then: urgent to its end, the preempted one (earlier arrival) before the tie.
     order = []
     while scheduler.has_unfinished_requests():

@@ -170,7 +170,7 @@ def test_whisper_full_decode_graphs_give_eager_transcriptions(
     # The cross buffers are as wide as the longest encoder's table.
     runner = llm.llm_engine.runner
     tables = runner.graph_runner.attn_state._graph_cross_block_tables
-    assert tables.shape[1] == -(-runner.max_encoder_len() // 8)
+    assert tables.shape[1] == -(-runner.kind_part.max_encoder_len() // 8)
 
 
 def test_graph_modes_are_accepted_and_the_default_stays_eager() -> None:
