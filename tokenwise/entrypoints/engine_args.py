@@ -111,6 +111,16 @@ def parse_speculative_config(text: str) -> Any:
         ) from None
 
 
+def parse_kv_events_config(text: str) -> Any:
+    """A `KVEventsConfig` from JSON such as '{"enable_kv_cache_events": true}'."""
+    from tokenwise.kv_cache.events_config import KVEventsConfig
+
+    try:
+        return KVEventsConfig.from_cli(text)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(f"invalid --kv-events-config {text!r}: {e}") from None
+
+
 def parse_pooler_config(text: str) -> Any:
     """A `PoolerConfig` from JSON such as '{"pooling_type": "MEAN", "normalize": false}'."""
     import json
@@ -322,6 +332,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(DeepSeek-V3's MTP module); "
         '"disable_by_batch_size": N stops proposing while N or more requests run',
     )
+    g.add_argument(
+        "--kv-events-config",
+        type=parse_kv_events_config,
+        default=None,
+        help="publish KV-cache events (vLLM's format, ZeroMQ) for cluster routers, as JSON: "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": '
+        '"tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558", "topic": '
+        '"kv-events"}\'; an endpoint beyond loopback needs TOKENWISE_KV_EVENTS_SECRET',
+    )
     p = parser.add_argument_group("parallelism (one process per rank)")
     p.add_argument(
         "--tensor-parallel-size",
@@ -462,6 +481,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "scheduling_policy": getattr(args, "scheduling_policy", "fcfs"),
         "limit_mm_per_prompt": getattr(args, "limit_mm_per_prompt", None),
         "max_num_encoder_input_tokens": getattr(args, "max_num_encoder_input_tokens", None),
+        "kv_events_config": getattr(args, "kv_events_config", None),
     }
 
 

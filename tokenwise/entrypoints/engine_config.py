@@ -28,6 +28,7 @@ from tokenwise.engine.kinds.multimodal_settings import (
     check_multimodal_settings,
     parse_limit_mm_per_prompt,
 )
+from tokenwise.kv_cache.events_config import KVEventsConfig
 from tokenwise.layers.fused_moe.experts import grouped_mm_available
 from tokenwise.model_config import ModelConfig
 from tokenwise.models.registry import (
@@ -158,6 +159,7 @@ def build_engine_config(
     scheduling_policy: str = "fcfs",
     limit_mm_per_prompt: dict[str, int] | None = None,
     max_num_encoder_input_tokens: int | None = None,
+    kv_events_config: str | dict[str, Any] | KVEventsConfig | None = None,
 ) -> EngineConfig:
     """One place that turns user-facing arguments (LLM, CLI, server) into an EngineConfig."""
     from tokenwise.default_model import resolve_model_path
@@ -317,6 +319,9 @@ def build_engine_config(
         lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None,
         log_requests=not disable_log_requests,
         speculative=speculative,
+        kv_events_config=(
+            KVEventsConfig.from_cli(kv_events_config) if kv_events_config is not None else None
+        ),
     )
 
 
