@@ -37,7 +37,12 @@ from tokenwise.engine.prompts import (
 from tokenwise.engine.request import Request, RequestStatus
 from tokenwise.engine.request_queue import check_priority
 from tokenwise.engine.speculative_setup import make_drafter
-from tokenwise.engine.stats import EngineStats, StatLogger, finished_request_line
+from tokenwise.engine.stats import (
+    EngineStats,
+    StatLogger,
+    finished_request_line,
+    lora_adapter_names,
+)
 from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from tokenwise.engine.step_records import StepRecorder, StepRecords
 from tokenwise.engine.virtual_engines import VirtualEngineBlockManagers, VirtualEngineSchedulers
@@ -371,6 +376,9 @@ class LLMEngine:
         s.prefix_cache_queries = bm.prefix_cache_queries
         s.prefix_cache_hits = bm.prefix_cache_hits
         s.num_ubatched_steps_total = self.runner.num_ubatched_steps
+        if self.config.lora is not None:
+            s.running_lora_adapters = lora_adapter_names(self.scheduler.running)
+            s.waiting_lora_adapters = lora_adapter_names(self.scheduler.waiting)
         return s
 
     def get_tokenizer(self) -> Any:
