@@ -4,7 +4,6 @@ not imported from tokenwise) decodes what the engine sends over ZeroMQ."""
 
 from __future__ import annotations
 
-import socket
 import time
 from typing import Any
 
@@ -13,6 +12,7 @@ import pytest
 import zmq
 
 from tests.engine._fixtures import LLAMA, checkpoint
+from tests.entrypoints._server import free_port
 from tokenwise.distributed.kv_events import ZmqEventPublisher, secure_subscriber
 from tokenwise.engine.block_manager import BlockManager
 from tokenwise.entrypoints.llm import LLM
@@ -58,12 +58,6 @@ class KVEventBatch(EventBatch):
 DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
 BS = 16
 TOPIC = "kv-events"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def drain(sub: zmq.Socket, until: Any = None, timeout_s: float = 10.0) -> list[tuple[int, Any]]:
