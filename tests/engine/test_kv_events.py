@@ -15,6 +15,9 @@ from tests.engine._fixtures import LLAMA, checkpoint
 from tests.entrypoints._server import free_port
 from tokenwise.distributed.kv_events import ZmqEventPublisher, secure_subscriber
 from tokenwise.engine.block_manager import BlockManager
+from tokenwise.entrypoints.cli import build_parser
+from tokenwise.entrypoints.engine_args import engine_kwargs
+from tokenwise.entrypoints.engine_config import build_engine_config
 from tokenwise.entrypoints.llm import LLM
 from tokenwise.kv_cache.events import KVEventCollector
 from tokenwise.kv_cache.events_config import SECRET_ENV, KVEventsConfig
@@ -125,7 +128,9 @@ def test_later_blocks_name_their_parent() -> None:
 # ---- configuration and its loopback rule ------------------------------------------------------
 
 
-def test_config_refuses_non_loopback_without_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_config_refuses_non_loopback_without_secret(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.delenv(SECRET_ENV, raising=False)
     assert KVEventsConfig.from_cli('{"enable_kv_cache_events": true}').endpoint.startswith(
         "tcp://127.0.0.1:"
@@ -140,6 +145,19 @@ def test_config_refuses_non_loopback_without_secret(monkeypatch: pytest.MonkeyPa
         KVEventsConfig.from_cli({"enable_kv_cache_events": True, "publisher": "kafka"})
     with pytest.raises(ValueError, match="not valid JSON"):
         KVEventsConfig.from_cli("{enable")
+    with pytest.raises(ValueError, match="prefix caching is off"):
+        build_engine_config(
+            checkpoint(LLAMA),
+            enable_prefix_caching=False,
+            kv_events_config={"enable_kv_cache_events": True},
+        )
+    # The CLI spells it as vLLM does; bad JSON is a usage error naming the flag.
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--kv-events-config", '{"enable_kv_cache_events": true}'])
+    assert engine_kwargs(args)["kv_events_config"].active
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--kv-events-config", '{"hwm": 0}'])
+    assert "--kv-events-config" in capsys.readouterr().err
     # Disabled events listen nowhere, so any endpoint is accepted; a secret lifts the rule.
     KVEventsConfig(False, endpoint="tcp://*:5557")
     monkeypatch.setenv(SECRET_ENV, "s3cret")

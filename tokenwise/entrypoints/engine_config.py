@@ -319,10 +319,22 @@ def build_engine_config(
         lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None,
         log_requests=not disable_log_requests,
         speculative=speculative,
-        kv_events_config=(
-            KVEventsConfig.from_cli(kv_events_config) if kv_events_config is not None else None
-        ),
+        kv_events_config=_kv_events_config(kv_events_config, enable_prefix_caching),
     )
+
+
+def _kv_events_config(
+    value: str | dict[str, Any] | KVEventsConfig | None, enable_prefix_caching: bool
+) -> KVEventsConfig | None:
+    """`kv_events_config`, refused without the prefix cache whose changes the events are."""
+    config = KVEventsConfig.from_cli(value) if value is not None else None
+    if config is not None and config.active and not enable_prefix_caching:
+        raise ValueError(
+            "kv_events_config enables KV-cache events, which report the prefix cache's "
+            "contents, but prefix caching is off (--no-enable-prefix-caching): enable one "
+            "without disabling the other"
+        )
+    return config
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str, model_config: ModelConfig) -> None:
