@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenwise.kv_cache.events_config import KVEventsConfig
+
 
 class CUDAGraphMode(enum.Enum):
     """How a forward pass is replayed from captured graphs.
@@ -485,6 +487,8 @@ class EngineConfig:
     device: str = "cpu"
     lora: LoRAConfig | None = None  # None: LoRA adapters are off
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    # KV-cache events for cluster routers (`--kv-events-config`); None: off.
+    kv_events_config: KVEventsConfig | None = None
     # One INFO line per finished request (`LLMEngine._forget`): on for the server, off for the
     # offline `LLM`, whose batch jobs would flood the log (`disable_log_requests`).
     log_requests: bool = False

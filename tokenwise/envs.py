@@ -39,6 +39,14 @@ def _declare(*variables: EnvVar) -> dict[str, EnvVar]:
 
 
 ENV_VARS: dict[str, EnvVar] = _declare(
+    # KV-cache events for cluster routers (`--kv-events-config`).
+    EnvVar(
+        "TOKENWISE_KV_EVENTS_SECRET",
+        "str",
+        "",
+        "Shared secret that lets KV-cache events be published beyond loopback (CurveZMQ keys "
+        "derived from it; subscribers need the same secret).",
+    ),
     # CPU kernels and weight layout.
     EnvVar("TOKENWISE_CPU_KERNELS", "0|1", "1", "0 turns off the C paged-decode attention kernel."),
     EnvVar("TOKENWISE_CPU_GEMV", "bool", "1", "0/false/off/no turns off the C GEMV kernel."),

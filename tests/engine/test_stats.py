@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from tokenwise import platform
-from tokenwise.engine.stats import EngineStats, StatLogger
+from tokenwise.engine.stats import EngineStats, StatLogger, combine_stats
 from tokenwise.platform import configure_cpu_allocator
 
 
@@ -73,3 +73,13 @@ def test_allocator_setting_that_fails_is_not_recorded(monkeypatch: pytest.Monkey
     assert configure_cpu_allocator() is False
     assert configure_cpu_allocator() is False
     assert len(calls) == 2  # tried again (one call each: the first failure short-circuits)
+
+
+def test_lora_adapters_of_data_parallel_ranks_are_one_sorted_list() -> None:
+    ranks = [
+        EngineStats(running_lora_adapters=["b", "a"], waiting_lora_adapters=["c"]),
+        EngineStats(running_lora_adapters=["c", "a"]),
+    ]
+    total = combine_stats(ranks)
+    assert total.running_lora_adapters == ["a", "b", "c"]
+    assert total.waiting_lora_adapters == ["c"]

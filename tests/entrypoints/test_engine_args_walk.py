@@ -16,6 +16,7 @@ from tokenwise.entrypoints import llm as llm_module
 from tokenwise.entrypoints.cli import build_parser
 from tokenwise.entrypoints.engine_args import EngineArgs, build_engine_config
 from tokenwise.entrypoints.engine_flags import SERVE_ONLY, cli_default, option_strings
+from tokenwise.kv_cache.events_config import KVEventsConfig
 
 COMMANDS = ("generate", "chat", "serve")
 SETTINGS = [f for f in fields(EngineArgs) if not f.metadata["alias_of"]]
@@ -29,6 +30,7 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "override_pooler_config": ('{"pooling_type": "mean"}', PoolerConfig("MEAN")),
     "max_model_len": ("77", 77),
     "distributed_executor_backend": ("ray", "ray"),
+    "kv_events_config": ('{"enable_kv_cache_events": true}', KVEventsConfig(True)),
     "max_num_seqs": ("3", 3),
     "max_num_batched_tokens": ("99", 99),
     "block_size": ("32", 32),

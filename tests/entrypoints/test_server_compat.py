@@ -375,6 +375,26 @@ def test_vllm_metric_names_alias_ours(server: RemoteServer) -> None:
     assert grew("tokenwise:prefix_cache_hits_total") == 32
 
 
+def test_router_metrics_parse_as_prometheus_text(server: RemoteServer) -> None:
+    """What llm-d's scheduler scrapes, read with prometheus_client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families(server.metrics())}
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running"):
+        (sample,) = families[name].samples
+        assert families[name].type == "gauge" and sample.labels == {"model_name": NAME}
+        assert sample.value >= 0
+    (usage,) = families["vllm:kv_cache_usage_perc"].samples
+    assert 0.0 <= usage.value <= 1.0
+    (info,) = families["vllm:cache_config_info"].samples
+    (total,) = families["tokenwise:num_total_kv_blocks"].samples
+    assert info.value == 1.0
+    assert info.labels["block_size"] == "16" and info.labels["cache_dtype"] == "auto"
+    assert info.labels["enable_prefix_caching"] == "True"
+    assert int(info.labels["num_gpu_blocks"]) == total.value > 0
+    assert "vllm:lora_requests_info" not in families  # LoRA is off (as vLLM: no series)
+
+
 def test_access_log_has_one_line_per_http_request(server: RemoteServer, client: OpenAI) -> None:
     reply = client.chat.completions.create(model=NAME, messages=HI, max_tokens=5, temperature=0.0)
     (line,) = log_lines(server, f"id={reply.id} ")

@@ -105,3 +105,24 @@ def test_adapters_load_and_unload_at_run_time(
         _complete(client, "c")
     missing = httpx.post(server.url("/v1/unload_lora_adapter"), json={"lora_name": "c"})
     assert missing.status_code == 404
+
+
+def test_lora_requests_info_names_the_running_adapter(server: RemoteServer) -> None:
+    """`vllm:lora_requests_info` as llm-d reads it: max_lora and the running adapters."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def info() -> dict[str, str]:
+        families = {f.name: f for f in text_string_to_metric_families(server.metrics())}
+        (sample,) = families["vllm:lora_requests_info"].samples
+        assert sample.value > 1e9  # a Unix time, as vLLM's: the newest reading wins
+        return sample.labels
+
+    idle = info()
+    assert idle["max_lora"] == "2" and idle["running_lora_adapters"] == ""
+    body = {"model": "a", "prompt": PROMPT, "max_tokens": 400, "stream": True}
+    body |= {"ignore_eos": True, "temperature": 0.0}
+    with httpx.stream("POST", server.url("/v1/completions"), json=body, timeout=60) as reply:
+        chunks = reply.iter_lines()
+        next(line for line in chunks if line.startswith("data:"))  # it is running now
+        running = info()
+    assert running["running_lora_adapters"] == "a" and running["waiting_lora_adapters"] == ""

@@ -286,7 +286,7 @@ class BlockManager:
         if num_full > self._num_registered.get(request_id, 0):
             hashes = self._block_hashes(request_id, token_ids, num_full, cache_salt, images)
             for m in self._own:
-                m.register(request_id, hashes, num_full, num_tokens)
+                m.register(request_id, hashes, num_full, num_tokens, token_ids)
             self._num_registered[request_id] = num_full
 
     def take_state_step(self, request_id: str) -> StateStep | None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+from tokenwise.kv_cache.events import KVEventCollector
+
 
 @dataclass(slots=True)
 class KVBlock:
@@ -42,6 +44,9 @@ class BlockPool:
         self._free_cached: OrderedDict[int, None] = OrderedDict()
         self._hash_to_block: dict[bytes, int] = {}
         self.num_used = 0
+        # Set when KV-cache events are on (`--kv-events-config`): evictions, drops and resets
+        # are reported here; stores by the group managers, which know the blocks' tokens.
+        self.events: KVEventCollector | None = None
 
     @property
     def num_free(self) -> int:
@@ -88,6 +93,8 @@ class BlockPool:
             block = self.blocks[block_id]
             assert block.block_hash is not None
             del self._hash_to_block[block.block_hash]
+            if self.events is not None:
+                self.events.removed(block.block_hash)
             block.block_hash = None
         else:
             raise RuntimeError("no free KV cache block left")
@@ -108,8 +115,8 @@ class BlockPool:
             else:
                 self._free_cached[block_id] = None
 
-    def register(self, block_id: int, block_hash: bytes) -> None:
-        """Publish a full block under its chain hash.
+    def register(self, block_id: int, block_hash: bytes) -> bool:
+        """Publish a full block under its chain hash; whether it is newly in the cache.
 
         First registration wins: a duplicate block with an already-known hash, or a block
         that is itself already registered (a hit), is left as it is.  Deduplicating would
@@ -117,9 +124,10 @@ class BlockPool:
         """
         block = self.blocks[block_id]
         if block.block_hash is not None or block_hash in self._hash_to_block:
-            return
+            return False
         block.block_hash = block_hash
         self._hash_to_block[block_hash] = block_id
+        return True
 
     def uncache(self, block_id: int) -> None:
         """Unregister one free block (its contents are not to be trusted); no-op if uncached."""
@@ -129,6 +137,8 @@ class BlockPool:
         if block.block_hash is None:
             return
         del self._hash_to_block[block.block_hash]
+        if self.events is not None:
+            self.events.removed(block.block_hash)
         block.block_hash = None
         del self._free_cached[block_id]
         self._free_uncached.append(block_id)
@@ -142,6 +152,8 @@ class BlockPool:
             self._free_uncached.append(block_id)
         self._free_cached.clear()
         self._hash_to_block.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     def check_invariants(self) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 from tokenwise.batchsize_stats import get_batchsize_forward_time_summary
 from tokenwise.config import EngineConfig
+from tokenwise.distributed.kv_events import attach_kv_events
 from tokenwise.engine.kinds.base import ModelKind, NewRequest
 from tokenwise.engine.kinds.select import model_kind_for
 from tokenwise.engine.output_processor import OutputProcessor, Touched
@@ -32,7 +33,12 @@ from tokenwise.engine.prompts import (
 from tokenwise.engine.request import Request, RequestStatus
 from tokenwise.engine.request_queue import check_priority
 from tokenwise.engine.speculative_setup import make_drafter
-from tokenwise.engine.stats import EngineStats, StatLogger, finished_request_line
+from tokenwise.engine.stats import (
+    EngineStats,
+    StatLogger,
+    finished_request_line,
+    lora_adapter_names,
+)
 from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from tokenwise.engine.step_records import StepRecorder, StepRecords
 from tokenwise.engine.virtual_engines import VirtualEngineBlockManagers, VirtualEngineSchedulers
@@ -125,6 +131,9 @@ class LLMEngine:
         self.drafter = make_drafter(
             config, self.kind.name, self.runner, num_blocks, self.block_manager
         )
+        self.kv_events = attach_kv_events(
+            config.kv_events_config, [bm.pool for bm in managers], parallel.data_parallel_rank or 0
+        )
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -198,6 +207,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the workers (the executor's); the engine cannot step afterwards."""
         self.model_executor.shutdown()
+        self.kv_events.shutdown()
         if self._grammars is not None:
             self._grammars.shutdown()
         self.kind.shutdown()
@@ -212,6 +222,13 @@ class LLMEngine:
         """Run `method` on every worker of this engine; results in rank order
         (`Executor.collective_rpc`)."""
         return self.model_executor.collective_rpc(method, args, kwargs, timeout)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (refused, False, while a request holds blocks); with KV
+        events on, `AllBlocksCleared` goes out now rather than at the next step."""
+        done = self.block_manager.reset_prefix_cache()
+        self.kv_events.end_step()
+        return done
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.groups
@@ -312,6 +329,7 @@ class LLMEngine:
             self.drafter.propose(self.scheduler.running)
         self._stats.num_steps_total += 1
         self._stats.num_preemptions_total += num_preempted
+        self.kv_events.end_step()
         # Aborted or errored requests surface here even if nothing was scheduled for them.
         for rid, samples in self.output_processor.unreported_finished():
             touched[rid] = samples
@@ -353,6 +371,9 @@ class LLMEngine:
         s.prefix_cache_queries = bm.prefix_cache_queries
         s.prefix_cache_hits = bm.prefix_cache_hits
         s.num_ubatched_steps_total = self.runner.num_ubatched_steps
+        if self.config.lora is not None:
+            s.running_lora_adapters = lora_adapter_names(self.scheduler.running)
+            s.waiting_lora_adapters = lora_adapter_names(self.scheduler.waiting)
         return s
 
     def get_tokenizer(self) -> Any:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tokenwise.engine.request import Request
@@ -37,6 +38,10 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # LoRA adapters (names, sorted) of the running and waiting requests: what a cluster
+    # router reads from `vllm:lora_requests_info` to send a request where its adapter is.
+    running_lora_adapters: list[str] = field(default_factory=list)
+    waiting_lora_adapters: list[str] = field(default_factory=list)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -119,6 +124,11 @@ def finished_request_line(
     )
 
 
+def lora_adapter_names(requests: Iterable[Request]) -> list[str]:
+    """The distinct LoRA adapter names of `requests` (scheduler requests), sorted."""
+    return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})
+
+
 def combine_stats(per_core: list[EngineStats]) -> EngineStats:
     """Counters summed over cores (DP ranks); KV usage is the pooled fraction of all their
     blocks. One core's stats are returned as they are."""
@@ -146,6 +156,8 @@ def combine_stats(per_core: list[EngineStats]) -> EngineStats:
             setattr(total, name, getattr(total, name) + getattr(s, name))
         for reason, count in s.finished_reasons.items():
             total.finished_reasons[reason] = total.finished_reasons.get(reason, 0) + count
+        for name in ("running_lora_adapters", "waiting_lora_adapters"):
+            setattr(total, name, sorted(set(getattr(total, name)) | set(getattr(s, name))))
         per_pos = total.spec_decode_num_accepted_tokens_per_pos
         for pos, count in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
             if pos == len(per_pos):

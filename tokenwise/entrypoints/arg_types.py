@@ -91,6 +91,16 @@ def parse_capture_sizes(text: str) -> list[int]:
     return sorted(set(sizes))
 
 
+def parse_kv_events_config(text: str) -> Any:
+    """A `KVEventsConfig` from JSON such as '{"enable_kv_cache_events": true}'."""
+    from tokenwise.kv_cache.events_config import KVEventsConfig
+
+    try:
+        return KVEventsConfig.from_cli(text)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(f"invalid --kv-events-config {text!r}: {e}") from None
+
+
 def parse_speculative_config(text: str) -> Any:
     """A `SpeculativeConfig` from JSON such as '{"method": "ngram", "num_speculative_tokens": 4}'."""
     import json

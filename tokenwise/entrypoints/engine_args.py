@@ -29,6 +29,7 @@ from tokenwise.entrypoints.arg_types import (  # noqa: F401 (re-exported: the fl
     parse_capture_sizes,
     parse_cudagraph_mode,
     parse_json_dict,
+    parse_kv_events_config,
     parse_memory_size,
     parse_pooler_config,
     parse_speculative_config,
@@ -208,6 +209,14 @@ class EngineArgs:
         "(DeepSeek-V3's MTP module); "
         '"disable_by_batch_size": N stops proposing while N or more requests run',
         type=parse_speculative_config,
+    )
+    kv_events_config: Any = setting(
+        None,
+        "publish KV-cache events (vLLM's format, ZeroMQ) for cluster routers, as JSON: "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": '
+        '"tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558", "topic": '
+        '"kv-events"}\'; an endpoint beyond loopback needs TOKENWISE_KV_EVENTS_SECRET',
+        type=parse_kv_events_config,
     )
     disable_log_requests: bool = setting(
         True,

@@ -26,6 +26,7 @@ from tokenwise.config import (
 from tokenwise.engine.kinds.multimodal_settings import parse_limit_mm_per_prompt
 from tokenwise.entrypoints.feature_rules import Features, check_features
 from tokenwise.envs import warn_undeclared
+from tokenwise.kv_cache.events_config import KVEventsConfig
 from tokenwise.layers.fused_moe.experts import grouped_mm_available
 from tokenwise.model_config import ModelConfig
 from tokenwise.models.registry import (
@@ -236,7 +237,20 @@ def resolve_engine_config(args: Any) -> EngineConfig:
         ),
         log_requests=not args.disable_log_requests,
         speculative=speculative,
+        kv_events_config=_kv_events_config(args.kv_events_config, args.enable_prefix_caching),
     )
+
+
+def _kv_events_config(value: Any, enable_prefix_caching: bool) -> KVEventsConfig | None:
+    """`kv_events_config`, refused without the prefix cache whose changes the events are."""
+    config = KVEventsConfig.from_cli(value) if value is not None else None
+    if config is not None and config.active and not enable_prefix_caching:
+        raise ValueError(
+            "kv_events_config enables KV-cache events, which report the prefix cache's "
+            "contents, but prefix caching is off (--no-enable-prefix-caching): enable one "
+            "without disabling the other"
+        )
+    return config
 
 
 def _parallel_config(args: Any, is_moe: bool) -> ParallelConfig:

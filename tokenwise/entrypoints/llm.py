@@ -109,6 +109,16 @@ class LLM:
             )
         return rpc(method, args, kwargs, timeout)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing done) while requests hold KV blocks."""
+        reset = getattr(self.llm_engine, "reset_prefix_cache", None)
+        if reset is None:
+            raise NotImplementedError(
+                "reset_prefix_cache reaches an engine in this process; with "
+                "data_parallel_size > 1 the ranks run in engine-core processes"
+            )
+        return reset()
+
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],

@@ -107,18 +107,46 @@ class KVCacheGroupManager:
         return table[before:]
 
     def register(
-        self, request_id: str, hashes: Sequence[bytes], num_full: int, num_tokens: int
+        self,
+        request_id: str,
+        hashes: Sequence[bytes],
+        num_full: int,
+        num_tokens: int,
+        token_ids: Sequence[int] = (),
     ) -> None:
         """Offer the request's blocks full of known tokens to the prefix cache (`num_full` of
-        them; the step computes up to token `num_tokens`)."""
+        them; the step computes up to token `num_tokens`). With KV-cache events on, each run
+        of newly cached blocks is reported with its tokens (`token_ids`: the request's)."""
         if not self.caching:
             return
         table = self.tables[request_id]
         start = self.num_registered.get(request_id, 0)
+        events = self.pool.events
+        run: list[int] = []  # indices of consecutive newly cached blocks, for one event
         for i in range(start, num_full):
             if table[i] != NULL_BLOCK:
-                self.pool.register(table[i], hashes[i] + self._key_suffix)
+                new = self.pool.register(table[i], hashes[i] + self._key_suffix)
+                if events is not None and new:
+                    if run and run[-1] != i - 1:
+                        self._report_stored(run, hashes, token_ids)
+                        run = []
+                    run.append(i)
+        if run:
+            self._report_stored(run, hashes, token_ids)
         self.num_registered[request_id] = max(start, num_full)
+
+    def _report_stored(
+        self, run: list[int], hashes: Sequence[bytes], token_ids: Sequence[int]
+    ) -> None:
+        """One `BlockStored` for blocks `run` (consecutive indices) of a request's chain."""
+        assert self.pool.events is not None
+        first, bs, suffix = run[0], self.block_size, self._key_suffix
+        self.pool.events.stored(
+            [hashes[i] + suffix for i in run],
+            hashes[first - 1] + suffix if first else None,
+            token_ids[first * bs : (run[-1] + 1) * bs],
+            bs,
+        )
 
     def truncate(self, request_id: str, num_tokens: int) -> None:
         """Cut the table back to the blocks `num_tokens` tokens need (tail first)."""
@@ -264,7 +292,12 @@ class RecurrentStateManager(KVCacheGroupManager):
         return [live]
 
     def register(
-        self, request_id: str, hashes: Sequence[bytes], num_full: int, num_tokens: int
+        self,
+        request_id: str,
+        hashes: Sequence[bytes],
+        num_full: int,
+        num_tokens: int,
+        token_ids: Sequence[int] = (),
     ) -> None:
         """Choose a snapshot slot when this step ends exactly on a new full block."""
         bs = self.block_size

@@ -75,6 +75,9 @@ LAYERS: tuple[Layer, ...] = (
             "tokenwise.kv_cache.specs",
             "tokenwise.kv_cache.layout",
             "tokenwise.kv_cache.hashing",
+            # KV-cache events: the wire structs and `--kv-events-config` (msgspec, no engine).
+            "tokenwise.kv_cache.events",
+            "tokenwise.kv_cache.events_config",
         ),
     ),
     # The C kernels of CPU decode, their ctypes wrappers and build: tensors and plain settings

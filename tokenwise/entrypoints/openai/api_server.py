@@ -340,7 +340,12 @@ def run_server(args: argparse.Namespace) -> int:
         on_dead=exit_when_dead,
         max_waiting_requests=args.max_waiting_requests,
     )
-    metrics.attach_engine(lambda: async_engine.stats, engine.forward_time_table)
+    metrics.attach_engine(
+        lambda: async_engine.stats,
+        engine.forward_time_table,
+        engine_config.cache,
+        lora.max_loras if lora is not None else None,
+    )
     app = build_app(async_engine, config, metrics, models, args.allow_runtime_lora_updating)
     auth = "API key required" if config.api_key else "no API key"
     page = f"; web page on http://{args.host}:{args.port}/" if config.ui else ""

@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from tokenwise.batchsize_stats import get_batchsize_forward_time_summary
+from tokenwise.config import CacheConfig
 from tokenwise.engine.stats import EngineStats
 from tokenwise.entrypoints.openai.metrics_aliases import VllmAliasCollector
 from tokenwise.outputs import RequestOutput
@@ -42,10 +43,14 @@ class _EngineCollector(Collector):
         model_name: str,
         stats: Callable[[], EngineStats],
         forward_times: Callable[[], dict[int, tuple[int, float]]],
+        cache_config: CacheConfig | None = None,
+        max_loras: int | None = None,
     ) -> None:
         self.model_name = model_name
         self.stats = stats
         self.forward_times = forward_times
+        self.cache_config = cache_config
+        self.max_loras = max_loras
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
@@ -94,6 +99,41 @@ class _EngineCollector(Collector):
         yield success
         yield from self._spec_decode(s)
         yield from self._forward_times()
+        yield from self._info(s)
+
+    def _info(self, s: EngineStats) -> Iterator[Metric]:
+        """vLLM's info gauges, which routers read for their labels (llm-d's scheduler: block
+        size and count for prefix scoring, the adapters in use for LoRA affinity)."""
+        c = self.cache_config
+        if c is not None:
+            labels = {
+                "block_size": str(c.block_size),
+                "cache_dtype": c.cache_dtype,
+                "enable_prefix_caching": str(c.enable_prefix_caching),
+                "gpu_memory_utilization": str(c.gpu_memory_utilization),
+                "num_gpu_blocks": str(s.num_total_blocks),
+            }
+            info = GaugeMetricFamily(
+                PREFIX + "cache_config_info", "Information of the KV cache.", labels=list(labels)
+            )
+            info.add_metric(list(labels.values()), 1.0)
+            yield info
+        if self.max_loras is not None:
+            # As vLLM: the value is the time of the reading, the adapters comma-joined.
+            lora = GaugeMetricFamily(
+                PREFIX + "lora_requests_info",
+                "LoRA adapters of the running and waiting requests.",
+                labels=["running_lora_adapters", "max_lora", "waiting_lora_adapters"],
+            )
+            lora.add_metric(
+                [
+                    ",".join(s.running_lora_adapters),
+                    str(self.max_loras),
+                    ",".join(s.waiting_lora_adapters),
+                ],
+                time.time(),
+            )
+            yield lora
 
     def _spec_decode(self, s: EngineStats) -> Iterator[Metric]:
         """vLLM's spec_decode_* counters (zero while speculative decoding is off)."""
@@ -185,11 +225,14 @@ class ServerMetrics:
         self,
         stats: Callable[[], EngineStats],
         forward_times: Callable[[], dict[int, tuple[int, float]]] | None = None,
+        cache_config: CacheConfig | None = None,
+        max_loras: int | None = None,
     ) -> None:
         """`forward_times`: batch size -> (passes, median ms), read at scrape time; by default
-        this process's (an engine core in another process reports its own)."""
+        this process's (an engine core in another process reports its own). `cache_config`
+        labels `cache_config_info`; `max_loras` (LoRA on) turns on `lora_requests_info`."""
         forward_times = forward_times or get_batchsize_forward_time_summary
-        collector = _EngineCollector(self.model_name, stats, forward_times)
+        collector = _EngineCollector(self.model_name, stats, forward_times, cache_config, max_loras)
         self.registry.register(collector)
         self.aliases.add(collector)
 

@@ -20,6 +20,8 @@ from prometheus_client.registry import Collector
 
 VLLM_ALIASES: dict[str, tuple[str, ...]] = {
     "tokenwise:num_requests_running": ("vllm:num_requests_running",),
+    "tokenwise:cache_config_info": ("vllm:cache_config_info",),
+    "tokenwise:lora_requests_info": ("vllm:lora_requests_info",),
     "tokenwise:num_requests_waiting": ("vllm:num_requests_waiting",),
     "tokenwise:kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
     "tokenwise:prefix_cache_queries": ("vllm:prefix_cache_queries",),
