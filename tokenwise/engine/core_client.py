@@ -289,7 +289,9 @@ class EngineCoreClient:
             message = msg.decode_from_core(self._io.outbox.recv())
             if isinstance(message, msg.CoreReady):
                 ready.add(message.rank)
-                self._stats[message.rank].num_total_blocks = message.num_blocks
+                # Every block is free until the core's first stats (sent after a step).
+                stats = self._stats[message.rank]
+                stats.num_total_blocks = stats.num_free_blocks = message.num_blocks
                 self._kv_blocks[message.rank] = bytes(message.num_blocks)  # all free
                 if message.prompt_settings and self.image_prompts is None:
                     self.image_prompts = MultiModalPrompts(
