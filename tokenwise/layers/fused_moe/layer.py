@@ -15,9 +15,10 @@ from torch import nn
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.tp_state import get_tp_size, tp_all_reduce
 from tokenwise.forward_context import get_forward_context, is_forward_context_available
-from tokenwise.layers.fused_moe.experts import SILU_AND_MUL, fused_experts, moe_experts
+from tokenwise.layers.fused_moe.moe_methods import UNQUANTIZED_MOE, WEIGHT_ONLY_MOE
 from tokenwise.layers.fused_moe.router import GroupedRouting, select_experts
 from tokenwise.layers.fused_moe.sharding import ExpertShard
+from tokenwise.layers.quantization.base_config import FusedMoEMethodBase
 from tokenwise.layers.quantization.weight_only import QuantizedExperts
 from tokenwise.layers.weight_utils import CheckpointTensor, check_full_shape, copy_checked
 
@@ -70,8 +71,20 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(
             torch.empty(local_e, hidden_size, local_i), requires_grad=False
         )
-        # Set by `layers.quantization` (the weights then live on the meta device).
+        # The experts' method (`moe_methods`): dense until a quantization config hands the
+        # layer quantized experts (`use_quantized_experts`).
+        self.quant_method: FusedMoEMethodBase = UNQUANTIZED_MOE
         self.quant_experts: QuantizedExperts | None = None
+
+    def use_quantized_experts(self, experts: QuantizedExperts) -> None:
+        """Compute with `experts` from now on; the dense weights move to the meta device (their
+        shapes still answer)."""
+        self.quant_experts = experts
+        self.quant_method = WEIGHT_ONLY_MOE
+        for attr in ("w13_weight", "w2_weight"):
+            dense = getattr(self, attr)
+            meta = torch.empty(dense.shape, dtype=dense.dtype, device="meta")
+            setattr(self, attr, nn.Parameter(meta, requires_grad=False))
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """The full MoE output for this rank's tokens: the DP exchange, then the TP sum."""
@@ -117,27 +130,7 @@ class FusedMoE(nn.Module):
         topk_weights, topk_ids = select_experts(
             router_logits, self.top_k, self.renormalize, self.routing
         )
-        if self.quant_experts is not None:  # eager only, as every quantized layer
-            return fused_experts(
-                hidden_states,
-                self.w13_weight,
-                self.w2_weight,
-                topk_weights,
-                topk_ids,
-                SILU_AND_MUL,
-                first_expert=self.shard.first_expert,
-                weights_in_fp32=self.weights_in_fp32,
-                quantized=self.quant_experts,
-            )
-        return moe_experts(
-            hidden_states,
-            self.w13_weight,
-            self.w2_weight,
-            topk_weights,
-            topk_ids,
-            self.shard.first_expert,
-            self.weights_in_fp32,
-        )
+        return self.quant_method.apply(self, hidden_states, topk_weights, topk_ids)
 
     def weight_loader(
         self,
