@@ -35,6 +35,7 @@ from tokenwise.attention.kv_scales import apply_kv_scales, take_kv_scales
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.tp_state import get_tp_size
 from tokenwise.gguf.weights import iterate_gguf
+from tokenwise.layers.quantization.base_config import building_with
 from tokenwise.layers.quantization.gguf_layers import expert_checkpoint_names
 from tokenwise.layers.quantization.registry import get_quantization_config
 from tokenwise.layers.weight_utils import (
@@ -44,7 +45,6 @@ from tokenwise.layers.weight_utils import (
     checkpoint_names,
 )
 from tokenwise.models.registry import resolve_model_class
-
 
 SAFETENSORS_SINGLE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -136,7 +136,7 @@ def load_model(config: EngineConfig, device: str | torch.device = "cpu") -> nn.M
     model_cls = resolve_model_class(model_config.architectures)
     config_cls = get_quantization_config(model_config.quantization)
     quant_config = config_cls.from_model_config(model_config, torch.device(device))
-    with _build_in(model_config.dtype, torch.device(device)):
+    with _build_in(model_config.dtype, torch.device(device)), building_with(quant_config):
         model = model_cls(config)
     if model_config.load_format == "dummy":
         init_dummy_weights(model, model_config.seed)

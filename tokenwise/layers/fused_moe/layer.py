@@ -18,7 +18,7 @@ from tokenwise.forward_context import get_forward_context, is_forward_context_av
 from tokenwise.layers.fused_moe.moe_methods import UNQUANTIZED_MOE, WEIGHT_ONLY_MOE
 from tokenwise.layers.fused_moe.router import GroupedRouting, select_experts
 from tokenwise.layers.fused_moe.sharding import ExpertShard
-from tokenwise.layers.quantization.base_config import FusedMoEMethodBase
+from tokenwise.layers.quantization.base_config import FusedMoEMethodBase, method_at_build
 from tokenwise.layers.quantization.weight_only import QuantizedExperts
 from tokenwise.layers.weight_utils import CheckpointTensor, check_full_shape, copy_checked
 
@@ -65,16 +65,14 @@ class FusedMoE(nn.Module):
                 f"MoE experts support hidden_act silu only, got {hidden_act!r}"
             )
         local_e, local_i = self.shard.num_local_experts, self.shard.local_intermediate_size
-        self.w13_weight = nn.Parameter(
-            torch.empty(local_e, 2 * local_i, hidden_size), requires_grad=False
-        )
-        self.w2_weight = nn.Parameter(
-            torch.empty(local_e, hidden_size, local_i), requires_grad=False
-        )
-        # The experts' method (`moe_methods`): dense until a quantization config hands the
-        # layer quantized experts (`use_quantized_experts`).
-        self.quant_method: FusedMoEMethodBase = UNQUANTIZED_MOE
+        # The experts' method (`moe_methods`): the model's quantization config's, else dense
+        # (until a config hands the layer int8 / int4 experts: `use_quantized_experts`).
+        method = method_at_build(self, prefix) or UNQUANTIZED_MOE
+        if not isinstance(method, FusedMoEMethodBase):
+            raise TypeError(f"MoE layer {prefix!r} got {method!r}, not a FusedMoEMethodBase")
+        self.quant_method: FusedMoEMethodBase = method
         self.quant_experts: QuantizedExperts | None = None
+        method.create_weights(self, local_e, hidden_size, local_i)
 
     def use_quantized_experts(self, experts: QuantizedExperts) -> None:
         """Compute with `experts` from now on; the dense weights move to the meta device (their

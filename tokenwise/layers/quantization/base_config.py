@@ -20,7 +20,8 @@ and the quantized weight it holds, never by the layer or the caller.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -116,6 +117,12 @@ class QuantizationConfig(ABC):
         name of the checkpoint, read from the headers only when asked)."""
         return weights
 
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        """The method an MoE layer (named `prefix`) is built with, asked while the model is
+        built (`building_with`); None: the layer's dense method. Linear layers are always
+        built dense: their format is known only from the checkpoint's tensors."""
+        return None
+
     def gguf_observer(self, model: nn.Module) -> GGUFObserver | None:
         """A hook that sees each GGUF tensor's values and type as the file is read; None."""
         return None
@@ -123,3 +130,23 @@ class QuantizationConfig(ABC):
     @abstractmethod
     def process_model(self, model: nn.Module) -> None:
         """After loading: give each layer its method (and its weights that method's form)."""
+
+
+_building: QuantizationConfig | None = None  # the config of the model being built
+
+
+@contextmanager
+def building_with(config: QuantizationConfig) -> Iterator[None]:
+    """Make `config` the one layers ask for their method (`method_at_build`) while built."""
+    global _building
+    previous, _building = _building, config
+    try:
+        yield
+    finally:
+        _building = previous
+
+
+def method_at_build(layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+    """The method the config of the model being built gives `layer`; None outside a build
+    (a layer built on its own, in a test) or where the config leaves it dense."""
+    return None if _building is None else _building.get_quant_method(layer, prefix)
