@@ -22,7 +22,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -33,6 +33,14 @@ if TYPE_CHECKING:
 
 # (HF tensor name, float32 values, GGUF type name, the file's raw block bytes) -> None.
 GGUFObserver = Callable[[str, torch.Tensor, str, Any], None]
+
+
+class CheckpointReader(Protocol):
+    """A format's reader: its layers' tensors in, dense weights out, the format kept aside."""
+
+    def wrap(
+        self, weights: Iterable[tuple[str, CheckpointTensor]], names: Iterable[str]
+    ) -> Iterable[tuple[str, CheckpointTensor]]: ...
 
 
 class QuantizeMethodBase(ABC):
@@ -95,6 +103,7 @@ class QuantizationConfig(ABC):
     def __init__(self, model_config: ModelConfig, device: torch.device) -> None:
         self.model_config = model_config
         self.device = device
+        self.reader: Any = None  # the format's reader, once a checkpoint was wrapped
 
     @classmethod
     def from_model_config(cls, model_config: ModelConfig, device: torch.device) -> Any:
@@ -106,16 +115,22 @@ class QuantizationConfig(ABC):
     def on_cpu(self) -> bool:
         return self.device.type == "cpu"
 
+    def make_reader(self, model: nn.Module) -> CheckpointReader | None:
+        """The format's reader of a safetensors checkpoint for `model`; None: read as is."""
+        return None
+
     def wrap_weights(
         self,
         model: nn.Module,
         weights: Iterable[tuple[str, CheckpointTensor]],
         names: Callable[[], set[str]],
     ) -> Iterable[tuple[str, CheckpointTensor]]:
-        """The checkpoint's `(name, tensor)` stream as the model's loader reads it: a format
-        reader turns its layers' tensors into dense weights here (`names()`: every tensor
-        name of the checkpoint, read from the headers only when asked)."""
-        return weights
+        """The checkpoint's `(name, tensor)` stream as the model's loader reads it: the format's
+        reader (`make_reader`, kept in `self.reader` for `process_model`) turns its layers'
+        tensors into dense weights here (`names()`: every tensor name of the checkpoint, read
+        from the headers only when asked)."""
+        self.reader = self.make_reader(model)
+        return weights if self.reader is None else self.reader.wrap(weights, names())
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         """The method an MoE layer (named `prefix`) is built with, asked while the model is

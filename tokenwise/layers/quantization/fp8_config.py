@@ -8,37 +8,28 @@ values are dequantized once to the model's dtype and the layers stay dense.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-
 from torch import nn
 
 from tokenwise.layers.quantization import fp8_loading
 from tokenwise.layers.quantization.base_config import QuantizationConfig
-from tokenwise.layers.weight_utils import CheckpointTensor
 from tokenwise.quantization_config import checkpoint_quantization_config, fp8_checkpoint_config
 
 
 class FP8Config(QuantizationConfig):
     name = "fp8"
 
-    reader: fp8_loading.FP8Checkpoint | None = None  # None: quantized on load
+    reader: fp8_loading.FP8Checkpoint | None  # None: quantized on load
 
     @property
     def keep_fp8(self) -> bool:
         return not self.on_cpu or fp8_loading.keep_fp8_on_cpu()
 
-    def wrap_weights(
-        self,
-        model: nn.Module,
-        weights: Iterable[tuple[str, CheckpointTensor]],
-        names: Callable[[], set[str]],
-    ) -> Iterable[tuple[str, CheckpointTensor]]:
+    def make_reader(self, model: nn.Module) -> fp8_loading.FP8Checkpoint | None:
         qc = checkpoint_quantization_config(self.model_config.hf_config)
         if qc is None:  # a float checkpoint: quantized after loading
-            return weights
-        # fp8 weights and their block scales become dense weights here, the fp8 kept aside.
-        self.reader = fp8_loading.FP8Checkpoint(model, fp8_checkpoint_config(qc), self.keep_fp8)
-        return self.reader.wrap(weights, names())
+            return None
+        # fp8 weights and their block scales become dense weights, the fp8 kept aside.
+        return fp8_loading.FP8Checkpoint(model, fp8_checkpoint_config(qc), self.keep_fp8)
 
     def process_model(self, model: nn.Module) -> None:
         if self.reader is not None:

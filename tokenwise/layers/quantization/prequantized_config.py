@@ -9,7 +9,6 @@ compressed-tensors' FP8 layers their fp8 bytes and the FP8 method.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -19,14 +18,15 @@ from tokenwise.layers.quantization import awq, compressed_tensors, fp8_loading, 
 from tokenwise.layers.quantization.prequantized import PrequantizedCheckpoint
 from tokenwise.layers.quantization.schemes import quantize_model
 from tokenwise.layers.quantization.weight_only_config import IntegerConfig
-from tokenwise.layers.weight_utils import CheckpointTensor
 from tokenwise.quantization_config import checkpoint_quantization_config, int_checkpoint_config
 
 
 class PrequantizedConfig(IntegerConfig):
     """A checkpoint whose `quantization_config` names this method."""
 
-    reader: PrequantizedCheckpoint | None = None  # None until wrap_weights (and for dummy)
+    # Quantized layers' tensors are read whole; under TP each rank then keeps its slice of
+    # their integers (`tp_slice`). None until a checkpoint was wrapped (and for dummy weights).
+    reader: PrequantizedCheckpoint | None
 
     @property
     def checkpoint_config(self) -> dict[str, Any]:
@@ -35,20 +35,6 @@ class PrequantizedConfig(IntegerConfig):
     @property
     def keep_fp8(self) -> bool:
         return not self.on_cpu or fp8_loading.keep_fp8_on_cpu()
-
-    def make_reader(self, model: nn.Module) -> PrequantizedCheckpoint:
-        raise NotImplementedError
-
-    def wrap_weights(
-        self,
-        model: nn.Module,
-        weights: Iterable[tuple[str, CheckpointTensor]],
-        names: Callable[[], set[str]],
-    ) -> Iterable[tuple[str, CheckpointTensor]]:
-        # Quantized layers' tensors are read whole; under TP each rank then keeps its slice of
-        # their integers (`tp_slice`).
-        self.reader = self.make_reader(model)
-        return self.reader.wrap(weights, names())
 
     def process_model(self, model: nn.Module) -> None:
         reader = self.reader
