@@ -20,19 +20,17 @@ class FP8Config(QuantizationConfig):
 
     reader: fp8_loading.FP8Checkpoint | None  # None: quantized on load
 
-    @property
-    def keep_fp8(self) -> bool:
-        return not self.on_cpu or fp8_loading.keep_fp8_on_cpu()
-
     def make_reader(self, model: nn.Module) -> fp8_loading.FP8Checkpoint | None:
         qc = checkpoint_quantization_config(self.model_config.hf_config)
         if qc is None:  # a float checkpoint: quantized after loading
             return None
         # fp8 weights and their block scales become dense weights, the fp8 kept aside.
-        return fp8_loading.FP8Checkpoint(model, fp8_checkpoint_config(qc), self.keep_fp8)
+        return fp8_loading.FP8Checkpoint(
+            model, fp8_checkpoint_config(qc), fp8_loading.keeps_fp8(self.device)
+        )
 
     def process_model(self, model: nn.Module) -> None:
         if self.reader is not None:
             fp8_loading.install(model, self.reader.record_for, keep_fp8=self.reader.keep)
         else:
-            fp8_loading.quantize_on_load(model, keep_fp8=self.keep_fp8)
+            fp8_loading.quantize_on_load(model, keep_fp8=fp8_loading.keeps_fp8(self.device))

@@ -54,6 +54,11 @@ SCALE = "weight_scale_inv"
 INPUT_SCALES = ("input_scale", "activation_scale")
 
 
+def keeps_fp8(device: torch.device) -> bool:
+    """Whether FP8 layers on `device` keep their fp8 bytes (else dequantized once at load)."""
+    return device.type != "cpu" or keep_fp8_on_cpu()
+
+
 def keep_fp8_on_cpu() -> bool:
     """`TOKENWISE_CPU_FP8_WEIGHTS`: "fp8" (fp8 bytes kept: half bf16's memory; the C kernel
     at decode, the weight dequantized per call for prefill), "dense" (dequantized once at load:

@@ -32,10 +32,6 @@ class PrequantizedConfig(IntegerConfig):
     def checkpoint_config(self) -> dict[str, Any]:
         return checkpoint_quantization_config(self.model_config.hf_config) or {}
 
-    @property
-    def keep_fp8(self) -> bool:
-        return not self.on_cpu or fp8_loading.keep_fp8_on_cpu()
-
     def process_model(self, model: nn.Module) -> None:
         reader = self.reader
         if self.keep_ints and reader is not None:
@@ -72,5 +68,5 @@ class CompressedTensorsConfig(PrequantizedConfig):
 
     def make_reader(self, model: nn.Module) -> PrequantizedCheckpoint:
         return compressed_tensors.reader(
-            model, self.checkpoint_config, self.keep_ints, self.keep_fp8
+            model, self.checkpoint_config, self.keep_ints, fp8_loading.keeps_fp8(self.device)
         )
