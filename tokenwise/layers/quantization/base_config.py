@@ -22,7 +22,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self
 
 import torch
 from torch import nn
@@ -106,7 +106,7 @@ class QuantizationConfig(ABC):
         self.reader: Any = None  # the format's reader, once a checkpoint was wrapped
 
     @classmethod
-    def from_model_config(cls, model_config: ModelConfig, device: torch.device) -> Any:
+    def from_model_config(cls, model_config: ModelConfig, device: torch.device) -> Self:
         """The config for `model_config` (its `quantization` and checkpoint) on `device`;
         errors name the checkpoint field or the setting at fault."""
         return cls(model_config, device)
