@@ -32,10 +32,10 @@ def linear_mib(llm: LLM) -> float:
     """MiB of the decoder layers' linear weights as held (fp8 records or dense weights)."""
     total = 0
     for module in llm.llm_engine.runner.model.model.layers.modules():
-        packed = getattr(module, "packed_weight", None)
-        if packed is not None and hasattr(packed, "nbytes"):
-            total += packed.nbytes
-        elif hasattr(module, "packed_weight") and not module.weight.is_meta:
+        held = getattr(module, "quant_weight", None)
+        if held is not None:
+            total += held.nbytes
+        elif hasattr(module, "quant_weight") and not module.weight.is_meta:
             total += module.weight.numel() * module.weight.element_size()
     return total / 2**20
 

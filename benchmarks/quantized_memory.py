@@ -31,7 +31,7 @@ config = ModelConfig.from_pretrained(sys.argv[1], dtype="bfloat16", load_format=
 model = load_model(EngineConfig(model=config))
 held = {}
 for module in model.modules():
-    for name in ("packed_weight", "quant_table"):
+    for name in ("quant_weight", "quant_table"):
         table = getattr(module, name, None)
         if table is not None and not isinstance(table, torch.Tensor):
             held[id(table)] = table.nbytes

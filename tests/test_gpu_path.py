@@ -262,7 +262,7 @@ def test_fp8_checkpoint_on_cuda_gives_hf_greedy_tokens_on_most_prompts(tmp_path:
     fp8, reference = write_fp8(tmp_path, "Qwen3ForCausalLM", FULL_TILES)
     llm = LLM(fp8, dtype="bfloat16", device="cuda", enforce_eager=True, num_gpu_blocks=64)
     model = llm.llm_engine.runner.model
-    packed = model.model.layers[0].mlp.down_proj.packed_weight
+    packed = model.model.layers[0].mlp.down_proj.quant_weight
     assert isinstance(packed, FP8Weight) and packed.weight.dtype == FP8_DTYPE
     assert packed.weight.is_cuda
     prompts = mixed_prompts()[::3]
@@ -319,7 +319,7 @@ def test_int4_model_on_cuda_keeps_int4_memory_and_the_cpu_tokens(mode: str) -> N
     llm = LLM(path, quantization="int4", dtype="bfloat16", device="cuda", num_gpu_blocks=64,
               **MODES[mode])  # fmt: skip
     model = llm.llm_engine.runner.model
-    held = [m.packed_weight for m in model.modules() if hasattr(m, "packed_weight")]
+    held = [m.quant_weight for m in model.modules() if hasattr(m, "quant_weight")]
     quantized = [w for w in held if isinstance(w, QuantizedWeight)]
     assert quantized and all(w.qweight.is_cuda for w in quantized)
     fits = [w for w in quantized if w.shape[0] % 8 == 0]

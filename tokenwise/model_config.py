@@ -161,7 +161,7 @@ class ModelConfig:
     task: str = "generate"
     # The resolved pooling of an "embed" model (None for generative ones).
     pooler_config: PoolerConfig | None = None
-    # How linear layers are quantized (tokenwise.layers.quantization.schemes), None: dense.
+    # How linear layers are quantized: a `layers.quantization.registry` name; None: dense.
     quantization: str | None = None
     # A vision-language checkpoint's whole config (LLaVA: vision_config, image token, ...);
     # `hf_config` is then its `text_config`, which everything sized by the decoder reads.

@@ -1,7 +1,8 @@
 """The `quantization` setting (vLLM's name): which methods exist, and the one a model gets.
 
 Decided when the model's config is read, before any layer exists, so it lives below the layers;
-`tokenwise.layers.quantization.schemes` says what each method does to the layers. A checkpoint
+each name's `QuantizationConfig` (`tokenwise.layers.quantization.registry`) says what the method
+does to the layers. A checkpoint
 whose config.json carries a `quantization_config` gets its `quant_method` (GPTQ, AWQ,
 compressed-tensors); `quantization=` may name it too, and a different name is an error naming
 both. GPTQ's and AWQ's settings are checked here (`int_checkpoint_config`), so a checkpoint

@@ -20,7 +20,7 @@ def fp8_layers(model: Any) -> dict[str, Any]:
     """Each FP8 layer's (weight bytes, scale) per part, as numpy arrays."""
     out: dict[str, Any] = {}
     for name, module in model.named_modules():
-        held = getattr(module, "packed_weight", None)
+        held = getattr(module, "quant_weight", None)
         if held is None or isinstance(held, torch.Tensor):
             continue
         parts = getattr(held, "parts", [held])

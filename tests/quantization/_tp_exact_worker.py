@@ -40,7 +40,7 @@ def packed_layers(model: Any) -> dict[str, Any]:
     """Each quantized layer's weight: (qweight, scales, offsets, input_perm, bits, group)."""
     out: dict[str, Any] = {}
     for name, module in model.named_modules():
-        held = getattr(module, "packed_weight", None) or getattr(module, "quant_table", None)
+        held = getattr(module, "quant_weight", None) or getattr(module, "quant_table", None)
         if held is None or isinstance(held, torch.Tensor):
             continue
         parts = getattr(held, "parts", [held])
@@ -60,7 +60,7 @@ def row_parallel_dense(model: Any) -> dict[str, Any]:
     undone): what act-order layers are checked by."""
     out: dict[str, Any] = {}
     for name, module in model.named_modules():
-        held = getattr(module, "packed_weight", None)
+        held = getattr(module, "quant_weight", None)
         if name.endswith(("o_proj", "down_proj")) and hasattr(held, "dequantize"):
             out[name] = held.dequantize(torch.float32).numpy().copy()
     return out

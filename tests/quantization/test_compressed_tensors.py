@@ -186,9 +186,9 @@ def test_layers_hold_the_checkpoints_integers(
 
     compressed, _ = _checkpoints(tmp_path, case)
     model = _load(compressed)
-    assert model.lm_head.packed_weight is None  # ignored by the config: float, kept dense
+    assert model.lm_head.quant_weight is None  # ignored by the config: float, kept dense
     layer = model.model.layers[1].mlp.down_proj
-    packed = layer.packed_weight
+    packed = layer.quant_weight
     assert isinstance(packed, QuantizedWeight) and layer.weight.is_meta
     assert packed.bits == bits and (packed.offsets is None) == symmetric
     state = load_file(os.path.join(compressed, "model.safetensors"))
@@ -207,18 +207,18 @@ def test_fp8_layers_keep_the_checkpoints_fp8_values(tmp_path: Any, monkeypatch: 
     compressed, _ = _checkpoints(tmp_path, "fp8-static")
     monkeypatch.setenv("TOKENWISE_CPU_FP8_WEIGHTS", "fp8")
     layer = _load(compressed).model.layers[0].self_attn.qkv_proj
-    assert isinstance(layer.packed_weight, FP8Weight) and layer.weight.is_meta
+    assert isinstance(layer.quant_weight, FP8Weight) and layer.weight.is_meta
     state = load_file(os.path.join(compressed, "model.safetensors"))
     parts = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
     weights = torch.cat([state[f"{p}.weight"].view(torch.uint8) for p in parts])
-    assert torch.equal(layer.packed_weight.weight.view(torch.uint8), weights)
+    assert torch.equal(layer.quant_weight.weight.view(torch.uint8), weights)
     assert torch.equal(
-        layer.packed_weight.scale, torch.cat([state[f"{p}.weight_scale"] for p in parts])
+        layer.quant_weight.scale, torch.cat([state[f"{p}.weight_scale"] for p in parts])
     )
     monkeypatch.setenv("TOKENWISE_CPU_FP8_WEIGHTS", "dense")
     dense = _load(compressed).model.layers[0].self_attn.qkv_proj
-    assert dense.packed_weight is None and not dense.weight.is_meta
-    assert torch.equal(dense.weight, layer.packed_weight.dequantize())
+    assert dense.quant_weight is None and not dense.weight.is_meta
+    assert torch.equal(dense.weight, layer.quant_weight.dequantize())
 
 
 @pytest.mark.parametrize("case", ["w4a16-asym", "w8a8-int8"])

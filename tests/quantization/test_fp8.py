@@ -147,7 +147,7 @@ def test_moe_experts_are_dequantized_at_load(tmp_path: Any) -> None:
     fp8, reference = write_fp8(tmp_path, "Qwen3MoeForCausalLM", {"hidden_size": 128})
     model = _load(fp8)
     layer = model.model.layers[0]
-    assert isinstance(layer.self_attn.o_proj.packed_weight, FP8Weight)
+    assert isinstance(layer.self_attn.o_proj.quant_weight, FP8Weight)
     assert layer.mlp.experts.w13_weight.dtype == torch.float32
     ids = _ids()
     with torch.no_grad():
@@ -178,18 +178,18 @@ def test_layers_keep_the_checkpoints_fp8_bytes(tmp_path: Any, monkeypatch: Any) 
     monkeypatch.setenv("TOKENWISE_CPU_FP8_WEIGHTS", "dense")
     dense = _load(fp8, "bfloat16")
     layer = dense.model.layers[1].mlp.down_proj
-    assert layer.packed_weight is None and layer.weight.dtype == torch.bfloat16  # plain dense
+    assert layer.quant_weight is None and layer.weight.dtype == torch.bfloat16  # plain dense
     dense_logits = _logits(dense, ids)
     monkeypatch.setenv("TOKENWISE_CPU_FP8_WEIGHTS", "fp8")
     model = _load(fp8, "bfloat16")
     down = model.model.layers[1].mlp.down_proj
-    assert isinstance(down.packed_weight, FP8Weight) and down.weight.is_meta
+    assert isinstance(down.quant_weight, FP8Weight) and down.weight.is_meta
     prefix = "model.layers.1.mlp.down_proj"
     assert torch.equal(
-        down.packed_weight.weight.view(torch.uint8), state[f"{prefix}.weight"].view(torch.uint8)
+        down.quant_weight.weight.view(torch.uint8), state[f"{prefix}.weight"].view(torch.uint8)
     )
-    assert torch.equal(down.packed_weight.scale, state[f"{prefix}.weight_scale_inv"])
-    assert model.lm_head.packed_weight is None  # not in the file as fp8: stays dense
+    assert torch.equal(down.quant_weight.scale, state[f"{prefix}.weight_scale_inv"])
+    assert model.lm_head.quant_weight is None  # not in the file as fp8: stays dense
     # The same bf16 weights; the dense layers may take another bf16 matmul (oneDNN's prepacked
     # one), so a bf16 rounding of the logits (0.03 at 4) may differ.
     torch.testing.assert_close(_logits(model, ids), dense_logits, atol=0.05, rtol=0)
@@ -212,7 +212,7 @@ def test_quantization_fp8_on_load(tmp_path: Any, monkeypatch: Any) -> None:
     fp8_bytes = dense_bytes = 0
     for name, module in model.named_modules():
         if name.rpartition(".")[2] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-            packed = module.packed_weight
+            packed = module.quant_weight
             assert packed.weight.dtype == FP8_DTYPE and packed.kind == "tensor"
             fp8_bytes += packed.nbytes
             dense_bytes += module.weight.numel() * 2

@@ -107,10 +107,10 @@ def test_mixed_k_quant_file_keeps_every_part_quantized(tmp_path: Any) -> None:
     _assert_matches_hf(path)
     config = ModelConfig.from_pretrained(path, dtype="float32", skip_tokenizer_init=True)
     layer = load_model(EngineConfig(model=config)).model.layers[0]
-    qkv = layer.self_attn.qkv_proj.packed_weight
+    qkv = layer.self_attn.qkv_proj.quant_weight
     assert isinstance(qkv, QuantizedParts)
     assert [(p.bits, p.group_size) for p in qkv.parts] == [(4, 32), (4, 32), (8, 16)]
-    gate_up, down = layer.mlp.gate_up_proj.packed_weight, layer.mlp.down_proj.packed_weight
+    gate_up, down = layer.mlp.gate_up_proj.quant_weight, layer.mlp.down_proj.quant_weight
     assert isinstance(gate_up, QuantizedWeight) and gate_up.bits == 4
     assert gate_up.scales.dtype == torch.float32 and gate_up.offsets is not None
     assert isinstance(down, QuantizedWeight) and (down.bits, down.group_size) == (8, 16)

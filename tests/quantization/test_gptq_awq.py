@@ -205,10 +205,10 @@ def test_layers_hold_the_checkpoints_integers(tmp_path: Any, method: str) -> Non
     act_order = method == "gptq"
     quantized, _, layers = _checkpoints(tmp_path, method, act_order=act_order, fmt="gptq_v2")
     model = _load(quantized, quantization=method)
-    assert model.lm_head.packed_weight is None or not isinstance(
-        model.lm_head.packed_weight, QuantizedWeight
+    assert model.lm_head.quant_weight is None or not isinstance(
+        model.lm_head.quant_weight, QuantizedWeight
     )  # the checkpoint's LM head is float: it stays dense
-    packed = model.model.layers[1].self_attn.qkv_proj.packed_weight
+    packed = model.model.layers[1].self_attn.qkv_proj.quant_weight
     assert isinstance(packed, QuantizedWeight) and (packed.bits, packed.group_size) == (4, GROUP)
     assert model.model.layers[1].self_attn.qkv_proj.weight.is_meta
     names = [f"model.layers.1.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
@@ -232,7 +232,7 @@ def test_symmetric_gptq_keeps_no_offsets(tmp_path: Any) -> None:
     """sym=True stores the midpoint 8 as every zero (7 in v1): the layers take int4's implicit
     offset -8 s with float16 scales, GGUF Q4_0's form."""
     quantized, _, _ = _checkpoints(tmp_path, "gptq", sym=True)
-    packed = _load(quantized).model.layers[0].mlp.down_proj.packed_weight
+    packed = _load(quantized).model.layers[0].mlp.down_proj.quant_weight
     assert isinstance(packed, QuantizedWeight)
     assert packed.offsets is None and packed.scales.dtype == torch.float16
 
@@ -271,7 +271,7 @@ def test_groups_the_kernels_cannot_take_stay_dense(tmp_path: Any, caplog: Any) -
         _assert_matches_hf(quantized, reference)
     assert "q_proj stays dense" in caplog.text
     model = _load(quantized)
-    assert not isinstance(model.model.layers[0].mlp.down_proj.packed_weight, QuantizedWeight)
+    assert not isinstance(model.model.layers[0].mlp.down_proj.quant_weight, QuantizedWeight)
 
 
 def _edit_config(path: str, **changes: Any) -> str:
@@ -364,10 +364,10 @@ def test_fused_parts_in_different_input_orders_stay_dense(tmp_path: Any) -> None
     save_file(state, os.path.join(quantized, "model.safetensors"), metadata={"format": "pt"})
     model = _load(quantized)
     qkv = model.model.layers[0].self_attn.qkv_proj
-    assert not isinstance(qkv.packed_weight, QuantizedWeight)
+    assert not isinstance(qkv.quant_weight, QuantizedWeight)
     n = qkv.weight.shape[1]  # q's rows (hidden size), then k's
     assert torch.equal(qkv.weight[n : n + k_rows[0].shape[0]], k_rows[0])
-    assert isinstance(model.model.layers[0].self_attn.o_proj.packed_weight, QuantizedWeight)
+    assert isinstance(model.model.layers[0].self_attn.o_proj.quant_weight, QuantizedWeight)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 8, 20, 40])

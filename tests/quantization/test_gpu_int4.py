@@ -188,8 +188,8 @@ def test_prepare_model_keeps_a_tied_embeddings_integers() -> None:
     table = quantize(_weight(64, 128, 1), 4, 64, symmetric=False)
     int8 = quantize(_weight(64, 128, 2), 8, 32)
     model = nn.Sequential(
-        _Holder("quant_table", tied), _Holder("packed_weight", tied),
-        _Holder("quant_table", table), _Holder("packed_weight", int8),
+        _Holder("quant_table", tied), _Holder("quant_weight", tied),
+        _Holder("quant_table", table), _Holder("quant_weight", int8),
     )  # fmt: skip
     routes = gpu_selfcheck.prepare_model(model, torch.device("cpu"), torch.float32, TWIN)
     assert routes == {"kernel": 0, "dequantize": 2}  # float32 activations: no kernel

@@ -91,7 +91,7 @@ def test_quantized_model_computes_its_dequantized_weights(
         config = ModelConfig.from_pretrained(path, dtype="float32", quantization=method)
         mlp = load_model(EngineConfig(model=config)).model.layers[0].mlp
         assert mlp.experts.quant_experts is not None
-        assert mlp.experts.w13_weight.is_meta and mlp.gate.packed_weight is None
+        assert mlp.experts.w13_weight.is_meta and mlp.gate.quant_weight is None
 
 
 def test_latent_attention_keeps_its_absorbed_projection_dense(tmp_path: Any) -> None:
@@ -101,8 +101,8 @@ def test_latent_attention_keeps_its_absorbed_projection_dense(tmp_path: Any) -> 
     config = ModelConfig.from_pretrained(path, dtype="float32", quantization="int8")
     model = load_model(EngineConfig(model=config))
     attn = model.model.layers[0].self_attn
-    assert attn.kv_b_proj.packed_weight is None and attn.kv_b_proj.weight.device.type == "cpu"
-    assert isinstance(attn.o_proj.packed_weight, QuantizedWeight)
+    assert attn.kv_b_proj.quant_weight is None and attn.kv_b_proj.weight.device.type == "cpu"
+    assert isinstance(attn.o_proj.quant_weight, QuantizedWeight)
     reference = _dequantized_copy(path, str(tmp_path / "dequantized"), *SCHEMES["int8"])
     ids = _ids()
     with torch.no_grad():
@@ -150,16 +150,16 @@ def test_layers_hold_quantized_weights_only(tmp_path: Any) -> None:
     config = ModelConfig.from_pretrained(path, dtype="bfloat16", quantization="int4")
     model = load_model(EngineConfig(model=config))
     layer = model.model.layers[0].self_attn.qkv_proj
-    assert isinstance(layer.packed_weight, QuantizedWeight)
-    assert layer.packed_weight.bits == 4 and layer.weight.device.type == "meta"
+    assert isinstance(layer.quant_weight, QuantizedWeight)
+    assert layer.quant_weight.bits == 4 and layer.weight.device.type == "meta"
     # The tied head and the embedding share one quantized table; no dense copy stays.
-    assert model.lm_head.packed_weight is model.model.embed_tokens.quant_table
+    assert model.lm_head.quant_weight is model.model.embed_tokens.quant_table
     assert model.model.embed_tokens.weight.device.type == "meta"
     resident = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
     tables = {
         id(held): held
         for m in model.modules()
-        for held in (getattr(m, "packed_weight", None), getattr(m, "quant_table", None))
+        for held in (getattr(m, "quant_weight", None), getattr(m, "quant_table", None))
         if isinstance(held, QuantizedWeight)
     }
     quantized = sum(t.nbytes for t in tables.values())
@@ -185,7 +185,7 @@ def test_gguf_layers_keep_the_files_integers(
     assert config.quantization == "gguf"
     model = load_model(EngineConfig(model=config))
     layer = model.model.layers[0].mlp.down_proj
-    packed = layer.packed_weight
+    packed = layer.quant_weight
     assert isinstance(packed, QuantizedWeight) and packed.bits == bits
     reader = gguf.GGUFReader(path)
     tensor = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")

@@ -19,9 +19,11 @@ packed copy is the weight widened to float32, and the layer computes `x` widened
 times it, rounded back to bf16: the products of bf16 values are exact in fp32 and the sums
 accumulate in fp32, as native bf16 kernels do, so results stay bf16 results.
 
-Decode-sized calls (`cpu_gemv.MAX_ROWS` rows at most, by dtype) skip all this for `native.gemv`'s C
-kernel over the plain weight, which streams weights closer to the memory bandwidth; it says
-when it is used and how to turn it off (`TOKENWISE_CPU_GEMV=0`).
+Decode-sized calls (`native.gemv.MAX_ROWS` rows at most, by dtype) skip all this for
+`native.gemv`'s C kernel over the plain weight, which streams weights closer to the memory
+bandwidth; it says when it is used and how to turn it off (`TOKENWISE_CPU_GEMV=0`). `linear`
+is the dense linear method's product (`layers.quantization.unquantized`); quantized layers
+hold no packed copy.
 """
 
 from __future__ import annotations
@@ -33,8 +35,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenwise import envs
-from tokenwise.layers.quantization.fp8 import FP8Weight
-from tokenwise.layers.quantization.weight_only import QuantizedParts, QuantizedWeight
 from tokenwise.native import gemv as cpu_gemv
 
 logger = logging.getLogger(__name__)
@@ -49,12 +49,9 @@ def linear(
     bias: torch.Tensor | None,
     packed: torch.Tensor | None,
 ) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`: decode-sized calls (`cpu_gemv.MAX_ROWS` rows at most)
-    through the small-M C kernel where it is available, others through the prepacked weight
-    when the layer has one. A quantized layer's `packed` is its `QuantizedWeight` (its
-    `weight` then lives on the meta device), which computes the product itself."""
-    if isinstance(packed, (QuantizedWeight, QuantizedParts, FP8Weight)):
-        return packed.linear(x, bias)
+    """`F.linear(x, weight, bias)` for a dense layer: decode-sized calls (`cpu_gemv.MAX_ROWS`
+    rows at most) through the small-M C kernel where it is available, others through the
+    prepacked weight when the layer has one (`packed`)."""
     # Under torch.compile the row count is symbolic (no guard may depend on it) and the
     # compiler lays out its own matmuls: the traced graph always takes F.linear.
     if x.device.type != "cpu" or x.dtype != weight.dtype or torch.compiler.is_compiling():
@@ -125,8 +122,9 @@ def _wanted(total_bytes: int) -> bool:
 
 
 def prepack_linear_weights(model: nn.Module) -> int:
-    """Give every CPU linear layer of `model` (modules with `packed_weight`) a weight
-    reordered for oneDNN; returns how many were packed."""
+    """Give every dense CPU linear layer of `model` (modules with `packed_weight` whose weight
+    is a CPU tensor: quantized layers' weights are on the meta device) a weight reordered for
+    oneDNN; returns how many were packed."""
     if not torch.backends.mkldnn.is_available():
         return 0
     layers = [

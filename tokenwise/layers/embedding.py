@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenwise.distributed.tp_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
-from tokenwise.layers.cpu_prepack import linear
+from tokenwise.layers.quantization.base_config import LinearMethodBase
+from tokenwise.layers.quantization.unquantized import UNQUANTIZED
 from tokenwise.layers.weight_utils import (
     CheckpointTensor,
     check_full_shape,
@@ -113,6 +114,9 @@ class ParallelLMHead(nn.Module):
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.tied = tie_to is not None
+        # A linear layer's method (`layers.linear`): dense, or quantized after loading.
+        self.quant_method: LinearMethodBase = UNQUANTIZED
+        self.quant_weight: Any = None
         self.packed_weight: torch.Tensor | None = None  # set by cpu_prepack on CPU
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.vocab_start, self.vocab_end, rows = vocab_range(
@@ -134,7 +138,7 @@ class ParallelLMHead(nn.Module):
             )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden_states, self.weight, None, self.packed_weight).float()
+        logits = self.quant_method.apply(self, hidden_states, None).float()
         if self.tp_size == 1:
             return logits
         return tp_all_gather(logits, dim=-1)[..., : self.num_embeddings]

@@ -6,8 +6,8 @@ Copying each large weight into memory advised for 2 MB pages before it is first 
 the one move that fixes it for every path at once: dense and quantized linear layers, their
 packed forms, embeddings and experts.
 
-What moves: parameters, buffers and tensor attributes of modules (a layer's `packed_weight`,
-including the integers, scales and offsets of quantized weights), each at least `MIN_BYTES`
+What moves: parameters, buffers and tensor attributes of modules (a layer's `packed_weight`),
+and the integers, scales and offsets of quantized weights (a layer's `quant_weight`), each at least `MIN_BYTES`
 and owning its whole storage. Tensors that share storage (a tied embedding and LM head, views
 of a fused weight) move once, together, or not at all, so aliasing is kept. A weight that is a
 view into a bigger storage stays where it is. `TOKENWISE_CPU_HUGE_PAGES=0` switches it off.

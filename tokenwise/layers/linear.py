@@ -16,8 +16,11 @@ all-reduced. Every layer reads its TP rank and size once, at construction. Loade
 full checkpoint tensor (possibly a `LazyTensor`, read only in this rank's slice) and copy this
 rank's slice. With one rank every layer is an ordinary linear and no collective runs.
 
-On CPU, `packed_weight` may hold the same weight reordered for oneDNN (`cpu_prepack`), which
-the forward then uses; `weight` stays the layer's weight for everything else.
+Each layer holds a `quant_method` (`layers.quantization`, vLLM's `LinearMethodBase`) that
+creates its weights and computes its product: built with the dense method (whose CPU routes
+include the oneDNN copy of the weight that `cpu_prepack` may put in `packed_weight`), a layer
+gets a quantized method after loading when the model is quantized, its quantized weight then
+in `quant_weight` and `weight` on the meta device (its shape and dtype still answer).
 
 `lora` is empty unless LoRA serving is on: then it holds the layer's adapter slots
 (`tokenwise.lora.layers.LoRASlots`), which add each token's adapter delta to the output, before
@@ -32,7 +35,8 @@ import torch
 from torch import nn
 
 from tokenwise.distributed.tp_state import get_tp_rank, get_tp_size, tp_all_reduce
-from tokenwise.layers.cpu_prepack import linear
+from tokenwise.layers.quantization.base_config import LinearMethodBase
+from tokenwise.layers.quantization.unquantized import UNQUANTIZED
 from tokenwise.layers.weight_utils import (
     CheckpointTensor,
     check_full_shape,
@@ -64,14 +68,9 @@ class ReplicatedLinear(nn.Module):
         self.input_size = input_size
         self.output_size = output_size
         self.lora: nn.Module | None = None  # adapter slots, attached by the LoRA manager
-        self.packed_weight: torch.Tensor | None = None  # set by cpu_prepack on CPU
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        if bias:
-            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
-        else:
-            self.register_parameter("bias", None)
+        self.quant_method: LinearMethodBase = UNQUANTIZED  # replaced when quantized
+        self.quant_weight: object = None  # a quantized method's weight
+        self.quant_method.create_weights(self, input_size, output_size, bias, self.weight_loader)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: object = None
@@ -79,7 +78,7 @@ class ReplicatedLinear(nn.Module):
         default_weight_loader(param, loaded_weight, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.weight, self.bias, self.packed_weight)
+        out = self.quant_method.apply(self, x, self.bias)
         return out if self.lora is None else self.lora(x, out)
 
     def extra_repr(self) -> str:
@@ -279,7 +278,7 @@ class RowParallelLinear(ReplicatedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return super().forward(x)
-        out = linear(x, self.weight, None, self.packed_weight)
+        out = self.quant_method.apply(self, x, None)
         if self.lora is not None:
             out = self.lora(x, out)  # a partial sum too: the all-reduce completes it
         if not self.reduce_results:

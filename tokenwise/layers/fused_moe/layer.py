@@ -15,9 +15,10 @@ from torch import nn
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.tp_state import get_tp_size, tp_all_reduce
 from tokenwise.forward_context import get_forward_context, is_forward_context_available
-from tokenwise.layers.fused_moe.experts import fused_experts, moe_act_and_mul, moe_experts
+from tokenwise.layers.fused_moe.moe_methods import UNQUANTIZED_MOE, WEIGHT_ONLY_MOE
 from tokenwise.layers.fused_moe.router import GroupedRouting, select_experts
 from tokenwise.layers.fused_moe.sharding import ExpertShard
+from tokenwise.layers.quantization.base_config import FusedMoEMethodBase, method_at_build
 from tokenwise.layers.quantization.weight_only import QuantizedExperts
 from tokenwise.layers.weight_utils import CheckpointTensor, check_full_shape, copy_checked
 
@@ -70,14 +71,24 @@ class FusedMoE(nn.Module):
             )
         self.activation = hidden_act
         local_e, local_i = self.shard.num_local_experts, self.shard.local_intermediate_size
-        self.w13_weight = nn.Parameter(
-            torch.empty(local_e, 2 * local_i, hidden_size), requires_grad=False
-        )
-        self.w2_weight = nn.Parameter(
-            torch.empty(local_e, hidden_size, local_i), requires_grad=False
-        )
-        # Set by `layers.quantization` (the weights then live on the meta device).
+        # The experts' method (`moe_methods`): the model's quantization config's, else dense
+        # (until a config hands the layer int8 / int4 experts: `use_quantized_experts`).
+        method = method_at_build(self, prefix) or UNQUANTIZED_MOE
+        if not isinstance(method, FusedMoEMethodBase):
+            raise TypeError(f"MoE layer {prefix!r} got {method!r}, not a FusedMoEMethodBase")
+        self.quant_method: FusedMoEMethodBase = method
         self.quant_experts: QuantizedExperts | None = None
+        method.create_weights(self, local_e, hidden_size, local_i)
+
+    def use_quantized_experts(self, experts: QuantizedExperts) -> None:
+        """Compute with `experts` from now on; the dense weights move to the meta device (their
+        shapes still answer)."""
+        self.quant_experts = experts
+        self.quant_method = WEIGHT_ONLY_MOE
+        for attr in ("w13_weight", "w2_weight"):
+            dense = getattr(self, attr)
+            meta = torch.empty(dense.shape, dtype=dense.dtype, device="meta")
+            setattr(self, attr, nn.Parameter(meta, requires_grad=False))
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """The full MoE output for this rank's tokens: the DP exchange, then the TP sum."""
@@ -128,29 +139,9 @@ class FusedMoE(nn.Module):
     def run_experts(
         self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        """This rank's experts on routed tokens (a model with its own routing calls this)."""
-        if self.quant_experts is not None:  # eager only, as every quantized layer
-            return fused_experts(
-                hidden_states,
-                self.w13_weight,
-                self.w2_weight,
-                topk_weights,
-                topk_ids,
-                moe_act_and_mul(self.activation),
-                first_expert=self.shard.first_expert,
-                weights_in_fp32=self.weights_in_fp32,
-                quantized=self.quant_experts,
-            )
-        return moe_experts(
-            hidden_states,
-            self.w13_weight,
-            self.w2_weight,
-            topk_weights,
-            topk_ids,
-            self.shard.first_expert,
-            self.weights_in_fp32,
-            activation=self.activation,
-        )
+        """This rank's experts on routed tokens (a model with its own routing calls this),
+        through the layer's quantization method."""
+        return self.quant_method.apply(self, hidden_states, topk_weights, topk_ids)
 
     def weight_loader(
         self,

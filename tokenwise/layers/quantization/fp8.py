@@ -45,7 +45,7 @@ MIN_SCALE = 1e-12
 
 @dataclass(eq=False)
 class FP8Weight:
-    """One layer's FP8 weight; a linear layer holds it in `packed_weight` (`QuantizedWeight`'s
+    """One layer's FP8 weight; a linear layer holds it in `quant_weight` (`QuantizedWeight`'s
     interface: `linear`, `nbytes`, `describe`, `dequantize`)."""
 
     weight: torch.Tensor  # float8_e4m3fn [N, K]

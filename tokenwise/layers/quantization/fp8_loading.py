@@ -7,7 +7,7 @@ and the model's `load_weights`: each quantized layer's `weight` and `weight_scal
 the dense `weight` the model loads (so fused q/k/v and gate/up shards, TP and MoE experts load
 as they always do), and the fp8 tensors are recorded. `install` then puts each layer's records
 (a fused layer's parts stacked, or side by side where a part's rows end inside a block) in its
-`packed_weight`. Layers without a `weight_scale_inv` (norms, embeddings, the LM head, the
+`quant_weight`, with the FP8 method. Layers without a `weight_scale_inv` (norms, embeddings, the LM head, the
 config's `modules_to_not_convert`) stay dense. MoE experts are dequantized to the model's dtype
 at load (their records are not used): `FusedMoE` has no FP8 path.
 
@@ -27,7 +27,9 @@ import torch
 from torch import nn
 
 from tokenwise import envs
+from tokenwise.layers.quantization.base_config import is_linear
 from tokenwise.layers.quantization.fp8 import FP8_DTYPE, FP8Weight, quantize_fp8
+from tokenwise.layers.quantization.linear_methods import FP8_LINEAR, use_quantized_weight
 from tokenwise.layers.quantization.schemes import ROUTERS
 from tokenwise.layers.quantization.tp_slice import RankSlices
 from tokenwise.layers.quantization.weight_only import QuantizedParts
@@ -50,6 +52,11 @@ SCALE = "weight_scale_inv"
 # A static activation scheme's per-layer input scales: read and dropped (activations are
 # quantized dynamically per token on a GPU, kept in floating point on CPU).
 INPUT_SCALES = ("input_scale", "activation_scale")
+
+
+def keeps_fp8(device: torch.device) -> bool:
+    """Whether FP8 layers on `device` keep their fp8 bytes (else dequantized once at load)."""
+    return device.type != "cpu" or keep_fp8_on_cpu()
 
 
 def keep_fp8_on_cpu() -> bool:
@@ -212,12 +219,12 @@ def _dequantize_stacked(
 
 
 def install(model: nn.Module, record_for: RecordFor, keep_fp8: bool) -> int:
-    """Give every linear layer `record_for` has a record its `packed_weight`, or, unless
-    `keep_fp8`, the record's values as its dense weight; returns how many. Embeddings and LM
-    heads are not touched."""
+    """Give every linear layer `record_for` has a record that record and the FP8 method
+    (`linear_methods.FP8_LINEAR`), or, unless `keep_fp8`, the record's values as its dense
+    weight; returns how many. Embeddings and LM heads are not touched."""
     count = fp8_bytes = dense_bytes = 0
     for name, module in model.named_modules():
-        weight = module._parameters.get("weight") if hasattr(module, "packed_weight") else None
+        weight = module._parameters.get("weight") if is_linear(module) else None
         if weight is None or weight.dim() != 2 or hasattr(module, "vocab_start"):
             continue
         record = record_for(name, module)
@@ -226,7 +233,7 @@ def install(model: nn.Module, record_for: RecordFor, keep_fp8: bool) -> int:
         fp8_bytes += record.nbytes
         dense_bytes += weight.numel() * weight.element_size()
         if keep_fp8:
-            module.packed_weight = record
+            use_quantized_weight(module, FP8_LINEAR, record)
             meta = torch.empty(weight.shape, dtype=weight.dtype, device="meta")
             module.weight = nn.Parameter(meta, requires_grad=False)
         else:  # a plain dense layer again, with the fp8 values: the bf16 kernels apply

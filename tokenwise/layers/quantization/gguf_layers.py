@@ -29,8 +29,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from tokenwise.layers.quantization.base_config import GGUFObserver
 from tokenwise.layers.quantization.gguf_kquants import KQUANTS, kquant_weight
-from tokenwise.layers.quantization.schemes import GGUF_SCHEMES, Scheme
+from tokenwise.layers.quantization.schemes import GGUF_SCHEMES, Scheme, quantize_model
 from tokenwise.layers.quantization.tp_slice import RankSlices
 from tokenwise.layers.quantization.weight_only import (
     QuantizedExperts,
@@ -39,6 +40,7 @@ from tokenwise.layers.quantization.weight_only import (
     quantize,
     stack_rows,
 )
+from tokenwise.layers.quantization.weight_only_config import IntegerConfig
 from tokenwise.layers.weight_utils import StackedMapping, checkpoint_names
 
 
@@ -86,11 +88,7 @@ class GGUFLayerQuantizer:
             w2 = [down for _, _, down in records]
             if any(w.shape != tuple(module.w13_weight.shape[1:]) for w in w13):
                 continue  # sliced (TP) experts: they stay dense
-            module.quant_experts = QuantizedExperts(w13, w2)  # type: ignore[arg-type]
-            for attr in ("w13_weight", "w2_weight"):
-                dense = getattr(module, attr)
-                meta = torch.empty(dense.shape, dtype=dense.dtype, device="meta")
-                setattr(module, attr, nn.Parameter(meta, requires_grad=False))
+            module.use_quantized_experts(QuantizedExperts(w13, w2))  # type: ignore[arg-type]
             count += 1
         return count
 
@@ -152,3 +150,24 @@ def _joined(parts: list[QuantizedWeight]) -> QuantizedWeight | QuantizedParts:
 
 def _format(weight: QuantizedWeight) -> tuple[int, bool, int, torch.dtype]:
     return weight.bits, weight.offsets is None, weight.group_size, weight.scales.dtype
+
+
+class GGUFConfig(IntegerConfig):
+    """`quantization="gguf"` (automatic for a .gguf file): each layer keeps the file's own
+    integers where its tensor types have an exact scheme (`GGUFLayerQuantizer`)."""
+
+    name = "gguf"
+
+    recorded: GGUFLayerQuantizer | None = None  # None until the file is read (and for dummy)
+
+    def gguf_observer(self, model: nn.Module) -> GGUFObserver:
+        self.recorded = GGUFLayerQuantizer(model, keep_exact=self.keep_ints)
+        return self.recorded.observe
+
+    def process_model(self, model: nn.Module) -> None:
+        recorded = self.recorded
+        if self.keep_ints and recorded is not None:
+            quantize_model(model, recorded.scheme_for, recorded.exact)
+            if self.on_cpu:
+                recorded.quantize_experts(model)
+        self.finish(model)

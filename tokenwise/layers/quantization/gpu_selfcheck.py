@@ -45,7 +45,7 @@ def quantized_weights(model: nn.Module) -> Iterator[tuple[str, QuantizedWeight, 
     one)."""
     found: dict[int, list] = {}
     for name, module in model.named_modules():
-        for attr, in_table in (("packed_weight", False), ("quant_table", True)):
+        for attr, in_table in (("quant_weight", False), ("quant_table", True)):
             held = getattr(module, attr, None)
             parts = held.parts if isinstance(held, QuantizedParts) else [held]
             for part in parts:

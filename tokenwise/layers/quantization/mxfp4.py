@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenwise.layers.quantization.unquantized import UnquantizedConfig
 from tokenwise.layers.weight_utils import (
     CheckpointTensor,
     check_full_shape,
@@ -197,3 +198,11 @@ class Mxfp4MoEMethod:
             out.index_add_(0, tokens, rows.float() * weights[start : start + count, None])
             start += count
         return out.to(hidden_states.dtype)
+
+
+class Mxfp4Config(UnquantizedConfig):
+    """`quantization="mxfp4"` (gpt-oss as published): the linear layers stay dense, and the
+    experts take the model's MXFP4 method (`mxfp4_method_for`), which reads `*_blocks` and
+    `*_scales` itself."""
+
+    name = "mxfp4"

@@ -38,6 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenwise.layers.quantization.base_config import is_linear
+from tokenwise.layers.quantization.linear_methods import WEIGHT_ONLY, use_quantized_weight
 from tokenwise.layers.quantization.weight_only import QuantizedExperts, group_multiple, quantize
 from tokenwise.platform import release_freed_memory
 
@@ -90,13 +92,13 @@ def on_load_scheme(scheme: Scheme) -> Callable[[str, nn.Module], Scheme | None]:
 
 
 def quantizable_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every layer the methods quantize: the modules that can hold a
-    `packed_weight` (linear layers, the LM head) or a `quant_table` (the token embedding)
-    with a 2-D weight."""
+    """(name, module) of every layer the methods quantize: the linear layers (modules with a
+    linear `quant_method`, the LM head included) and the modules that can hold a `quant_table`
+    (the token embedding), with a 2-D weight."""
     return [
         (name, module)
         for name, module in model.named_modules()
-        if (hasattr(module, "packed_weight") or hasattr(module, "quant_table"))
+        if (is_linear(module) or hasattr(module, "quant_table"))
         and not getattr(module, "quant_exempt", False)  # a layer whose weight is read as such
         and isinstance(getattr(module, "weight", None), torch.Tensor)
         and module.weight.dim() == 2
@@ -146,9 +148,10 @@ def quantize_model(
             done[id(weight)] = (scheme, packed)
             dense_bytes += weight.numel() * weight.element_size()
             quant_bytes += packed.nbytes
-        setattr(
-            module, "quant_table" if hasattr(module, "quant_table") else "packed_weight", packed
-        )
+        if hasattr(module, "quant_table"):
+            module.quant_table = packed
+        else:
+            use_quantized_weight(module, WEIGHT_ONLY, packed)
         count += 1
     for key, modules in holders.items():
         if key in done and all(_is_quantized(m) for m in modules):
@@ -171,7 +174,8 @@ def quantize_model(
 
 def quantize_experts(model: nn.Module, scheme: Scheme) -> int:
     """Quantize the routed experts of every MoE layer (modules with `quant_experts`), each
-    expert's two weights on their own; returns how many layers. Layers whose hidden or
+    expert's two weights on their own, and hand them to the layer (`use_quantized_experts`,
+    which switches its method); returns how many layers. Layers whose hidden or
     intermediate size fits no group stay dense."""
     count = 0
     for name, module in model.named_modules():
@@ -182,14 +186,12 @@ def quantize_experts(model: nn.Module, scheme: Scheme) -> int:
         if g13 is None or g2 is None:
             logger.info("%s's experts stay dense: no int%d group fits them", name, scheme.bits)
             continue
-        module.quant_experts = QuantizedExperts(
-            [quantize(w, scheme.bits, g13, scheme.symmetric) for w in w13],
-            [quantize(w, scheme.bits, g2, scheme.symmetric) for w in w2],
+        module.use_quantized_experts(
+            QuantizedExperts(
+                [quantize(w, scheme.bits, g13, scheme.symmetric) for w in w13],
+                [quantize(w, scheme.bits, g2, scheme.symmetric) for w in w2],
+            )
         )
-        for attr in ("w13_weight", "w2_weight"):
-            dense = getattr(module, attr)
-            meta = torch.empty(dense.shape, dtype=dense.dtype, device="meta")
-            setattr(module, attr, nn.Parameter(meta, requires_grad=False))
         count += 1
     if count:
         release_freed_memory()
@@ -197,8 +199,8 @@ def quantize_experts(model: nn.Module, scheme: Scheme) -> int:
 
 
 def _is_quantized(module: nn.Module) -> bool:
-    held = getattr(module, "quant_table", None) or getattr(module, "packed_weight", None)
-    return held is not None and not isinstance(held, torch.Tensor)
+    held = getattr(module, "quant_table", None) or getattr(module, "quant_weight", None)
+    return held is not None
 
 
 def _group_size(scheme: Scheme, in_features: int) -> int | None:

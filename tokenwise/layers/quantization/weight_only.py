@@ -51,7 +51,7 @@ def group_multiple(bits: int) -> int:
 
 @dataclass(eq=False)
 class QuantizedWeight:
-    """One layer's quantized weight; a linear layer holds it in `packed_weight`."""
+    """One layer's quantized weight; a linear layer holds it in `quant_weight`."""
 
     qweight: torch.Tensor  # int8 [N, K], or uint8 [N, K / 2] for int4
     scales: torch.Tensor  # float16 (or float32) [N, K / group_size]
