@@ -35,7 +35,6 @@ _TEXT_PREFIXES = (("model.language_model.", "model."),)
 
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
     is_moe: ClassVar[bool] = False
-    family: ClassVar[str] = "Qwen3.5"
     stacked_params_mapping = (*LlamaForCausalLM.stacked_params_mapping, *_SPLIT_IN_PROJ)
 
     def make_mlp(self, config: EngineConfig, layer_idx: int, prefix: str) -> nn.Module | None:

@@ -13,7 +13,7 @@ shared expert) on the layers `decoder_sparse_step` / `mlp_only_layers` make spar
 Qwen3.5 (`qwen3_5.py`) is the same decoder with the linear-attention projections split by
 part and, for the dense models, plain MLPs; it subclasses this file's model.
 
-Not built: pipeline parallelism (refused at load, naming the family), the MTP head that the
+Not built: pipeline parallelism (the engine refuses it for every non-dense model), the MTP head that the
 checkpoints ship (`mtp.*` tensors are skipped; `speculative_config` method "mtp" is refused by
 the EAGLE runner, which names the target class), CPU and CUDA graphs (recurrent layers run
 eagerly, as every recurrent model does for now).
@@ -29,7 +29,6 @@ from torch import nn
 
 from tokenwise.attention.layer import Attention
 from tokenwise.config import EngineConfig
-from tokenwise.distributed.pp_state import get_pp_size
 from tokenwise.layers import (
     ParallelLMHead,
     QKVParallelLinear,
@@ -154,7 +153,7 @@ class HybridDecoderLayer(nn.Module):
 
 
 class HybridModel(nn.Module):
-    """The decoder stack (one pipeline stage holds all of it: PP is refused)."""
+    """The decoder stack (one pipeline stage holds all of it: the engine refuses PP here)."""
 
     def __init__(self, config: EngineConfig, prefix: str, make_mlp: MlpFactory) -> None:
         super().__init__()
@@ -179,7 +178,6 @@ class HybridModel(nn.Module):
 
 class Qwen3NextForCausalLM(MoeForCausalLM):
     is_moe: ClassVar[bool] = True
-    family: ClassVar[str] = "Qwen3-Next"
     stacked_params_mapping = (
         *LlamaForCausalLM.stacked_params_mapping,
         ("in_proj", "in_proj_qkvz", "qkvz"),
@@ -191,12 +189,6 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
     def __init__(self, config: EngineConfig, prefix: str = "") -> None:
         nn.Module.__init__(self)
         hf = config.model.hf_config
-        if get_pp_size() > 1:
-            raise ValueError(
-                f"pipeline_parallel_size > 1 is not supported for {self.family} "
-                f"({type(self).__name__}, a Gated DeltaNet hybrid) yet; use "
-                "tensor_parallel_size instead"
-            )
         self.model = HybridModel(config, _join(prefix, "model"), self.make_mlp)
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
         self._head_from_embedding = False
