@@ -18,7 +18,6 @@ just used, as `paged_decode`), splitting the (slot, head) pairs once there is en
 from __future__ import annotations
 
 import ctypes
-import os
 from functools import cache
 from pathlib import Path
 
@@ -44,7 +43,7 @@ def _flags() -> list[str]:
 @cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library, or None when it cannot be used on this machine."""
-    if os.environ.get("TOKENWISE_CPU_KERNELS", "1") == "0":
+    if build.kernels_switched_off():
         return None
     return KERNEL.load(_flags(), open_library)
 

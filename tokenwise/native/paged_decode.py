@@ -19,7 +19,6 @@ sequences are split over a small Python thread pool instead (ctypes releases the
 from __future__ import annotations
 
 import ctypes
-import os
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from itertools import pairwise
@@ -68,7 +67,7 @@ def _build(compiler: str) -> Path:
 @cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library, or None when it cannot be used on this machine."""
-    if os.environ.get("TOKENWISE_CPU_KERNELS", "1") == "0":
+    if build.kernels_switched_off():
         return None
     return KERNEL.load(_flags(), open_library)
 
