@@ -114,9 +114,45 @@ def test_tensor_parallel_equals_hf(cases: dict, arch: str) -> None:
         llm.shutdown()
 
 
-def test_mtp_is_refused_by_name(cases: dict) -> None:
+def with_mtp_head(path: str, out: Path) -> str:
+    """A copy of a checkpoint with an MTP head as the published ones carry it (`mtp.*`; its
+    layer a noisy copy of the last, full-attention, layer); transformers ignores it."""
+    tensors = load_file(f"{path}/model.safetensors")
+    gen = torch.Generator().manual_seed(7)
+    hidden = tensors["model.norm.weight"].shape[0]
+    last = "model.layers.3."
+    for name, t in list(tensors.items()):
+        if name.startswith(last):
+            noise = torch.randn(t.shape, generator=gen) * 0.05
+            tensors["mtp.layers.0." + name[len(last) :]] = t + noise
+    tensors["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=gen) * 0.2
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{norm}.weight"] = torch.randn(hidden, generator=gen) * 0.1
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"))
+    for item in Path(path).iterdir():
+        if item.name != "model.safetensors":
+            (out / item.name).write_bytes(item.read_bytes())
+    return str(out)
+
+
+@pytest.mark.parametrize("arch", ["Qwen3NextForCausalLM", "Qwen3_5ForCausalLM"])
+def test_mtp_speculative_decoding_is_lossless(cases: dict, arch: str, tmp_path: Path) -> None:
+    """The checkpoint's MTP head drafts (its own KV cache, the target's embedding and LM
+    head); greedy output stays HF's, through prefix hits too."""
+    path, want = cases[arch]
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    llm = make(with_mtp_head(path, tmp_path / "mtp"), speculative_config=spec)
+    assert generate(llm, PROMPTS) == want
+    assert generate(llm, PROMPTS) == want
+    stats = llm.llm_engine.get_stats()
+    assert stats.spec_decode_num_draft_tokens > 0 and stats.prefix_cache_hits > 0
+    assert_pool_clean(llm.llm_engine)
+
+
+def test_mtp_without_the_head_is_refused_by_name(cases: dict) -> None:
     path, _ = cases["Qwen3_5ForCausalLM"]
-    with pytest.raises(ValueError, match=r"'mtp'.*Qwen3_5ForCausalLM"):
+    with pytest.raises(ValueError, match=r"'mtp' needs .*MTP head \(mtp.\* tensors\).*Qwen3_5"):
         make(path, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
 
 
@@ -157,3 +193,72 @@ def test_conditional_generation_checkpoint_runs_as_text(cases: dict, tmp_path: P
     image = {"prompt_token_ids": PROMPTS[2], "multi_modal_data": {"image": object()}}
     with pytest.raises(ValueError, match=r"Qwen3_5ForConditionalGeneration.*text only"):
         llm.generate([image], GREEDY, use_tqdm=False)
+
+
+def test_mtp_first_draft_is_the_head_computed_with_transformers_modules(
+    cases: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The head's math checked independently: its first draft after a prompt equals the head
+    assembled from transformers' own Qwen3-Next modules (its decoder layer, zero-centred
+    norms) over the target's final hidden states and the next tokens, argmax of the LM head."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_next import modeling_qwen3_next as hf_mod
+
+    from tokenwise.spec_decode.eagle_runner import EagleRunner
+
+    path, want = cases["Qwen3NextForCausalLM"]
+    mtp_path = with_mtp_head(path, tmp_path / "mtp")
+    prompt = PROMPTS[0]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tensors = load_file(f"{mtp_path}/model.safetensors")
+    cfg = hf.config
+    layer = hf_mod.Qwen3NextDecoderLayer(cfg, cfg.layer_types.index("full_attention")).eval()
+    own = {n[len("mtp.layers.0.") :]: t for n, t in tensors.items() if "mtp.layers.0." in n}
+    experts = {}
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        stacked = torch.stack([own.pop(f"mlp.experts.{e}.{proj}.weight") for e in range(8)])
+        experts[proj] = stacked
+    own["mlp.experts.gate_up_proj"] = torch.cat([experts["gate_proj"], experts["up_proj"]], 1)
+    own["mlp.experts.down_proj"] = experts["down_proj"]
+    own["mlp.gate.weight"] = own.pop("mlp.gate.weight")
+    layer.load_state_dict(own)
+
+    def norm(name: str) -> hf_mod.Qwen3NextRMSNorm:
+        module = hf_mod.Qwen3NextRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        module.weight.data.copy_(tensors[f"mtp.{name}.weight"])
+        return module
+
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        hidden = hf.model(ids).last_hidden_state[0]
+        nxt = torch.tensor(prompt[1:] + [want[0][0]])
+        x = (
+            torch.cat(
+                [
+                    norm("pre_fc_norm_embedding")(hf.model.embed_tokens(nxt)),
+                    norm("pre_fc_norm_hidden")(hidden),
+                ],
+                dim=-1,
+            )
+            @ tensors["mtp.fc.weight"].T
+        )
+        positions = torch.arange(len(prompt))[None]
+        rope = hf.model.rotary_emb(x[None], positions)
+        mask = torch.full((len(prompt), len(prompt)), float("-inf")).triu(1)[None, None]
+        out = layer(x[None], position_embeddings=rope, attention_mask=mask, position_ids=positions)
+        out = out[0] if isinstance(out, tuple) else out
+        expected = int(hf.lm_head(norm("norm")(out[0, -1])).argmax())
+
+    first: list[list[int]] = []
+    run_head = EagleRunner.run_head
+
+    def recording(self: EagleRunner, seqs: list, features: list) -> tuple:
+        tokens, rows = run_head(self, seqs, features)
+        if not first:
+            first.append(tokens)
+        return tokens, rows
+
+    monkeypatch.setattr(EagleRunner, "run_head", recording)
+    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    assert generate(make(mtp_path, speculative_config=spec), [prompt]) == [want[0]]
+    assert first == [[expected]]

@@ -13,10 +13,10 @@ shared expert) on the layers `decoder_sparse_step` / `mlp_only_layers` make spar
 Qwen3.5 (`qwen3_5.py`) is the same decoder with the linear-attention projections split by
 part and, for the dense models, plain MLPs; it subclasses this file's model.
 
-Not built: pipeline parallelism (the engine refuses it for every non-dense model), the MTP head that the
-checkpoints ship (`mtp.*` tensors are skipped; `speculative_config` method "mtp" is refused by
-the EAGLE runner, which names the target class), CPU and CUDA graphs (recurrent layers run
-eagerly, as every recurrent model does for now).
+The MTP head the checkpoints ship (`mtp.*`, skipped here) is the speculative method "mtp"
+(`qwen3_next_mtp.py`). Not built: pipeline parallelism (the engine refuses it for every
+non-dense model), CPU and CUDA graphs (recurrent layers run eagerly, as every recurrent model
+does for now).
 """
 
 from __future__ import annotations
@@ -122,10 +122,13 @@ class HybridDecoderLayer(nn.Module):
         layer_idx: int,
         prefix: str,
         make_mlp: MlpFactory,
+        layer_type: str | None = None,
     ) -> None:
+        """`layer_type` (default: the config's `layer_types[layer_idx]`) is given for the MTP
+        head's layer, a full-attention layer after the decoder's."""
         super().__init__()
         hf = config.model.hf_config
-        self.layer_type = hf.layer_types[layer_idx]
+        self.layer_type = layer_type or hf.layer_types[layer_idx]
         if self.layer_type == LINEAR:
             self.linear_attn = GatedDeltaNet(config, _join(prefix, "linear_attn"))
         elif self.layer_type == FULL:
