@@ -11,8 +11,8 @@
 2. One stream, fp32, dummy weights, EOS ignored: decode tokens/s of `configs/qwen3.5-0.8b`
    (18 Gated DeltaNet + 6 gated attention layers) and of a dense `Qwen3ForCausalLM` with the
    same hidden size, MLP, vocabulary and layer count (every layer full attention: 16 heads of
-   128, 8 KV heads), for each prompt length (decode time = time of `--tokens` + 1 tokens minus
-   the time of 1 token, best of `--repeats`).
+   128, 8 KV heads), for each prompt length: the engine's steps after the prefill are timed,
+   `--tokens` of them, best of `--repeats` after a warm-up.
 
 Prints the CPU flags. Not a timed test: numbers depend on the machine and its load.
 """
@@ -129,6 +129,8 @@ def dense_twin(out: Path) -> Path:
 
 
 def decode_speed(path: Path, prompts: list[int], tokens: int, repeats: int) -> list[float]:
+    """Decode tokens/s of one stream after each prompt: the engine stepped by hand, timing
+    only the steps after the prefill (best of `repeats`)."""
     llm = LLM(
         str(path),
         load_format="dummy",
@@ -137,19 +139,27 @@ def decode_speed(path: Path, prompts: list[int], tokens: int, repeats: int) -> l
         max_model_len=max(prompts) + tokens + 16,
         num_gpu_blocks=(max(prompts) + tokens) // 16 + 8,
     )
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (1, tokens + 1)]
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
     speeds = []
     for length in prompts:
         prompt = torch.randint(3, 30000, (length,), generator=gen).tolist()
-        llm.generate([prompt], params[1], use_tqdm=False)  # warm-up
-        prefill, full = (_best(_generate(llm, prompt, p), repeats) for p in params)
-        speeds.append(tokens / max(full - prefill, 1e-9))
+        best = float("inf")
+        for attempt in range(repeats + 1):  # the first one warms up
+            rid = f"{length}-{attempt}"
+            engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+            req = engine.groups[rid][0]
+            while not req.output_token_ids:  # the prefill (and its first token)
+                engine.step()
+            start = time.perf_counter()
+            while engine.has_unfinished_requests():
+                engine.step()
+            if attempt:
+                best = min(best, (time.perf_counter() - start) / (len(req.output_token_ids) - 1))
+        speeds.append(1.0 / best)
+        print(f"  {path.name}, prompt {length}: {speeds[-1]:.2f} tok/s", flush=True)
     return speeds
-
-
-def _generate(llm: LLM, prompt: list[int], params: SamplingParams):  # type: ignore[no-untyped-def]
-    return lambda: llm.generate([prompt], params, use_tqdm=False)
 
 
 def main() -> None:
