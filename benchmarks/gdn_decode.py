@@ -167,9 +167,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompt", type=int, nargs="+", default=[32, 512])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: as is)")
     parser.add_argument("--skip-models", action="store_true", help="the kernel figures only")
     args = parser.parse_args()
-    print(f"CPU flags: {cpu_flag_summary()}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"CPU flags: {cpu_flag_summary()}; {torch.get_num_threads()} torch threads")
     kernel_bandwidth(args.repeats)
     if args.skip_models:
         return

@@ -46,6 +46,22 @@ from tokenwise.models.gated_delta_rule import (
 from tokenwise.native.gdn_decode import gated_delta_decode
 
 
+def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """`x[rows]`: a view where the rows are consecutive (a batch of decode steps usually is),
+    so a one-stream step runs no gather (each a parallel region of its own on CPU)."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return x.narrow(0, rows[0], len(rows))
+    return x.index_select(0, torch.tensor(rows, device=x.device))
+
+
+def _put_rows(x: torch.Tensor, rows: list[int], values: torch.Tensor) -> None:
+    """`x[rows] = values`, in place (a copy into a view where the rows are consecutive)."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        x.narrow(0, rows[0], len(rows)).copy_(values)
+    else:
+        x.index_copy_(0, torch.tensor(rows, device=x.device), values.to(x.dtype))
+
+
 class GatedDeltaNetInProj(MergedColumnParallelLinear):
     """Parts q, k, v, z, b, a (full sizes `[kd, kd, vd, vd, nv, nv]`), each sliced by heads.
 
@@ -254,23 +270,26 @@ class GatedDeltaNet(RecurrentStateLayer):
         core: torch.Tensor,
     ) -> None:
         """One token each for requests `reqs`: the conv batched, the delta rule in place."""
-        rows = torch.tensor([md.query_start_loc[i] for i in reqs], device=mixed.device)
-        slots = torch.tensor([md.state_slots[i] for i in reqs], device=mixed.device)
-        taps = self.taps - 1
-        conv_states = states[slots, : self.conv_numel].view(len(reqs), taps, self.channels)
-        window = torch.cat([conv_states, mixed[rows, None].to(states.dtype)], dim=1)
+        n, taps = len(reqs), self.taps - 1
+        rows = [md.query_start_loc[i] for i in reqs]
+        slot_list = [md.state_slots[i] for i in reqs]
+        slots = torch.tensor(slot_list, device=mixed.device)
+        conv_part = states.narrow(1, 0, self.conv_numel)
+        conv_states = _rows(conv_part, slot_list).view(n, taps, self.channels)
+        window = torch.cat([conv_states, _rows(mixed, rows)[:, None].to(states.dtype)], dim=1)
         weight = self.conv1d.weight.squeeze(1).to(states.dtype)
         conv_out = F.silu((window * weight.t()).sum(dim=1))
-        states[slots, : self.conv_numel] = window[:, 1:].flatten(1)
+        _put_rows(conv_part, slot_list, window[:, 1:].flatten(1))
         q, k, v = self._qkv(conv_out)
-        out = gated_delta_decode(states, self.conv_numel, slots, q, k, v, g[rows], beta[rows])
+        g, beta = _rows(g, rows), _rows(beta, rows)
+        out = gated_delta_decode(states, self.conv_numel, slots, q, k, v, g, beta)
         if out is None:
-            shape = (len(reqs), self.nv, self.dk, self.dv)
-            state = states[slots, self.conv_numel :].view(shape).float()
+            ssm_part = states.narrow(1, self.conv_numel, self.state_numel - self.conv_numel)
+            state = _rows(ssm_part, slot_list).view(n, self.nv, self.dk, self.dv).float()
             qv, kv = self._per_value_head(q), self._per_value_head(k)
-            out, state = delta_rule_step(state, qv, kv, v, g[rows], beta[rows])
-            states[slots, self.conv_numel :] = state.flatten(1).to(states.dtype)
-        core[rows] = out
+            out, state = delta_rule_step(state, qv, kv, v, g, beta)
+            _put_rows(ssm_part, slot_list, state.flatten(1).to(states.dtype))
+        _put_rows(core, rows, out)
 
     def extra_repr(self) -> str:
         return (
