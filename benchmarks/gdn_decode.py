@@ -12,7 +12,7 @@
    (18 Gated DeltaNet + 6 gated attention layers) and of a dense `Qwen3ForCausalLM` with the
    same hidden size, MLP, vocabulary and layer count (every layer full attention: 16 heads of
    128, 8 KV heads), for each prompt length: the engine's steps after the prefill are timed,
-   `--tokens` of them, best of `--repeats` after a warm-up.
+   `--tokens` of them, best of `--repeats` after a warm-up, the two engines taking turns.
 
 Prints the CPU flags. Not a timed test: numbers depend on the machine and its load.
 """
@@ -128,38 +128,50 @@ def dense_twin(out: Path) -> Path:
     return out
 
 
-def decode_speed(path: Path, prompts: list[int], tokens: int, repeats: int) -> list[float]:
-    """Decode tokens/s of one stream after each prompt: the engine stepped by hand, timing
-    only the steps after the prefill (best of `repeats`)."""
-    llm = LLM(
+def make_engine(path: Path, longest: int, tokens: int) -> LLM:
+    return LLM(
         str(path),
         load_format="dummy",
         dtype="float32",
         skip_tokenizer_init=True,
-        max_model_len=max(prompts) + tokens + 16,
-        num_gpu_blocks=(max(prompts) + tokens) // 16 + 8,
+        max_model_len=longest + tokens + 16,
+        num_gpu_blocks=(longest + tokens) // 16 + 8,
     )
+
+
+def decode_seconds(llm: LLM, rid: str, prompt: list[int], tokens: int) -> float:
+    """Seconds per decode step of one stream after `prompt`: the engine stepped by hand,
+    timing only the steps after the prefill."""
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True)
+    engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    req = engine.groups[rid][0]
+    while not req.output_token_ids:  # the prefill (and its first token)
+        engine.step()
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return (time.perf_counter() - start) / (len(req.output_token_ids) - 1)
+
+
+def compare(paths: dict[str, Path], prompts: list[int], tokens: int, repeats: int) -> None:
+    """Both engines alive, taking turns (so that machine noise hits them alike); best of
+    `repeats` after a warm-up, per prompt length."""
+    engines = {name: make_engine(path, max(prompts), tokens) for name, path in paths.items()}
     gen = torch.Generator().manual_seed(0)
-    speeds = []
     for length in prompts:
         prompt = torch.randint(3, 30000, (length,), generator=gen).tolist()
-        best = float("inf")
+        best = dict.fromkeys(engines, float("inf"))
         for attempt in range(repeats + 1):  # the first one warms up
-            rid = f"{length}-{attempt}"
-            engine.add_request(rid, {"prompt_token_ids": prompt}, params)
-            req = engine.groups[rid][0]
-            while not req.output_token_ids:  # the prefill (and its first token)
-                engine.step()
-            start = time.perf_counter()
-            while engine.has_unfinished_requests():
-                engine.step()
-            if attempt:
-                best = min(best, (time.perf_counter() - start) / (len(req.output_token_ids) - 1))
-        speeds.append(1.0 / best)
-        print(f"  {path.name}, prompt {length}: {speeds[-1]:.2f} tok/s", flush=True)
-    return speeds
+            for name, llm in engines.items():
+                t = decode_seconds(llm, f"{length}-{attempt}", prompt, tokens)
+                best[name] = min(best[name], t) if attempt else best[name]
+        hybrid, dense = (1.0 / best[name] for name in paths)
+        print(
+            f"prompt {length:5d}: Qwen3.5-shaped hybrid {hybrid:6.2f} tok/s, dense Qwen3 twin "
+            f"{dense:6.2f} tok/s, hybrid/dense {hybrid / dense:.2f}x",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -177,15 +189,8 @@ def main() -> None:
     if args.skip_models:
         return
     with tempfile.TemporaryDirectory() as tmp:
-        dense = decode_speed(
-            dense_twin(Path(tmp) / "dense"), args.prompt, args.tokens, args.repeats
-        )
-    hybrid = decode_speed(HYBRID, args.prompt, args.tokens, args.repeats)
-    for length, d, h in zip(args.prompt, dense, hybrid, strict=True):
-        print(
-            f"prompt {length:5d}: Qwen3.5-shaped hybrid {h:6.2f} tok/s, dense Qwen3 twin "
-            f"{d:6.2f} tok/s, hybrid/dense {h / d:.2f}x"
-        )
+        paths = {"hybrid": HYBRID, "dense": dense_twin(Path(tmp) / "dense")}
+        compare(paths, args.prompt, args.tokens, args.repeats)
 
 
 if __name__ == "__main__":
