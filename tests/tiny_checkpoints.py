@@ -65,6 +65,9 @@ _MODEL_TYPES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "GptOssForCausalLM": "gpt_oss",
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5ForCausalLM": "qwen3_5_text",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
     "BartForConditionalGeneration": "bart",
     "WhisperForConditionalGeneration": "whisper",
 }
@@ -85,7 +88,27 @@ _DEEPSEEK = {
     "moe_intermediate_size": 32,
     "routed_scaling_factor": 1.5,
 }
+# Gated DeltaNet hybrids: 4 layers, the last full attention (gated, a quarter of each 32-wide
+# head rotated); 2 key and 4 value heads of 16 for linear attention, conv kernel 4.
+_GDN = {
+    "num_hidden_layers": 4,
+    "head_dim": 32,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+}
+_GDN_MOE = {
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+}
 _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Qwen3NextForCausalLM": {**_GDN, **_GDN_MOE, "norm_topk_prob": True},
+    "Qwen3_5ForCausalLM": dict(_GDN),
+    "Qwen3_5MoeForCausalLM": {**_GDN, **_GDN_MOE},
     "MistralForCausalLM": {"sliding_window": None},
     # head_dim != hidden_size // num_heads, to exercise the explicit head_dim path.
     "Qwen3ForCausalLM": {"head_dim": 32},

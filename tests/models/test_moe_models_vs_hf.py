@@ -98,6 +98,7 @@ def test_mixtral_window_changes_only_positions_past_it(tmp_path: Path) -> None:
 
 def test_only_moe_models_are_marked_moe() -> None:
     moe = (*MOE_ARCHS, "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM")
+    moe += ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
     for arch, cls in MODEL_REGISTRY.items():
         assert getattr(cls, "is_moe", False) == (arch in moe), arch
 

@@ -35,7 +35,14 @@ from tokenwise.models.qwen2 import Qwen2ForCausalLM
 from tokenwise.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from tokenwise.models.qwen2_moe import Qwen2MoeForCausalLM
 from tokenwise.models.qwen3 import Qwen3ForCausalLM, Qwen3ForSequenceClassification
+from tokenwise.models.qwen3_5 import (
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeForConditionalGeneration,
+)
 from tokenwise.models.qwen3_moe import Qwen3MoeForCausalLM
+from tokenwise.models.qwen3_next import Qwen3NextForCausalLM
 from tokenwise.models.whisper import WhisperForConditionalGeneration
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -73,6 +80,12 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    # Gated DeltaNet hybrids (recurrent state); the vision-language checkpoints as text models.
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,
 }
 
 

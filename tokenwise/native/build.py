@@ -51,6 +51,12 @@ BASE_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC"]
 OPENMP_FLAGS = [*BASE_FLAGS, "-fopenmp"]
 
 
+def kernels_switched_off() -> bool:
+    """Whether `TOKENWISE_CPU_KERNELS=0` switches the decode kernels (attention, the gated
+    delta rule) off, their callers then running their torch code."""
+    return envs.get("TOKENWISE_CPU_KERNELS") == "0"
+
+
 def source(name: str) -> Path:
     """The path of `name` (e.g. "gemv.c") in this folder."""
     return NATIVE_DIR / name

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-from tokenwise import envs
 from tokenwise.native import build, trace
 
 KERNEL = build.Kernel(
@@ -68,7 +67,7 @@ def _build(compiler: str) -> Path:
 @cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library, or None when it cannot be used on this machine."""
-    if envs.get("TOKENWISE_CPU_KERNELS") == "0":
+    if build.kernels_switched_off():
         return None
     return KERNEL.load(_flags(), open_library)
 

@@ -30,6 +30,8 @@ from tokenwise.models.deepseek_mtp import DeepSeekMTPHead
 from tokenwise.models.deepseek_v2 import DeepseekV2ForCausalLM
 from tokenwise.models.llama_eagle import EagleLlamaHead, strip_model_prefix
 from tokenwise.models.llama_eagle3 import Eagle3LlamaHead, eagle3_aux_layers
+from tokenwise.models.qwen3_next import Qwen3NextForCausalLM
+from tokenwise.models.qwen3_next_mtp import Qwen3NextMTPHead, has_mtp_head
 from tokenwise.spec_decode.draft_runner import DraftRunner, DraftSeq
 
 
@@ -113,12 +115,21 @@ class EagleRunner(DraftRunner):
         return head.eval().requires_grad_(False)
 
     def _mtp_head(self, where: str, names: set[str]) -> nn.Module:
-        """DeepSeek-V3's MTP module, from `model.layers.{num_hidden_layers}` of the checkpoint."""
+        """DeepSeek-V3's MTP module, from `model.layers.{num_hidden_layers}` of the checkpoint,
+        or Qwen3-Next's / Qwen3.5's, from its `mtp.*` tensors."""
         hf = self.config.model.hf_config
+        if isinstance(self.target_model, Qwen3NextForCausalLM):
+            if not has_mtp_head(names):
+                raise ValueError(
+                    f"{where}: speculative_config.method 'mtp' needs a checkpoint with an MTP "
+                    f"head (mtp.* tensors); this {type(self.target_model).__name__} checkpoint "
+                    "has none"
+                )
+            return Qwen3NextMTPHead(self.config, self.target_model)
         if not isinstance(self.target_model, DeepseekV2ForCausalLM):
             raise ValueError(
-                "speculative_config.method 'mtp' runs DeepSeek-V3's MTP module; the target is "
-                f"{type(self.target_model).__name__}"
+                "speculative_config.method 'mtp' runs the MTP module of DeepSeek-V3, Qwen3-Next "
+                f"and Qwen3.5 checkpoints; the target is {type(self.target_model).__name__}"
             )
         count = int(getattr(hf, "num_nextn_predict_layers", 0) or 0)
         index = int(hf.num_hidden_layers)

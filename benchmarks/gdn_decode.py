@@ -1,0 +1,197 @@
+"""Gated DeltaNet decode on CPU: the C kernel's state bandwidth, and one-stream decode of a
+~0.8B Qwen3.5-shaped hybrid against a dense Qwen3 of the same size.
+
+    python benchmarks/gdn_decode.py [--tokens 64] [--prompt 32 512] [--repeats 3]
+
+1. The decode kernel (`tokenwise.native.gdn_decode`) at batch 1 on one layer of the
+   `configs/qwen3.5-0.8b` shape (16 value heads of 128 x 128, 1 MiB of float32 state),
+   cycling over 64 slots so that every call's state comes from memory, not the cache: bytes
+   of state read plus written per second, beside a plain `torch` copy of 256 MiB (read +
+   written per second) as the machine's bandwidth, and the torch form of the same step.
+2. One stream, fp32, dummy weights, EOS ignored: decode tokens/s of `configs/qwen3.5-0.8b`
+   (18 Gated DeltaNet + 6 gated attention layers) and of a dense `Qwen3ForCausalLM` with the
+   same hidden size, MLP, vocabulary and layer count (every layer full attention: 16 heads of
+   128, 8 KV heads), for each prompt length: the engine's steps after the prefill are timed,
+   `--tokens` of them, best of `--repeats` after a warm-up, the two engines taking turns.
+
+Prints the CPU flags. Not a timed test: numbers depend on the machine and its load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tokenwise import LLM, SamplingParams  # noqa: E402
+from tokenwise.model_config import cpu_flag_summary  # noqa: E402
+from tokenwise.models.gated_delta_rule import delta_rule_step, l2_normalize  # noqa: E402
+from tokenwise.native import gdn_decode  # noqa: E402
+
+HYBRID = Path(__file__).parent / "configs" / "qwen3.5-0.8b"
+
+
+def _best(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def kernel_bandwidth(repeats: int) -> None:
+    heads, dk, dv, slots = 16, 128, 128, 64
+    numel = heads * dk * dv
+    states = torch.randn(slots, numel) * 0.01
+    q = l2_normalize(torch.randn(1, heads, dk)) * dk**-0.5
+    k = l2_normalize(torch.randn(1, heads, dk))
+    v, g, beta = torch.randn(1, heads, dv), -torch.rand(1, heads) * 0.1, torch.rand(1, heads)
+    slot_ids = [torch.tensor([s]) for s in range(slots)]
+    calls = 256
+    if gdn_decode.load() is None:
+        print("kernel: not built here (no C compiler)")
+    else:
+
+        def run_kernel() -> None:
+            for i in range(calls):
+                gdn_decode.gated_delta_decode(states, 0, slot_ids[i % slots], q, k, v, g, beta)
+
+        run_kernel()
+        threads = torch.get_num_threads()
+        for n in sorted({1, threads}):
+            torch.set_num_threads(n)
+            t = _best(run_kernel, repeats) / calls
+            print(
+                f"kernel, batch 1, {heads}x{dk}x{dv} fp32 state ({numel * 4 / 2**20:.0f} MiB), "
+                f"{n} thread(s): {t * 1e6:.0f} us/token/layer, "
+                f"{2 * numel * 4 / t / 1e9:.1f} GB/s of state"
+            )
+        torch.set_num_threads(threads)
+
+    def run_torch() -> None:
+        for i in range(calls // 8):
+            s = slot_ids[i % slots]
+            state = states[s].view(1, heads, dk, dv)
+            _, new = delta_rule_step(state, q, k, v, g, beta)
+            states[s] = new.reshape(1, numel)
+
+    t_torch = _best(run_torch, repeats) / (calls // 8)
+    print(
+        f"torch step (gather, 8 ops, scatter): {t_torch * 1e6:.0f} us/token/layer, "
+        f"{2 * numel * 4 / t_torch / 1e9:.1f} GB/s of state"
+    )
+    big = torch.randn(64 * 2**20)
+    dst = torch.empty_like(big)
+    t_copy = _best(lambda: dst.copy_(big), repeats)
+    print(
+        f"machine: torch copy of 256 MiB, {2 * big.numel() * 4 / t_copy / 1e9:.1f} GB/s "
+        f"(read + written), {torch.get_num_threads()} threads"
+    )
+
+
+def dense_twin(out: Path) -> Path:
+    hybrid = json.loads((HYBRID / "config.json").read_text())
+    config = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "head_dim": 128,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "rope_theta": 1000000,
+        "max_position_embeddings": 32768,
+        **{
+            key: hybrid[key]
+            for key in (
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "hidden_act",
+                "rms_norm_eps",
+                "tie_word_embeddings",
+                "vocab_size",
+                "bos_token_id",
+                "eos_token_id",
+            )
+        },
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def make_engine(path: Path, longest: int, tokens: int) -> LLM:
+    return LLM(
+        str(path),
+        load_format="dummy",
+        dtype="float32",
+        skip_tokenizer_init=True,
+        max_model_len=longest + tokens + 16,
+        num_gpu_blocks=(longest + tokens) // 16 + 8,
+    )
+
+
+def decode_seconds(llm: LLM, rid: str, prompt: list[int], tokens: int) -> float:
+    """Seconds per decode step of one stream after `prompt`: the engine stepped by hand,
+    timing only the steps after the prefill."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True)
+    engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    req = engine.groups[rid][0]
+    while not req.output_token_ids:  # the prefill (and its first token)
+        engine.step()
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return (time.perf_counter() - start) / (len(req.output_token_ids) - 1)
+
+
+def compare(paths: dict[str, Path], prompts: list[int], tokens: int, repeats: int) -> None:
+    """Both engines alive, taking turns (so that machine noise hits them alike); best of
+    `repeats` after a warm-up, per prompt length."""
+    engines = {name: make_engine(path, max(prompts), tokens) for name, path in paths.items()}
+    gen = torch.Generator().manual_seed(0)
+    for length in prompts:
+        prompt = torch.randint(3, 30000, (length,), generator=gen).tolist()
+        best = dict.fromkeys(engines, float("inf"))
+        for attempt in range(repeats + 1):  # the first one warms up
+            for name, llm in engines.items():
+                t = decode_seconds(llm, f"{length}-{attempt}", prompt, tokens)
+                best[name] = min(best[name], t) if attempt else best[name]
+        hybrid, dense = (1.0 / best[name] for name in paths)
+        print(
+            f"prompt {length:5d}: Qwen3.5-shaped hybrid {hybrid:6.2f} tok/s, dense Qwen3 twin "
+            f"{dense:6.2f} tok/s, hybrid/dense {hybrid / dense:.2f}x",
+            flush=True,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--prompt", type=int, nargs="+", default=[32, 512])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: as is)")
+    parser.add_argument("--skip-models", action="store_true", help="the kernel figures only")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"CPU flags: {cpu_flag_summary()}; {torch.get_num_threads()} torch threads")
+    kernel_bandwidth(args.repeats)
+    if args.skip_models:
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = {"hybrid": HYBRID, "dense": dense_twin(Path(tmp) / "dense")}
+        compare(paths, args.prompt, args.tokens, args.repeats)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""Qwen3-Next: a hybrid of Gated DeltaNet layers and gated full attention, with MoE.
+
+`config.layer_types` says which layers mix tokens with linear attention (`linear_attn`, a
+`GatedDeltaNet` whose state lives in the engine's recurrent slots) and which with full
+attention (`self_attn`, K/V in the paged cache); by default three of every four are linear.
+The full-attention layers differ from Qwen3's in three ways: `q_proj` also produces an output
+gate per head (rows `[q, gate]` per head; the attention output is scaled by `sigmoid(gate)`),
+RoPE turns only the first `partial_rotary_factor` of each head, and every RMSNorm of the
+decoder (layer norms, q/k norms, the final norm) is zero-centred: its scale is `1 + weight`
+(`GemmaRMSNorm`). Feed-forward blocks are Qwen2-MoE's (routed experts plus a sigmoid-gated
+shared expert) on the layers `decoder_sparse_step` / `mlp_only_layers` make sparse.
+
+Qwen3.5 (`qwen3_5.py`) is the same decoder with the linear-attention projections split by
+part and, for the dense models, plain MLPs; it subclasses this file's model.
+
+The MTP head the checkpoints ship (`mtp.*`, skipped here) is the speculative method "mtp"
+(`qwen3_next_mtp.py`). Not built: pipeline parallelism (the engine refuses it for every
+non-dense model), CPU and CUDA graphs (recurrent layers run eagerly, as every recurrent model
+does for now).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from tokenwise.attention.layer import Attention
+from tokenwise.config import EngineConfig
+from tokenwise.layers import (
+    ParallelLMHead,
+    QKVParallelLinear,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    get_rope_config,
+)
+from tokenwise.layers.layernorm import GemmaRMSNorm
+from tokenwise.layers.linear import divide
+from tokenwise.models.gated_deltanet import GatedDeltaNet
+from tokenwise.models.llama import LlamaForCausalLM, LlamaMLP, MlpFactory
+from tokenwise.models.qwen2_moe import Qwen2MoeSparseMoeBlock
+from tokenwise.models.sparse_moe import MoeForCausalLM, is_sparse_layer
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def partial_rope(hf: Any, head_dim: int, max_len: int) -> RotaryEmbedding:
+    """RoPE over the first `partial_rotary_factor * head_dim` channels of each head.
+
+    Qwen3.5's multimodal RoPE (`mrope_section`) rotates by one position per channel section;
+    for text every section has the same position, which is plain RoPE."""
+    theta, scaling = get_rope_config(hf)
+    params = getattr(hf, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0))
+    if scaling is not None:
+        for key in ("partial_rotary_factor", "mrope_section", "mrope_interleaved"):
+            scaling.pop(key, None)
+    return RotaryEmbedding(int(head_dim * float(factor)), max_len, theta, scaling)
+
+
+class GatedAttention(nn.Module):
+    """Full attention with a per-head output gate from `q_proj` and partial RoPE.
+
+    `q_proj` is loaded as the q part of a `QKVParallelLinear` with twice the heads (each head's
+    q and gate rows are adjacent), so a TP rank holds its heads' q and gate together."""
+
+    def __init__(self, config: EngineConfig, rotary_emb: RotaryEmbedding, prefix: str) -> None:
+        super().__init__()
+        hf = config.model.hf_config
+        heads, kv_heads = int(hf.num_attention_heads), config.model.num_kv_heads
+        self.head_dim = config.model.head_dim
+        divide(heads, "num_attention_heads")
+        bias = bool(getattr(hf, "attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(hf.hidden_size, self.head_dim, 2 * heads, kv_heads, bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads // 2, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(heads * self.head_dim, hf.hidden_size, bias)
+        self.q_norm = GemmaRMSNorm(self.head_dim, hf.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, hf.rms_norm_eps)
+        self.rotary_emb = rotary_emb
+        self.rotary_dim = rotary_emb.head_dim
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            num_kv_heads=self.num_kv_heads,
+            prefix=_join(prefix, "attn"),
+            config=config,
+        )
+
+    def _rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple:
+        rot = self.rotary_dim
+        q_rot, k_rot = self.rotary_emb(
+            positions, q[..., :rot].contiguous(), k[..., :rot].contiguous()
+        )
+        q = torch.cat([q_rot.view(q.shape[0], q.shape[1], rot), q[..., rot:]], dim=-1)
+        k = torch.cat([k_rot.view(k.shape[0], k.shape[1], rot), k[..., rot:]], dim=-1)
+        return q, k
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        n, d = hidden_states.shape[0], self.head_dim
+        q_gate, k, v = self.qkv_proj(hidden_states).split(self.qkv_proj.output_sizes, dim=-1)
+        q, gate = q_gate.view(n, self.num_heads, 2, d).unbind(dim=2)
+        q = self.q_norm(q)
+        k = self.k_norm(k.view(n, self.num_kv_heads, d))
+        q, k = self._rope(positions, q, k)
+        out = self.attn(q.reshape(n, -1), k.reshape(n, -1), v)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(n, -1)))
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: EngineConfig,
+        rotary_emb: RotaryEmbedding,
+        layer_idx: int,
+        prefix: str,
+        make_mlp: MlpFactory,
+        layer_type: str | None = None,
+    ) -> None:
+        """`layer_type` (default: the config's `layer_types[layer_idx]`) is given for the MTP
+        head's layer, a full-attention layer after the decoder's."""
+        super().__init__()
+        hf = config.model.hf_config
+        self.layer_type = layer_type or hf.layer_types[layer_idx]
+        if self.layer_type == LINEAR:
+            self.linear_attn = GatedDeltaNet(config, _join(prefix, "linear_attn"))
+        elif self.layer_type == FULL:
+            self.self_attn = GatedAttention(config, rotary_emb, _join(prefix, "self_attn"))
+        else:
+            raise ValueError(
+                f"layer_types[{layer_idx}] is {self.layer_type!r}; Gated DeltaNet hybrids "
+                f"have {LINEAR!r} and {FULL!r} layers"
+            )
+        mlp = make_mlp(config, layer_idx, _join(prefix, "mlp"))
+        if mlp is None:
+            mlp = LlamaMLP(hf.hidden_size, hf.intermediate_size, hf.hidden_act, False)
+        self.mlp = mlp
+        self.input_layernorm = GemmaRMSNorm(hf.hidden_size, hf.rms_norm_eps)
+        self.post_attention_layernorm = GemmaRMSNorm(hf.hidden_size, hf.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        x = self.input_layernorm(hidden_states)
+        if self.layer_type == LINEAR:
+            x = self.linear_attn(x)
+        else:
+            x = self.self_attn(positions, x)
+        hidden_states = hidden_states + x
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class HybridModel(nn.Module):
+    """The decoder stack (one pipeline stage holds all of it: the engine refuses PP here)."""
+
+    def __init__(self, config: EngineConfig, prefix: str, make_mlp: MlpFactory) -> None:
+        super().__init__()
+        mc = config.model
+        hf = mc.hf_config
+        self.is_first_stage = self.is_last_stage = True
+        self.start_layer, self.end_layer = 0, int(hf.num_hidden_layers)
+        self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size)
+        self.rotary_emb = partial_rope(hf, mc.head_dim, mc.max_model_len)
+        self.layers = nn.ModuleList(
+            HybridDecoderLayer(config, self.rotary_emb, i, _join(prefix, f"layers.{i}"), make_mlp)
+            for i in range(self.end_layer)
+        )
+        self.norm = GemmaRMSNorm(hf.hidden_size, hf.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden_states = layer(positions, hidden_states)
+        return self.norm(hidden_states)
+
+
+class Qwen3NextForCausalLM(MoeForCausalLM):
+    is_moe: ClassVar[bool] = True
+    stacked_params_mapping = (
+        *LlamaForCausalLM.stacked_params_mapping,
+        ("in_proj", "in_proj_qkvz", "qkvz"),
+        ("in_proj", "in_proj_ba", "ba"),
+    )
+    # Checkpoint name prefixes of a vision-language checkpoint's text decoder -> this model's.
+    text_prefixes: ClassVar[tuple[tuple[str, str], ...]] = ()
+
+    def __init__(self, config: EngineConfig, prefix: str = "") -> None:
+        nn.Module.__init__(self)
+        hf = config.model.hf_config
+        self.model = HybridModel(config, _join(prefix, "model"), self.make_mlp)
+        self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
+        self._head_from_embedding = False
+        tie_to = self.model.embed_tokens if self.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(hf.vocab_size, hf.hidden_size, tie_to=tie_to)
+
+    def make_mlp(self, config: EngineConfig, layer_idx: int, prefix: str) -> nn.Module | None:
+        if not is_sparse_layer(config.model.hf_config, layer_idx):
+            return None
+        return Qwen2MoeSparseMoeBlock(config, prefix)
+
+    def forward(  # type: ignore[override]
+        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: Any = None
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def _ignored(self, name: str) -> bool:
+        # The MTP head (not built) and, in a vision-language checkpoint, the vision tower.
+        if name.startswith(("mtp.", "model.visual.")):
+            return True
+        return super()._ignored(name)
+
+    def _text_name(self, name: str) -> str:
+        for old, new in self.text_prefixes:
+            if name.startswith(old):
+                return new + name[len(old) :]
+        return name
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        return super().load_weights((self._text_name(n), t) for n, t in weights)
