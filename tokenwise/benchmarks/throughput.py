@@ -99,7 +99,8 @@ def _timed_run(
     from tokenwise.entrypoints.llm import LLM
     from tokenwise.sampling.params import SamplingParams
 
-    llm = LLM(args.model, skip_tokenizer_init=True, **kwargs)
+    # No tokenizer: the workload is token ids (whatever the engine flags said).
+    llm = LLM(args.model, **{**kwargs, "skip_tokenizer_init": True})
     model_config = llm.engine_config.model
     check_fits(input_range, output_range[1], model_config.max_model_len)
     requests = make_workload(
