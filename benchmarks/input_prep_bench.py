@@ -150,7 +150,7 @@ def _measure(n: int, mixed: bool, steps: int) -> float:
         if runner_states is None:
             step = batch.prepare(items)
         else:
-            step = batch.prepare(items, runner_states.of(items))
+            step = batch.prepare(items, runner_states.by_id)
         metadata(step)
         torch.tensor(step.logits_indices, dtype=torch.int64)
         times.append(time.perf_counter() - start)

@@ -19,6 +19,7 @@ earlier revision).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -26,7 +27,7 @@ import torch
 
 from tokenwise.attention.utils import PAD_SLOT_ID
 from tokenwise.engine.step_outputs import ScheduledRequest
-from tokenwise.runner.request_states import CachedRequestState
+from tokenwise.runner.request_states import CachedRequestState, state_mismatch
 
 
 class CpuGpuBuffer:
@@ -116,6 +117,8 @@ class InputBatch:
             [0] * max_num_reqs for _ in range(self.num_self_groups - 1)
         ]
         self.req_index: dict[str, int] = {}
+        # The runner's state of the request in each row (looked up by id once, at its row).
+        self.row_states: list[CachedRequestState | None] = [None] * max_num_reqs
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
         # Flat per-step buffers, host and device.
         self.input_ids = CpuGpuBuffer(max_num_tokens, dtype=torch.int64, device=device)
@@ -155,6 +158,7 @@ class InputBatch:
             row = self.req_index.pop(rid, None)
             if row is not None:
                 self._free_rows.append(row)
+                self.row_states[row] = None
 
     def _new_row(self, request_id: str) -> int:
         """A free row for a request new to the batch (or back after a preemption)."""
@@ -192,23 +196,35 @@ class InputBatch:
     # ---- one step -------------------------------------------------------------------------
 
     def prepare(
-        self, ordered: list[ScheduledRequest], states: list[CachedRequestState]
+        self, ordered: list[ScheduledRequest], by_id: Mapping[str, CachedRequestState]
     ) -> StepInputs:
         """Gather the step's flat inputs for `ordered` (prefills first) and move them;
-        `states[i]` is the runner's state of `ordered[i]` (its tokens)."""
+        `by_id` holds the runner's state of each request (its tokens), which must have the
+        token count the scheduler's entry says."""
         n = len(ordered)
         row_list, q_list, ctx_list, sample_at = [], [], [], []
         num_spec = 0
         # Each request's row brought up to date, only where it changed. This loop runs for
         # every request of every step, so it is written for as little Python as possible.
         req_index, have_tokens, have_blocks = self.req_index, self.num_tokens, self.num_blocks
+        row_states = self.row_states
+        states: list[CachedRequestState] = []
         for i, item in enumerate(ordered):
             rid = item.req_id
             row = req_index.get(rid)
             if row is None:
+                state = by_id.get(rid)
+                if state is None:
+                    raise state_mismatch(item, None)
                 row = self._new_row(rid)
-            tokens = states[i].all_token_ids
+                row_states[row] = state
+            else:
+                state = row_states[row]
+            tokens = state.all_token_ids
             total, have = len(tokens), have_tokens[row]
+            if total != item.num_tokens:
+                raise state_mismatch(item, state)
+            states.append(state)
             if total > have:
                 self.token_ids[row, have:total] = tokens[have:total]
                 have_tokens[row] = total
@@ -260,7 +276,10 @@ class InputBatch:
         # Columns past a sequence's last block are zero, never a stale block id.
         used = np.arange(width)[None, :] < -(-seq_lens[:, None] // self.block_size)
         np.multiply(self.row_block_tables[rows, :width], used, out=self.block_tables.np[:n, :width])
-        sampled = [ordered[i] for i in sample_at]  # each completes its sequence: it samples
+        # Each completes its sequence: it samples (every request, in a decode step).
+        every = len(sample_at) == n
+        sampled = list(ordered) if every else [ordered[i] for i in sample_at]
+        sampled_states = states if every else [states[i] for i in sample_at]
         if num_spec:  # a request verifying k drafts needs the logits of its last k + 1 tokens
             logits_indices = [
                 j
@@ -283,8 +302,8 @@ class InputBatch:
             logits_indices=logits_indices,
             sampled=sampled,
             scheduled=list(ordered),
-            states=list(states),
-            sampled_states=[states[i] for i in sample_at],
+            states=states,
+            sampled_states=sampled_states,
             group_slot_mappings=self._group_slots(slot_mapping, num_tokens),
         )
 

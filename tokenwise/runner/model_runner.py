@@ -277,7 +277,7 @@ class ModelRunner(KVCacheSizingMixin):
         batch.remove_requests(scheduler_output.preempted_req_ids)
         # Prefills (query > 1) first, then decodes; stable, so admission order is kept.
         ordered = sorted(scheduler_output.scheduled, key=lambda s: s.num_new_tokens == 1)
-        return batch.prepare(ordered, self.requests.of(ordered)), ordered
+        return batch.prepare(ordered, self.requests.by_id), ordered
 
     def _prepare_lora(self, loras: list[Any], step: StepInputs) -> bool:
         """Slot the step's adapters and set its token mask (every TP rank does the same)."""

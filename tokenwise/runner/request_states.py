@@ -96,28 +96,21 @@ class RequestStates:
             if item.new_request is not None:
                 by_id[item.req_id] = CachedRequestState.create(item.new_request)
 
-    def of(self, ordered: list[ScheduledRequest]) -> list[CachedRequestState]:
-        """The states of a step's requests, in its order; each must hold the tokens the
-        scheduler counts for it."""
-        states = []
-        by_id = self.by_id
-        for item in ordered:
-            state = by_id.get(item.req_id)
-            if state is None:
-                raise RuntimeError(
-                    f"request {item.req_id}: the runner has no state for it (its first step "
-                    "carried no new_request, or it finished before)"
-                )
-            if len(state.all_token_ids) != item.num_tokens:
-                raise RuntimeError(
-                    f"request {item.req_id}: the runner holds {len(state.all_token_ids)} tokens "
-                    f"but the scheduler counts {item.num_tokens}; a step's sampled tokens were "
-                    "not recorded"
-                )
-            states.append(state)
-        return states
-
     def record(self, states: list[CachedRequestState], token_ids: list[list[int]]) -> None:
         """Append what each sampling request emitted this step (accepted drafts included)."""
         for state, tokens in zip(states, token_ids, strict=True):
             state.append(tokens)
+
+
+def state_mismatch(item: ScheduledRequest, state: CachedRequestState | None) -> RuntimeError:
+    """The error for a step entry whose request the runner has no state for, or whose token
+    count differs from the runner's copy (raised by `InputBatch.prepare`)."""
+    if state is None:
+        return RuntimeError(
+            f"request {item.req_id}: the runner has no state for it (its first step carried "
+            "no new_request, or it finished before)"
+        )
+    return RuntimeError(
+        f"request {item.req_id}: the runner holds {len(state.all_token_ids)} tokens but the "
+        f"scheduler counts {item.num_tokens}; a step's sampled tokens were not recorded"
+    )
