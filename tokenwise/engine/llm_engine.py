@@ -43,7 +43,6 @@ from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from tokenwise.engine.step_records import StepRecorder, StepRecords
 from tokenwise.engine.virtual_engines import VirtualEngineBlockManagers, VirtualEngineSchedulers
 from tokenwise.executor.executor import Executor
-from tokenwise.executor.worker import RPCMethod
 from tokenwise.executor.worker_main import maybe_serve_torchrun_worker
 from tokenwise.lora.request import LoRARequest
 from tokenwise.outputs import EmbeddingRequestOutput, RequestOutput
@@ -212,23 +211,10 @@ class LLMEngine:
             self._grammars.shutdown()
         self.kind.shutdown()
 
-    def collective_rpc(
-        self,
-        method: RPCMethod,
-        args: tuple = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout: float | None = None,
-    ) -> list[Any]:
-        """Run `method` on every worker of this engine; results in rank order
-        (`Executor.collective_rpc`)."""
-        return self.model_executor.collective_rpc(method, args, kwargs, timeout)
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix (refused, False, while a request holds blocks); with KV
-        events on, `AllBlocksCleared` goes out now rather than at the next step."""
-        done = self.block_manager.reset_prefix_cache()
-        self.kv_events.end_step()
-        return done
+    def collective_rpc(self, *args: Any, **kwargs: Any) -> list[Any]:
+        """Run a method on every worker of this engine; results in rank order
+        (`Executor.collective_rpc`: method, args, kwargs, timeout)."""
+        return self.model_executor.collective_rpc(*args, **kwargs)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.groups

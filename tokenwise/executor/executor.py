@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,6 +37,34 @@ from tokenwise.executor.ray_workers import RayWorkers
 from tokenwise.executor.worker import RPCMethod, Worker, run_rpc
 from tokenwise.executor.worker_main import run_pp_worker, run_tp_worker
 from tokenwise.runner.kind_part import RunnerKindPart
+
+
+@dataclass
+class StartUp:
+    """What starting an engine's workers needs: the config and device, the model kind's part
+    of the runner, what the engine does once the runner exists (`on_runner`, before KV sizing)
+    and its check of the agreed block count."""
+
+    config: EngineConfig
+    device: str | torch.device
+    kind_part: type[RunnerKindPart] = RunnerKindPart
+    on_runner: Callable[[Any], None] | None = None
+    check_num_blocks: Callable[[int], None] | None = None
+
+
+@dataclass
+class RPCCall:
+    """One `collective_rpc` call: `method(worker, *args, **kwargs)` on every rank."""
+
+    method: RPCMethod
+    args: tuple
+    kwargs: dict[str, Any]
+    timeout: float | None
+
+    @property
+    def name(self) -> str:
+        method = self.method
+        return method if isinstance(method, str) else getattr(method, "__name__", "a function")
 
 
 class Executor:
@@ -62,17 +91,10 @@ class Executor:
             cls = RayExecutor
         else:
             cls = MultiprocExecutor
-        return cls.start(config, device, kind_part, on_runner, check_num_blocks)
+        return cls.start(StartUp(config, device, kind_part, on_runner, check_num_blocks))
 
     @classmethod
-    def start(
-        cls,
-        config: EngineConfig,
-        device: str | torch.device,
-        kind_part: type[RunnerKindPart],
-        on_runner: Callable[[Any], None] | None,
-        check_num_blocks: Callable[[int], None] | None,
-    ) -> Executor:
+    def start(cls, s: StartUp) -> Executor:
         raise NotImplementedError
 
     @property
@@ -109,7 +131,11 @@ class Executor:
         **kwargs)` (under multiprocessing it must be importable by name: defined at module
         level). A worker that fails raises here with its rank and error; `timeout` (seconds)
         bounds the wait for the other ranks."""
-        return [run_rpc(self.driver_worker, method, args, kwargs or {})]
+        return self._run_everywhere(RPCCall(method, args, kwargs or {}, timeout))
+
+    def _run_everywhere(self, call: RPCCall) -> list[Any]:
+        """The call on every rank (here: the one worker)."""
+        return [run_rpc(self.driver_worker, call.method, call.args, call.kwargs)]
 
     def shutdown(self) -> None:
         self.driver_worker.shutdown()
@@ -119,17 +145,10 @@ class UniProcExecutor(Executor):
     """One worker, in this process."""
 
     @classmethod
-    def start(
-        cls,
-        config: EngineConfig,
-        device: str | torch.device,
-        kind_part: type[RunnerKindPart],
-        on_runner: Callable[[Any], None] | None,
-        check_num_blocks: Callable[[int], None] | None,
-    ) -> Executor:
-        worker = Worker(config, device, TPDriver(None), kind_part)
-        worker.start(on_runner, check_num_blocks)
-        return cls(config, worker)
+    def start(cls, s: StartUp) -> Executor:
+        worker = Worker(s.config, s.device, TPDriver(None), s.kind_part)
+        worker.start(s.on_runner, s.check_num_blocks)
+        return cls(s.config, worker)
 
 
 class MultiprocExecutor(Executor):
@@ -144,14 +163,8 @@ class MultiprocExecutor(Executor):
         self._finalizer = weakref.finalize(self, _stop, driver_worker.tp, driver_worker.pipeline)
 
     @classmethod
-    def start(
-        cls,
-        config: EngineConfig,
-        device: str | torch.device,
-        kind_part: type[RunnerKindPart],
-        on_runner: Callable[[Any], None] | None,
-        check_num_blocks: Callable[[int], None] | None,
-    ) -> Executor:
+    def start(cls, s: StartUp) -> Executor:
+        config = s.config
         pipeline = None
         if config.parallel.pipeline_parallel_size > 1:
             stages = start_pipeline_parallel(config, run_pp_worker, cls.launcher)
@@ -164,9 +177,9 @@ class MultiprocExecutor(Executor):
             if pipeline is not None:
                 pipeline.abandon()
             raise
-        worker = Worker(config, device, tp, kind_part, pipeline)
+        worker = Worker(config, s.device, tp, s.kind_part, pipeline)
         try:
-            worker.start(on_runner, check_num_blocks)
+            worker.start(s.on_runner, s.check_num_blocks)
         except BaseException:
             # The other ranks fail the same way or wait for a collective that never comes:
             # do not leave them waiting.
@@ -180,28 +193,22 @@ class MultiprocExecutor(Executor):
     def is_collective(self) -> bool:
         return True
 
-    def collective_rpc(
-        self,
-        method: RPCMethod,
-        args: tuple = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout: float | None = None,
-    ) -> list[Any]:
+    def _run_everywhere(self, call: RPCCall) -> list[Any]:
+        """The driver broadcasts the call, runs it, and gathers every rank's reply (bounded)."""
         if self.driver_worker.pipeline is not None:
             raise NotImplementedError(
                 "collective_rpc does not reach pipeline stages yet (pipeline_parallel_size > 1)"
             )
-        kwargs = kwargs or {}
         tp = self.driver_worker.tp
-        name = method if isinstance(method, str) else getattr(method, "__name__", "a function")
+        name = call.name
         tp.check_workers()
-        tp.broadcast(("rpc", method, args, kwargs))
+        tp.broadcast(("rpc", call.method, call.args, call.kwargs))
         mine: tuple[bool, Any]
         try:
-            mine = (True, run_rpc(self.driver_worker, method, args, kwargs))
+            mine = (True, run_rpc(self.driver_worker, call.method, call.args, call.kwargs))
         except Exception as exc:  # collect the others' replies first: they were sent
             mine = (False, f"{type(exc).__name__}: {exc}")
-        wait_s = ACTIVATION_TIMEOUT_S if timeout is None else timeout
+        wait_s = ACTIVATION_TIMEOUT_S if call.timeout is None else call.timeout
         what = f"running {name!r} on every worker"
         try:
             replies = gather_replies(mine, get_tp_cpu_group(), tp.workers, what, wait_s)

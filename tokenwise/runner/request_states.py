@@ -14,27 +14,17 @@ The generator of a seeded request lives here: the runner is what draws from it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from tokenwise.engine.step_outputs import NewRequestData, ScheduledRequest, SchedulerOutput
-from tokenwise.lora.request import LoRARequest
-from tokenwise.sampling.guided.state import GrammarState
-from tokenwise.sampling.params import SamplingParams
 
 
 @dataclass(eq=False)
-class CachedRequestState:
-    """One request as the runner sees it (the attribute names the sampling code reads)."""
+class CachedRequestState(NewRequestData):
+    """One request as the runner sees it: what the scheduler sent once (`NewRequestData`'s
+    fields, under the names the sampling code reads), plus what the runner adds."""
 
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_ids: tuple[int, ...] = ()
-    lora_request: LoRARequest | None = None
-    grammar: GrammarState | None = None
-    kind_inputs: dict[str, Any] = field(default_factory=dict)
     generator: torch.Generator | None = None
     all_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
