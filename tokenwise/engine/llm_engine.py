@@ -216,6 +216,13 @@ class LLMEngine:
         (`Executor.collective_rpc`: method, args, kwargs, timeout)."""
         return self.model_executor.collective_rpc(*args, **kwargs)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (refused, False, while a request holds blocks); with KV
+        events on, `AllBlocksCleared` goes out now rather than at the next step."""
+        done = self.block_manager.reset_prefix_cache()
+        self.kv_events.end_step()
+        return done
+
     def has_request(self, request_id: str) -> bool:
         return request_id in self.groups
 
