@@ -49,6 +49,13 @@ ENV_VARS: dict[str, EnvVar] = _declare(
     ),
     # CPU kernels and weight layout.
     EnvVar("TOKENWISE_CPU_KERNELS", "0|1", "1", "0 turns off the C paged-decode attention kernel."),
+    EnvVar(
+        "TOKENWISE_CPU_MARCH",
+        "str",
+        "native",
+        "The -march the C kernels are built for: `native` (this CPU), or e.g. `haswell` to build "
+        "and measure the AVX2+FMA path on an AVX-512 machine.",
+    ),
     EnvVar("TOKENWISE_CPU_GEMV", "bool", "1", "0/false/off/no turns off the C GEMV kernel."),
     EnvVar("TOKENWISE_CPU_FUSED", "bool", "1", "0/false/off/no turns off the fused C kernels."),
     EnvVar(

@@ -1,7 +1,8 @@
 """Compile a native kernel at first use, for this very CPU, cache it, and load it.
 
 Every kernel of `tokenwise/native/` is plain C called through ctypes (no PyTorch headers), so
-a build takes about a second. Libraries are built with `-march=native` and cached under one
+a build takes about a second. Libraries are built with `-march=native` (or
+`-march=$TOKENWISE_CPU_MARCH`, e.g. `haswell` to run the AVX2 path on an AVX-512 machine) and cached under one
 directory, `~/.cache/tokenwise/kernels` (or `$TOKENWISE_KERNEL_CACHE`), keyed by the source,
 the headers beside it, the flags and the CPU's feature flags, so a shared home directory never
 hands one machine another machine's binary.
@@ -100,6 +101,9 @@ def build(compiler: str, source: Path, stem: str, flags: list[str]) -> Path:
     Raises `subprocess.CalledProcessError` (its `stderr` holds the compiler's message),
     `subprocess.TimeoutExpired` or `OSError` when the build fails.
     """
+    # One switch for every kernel's target: `-march=native` becomes `$TOKENWISE_CPU_MARCH`.
+    march = envs.get("TOKENWISE_CPU_MARCH") or "native"
+    flags = [f"-march={march}" if flag == "-march=native" else flag for flag in flags]
     # Headers beside the source (`#include "..."`) are part of the key: a changed header rebuilds.
     headers = b"".join(path.read_bytes() for path in sorted(source.parent.glob("*.h")))
     key = hashlib.sha256(
