@@ -203,7 +203,7 @@ def test_graphs_measured_on_a_placeholder_cache_are_recaptured_on_the_real_one(
     determine = ModelRunner.determine_num_blocks
 
     def measuring(self: ModelRunner) -> int:
-        assert self._measure_graph_memory() == 0  # no device memory to read on CPU
+        assert self.kv_sizer._measure_graph_memory() == 0  # no device memory to read on CPU
         assert not self.kv_caches  # the placeholder is gone before the real cache exists
         return determine(self)
 
@@ -242,7 +242,7 @@ def test_one_graph_runner_per_engine_measures_then_captures(
 
     def measuring(self: ModelRunner) -> int:
         assert self.graph_runner is not None and not self.graph_runner.captured
-        measured.append(self._measure_graph_memory())
+        measured.append(self.kv_sizer._measure_graph_memory())
         assert not self.graph_runner.full_model.entries  # dropped: the placeholder is gone
         return determine(self)
 

@@ -1,19 +1,23 @@
 """How big the KV cache pool is, and how each layer's cache is allocated and bound.
 
-A mixin of `ModelRunner` (it reads the runner's layers, config, device and TP group), kept
-apart because sizing is a concept of its own: every attention layer answers the shape of its
+A part the runner holds (`runner.kv_sizer`), built from what sizing reads (the config, the
+layers, their layout, the device, the TP channel, the graph runner), because sizing is a concept
+of its own: every attention layer answers the shape of its
 own cache (K/V per KV head, an MLA latent, cross K/V; encoder-only layers keep none), the pool
 gets as many blocks as the memory budget allows for all of them together, and the start-up log
 says what one token costs per layer kind.
 
-Layers are grouped by their KV-cache specs (`tokenwise.kv_cache.layout`, made once by the
-runner as `kv_cache_layout`): a block id costs one page of every tensor of the layout, and a
+Layers are grouped by their KV-cache specs (`tokenwise.kv_cache.layout`, made once by
+`make_kv_cache_layout` at start-up): a block id costs one page of every tensor of the layout, and a
 tensor may serve one layer of each of several groups (sliding-window and full-attention layers
 of the same shape share tensors, so blocks a window frees serve the full layers).
 
 The cache's dtype is `kv_cache_dtype` (`CacheConfig.cache_dtype`): the model's by default, or
 an fp8 format with one byte per element, so the same budget holds twice the blocks of a bf16
 cache (4x of fp32). Only K/V caches have an fp8 path; an MLA latent cache refuses it by name.
+
+Under pipeline parallelism each cache tensor is allocated once per virtual engine
+(`copies`): `layer.kv_cache[k]` is virtual engine k's (docs/forward-context.md).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import gc
 import logging
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,38 +41,60 @@ logger = logging.getLogger("tokenwise.runner.model_runner")
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when nothing else is said
 
 
-class KVCacheSizingMixin:
-    attn_layers: dict[str, AttentionLayerBase]
-    block_size: int
+def cache_layers(attn_layers: dict[str, AttentionLayerBase]) -> dict[str, AttentionLayerBase]:
+    """The attention layers that keep a KV cache (encoder-only attention keeps none)."""
+    return {name: layer for name, layer in attn_layers.items() if layer.needs_kv_cache}
+
+
+def resolved_kv_cache_dtype(config: Any) -> torch.dtype:
+    """The dtype the cache tensors are allocated in (`kv_cache_dtype`, resolved)."""
+    return kv_cache_torch_dtype(config.cache.cache_dtype, config.model.dtype)
+
+
+def make_kv_cache_layout(config: Any, attn_layers: dict[str, AttentionLayerBase]) -> KVCacheLayout:
+    """The layers with a cache grouped by their KV-cache specs (made once, at start-up)."""
+    block_size, dtype = config.cache.block_size, resolved_kv_cache_dtype(config)
+    specs = {
+        name: layer.kv_cache_spec(block_size, dtype)
+        for name, layer in cache_layers(attn_layers).items()
+    }
+    # Pipeline stages each hold some layers: sliding windows keep every block there, so
+    # that every stage's groups are the driver's (see `make_layout`).
+    return make_layout(specs, hybrid=config.parallel.pipeline_parallel_size == 1)
+
+
+@dataclass
+class KVCacheSizer:
+    """Sizes the pool for one runner and allocates its cache tensors (`copies` per tensor:
+    one per pipeline virtual engine)."""
+
     config: Any
-    model_config: Any
+    attn_layers: dict[str, AttentionLayerBase]
+    kv_cache_layout: KVCacheLayout
     device: torch.device
     model: Any
     tp: Any
-    kv_caches: dict[str, torch.Tensor]
     graph_runner: CUDAGraphRunner | None
-    kv_cache_layout: KVCacheLayout
-    kind_part: Any
+    needs_kv_cache: bool
+    copies: int = 1
     num_state_slots: int = 0
+    # Layer name -> the cache tensor of virtual engine 0 (filled by `bind`).
+    kv_caches: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def make_kv_cache_layout(self) -> KVCacheLayout:
-        """The layers with a cache grouped by their KV-cache specs (made once, at start-up)."""
-        specs = {
-            name: layer.kv_cache_spec(self.block_size, self.kv_cache_dtype)
-            for name, layer in self.cache_layers().items()
-        }
-        # Pipeline stages each hold some layers: sliding windows keep every block there, so
-        # that every stage's groups are the driver's (see `make_layout`).
-        return make_layout(specs, hybrid=self.config.parallel.pipeline_parallel_size == 1)
+    @property
+    def block_size(self) -> int:
+        return int(self.config.cache.block_size)
+
+    @property
+    def model_config(self) -> Any:
+        return self.config.model
 
     def cache_layers(self) -> dict[str, AttentionLayerBase]:
-        """The attention layers that keep a KV cache (encoder-only attention keeps none)."""
-        return {name: layer for name, layer in self.attn_layers.items() if layer.needs_kv_cache}
+        return cache_layers(self.attn_layers)
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:
-        """The dtype the cache tensors are allocated in (`kv_cache_dtype`, resolved)."""
-        return kv_cache_torch_dtype(self.config.cache.cache_dtype, self.model_config.dtype)
+        return resolved_kv_cache_dtype(self.config)
 
     def _check_kv_cache_dtype(self) -> None:
         """An fp8 cache for K/V caches only: the MLA latent (and cross K/V) have no fp8 path."""
@@ -89,7 +116,7 @@ class KVCacheSizingMixin:
         """What one block id of the pool costs: a page of every cache tensor."""
         return self.kv_cache_layout.bytes_per_block
 
-    def _kv_cache_report(self) -> str:
+    def report(self) -> str:
         """Per kind of cache: elements and bytes per token per layer, e.g. "MLA latent: 40
         elements (160 bytes) per token per layer x 3 layers"."""
         elem = self.kv_cache_dtype.itemsize
@@ -109,7 +136,7 @@ class KVCacheSizingMixin:
     def determine_num_blocks(self) -> int:
         """KV blocks for the pool (the same on every TP rank); also sets `num_state_slots`,
         the recurrent-state slots, whose memory comes out of the same budget first."""
-        if not self.kind_part.needs_kv_cache:
+        if not self.needs_kv_cache:
             self.num_state_slots = 0
             return 0  # encoder-only attention keeps nothing between steps
         self._check_kv_cache_dtype()
@@ -187,7 +214,7 @@ class KVCacheSizingMixin:
         """
         if self.graph_runner is None:
             return 0
-        self._bind_kv_cache(1)
+        self.bind(1)
         graphs = self.graph_runner.measure()
         self.kv_caches.clear()
         for layer in self.attn_layers.values():
@@ -196,13 +223,17 @@ class KVCacheSizingMixin:
         logger.info("memory of CUDA graphs (measured by capturing them): %.2f GiB", graphs / 2**30)
         return graphs
 
-    def _bind_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the layout's cache tensors and bind each to its layers by name."""
+    def bind(self, num_blocks: int) -> None:
+        """Allocate the layout's cache tensors (`copies` of each) and bind each to its layers
+        by name: `layer.kv_cache[k]` is copy k."""
         layers = self.cache_layers()
         for tensor in self.kv_cache_layout.tensors:
             rows = num_blocks if tensor.pool == "kv" else self.num_state_slots
             shape = layers[tensor.shared_by[0]].kv_cache_shape(rows, self.block_size)
-            cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+            caches = [
+                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+                for _ in range(self.copies)
+            ]
             for name in tensor.shared_by:
-                self.kv_caches[name] = cache
-                layers[name].kv_cache = [cache]
+                self.kv_caches[name] = caches[0]
+                layers[name].kv_cache = caches

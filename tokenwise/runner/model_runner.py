@@ -35,7 +35,7 @@ from tokenwise.runner.graph_runner import CUDAGraphRunner
 from tokenwise.runner.graph_setup import default_capture_sizes, graph_setup
 from tokenwise.runner.input_batch import InputBatch, StepInputs
 from tokenwise.runner.kind_part import RunnerKindPart
-from tokenwise.runner.kv_cache_sizing import KVCacheSizingMixin
+from tokenwise.runner.kv_cache_sizing import KVCacheSizer, cache_layers, make_kv_cache_layout
 from tokenwise.runner.prompt_logprobs import plan_prompt_logprobs, score_prompt_tokens
 from tokenwise.runner.recurrent_states import RecurrentStates
 from tokenwise.runner.request_states import RequestStates
@@ -51,17 +51,19 @@ logger = logging.getLogger(__name__)
 MetadataByLayer = dict[str, AttentionMetadata] | None
 
 
-class ModelRunner(KVCacheSizingMixin):
+class ModelRunner:
     def __init__(
         self,
         config: EngineConfig,
         device: str | torch.device = "cpu",
         tp: TPDriver | None = None,
         kind_part: type[RunnerKindPart] = RunnerKindPart,
+        kv_cache_copies: int = 1,
     ) -> None:
         """`tp` is the channel to the other TP ranks, which this rank's worker has joined
         (`tokenwise/executor/`); None without tensor parallelism. `kind_part` is what the
-        model kind adds to a step (`runner/kind_part.py`)."""
+        model kind adds to a step (`runner/kind_part.py`). `kv_cache_copies`: one cache per
+        pipeline virtual engine."""
         if config.model is None:
             raise ValueError("ModelRunner needs EngineConfig.model (a ModelConfig)")
         self.config = config
@@ -108,12 +110,11 @@ class ModelRunner(KVCacheSizingMixin):
         # The last step's graph mode and batch descriptor (None: eager), for its step record.
         self.last_graph: tuple[CUDAGraphMode, Any] = (CUDAGraphMode.NONE, None)
         self.last_query_len = 0  # of every request in a uniform batch (0: not uniform)
-        self.kv_caches: dict[str, torch.Tensor] = {}
         self.num_blocks = 0
         # Set by the engine when an EAGLE head proposes drafts: the target features it reads.
         self.hidden_capture: TargetHiddenCapture | None = None
         # Layers grouped by KV-cache spec; each group's layers share one metadata object.
-        self.kv_cache_layout = self.make_kv_cache_layout()
+        self.kv_cache_layout = make_kv_cache_layout(config, self.attn_layers)
         # Verification steps may attend as decode rows (`verify_rows.py`): plain causal decoder
         # attention on CPU only, where the one-call decode kernel takes them.
         plain_decoder = all(
@@ -160,9 +161,41 @@ class ModelRunner(KVCacheSizingMixin):
                 self._verify_query_len,
                 num_groups=self.kv_cache_layout.num_attention_groups,
             )
+        self.kv_sizer = KVCacheSizer(
+            config,
+            self.attn_layers,
+            self.kv_cache_layout,
+            self.device,
+            self.model,
+            self.tp,
+            self.graph_runner,
+            self.kind_part.needs_kv_cache,
+            copies=kv_cache_copies,
+        )
         self.kind_part.setup()
 
-    # ---- KV cache -------------------------------------------------------------------------
+    # ---- KV cache (sized and allocated by `kv_sizer`) ---------------------------------------
+
+    def determine_num_blocks(self) -> int:
+        """KV blocks for the pool, agreed over the TP ranks (a start-up collective)."""
+        return self.kv_sizer.determine_num_blocks()
+
+    def kv_cache_bytes_per_block(self) -> int:
+        return self.kv_sizer.kv_cache_bytes_per_block()
+
+    def cache_layers(self) -> dict[str, AttentionLayerBase]:
+        """The attention layers that keep a KV cache (encoder-only attention keeps none)."""
+        return cache_layers(self.attn_layers)
+
+    @property
+    def num_state_slots(self) -> int:
+        """Recurrent-state slots (0 without recurrent layers), set by `determine_num_blocks`."""
+        return self.kv_sizer.num_state_slots
+
+    @property
+    def kv_caches(self) -> dict[str, torch.Tensor]:
+        """Layer name -> its cache tensor (virtual engine 0's under pipeline parallelism)."""
+        return self.kv_sizer.kv_caches
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache, then capture CUDA graphs on it (when the mode has any)."""
@@ -171,14 +204,14 @@ class ModelRunner(KVCacheSizingMixin):
                 raise ValueError(f"this model keeps no KV cache, got {num_blocks} blocks")
             logger.info("no KV cache: the model's attention keeps nothing between steps")
             return
-        self._bind_kv_cache(num_blocks)
+        self.kv_sizer.bind(num_blocks)
         self.num_blocks = num_blocks
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB); %s",
             num_blocks,
             self.block_size,
-            num_blocks * self.kv_cache_bytes_per_block() / 2**20,
-            self._kv_cache_report(),
+            num_blocks * self.kv_cache_bytes_per_block() * self.kv_sizer.copies / 2**20,
+            self.kv_sizer.report(),
         )
         if self.graph_runner is not None and self.device.type != "cuda":
             self.graph_runner.capture()  # CPU graphs: recorded kernel calls, no device memory

@@ -75,7 +75,8 @@ class PipelineModelRunner(ModelRunner):
         """`channel` is the link to the neighbouring stages, which this rank's worker joined
         (`tokenwise/executor/`)."""
         self.channel = channel
-        super().__init__(config, device, tp, kind_part)
+        pp_size = config.parallel.pipeline_parallel_size
+        super().__init__(config, device, tp, kind_part, kv_cache_copies=pp_size)
         self._check_layer_ranges()
         self.pp_rank, self.pp_size = get_pp_rank(), get_pp_size()
         batch = self.input_batch
@@ -121,7 +122,7 @@ class PipelineModelRunner(ModelRunner):
         build theirs (as long as it takes while they live; a dead one is named at once)."""
         wait_polled(work, self.channel.workers if self.channel.is_driver else None, what)
 
-    # ---- KV cache: one slice per virtual engine ---------------------------------------------
+    # ---- KV cache: one copy per virtual engine (`kv_sizer.copies`) --------------------------
 
     def determine_num_blocks(self) -> int:
         """Blocks of each virtual engine's slice: the pool (`num_gpu_blocks`, or what the
@@ -141,21 +142,6 @@ class PipelineModelRunner(ModelRunner):
                 "virtual engines; raise num_gpu_blocks or kv_cache_memory"
             )
         return num_blocks
-
-    def _bind_kv_cache(self, num_blocks: int) -> None:
-        """Each cache layer gets P tensors of `num_blocks` blocks: `kv_cache[k]` for virtual
-        engine k. `kv_caches` keeps virtual engine 0's; `ve_kv_caches[k]` all of k's."""
-        self.ve_kv_caches: list[dict[str, torch.Tensor]] = [{} for _ in range(self.pp_size)]
-        for name, layer in self.cache_layers().items():
-            shape = layer.kv_cache_shape(num_blocks, self.block_size)
-            caches = [
-                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-                for _ in range(self.pp_size)
-            ]
-            for ve, cache in enumerate(caches):
-                self.ve_kv_caches[ve][name] = cache
-            self.kv_caches[name] = caches[0]
-            layer.kv_cache = caches
 
     # ---- the driver: submit, then collect ---------------------------------------------------
 
