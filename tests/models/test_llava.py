@@ -285,3 +285,29 @@ def test_encoder_budget_of_one_image_per_step_equals_hf(llava_dir: str) -> None:
     assert len(engine.runner.kind_part.encoder_cache) == 0
     assert engine.scheduler.encoder_budget.num_held() == 0
     assert_pool_clean(engine)
+
+
+def test_two_pipeline_stages_equal_hf(llava_dir: str) -> None:
+    """Pipeline parallelism with a vision-language model: the first stage (the engine's
+    process) holds the vision tower and embeds the images, the second only its decoder layer;
+    chunks that cut images, on two virtual engines, give HF's tokens."""
+    from tokenwise.models.clip_vision import CLIPVisionTower
+
+    llm = LLM(
+        llava_dir,
+        dtype="float32",
+        pipeline_parallel_size=2,
+        num_gpu_blocks=128,
+        block_size=8,
+        max_num_batched_tokens=12,
+    )
+    try:
+        assert run(llm, CASES) == [hf_greedy(llava_dir, *c) for c in CASES]
+        runner = llm.llm_engine.runner
+        assert isinstance(runner.model.vision_tower, CLIPVisionTower)
+        assert runner.model.model.end_layer == 1  # the other layer is the second stage's
+        assert runner.kind_part.num_encoder_runs == 4
+        assert len(runner.kind_part.encoder_cache) == 0
+        assert_pool_clean(llm.llm_engine)
+    finally:
+        llm.shutdown()

@@ -48,6 +48,8 @@ PP_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    # Vision-language: the first stage holds the vision tower and embeds the images.
+    "LlavaForConditionalGeneration",
 )
 
 

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from tokenwise.config import EngineConfig
+from tokenwise.layers.pipeline import IntermediateTensors, StageAbsent
 from tokenwise.models.clip_vision import CLIPVisionTower, activation
 from tokenwise.models.image_merge import decode_with_images
 from tokenwise.models.llama import DecoderVariant, LlamaForCausalLM
@@ -102,14 +103,17 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
                 f"{self.select_strategy!r}"
             )
         self.image_token_index = int(image_token_id(mm))
-        self.vision_tower = CLIPVisionTower(vision, layers)
-        hidden = int(config.model.hf_config.hidden_size)
-        self.multi_modal_projector = LlavaProjector(
-            int(vision.hidden_size) * len(layers),
-            hidden,
-            str(getattr(mm, "projector_hidden_act", "gelu")),
-            bool(getattr(mm, "multimodal_projector_bias", True)),
-        )
+        # Under pipeline parallelism the images are the first stage's: it embeds the prompt.
+        self.vision_tower: nn.Module = StageAbsent()
+        self.multi_modal_projector: nn.Module = StageAbsent()
+        if self.model.is_first_stage:
+            self.vision_tower = CLIPVisionTower(vision, layers)
+            self.multi_modal_projector = LlavaProjector(
+                int(vision.hidden_size) * len(layers),
+                int(config.model.hf_config.hidden_size),
+                str(getattr(mm, "projector_hidden_act", "gelu")),
+                bool(getattr(mm, "multimodal_projector_bias", True)),
+            )
 
     def decoder_variant(self, hf_config: Any) -> DecoderVariant:  # type: ignore[override]
         return self._text_cls.decoder_variant(hf_config)
@@ -137,8 +141,12 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         positions: torch.Tensor,
         image_embeds: torch.Tensor | None = None,
         image_token_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """`image_embeds[i]` replaces the embedding of flat token `image_token_rows[i]`."""
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """`image_embeds[i]` replaces the embedding of flat token `image_token_rows[i]`; a
+        later pipeline stage starts from `intermediate_tensors` instead (no images there)."""
+        if intermediate_tensors is not None:
+            return self.model(input_ids, positions, intermediate_tensors=intermediate_tensors)
         return decode_with_images(self.model, input_ids, positions, image_embeds, image_token_rows)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -153,6 +161,8 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
                 if not name.startswith(IMAGE_MODULES):
                     yield name, tensor
                     continue
+                if not self.model.is_first_stage:
+                    continue  # another pipeline stage's
                 if self.vision_tower.skips(name[len("vision_tower.") :]):
                     continue
                 if name not in params:

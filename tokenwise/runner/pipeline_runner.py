@@ -153,6 +153,7 @@ class PipelineModelRunner(ModelRunner):
     def submit(self, sched: SchedulerOutput, virtual_engine: int) -> None:
         """Run stage 0 of virtual engine `virtual_engine`'s batch and send it on (no wait)."""
         self.channel.check_stages()
+        self.kind_part.begin_step(sched)
         self.input_batch = self._input_batches[virtual_engine]
         step, _ = self._prepare(sched, self.input_batch)
         num_sample_rows = len(step.logits_indices)
@@ -164,9 +165,10 @@ class PipelineModelRunner(ModelRunner):
         with self.channel.failures_named():
             if self.tp.active:  # stage 0's other TP ranks run the same batch
                 self.tp.broadcast(("pp_step", virtual_engine, payload))
-            out = self._run_stage(
-                step, self.step_metadata.build(step, tables), virtual_engine, None
-            )
+            metadata = self.step_metadata.build(step, tables)
+            # The kind's inputs (a vision-language model's images) enter at the first stage.
+            model_kwargs = self.kind_part.model_inputs(step, metadata)
+            out = self._run_stage(step, metadata, virtual_engine, None, model_kwargs)
             self.channel.send_step(virtual_engine, payload, out, [self._busy_s])
         self._in_flight.append(_InFlight(virtual_engine, step, num_sample_rows, prompt_rows))
 
@@ -223,12 +225,19 @@ class PipelineModelRunner(ModelRunner):
         attn_metadata: dict[str, AttentionMetadata],
         virtual_engine: int,
         intermediate: IntermediateTensors | None,
+        model_kwargs: dict[str, Any] | None = None,
     ) -> Any:
         started = time.perf_counter()
         with set_forward_context(
             attn_metadata, self.config, virtual_engine=virtual_engine, num_tokens=step.num_tokens
         ):
-            out = self.model(step.input_ids, step.positions, intermediate_tensors=intermediate)
+            model = self.kind_part.forward_model(model_kwargs)
+            out = model(
+                step.input_ids,
+                step.positions,
+                intermediate_tensors=intermediate,
+                **(model_kwargs or {}),
+            )
         self._busy_s += time.perf_counter() - started
         return out
 
