@@ -93,8 +93,11 @@ class ToyHybridForCausalLM(LlamaForCausalLM):
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
         registry = config.compilation.static_forward_context
+        model = self.model
         for i in config.model.hf_config.toy_recurrent_layers:
-            layer = self.model.layers[i]
+            if not model.start_layer <= i < model.end_layer:
+                continue  # another pipeline stage's layer
+            layer = model.layers[i]
             del registry[layer.self_attn.attn.layer_name]
             prefix = f"model.layers.{i}.self_attn.mixer"
             layer.self_attn = ToyMixerBlock(layer.self_attn, prefix, config)

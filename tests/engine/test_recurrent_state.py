@@ -219,6 +219,42 @@ def test_tensor_parallel_keeps_every_shard_in_step(
         two.shutdown()
 
 
+def test_pipeline_stages_keep_each_virtual_engine_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PP=2 over a four-layer toy with a recurrent layer on each stage: every virtual engine
+    has its own copy of each state, the driver plans with that engine's slots and each stage
+    does its own layers' copies, so chunked prefills and prefix hits (on both engines) give
+    one process's tokens."""
+    monkeypatch.setenv(ENV_PLUGINS, "tests.engine._toy_recurrent")
+    toy4 = toy_hybrid_checkpoint(checkpoint(num_hidden_layers=4), tmp_path / "toy4", [0, 2])
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    batches = [[REPETITIVE, PROMPT, PROMPT[:40]], [REPETITIVE + [5], PROMPT + [9, 9]]]
+
+    def run(llm: LLM) -> list[list[int]]:
+        return [
+            list(o.outputs[0].token_ids)
+            for batch in batches
+            for o in llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        ]
+
+    settings = {"num_gpu_blocks": 96, "max_num_batched_tokens": 32}
+    one = make(toy4, **settings)
+    want = run(one)
+    del one
+    two = make(toy4, **settings, pipeline_parallel_size=2)
+    try:
+        assert run(two) == want
+        engine = two.llm_engine
+        assert engine.get_stats().prefix_cache_hits > 0
+        mixer = engine.runner.recurrent.layers[0]
+        assert len(mixer.kv_cache) == 2 and mixer.kv_cache[0] is not mixer.kv_cache[1]
+        assert all(copy.abs().sum() > 0 for copy in mixer.kv_cache)  # both engines ran
+        assert_pool_clean(engine)
+    finally:
+        two.shutdown()
+
+
 def test_a_plugin_that_does_not_import_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_PLUGINS, "tests.engine.no_such_plugin")
     with pytest.raises(ValueError, match=r"TOKENWISE_PLUGINS names module 'tests.engine.no_"):

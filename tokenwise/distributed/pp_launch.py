@@ -37,20 +37,14 @@ from tokenwise.distributed.tp_launch import (
 )
 from tokenwise.distributed.tp_state import free_port
 
-# Dense decoder-only models whose `LlamaModel` runs as pipeline stages.
-# The Llama-family decoders (`models/llama.py`'s `LlamaModel` builds only a stage's layers),
-# their mixtures of experts included (`models/sparse_moe.py`).
-PP_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "MixtralForCausalLM",
-    "Qwen2MoeForCausalLM",
-    "Qwen3MoeForCausalLM",
-    # Vision-language: the first stage holds the vision tower and embeds the images.
-    "LlavaForConditionalGeneration",
-)
+
+def _stage_models() -> list[str]:
+    """The registered architectures whose model class runs as pipeline stages."""
+    from tokenwise.models.registry import MODEL_REGISTRY
+
+    return sorted(
+        arch for arch, cls in MODEL_REGISTRY.items() if getattr(cls, "supports_pp", False)
+    )
 
 
 def check_pipeline_config(config: EngineConfig) -> None:
@@ -61,11 +55,15 @@ def check_pipeline_config(config: EngineConfig) -> None:
         return
     model = config.model
     assert model is not None
+    from tokenwise.models.registry import resolve_model_class
+
     archs = list(model.architectures or [])
-    if not any(arch in PP_ARCHITECTURES for arch in archs):
+    # A model class says whether its stack builds one stage's layers (`supports_pp`).
+    if not getattr(resolve_model_class(archs), "supports_pp", False):
         raise ValueError(
-            f"pipeline_parallel_size={pp} supports Llama-family decoder-only models "
-            f"({', '.join(PP_ARCHITECTURES)}); this model is {', '.join(archs) or 'unknown'}"
+            f"pipeline_parallel_size={pp} is not supported for "
+            f"{', '.join(archs) or 'this model'} yet; models that run as pipeline stages: "
+            f"{', '.join(_stage_models())}"
         )
     pp_layer_partition(int(model.hf_config.num_hidden_layers), pp)
     blocks, block_size = config.cache.num_gpu_blocks, config.cache.block_size

@@ -181,6 +181,7 @@ class HybridModel(nn.Module):
 
 class Qwen3NextForCausalLM(MoeForCausalLM):
     is_moe: ClassVar[bool] = True
+    supports_pp: ClassVar[bool] = False  # its stack is built whole (no stage split yet)
     stacked_params_mapping = (
         *LlamaForCausalLM.stacked_params_mapping,
         ("in_proj", "in_proj_qkvz", "qkvz"),

@@ -174,7 +174,8 @@ class KVCacheSizer:
     def _state_memory(self, budget: int) -> int:
         """Bytes the recurrent states take out of `budget`: every wanted slot while they fit
         in half of it, else as many as do (at least one request's)."""
-        per_slot = self.kv_cache_layout.bytes_per_state_slot
+        # One copy of every state tensor per pipeline virtual engine.
+        per_slot = self.kv_cache_layout.bytes_per_state_slot * self.copies
         if not per_slot:
             return 0
         if budget < per_slot + self.kv_cache_bytes_per_block():

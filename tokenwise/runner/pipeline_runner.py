@@ -37,7 +37,7 @@ from tokenwise.distributed.pp_state import (
     get_pp_size,
 )
 from tokenwise.distributed.rendezvous import wait_polled
-from tokenwise.distributed.step_message import decode_step, encode_step, step_inputs
+from tokenwise.distributed.step_message import StatePlan, decode_step, encode_step, step_inputs
 from tokenwise.distributed.tp_channel import TPDriver
 from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from tokenwise.forward_context import set_forward_context
@@ -51,6 +51,8 @@ from tokenwise.runner.prompt_logprobs import (
     score_prompt_tokens,
 )
 from tokenwise.runner.sample_step import sample_step
+
+NO_LIMIT = 1 << 62
 
 
 @dataclass
@@ -91,6 +93,9 @@ class PipelineModelRunner(ModelRunner):
             )
             for _ in range(self.pp_size - 1)
         ]
+        if self.recurrent is not None:  # each virtual engine's batch mirrors the state group
+            for extra in self._input_batches[1:]:
+                extra.add_kv_cache_group(1)
         self._in_flight: deque[_InFlight] = deque()
         self._busy_s = 0.0
         # Every stage's busy seconds as of the last batch collected (driver).
@@ -128,14 +133,25 @@ class PipelineModelRunner(ModelRunner):
         """Blocks of each virtual engine's slice: the pool (`num_gpu_blocks`, or what the
         memory budget holds for this stage's layers) split over the P virtual engines, the
         smallest over the stages (collective: every stage calls it once, in the same order)."""
-        per_engine = torch.tensor([super().determine_num_blocks() // self.pp_size])
+        per_engine = super().determine_num_blocks() // self.pp_size
+        # Recurrent-state slots too: the driver's block managers hand out what every stage
+        # holding state layers has (a stage without any says "no limit").
+        slots = self.kv_sizer.num_state_slots if self.recurrent is not None else NO_LIMIT
+        agreed = torch.tensor([per_engine, slots, int(self.recurrent is not None)])
+        every = [torch.empty_like(agreed) for _ in range(dist.get_world_size())]
         self._wait_for_stages(
-            dist.all_reduce(
-                per_engine, op=dist.ReduceOp.MIN, group=get_pp_idle_group(), async_op=True
-            ),
+            dist.all_gather(every, agreed, group=get_pp_idle_group(), async_op=True),
             "agreeing on the KV cache size",
         )
-        num_blocks = int(per_engine.item())
+        num_blocks = min(int(t[0]) for t in every)
+        with_state = {int(t[2]) for t in every}
+        if len(with_state) > 1:
+            raise ValueError(
+                "some pipeline stages hold recurrent-state layers and others none: every "
+                f"stage must hold some (set {ENV_LAYER_PARTITION} accordingly)"
+            )
+        if self.recurrent is not None:
+            self.kv_sizer.num_state_slots = min(int(t[1]) for t in every)
         if num_blocks < 1:
             raise ValueError(
                 f"the KV cache holds fewer blocks than pipeline_parallel_size={self.pp_size} "
@@ -161,14 +177,17 @@ class PipelineModelRunner(ModelRunner):
         if prompt_rows is not None:  # after the sampling rows; the last stage computes them
             step.logits_indices = step.logits_indices + prompt_rows.flat_indices
         tables = self.step_metadata.tables(self.input_batch, step)
-        payload = encode_step(step, tables)  # bytes: owned, whatever the buffers do next
+        plan = None
+        if self.recurrent is not None:
+            plan = self.recurrent.plan(step, self.input_batch)
+        payload = encode_step(step, tables, states=plan)  # bytes: owned from here on
         with self.channel.failures_named():
             if self.tp.active:  # stage 0's other TP ranks run the same batch
                 self.tp.broadcast(("pp_step", virtual_engine, payload))
             metadata = self.step_metadata.build(step, tables)
             # The kind's inputs (a vision-language model's images) enter at the first stage.
             model_kwargs = self.kind_part.model_inputs(step, metadata)
-            out = self._run_stage(step, metadata, virtual_engine, None, model_kwargs)
+            out = self._run_stage(step, metadata, virtual_engine, None, model_kwargs, plan)
             self.channel.send_step(virtual_engine, payload, out, [self._busy_s])
         self._in_flight.append(_InFlight(virtual_engine, step, num_sample_rows, prompt_rows))
 
@@ -226,8 +245,13 @@ class PipelineModelRunner(ModelRunner):
         virtual_engine: int,
         intermediate: IntermediateTensors | None,
         model_kwargs: dict[str, Any] | None = None,
+        plan: StatePlan | None = None,
     ) -> Any:
+        """This stage's layers over one micro-batch of `virtual_engine` (with its recurrent
+        states' copies before and after, when `plan` has any)."""
         started = time.perf_counter()
+        if plan is not None and self.recurrent is not None:
+            attn_metadata.update(self.recurrent.begin(plan, virtual_engine))
         with set_forward_context(
             attn_metadata, self.config, virtual_engine=virtual_engine, num_tokens=step.num_tokens
         ):
@@ -238,6 +262,8 @@ class PipelineModelRunner(ModelRunner):
                 intermediate_tensors=intermediate,
                 **(model_kwargs or {}),
             )
+        if plan is not None and self.recurrent is not None:
+            self.recurrent.finish(plan, virtual_engine)
         self._busy_s += time.perf_counter() - started
         return out
 
@@ -263,12 +289,15 @@ class PipelineModelRunner(ModelRunner):
                 channel.forward_stop()
                 return
             virtual_engine, payload, received, busy = message
-            step, tables = step_inputs(decode_step(payload), self.device)
+            message = decode_step(payload)
+            step, tables = step_inputs(message, self.device)
             intermediate = None
             if received is not None:
                 intermediate = IntermediateTensors(*(t.to(self.device) for t in received))
             metadata = self.step_metadata.build(step, tables)
-            out = self._run_stage(step, metadata, virtual_engine, intermediate)
+            out = self._run_stage(
+                step, metadata, virtual_engine, intermediate, None, message.states
+            )
             busy = [*busy, self._busy_s]
             if not channel.is_last:
                 channel.send_step(virtual_engine, payload, out, busy)

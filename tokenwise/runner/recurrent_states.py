@@ -15,7 +15,10 @@ taken (`kv_cache.managers.RecurrentStateManager`); the scheduler's output carrie
 Copies run over every recurrent layer's tensor. The driver plans a step's copies
 (`StatePlan`) and sends the plan to its TP workers inside the step message; after sampling it
 sends them the rollbacks (`("restore", pairs)`), so every rank keeps its shard of each state in
-step. Pipeline stages, micro-batches and graphs are refused for such models for now.
+step. Under pipeline parallelism each virtual engine has its own copy of every state tensor
+(`layer.kv_cache[k]`, its own slots from its own block manager); the driver plans with that
+virtual engine's input batch and each stage does the copies for its own layers. Micro-batches
+and graphs are refused for such models for now.
 """
 
 from __future__ import annotations
@@ -67,35 +70,24 @@ class RecurrentStates:
                 "state sizes); one is supported"
             )
         parallel = config.parallel
-        cls.check_supported(
-            parallel.pipeline_parallel_size, parallel.enable_microbatching and dp_lockstep
-        )
+        if parallel.enable_microbatching and dp_lockstep:
+            raise ValueError("micro-batching is not supported for recurrent-state layers yet")
         g, group = found[0]
         return cls(g, group.layer_names, layers, batch)
 
-    @staticmethod
-    def check_supported(pp_size: int, dp_ubatch: bool) -> None:
-        if pp_size > 1:
-            raise ValueError(
-                f"pipeline_parallel_size={pp_size} is not supported for models with "
-                "recurrent-state layers yet; run them with 1 (tensor parallelism works)"
-            )
-        if dp_ubatch:
-            raise ValueError("micro-batching is not supported for recurrent-state layers yet")
-
-    def _tensors(self) -> list[torch.Tensor]:
-        return [layer.kv_cache[0] for layer in self.layers]
-
-    def _live_slot(self, row: int) -> int:
-        return int(self.batch.group_tables[self.group_id][row, 0])
+    def _tensors(self, virtual_engine: int = 0) -> list[torch.Tensor]:
+        return [layer.kv_cache[virtual_engine] for layer in self.layers]
 
     # ---- the driver: what this step does -------------------------------------------------
 
-    def plan(self, step: StepInputs) -> StatePlan:
+    def plan(self, step: StepInputs, batch: InputBatch | None = None) -> StatePlan:
         """This step's state work, from the scheduler's instructions (driver only; TP workers
-        receive it in the step message). Padding rows use the scratch slot past the last."""
+        and later pipeline stages receive it in the step message). `batch`: the input batch
+        the step was laid out in (a pipeline virtual engine's; default the runner's). Padding
+        rows use the scratch slot past the last."""
+        tables = (batch or self.batch).group_tables[self.group_id]
         scratch = self._tensors()[0].shape[0] - 1
-        slots = [self._live_slot(int(row)) for row in step.rows]
+        slots = [int(tables[int(row), 0]) for row in step.rows]
         init, snapshot = [], []
         for item, live in zip(step.scheduled, slots, strict=False):
             todo = item.state_step
@@ -128,10 +120,10 @@ class RecurrentStates:
 
     # ---- every rank: doing it ----------------------------------------------------------------
 
-    def begin(self, plan: StatePlan) -> dict[str, RecurrentMetadata]:
+    def begin(self, plan: StatePlan, virtual_engine: int = 0) -> dict[str, RecurrentMetadata]:
         """Start new live states (zeros, or a prefix hit's snapshot); the step's metadata."""
         for live, source in plan.init:
-            for t in self._tensors():
+            for t in self._tensors(virtual_engine):
                 if source < 0:
                     t[live].zero_()
                 else:
@@ -139,10 +131,10 @@ class RecurrentStates:
         self._last = RecurrentMetadata(list(plan.slots), list(plan.starts), list(plan.keep))
         return {name: self._last for name in self.layer_names}
 
-    def finish(self, plan: StatePlan) -> None:
+    def finish(self, plan: StatePlan, virtual_engine: int = 0) -> None:
         """Copy each finished block's state into its snapshot slot."""
         for live, dst in plan.snapshot:
-            for t in self._tensors():
+            for t in self._tensors(virtual_engine):
                 t[dst].copy_(t[live])
 
     def restore(self, pairs: list[tuple[int, int]], tp: TPDriver | None = None) -> None:
