@@ -104,7 +104,7 @@ def test_profiled_kv_cache_keeps_the_process_within_gpu_memory_utilization(
     assert peak <= utilization * total, (peak / 2**30, utilization * total / 2**30, report)
     # ... and the budget was used: the KV cache alone is most of it for a 0.6B model.
     runner = llm.llm_engine.runner
-    kv = runner.num_blocks * runner.kv_cache_bytes_per_block()
+    kv = runner.num_blocks * runner.kv_sizer.kv_cache_bytes_per_block()
     assert kv >= 0.5 * utilization * total
 
 

@@ -48,14 +48,14 @@ def pp_llm(path: str, **kwargs: Any) -> LLM:
 
 def _record_in_flight(llm: LLM) -> list[int]:
     """Wrap the driver's `submit` to record how many batches were in flight after each one."""
-    runner = llm.llm_engine.runner
-    submit, seen = runner.submit, []
+    pipeline = llm.llm_engine.runner.pipeline
+    submit, seen = pipeline.submit, []
 
     def recording(sched: Any, virtual_engine: int) -> None:
         submit(sched, virtual_engine)
-        seen.append(runner.num_in_flight)
+        seen.append(pipeline.num_in_flight)
 
-    runner.submit = recording
+    pipeline.submit = recording
     return seen
 
 
@@ -99,7 +99,7 @@ def test_pp2_gives_hf_tokens_on_two_virtual_engines(arch: str) -> None:
         assert stats.prefix_cache_hits > 0
         # Both stages computed at once: two batches were in flight, and each stage was busy.
         assert max(in_flight) == 2
-        assert all(busy > 0 for busy in engine.runner.stage_busy_seconds())
+        assert all(busy > 0 for busy in engine.runner.pipeline.stage_busy_seconds())
         assert_pool_clean(engine)
         for manager in engine.block_manager.managers:
             manager.check_invariants()
@@ -259,7 +259,7 @@ def test_pp2_x_tp2_uneven_partition_abort_in_flight_and_a_killed_stage(
         engine.add_request("a", prompts[0], params)
         engine.add_request("b", prompts[1], params)
         engine.step()
-        assert engine.runner.num_in_flight == 1
+        assert engine.runner.pipeline.num_in_flight == 1
         engine.abort_request("a")
         tokens: dict[str, list[int]] = {"a": [], "b": []}  # step outputs are deltas
         reasons = {}
@@ -272,7 +272,7 @@ def test_pp2_x_tp2_uneven_partition_abort_in_flight_and_a_killed_stage(
         assert reasons == {"a": "abort", "b": "length"}
         assert tokens["b"] == hf_greedy(path, prompts[1], MAX_TOKENS)
         assert_pool_clean(engine)
-        stage1_tp1 = engine.runner.channel.workers.procs[2]  # global rank 3
+        stage1_tp1 = engine.runner.pipeline.channel.workers.procs[2]  # global rank 3
         os.kill(stage1_tp1.pid, signal.SIGKILL)
         stage1_tp1.join(timeout=5)
         start = time.monotonic()

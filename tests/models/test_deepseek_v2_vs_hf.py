@@ -228,7 +228,7 @@ def test_cache_holds_the_latent_only_and_the_log_says_so(caplog: pytest.LogCaptu
     assert len(runner.kv_caches) == hf.num_hidden_layers
     for cache in runner.kv_caches.values():
         assert cache.shape == (40 + 1, 16, latent)  # one trash block, 16 tokens a block
-    assert runner.kv_cache_bytes_per_block() == hf.num_hidden_layers * 16 * latent * 4
+    assert runner.kv_sizer.kv_cache_bytes_per_block() == hf.num_hidden_layers * 16 * latent * 4
     report = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:")]
     assert len(report) == 1
     assert "MLA latent: 40 elements (160 bytes) per token per layer x 3 layers" in report[0]

@@ -42,7 +42,7 @@ def test_pool_smaller_than_one_sequence_is_refused(path: str) -> None:
 
 def test_memory_budget_smaller_than_one_sequence_is_refused(path: str) -> None:
     llm = LLM(path, dtype="float32", max_model_len=64, num_gpu_blocks=4)
-    block_bytes = llm.llm_engine.runner.kv_cache_bytes_per_block()
+    block_bytes = llm.llm_engine.runner.kv_sizer.kv_cache_bytes_per_block()
     with pytest.raises(ValueError, match="max_model_len=512"):
         LLM(path, dtype="float32", kv_cache_memory=10 * block_bytes)  # 160 of 512 tokens
 

@@ -110,7 +110,7 @@ def _timed_run(
     params = [
         SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests
     ]
-    busy_seconds = getattr(llm.llm_engine.runner, "stage_busy_seconds", None)
+    busy_seconds = getattr(llm.llm_engine.runner.pipeline, "stage_busy_seconds", None)
     try:
         before = busy_seconds() if busy_seconds is not None else None
         start = time.perf_counter()

@@ -117,7 +117,7 @@ class LLMEngine:
         if pp > 1:
             self.block_manager = VirtualEngineBlockManagers(managers)
             self.scheduler = VirtualEngineSchedulers(schedulers)
-            self.pipeline = PipelineLoop(self, self.runner, schedulers)
+            self.pipeline = PipelineLoop(self, self.runner.pipeline, schedulers)
         self._stats = EngineStats(num_total_blocks=num_blocks * pp)
         # The caller's requests (id -> its samples) and what each sample reports.
         self.output_processor = OutputProcessor(self.tokenizer, self._stats)

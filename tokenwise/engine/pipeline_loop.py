@@ -23,17 +23,15 @@ from typing import Any
 from tokenwise.engine.request import Request, RequestStatus
 from tokenwise.engine.scheduler import Scheduler
 from tokenwise.engine.step_outputs import SchedulerOutput
-from tokenwise.runner.pipeline_runner import PipelineModelRunner
+from tokenwise.runner.pipeline_stages import PipelineStages
 
 
 class PipelineLoop:
-    def __init__(
-        self, engine: Any, runner: PipelineModelRunner, schedulers: list[Scheduler]
-    ) -> None:
+    def __init__(self, engine: Any, pipeline: PipelineStages, schedulers: list[Scheduler]) -> None:
         """`engine`: the `LLMEngine` whose outputs and statistics the steps produce (typed
         Any: the engine loop sits above this module)."""
         self.engine = engine
-        self.runner = runner
+        self.pipeline = pipeline  # the driver runner's pipeline part
         self.schedulers = schedulers
         self.size = len(schedulers)
         self._next = 0
@@ -74,7 +72,7 @@ class PipelineLoop:
             scheduled = self.schedulers[virtual_engine].schedule()
             engine.warn_aborted(scheduled)
             if not scheduled.is_empty:
-                self.runner.submit(scheduled, virtual_engine)
+                self.pipeline.submit(scheduled, virtual_engine)
                 self._in_flight.append((virtual_engine, scheduled, started))
                 submitted = True
         # A step's record describes the batch it collected (each batch is recorded once), or
@@ -84,7 +82,7 @@ class PipelineLoop:
         if self._in_flight and (len(self._in_flight) == self.size or not submitted):
             _, done, scheduled_at = self._in_flight.popleft()
             engine.step_recorder.begin(done, scheduled_at, engine._stats)
-            _, result = self.runner.collect()
+            _, result = self.pipeline.collect()
             engine.step_recorder.forward_done()
             engine.apply_result(done, result, touched)
             self._finish_pending()

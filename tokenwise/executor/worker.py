@@ -9,7 +9,7 @@ A worker other than the driver has no scheduler: `serve` runs the driver's messa
 told to stop. The messages are tuples whose first item names them: `step` (a `StepMessage`),
 `dummy` (a DP rank's empty forward), `restore` (a recurrent model's rollback after
 verification), `rpc` (a method every worker runs, `collective_rpc`) and `stop`; a pipeline
-stage's loop is the pipeline runner's own (`serve_pipeline_steps`).
+stage's loop is the runner's pipeline part's (`PipelineStages.serve`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from tokenwise.platform import configure_cpu_allocator
 from tokenwise.runner.kind_part import RunnerKindPart
 from tokenwise.runner.model_runner import ModelRunner
-from tokenwise.runner.pipeline_runner import PipelineModelRunner
 
 logger = logging.getLogger("tokenwise.engine")
 
@@ -53,8 +52,8 @@ class Worker:
 
     `kind_part` is what the model kind adds to the runner's step, on the driver (a worker rank
     runs the plain decoder step: a kind's extra inputs run on the driver only); `pipeline` is
-    the channel between stages when the engine is a pipeline (its runner is then a
-    `PipelineModelRunner`).
+    the channel between stages when the engine is a pipeline (its runner then holds a
+    `PipelineStages` part).
     """
 
     def __init__(
@@ -97,12 +96,9 @@ class Worker:
         (the engine builds its model kind there)."""
 
         def make_runner() -> Any:
-            if self.pipeline is not None:
-                self.runner = PipelineModelRunner(
-                    self.config, self.device, self.tp, self.pipeline, self.kind_part
-                )
-            else:
-                self.runner = ModelRunner(self.config, self.device, self.tp, self.kind_part)
+            self.runner = ModelRunner(
+                self.config, self.device, self.tp, self.kind_part, self.pipeline
+            )
             if on_runner is not None:
                 on_runner(self.runner)
             return self.runner
@@ -123,8 +119,8 @@ class Worker:
     @torch.inference_mode()
     def serve(self) -> None:
         """Run the driver's messages until it says stop (a rank other than the driver)."""
-        if isinstance(self.runner, PipelineModelRunner):
-            self.runner.serve_pipeline_steps()
+        if self.runner.pipeline is not None:
+            self.runner.pipeline.serve()
             return
         while True:
             message = self.tp.receive()

@@ -224,6 +224,23 @@ class KVCacheSizer:
         logger.info("memory of CUDA graphs (measured by capturing them): %.2f GiB", graphs / 2**30)
         return graphs
 
+    def allocate(self, num_blocks: int) -> None:
+        """The pool's cache tensors, bound to their layers (none for a model that keeps
+        none), and a log line of what they cost."""
+        if not self.needs_kv_cache:
+            if num_blocks:
+                raise ValueError(f"this model keeps no KV cache, got {num_blocks} blocks")
+            logger.info("no KV cache: the model's attention keeps nothing between steps")
+            return
+        self.bind(num_blocks)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB); %s",
+            num_blocks,
+            self.block_size,
+            num_blocks * self.kv_cache_bytes_per_block() * self.copies / 2**20,
+            self.report(),
+        )
+
     def bind(self, num_blocks: int) -> None:
         """Allocate the layout's cache tensors (`copies` of each) and bind each to its layers
         by name: `layer.kv_cache[k]` is copy k."""

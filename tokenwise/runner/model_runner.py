@@ -20,6 +20,7 @@ from tokenwise.attention.utils import AttentionType
 from tokenwise.compilation.compile import compile_model
 from tokenwise.config import CUDAGraphMode, EngineConfig
 from tokenwise.distributed.dp_coordination import DPStepCounts, coordinate_step_across_dp
+from tokenwise.distributed.pp_channel import PipelineChannel
 from tokenwise.distributed.step_message import decode_step, encode_step, step_inputs
 from tokenwise.distributed.tp_channel import TPDriver
 from tokenwise.distributed.tp_state import get_tp_size
@@ -36,6 +37,7 @@ from tokenwise.runner.graph_setup import default_capture_sizes, graph_setup
 from tokenwise.runner.input_batch import InputBatch, StepInputs
 from tokenwise.runner.kind_part import RunnerKindPart
 from tokenwise.runner.kv_cache_sizing import KVCacheSizer, cache_layers, make_kv_cache_layout
+from tokenwise.runner.pipeline_stages import PipelineStages
 from tokenwise.runner.prompt_logprobs import plan_prompt_logprobs, score_prompt_tokens
 from tokenwise.runner.recurrent_states import RecurrentStates
 from tokenwise.runner.request_states import RequestStates
@@ -58,12 +60,13 @@ class ModelRunner:
         device: str | torch.device = "cpu",
         tp: TPDriver | None = None,
         kind_part: type[RunnerKindPart] = RunnerKindPart,
-        kv_cache_copies: int = 1,
+        pipeline: PipelineChannel | None = None,
     ) -> None:
         """`tp` is the channel to the other TP ranks, which this rank's worker has joined
         (`tokenwise/executor/`); None without tensor parallelism. `kind_part` is what the
-        model kind adds to a step (`runner/kind_part.py`). `kv_cache_copies`: one cache per
-        pipeline virtual engine."""
+        model kind adds to a step (`runner/kind_part.py`). `pipeline`: the link to the
+        neighbouring pipeline stages (the runner then holds a `PipelineStages` part and one
+        KV cache per virtual engine)."""
         if config.model is None:
             raise ValueError("ModelRunner needs EngineConfig.model (a ModelConfig)")
         self.config = config
@@ -170,18 +173,20 @@ class ModelRunner:
             self.tp,
             self.graph_runner,
             self.kind_part.needs_kv_cache,
-            copies=kv_cache_copies,
+            copies=config.parallel.pipeline_parallel_size if pipeline is not None else 1,
         )
         self.kind_part.setup()
+        self.pipeline = PipelineStages(self, pipeline) if pipeline is not None else None
 
     # ---- KV cache (sized and allocated by `kv_sizer`) ---------------------------------------
 
     def determine_num_blocks(self) -> int:
-        """KV blocks for the pool, agreed over the TP ranks (a start-up collective)."""
-        return self.kv_sizer.determine_num_blocks()
-
-    def kv_cache_bytes_per_block(self) -> int:
-        return self.kv_sizer.kv_cache_bytes_per_block()
+        """KV blocks for the pool, agreed over the TP ranks (a start-up collective); under
+        pipeline parallelism, of each virtual engine's slice, agreed over the stages."""
+        num_blocks = self.kv_sizer.determine_num_blocks()
+        if self.pipeline is not None:
+            num_blocks = self.pipeline.agree_on_num_blocks(num_blocks)
+        return num_blocks
 
     def cache_layers(self) -> dict[str, AttentionLayerBase]:
         """The attention layers that keep a KV cache (encoder-only attention keeps none)."""
@@ -199,20 +204,10 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache, then capture CUDA graphs on it (when the mode has any)."""
-        if not self.kind_part.needs_kv_cache:
-            if num_blocks:
-                raise ValueError(f"this model keeps no KV cache, got {num_blocks} blocks")
-            logger.info("no KV cache: the model's attention keeps nothing between steps")
-            return
-        self.kv_sizer.bind(num_blocks)
+        self.kv_sizer.allocate(num_blocks)
         self.num_blocks = num_blocks
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB); %s",
-            num_blocks,
-            self.block_size,
-            num_blocks * self.kv_cache_bytes_per_block() * self.kv_sizer.copies / 2**20,
-            self.kv_sizer.report(),
-        )
+        if not self.kind_part.needs_kv_cache:
+            return
         if self.graph_runner is not None and self.device.type != "cuda":
             self.graph_runner.capture()  # CPU graphs: recorded kernel calls, no device memory
         elif self.graph_runner is not None:
@@ -228,6 +223,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: the scheduler's output is the only input."""
+        if self.pipeline is not None:  # through every stage, on virtual engine 0
+            return self.pipeline.execute_model(scheduler_output)
         self.kind_part.begin_step(scheduler_output)
         step, ordered = self._prepare(scheduler_output, self.input_batch)
         num_sample_rows = len(step.logits_indices)
@@ -395,6 +392,8 @@ class ModelRunner:
         as one uncached sequence). This rank's (dummy) count goes into the step's one DP
         coordination, as every rank's does, and the result into the forward context.
         """
+        if self.pipeline is not None:
+            raise RuntimeError("pipeline parallelism runs no dummy batches (it refuses DP)")
         if self.tp.is_driver and self.tp_size > 1:
             self.tp.broadcast(("dummy", num_tokens))
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)

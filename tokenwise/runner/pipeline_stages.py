@@ -1,4 +1,10 @@
-"""The model runner of one pipeline stage, with one virtual engine per micro-batch in flight.
+"""Pipeline parallelism's part of the runner: one stage, one virtual engine per micro-batch
+in flight.
+
+`PipelineStages` is a part the runner holds (`runner.pipeline`), not a subclass of it: the
+runner's step (its kind's inputs included: a vision-language model's images enter at the first
+stage) is laid out and its metadata built as for one process; this part decides which virtual
+engine's batch it uses, sends the activations on and receives the logits.
 
 Every stage holds its layers only (`pp_state.pp_layer_range`) and, for each attention layer,
 one KV cache per virtual engine: `layer.kv_cache[k]` is virtual engine k's slice, which the
@@ -38,13 +44,10 @@ from tokenwise.distributed.pp_state import (
 )
 from tokenwise.distributed.rendezvous import wait_polled
 from tokenwise.distributed.step_message import StatePlan, decode_step, encode_step, step_inputs
-from tokenwise.distributed.tp_channel import TPDriver
 from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from tokenwise.forward_context import set_forward_context
 from tokenwise.layers.pipeline import IntermediateTensors
 from tokenwise.runner.input_batch import InputBatch, StepInputs
-from tokenwise.runner.kind_part import RunnerKindPart
-from tokenwise.runner.model_runner import ModelRunner
 from tokenwise.runner.prompt_logprobs import (
     PromptLogprobRows,
     plan_prompt_logprobs,
@@ -65,23 +68,20 @@ class _InFlight:
     prompt_rows: PromptLogprobRows | None
 
 
-class PipelineModelRunner(ModelRunner):
-    def __init__(
-        self,
-        config: EngineConfig,
-        device: str | torch.device,
-        tp: TPDriver,
-        channel: PipelineChannel,
-        kind_part: type[RunnerKindPart] = RunnerKindPart,
-    ) -> None:
+class PipelineStages:
+    def __init__(self, runner: Any, channel: PipelineChannel) -> None:
         """`channel` is the link to the neighbouring stages, which this rank's worker joined
-        (`tokenwise/executor/`)."""
+        (`tokenwise/executor/`); `runner` the model runner this part belongs to (its cache
+        has one copy per virtual engine)."""
+        self.runner = runner
         self.channel = channel
-        pp_size = config.parallel.pipeline_parallel_size
-        super().__init__(config, device, tp, kind_part, kv_cache_copies=pp_size)
+        self.config: EngineConfig = runner.config
+        self.device = runner.device
+        self.tp = runner.tp
+        self.recurrent = runner.recurrent
         self._check_layer_ranges()
         self.pp_rank, self.pp_size = get_pp_rank(), get_pp_size()
-        batch = self.input_batch
+        batch = runner.input_batch
         self._input_batches = [batch] + [
             InputBatch(
                 batch.max_num_reqs,
@@ -104,7 +104,7 @@ class PipelineModelRunner(ModelRunner):
     def _check_layer_ranges(self) -> None:
         """Every process read the partition itself (torchrun: on its own machine); refuse
         stages whose layer ranges do not follow each other (collective, at start-up)."""
-        model = self.model.model
+        model = self.runner.model.model
         mine = torch.tensor([get_pp_rank(), model.start_layer, model.end_layer])
         parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         self._wait_for_stages(
@@ -129,14 +129,15 @@ class PipelineModelRunner(ModelRunner):
 
     # ---- KV cache: one copy per virtual engine (`kv_sizer.copies`) --------------------------
 
-    def determine_num_blocks(self) -> int:
+    def agree_on_num_blocks(self, pool_blocks: int) -> int:
         """Blocks of each virtual engine's slice: the pool (`num_gpu_blocks`, or what the
         memory budget holds for this stage's layers) split over the P virtual engines, the
         smallest over the stages (collective: every stage calls it once, in the same order)."""
-        per_engine = super().determine_num_blocks() // self.pp_size
+        sizer = self.runner.kv_sizer
+        per_engine = pool_blocks // self.pp_size
         # Recurrent-state slots too: the driver's block managers hand out what every stage
         # holding state layers has (a stage without any says "no limit").
-        slots = self.kv_sizer.num_state_slots if self.recurrent is not None else NO_LIMIT
+        slots = sizer.num_state_slots if self.recurrent is not None else NO_LIMIT
         agreed = torch.tensor([per_engine, slots, int(self.recurrent is not None)])
         every = [torch.empty_like(agreed) for _ in range(dist.get_world_size())]
         self._wait_for_stages(
@@ -151,7 +152,7 @@ class PipelineModelRunner(ModelRunner):
                 f"stage must hold some (set {ENV_LAYER_PARTITION} accordingly)"
             )
         if self.recurrent is not None:
-            self.kv_sizer.num_state_slots = min(int(t[1]) for t in every)
+            sizer.num_state_slots = min(int(t[1]) for t in every)
         if num_blocks < 1:
             raise ValueError(
                 f"the KV cache holds fewer blocks than pipeline_parallel_size={self.pp_size} "
@@ -169,24 +170,26 @@ class PipelineModelRunner(ModelRunner):
     def submit(self, sched: SchedulerOutput, virtual_engine: int) -> None:
         """Run stage 0 of virtual engine `virtual_engine`'s batch and send it on (no wait)."""
         self.channel.check_stages()
-        self.kind_part.begin_step(sched)
-        self.input_batch = self._input_batches[virtual_engine]
-        step, _ = self._prepare(sched, self.input_batch)
+        r = self.runner
+        r.kind_part.begin_step(sched)
+        # This virtual engine's batch (its rows and block tables) lays out the step.
+        batch = r.input_batch = self._input_batches[virtual_engine]
+        step, _ = r._prepare(sched, batch)
         num_sample_rows = len(step.logits_indices)
         prompt_rows = plan_prompt_logprobs(step)
         if prompt_rows is not None:  # after the sampling rows; the last stage computes them
             step.logits_indices = step.logits_indices + prompt_rows.flat_indices
-        tables = self.step_metadata.tables(self.input_batch, step)
+        tables = r.step_metadata.tables(batch, step)
         plan = None
         if self.recurrent is not None:
-            plan = self.recurrent.plan(step, self.input_batch)
+            plan = self.recurrent.plan(step, batch)
         payload = encode_step(step, tables, states=plan)  # bytes: owned from here on
         with self.channel.failures_named():
             if self.tp.active:  # stage 0's other TP ranks run the same batch
                 self.tp.broadcast(("pp_step", virtual_engine, payload))
-            metadata = self.step_metadata.build(step, tables)
+            metadata = r.step_metadata.build(step, tables)
             # The kind's inputs (a vision-language model's images) enter at the first stage.
-            model_kwargs = self.kind_part.model_inputs(step, metadata)
+            model_kwargs = r.kind_part.model_inputs(step, metadata)
             out = self._run_stage(step, metadata, virtual_engine, None, model_kwargs, plan)
             self.channel.send_step(virtual_engine, payload, out, [self._busy_s])
         self._in_flight.append(_InFlight(virtual_engine, step, num_sample_rows, prompt_rows))
@@ -210,15 +213,16 @@ class PipelineModelRunner(ModelRunner):
         logprobs = None
         if sampled:
             states = step.sampled_states
+            r = self.runner
             token_ids, logprobs = sample_step(
-                self.sampler,
+                r.sampler,
                 logits[: batch.num_sample_rows],
                 sampled,
                 states,
-                self.model_config.vocab_size,
+                r.model_config.vocab_size,
                 self.device,
             )
-            self.requests.record(states, token_ids)
+            r.requests.record(states, token_ids)
         output = ModelRunnerOutput(
             sampled, token_ids, logprobs, step.num_tokens, prompt_logprobs=prompt_lps
         )
@@ -255,7 +259,7 @@ class PipelineModelRunner(ModelRunner):
         with set_forward_context(
             attn_metadata, self.config, virtual_engine=virtual_engine, num_tokens=step.num_tokens
         ):
-            model = self.kind_part.forward_model(model_kwargs)
+            model = self.runner.kind_part.forward_model(model_kwargs)
             out = model(
                 step.input_ids,
                 step.positions,
@@ -279,7 +283,7 @@ class PipelineModelRunner(ModelRunner):
         return virtual_engine, payload, None, [self._busy_s]
 
     @torch.inference_mode()
-    def serve_pipeline_steps(self) -> None:
+    def serve(self) -> None:
         """A stage's loop (every process but the driver): run each micro-batch it receives
         under its virtual engine and send it on, until told to stop (which it passes on)."""
         channel = self.channel
@@ -289,23 +293,20 @@ class PipelineModelRunner(ModelRunner):
                 channel.forward_stop()
                 return
             virtual_engine, payload, received, busy = message
-            message = decode_step(payload)
-            step, tables = step_inputs(message, self.device)
+            step_message = decode_step(payload)
+            step, tables = step_inputs(step_message, self.device)
             intermediate = None
             if received is not None:
                 intermediate = IntermediateTensors(*(t.to(self.device) for t in received))
-            metadata = self.step_metadata.build(step, tables)
+            metadata = self.runner.step_metadata.build(step, tables)
             out = self._run_stage(
-                step, metadata, virtual_engine, intermediate, None, message.states
+                step, metadata, virtual_engine, intermediate, None, step_message.states
             )
             busy = [*busy, self._busy_s]
             if not channel.is_last:
                 channel.send_step(virtual_engine, payload, out, busy)
             elif step.logits_indices:
                 started = time.perf_counter()
-                logits = self._logits(out, step.logits_indices)
+                logits = self.runner._logits(out, step.logits_indices)
                 self._busy_s += time.perf_counter() - started
                 channel.send_logits(logits, [*busy[:-1], self._busy_s])
-
-    def execute_dummy_batch(self, num_tokens: int = 1) -> None:
-        raise RuntimeError("pipeline parallelism runs no dummy batches (it refuses DP)")
