@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from typing import Any
 
 import zmq
@@ -29,6 +30,10 @@ import zmq.utils.monitor
 from zmq.utils import z85
 
 logger = logging.getLogger(__name__)
+
+#: A refused peer retries (ZeroMQ reconnects every 100 ms): one log line per listening endpoint
+#: per this many seconds (`num_refused` counts them all).
+LOG_EVERY_S = 30.0
 
 #: The monitor events of a peer refused during the CurveZMQ handshake.
 HANDSHAKE_FAILED = (
@@ -94,6 +99,8 @@ class CurveServer:
         self.what, self.peer = what, peer
         self._keys = curve_keys(secret, domain)
         self._monitors: list[tuple[zmq.Socket, zmq.Socket]] = []
+        self._last_logged: dict[str, float] = {}  # endpoint -> when its refusal was logged
+        self.num_refused = 0
         self._auth: Any = zmq.auth.thread.ThreadAuthenticator(context)
         self._auth.start()
         self._auth.configure_curve_callback("*", _AdmitOne(self._keys["client_public"], what, peer))
@@ -108,11 +115,18 @@ class CurveServer:
             self._monitors.append((sock, sock.get_monitor_socket(HANDSHAKE_FAILED)))
 
     def refused(self, event: dict[str, Any]) -> None:
+        """Count a refusal from a monitor `event`; log it unless its endpoint's was recent."""
+        self.num_refused += 1
+        endpoint = event["endpoint"].decode(errors="replace")
+        now = time.monotonic()
+        if now - self._last_logged.get(endpoint, -LOG_EVERY_S) < LOG_EVERY_S:
+            return
+        self._last_logged[endpoint] = now
         logger.warning(
             "%s: refused a %s at %s without the shared secret (CurveZMQ handshake failed, code %s)",
             self.what,
             self.peer,
-            event["endpoint"].decode(errors="replace"),
+            endpoint,
             event["value"],
         )
 
