@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tests._optional import require
-from tests.tiny_checkpoints import build_tiny_checkpoint
+from tests.engine._fixtures import checkpoint
 from tokenwise.distributed.tp_state import free_port
 from tokenwise.ray_serve import LLMConfig, build_openai_app
 
@@ -76,8 +76,8 @@ def test_misspelled_or_proxy_options_fail_before_any_replica() -> None:
 
 
 @pytest.mark.timeout(240, method="thread")
-def test_a_replica_serves_chat_completions_and_shutdown_leaves_no_actor(tmp_path) -> None:
-    model = build_tiny_checkpoint(tmp_path / "model")
+def test_a_replica_serves_chat_completions_and_shutdown_leaves_no_actor() -> None:
+    model = checkpoint()  # the tiny Llama the engine tests share (built once per process)
     expected, expected_chat = _expected_texts(model)
     port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
