@@ -47,6 +47,15 @@ ENV_VARS: dict[str, EnvVar] = _declare(
         "Shared secret that lets KV-cache events be published beyond loopback (CurveZMQ keys "
         "derived from it; subscribers need the same secret).",
     ),
+    # The engine's own sockets between hosts (data parallelism across hosts).
+    EnvVar(
+        "TOKENWISE_CLUSTER_SECRET",
+        "str",
+        "",
+        "Shared secret that lets data-parallel ranks and engine cores talk beyond loopback "
+        "(CurveZMQ keys derived from it; every host needs the same value). Without it a "
+        "--data-parallel-address other than loopback is refused.",
+    ),
     # CPU kernels and weight layout.
     EnvVar("TOKENWISE_CPU_KERNELS", "0|1", "1", "0 turns off the C paged-decode attention kernel."),
     EnvVar(

@@ -6,7 +6,10 @@ serve` would on the first host) runs rank 0 and waits for rank 1, which a second
 would: its core connects over TCP to 127.0.0.1 and joins the DP group there. Tokens must equal
 transformers' for a dense model and for an MoE model (whose ranks step in lock-step and
 exchange tokens every layer over gloo); a host killed mid-request, or one that never starts,
-must end in a bounded time with an error naming the rank and the address.
+must end in a bounded time with an error naming the rank and the address. The dense run uses
+`TOKENWISE_CLUSTER_SECRET` (CurveZMQ on every TCP socket), and strangers without it try to pose
+as rank 1 and to push a forged "rank 1 died" while the engine serves: both are refused and
+the engine keeps serving the ranks that hold the secret.
 """
 
 from __future__ import annotations
@@ -20,10 +23,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import zmq
 
 from tests.engine._fixtures import LLAMA, NUM_BLOCKS, checkpoint, hf_greedy, mixed_prompts
 from tokenwise import LLM, SamplingParams
+from tokenwise.distributed.curve_auth import secure_client
 from tokenwise.distributed.tp_state import free_port
+from tokenwise.engine import core_messages as msg
+from tokenwise.engine.remote_ranks import CURVE_DOMAIN, SECRET_ENV, rank_identity
 
 MIXTRAL = "MixtralForCausalLM"
 MAX_TOKENS = 6
@@ -35,7 +42,7 @@ class Host:
     """A headless launch (`tokenwise serve --headless`) in its own session: killing the
     session is what a host dying looks like from the front end."""
 
-    def __init__(self, path: str, port: int, log: Path) -> None:
+    def __init__(self, path: str, port: int, log: Path, secret: str | None = None) -> None:
         self.log = log
         cmd = [
             sys.executable,
@@ -58,6 +65,8 @@ class Host:
             str(port),
         ]
         env = dict(os.environ, TOKENWISE_ENGINE_READY_TIMEOUT_S="60")
+        if secret is not None:
+            env[SECRET_ENV] = secret
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
                 cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -95,13 +104,16 @@ def _front_end(path: str, port: int) -> LLM:
 
 
 @pytest.fixture
-def two_hosts(tmp_path: Path) -> Iterator:
-    """`two_hosts(arch)` -> (front end LLM, checkpoint path, headless Host, rpc port)."""
+def two_hosts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
+    """`two_hosts(arch, secret=None)` -> (front end LLM, checkpoint path, headless Host, rpc
+    port); with `secret`, both ends hold it as TOKENWISE_CLUSTER_SECRET."""
     started: list[tuple[LLM | None, Host]] = []
 
-    def start(arch: str) -> tuple[LLM, str, Host, int]:
+    def start(arch: str, secret: str | None = None) -> tuple[LLM, str, Host, int]:
         path, port = checkpoint(arch), free_port()
-        host = Host(path, port, tmp_path / f"headless-{len(started)}.log")
+        if secret is not None:
+            monkeypatch.setenv(SECRET_ENV, secret)
+        host = Host(path, port, tmp_path / f"headless-{len(started)}.log", secret)
         started.append((None, host))
         llm = _front_end(path, port)
         started[-1] = (llm, host)
@@ -130,10 +142,37 @@ def _assert_hf_tokens_from_both_ranks(llm: LLM, path: str) -> None:
     assert out[0].outputs[0].token_ids == hf_greedy(path, prompts[1], MAX_TOKENS)
 
 
+def _strangers_try(llm: LLM, port: int) -> zmq.Context:
+    """Without the secret (and with a wrong one): say hello as rank 1 on the RPC port, and
+    push a forged "rank 1 died" to the outputs' port. Both must be refused at the handshake."""
+    ctx = zmq.Context()
+    output_address = llm.llm_engine._io.remote.output_address
+    for secret in (None, "a guess"):
+        dealer, push = ctx.socket(zmq.DEALER), ctx.socket(zmq.PUSH)
+        for sock in (dealer, push):
+            sock.linger = 0
+            if secret is not None:
+                secure_client(sock, secret, CURVE_DOMAIN)
+        dealer.setsockopt(zmq.ROUTING_ID, rank_identity(1))
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+        dealer.send(msg.encode(msg.CoreHello(1, 2, "stranger", 1, "x")), zmq.NOBLOCK)
+        push.connect(output_address)
+        push.send(msg.encode(msg.CoreDead(1, "forged", "RuntimeError")), zmq.NOBLOCK)
+    return ctx
+
+
 @pytest.mark.timeout(180)
-def test_dense_model_on_two_hosts_gives_hf_tokens_and_stops_both(two_hosts) -> None:
-    llm, path, host, _ = two_hosts(LLAMA)
-    _assert_hf_tokens_from_both_ranks(llm, path)
+def test_dense_model_on_two_hosts_with_a_secret_serves_and_refuses_strangers(
+    two_hosts, caplog: pytest.LogCaptureFixture
+) -> None:
+    llm, path, host, port = two_hosts(LLAMA, secret="s3cret")
+    strangers = _strangers_try(llm, port)
+    try:
+        _assert_hf_tokens_from_both_ranks(llm, path)  # the forged "dead" never arrived
+        assert "data parallel: refused a rank" in caplog.text
+        assert llm.llm_engine._io.remote.hosts[1][0] != "stranger"
+    finally:
+        strangers.destroy(linger=0)
     llm.shutdown()
     assert host.proc.wait(30) == 0, host.output()  # the front end stopped the other host
 

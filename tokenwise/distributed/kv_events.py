@@ -16,7 +16,6 @@ thread encodes and sends. Sockets that listen beyond loopback use CurveZMQ: both
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import queue
 import threading
@@ -24,10 +23,8 @@ from typing import Any
 
 import msgspec
 import zmq
-import zmq.auth.thread
-import zmq.utils.monitor
-from zmq.utils import z85
 
+from tokenwise.distributed import curve_auth
 from tokenwise.kv_cache.events import KVEventBatch, KVEventCollector
 from tokenwise.kv_cache.events_config import KVEventsConfig
 
@@ -36,11 +33,9 @@ logger = logging.getLogger(__name__)
 #: How long shutdown waits for queued batches to go out (seconds).
 SHUTDOWN_TIMEOUT_S = 2.0
 _END_SEQ = (-1).to_bytes(8, "big", signed=True)
-_HANDSHAKE_FAILED = (
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-)
+#: The key-derivation domain of the KV-event sockets (`curve_auth`), as first released: the
+#: subscribers already deployed keep their keys.
+CURVE_DOMAIN = "tokenwise-kv-events"
 
 
 def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str | None:
@@ -58,34 +53,12 @@ def curve_keys(secret: str) -> dict[str, bytes]:
     """The Z85 CurveZMQ keys both ends derive from the shared secret: the publisher's pair
     (`server_public`, `server_secret`) and the subscriber's (`client_public`,
     `client_secret`). Deriving both from one secret keeps the deployment to one value."""
-    keys = {}
-    for role in ("server", "client"):
-        raw = hashlib.sha256(f"tokenwise-kv-events/{role}\0{secret}".encode()).digest()
-        secret_key = z85.encode(raw)
-        keys[f"{role}_secret"] = secret_key
-        keys[f"{role}_public"] = zmq.curve_public(secret_key)
-    return keys
+    return curve_auth.curve_keys(secret, CURVE_DOMAIN)
 
 
 def secure_subscriber(sock: zmq.Socket, secret: str) -> None:
     """Set a SUB or REQ socket (before `connect`) to talk to a publisher with `secret`."""
-    keys = curve_keys(secret)
-    sock.curve_serverkey = keys["server_public"]
-    sock.curve_publickey = keys["client_public"]
-    sock.curve_secretkey = keys["client_secret"]
-
-
-class _AdmitOne:
-    """ZAP callback: admit only the subscriber key derived from the secret; log the rest."""
-
-    def __init__(self, client_public: bytes) -> None:
-        self.client_public = client_public
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        if key == self.client_public:
-            return True
-        logger.warning("KV events: refused a subscriber whose key is not the shared secret's")
-        return False
+    curve_auth.secure_client(sock, secret, CURVE_DOMAIN)
 
 
 class NullEventPublisher:
@@ -117,8 +90,7 @@ class ZmqEventPublisher:
         self._topic = config.topic.encode("utf-8")
         # A context of our own: a ZAP authenticator applies to every socket of its context.
         self._ctx = zmq.Context()
-        self._auth: Any = None
-        self._monitors: list[zmq.Socket] = []
+        self._curve: curve_auth.CurveServer | None = None
         self._pub = self._ctx.socket(zmq.PUB)
         self._replay = self._ctx.socket(zmq.ROUTER) if self.replay_endpoint else None
         try:
@@ -141,18 +113,12 @@ class ZmqEventPublisher:
         logger.info("publishing KV-cache events on %s", self.endpoint)
 
     def _secure(self, secret: str) -> None:
-        keys = curve_keys(secret)
-        self._auth = zmq.auth.thread.ThreadAuthenticator(self._ctx)
-        self._auth.start()
-        self._auth.configure_curve_callback("*", _AdmitOne(keys["client_public"]))
+        self._curve = curve_auth.CurveServer(
+            self._ctx, secret, CURVE_DOMAIN, "KV events", "subscriber"
+        )
         for sock in (self._pub, self._replay):
             if sock is not None:
-                sock.curve_server = True
-                sock.curve_secretkey = keys["server_secret"]
-                sock.curve_publickey = keys["server_public"]
-                # A peer with the wrong keys fails the handshake before the ZAP callback: the
-                # monitor is where its refusal becomes visible (and logged).
-                self._monitors.append(sock.get_monitor_socket(_HANDSHAKE_FAILED))
+                self._curve.secure(sock)
 
     def end_step(self) -> None:
         """Queue this step's events (if any) for sending; never blocks."""
@@ -177,15 +143,8 @@ class ZmqEventPublisher:
         while True:
             if self._replay is not None and self._replay.poll(0):
                 self._serve_replay(buffer)
-            for monitor in self._monitors:
-                while monitor.poll(0):
-                    event = zmq.utils.monitor.recv_monitor_message(monitor)
-                    logger.warning(
-                        "KV events: refused a subscriber at %s without the shared secret "
-                        "(CurveZMQ handshake failed, code %s)",
-                        event["endpoint"].decode(errors="replace"),
-                        event["value"],
-                    )
+            if self._curve is not None:
+                self._curve.log_refusals()
             try:
                 batch = self._queue.get(timeout=0.05)
             except queue.Empty:
@@ -229,15 +188,11 @@ class ZmqEventPublisher:
     def _close_sockets(self) -> None:
         if self._thread_alive():
             return  # the thread still uses them; the process exit closes them
+        if self._curve is not None:
+            self._curve.close()
         for sock in (self._pub, self._replay):
             if sock is not None:
-                if self._monitors:
-                    sock.disable_monitor()
                 sock.close(linger=0)
-        for monitor in self._monitors:
-            monitor.close(linger=0)
-        if self._auth is not None:
-            self._auth.stop()
         self._ctx.term()
 
     def _thread_alive(self) -> bool:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from tokenwise.config import ParallelConfig
+from tokenwise.distributed.rendezvous import open_store
 
 __all__ = [
     "destroy_dp_group",
@@ -68,12 +69,10 @@ def init_dp_group(
                 "init_dp_group needs master_port (the TCP rendezvous port, the same on every "
                 "DP rank) when torch.distributed is not initialised yet"
             )
+        # Our own store, not init_method's: that one listens on every interface.
+        store = open_store(master_addr, master_port, dp_size, dp_rank == 0, timeout)
         dist.init_process_group(
-            backend="gloo",
-            init_method=f"tcp://{master_addr}:{master_port}",
-            world_size=dp_size,
-            rank=dp_rank,
-            timeout=timeout,
+            backend="gloo", store=store, world_size=dp_size, rank=dp_rank, timeout=timeout
         )
         _owns_default_group = True
         _dp_group = dist.group.WORLD

@@ -14,11 +14,17 @@ process group form over the same store, which then takes milliseconds.
 cache sizing all-reduce (after every rank built its model, which may legitimately take long:
 no deadline while every worker lives) and each step's message to the workers
 (`tp_broadcast`, bounded by the activation timeout). A dead worker ends either at once.
+
+The store's host binds its listening socket itself (`open_store`): torch's `TCPStore` listens
+on every interface whatever host it is given, and its protocol has no authentication, so a
+world meeting on 127.0.0.1 would otherwise be open to the network. Bound to the address the
+world meets at, a loopback world stays on loopback.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import time
 from datetime import timedelta
 from typing import Any, Protocol
@@ -73,20 +79,41 @@ def arrival_key(rank: int) -> str:
     return f"tokenwise/arrived/{rank}"
 
 
+def open_store(
+    host: str, port: int, world: int, is_master: bool, timeout: timedelta
+) -> dist.TCPStore:
+    """A `TCPStore` at host:port; the master listens on that address only (see above)."""
+    listen_fd = None
+    if is_master:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        listener = socket.socket(family, kind, proto)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(address)
+            listener.listen(128)
+        except OSError as exc:
+            listener.close()
+            raise ValueError(f"the rendezvous cannot listen on {host}:{port}: {exc}") from None
+        listen_fd = listener.detach()  # the store owns the socket from here on
+    return dist.TCPStore(
+        host,
+        port,
+        world,
+        is_master=is_master,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=listen_fd,
+    )
+
+
 def open_rendezvous(init_method: str, world: int, rank: int) -> dist.TCPStore:
     """Connect to (global rank 0: host) the world's store at `tcp://host:port` and say that
     this rank has arrived. A client retries its connection until the start-up timeout."""
     url = urlparse(init_method)
     if url.scheme != "tcp" or url.hostname is None or url.port is None:
         raise ValueError(f"init_method must be tcp://host:port, got {init_method!r}")
-    store = dist.TCPStore(
-        url.hostname,
-        url.port,
-        world,
-        is_master=rank == 0,
-        timeout=timedelta(seconds=worker_start_timeout_s()),
-        wait_for_workers=False,
-    )
+    timeout = timedelta(seconds=worker_start_timeout_s())
+    store = open_store(url.hostname, url.port, world, rank == 0, timeout)
     store.set(arrival_key(rank), str(os.getpid()))
     return store
 

@@ -37,7 +37,7 @@ from tokenwise.engine.core_sockets import CoreSockets, stop_cores
 from tokenwise.engine.headless import check_hosts_layout
 from tokenwise.engine.kinds.multimodal_prompts import MultiModalPrompts, ProcessedImagePrompt
 from tokenwise.engine.prompts import PromptInput, load_tokenizer, validate_request
-from tokenwise.engine.remote_ranks import engine_ready_timeout_s
+from tokenwise.engine.remote_ranks import cluster_secret, engine_ready_timeout_s
 from tokenwise.engine.request_queue import check_priority
 from tokenwise.engine.stats import EngineStats, combine_stats
 from tokenwise.engine.step_records import StepRecords
@@ -90,6 +90,7 @@ class EngineCoreClient:
         self._failure: str | None = None  # why the client died; every later call says it
         if self._dp:
             ip = parallel.data_parallel_master_ip
+            cluster_secret(ip, "data_parallel_address")  # beyond loopback: only with a secret
             parallel.data_parallel_master_port = parallel.data_parallel_master_port or free_port(ip)
         self._io = CoreSockets(config, id(self))
         self._wake_lock = threading.Lock()

@@ -79,6 +79,8 @@ class CoreSockets:
         return f"ipc://{self.dir}/control" if rank == 0 else f"inproc://none-{rank}"
 
     def close(self) -> None:
+        if self.remote is not None:
+            self.remote.close()  # first: its authenticator holds a socket of this context
         for sock in self._sockets:
             sock.close(linger=0)
         self.context.term()

@@ -19,7 +19,7 @@ from typing import Any
 
 from tokenwise.config import EngineConfig, ParallelConfig
 from tokenwise.engine.remote_core import run_remote_engine_core
-from tokenwise.engine.remote_ranks import engine_ready_timeout_s, rpc_endpoint
+from tokenwise.engine.remote_ranks import cluster_secret, engine_ready_timeout_s, rpc_endpoint
 
 JOIN_POLL_S = 0.5
 
@@ -42,6 +42,7 @@ def check_headless(parallel: ParallelConfig, address_given: bool) -> None:
             f"host), got {parallel.data_parallel_start_rank}"
         )
     check_hosts_layout(parallel)
+    cluster_secret(parallel.data_parallel_master_ip, "--data-parallel-address")
 
 
 def check_hosts_layout(parallel: ParallelConfig) -> None:

@@ -9,7 +9,9 @@ rendezvous port (chosen by the front end, so a headless host needs no `--data-pa
 Its parent is the headless launcher, not the front end, so the front end's death is noticed on
 its request connection: ZeroMQ heartbeats run on it both ways, and when it breaks (the front
 end exited, its host died) the core stops instead of waiting for requests forever. The
-handshake connection is closed once answered.
+handshake connection is closed once answered. With `TOKENWISE_CLUSTER_SECRET` set, each of its
+connections speaks CurveZMQ with the keys derived from it (`remote_ranks`); without it, only a
+front end on loopback is reached.
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ import socket
 import zmq
 
 from tokenwise.config import EngineConfig
+from tokenwise.distributed.curve_auth import secure_client
 from tokenwise.engine import core_messages as msg
 from tokenwise.engine.core_process import serve_engine_core
 from tokenwise.engine.remote_ranks import (
+    CURVE_DOMAIN,
     HEARTBEAT_IVL_MS,
     HEARTBEAT_TIMEOUT_MS,
+    cluster_secret,
     model_signature,
     rank_identity,
     rpc_endpoint,
@@ -40,8 +45,15 @@ def run_remote_engine_core(config: EngineConfig, rank: int, ready_timeout_s: flo
     prefix = f"[DP rank {rank}]"
     logging.basicConfig(level=logging.INFO, format=f"{prefix} %(levelname)s %(message)s")
     endpoint = rpc_endpoint(parallel)
+    secret = cluster_secret(parallel.data_parallel_master_ip, "--data-parallel-address")
     context = zmq.Context()
-    link = context.socket(zmq.DEALER)
+
+    def secure(sock: zmq.Socket) -> zmq.Socket:
+        if secret is not None:
+            secure_client(sock, secret, CURVE_DOMAIN)
+        return sock
+
+    link = secure(context.socket(zmq.DEALER))
     link.setsockopt(zmq.LINGER, 0)
     link.setsockopt(zmq.ROUTING_ID, rank_identity(rank))
     sockets = [link]
@@ -60,7 +72,8 @@ def run_remote_engine_core(config: EngineConfig, rank: int, ready_timeout_s: flo
             raise SystemExit(
                 f"{prefix} the front end at {endpoint} did not answer within "
                 f"{ready_timeout_s:g} s (is `tokenwise serve` running there with "
-                f"--data-parallel-rpc-port {parallel.data_parallel_rpc_port}?)"
+                f"--data-parallel-rpc-port {parallel.data_parallel_rpc_port}, and the same "
+                "TOKENWISE_CLUSTER_SECRET as this host?)"
             )
         welcome = msg.decode_welcome(link.recv())
         if welcome.error is not None:
@@ -68,10 +81,10 @@ def run_remote_engine_core(config: EngineConfig, rank: int, ready_timeout_s: flo
         parallel.data_parallel_master_port = welcome.master_port
         logger.info("connected to the front end at %s", endpoint)
         link.close(linger=0)  # the request socket below is the lasting connection
-        outbox = context.socket(zmq.PUSH)
+        outbox = secure(context.socket(zmq.PUSH))
         outbox.setsockopt(zmq.LINGER, 2000)  # the last words (outputs, "dead") must get out
         outbox.connect(welcome.output_address)
-        inbox = context.socket(zmq.PULL)
+        inbox = secure(context.socket(zmq.PULL))
         inbox.setsockopt(zmq.LINGER, 0)
         inbox.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
         inbox.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)

@@ -14,6 +14,12 @@ host is noticed: a monitor on it reports when the connection breaks (the host's 
 and its kernel closed the socket), and ZeroMQ's own heartbeats on it, answered by the I/O
 threads (never held up by a long step), close a connection whose host stopped answering.
 `poll()` turns either into the lost rank, which the client names with its host and address.
+
+Anyone who reaches these ports could pose as a rank (and be handed prompts) or push forged
+outputs, so beyond loopback they require the shared secret `TOKENWISE_CLUSTER_SECRET`: every
+TCP socket of both ends speaks CurveZMQ with keys derived from it (`distributed.curve_auth`),
+a peer without it is refused and logged, and a front end or headless host asked to use an
+address beyond loopback without the secret refuses to start (`cluster_secret`).
 """
 
 from __future__ import annotations
@@ -25,12 +31,18 @@ from zmq.utils.monitor import recv_monitor_message
 
 from tokenwise import envs
 from tokenwise.config import EngineConfig, ParallelConfig
+from tokenwise.distributed.curve_auth import HANDSHAKE_FAILED, CurveServer
 from tokenwise.engine import core_messages as msg
+from tokenwise.kv_cache.events_config import is_loopback
 
 ENV_READY_TIMEOUT = "TOKENWISE_ENGINE_READY_TIMEOUT_S"  # vLLM's VLLM_ENGINE_READY_TIMEOUT_S
 DEFAULT_READY_TIMEOUT_S = 600.0  # every core loads the model; big checkpoints take minutes
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 10_000  # a host that answers no ping for this long is lost
+SECRET_ENV = "TOKENWISE_CLUSTER_SECRET"
+#: The key-derivation domain of the engine-core sockets: not the KV events' (a router that may
+#: read events must not be able to pose as a rank).
+CURVE_DOMAIN = "tokenwise-engine-core"
 
 
 def engine_ready_timeout_s() -> float:
@@ -64,6 +76,24 @@ def model_signature(config: EngineConfig) -> str:
     )
 
 
+def cluster_secret(address: str, what: str) -> str | None:
+    """The shared secret of the engine's TCP sockets, None when unset; refuses an `address`
+    beyond loopback without it (`what` names the setting that chose the address)."""
+    secret = envs.get(SECRET_ENV) or None
+    if secret is None:
+        try:
+            host = socket.gethostbyname(address)
+        except OSError:
+            host = address  # not resolvable: refused below, the caller names it later
+        if not is_loopback(host):
+            raise ValueError(
+                f"{what} {address!r} is reachable beyond loopback, which needs a shared secret: "
+                f"set {SECRET_ENV} to the same value on every host (the engine's sockets then "
+                "admit only peers holding it, see docs/cluster.md), or use 127.0.0.1"
+            )
+    return secret
+
+
 def rpc_endpoint(parallel: ParallelConfig) -> str:
     return f"{parallel.data_parallel_master_ip}:{parallel.data_parallel_rpc_port}"
 
@@ -84,6 +114,7 @@ class RemoteRanks:
         self._signature = model_signature(config)
         self._master_port = master_port
         address = parallel.data_parallel_master_ip
+        secret = cluster_secret(address, "data_parallel_address")
         try:
             host = socket.gethostbyname(address)
         except OSError as exc:
@@ -97,7 +128,12 @@ class RemoteRanks:
         self.inboxes: dict[int, zmq.Socket] = {}
         self._monitors: dict[int, zmq.Socket] = {}
         self._input_address: dict[int, str] = {}
+        self._curve: CurveServer | None = None
         try:
+            if secret is not None:
+                self._curve = CurveServer(context, secret, CURVE_DOMAIN, "data parallel", "rank")
+                self._curve.secure(self._router)
+                self._curve.secure(outbox)  # its IPC endpoint, bound already, stays plain
             self._bind(context, parallel, host, address, outbox)
         except BaseException:
             self.close()
@@ -129,7 +165,9 @@ class RemoteRanks:
             sock.setsockopt(zmq.SNDHWM, 0)  # never block or drop a request: queue it
             sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-            events = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+            if self._curve is not None:
+                self._curve.secure(sock, watch=False)  # one monitor per socket: the one below
+            events = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED
             self._monitors[rank] = sock.get_monitor_socket(events)
             self.sockets.append(self._monitors[rank])
             port = sock.bind_to_random_port(f"tcp://{host}")
@@ -150,10 +188,15 @@ class RemoteRanks:
             self._greet(identity, hello)
         for rank, monitor in self._monitors.items():
             while monitor.poll(0):
-                event = recv_monitor_message(monitor)["event"]
+                message = recv_monitor_message(monitor)
+                event = message["event"]
                 welcomed = rank in self.hosts
-                if event == zmq.EVENT_DISCONNECTED and welcomed and rank not in self.lost:
+                if event & HANDSHAKE_FAILED and self._curve is not None:
+                    self._curve.refused(message)
+                elif event == zmq.EVENT_DISCONNECTED and welcomed and rank not in self.lost:
                     self.lost.append(rank)
+        if self._curve is not None:
+            self._curve.log_refusals()
         return self.lost[0] if self.lost else None
 
     def _greet(self, identity: bytes, hello: msg.CoreHello) -> None:
@@ -213,5 +256,7 @@ class RemoteRanks:
         return "; ".join(parts)
 
     def close(self) -> None:
+        if self._curve is not None:
+            self._curve.close()
         for sock in self.sockets:
             sock.close(linger=0)

@@ -241,7 +241,7 @@ LAYERS: tuple[Layer, ...] = (
     Layer("offline API", ("tokenwise.entrypoints.llm",)),
     # Benchmarks run `LLM`, and the CLI below registers them: they sit between the two.
     Layer("benchmarks", ("tokenwise.benchmarks.*",)),
-    Layer("CLI and server", ("tokenwise.entrypoints.*",)),
+    Layer("CLI and server", ("tokenwise.entrypoints.*", "tokenwise.ray_serve")),
     # `tokenwise/__init__.py` lazily re-exports `LLM` and friends; nothing imports it back.
     Layer("package facade", ("tokenwise",)),
 )

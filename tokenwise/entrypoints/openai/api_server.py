@@ -18,7 +18,7 @@ import importlib.metadata
 import logging
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -274,10 +274,13 @@ def image_settings(engine: Any) -> tuple[str | None, int | None]:
     return prompts.image_token, limit
 
 
-def run_server(args: argparse.Namespace) -> int:
-    """`tokenwise serve`: load the model, start the engine thread, serve until interrupted."""
-    import uvicorn
-
+def build_server(
+    args: argparse.Namespace, on_dead: Callable[[BaseException], None] | None = None
+) -> tuple[Any, AsyncEngine, FastAPI, ServerConfig]:
+    """Everything `tokenwise serve` runs short of the HTTP server: the engine (its core
+    processes started), its async front (`on_dead` is told when the engine dies), the app and
+    its config. Shared with Ray Serve's replicas (`tokenwise.ray_serve`), which serve the app
+    themselves, so both serve the same routes from the same flags."""
     from tokenwise.batchsize_stats import ENV_INTERVAL, reset_batchsize_forward_time_stats
     from tokenwise.engine.client import create_engine
     from tokenwise.entrypoints.engine_args import EngineArgs
@@ -324,20 +327,12 @@ def run_server(args: argparse.Namespace) -> int:
         ["text", "image"] if image_token is not None else ["text"],
     )
     metrics = ServerMetrics(config.served_model_name)
-    server: uvicorn.Server | None = None
-
-    def exit_when_dead(exc: BaseException) -> None:
-        # In-flight requests already got their errors; stop accepting and let the process end
-        # non-zero, so a supervisor restarts it instead of routing traffic to a dead engine.
-        if server is not None:
-            server.should_exit = True
-
     # Engine-core processes: the event loop reads their outputs itself (no relay thread).
     front = AsyncCoreEngine if hasattr(engine, "output_fd") else AsyncEngine
     async_engine = front(
         engine,
         observer=metrics.observe,
-        on_dead=exit_when_dead,
+        on_dead=on_dead,
         max_waiting_requests=args.max_waiting_requests,
     )
     metrics.attach_engine(
@@ -347,6 +342,22 @@ def run_server(args: argparse.Namespace) -> int:
         lora.max_loras if lora is not None else None,
     )
     app = build_app(async_engine, config, metrics, models, args.allow_runtime_lora_updating)
+    return engine, async_engine, app, config
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """`tokenwise serve`: load the model, start the engine thread, serve until interrupted."""
+    import uvicorn
+
+    server: uvicorn.Server | None = None
+
+    def exit_when_dead(exc: BaseException) -> None:
+        # In-flight requests already got their errors; stop accepting and let the process end
+        # non-zero, so a supervisor restarts it instead of routing traffic to a dead engine.
+        if server is not None:
+            server.should_exit = True
+
+    engine, async_engine, app, config = build_server(args, exit_when_dead)
     auth = "API key required" if config.api_key else "no API key"
     page = f"; web page on http://{args.host}:{args.port}/" if config.ui else ""
     print(
