@@ -147,6 +147,30 @@ def test_a_random_draft_of_another_size_changes_nothing(hf_refs: list[list[int]]
     assert_pool_clean(llm.llm_engine)
 
 
+def test_the_drafts_kv_group_is_sized_in_the_same_budget() -> None:
+    """A draft model's K/V (a block beside each target block, plus its scratch blocks) comes
+    out of `kv_cache_memory`, not on top of it: the target gets fewer blocks than alone, and
+    every cache tensor of both models together fills the budget (to a block)."""
+    budget = 2 * 2**20
+    draft = checkpoint(LLAMA, seed=1, num_hidden_layers=1, hidden_size=32, intermediate_size=64)
+    alone = LLM(checkpoint(LLAMA), dtype="float32", kv_cache_memory=budget)
+    target_bytes = alone.llm_engine.runner.kv_sizer.kv_cache_bytes_per_block()
+    blocks_alone = alone.llm_engine.model_executor.num_blocks
+    del alone
+    spec = {"model": draft, "num_speculative_tokens": K}
+    llm = LLM(checkpoint(LLAMA), dtype="float32", kv_cache_memory=budget, speculative_config=spec)
+    engine = llm.llm_engine
+    blocks = engine.model_executor.num_blocks
+    draft_caches = engine.drafter.draft_model.runner.kv_caches.values()
+    used = sum(t.numel() * t.element_size() for t in engine.runner.kv_caches.values())
+    used += sum(t.numel() * t.element_size() for t in draft_caches)
+    draft_bytes = engine.runner.kv_sizer.extra_bytes_per_block
+    assert blocks < blocks_alone
+    # Each cache tensor has one spare block row past the pool's (the backend's pad block).
+    assert budget - target_bytes - draft_bytes < used <= budget + target_bytes + draft_bytes
+    assert all(t.shape[1] > blocks for t in draft_caches)  # the shared blocks, then scratch
+
+
 def test_n_samples_and_a_guided_request_keep_their_output() -> None:
     prompts = mixed_prompts()[:3]
     guided = SamplingParams(

@@ -32,7 +32,7 @@ from tokenwise.engine.prompts import (
 )
 from tokenwise.engine.request import Request, RequestStatus
 from tokenwise.engine.request_queue import check_priority
-from tokenwise.engine.speculative_setup import make_drafter
+from tokenwise.engine.speculative_setup import make_drafter, make_proposer
 from tokenwise.engine.stats import (
     EngineStats,
     StatLogger,
@@ -98,6 +98,8 @@ class LLMEngine:
             self.runner = runner
             self.kind = kind_cls(self)
             self.dp_lockstep = runner.dp_lockstep
+            # A draft model's KV group is sized with the target's, in one budget.
+            self._proposer = make_proposer(config, self.kind.name, runner)
 
         # The executor owns the workers (this process's and any it spawns) and runs the
         # start-up sequence on them; `num_blocks` is per virtual engine.
@@ -127,9 +129,7 @@ class LLMEngine:
         # One record per step for the server's engine view (`step_records`; always on: cheap).
         self.step_recorder = StepRecorder(config.parallel.data_parallel_rank or 0)
         self.step_records: StepRecords = self.step_recorder.records
-        self.drafter = make_drafter(
-            config, self.kind.name, self.runner, num_blocks, self.block_manager
-        )
+        self.drafter = make_drafter(config, self._proposer, num_blocks, self.block_manager)
         self.kv_events = attach_kv_events(
             config.kv_events_config, [bm.pool for bm in managers], parallel.data_parallel_rank or 0
         )

@@ -18,16 +18,11 @@ from tokenwise.spec_decode.draft_model import DraftModelProposer
 from tokenwise.spec_decode.eagle import EagleProposer
 
 
-def make_drafter(
-    config: EngineConfig,
-    kind_name: str,
-    runner: Any,
-    num_blocks: int,
-    block_manager: Any,
-) -> Drafter | None:
-    """The `Drafter` for `config.speculative` (None when it is not set); a model kind other
-    than "generate" is refused, naming `speculative_config`. `block_manager` is only read
-    when speculation is on (under pipeline parallelism it has no single block table)."""
+def make_proposer(config: EngineConfig, kind_name: str, runner: Any) -> DraftModelProposer | None:
+    """The draft model (or EAGLE / MTP head) `config.speculative` names, loaded beside the
+    target's runner before KV sizing, which counts its KV group in the same budget
+    (`runner.kv_sizer.add_group`); None for n-gram lookup or no speculation. A model kind other
+    than "generate" is refused, naming `speculative_config`."""
     spec = config.speculative
     if spec is None:
         return None
@@ -36,13 +31,32 @@ def make_drafter(
             "speculative_config applies to decoder-only generation models; this "
             f"model's kind is {kind_name!r}"
         )
-    draft_model: DraftModelProposer | None = None
+    proposer: DraftModelProposer | None = None
     if spec.method == "draft_model":
         # Its own weights and KV cache, addressed by the target's block ids.
-        draft_model = DraftModelProposer(config, num_blocks, runner.device)
+        proposer = DraftModelProposer(config, runner.device)
     elif spec.method in ("eagle", "eagle3", "mtp"):
         # The same, plus the target's hidden states, which the runner now captures.
-        eagle = EagleProposer(config, num_blocks, runner.model, runner.device)
+        eagle = EagleProposer(config, runner.model, runner.device)
         runner.hidden_capture = TargetHiddenCapture(runner.model, eagle.aux_layers)
-        draft_model = eagle
-    return Drafter(spec, config.model.max_model_len, draft_model, block_manager.get_block_table)
+        proposer = eagle
+    if proposer is not None:
+        runner.kv_sizer.add_group(proposer.kv_bytes_per_block(), proposer.reserved_kv_bytes())
+    return proposer
+
+
+def make_drafter(
+    config: EngineConfig,
+    proposer: DraftModelProposer | None,
+    num_blocks: int,
+    block_manager: Any,
+) -> Drafter | None:
+    """The `Drafter` for `config.speculative` (None when it is not set), the proposer's
+    cache allocated for the agreed `num_blocks`. `block_manager` is only read when
+    speculation is on (under pipeline parallelism it has no single block table)."""
+    spec = config.speculative
+    if spec is None:
+        return None
+    if proposer is not None:
+        proposer.allocate(num_blocks)
+    return Drafter(spec, config.model.max_model_len, proposer, block_manager.get_block_table)

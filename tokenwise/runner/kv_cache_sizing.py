@@ -78,6 +78,10 @@ class KVCacheSizer:
     needs_kv_cache: bool
     copies: int = 1
     num_state_slots: int = 0
+    # A second KV group outside this runner's layers, addressed by the same block ids (a draft
+    # model's): its bytes beside each block, and its bytes outside the pool (scratch blocks).
+    extra_bytes_per_block: int = 0
+    reserved_bytes: int = 0
     # Layer name -> the cache tensor of virtual engine 0 (filled by `bind`).
     kv_caches: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -112,9 +116,15 @@ class KVCacheSizer:
         one, two = (math.prod(layer.kv_cache_shape(n, self.block_size)) for n in (1, 2))
         return two - one
 
+    def add_group(self, bytes_per_block: int, reserved_bytes: int) -> None:
+        """Count another runner's KV group (a draft model's) in this pool's budget."""
+        self.extra_bytes_per_block += bytes_per_block
+        self.reserved_bytes += reserved_bytes
+
     def kv_cache_bytes_per_block(self) -> int:
-        """What one block id of the pool costs: a page of every cache tensor."""
-        return self.kv_cache_layout.bytes_per_block
+        """What one block id of the pool costs: a page of every cache tensor (and of a draft
+        model's, when one shares the block ids)."""
+        return self.kv_cache_layout.bytes_per_block + self.extra_bytes_per_block
 
     def report(self) -> str:
         """Per kind of cache: elements and bytes per token per layer, e.g. "MLA latent: 40
@@ -131,6 +141,12 @@ class KVCacheSizer:
             )
             + f"; dtype {str(self.kv_cache_dtype).removeprefix('torch.')}; "
             + self.kv_cache_layout.describe()
+            + (
+                f"; a draft model's KV group: {self.extra_bytes_per_block} bytes per block "
+                f"(+ {self.reserved_bytes} bytes of scratch blocks)"
+                if self.extra_bytes_per_block
+                else ""
+            )
         )
 
     def determine_num_blocks(self) -> int:
@@ -154,7 +170,8 @@ class KVCacheSizer:
                 one_seq = self._bytes_for_seqs(1)
                 full = self._bytes_for_seqs(self.config.scheduler.max_num_seqs)
                 budget = max(one_seq, min(DEFAULT_CPU_KV_CACHE_MEMORY, full))
-        budget -= self._state_memory(budget)
+                budget += self.reserved_bytes  # a draft's scratch blocks on top
+        budget -= self._state_memory(budget) + self.reserved_bytes
         num_blocks = self.tp.agree_on_min(int(budget // self.kv_cache_bytes_per_block()))
         if num_blocks < 1:
             raise ValueError(

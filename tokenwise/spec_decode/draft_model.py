@@ -60,9 +60,9 @@ class _Cached:
 class DraftModelProposer:
     """Proposes up to `num_speculative_tokens` greedy drafts per request with a draft model."""
 
-    def __init__(
-        self, target: EngineConfig, num_blocks: int, device: str | torch.device = "cpu"
-    ) -> None:
+    def __init__(self, target: EngineConfig, device: str | torch.device = "cpu") -> None:
+        """Loads the draft; `allocate(num_blocks)` gives it its cache once KV sizing (which
+        counts `kv_bytes_per_block` and `reserved_kv_bytes`) has fixed the pool."""
         spec = target.speculative
         if spec is None or (spec.model is None and spec.method != "mtp"):
             raise ValueError("DraftModelProposer needs speculative_config.model")
@@ -75,16 +75,25 @@ class DraftModelProposer:
         # Look-ahead positions reach k - 1 past the sequence, whose last token may already be
         # past the allocated blocks: at most this many blocks beyond them.
         self.scratch_per_seq = (self.k - 1) // self.block_size + 2
-        self.runner = self._make_runner(target, num_blocks, device)
+        self.num_scratch_blocks = self.scratch_per_seq * self.max_seqs
+        self.runner = self._make_runner(target, device)
         self._cached: dict[str, _Cached] = {}
 
-    def _make_runner(
-        self, target: EngineConfig, num_blocks: int, device: str | torch.device
-    ) -> DraftRunner:
+    def _make_runner(self, target: EngineConfig, device: str | torch.device) -> DraftRunner:
         """The runner of the draft's passes (an EAGLE proposer makes an EAGLE runner)."""
         assert target.speculative is not None and target.speculative.model is not None
-        scratch = self.scratch_per_seq * self.max_seqs
-        return DraftRunner(target, target.speculative.model, num_blocks, scratch, device)
+        return DraftRunner(target, target.speculative.model, device)
+
+    def kv_bytes_per_block(self) -> int:
+        """The draft's K/V beside each block of the target's pool."""
+        return self.runner.kv_bytes_per_block()
+
+    def reserved_kv_bytes(self) -> int:
+        """The draft's scratch blocks, outside the pool."""
+        return self.num_scratch_blocks * self.runner.kv_bytes_per_block()
+
+    def allocate(self, num_blocks: int) -> None:
+        self.runner.allocate(num_blocks, self.num_scratch_blocks)
 
     def propose_batch(self, requests: list[DraftRequest]) -> list[list[int]]:
         """Each request's drafts (`num_drafts` of them), with one catch-up pass and at most

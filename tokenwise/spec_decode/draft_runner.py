@@ -7,7 +7,9 @@ never collide with the target's names), gives every attention layer a KV cache t
 own and runs it eagerly (no compilation, no graphs: its passes are small and their shapes vary).
 
 Its cache is addressed by the *target's* block ids: it has the target pool's `num_blocks`
-blocks, of the same size, so a request's target block table addresses its draft K/V too.
+blocks, of the same size, so a request's target block table addresses its draft K/V too. It
+is the pool's second KV group: the engine's KV sizing counts a draft block beside each target
+block (and the scratch blocks below) in the one memory budget, then `allocate`s it.
 Rejected drafts then need no rollback of their own: the draft writes the tokens that were
 really kept over them at the same slots. After the shared blocks come `num_scratch_blocks`
 more, which only the draft uses: its look-ahead positions may lie beyond the blocks the
@@ -22,6 +24,7 @@ context made for this pass, and returns the argmax token after each sequence tha
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,10 +116,10 @@ class DraftRunner:
         self,
         target: EngineConfig,
         draft_dir: str,
-        num_blocks: int,
-        num_scratch_blocks: int,
         device: str | torch.device = "cpu",
     ) -> None:
+        """Load the draft; its cache comes later (`allocate`), once the engine's KV sizing
+        has counted it (`kv_bytes_per_block`) in the same budget as the target's."""
         if target.parallel.tensor_parallel_size > 1:
             raise ValueError(
                 "speculative_config.model: a draft model does not run under "
@@ -126,7 +129,7 @@ class DraftRunner:
         self.config = draft_engine_config(target, draft_dir)
         self.device = torch.device(device)
         self.block_size = target.cache.block_size
-        self.num_blocks = num_blocks
+        self.num_blocks = 0
         self.vocab_size = target.model.vocab_size if target.model is not None else 0
         self.model = self._load_model(draft_dir)
         if self.device.type == "cpu":
@@ -141,14 +144,8 @@ class DraftRunner:
                 )
         if not layers:
             raise ValueError(f"speculative_config.model {draft_dir!r} has no attention layers")
-        dtype = self.config.model.dtype
-        total = num_blocks + num_scratch_blocks
+        self.layers = layers
         self.kv_caches: dict[str, torch.Tensor] = {}
-        for name, layer in layers.items():
-            shape = layer.kv_cache_shape(total, self.block_size)
-            cache = torch.zeros(shape, dtype=dtype, device=self.device)
-            self.kv_caches[name] = cache
-            layer.kv_cache = [cache]
         self._decode_rows_ok = self.device.type == "cpu" and all(
             type(layer) is Attention for layer in layers.values()
         )
@@ -158,6 +155,25 @@ class DraftRunner:
             spec: CommonMetadataBuilder(self.block_size, spec, self.device)
             for spec in set(self._spec_of.values())
         }
+
+    def kv_bytes_per_block(self) -> int:
+        """What one block of the draft's cache costs, over all its layers (its KV group)."""
+        itemsize = self.config.model.dtype.itemsize
+        total = 0
+        for layer in self.layers.values():
+            one, two = (math.prod(layer.kv_cache_shape(n, self.block_size)) for n in (1, 2))
+            total += (two - one) * itemsize
+        return total
+
+    def allocate(self, num_blocks: int, num_scratch_blocks: int) -> None:
+        """The draft's cache: the target pool's `num_blocks` (same ids), then its scratch."""
+        self.num_blocks = num_blocks
+        dtype = self.config.model.dtype
+        for name, layer in self.layers.items():
+            shape = layer.kv_cache_shape(num_blocks + num_scratch_blocks, self.block_size)
+            cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.kv_caches[name] = cache
+            layer.kv_cache = [cache]
 
     def _load_model(self, draft_dir: str) -> torch.nn.Module:
         """The draft's weights (an EAGLE runner builds its head here instead)."""

@@ -55,20 +55,16 @@ class EagleProposer(DraftModelProposer):
     def __init__(
         self,
         target: EngineConfig,
-        num_blocks: int,
         target_model: nn.Module,
         device: str | torch.device = "cpu",
     ) -> None:
         self._target_model = target_model
-        super().__init__(target, num_blocks, device)
+        super().__init__(target, device)
         self._features: dict[str, _Features] = {}
         self._paused = False
 
-    def _make_runner(
-        self, target: EngineConfig, num_blocks: int, device: str | torch.device
-    ) -> DraftRunner:
-        scratch = self.scratch_per_seq * self.max_seqs
-        return EagleRunner(target, self._target_model, num_blocks, scratch, device)
+    def _make_runner(self, target: EngineConfig, device: str | torch.device) -> DraftRunner:
+        return EagleRunner(target, self._target_model, device)
 
     @property
     def aux_layers(self) -> tuple[int, ...] | None:

@@ -40,8 +40,6 @@ class EagleRunner(DraftRunner):
         self,
         target: EngineConfig,
         target_model: nn.Module,
-        num_blocks: int,
-        num_scratch_blocks: int,
         device: str | torch.device = "cpu",
     ) -> None:
         spec = target.speculative
@@ -64,7 +62,7 @@ class EagleRunner(DraftRunner):
         self.aux_layers: tuple[int, ...] | None = None
         # MTP's module is in the target's own checkpoint unless `model` names another.
         head_dir = spec.model or target.model.model
-        super().__init__(target, head_dir, num_blocks, num_scratch_blocks, device)
+        super().__init__(target, head_dir, device)
 
     def _load_model(self, draft_dir: str) -> nn.Module:
         head_hf = self.config.model.hf_config
