@@ -458,3 +458,25 @@ def test_encoder_budget_with_preemption_and_shared_images_equals_hf(qwen_dir: st
     assert len(engine.runner.kind_part.encoder_cache) == 0
     assert engine.scheduler.encoder_budget.num_held() == 0
     assert_pool_clean(engine)
+
+
+def test_two_pipeline_stages_equal_hf(qwen_dir: str) -> None:
+    """Pipeline parallelism: the first stage holds the vision tower and embeds the images;
+    the second gets each step's 3-D (M-RoPE) positions in the step message. Chunks that cut
+    images, on two virtual engines, give HF's tokens."""
+    llm = LLM(
+        qwen_dir,
+        dtype="float32",
+        pipeline_parallel_size=2,
+        num_gpu_blocks=128,
+        block_size=8,
+        max_num_batched_tokens=12,
+    )
+    try:
+        assert run(llm, CASES) == [hf_greedy(qwen_dir, *c) for c in CASES]
+        runner = llm.llm_engine.runner
+        assert runner.model.model.end_layer == 1  # the other layer is the second stage's
+        assert runner.kind_part.num_encoder_runs == 3
+        assert_pool_clean(llm.llm_engine)
+    finally:
+        llm.shutdown()

@@ -82,6 +82,8 @@ class StepMessage(msgspec.Struct, array_like=True, frozen=True):
     logits_indices: list[int]
     loras: list[LoRARequest | None] = []
     states: StatePlan | None = None
+    # `[3, T]` M-RoPE positions of a vision-language model (Qwen2.5-VL), for later stages.
+    mrope_positions: Array | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -97,6 +99,7 @@ def encode_step(
     tables: GroupTables,
     loras: list | None = None,
     states: StatePlan | None = None,
+    mrope_positions: torch.Tensor | None = None,
 ) -> bytes:
     """The step as bytes (`decode_step` reads them back)."""
     message = StepMessage(
@@ -113,6 +116,7 @@ def encode_step(
         logits_indices=list(step.logits_indices),
         loras=list(loras or []),
         states=states,
+        mrope_positions=None if mrope_positions is None else Array.of(mrope_positions),
     )
     return _ENCODER.encode(message)
 

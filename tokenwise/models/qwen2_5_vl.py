@@ -22,9 +22,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from torch import nn
 
 from tokenwise.config import EngineConfig
 from tokenwise.layers.mrope import MRotaryEmbedding, get_mrope_section
+from tokenwise.layers.pipeline import IntermediateTensors, StageAbsent
 from tokenwise.layers.rotary_embedding import get_rope_config
 from tokenwise.models.image_merge import decode_with_images
 from tokenwise.models.llava import image_token_id
@@ -44,7 +46,6 @@ def checkpoint_name(name: str) -> str:
 class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     is_multimodal = True
     uses_mrope = True
-    supports_pp = False  # later stages would need the 3-D (M-RoPE) positions
 
     def __init__(self, config: EngineConfig, prefix: str = "") -> None:
         mm = config.model.hf_multimodal_config
@@ -65,8 +66,12 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
             if hasattr(layer, "self_attn"):
                 layer.self_attn.rotary_emb = rotary
         self.image_token_index = int(image_token_id(mm))
-        self.visual = Qwen2_5_VisionTower(mm.vision_config)
-        self.spatial_merge_size = self.visual.merge
+        # Under pipeline parallelism the images are the first stage's (it embeds the prompt);
+        # every stage gets the step's 3-D positions in the step message.
+        self.visual: nn.Module = StageAbsent()
+        if self.model.is_first_stage:
+            self.visual = Qwen2_5_VisionTower(mm.vision_config)
+        self.spatial_merge_size = int(mm.vision_config.spatial_merge_size)
 
     def tokens_per_image(self, grid: Grid) -> int:
         return self.visual.tokens_per_image(grid)
@@ -88,11 +93,15 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         image_embeds: torch.Tensor | None = None,
         image_token_rows: torch.Tensor | None = None,
         mrope_positions: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
         """`mrope_positions` (`[3, T]`) replace `positions`; `image_embeds[i]` replaces the
-        embedding of flat token `image_token_rows[i]`."""
+        embedding of flat token `image_token_rows[i]`; a later pipeline stage starts from
+        `intermediate_tensors`."""
         if mrope_positions is not None:
             positions = mrope_positions
+        if intermediate_tensors is not None:
+            return self.model(input_ids, positions, intermediate_tensors=intermediate_tensors)
         return decode_with_images(self.model, input_ids, positions, image_embeds, image_token_rows)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -107,6 +116,8 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
                 if not name.startswith("visual."):
                     yield name, tensor
                     continue
+                if not self.model.is_first_stage:
+                    continue  # another pipeline stage's
                 if name not in params:
                     raise ValueError(
                         f"checkpoint tensor {name!r} matches no parameter of Qwen2.5-VL"

@@ -183,13 +183,15 @@ class PipelineStages:
         plan = None
         if self.recurrent is not None:
             plan = self.recurrent.plan(step, batch)
-        payload = encode_step(step, tables, states=plan)  # bytes: owned from here on
+        metadata = r.step_metadata.build(step, tables)
+        # The kind's inputs (a vision-language model's images) enter at the first stage; its
+        # 3-D positions (M-RoPE) go to every stage with the step.
+        model_kwargs = r.kind_part.model_inputs(step, metadata)
+        mrope = model_kwargs.get("mrope_positions")
+        payload = encode_step(step, tables, states=plan, mrope_positions=mrope)  # owned bytes
         with self.channel.failures_named():
             if self.tp.active:  # stage 0's other TP ranks run the same batch
                 self.tp.broadcast(("pp_step", virtual_engine, payload))
-            metadata = r.step_metadata.build(step, tables)
-            # The kind's inputs (a vision-language model's images) enter at the first stage.
-            model_kwargs = r.kind_part.model_inputs(step, metadata)
             out = self._run_stage(step, metadata, virtual_engine, None, model_kwargs, plan)
             self.channel.send_step(virtual_engine, payload, out, [self._busy_s])
         self._in_flight.append(_InFlight(virtual_engine, step, num_sample_rows, prompt_rows))
@@ -299,8 +301,11 @@ class PipelineStages:
             if received is not None:
                 intermediate = IntermediateTensors(*(t.to(self.device) for t in received))
             metadata = self.runner.step_metadata.build(step, tables)
+            kwargs = {}
+            if step_message.mrope_positions is not None:
+                kwargs["mrope_positions"] = step_message.mrope_positions.tensor(self.device)
             out = self._run_stage(
-                step, metadata, virtual_engine, intermediate, None, step_message.states
+                step, metadata, virtual_engine, intermediate, kwargs, step_message.states
             )
             busy = [*busy, self._busy_s]
             if not channel.is_last:
