@@ -9,7 +9,9 @@ the model loads them as it loads the Hugging Face checkpoint (names: `gdn_tensor
   are zero-centred): read back minus one;
 - Qwen3-Next's `in_proj_qkvz` (per key head: q, k, v, z) is split into `attn_qkv` (all q,
   all k, all v) and `attn_gate` (all z); both are regrouped per key head into one tensor
-  again (`in_proj_ba` is stored as it is, as `ssm_ba`);
+  again (`in_proj_ba` is stored as it is, as `ssm_ba`). The model's fused `in_proj` holds
+  them un-grouped (all q, k, v, z, b, a), the order in which the quantized layers join their
+  parts' records, so those see the file's own order (all q/k/v then z; all b then a);
 - Qwen3.5 with fewer key than value heads: the converter reorders the value heads from
   grouped by key head (`k0v0 k0v1 k1v0 k1v1`) to tiled (`k0v0 k1v0 k0v1 k1v1`) in every tensor
   indexed by value head (v rows of `attn_qkv` and of the conv, `attn_gate`, `ssm_alpha` /
@@ -29,6 +31,9 @@ import numpy as np
 from tokenwise.gguf.hybrid_config import decoder_layers
 
 Part = tuple[str, np.ndarray, np.ndarray, str]  # (HF name, float32 values, raw bytes, type)
+# A rewritten tensor: its part, and the rows the quantized layers record when they differ
+# (Qwen3-Next's in_proj: see `_qkvz`), as (values, raw) in the model's row order.
+Rewritten = tuple[Part, tuple[np.ndarray, np.ndarray] | None]
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 # GGUF tensor of a linear-attention layer -> the HF parameter (relative to `linear_attn`).
@@ -83,13 +88,13 @@ class GdnTensors:
         parts = gguf_name.split(".")
         return parts[0] == "blk" and int(parts[1]) >= self.layers
 
-    def rewrite(self, gguf_name: str, part: Part) -> list[Part]:
+    def rewrite(self, gguf_name: str, part: Part) -> list[Rewritten]:
         name, values, raw, qtype = part
         if gguf_name.endswith("norm.weight") and not gguf_name.endswith("ssm_norm.weight"):
-            return [(name, values - np.float32(1.0), raw, qtype)]
+            return [((name, values - np.float32(1.0), raw, qtype), None)]
         kind = gguf_name.split(".", 2)[-1]
         if kind not in _LINEAR:
-            return [part]
+            return [(part, None)]
         if kind == "ssm_a":
             values = np.log(-values.astype(np.float64)).astype(np.float32)
             raw = values
@@ -99,7 +104,12 @@ class GdnTensors:
             values, raw, qtype = self._untile(kind, values, raw, qtype)
         if self.arch == "qwen3next" and kind in ("attn_qkv.weight", "attn_gate.weight"):
             return self._qkvz(name, kind, (name, values, raw, qtype))
-        return [(name, values, raw, qtype)]
+        if kind == "ssm_ba.weight":  # per key head [b, a] -> all b, all a for the records
+            ratio = self.nv // self.nk
+            grouped = np.arange(2 * self.nv).reshape(self.nk, 2, ratio)
+            order = grouped.transpose(1, 0, 2).reshape(-1)
+            return [((name, values, raw, qtype), (values[order], raw[order]))]
+        return [((name, values, raw, qtype), None)]
 
     def _untile(
         self, kind: str, values: np.ndarray, raw: np.ndarray, qtype: str
@@ -127,7 +137,7 @@ class GdnTensors:
             return values, raw.reshape(raw.shape[0], -1, size)[:, blocks].reshape(raw.shape), qtype
         return values[order], raw[order], qtype
 
-    def _qkvz(self, name: str, kind: str, part: Part) -> list[Part]:
+    def _qkvz(self, name: str, kind: str, part: Part) -> list[Rewritten]:
         layer = name.rsplit(".linear_attn.", 1)[0]
         held = self.waiting.setdefault(layer, {})
         held[kind] = part
@@ -143,11 +153,12 @@ class GdnTensors:
             rows += [2 * nk * dk + np.arange(g * vz, (g + 1) * vz)]
             rows += [qkv.shape[0] + np.arange(g * vz, (g + 1) * vz)]
         order = np.concatenate(rows)
-        values = np.concatenate([qkv, z])[order]
+        flat = np.concatenate([qkv, z])
+        hf_name = f"{layer}.linear_attn.{QKVZ}"
         if qkv_type != z_type:  # rows of two formats cannot be one tensor's bytes
-            return [(f"{layer}.linear_attn.{QKVZ}", values, values, "F32")]
-        raw = np.concatenate([qkv_raw, z_raw])[order]
-        return [(f"{layer}.linear_attn.{QKVZ}", values, raw, qkv_type)]
+            return [((hf_name, flat[order], flat[order], "F32"), None)]
+        flat_raw = np.concatenate([qkv_raw, z_raw])
+        return [((hf_name, flat[order], flat_raw[order], qkv_type), (flat, flat_raw))]
 
     def finish(self, path: str) -> None:
         if self.waiting:

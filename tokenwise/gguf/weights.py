@@ -153,12 +153,10 @@ def iterate_gguf(
             values = values - np.float32(1.0)  # stored as 1 + w (see the module docstring)
         if tensor.name.endswith("ffn_gate_inp_shexp.weight") and values.ndim == 1:
             values, raw = values[None], raw[None]  # Qwen2-MoE's shared-expert gate: [1, H]
-        qtype = tensor.tensor_type.name
-        rewritten = [(hf_name, values, raw, qtype)]
-        if gdn is not None:
-            rewritten = gdn.rewrite(tensor.name, rewritten[0])
-        for hf_name, values, raw, qtype in rewritten:
-            yield from _parts(hf_name, values, raw, qtype, dtype, observe)
+        part = (hf_name, values, raw, tensor.tensor_type.name)
+        rewritten = gdn.rewrite(tensor.name, part) if gdn is not None else [(part, None)]
+        for (hf_name, values, raw, qtype), recorded in rewritten:
+            yield from _parts(hf_name, values, raw, qtype, dtype, observe, recorded)
     for pending in (gdn, oss):
         if pending is not None:
             pending.finish(path)
@@ -171,8 +169,13 @@ def _parts(
     qtype: str,
     dtype: torch.dtype,
     observe: Callable[[str, torch.Tensor, str, np.ndarray], None] | None,
+    recorded: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """One tensor (a stacked expert tensor: one per expert), observed, in `dtype`."""
+    """One tensor (a stacked expert tensor: one per expert), observed, in `dtype`.
+    `recorded`: (values, raw) to observe instead, in the model's row order (`gdn_tensors`)."""
+    if observe is not None and recorded is not None:
+        observe(hf_name, torch.from_numpy(np.ascontiguousarray(recorded[0])), qtype, recorded[1])
+        observe = None
     if "{}" in hf_name:  # a stacked expert tensor: one expert at a time
         parts = [(hf_name.format(e), values[e], raw[e]) for e in range(values.shape[0])]
     else:
