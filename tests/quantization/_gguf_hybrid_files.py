@@ -190,7 +190,8 @@ def _gguf_name(name_map: Any, name: str) -> str:
 
 def write_hybrid_gguf(hf_dir: str, out_path: str, qtype: Any = None) -> str:
     """Write the checkpoint in `hf_dir` (float, or gpt-oss with MXFP4 experts) to `out_path`;
-    matrices in `qtype` (default F32; 1-D tensors, routers and MXFP4 experts as they are)."""
+    matrices in `qtype` (default F32; F16 where rows are not whole blocks, as the converter
+    does; 1-D tensors, convs, routers and MXFP4 experts as they are)."""
     import gguf
 
     qtype = qtype if qtype is not None else gguf.GGMLQuantizationType.F32
@@ -230,8 +231,10 @@ def write_hybrid_gguf(hf_dir: str, out_path: str, qtype: Any = None) -> str:
         values = data.to(torch.float32).contiguous().numpy()
         matrix = values.ndim >= 2 and ".ffn_gate_inp" not in gguf_name and values.shape[-1] > 4
         if matrix and qtype != gguf.GGMLQuantizationType.F32:
-            packed = gguf.quants.quantize(values, qtype)
-            writer.add_tensor(gguf_name, packed, raw_shape=packed.shape, raw_dtype=qtype)
+            block = gguf.GGML_QUANT_SIZES[qtype][0]
+            kind = qtype if values.shape[-1] % block == 0 else gguf.GGMLQuantizationType.F16
+            packed = gguf.quants.quantize(values, kind)
+            writer.add_tensor(gguf_name, packed, raw_shape=packed.shape, raw_dtype=kind)
         else:
             writer.add_tensor(gguf_name, values)
     writer.write_header_to_file()
