@@ -55,6 +55,7 @@ CASES: dict[str, tuple[str, dict[str, Any], Any]] = {
     "qwen3next_q8_0": ("Qwen3NextForCausalLM", {}, Q.Q8_0),
     # llama.cpp clamps gpt-oss's SwiGLU at 7 (the file has no key for it)
     "gpt_oss_mxfp4": ("GptOssForCausalLM", {"swiglu_limit": 7.0}, "MXFP4"),
+    "gpt_oss_f32": ("GptOssForCausalLM", {"swiglu_limit": 7.0}, Q.F32),  # dense experts
 }
 ATOL = {"GptOssForCausalLM": 1e-4}
 HYBRID_ATOL = 1e-3
