@@ -37,7 +37,7 @@ from safetensors.torch import load_file, save_file
 from tests.engine._fixtures import hf_greedy
 from tests.models.test_gpt_oss_vs_hf import _write_mxfp4
 from tests.quantization._gguf_hybrid_files import write_hybrid_gguf
-from tests.tiny_checkpoints import build_tiny_checkpoint
+from tests.tiny_checkpoints import build_tiny_checkpoint, tiny_tokenizer
 from tokenwise import LLM, SamplingParams
 from tokenwise.config import EngineConfig
 from tokenwise.gguf.hf_config import gguf_hf_config
@@ -169,6 +169,24 @@ def test_engine_greedy_tokens_match_hf(files: dict, case: str) -> None:
     for output in llm.generate(prompts, params, use_tqdm=False):
         want = hf_greedy(reference, list(output.prompt_token_ids), 12)
         assert list(output.outputs[0].token_ids) == want
+
+
+def test_qwen3next_q8_0_under_tensor_parallel_2_matches_hf(files: dict) -> None:
+    """Two ranks each take their rows of the quantized in_proj (the file's Q8_0 rows, regrouped
+    per key head); the tokenizer transformers cannot read from a qwen3next file is built from
+    its tokenizer keys and tokenizes as the checkpoint's does."""
+    _, path, reference = files["qwen3next_q8_0"]
+    llm = LLM(path, dtype="float32", num_gpu_blocks=64, block_size=16, tensor_parallel_size=2)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        prompts = ["Hello world! Hello", "import os\nimport"]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        for prompt, output in zip(prompts, outputs, strict=True):
+            assert list(output.prompt_token_ids) == tiny_tokenizer().encode(prompt)
+            want = hf_greedy(reference, list(output.prompt_token_ids), 10)
+            assert list(output.outputs[0].token_ids) == want
+    finally:
+        llm.shutdown()
 
 
 def test_missing_linear_attention_key_is_named(

@@ -46,20 +46,20 @@ def _cache_key(path: str, tokenizer_dir: str | None) -> str:
     return hashlib.sha1("\0".join(parts).encode()).hexdigest()[:16]
 
 
-# Architectures whose model metadata transformers' GGUF reader fails on while it builds the
-# tokenizer (transformers 5.x reads gpt-oss's `rope.scaling.*` values from the wrong part of
-# the field): the tokenizer is built from a copy holding only the tokenizer's keys.
-TOKENIZER_ONLY = ("gpt-oss",)
+# Architectures whose tokenizer transformers' GGUF reader does not build from the file itself,
+# and the architecture named in a copy holding only the tokenizer's keys, which it does build:
+# gpt-oss (transformers 5.x reads its `rope.scaling.*` values from the wrong part of the field)
+# and Qwen3-Next (no GGUF support in transformers; its tokenizer is Qwen3's byte-level BPE).
+TOKENIZER_ONLY = {"gpt-oss": "gpt-oss", "qwen3next": "qwen3"}
 
 
-def _tokenizer_only_copy(path: str, directory: str) -> str:
-    """A GGUF file in `directory` with `path`'s architecture and tokenizer keys, no tensors."""
+def _tokenizer_only_copy(path: str, arch: str, directory: str) -> str:
+    """A GGUF file in `directory` with `path`'s tokenizer keys under architecture `arch`."""
     import gguf
 
     from tokenwise.gguf.reader import open_gguf
 
     reader = open_gguf(path)
-    arch = reader.fields["general.architecture"].contents()
     out = os.path.join(directory, "tokenizer.gguf")
     writer = gguf.GGUFWriter(out, arch)
     for key, field in reader.fields.items():
@@ -82,8 +82,9 @@ def _build(path: str, tokenizer_dir: str | None, chat_template: str | None) -> o
         metadata, _ = read_metadata(path)
         with tempfile.TemporaryDirectory() as scratch:
             source = path
-            if metadata.get("general.architecture") in TOKENIZER_ONLY:
-                source = _tokenizer_only_copy(path, scratch)
+            arch = metadata.get("general.architecture")
+            if arch in TOKENIZER_ONLY:
+                source = _tokenizer_only_copy(path, TOKENIZER_ONLY[arch], scratch)
             directory, name = os.path.split(os.path.abspath(source))
             try:
                 tokenizer = AutoTokenizer.from_pretrained(
