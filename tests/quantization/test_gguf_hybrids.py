@@ -37,15 +37,13 @@ from safetensors.torch import load_file, save_file
 from tests.engine._fixtures import hf_greedy
 from tests.models.test_gpt_oss_vs_hf import _write_mxfp4
 from tests.quantization._gguf_hybrid_files import write_hybrid_gguf
+from tests.quantization.test_gguf_archs import _ids, _ours  # 24 random ids; fp32 logits
 from tests.tiny_checkpoints import build_tiny_checkpoint, tiny_tokenizer
 from tokenwise import LLM, SamplingParams
-from tokenwise.config import EngineConfig
 from tokenwise.gguf.hf_config import gguf_hf_config
-from tokenwise.loader import load_model
 from tokenwise.model_config import ModelConfig
 
 Q = gguf.GGMLQuantizationType
-SEQ_LEN = 24
 # case -> (architecture, config overrides, file type)
 CASES: dict[str, tuple[str, dict[str, Any], Any]] = {
     "qwen35": ("Qwen3_5ForCausalLM", {}, Q.F32),
@@ -97,18 +95,6 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str,
         path = write_hybrid_gguf(hf_dir, str(root / f"{case}.gguf"), qtype)
         out[case] = (hf_dir, path, reference)
     return out
-
-
-def _ids() -> torch.Tensor:
-    return torch.randint(2, 300, (SEQ_LEN,), generator=torch.Generator().manual_seed(0))
-
-
-@torch.no_grad()
-def _ours(path: str) -> tuple[Any, torch.Tensor]:
-    config = ModelConfig.from_pretrained(path, dtype="float32", skip_tokenizer_init=True)
-    net = load_model(EngineConfig(model=config))
-    ids = _ids()
-    return net, net.compute_logits(net(ids, torch.arange(ids.numel())))
 
 
 @torch.no_grad()
