@@ -40,6 +40,7 @@ from tests.quantization._gguf_hybrid_files import write_hybrid_gguf
 from tests.quantization.test_gguf_archs import _ids, _ours  # 24 random ids; fp32 logits
 from tests.tiny_checkpoints import build_tiny_checkpoint, tiny_tokenizer
 from tokenwise import LLM, SamplingParams
+from tokenwise.gguf.gpt_oss_config import gpt_oss_kwargs
 from tokenwise.gguf.hf_config import gguf_hf_config
 from tokenwise.model_config import ModelConfig
 
@@ -224,3 +225,16 @@ def test_the_real_converter_writes_the_same_file(files: dict, case: str, tmp_pat
     skip = ("general.", "GGUF.", "tokenizer.")
     keys = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith(skip)}
     assert keys == {k: f.contents() for k, f in mine.fields.items() if not k.startswith(skip)}
+
+
+def test_gpt_oss_with_mixed_expert_types_is_refused() -> None:
+    metadata = {
+        "gpt-oss.expert_count": 4,
+        "gpt-oss.expert_used_count": 2,
+        "gpt-oss.expert_feed_forward_length": 64,
+        "gpt-oss.attention.sliding_window": 8,
+    }
+    types = {"blk.0.ffn_gate_exps.weight": "MXFP4", "blk.0.ffn_down_exps.weight": "Q8_0"}
+    base = {"num_hidden_layers": 2, "rope_theta": 150000.0}
+    with pytest.raises(NotImplementedError, match=r"mixes MXFP4 experts with \['Q8_0'\]"):
+        gpt_oss_kwargs(metadata, types, base, "mixed.gguf")
