@@ -61,7 +61,8 @@ def test_unsupported_architecture(tmp_path: Any) -> None:
     writer.close()
     with pytest.raises(
         NotImplementedError,
-        match="'mamba' model.*gemma2, gemma3, gemma4, llama, qwen2, qwen2moe, qwen3, qwen3moe",
+        match="'mamba' model.*gemma2, gemma3, gemma4, gpt-oss, llama, qwen2, qwen2moe, qwen3, "
+        "qwen35, qwen35moe, qwen3moe, qwen3next",
     ):
         ModelConfig.from_pretrained(path)
 

@@ -1,5 +1,6 @@
 """A transformers config rebuilt from a GGUF file's metadata (llama, qwen2, qwen3, gemma2,
-gemma3, gemma4, qwen2moe, qwen3moe; a llama file with experts is Mixtral).
+gemma3, gemma4, qwen2moe, qwen3moe, the Gated DeltaNet hybrids qwen35 / qwen35moe / qwen3next
+and gpt-oss; a llama file with experts is Mixtral).
 
 A GGUF file has no `config.json`: its metadata is the config, under llama.cpp's key names
 (`llama.embedding_length`, `qwen3.attention.head_count_kv`, ...). The engine's models read a
@@ -28,6 +29,8 @@ import numpy as np
 
 from tokenwise.gguf.gemma4_config import gemma4_kwargs
 from tokenwise.gguf.gemma_config import gemma_kwargs
+from tokenwise.gguf.gpt_oss_config import gpt_oss_kwargs
+from tokenwise.gguf.hybrid_config import GDN_ARCHS, decoder_layers, gdn_kwargs
 from tokenwise.gguf.moe_config import expert_count, moe_kwargs
 from tokenwise.gguf.reader import open_gguf, read_metadata
 
@@ -42,6 +45,10 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "gemma4": ("gemma4_text", "Gemma4ForCausalLM"),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "qwen35": ("qwen3_5_text", "Qwen3_5ForCausalLM"),
+    "qwen35moe": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"),
+    "qwen3next": ("qwen3_next", "Qwen3NextForCausalLM"),
+    "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
 }
 # llama.cpp writes Mixtral as "llama" with `llama.expert_count` and stacked expert tensors.
 MIXTRAL = ("mixtral", "MixtralForCausalLM")
@@ -74,6 +81,11 @@ def _tensor_shapes(path: str) -> dict[str, tuple[int, ...]]:
     return {t.name: tuple(int(n) for n in reversed(t.shape)) for t in open_gguf(path).tensors}
 
 
+def _tensor_types(path: str) -> dict[str, str]:
+    """Every tensor's GGUF type name (`F32`, `Q8_0`, `MXFP4`, ...)."""
+    return {t.name: t.tensor_type.name for t in open_gguf(path).tensors}
+
+
 def rope_freq_factors(path: str, head_dim: int) -> list[float]:
     """The `rope_freqs` tensor's factors, one per rotated pair (`head_dim / 2` of them)."""
     values = _rope_freqs(path)
@@ -89,6 +101,8 @@ def rope_freq_factors(path: str, head_dim: int) -> list[float]:
 
 def _rope_scaling(metadata: dict[str, Any], arch: str, names: tuple[str, ...], path: str) -> Any:
     kind = metadata.get(f"{arch}.rope.scaling.type")
+    if arch == "gpt-oss":  # YaRN, read by gpt_oss_config
+        return None
     if ROPE_FREQS in names and arch != "gemma4":  # gemma4: proportional rope (gemma4_config)
         if arch != "llama" or kind not in (None, "none"):
             raise NotImplementedError(
@@ -139,7 +153,7 @@ def gguf_hf_config(path: str) -> Any:
         "architectures": [architecture],
         "hidden_size": hidden,
         "intermediate_size": _first(key("feed_forward_length")),
-        "num_hidden_layers": int(key("block_count")),
+        "num_hidden_layers": decoder_layers(metadata, arch),
         "num_attention_heads": heads,
         "num_key_value_heads": _first(key("attention.head_count_kv", heads)),
         "head_dim": int(head_dim),
@@ -168,7 +182,7 @@ def gguf_hf_config(path: str) -> Any:
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
     if model_type == "llama":
         kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in names
-    if experts > 0 and arch != "gemma4":  # gemma4: its own MoE block (gemma4_config)
+    if experts > 0 and arch not in ("gemma4", "gpt-oss"):  # those: their own MoE keys
         kwargs.update(moe_kwargs(metadata, arch, key))
     if arch in ("gemma2", "gemma3"):
         kwargs.update(gemma_kwargs(metadata, arch, kwargs))
@@ -176,6 +190,10 @@ def gguf_hf_config(path: str) -> Any:
         kwargs.pop("rope_theta", None)  # per layer type, in rope_parameters
         factors = _rope_freqs(path) if ROPE_FREQS in names else None
         kwargs.update(gemma4_kwargs(metadata, names, _tensor_shapes(path), factors, kwargs, path))
+    if arch in GDN_ARCHS:
+        kwargs.update(gdn_kwargs(metadata, arch, kwargs, path))
+    if arch == "gpt-oss":
+        kwargs.update(gpt_oss_kwargs(metadata, _tensor_types(path), kwargs, path))
     return AutoConfig.for_model(model_type, **kwargs)
 
 

@@ -1,4 +1,5 @@
-"""Mixture-of-experts settings from a GGUF file's metadata (Mixtral, Qwen2-MoE, Qwen3-MoE).
+"""Mixture-of-experts settings from a GGUF file's metadata (Mixtral, Qwen2-MoE, Qwen3-MoE,
+Qwen3-Next, Qwen3.5-MoE).
 
 llama.cpp writes the expert count and how many experts each token uses (`expert_count`,
 `expert_used_count`), the experts' width where it differs from the dense MLP's
@@ -16,7 +17,15 @@ from collections.abc import Callable
 from typing import Any
 
 # llama.cpp architecture -> whether its MoE graph renormalises the top-k weights.
-RENORMALISES = {"llama": True, "qwen2moe": False, "qwen3moe": True}
+RENORMALISES = {
+    "llama": True,
+    "qwen2moe": False,
+    "qwen3moe": True,
+    "qwen3next": True,
+    "qwen35moe": True,
+}
+# Architectures with a sigmoid-gated shared expert beside the routed ones.
+SHARED_EXPERT = ("qwen2moe", "qwen3next", "qwen35moe")
 
 
 def expert_count(metadata: dict[str, Any], arch: str) -> int:
@@ -47,6 +56,6 @@ def moe_kwargs(metadata: dict[str, Any], arch: str, key: Callable[[str], Any]) -
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
     }
-    if arch == "qwen2moe":
+    if arch in SHARED_EXPERT:
         kwargs["shared_expert_intermediate_size"] = int(key("expert_shared_feed_forward_length"))
     return kwargs

@@ -46,23 +46,56 @@ def _cache_key(path: str, tokenizer_dir: str | None) -> str:
     return hashlib.sha1("\0".join(parts).encode()).hexdigest()[:16]
 
 
+# Architectures whose tokenizer transformers' GGUF reader does not build from the file itself,
+# and the architecture named in a copy holding only the tokenizer's keys, which it does build:
+# gpt-oss (transformers 5.x reads its `rope.scaling.*` values from the wrong part of the field)
+# and Qwen3-Next (no GGUF support in transformers; its tokenizer is Qwen3's byte-level BPE).
+TOKENIZER_ONLY = {"gpt-oss": "gpt-oss", "qwen3next": "qwen3"}
+
+
+def _tokenizer_only_copy(path: str, arch: str, directory: str) -> str:
+    """A GGUF file in `directory` with `path`'s tokenizer keys under architecture `arch`."""
+    import gguf
+
+    from tokenwise.gguf.reader import open_gguf
+
+    reader = open_gguf(path)
+    out = os.path.join(directory, "tokenizer.gguf")
+    writer = gguf.GGUFWriter(out, arch)
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            sub_type = field.types[1] if len(field.types) > 1 else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
 def _build(path: str, tokenizer_dir: str | None, chat_template: str | None) -> object:
     from transformers import AutoTokenizer
 
     if tokenizer_dir is not None:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     else:
-        directory, name = os.path.split(os.path.abspath(path))
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(
-                directory, gguf_file=name, local_files_only=True
-            )
-        except Exception as exc:  # transformers raises many kinds here; all mean "cannot"
-            raise ValueError(
-                f"transformers cannot build a tokenizer from the metadata of GGUF file "
-                f"{path!r} ({type(exc).__name__}: {exc}); pass the original model's tokenizer "
-                "directory with tokenizer=<dir> (--tokenizer <dir>)"
-            ) from exc
+        metadata, _ = read_metadata(path)
+        with tempfile.TemporaryDirectory() as scratch:
+            source = path
+            arch = metadata.get("general.architecture")
+            if arch in TOKENIZER_ONLY:
+                source = _tokenizer_only_copy(path, TOKENIZER_ONLY[arch], scratch)
+            directory, name = os.path.split(os.path.abspath(source))
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(
+                    directory, gguf_file=name, local_files_only=True
+                )
+            except Exception as exc:  # transformers raises many kinds here; all mean "cannot"
+                raise ValueError(
+                    f"transformers cannot build a tokenizer from the metadata of GGUF file "
+                    f"{path!r} ({type(exc).__name__}: {exc}); pass the original model's "
+                    "tokenizer directory with tokenizer=<dir> (--tokenizer <dir>)"
+                ) from exc
     if chat_template:
         tokenizer.chat_template = chat_template
     return tokenizer

@@ -35,9 +35,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from tokenwise.gguf.gdn_tensors import GdnTensors, gdn_tensor_names
 from tokenwise.gguf.gemma4_config import gemma4_tensor_names
 from tokenwise.gguf.gemma_config import GEMMA_ARCHS
+from tokenwise.gguf.gpt_oss_tensors import GptOssTensors, gpt_oss_tensor_names, is_expert_tensor
 from tokenwise.gguf.hf_config import gguf_architecture
+from tokenwise.gguf.hybrid_config import GDN_ARCHS
 from tokenwise.gguf.reader import open_gguf, read_metadata
 
 # Tensors that are configuration, not parameters: read by `hf_config` (rope factors).
@@ -103,7 +106,8 @@ def iterate_gguf(
     dtype: torch.dtype,
     observe: Callable[[str, torch.Tensor, str, np.ndarray], None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(HF name, tensor in dtype)` for every tensor of the file, one at a time.
+    """Yield `(HF name, tensor in dtype)` for every tensor of the file, one at a time
+    (gpt-oss's MXFP4 experts as their uint8 codes and scales, `gpt_oss_tensors`).
 
     `observe(HF name, float32 values, GGUF type name, bytes as [rows, row bytes])` sees each
     tensor before the cast (the
@@ -117,9 +121,21 @@ def iterate_gguf(
     mapping = gguf_to_hf_names(arch, num_layers, expected_names)
     if arch == "gemma4":
         mapping.update(gemma4_tensor_names(num_layers))
+    gdn = GdnTensors(metadata, arch) if arch in GDN_ARCHS else None
+    if gdn is not None:
+        mapping.update(gdn_tensor_names(num_layers))
+    oss = GptOssTensors() if arch == "gpt-oss" else None
+    if oss is not None:
+        mapping.update(gpt_oss_tensor_names(num_layers))
     reader = open_gguf(path)
     for tensor in reader.tensors:
-        if tensor.name in CONFIG_TENSORS:
+        if tensor.name in CONFIG_TENSORS or (gdn is not None and gdn.is_mtp(tensor.name)):
+            continue
+        if oss is not None and is_expert_tensor(tensor.name):
+            keep_codes = tensor.tensor_type.name == "MXFP4" and tensor.name.endswith("weight")
+            values = None if keep_codes else dequantize_tensor(tensor, path)
+            for name, out in oss.rewrite(tensor.name, values, tensor.data, tensor.tensor_type.name):
+                yield name, out if out.dtype == torch.uint8 else out.to(dtype)
             continue
         hf_name = mapping.get(tensor.name)
         if hf_name is None:
@@ -137,15 +153,38 @@ def iterate_gguf(
             values = values - np.float32(1.0)  # stored as 1 + w (see the module docstring)
         if tensor.name.endswith("ffn_gate_inp_shexp.weight") and values.ndim == 1:
             values, raw = values[None], raw[None]  # Qwen2-MoE's shared-expert gate: [1, H]
-        if "{}" in hf_name:  # a stacked expert tensor: one expert at a time
-            parts = [(hf_name.format(e), values[e], raw[e]) for e in range(values.shape[0])]
-        else:
-            parts = [(hf_name, values, raw)]
-        for name, part, part_raw in parts:
-            part = np.ascontiguousarray(part)
-            if not part.flags.writeable:  # F32 tensors are views of the read-only file mapping
-                part = part.copy()
-            tensor_fp32 = torch.from_numpy(part)
-            if observe is not None:
-                observe(name, tensor_fp32, tensor.tensor_type.name, part_raw)
-            yield name, tensor_fp32.to(dtype)
+        part = (hf_name, values, raw, tensor.tensor_type.name)
+        rewritten = gdn.rewrite(tensor.name, part) if gdn is not None else [(part, None)]
+        for (hf_name, values, raw, qtype), recorded in rewritten:
+            yield from _parts(hf_name, values, raw, qtype, dtype, observe, recorded)
+    for pending in (gdn, oss):
+        if pending is not None:
+            pending.finish(path)
+
+
+def _parts(
+    hf_name: str,
+    values: np.ndarray,
+    raw: np.ndarray,
+    qtype: str,
+    dtype: torch.dtype,
+    observe: Callable[[str, torch.Tensor, str, np.ndarray], None] | None,
+    recorded: tuple[np.ndarray, np.ndarray] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """One tensor (a stacked expert tensor: one per expert), observed, in `dtype`.
+    `recorded`: (values, raw) to observe instead, in the model's row order (`gdn_tensors`)."""
+    if observe is not None and recorded is not None:
+        observe(hf_name, torch.from_numpy(np.ascontiguousarray(recorded[0])), qtype, recorded[1])
+        observe = None
+    if "{}" in hf_name:  # a stacked expert tensor: one expert at a time
+        parts = [(hf_name.format(e), values[e], raw[e]) for e in range(values.shape[0])]
+    else:
+        parts = [(hf_name, values, raw)]
+    for name, part, part_raw in parts:
+        part = np.ascontiguousarray(part)
+        if not part.flags.writeable:  # F32 tensors are views of the read-only file mapping
+            part = part.copy()
+        tensor_fp32 = torch.from_numpy(part)
+        if observe is not None:
+            observe(name, tensor_fp32, qtype, part_raw)
+        yield name, tensor_fp32.to(dtype)

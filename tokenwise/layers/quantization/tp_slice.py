@@ -81,6 +81,8 @@ def rank_part(
             pieces = [slice_rows(part, s, n) for s, n in zip(starts, full, strict=True)]
             return stack_rows([slice_rows(p, *module.source_rows(i)) for i, p in enumerate(pieces)])
         index = 0 if shard is None else module.shard_index(shard)
+        if not isinstance(index, int):  # a tensor of several parts (Gated DeltaNet's `qkvz`)
+            return _declined(name, f"part {shard!r} spans several of its fused parts")
         if part.shape[0] != full[index]:
             return _declined(name, f"part {shard} has {part.shape[0]} rows, not {full[index]}")
         return slice_rows(part, *module.source_rows(index))
