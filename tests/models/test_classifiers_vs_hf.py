@@ -95,6 +95,23 @@ def test_qwen3_classifier_probs_equal_hf(qwen3) -> None:
         llm.generate("Hello")
 
 
+def test_qwen3_classifier_in_two_pipeline_stages_equals_hf(qwen3) -> None:
+    """Pipeline parallelism with a pooling model: the last stage sends its hidden states
+    back, the driver pools them and runs the score head (two virtual engines, no KV cache)."""
+    path, _ = qwen3
+    llm = LLM(path, task="classify", dtype="float32", pipeline_parallel_size=2)
+    try:
+        texts = [*DOCS, "import os"]
+        outs = llm.classify(texts, use_tqdm=False)
+        for out, text in zip(outs, texts, strict=True):
+            logits = hf_logits(path, "Qwen3ForSequenceClassification", text, None)
+            want = torch.softmax(logits, -1)
+            torch.testing.assert_close(torch.tensor(out.outputs.probs), want, atol=ATOL, rtol=0)
+        assert llm.llm_engine.runner.model.model.end_layer < 2  # a stage's half of the layers
+    finally:
+        llm.shutdown()
+
+
 def test_qwen3_reward_model_scores_equal_hf(tmp_path_factory) -> None:
     arch = "Qwen3ForSequenceClassification"
     path, llm = make_llm(tmp_path_factory, arch, "score", num_labels=1)

@@ -15,6 +15,7 @@ from torch import nn
 
 from tokenwise.attention.utils import AttentionType
 from tokenwise.config import EngineConfig, PoolerConfig
+from tokenwise.layers.pipeline import IntermediateTensors
 from tokenwise.models.llama import DecoderVariant, LlamaForCausalLM, LlamaModel
 
 
@@ -33,7 +34,6 @@ class Qwen3ForSequenceClassification(Qwen3ForCausalLM):
     attention and no KV cache (`DECODER_NO_CACHE`): nothing is generated after it.
     """
 
-    supports_pp = False  # the last stage would have to send pooled rows back
     is_pooling_model = True
     is_classifier = True
     default_pooler_config = PoolerConfig(pooling_type="LAST", normalize=False)
@@ -52,11 +52,16 @@ class Qwen3ForSequenceClassification(Qwen3ForCausalLM):
         variant = super().decoder_variant(hf_config)
         return replace(variant, attn_type=AttentionType.DECODER_NO_CACHE)
 
-    def forward(  # type: ignore[override]
-        self, input_ids: torch.Tensor, positions: torch.Tensor
-    ) -> torch.Tensor:
-        """The last hidden states (final norm applied) of every token of the step."""
-        return self.model(input_ids, positions)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """The last hidden states (final norm applied) of every token of the step; under
+        pipeline parallelism the last stage's go back to the driver, which pools them (the
+        score head is loaded on every stage)."""
+        return self.model(input_ids, positions, intermediate_tensors=intermediate_tensors)
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
         """float32 logits `[num_seqs, num_labels]` of each sequence's last hidden state."""

@@ -244,6 +244,9 @@ class KVCacheSizer:
     def allocate(self, num_blocks: int) -> None:
         """The pool's cache tensors, bound to their layers (none for a model that keeps
         none), and a log line of what they cost."""
+        for layer in self.attn_layers.values():
+            if not layer.needs_kv_cache:  # its empty placeholder, read by every virtual engine
+                layer.kv_cache = [layer.kv_cache[0]] * self.copies
         if not self.needs_kv_cache:
             if num_blocks:
                 raise ValueError(f"this model keeps no KV cache, got {num_blocks} blocks")

@@ -172,7 +172,9 @@ class ModelRunner:
             self.model,
             self.tp,
             self.graph_runner,
-            self.kind_part.needs_kv_cache,
+            # A later pipeline stage of a pooling model has the base kind part: its layers
+            # say it keeps no cache.
+            self.kind_part.needs_kv_cache and bool(cache_layers(self.attn_layers)),
             copies=config.parallel.pipeline_parallel_size if pipeline is not None else 1,
         )
         self.kind_part.setup()
@@ -206,7 +208,7 @@ class ModelRunner:
         """Allocate the KV cache, then capture CUDA graphs on it (when the mode has any)."""
         self.kv_sizer.allocate(num_blocks)
         self.num_blocks = num_blocks
-        if not self.kind_part.needs_kv_cache:
+        if not self.kv_sizer.needs_kv_cache:
             return
         if self.graph_runner is not None and self.device.type != "cuda":
             self.graph_runner.capture()  # CPU graphs: recorded kernel calls, no device memory

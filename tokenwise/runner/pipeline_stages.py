@@ -79,6 +79,9 @@ class PipelineStages:
         self.device = runner.device
         self.tp = runner.tp
         self.recurrent = runner.recurrent
+        # A pooling model's last stage sends its hidden states back (the driver pools them)
+        # instead of logits.
+        self.pooling = bool(self.config.model.is_pooling)
         self._check_layer_ranges()
         self.pp_rank, self.pp_size = get_pp_rank(), get_pp_size()
         batch = runner.input_batch
@@ -153,7 +156,7 @@ class PipelineStages:
             )
         if self.recurrent is not None:
             sizer.num_state_slots = min(int(t[1]) for t in every)
-        if num_blocks < 1:
+        if num_blocks < 1 and self.runner.kv_sizer.needs_kv_cache:
             raise ValueError(
                 f"the KV cache holds fewer blocks than pipeline_parallel_size={self.pp_size} "
                 "virtual engines; raise num_gpu_blocks or kv_cache_memory"
@@ -201,12 +204,15 @@ class PipelineStages:
         """The oldest batch in flight, finished: (its virtual engine, its sampled output)."""
         batch = self._in_flight.popleft()
         step = batch.step
-        if not step.logits_indices:  # a prompt chunk that samples nothing: no logits come
+        if not step.logits_indices and not self.pooling:  # a chunk that samples nothing
             return batch.virtual_engine, ModelRunnerOutput([], [], None, step.num_tokens)
         with self.channel.failures_named():
             logits, self._stage_busy = self.channel.recv_logits()
         logits = logits.to(self.device)
         self._stage_busy[0] = self._busy_s
+        if self.pooling:  # the last stage's hidden states: pooled here
+            hidden = logits.to(self.runner.model_config.dtype)
+            return batch.virtual_engine, self.runner.kind_part.finish_step(step, hidden)
         prompt_lps = None
         if batch.prompt_rows is not None:
             prompt_lps = score_prompt_tokens(batch.prompt_rows, logits[batch.num_sample_rows :])
@@ -310,6 +316,8 @@ class PipelineStages:
             busy = [*busy, self._busy_s]
             if not channel.is_last:
                 channel.send_step(virtual_engine, payload, out, busy)
+            elif self.pooling:
+                channel.send_logits(out, [*busy[:-1], self._busy_s])
             elif step.logits_indices:
                 started = time.perf_counter()
                 logits = self.runner._logits(out, step.logits_indices)
