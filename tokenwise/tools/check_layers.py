@@ -60,6 +60,7 @@ LAYERS: tuple[Layer, ...] = (
         "foundation",
         (
             "tokenwise.config",
+            "tokenwise.compilation_config",
             "tokenwise.gguf.*",
             "tokenwise.quantization_config",
             "tokenwise.model_config",
