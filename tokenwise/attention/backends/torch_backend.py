@@ -25,21 +25,19 @@ unquantized, as in vLLM.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from tokenwise.attention.backends.encoder_only import encoder_only_attention
-from tokenwise.attention.backends.image_mask import Span, visible_keys
 from tokenwise.attention.backends.kv_quant import dequantize, gather_rows, write_rows
 from tokenwise.attention.backends.packed_prefill import packed_prefill
 from tokenwise.attention.backends.paged_reference import paged_decode_reference
+from tokenwise.attention.backends.prefill_attention import attend_prefill
 from tokenwise.attention.backends.single_sequence import single_sequence_attention
-from tokenwise.attention.backends.softcap import causal_mask, soft_cap, softcapped_attention
+from tokenwise.attention.backends.softcap import soft_cap
 from tokenwise.attention.utils import AttentionType
 from tokenwise.native import paged_decode as cpu_paged_decode
 
@@ -216,7 +214,19 @@ class TorchAttentionImpl:
                 keys = self._read(key_cache, table, q.dtype, self.k_scale)[:n_keys]
                 values = self._read(value_cache, table, q.dtype, self.v_scale)[:n_keys]
             spans = all_spans[i] if i < len(all_spans) else ()
-            output[start:end] = self._attend(q[start:end], keys, values, ctx_len, key_offset, spans)
+            output[start:end] = attend_prefill(
+                q[start:end],
+                keys,
+                values,
+                ctx_len,
+                key_offset,
+                spans,
+                scale=self.scale,
+                sliding_window=self.sliding_window,
+                softcap=self.logits_soft_cap,
+                sinks=self.sinks,
+                gqa=self.group > 1,
+            )
             start = end
 
     def _prefill_packed(
@@ -250,69 +260,6 @@ class TorchAttentionImpl:
     def _read(cache: torch.Tensor, table: torch.Tensor, dtype: torch.dtype, scale: float):
         """The blocks of `table` as one run of token rows, dequantized to `dtype` (fp8)."""
         return dequantize(gather_rows(cache, table).flatten(0, 1), dtype, scale)
-
-    def _attend(
-        self,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        ctx_len: int,
-        offset: int,
-        spans: Sequence[Span] = (),
-    ) -> torch.Tensor:
-        """Causal attention of queries at positions ctx_len.. over keys at offset.. (and
-        bidirectional within each of `spans`, an image's positions)."""
-        q_len, n_keys = q.shape[0], keys.shape[0]
-        if self.logits_soft_cap or spans or self.sinks is not None:
-            dev = q.device
-            q_pos = torch.arange(ctx_len, ctx_len + q_len, device=dev)
-            k_pos = torch.arange(offset, offset + n_keys, device=dev)
-            if spans:
-                visible = visible_keys(q_pos, k_pos, spans, self.sliding_window)
-            else:
-                visible = causal_mask(q_pos, k_pos, self.sliding_window)
-            if not self.logits_soft_cap and self.sinks is None:
-                out = F.scaled_dot_product_attention(
-                    q.transpose(0, 1)[None],
-                    keys.transpose(0, 1)[None],
-                    values.transpose(0, 1)[None],
-                    attn_mask=visible,
-                    scale=self.scale,
-                    enable_gqa=self.group > 1,
-                )
-                return out[0].transpose(0, 1)
-            out = softcapped_attention(
-                q.transpose(0, 1),
-                keys.transpose(0, 1),
-                values.transpose(0, 1),
-                scale=self.scale,
-                softcap=self.logits_soft_cap,
-                mask=visible,
-                sinks=self.sinks,
-            )
-            return out.transpose(0, 1)
-        mask: torch.Tensor | None = None
-        is_causal = False
-        if self.sliding_window is not None:
-            q_pos = torch.arange(ctx_len, ctx_len + q_len, device=q.device)[:, None]
-            k_pos = torch.arange(offset, offset + n_keys, device=q.device)[None, :]
-            mask = (k_pos <= q_pos) & (k_pos > q_pos - self.sliding_window)
-        elif n_keys == q_len:
-            is_causal = True
-        else:
-            mask = causal_lower_right(q_len, n_keys)  # type: ignore[assignment]
-        # A batch dimension of one: with 3-D inputs SDPA never takes its CPU flash kernel and
-        # runs the unfused math path instead (measured 2-3.4x slower on 200-300 tokens).
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            keys.transpose(0, 1)[None],
-            values.transpose(0, 1)[None],
-            attn_mask=mask,
-            is_causal=is_causal,
-            scale=self.scale,
-            enable_gqa=self.group > 1,
-        )
-        return out[0].transpose(0, 1)
 
     def _decode_into(
         self,
