@@ -1,0 +1,125 @@
+"""The engine's side of sleep mode, paused generation and weight updates.
+
+The workers do the work (`executor/worker.py`: `sleep`, `wake_up`, `reload_weights`,
+`receive_weights`, reached through `collective_rpc`, so every tensor-parallel rank takes part);
+the engine keeps what a request must be refused for, and what weights changing means for it:
+
+- asleep (any tag still asleep), weights discarded by a level-2 sleep and not yet reloaded, or
+  generation paused: a new request fails with `EngineAsleepError` (the server answers 503
+  with its message);
+- the KV cache's contents are gone after a sleep, and stale after new weights: the prefix
+  cache is reset, so no request reuses blocks computed by other weights;
+- each weight update counts one `weight_version`, which every output then reports.
+
+Sleeping and updating weights need an idle engine (no unfinished request): a sleep under a
+running request would pull the weights from under it, and the prefix cache cannot be reset
+while requests hold blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tokenwise.executor.sleep_mode import SLEEP_LEVELS, WAKE_TAGS
+
+# collective_rpc methods that write new values into the weights.
+WEIGHT_UPDATE_METHODS = frozenset({"reload_weights", "receive_weights"})
+
+
+class EngineAsleepError(RuntimeError):
+    """The engine cannot take requests now (asleep, weights discarded, or paused)."""
+
+
+class SleepControl:
+    """Sleep state, pause state and weight version of one engine."""
+
+    def __init__(
+        self,
+        enabled: bool,
+        rpc: Callable[..., list[Any]],
+        is_idle: Callable[[], bool],
+        reset_prefix_cache: Callable[[], bool],
+    ) -> None:
+        self.enabled = enabled
+        self._rpc = rpc
+        self._is_idle = is_idle
+        self._reset_prefix_cache = reset_prefix_cache
+        self.level = 0
+        self.asleep: set[str] = set()
+        self.weights_discarded = False
+        self.paused = False
+        self.weight_version = 0
+
+    def is_sleeping(self) -> bool:
+        return bool(self.asleep)
+
+    def check_serving(self) -> None:
+        """Raise `EngineAsleepError`, saying why, unless a request can be served now."""
+        if self.asleep:
+            raise EngineAsleepError(
+                f"the engine is asleep (sleep level {self.level}, still asleep: "
+                f"{', '.join(sorted(self.asleep))}); call wake_up first"
+            )
+        if self.weights_discarded:
+            raise EngineAsleepError(
+                "the weights were discarded by sleep(level=2): load new ones "
+                "(reload_weights or a trainer's transfer) before serving"
+            )
+        if self.paused:
+            raise EngineAsleepError("generation is paused; resume it first")
+
+    def _require_idle(self, what: str) -> None:
+        if not self._is_idle():
+            raise RuntimeError(
+                f"{what} needs an idle engine: finish or abort the running requests first "
+                "(the server's /pause does)"
+            )
+
+    def sleep(self, level: int = 1) -> int:
+        """Put every worker to sleep; returns the bytes they handed back (all ranks)."""
+        if not self.enabled:
+            raise ValueError("sleep needs an engine started with enable_sleep_mode=True")
+        if level not in SLEEP_LEVELS:
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if self.asleep:
+            raise RuntimeError(f"the engine is already asleep (level {self.level})")
+        self._require_idle("sleep")
+        self._reset_prefix_cache()  # the blocks' contents are about to go
+        released = sum(self._rpc("sleep", (level,)))
+        self.level = level
+        self.asleep = set(WAKE_TAGS)
+        return released
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake what `tags` names ("weights", "kv_cache"; None: both)."""
+        wanted = set(WAKE_TAGS if tags is None else tags)
+        unknown = wanted - set(WAKE_TAGS)
+        if unknown:
+            raise ValueError(f"wake_up tags must be among {list(WAKE_TAGS)}, got {sorted(unknown)}")
+        self._rpc("wake_up", (None if tags is None else list(tags),))
+        if "weights" in wanted & self.asleep and self.level == 2:
+            self.weights_discarded = True
+        self.asleep -= wanted
+        if not self.asleep:
+            self.level = 0
+
+    def before_rpc(self, method: Any) -> None:
+        if method in WEIGHT_UPDATE_METHODS:
+            self._require_idle(f"{method}")
+
+    def after_rpc(self, method: Any, ok: bool) -> None:
+        """After a weight update no cached prefix of the old weights is reused (even when it
+        failed half-way); one that went through counts a new version."""
+        if method in WEIGHT_UPDATE_METHODS:
+            self._reset_prefix_cache()
+            if ok:
+                self.weights_discarded = False
+                self.weight_version += 1
+
+    def pause_generation(self) -> None:
+        """Refuse new requests until `resume_generation` (running ones are the caller's)."""
+        self.paused = True
+
+    def resume_generation(self) -> None:
+        self.paused = False
