@@ -42,7 +42,9 @@ def join_weight_group(
     """Join (rank 0: host) the trainer-engine group; returns once every rank has joined, or
     raises after `timeout_s`."""
     if world_size < 2:
-        raise ValueError(f"world_size must be at least 2 (a trainer and an engine rank), got {world_size}")
+        raise ValueError(
+            f"world_size must be at least 2 (a trainer and an engine rank), got {world_size}"
+        )
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside the group's world_size={world_size}")
     timeout = timedelta(seconds=timeout_s)

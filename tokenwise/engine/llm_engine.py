@@ -222,18 +222,9 @@ class LLMEngine:
 
     def collective_rpc(self, *args: Any, **kwargs: Any) -> list[Any]:
         """Run a method on every worker of this engine; results in rank order
-        (`Executor.collective_rpc`: method, args, kwargs, timeout). A weight update
-        (`sleep_control.WEIGHT_UPDATE_METHODS`) needs an idle engine and resets the prefix
-        cache."""
-        method = args[0] if args else kwargs.get("method")
-        self.sleep_control.before_rpc(method)
-        try:
-            results = self.model_executor.collective_rpc(*args, **kwargs)
-        except BaseException:
-            self.sleep_control.after_rpc(method, ok=False)
-            raise
-        self.sleep_control.after_rpc(method, ok=True)
-        return results
+        (`Executor.collective_rpc`: method, args, kwargs, timeout; a weight update resets the
+        prefix cache, `SleepControl.collective_rpc`)."""
+        return self.sleep_control.collective_rpc(*args, **kwargs)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (refused, False, while a request holds blocks); with KV

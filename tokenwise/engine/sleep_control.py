@@ -31,25 +31,33 @@ class EngineAsleepError(RuntimeError):
     """The engine cannot take requests now (asleep, weights discarded, or paused)."""
 
 
-class SleepControl:
-    """Sleep state, pause state and weight version of one engine."""
+class ServingState:
+    """What decides whether a request is served: sleep level and tags, discarded weights,
+    pause, and the weights' version. `SleepControl` owns it; `RemoteSleepControl` mirrors a
+    core process's copy."""
 
-    def __init__(
-        self,
-        enabled: bool,
-        rpc: Callable[..., list[Any]],
-        is_idle: Callable[[], bool],
-        reset_prefix_cache: Callable[[], bool],
-    ) -> None:
-        self.enabled = enabled
-        self._rpc = rpc
-        self._is_idle = is_idle
-        self._reset_prefix_cache = reset_prefix_cache
+    def __init__(self) -> None:
         self.level = 0
         self.asleep: set[str] = set()
         self.weights_discarded = False
         self.paused = False
         self.weight_version = 0
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "level": self.level,
+            "asleep": sorted(self.asleep),
+            "weights_discarded": self.weights_discarded,
+            "paused": self.paused,
+            "weight_version": self.weight_version,
+        }
+
+    def _set_state(self, state: dict[str, Any]) -> None:
+        self.level = state["level"]
+        self.asleep = set(state["asleep"])
+        self.weights_discarded = state["weights_discarded"]
+        self.paused = state["paused"]
+        self.weight_version = state["weight_version"]
 
     def is_sleeping(self) -> bool:
         return bool(self.asleep)
@@ -68,6 +76,24 @@ class SleepControl:
             )
         if self.paused:
             raise EngineAsleepError("generation is paused; resume it first")
+
+
+class SleepControl(ServingState):
+    """Sleep state, pause state and weight version of one engine, and the calls that change
+    them (in the engine's process: `LLM`, or a core process answering `ControlCall`s)."""
+
+    def __init__(
+        self,
+        enabled: bool,
+        rpc: Callable[..., list[Any]],
+        is_idle: Callable[[], bool],
+        reset_prefix_cache: Callable[[], bool],
+    ) -> None:
+        super().__init__()
+        self.enabled = enabled
+        self._rpc = rpc
+        self._is_idle = is_idle
+        self._reset_prefix_cache = reset_prefix_cache
 
     def _require_idle(self, what: str) -> None:
         if not self._is_idle():
@@ -104,18 +130,34 @@ class SleepControl:
         if not self.asleep:
             self.level = 0
 
-    def before_rpc(self, method: Any) -> None:
-        if method in WEIGHT_UPDATE_METHODS:
-            self._require_idle(f"{method}")
-
-    def after_rpc(self, method: Any, ok: bool) -> None:
-        """After a weight update no cached prefix of the old weights is reused (even when it
+    def collective_rpc(
+        self,
+        method: Any,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """`Executor.collective_rpc`; a weight update (`WEIGHT_UPDATE_METHODS`) needs an idle
+        engine, and afterwards no cached prefix of the old weights is reused (even when it
         failed half-way); one that went through counts a new version."""
-        if method in WEIGHT_UPDATE_METHODS:
-            self._reset_prefix_cache()
-            if ok:
-                self.weights_discarded = False
-                self.weight_version += 1
+        updates = isinstance(method, str) and method in WEIGHT_UPDATE_METHODS
+        if updates:
+            self._require_idle(method)
+        try:
+            results = self._rpc(method, args, kwargs, timeout)
+        finally:
+            if updates:
+                self._reset_prefix_cache()
+        if updates:
+            self.weights_discarded = False
+            self.weight_version += 1
+        return results
+
+    def update_weights(self, method: str, args: tuple = ()) -> int:
+        """Run a weight update on every worker; returns the driver's result (what it loaded)."""
+        if method not in WEIGHT_UPDATE_METHODS:
+            raise ValueError(f"{method!r} is not a weight update ({sorted(WEIGHT_UPDATE_METHODS)})")
+        return self.collective_rpc(method, args)[0]
 
     def pause_generation(self) -> None:
         """Refuse new requests until `resume_generation` (running ones are the caller's)."""
