@@ -89,7 +89,7 @@ def test_bad_sleep_and_wake_arguments_are_named(llm: LLM) -> None:
 
 def test_sleep_mode_must_be_enabled() -> None:
     with pytest.raises(ValueError, match="enable_sleep_mode"):
-        LLM(checkpoint(), dtype="float32", num_gpu_blocks=16, device="cuda", enable_sleep_mode=True)
+        LLM(checkpoint(), dtype="float32", num_gpu_blocks=64, device="cuda", enable_sleep_mode=True)
 
 
 def test_reload_and_level_2_reproduce_a_fresh_engine_on_those_weights(
@@ -156,3 +156,13 @@ def _names(path: str) -> set[str]:
     from tokenwise.loader import safetensors_files, safetensors_names
 
     return safetensors_names(safetensors_files(path))
+
+
+def test_weight_updates_into_quantized_layers_are_refused_by_name() -> None:
+    llm = LLM(checkpoint(), dtype="float32", num_gpu_blocks=64, quantization="int8")
+    try:
+        with pytest.raises(ValueError, match=r"quantized layers .*model\.layers\.0\."):
+            llm.reload_weights()
+        assert llm.weight_version == 0
+    finally:
+        llm.shutdown()

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from tokenwise.layers.cpu_prepack import repack_linear_weights
-from tokenwise.platform import release_pages
+from tokenwise.platform import release_freed_memory, release_pages
 
 logger = logging.getLogger("tokenwise.engine")
 
@@ -110,6 +110,7 @@ class SleepState:
         self._packed = [m for m in model.modules() if getattr(m, "packed_weight", None) is not None]
         for layer in self._packed:
             layer.packed_weight = None
+        release_freed_memory()  # the packed copies' heap pages, which glibc would keep
         weights = [r for r in storage_regions(model_tensors(model)) if r[0] not in kv_addresses]
         if level == 1:
             self._backup = _save(weights)
