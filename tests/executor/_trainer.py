@@ -6,17 +6,18 @@ every tensor was sent.
 
 from __future__ import annotations
 
+import glob
+import os
 import sys
 
 from safetensors.torch import load_file
 
-from tokenwise.distributed.weight_transfer import WeightSender
-from tokenwise.loader import safetensors_files
+from tokenwise.distributed.weight_transfer import WeightSender  # torch only: a quick import
 
 
 def main(host: str, port: str, world_size: str, checkpoint: str) -> None:
     tensors = {}
-    for path in safetensors_files(checkpoint):
+    for path in sorted(glob.glob(os.path.join(checkpoint, "*.safetensors"))):
         tensors.update(load_file(path))
     sender = WeightSender(host, int(port), int(world_size), timeout_s=60)
     sent = sender.send(tensors.items())

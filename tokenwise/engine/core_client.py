@@ -219,12 +219,12 @@ class EngineCoreClient:
             raise RuntimeError(f"unexpected answer {type(answer).__name__} from the engine core")
         return answer
 
-    def collective_rpc(self, *args: Any, **kwargs: Any) -> list[Any]:
+    def collective_rpc(self, *args: Any) -> list[Any]:
         """`LLMEngine.collective_rpc`, run by the core (a method name, or a module-level
         function); a single core only."""
         if self.sleep_control is None:
             raise NotImplementedError("collective_rpc does not reach data-parallel ranks yet")
-        return self.sleep_control.collective_rpc(*args, **kwargs)
+        return self.sleep_control.collective_rpc(*args)
 
     def _ask(self, question: msg.ToCore, what: str, timeout_s: float) -> msg.FromCore:
         """Ask core 0 on the control socket and wait (bounded) for its answer."""

@@ -71,14 +71,9 @@ class RemoteSleepControl(ServingState):
     def resume_generation(self) -> None:
         self._remote("resume_generation")
 
-    def collective_rpc(
-        self,
-        method: Any,
-        args: tuple = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout: float | None = None,
-    ) -> list[Any]:
-        return self._remote("collective_rpc", method, args, kwargs, timeout)
+    def collective_rpc(self, *call: Any) -> list[Any]:
+        """`SleepControl.collective_rpc(method, args, kwargs, timeout)` in the core."""
+        return self._remote("collective_rpc", *call)
 
     def update_weights(self, method: str, args: tuple = ()) -> int:
         return self._remote("update_weights", method, args)

@@ -113,7 +113,11 @@ class SleepState:
         release_freed_memory()  # the packed copies' heap pages, which glibc would keep
         weights = [r for r in storage_regions(model_tensors(model)) if r[0] not in kv_addresses]
         if level == 1:
-            self._backup = _save(weights)
+            try:
+                self._backup = _save(weights)
+            except BaseException:  # nothing released yet: stay awake as before
+                repack_linear_weights(self._packed)
+                raise
         released = sum(release_pages(*r) for r in weights) + sum(release_pages(*r) for r in kv)
         self._regions = weights
         self.level = level
