@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -150,6 +151,15 @@ def test_a_trainer_pushes_new_weights_into_a_tp2_engine(other_weights: str) -> N
         assert result.weight_version == 1
     finally:
         llm.shutdown()
+
+
+def test_joining_a_trainer_that_never_comes_fails_in_bounded_time(llm: LLM) -> None:
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"could not join the weight-transfer group .* 2 s"):
+        llm.init_weight_update_group("127.0.0.1", _free_port(), 2, timeout_s=2)
+    assert time.monotonic() - started < 30
+    with pytest.raises(RuntimeError, match="init_weight_update_group first"):
+        llm.receive_weights()
 
 
 def _names(path: str) -> set[str]:

@@ -48,10 +48,18 @@ def join_weight_group(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside the group's world_size={world_size}")
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
-        host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
-    )
-    return dist.ProcessGroupGloo(dist.PrefixStore(_STORE_PREFIX, store), rank, world_size, timeout)
+    try:
+        store = dist.TCPStore(
+            host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
+        )
+        store = dist.PrefixStore(_STORE_PREFIX, store)
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    except RuntimeError as exc:  # DistNetworkError, DistStoreError: a timeout or a refusal
+        raise RuntimeError(
+            f"could not join the weight-transfer group at {host}:{port} as rank {rank} of "
+            f"{world_size} within {timeout_s:g} s (is the trainer's WeightSender started, and "
+            f"world_size 1 + tensor_parallel_size?): {exc}"
+        ) from exc
 
 
 def _broadcast(group: dist.ProcessGroupGloo, tensor: torch.Tensor, what: str) -> None:
