@@ -7,13 +7,16 @@ Expected completions come from Hugging Face greedy decoding on the same weights.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from tests.engine._fixtures import LLAMA, checkpoint, hf_greedy
-from tests.entrypoints._server import RemoteServer
+from tests.entrypoints._server import RemoteServer, free_port
 from tests.tiny_checkpoints import tiny_tokenizer
 
 PROMPT = "the quick brown fox"
@@ -94,3 +97,34 @@ def test_pause_then_update_weights_from_a_path_serves_the_new_weights(
     response = _complete(server)
     assert response.status_code == 200 and response.headers[HEADER] == "1"
     assert response.json()["choices"][0]["text"] == _hf_text(other) != _hf_text(MODEL)
+
+
+def test_a_trainer_pushes_weights_through_the_transfer_routes(server: RemoteServer) -> None:
+    pushed = checkpoint(LLAMA, seed=2)
+    port = free_port()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "tests.executor._trainer", "127.0.0.1", str(port), "2", pushed],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": root},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        info = {"master_address": "127.0.0.1", "master_port": port, "world_size": 2}
+        joined = httpx.post(
+            server.url("/init_weight_transfer_engine"), json={"init_info": info}, timeout=180
+        )
+        assert joined.status_code == 200, joined.text
+        updated = httpx.post(server.url("/update_weights"), json={"update_info": {}}, timeout=180)
+        out, _ = trainer.communicate(timeout=60)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    assert trainer.returncode == 0, out
+    assert updated.status_code == 200, updated.text
+    version = updated.json()["weight_version"]
+    response = _complete(server)
+    assert response.status_code == 200 and response.headers[HEADER] == str(version)
+    assert response.json()["choices"][0]["text"] == _hf_text(pushed) != _hf_text(MODEL)
