@@ -9,8 +9,10 @@ pointer has to know.
 - Level 1 first writes the weights' bytes to a temporary file (unlinked at once, so a crash
   leaves nothing behind; `TMPDIR` picks where), and waking reads them back into the same
   addresses: the engine then computes exactly what it computed before.
-- Level 2 writes nothing: after waking, the weights must be loaded again (`reload_weights`, or
-  a trainer's push), and the worker refuses to run a step until they are (`weights_discarded`).
+- Level 2 discards the parameters (it saves only what a checkpoint does not hold: buffers
+  such as rotary tables, quantized tables, adapter slots): after waking, the weights must be
+  loaded again (`reload_weights`, or a trainer's push), and the engine refuses requests until
+  they are.
 - The KV cache is never saved: a fresh cache is zeros, which is what released pages read as.
   The engine resets its prefix cache, whose blocks' contents are gone.
 
@@ -112,14 +114,17 @@ class SleepState:
             layer.packed_weight = None
         release_freed_memory()  # the packed copies' heap pages, which glibc would keep
         weights = [r for r in storage_regions(model_tensors(model)) if r[0] not in kv_addresses]
-        if level == 1:
-            try:
-                self._backup = _save(weights)
-            except BaseException:  # nothing released yet: stay awake as before
-                repack_linear_weights(self._packed)
-                raise
+        # Level 2 still keeps what a checkpoint does not hold: buffers (rotary tables),
+        # quantized tables, adapter slots. Only the parameters are discarded.
+        params = {address for address, _ in storage_regions(model.parameters())}
+        kept = weights if level == 1 else [r for r in weights if r[0] not in params]
+        try:
+            self._backup = _save(kept)
+        except BaseException:  # nothing released yet: stay awake as before
+            repack_linear_weights(self._packed)
+            raise
         released = sum(release_pages(*r) for r in weights) + sum(release_pages(*r) for r in kv)
-        self._regions = weights
+        self._regions = kept
         self.level = level
         self.asleep = set(WAKE_TAGS)
         return released
@@ -136,8 +141,7 @@ class SleepState:
                 _restore(self._backup, self._regions)
                 self._backup.close()
                 self._backup = None
-            else:
-                self.weights_discarded = True
+            self.weights_discarded = self.level == 2
             if self._packed:
                 repack_linear_weights(self._packed)
             self._packed = []

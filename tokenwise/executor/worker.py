@@ -35,7 +35,12 @@ from tokenwise.distributed.weight_transfer import (
 from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from tokenwise.executor.sleep_mode import SleepState
 from tokenwise.layers.cpu_prepack import repack_linear_weights
-from tokenwise.loader import load_weights_in_place, reload_weights_from
+from tokenwise.loader import (
+    _check_complete,
+    load_weights_in_place,
+    quantized_layer_names,
+    reload_weights_from,
+)
 from tokenwise.platform import configure_cpu_allocator
 from tokenwise.runner.kind_part import RunnerKindPart
 from tokenwise.runner.model_runner import ModelRunner
@@ -171,6 +176,11 @@ class Worker:
         (`sleep_mode.py`); returns the bytes handed back."""
         if not self.config.enable_sleep_mode:
             raise ValueError("sleep needs an engine started with enable_sleep_mode=True")
+        if level == 2 and quantized_layer_names(self.runner.model):
+            raise ValueError(
+                "sleep level 2 discards weights that could not be loaded again: this model "
+                "has quantized layers, which weight updates refuse; use level 1"
+            )
         return self.sleep_state.sleep(self.runner.model, self.runner.kv_caches.values(), level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
@@ -206,11 +216,15 @@ class Worker:
                 count += 1
                 yield item
 
+        discarded = self.sleep_state.weights_discarded
         try:
-            load_weights_in_place(self.runner.model, counted())
+            loaded = load_weights_in_place(self.runner.model, counted())
         finally:
             drain(received)  # a refused tensor: the trainer still finishes sending
-            self._weights_changed()
+            self._repack()
+        if discarded:  # after a level-2 sleep every parameter must have come
+            _check_complete(self.runner.model, loaded)
+        self.sleep_state.weights_loaded()
         return count
 
     def _check_weights_awake(self) -> None:
@@ -218,8 +232,11 @@ class Worker:
             raise RuntimeError("the weights are asleep: wake_up(tags=['weights']) first")
 
     def _weights_changed(self) -> None:
-        """New values are in the weights: oneDNN's packed copies are made again from them."""
         self.sleep_state.weights_loaded()
+        self._repack()
+
+    def _repack(self) -> None:
+        """New values are in the weights: oneDNN's packed copies are made again from them."""
         model = self.runner.model
         repack_linear_weights(
             [m for m in model.modules() if getattr(m, "packed_weight", None) is not None]
