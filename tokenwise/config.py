@@ -357,3 +357,5 @@ class EngineConfig:
     # One INFO line per finished request (`LLMEngine._forget`): on for the server, off for the
     # offline `LLM`, whose batch jobs would flood the log (`disable_log_requests`).
     log_requests: bool = False
+    # `sleep` / `wake_up` allowed (`enable_sleep_mode`, `executor/sleep_mode.py`).
+    enable_sleep_mode: bool = False

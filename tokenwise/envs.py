@@ -113,6 +113,14 @@ ENV_VARS: dict[str, EnvVar] = _declare(
         "0 runs the server's engine core in the server process instead of its own.",
     ),
     EnvVar(
+        "TOKENWISE_SERVER_DEV_MODE",
+        "0|1",
+        "0",
+        "1 opens the server's control routes (vLLM's VLLM_SERVER_DEV_MODE): /sleep, /wake_up, "
+        "/is_sleeping, /pause, /resume, /is_paused, /update_weights, "
+        "/init_weight_transfer_engine. Only for trusted networks.",
+    ),
+    EnvVar(
         "TOKENWISE_ENGINE_READY_TIMEOUT_S",
         "float",
         "",

@@ -191,3 +191,40 @@ def _check_complete(model: nn.Module, loaded: set[str]) -> None:
         raise ValueError(
             f"checkpoint for {type(model).__name__} is missing tensors: {', '.join(sorted(missing))}"
         )
+
+
+def quantized_layer_names(model: nn.Module) -> list[str]:
+    """The layers whose weights a quantization method holds in its own format (their plain
+    `weight` is on the meta device): new values cannot be copied into them by name."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(getattr(module, "weight", None), torch.Tensor)
+        and module.weight.device.type == "meta"
+    ]
+
+
+def load_weights_in_place(
+    model: nn.Module, weights: Iterable[tuple[str, CheckpointTensor]]
+) -> set[str]:
+    """Copy new values (HF names, full tensors or lazy slices) into a loaded model's
+    parameters, in place: their addresses stay, so graphs and kernels that hold them see the
+    new values. Quantized layers are refused by name. Returns the parameters filled."""
+    quantized = quantized_layer_names(model)
+    if quantized:
+        shown = ", ".join(quantized[:4]) + (", ..." if len(quantized) > 4 else "")
+        raise ValueError(
+            f"weight updates into quantized layers are not supported ({len(quantized)} "
+            f"layers: {shown}); serve the model unquantized to update its weights"
+        )
+    with torch.no_grad():
+        return model.load_weights(take_kv_scales(weights, {}))
+
+
+def reload_weights_from(model: nn.Module, path: str) -> int:
+    """Load a whole safetensors checkpoint directory into a loaded model, in place (every
+    parameter must be in it); returns the number of parameters filled."""
+    files = safetensors_files(path)
+    loaded = load_weights_in_place(model, iterate_safetensors(files, lazy=get_tp_size() > 1))
+    _check_complete(model, loaded)
+    return len(loaded)

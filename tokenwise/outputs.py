@@ -50,6 +50,8 @@ class RequestOutput:
     # With `SamplingParams.prompt_logprobs`: in the first output that carries a token (the
     # prompt has been scored whole by then), and kept by `merge`.
     prompt_logprobs: PromptLogprobs | None = None
+    # Which weights computed it: 0 as loaded, +1 per weight update (`engine/sleep_control.py`).
+    weight_version: int = 0
 
     def merge(self, delta: RequestOutput) -> None:
         """Fold a later delta for the same request into this (cumulative) output."""

@@ -7,6 +7,7 @@ import ctypes.util
 import functools
 import logging
 import mmap
+import os
 
 import torch
 
@@ -75,6 +76,27 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor | None:
         return None
     # The tensor keeps the mmap alive (torch.frombuffer holds a reference to it).
     return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=start - base)
+
+
+_MADV_DONTNEED = 4
+
+
+def release_pages(address: int, nbytes: int) -> int:
+    """Hand the whole pages inside [address, address + nbytes) back to the kernel; returns the
+    bytes released. The range stays mapped: the next touch of a page maps a fresh zero page.
+    Partial pages at the ends may hold other data and are kept (sleep mode, `executor`)."""
+    page = mmap.PAGESIZE
+    start = (address + page - 1) & ~(page - 1)
+    end = (address + nbytes) & ~(page - 1)
+    if end <= start:
+        return 0
+    libc = _libc()
+    if libc is None or libc.madvise(
+        ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED
+    ):
+        errno = ctypes.get_errno() if libc is not None else 0
+        raise OSError(errno, f"madvise(MADV_DONTNEED) failed: {os.strerror(errno)}")
+    return end - start
 
 
 @functools.cache

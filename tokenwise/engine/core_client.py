@@ -37,6 +37,7 @@ from tokenwise.engine.core_sockets import CoreSockets, stop_cores
 from tokenwise.engine.headless import check_hosts_layout
 from tokenwise.engine.kinds.multimodal_prompts import MultiModalPrompts, ProcessedImagePrompt
 from tokenwise.engine.prompts import PromptInput, load_tokenizer, validate_request
+from tokenwise.engine.remote_control import RemoteSleepControl
 from tokenwise.engine.remote_ranks import cluster_secret, engine_ready_timeout_s
 from tokenwise.engine.request_queue import check_priority
 from tokenwise.engine.stats import EngineStats, combine_stats
@@ -50,6 +51,8 @@ logger = logging.getLogger("tokenwise.engine")
 # One step() waits at most this long for outputs; `wakeup()` (a new request to hand over) ends
 # the wait at once, so the caller's thread sleeps between steps instead of polling.
 STEP_WAIT_S = 0.1
+# A control call (sleep, wake-up, a weight update) may read or receive a whole checkpoint.
+CONTROL_TIMEOUT_S = 600.0
 CHECK_TIMEOUT_S = 120.0  # a question to the core waits for its current step, then a load
 _CONFIG_ERRORS = ("ValueError", "TypeError")
 
@@ -98,6 +101,10 @@ class EngineCoreClient:
         self._procs = start_cores(config, self._io, self._dp)
         self._finalizer = weakref.finalize(self, stop_cores, self._procs, self._io)
         self._wait_until_ready()
+        # Sleep mode, pause and weight updates (`engine/sleep_control.py`): one core only.
+        self.sleep_control: RemoteSleepControl | None = (
+            None if self._dp else RemoteSleepControl(self._control_call)
+        )
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -111,6 +118,8 @@ class EngineCoreClient:
         priority: int = 0,
     ) -> None:
         params = params or SamplingParams()
+        if self.sleep_control is not None:
+            self.sleep_control.check_serving()
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         check_priority(priority, self.config.scheduler.policy)
@@ -195,23 +204,41 @@ class EngineCoreClient:
     def check_lora(self, lora_request: LoRARequest) -> None:
         """Raise ValueError unless the adapter loads and fits the model (asked of core 0, which
         answers between two steps). From any thread; a server checks adapters it loads."""
-        with self._control_lock:
-            self.check_health()
-            self._io.control.send(msg.encode(msg.CheckLoRA(pickle.dumps(lora_request))))
-            deadline = time.monotonic() + CHECK_TIMEOUT_S
-            while not self._io.control.poll(200):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"the engine core did not check adapter {lora_request.lora_name!r} "
-                        f"within {CHECK_TIMEOUT_S:.0f} s"
-                    )
-                if any(not proc.is_alive() for proc in self._procs):
-                    raise RuntimeError("the engine core died while checking an adapter")
-            answer = msg.decode_from_core(self._io.control.recv())
+        question = msg.CheckLoRA(pickle.dumps(lora_request))
+        answer = self._ask(question, f"check adapter {lora_request.lora_name!r}", CHECK_TIMEOUT_S)
         if not isinstance(answer, msg.LoRAChecked):
             raise RuntimeError(f"unexpected answer {type(answer).__name__} from the engine core")
         if answer.error is not None:
             raise ValueError(answer.error)
+
+    def _control_call(self, method: str, args: tuple) -> msg.ControlDone:
+        """One `SleepControl` call in the core (`RemoteSleepControl` sends them)."""
+        answer = self._ask(
+            msg.ControlCall(method, pickle.dumps(args)), f"run {method!r}", CONTROL_TIMEOUT_S
+        )
+        if not isinstance(answer, msg.ControlDone):
+            raise RuntimeError(f"unexpected answer {type(answer).__name__} from the engine core")
+        return answer
+
+    def collective_rpc(self, *args: Any) -> list[Any]:
+        """`LLMEngine.collective_rpc`, run by the core (a method name, or a module-level
+        function); a single core only."""
+        if self.sleep_control is None:
+            raise NotImplementedError("collective_rpc does not reach data-parallel ranks yet")
+        return self.sleep_control.collective_rpc(*args)
+
+    def _ask(self, question: msg.ToCore, what: str, timeout_s: float) -> msg.FromCore:
+        """Ask core 0 on the control socket and wait (bounded) for its answer."""
+        with self._control_lock:
+            self.check_health()
+            self._io.control.send(msg.encode(question))
+            deadline = time.monotonic() + timeout_s
+            while not self._io.control.poll(200):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the engine core did not {what} within {timeout_s:.0f} s")
+                if any(not proc.is_alive() for proc in self._procs):
+                    raise RuntimeError(f"the engine core died while asked to {what}")
+            return msg.decode_from_core(self._io.control.recv())
 
     def wakeup(self) -> None:
         """End a `step()` that is waiting for outputs (from any thread): a caller with a new

@@ -86,6 +86,19 @@ class LoRAChecked(msgspec.Struct, tag=True):
     error: str | None  # why the adapter is refused, None when it fits
 
 
+class ControlCall(msgspec.Struct, tag=True):
+    """A question on the control socket: run one of the engine's `SleepControl` calls
+    (`engine/sleep_control.py`: sleep, wake_up, pause, weight updates) between two steps."""
+
+    method: str
+    payload: bytes  # pickle of the positional arguments
+
+
+class ControlDone(msgspec.Struct, tag=True):
+    error: str | None  # "ErrorType: message" when the call raised
+    payload: bytes  # pickle of (result, the control's state afterwards)
+
+
 class CoreHello(msgspec.Struct, tag=True):
     """A remote core's first words: who it is, so the front end can name it if it is lost."""
 
@@ -103,8 +116,8 @@ class Welcome(msgspec.Struct, tag=True):
     error: str | None = None  # why the front end refuses this core (then nothing else is set)
 
 
-ToCore = AddRequest | AbortRequests | StopCore | CheckLoRA
-FromCore = CoreReady | CoreOutputs | CoreRejected | CoreDead | LoRAChecked
+ToCore = AddRequest | AbortRequests | StopCore | CheckLoRA | ControlCall
+FromCore = CoreReady | CoreOutputs | CoreRejected | CoreDead | LoRAChecked | ControlDone
 
 _encoder = msgspec.msgpack.Encoder()
 _to_core = msgspec.msgpack.Decoder(ToCore)

@@ -37,6 +37,7 @@ from tokenwise.config import EngineConfig
 from tokenwise.distributed.parallel_state import destroy_dp_group, get_dp_group, init_dp_group
 from tokenwise.engine import core_messages as msg
 from tokenwise.engine.llm_engine import LLMEngine
+from tokenwise.engine.remote_control import answer_control_call
 from tokenwise.outputs import EmbeddingRequestOutput, RequestOutput
 
 logger = logging.getLogger("tokenwise.engine")
@@ -215,6 +216,9 @@ class _CoreLoop:
 
     def _answer(self, question: msg.ToCore) -> None:
         error = None
+        if isinstance(question, msg.ControlCall):
+            self.control.send(msg.encode(answer_control_call(self.engine.sleep_control, question)))
+            return
         if isinstance(question, msg.CheckLoRA):
             try:
                 self.engine.check_lora(pickle.loads(question.payload))

@@ -32,6 +32,7 @@ from tokenwise.engine.prompts import (
 )
 from tokenwise.engine.request import Request, RequestStatus
 from tokenwise.engine.request_queue import check_priority
+from tokenwise.engine.sleep_control import SleepControl
 from tokenwise.engine.speculative_setup import make_drafter, make_proposer
 from tokenwise.engine.stats import (
     EngineStats,
@@ -133,6 +134,13 @@ class LLMEngine:
         self.kv_events = attach_kv_events(
             config.kv_events_config, [bm.pool for bm in managers], parallel.data_parallel_rank or 0
         )
+        # Sleep mode, paused generation, weight updates and their version (`sleep_control.py`).
+        self.sleep_control = SleepControl(
+            config.enable_sleep_mode,
+            self.model_executor.collective_rpc,
+            lambda: not self.groups,
+            self.reset_prefix_cache,
+        )
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -148,6 +156,7 @@ class LLMEngine:
         """Queue a request; bad input raises here (naming the problem), before anything is
         queued. `params` are SamplingParams, or PoolingParams for an embedding model.
         `priority` (lower first) needs `scheduling_policy="priority"` unless it is 0."""
+        self.sleep_control.check_serving()
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         check_priority(priority, self.config.scheduler.policy)
@@ -213,8 +222,9 @@ class LLMEngine:
 
     def collective_rpc(self, *args: Any, **kwargs: Any) -> list[Any]:
         """Run a method on every worker of this engine; results in rank order
-        (`Executor.collective_rpc`: method, args, kwargs, timeout)."""
-        return self.model_executor.collective_rpc(*args, **kwargs)
+        (`Executor.collective_rpc`: method, args, kwargs, timeout; a weight update resets the
+        prefix cache, `SleepControl.collective_rpc`)."""
+        return self.sleep_control.collective_rpc(*args, **kwargs)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (refused, False, while a request holds blocks); with KV
@@ -335,6 +345,8 @@ class LLMEngine:
         self, request_id: str, samples: list[Request]
     ) -> RequestOutput | EmbeddingRequestOutput:
         out = self.kind.make_output(request_id, samples, self.output_processor.outputs_of(samples))
+        if isinstance(out, RequestOutput):
+            out.weight_version = self.sleep_control.weight_version
         if out.finished:
             self._forget(request_id, samples)
         return out

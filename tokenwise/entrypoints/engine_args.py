@@ -228,6 +228,12 @@ class EngineArgs:
         commands=SERVE_ONLY,
         cli_default=False,
     )
+    enable_sleep_mode: bool = setting(
+        False,
+        "allow sleep(level=1|2) / wake_up: level 1 writes the weights to a temporary file and "
+        "hands their memory and the KV cache's back to the system, level 2 discards the "
+        "weights (reload or push new ones before serving); CPU engines (default: off)",
+    )
     tensor_parallel_size: int = setting(
         1,
         "split each layer over this many processes; with torchrun, the number of "

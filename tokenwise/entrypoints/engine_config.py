@@ -238,7 +238,17 @@ def resolve_engine_config(args: Any) -> EngineConfig:
         log_requests=not args.disable_log_requests,
         speculative=speculative,
         kv_events_config=_kv_events_config(args.kv_events_config, args.enable_prefix_caching),
+        enable_sleep_mode=_sleep_mode(args.enable_sleep_mode, device),
     )
+
+
+def _sleep_mode(enabled: bool, device: str) -> bool:
+    """`enable_sleep_mode`, refused where it is not implemented (CUDA devices, for now)."""
+    if enabled and not device.startswith("cpu"):
+        raise ValueError(
+            f"enable_sleep_mode is implemented for CPU engines only, not device={device!r}"
+        )
+    return enabled
 
 
 def _kv_events_config(value: Any, enable_prefix_caching: bool) -> KVEventsConfig | None:

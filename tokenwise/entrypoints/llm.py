@@ -119,6 +119,52 @@ class LLM:
             )
         return reset()
 
+    def _sleep_control(self) -> Any:
+        control = getattr(self.llm_engine, "sleep_control", None)
+        if control is None:
+            raise NotImplementedError(
+                "sleep mode and weight updates reach an engine in this process; with "
+                "data_parallel_size > 1 the ranks run in engine-core processes"
+            )
+        return control
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the engine's memory until `wake_up` (needs `enable_sleep_mode=True` and no
+        running request): level 1 saves the weights to a temporary file and hands their
+        memory and the KV cache's back; level 2 discards the weights (load new ones with
+        `reload_weights` or a trainer's transfer after waking). Generating while asleep
+        raises `EngineAsleepError`."""
+        self._sleep_control().sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake the parts `tags` names ("weights", "kv_cache"; None: both)."""
+        self._sleep_control().wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self._sleep_control().is_sleeping()
+
+    def reload_weights(self, path: str | None = None) -> None:
+        """Load a safetensors checkpoint directory (default: the model's own) into the
+        running engine in place; the prefix cache is reset and `weight_version` counts up."""
+        self.collective_rpc("reload_weights", args=(path,))
+
+    def init_weight_update_group(
+        self, host: str, port: int, world_size: int, timeout_s: float = 120.0
+    ) -> None:
+        """Join a trainer's process group (`tokenwise.distributed.weight_transfer`): the
+        trainer is rank 0, this engine's TP ranks 1..world_size-1. Blocks until all joined."""
+        self.collective_rpc("init_weight_update_group", args=(host, port, world_size, timeout_s))
+
+    def receive_weights(self) -> int:
+        """Receive the trainer's next `WeightSender.send` into the weights (every TP rank keeps
+        its shard); returns the number of tensors received."""
+        return self.collective_rpc("receive_weights")[0]
+
+    @property
+    def weight_version(self) -> int:
+        """0 as loaded, one more per weight update; outputs carry the one that made them."""
+        return self._sleep_control().weight_version
+
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],

@@ -26,7 +26,21 @@ from tokenwise.distributed.startup import start_runner
 from tokenwise.distributed.tp_broadcast import gather_replies
 from tokenwise.distributed.tp_channel import TPDriver
 from tokenwise.distributed.tp_state import get_tp_cpu_group, get_tp_rank
+from tokenwise.distributed.weight_transfer import (
+    DEFAULT_TIMEOUT_S,
+    drain,
+    join_weight_group,
+    receive_weights,
+)
 from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
+from tokenwise.executor.sleep_mode import SleepState
+from tokenwise.layers.cpu_prepack import repack_linear_weights
+from tokenwise.loader import (
+    _check_complete,
+    load_weights_in_place,
+    quantized_layer_names,
+    reload_weights_from,
+)
 from tokenwise.platform import configure_cpu_allocator
 from tokenwise.runner.kind_part import RunnerKindPart
 from tokenwise.runner.model_runner import ModelRunner
@@ -71,6 +85,8 @@ class Worker:
         self.kind_part = kind_part
         self.runner: Any = None
         self.num_blocks = 0
+        self.sleep_state = SleepState()  # sleep mode (`sleep`, `wake_up`)
+        self.weight_group: Any = None  # a trainer's group (`init_weight_update_group`)
         self.init_device()
 
     @property
@@ -150,6 +166,77 @@ class Worker:
         """Raises when this rank cannot serve (its runner is gone)."""
         if self.runner is None:
             raise RuntimeError(f"rank {self.rank} has no runner")
+
+    def sleep(self, level: int = 1) -> int:
+        """Release the weights (saved to a file first at level 1) and the KV cache
+        (`sleep_mode.py`); returns the bytes handed back."""
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep needs an engine started with enable_sleep_mode=True")
+        if level == 2 and quantized_layer_names(self.runner.model):
+            raise ValueError(
+                "sleep level 2 discards weights that could not be loaded again: this model "
+                "has quantized layers, which weight updates refuse; use level 1"
+            )
+        return self.sleep_state.sleep(self.runner.model, self.runner.kv_caches.values(), level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what `tags` name ("weights", "kv_cache"; None: both)."""
+        self.sleep_state.wake_up(self.runner.model, tags)
+
+    def reload_weights(self, path: str | None = None) -> int:
+        """Load a safetensors checkpoint directory (default: the engine's model) into the
+        loaded model in place; returns the parameters filled (this rank's shards)."""
+        self._check_weights_awake()
+        assert self.config.model is not None
+        loaded = reload_weights_from(self.runner.model, path or self.config.model.model)
+        self._weights_changed()
+        return loaded
+
+    def init_weight_update_group(
+        self, host: str, port: int, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> None:
+        """Join a trainer's group (`distributed/weight_transfer.py`) as rank 1 + this TP rank."""
+        self.weight_group = join_weight_group(host, port, 1 + self.rank, world_size, timeout_s)
+
+    def receive_weights(self) -> int:
+        """Receive the trainer's next transfer into the model; returns the tensors received."""
+        if self.weight_group is None:
+            raise RuntimeError("no trainer group: call init_weight_update_group first")
+        self._check_weights_awake()
+        received = receive_weights(self.weight_group)
+        count = 0
+
+        def counted() -> Any:
+            nonlocal count
+            for item in received:
+                count += 1
+                yield item
+
+        discarded = self.sleep_state.weights_discarded
+        try:
+            loaded = load_weights_in_place(self.runner.model, counted())
+        finally:
+            drain(received)  # a refused tensor: the trainer still finishes sending
+            self._repack()
+        if discarded:  # after a level-2 sleep every parameter must have come
+            _check_complete(self.runner.model, loaded)
+        self.sleep_state.weights_loaded()
+        return count
+
+    def _check_weights_awake(self) -> None:
+        if "weights" in self.sleep_state.asleep:
+            raise RuntimeError("the weights are asleep: wake_up(tags=['weights']) first")
+
+    def _weights_changed(self) -> None:
+        self.sleep_state.weights_loaded()
+        self._repack()
+
+    def _repack(self) -> None:
+        """New values are in the weights: oneDNN's packed copies are made again from them."""
+        model = self.runner.model
+        repack_linear_weights(
+            [m for m in model.modules() if getattr(m, "packed_weight", None) is not None]
+        )
 
     def shutdown(self) -> None:
         if self.runner is not None:

@@ -142,13 +142,19 @@ def prepack_linear_weights(model: nn.Module) -> int:
     )
     if not layers or not _wanted(total):
         return 0
-    for layer in layers:
-        weight = layer.weight.detach()
-        packed_dtype = _packed_dtype(weight.dtype)
-        layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.to(packed_dtype))
+    repack_linear_weights(layers)
     logger.info(
         "prepacked %d linear weights for oneDNN (%.0f MiB beside the plain weights)",
         len(layers),
         total / 2**20,
     )
     return len(layers)
+
+
+def repack_linear_weights(layers: list[nn.Module]) -> None:
+    """Pack these layers' weights again (they were packed before and their weights changed or
+    came back from sleep): the same reorder as at load, so results stay bit for bit."""
+    for layer in layers:
+        weight = layer.weight.detach()
+        packed_dtype = _packed_dtype(weight.dtype)
+        layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.to(packed_dtype))

@@ -201,7 +201,14 @@ LAYERS: tuple[Layer, ...] = (
     # Pipeline parallelism's loop: P micro-batches in flight over the virtual engines.
     Layer("pipeline loop", ("tokenwise.engine.pipeline_loop",)),
     # The engine loop: the same for every kind.
-    Layer("engine loop", ("tokenwise.engine.llm_engine", "tokenwise.engine.speculative_setup")),
+    Layer(
+        "engine loop",
+        (
+            "tokenwise.engine.sleep_control",
+            "tokenwise.engine.llm_engine",
+            "tokenwise.engine.speculative_setup",
+        ),
+    ),
     # Engines callers drive (`EngineClient`): the in-process engine, and the client of
     # engine-core processes (one, or one per DP rank, some of them on other hosts) with its
     # wire messages; `create_engine` picks one.
@@ -209,6 +216,7 @@ LAYERS: tuple[Layer, ...] = (
         "engine clients",
         (
             "tokenwise.engine.core_messages",
+            "tokenwise.engine.remote_control",
             "tokenwise.engine.remote_ranks",
             "tokenwise.engine.core_sockets",
             "tokenwise.engine.core_process",

@@ -56,6 +56,7 @@ from tokenwise.entrypoints.openai.server_config import ServerConfig, with_family
 from tokenwise.entrypoints.openai.serving_chat import ChatServing
 from tokenwise.entrypoints.openai.serving_common import json_response
 from tokenwise.entrypoints.openai.serving_completions import CompletionServing
+from tokenwise.entrypoints.openai.serving_dev import add_dev_routes
 from tokenwise.entrypoints.openai.serving_embeddings import EmbeddingServing
 from tokenwise.entrypoints.openai.serving_messages import MessagesServing
 from tokenwise.entrypoints.openai.serving_models import ServingModels
@@ -241,6 +242,8 @@ def build_app(
     app.include_router(tokens)
     if config.ui:
         add_ui_routes(app, engine, config, require_api_key)
+    if envs.get("TOKENWISE_SERVER_DEV_MODE").strip().lower() in ("1", "true"):
+        add_dev_routes(app, engine, require_api_key)  # sleep, pause, weight updates
 
     @app.get("/health")
     async def health() -> Response:

@@ -118,6 +118,15 @@ class _Abort:
     request_ids: list[str]
 
 
+@dataclass
+class _Call:
+    """A function of the engine run on the engine thread, between two steps (a control
+    route's sleep, wake-up or weight update must not overlap a step)."""
+
+    fn: Callable[[Any], Any]
+    done: concurrent.futures.Future
+
+
 class AsyncEngine:
     def __init__(
         self,
@@ -136,7 +145,7 @@ class AsyncEngine:
         self._observer = observer
         self._on_dead = on_dead
         self.died_of: BaseException | None = None  # set only when the loop crashed
-        self._commands: deque[_Add | _Abort] = deque()
+        self._commands: deque[_Add | _Abort | _Call] = deque()
         self._wakeup = threading.Condition()
         self._sinks: dict[str, _Sink] = {}  # engine thread only
         self._stopping = False
@@ -214,11 +223,17 @@ class AsyncEngine:
                 )
             self._unseen_adds += count
 
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """`fn(engine)` on the engine thread, between two steps; its result or its error."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._post(_Call(fn, done))
+        return await asyncio.wrap_future(done)
+
     def abort(self, request_ids: list[str]) -> None:
         if request_ids:
             self._post(_Abort(list(request_ids)), check_alive=False)
 
-    def _post(self, command: _Add | _Abort, check_alive: bool = True) -> None:
+    def _post(self, command: _Add | _Abort | _Call, check_alive: bool = True) -> None:
         with self._wakeup:
             if check_alive and not self.is_healthy:
                 raise EngineDeadError(self._death_reason())
@@ -234,7 +249,7 @@ class AsyncEngine:
     # ---- the engine thread --------------------------------------------------------------------
 
     def _run(self) -> None:
-        batch: deque[_Add | _Abort] = deque()  # taken from the queue, not yet applied
+        batch: deque[_Add | _Abort | _Call] = deque()  # taken from the queue, not yet applied
         try:
             while True:
                 with self._wakeup:
@@ -270,9 +285,16 @@ class AsyncEngine:
         # Shutting down: whoever still waits gets an error instead of waiting forever.
         self._fail_everything(EngineDeadError("the server is shutting down"), list(batch))
 
-    def _apply(self, command: _Add | _Abort) -> None:
+    def _apply(self, command: _Add | _Abort | _Call) -> None:
         if isinstance(command, _Abort):
             self.engine.abort_request(command.request_ids)
+            return
+        if isinstance(command, _Call):
+            if command.done.set_running_or_notify_cancel():
+                try:
+                    command.done.set_result(command.fn(self.engine))
+                except Exception as exc:  # the route answers it; the engine serves on
+                    command.done.set_exception(exc)
             return
         if not command.accepted.set_running_or_notify_cancel():
             return  # the handler was cancelled while waiting: don't start the request
@@ -309,7 +331,7 @@ class AsyncEngine:
         """Hand one output to its request's stream (from the engine thread: through the loop)."""
         sink.put(item)
 
-    def _fail_everything(self, exc: BaseException, unapplied: list[_Add | _Abort]) -> None:
+    def _fail_everything(self, exc: BaseException, unapplied: list[_Add | _Abort | _Call]) -> None:
         with self._wakeup:
             self._error = exc
             commands = unapplied + list(self._commands)
@@ -318,6 +340,8 @@ class AsyncEngine:
         for command in commands:
             if isinstance(command, _Add) and command.accepted.set_running_or_notify_cancel():
                 command.accepted.set_exception(dead)
+            elif isinstance(command, _Call) and command.done.set_running_or_notify_cancel():
+                command.done.set_exception(dead)
         for sink in self._sinks.values():
             sink.put(dead)
         self._sinks.clear()

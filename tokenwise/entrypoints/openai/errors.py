@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tokenwise.engine.sleep_control import EngineAsleepError
 from tokenwise.sampling.params import SamplingParams
 
 logger = logging.getLogger("tokenwise.server")
@@ -171,6 +172,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:
         return engine_dead(exc).response(path=request.url.path)
+
+    @app.exception_handler(EngineAsleepError)
+    async def _asleep(request: Request, exc: EngineAsleepError) -> JSONResponse:
+        return OpenAIError(503, str(exc), code="engine_asleep").response(path=request.url.path)
 
     @app.exception_handler(ServerOverloadedError)
     async def _overloaded(request: Request, exc: ServerOverloadedError) -> JSONResponse:
