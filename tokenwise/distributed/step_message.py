@@ -84,6 +84,8 @@ class StepMessage(msgspec.Struct, array_like=True, frozen=True):
     states: StatePlan | None = None
     # `[3, T]` M-RoPE positions of a vision-language model (Qwen2.5-VL), for later stages.
     mrope_positions: Array | None = None
+    # Per prefill row, the image spans its queries see both ways (Gemma 3), for later stages.
+    image_spans: list[list[tuple[int, int]]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -100,6 +102,7 @@ def encode_step(
     loras: list | None = None,
     states: StatePlan | None = None,
     mrope_positions: torch.Tensor | None = None,
+    image_spans: list[list[tuple[int, int]]] | None = None,
 ) -> bytes:
     """The step as bytes (`decode_step` reads them back)."""
     message = StepMessage(
@@ -117,6 +120,7 @@ def encode_step(
         loras=list(loras or []),
         states=states,
         mrope_positions=None if mrope_positions is None else Array.of(mrope_positions),
+        image_spans=image_spans,
     )
     return _ENCODER.encode(message)
 

@@ -191,7 +191,10 @@ class PipelineStages:
         # 3-D positions (M-RoPE) go to every stage with the step.
         model_kwargs = r.kind_part.model_inputs(step, metadata)
         mrope = model_kwargs.get("mrope_positions")
-        payload = encode_step(step, tables, states=plan, mrope_positions=mrope)  # owned bytes
+        spans = next(iter(metadata.values())).bidirectional_spans if metadata else None
+        payload = encode_step(  # bytes: owned, whatever the buffers do next
+            step, tables, states=plan, mrope_positions=mrope, image_spans=spans
+        )
         with self.channel.failures_named():
             if self.tp.active:  # stage 0's other TP ranks run the same batch
                 self.tp.broadcast(("pp_step", virtual_engine, payload))
@@ -307,6 +310,9 @@ class PipelineStages:
             if received is not None:
                 intermediate = IntermediateTensors(*(t.to(self.device) for t in received))
             metadata = self.runner.step_metadata.build(step, tables)
+            if step_message.image_spans is not None:  # as the first stage's kind set them
+                for md in {id(md): md for md in metadata.values()}.values():
+                    md.bidirectional_spans = step_message.image_spans
             kwargs = {}
             if step_message.mrope_positions is not None:
                 kwargs["mrope_positions"] = step_message.mrope_positions.tensor(self.device)
