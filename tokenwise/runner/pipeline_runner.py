@@ -269,9 +269,7 @@ class PipelineModelRunner(ModelRunner):
                 return
             virtual_engine, payload, received, busy = message
             step, tables = step_inputs(decode_step(payload), self.device)
-            intermediate = None
-            if received is not None:
-                intermediate = IntermediateTensors(*(t.to(self.device) for t in received))
+            intermediate = None if received is None else received.to(self.device)
             metadata = self.step_metadata.build(step, tables)
             out = self._run_stage(step, metadata, virtual_engine, intermediate)
             busy = [*busy, self._busy_s]

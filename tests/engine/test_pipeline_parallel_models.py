@@ -1,0 +1,162 @@
+"""Pipeline parallelism beyond the Llama family: Gemma 3 (no residual stream between layers: one
+tensor per hand-over), Gemma 4 with per-layer inputs and KV sharing, DeepSeek-V3 (latent
+attention, grouped MoE routing) and gpt-oss (sinks, alternating windows) run as two stages
+(two processes) and give transformers' greedy tokens and logprobs (fp32) under chunked
+prefill, with two batches in flight; each stage of every family builds and loads exactly its
+share of the parameters (in-process); splits Gemma 4 cannot run and the Gated DeltaNet hybrids
+are refused by name before any stage starts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import tokenwise.distributed.pp_state as pp_state
+from tests.engine._fixtures import checkpoint, hf_greedy, hf_step_logprobs, mixed_prompts
+from tests.engine.test_pipeline_parallel import _record_in_flight
+from tests.tiny_checkpoints import tiny_tokenizer
+from tokenwise import LLM, SamplingParams
+from tokenwise.distributed.pp_state import ENV_LAYER_PARTITION
+
+MAX_TOKENS = 5
+_TYPES = ["sliding_attention", "full_attention"] * 4
+# Gemma 4 shaped like its E2B/E4B models (per-layer inputs, the last two layers reading layers
+# 4 and 5's KV cache with double-width MLPs), 8 layers alternating sliding and global so that
+# "4,4" gives both stages both kinds of KV cache and keeps every sharing pair on one stage.
+GEMMA4_E = {
+    "attention_k_eq_v": False,
+    "hidden_size_per_layer_input": 8,
+    "vocab_size_per_layer_input": len(tiny_tokenizer()),
+    "num_kv_shared_layers": 2,
+    "use_double_wide_mlp": True,
+    "num_hidden_layers": 8,
+    "layer_types": _TYPES,
+}
+# name -> (architecture, checkpoint overrides, TOKENWISE_PP_LAYER_PARTITION)
+FAMILIES: dict[str, tuple[str, dict[str, Any], str | None]] = {
+    "gemma2": ("Gemma2ForCausalLM", {}, None),
+    "gemma3": ("Gemma3ForCausalLM", {}, None),
+    "gemma4-e": ("Gemma4ForCausalLM", GEMMA4_E, "4,4"),
+    "deepseek-v2": ("DeepseekV2ForCausalLM", {}, None),
+    "deepseek-v3": ("DeepseekV3ForCausalLM", {}, None),
+    "gpt-oss": ("GptOssForCausalLM", {}, None),
+    "qwen3-next": ("Qwen3NextForCausalLM", {}, None),
+    "qwen3.5": ("Qwen3_5ForCausalLM", {}, None),
+}
+# One engine run per family (Gemma 2 and DeepSeek-V2 share their stage code with Gemma 3 and
+# DeepSeek-V3; the hybrids are refused).
+ENGINE_RUNS = ["gemma3", "gemma4-e", "deepseek-v3", "gpt-oss"]
+
+
+def _path(family: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    arch, overrides, partition = FAMILIES[family]
+    if partition is None:
+        monkeypatch.delenv(ENV_LAYER_PARTITION, raising=False)
+    else:
+        monkeypatch.setenv(ENV_LAYER_PARTITION, partition)
+    return checkpoint(arch, **overrides)
+
+
+@pytest.mark.parametrize("family", ENGINE_RUNS)
+def test_pp2_gives_hf_tokens_and_logprobs(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _path(family, monkeypatch)
+    # 16-token chunks: the longer prompts are prefilled in pieces, past the 8-token windows.
+    llm = LLM(
+        path,
+        dtype="float32",
+        pipeline_parallel_size=2,
+        num_gpu_blocks=32,
+        max_model_len=128,
+        max_num_batched_tokens=16,
+    )
+    try:
+        engine = llm.llm_engine
+        in_flight = _record_in_flight(llm)
+        stage0 = engine.runner.model.model
+        assert stage0.is_first_stage and not stage0.is_last_stage
+        assert 0 < stage0.end_layer < len(stage0.layers)
+        prompts = [mixed_prompts()[i] for i in (3, 5, 15, 17)]  # 35, 16, 95 and 7 tokens
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        for prompt, out in zip(prompts, outputs, strict=True):
+            assert out.outputs[0].token_ids == hf_greedy(path, prompt, MAX_TOKENS)
+        ref = hf_step_logprobs(path, prompts[2], MAX_TOKENS)
+        for step, entry in enumerate(outputs[2].outputs[0].logprobs):
+            for tid, lp in entry.items():
+                assert lp.logprob == pytest.approx(ref[step][tid].item(), abs=1e-4)
+        assert max(in_flight) == 2
+    finally:
+        llm.shutdown()
+    assert not torch.distributed.is_initialized()
+
+
+def _load(path: str, rank: int, size: int, monkeypatch: pytest.MonkeyPatch) -> torch.nn.Module:
+    """Stage `rank` of `size` as its process builds and loads it, without the processes."""
+    from tokenwise.entrypoints.llm import build_engine_config
+    from tokenwise.loader import load_model
+
+    monkeypatch.setattr(pp_state, "_pp_rank", rank)
+    monkeypatch.setattr(pp_state, "_pp_size", size)
+    return load_model(build_engine_config(path, dtype="float32"))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_stage_loads_exactly_its_share(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The two stages' parameters are the one-process model's, split at the stage boundary
+    (a tied head once more: the last stage owns a copy of the embedding), with its values."""
+    path = _path(family, monkeypatch)
+    whole = dict(_load(path, 0, 1, monkeypatch).named_parameters())
+    stages = [_load(path, rank, 2, monkeypatch) for rank in (0, 1)]
+    params = [dict(stage.named_parameters()) for stage in stages]
+    end = stages[0].model.end_layer
+    assert stages[1].model.start_layer == end
+    for rank, names in enumerate(params):
+        layers = {int(n.split(".")[2]) for n in names if n.startswith("model.layers.")}
+        assert layers == set(range(end) if rank == 0 else range(end, len(stages[1].model.layers)))
+    assert "model.embed_tokens.weight" in params[0] and "lm_head.weight" not in params[0]
+    assert "model.norm.weight" in params[1] and "model.embed_tokens.weight" not in params[1]
+    staged = {**params[0], **params[1]}
+    tied = "lm_head.weight" not in whole
+    assert set(staged) == set(whole) | ({"lm_head.weight"} if tied else set())
+    for name, param in whole.items():
+        assert torch.equal(staged[name], param), name
+    if tied:
+        assert torch.equal(staged["lm_head.weight"], whole["model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize(
+    ("family", "partition", "match"),
+    [
+        (
+            "gemma4-e",
+            "5,3",
+            r"puts Gemma 4 layer 6 on stage 1 but layer 4, whose KV cache it reads "
+            r"\(num_kv_shared_layers=2\), on stage 0: set TOKENWISE_PP_LAYER_PARTITION",
+        ),
+        (
+            "gemma4-e",
+            "3,5",
+            r"splits the layers \[3, 5\], which gives the stages different kinds of KV cache "
+            r".*\[\['2x16', '2x32'\], \['2x32', '2x16'\]\]",
+        ),
+        (
+            "qwen3.5",
+            None,
+            r"pipeline_parallel_size=2 does not run Qwen3_5ForCausalLM yet: its Gated DeltaNet "
+            r"layers keep their recurrent state in slots the runner does not keep per virtual "
+            r"engine",
+        ),
+    ],
+)
+def test_splits_the_model_cannot_run_are_refused_before_any_stage_starts(
+    family: str, partition: str | None, match: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _path(family, monkeypatch)
+    if partition is not None:
+        monkeypatch.setenv(ENV_LAYER_PARTITION, partition)
+    with pytest.raises(ValueError, match=match):
+        LLM(path, dtype="float32", pipeline_parallel_size=2)
+    assert not torch.distributed.is_initialized()
