@@ -9,15 +9,16 @@ are refused by name before any stage starts.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 import tokenwise.distributed.pp_state as pp_state
-from tests.engine._fixtures import checkpoint, hf_greedy, hf_step_logprobs, mixed_prompts
+from tests.engine._fixtures import hf_greedy, hf_step_logprobs, mixed_prompts
 from tests.engine.test_pipeline_parallel import _record_in_flight
-from tests.tiny_checkpoints import tiny_tokenizer
+from tests.tiny_checkpoints import build_tiny_checkpoint, tiny_tokenizer
 from tokenwise import LLM, SamplingParams
 from tokenwise.distributed.pp_state import ENV_LAYER_PARTITION
 
@@ -51,18 +52,20 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str | None]] = {
 ENGINE_RUNS = ["gemma3", "gemma4-e", "deepseek-v3", "gpt-oss"]
 
 
-def _path(family: str, monkeypatch: pytest.MonkeyPatch) -> str:
+def _path(family: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> str:
     arch, overrides, partition = FAMILIES[family]
     if partition is None:
         monkeypatch.delenv(ENV_LAYER_PARTITION, raising=False)
     else:
         monkeypatch.setenv(ENV_LAYER_PARTITION, partition)
-    return checkpoint(arch, **overrides)
+    return build_tiny_checkpoint(tmp_path, arch, **overrides)
 
 
 @pytest.mark.parametrize("family", ENGINE_RUNS)
-def test_pp2_gives_hf_tokens_and_logprobs(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = _path(family, monkeypatch)
+def test_pp2_gives_hf_tokens_and_logprobs(
+    family: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    path = _path(family, monkeypatch, tmp_path)
     # 16-token chunks: the longer prompts are prefilled in pieces, past the 8-token windows.
     llm = LLM(
         path,
@@ -104,10 +107,12 @@ def _load(path: str, rank: int, size: int, monkeypatch: pytest.MonkeyPatch) -> t
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_each_stage_loads_exactly_its_share(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_stage_loads_exactly_its_share(
+    family: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """The two stages' parameters are the one-process model's, split at the stage boundary
     (a tied head once more: the last stage owns a copy of the embedding), with its values."""
-    path = _path(family, monkeypatch)
+    path = _path(family, monkeypatch, tmp_path)
     whole = dict(_load(path, 0, 1, monkeypatch).named_parameters())
     stages = [_load(path, rank, 2, monkeypatch) for rank in (0, 1)]
     params = [dict(stage.named_parameters()) for stage in stages]
@@ -152,9 +157,9 @@ def test_each_stage_loads_exactly_its_share(family: str, monkeypatch: pytest.Mon
     ],
 )
 def test_splits_the_model_cannot_run_are_refused_before_any_stage_starts(
-    family: str, partition: str | None, match: str, monkeypatch: pytest.MonkeyPatch
+    family: str, partition: str | None, match: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    path = _path(family, monkeypatch)
+    path = _path(family, monkeypatch, tmp_path)
     if partition is not None:
         monkeypatch.setenv(ENV_LAYER_PARTITION, partition)
     with pytest.raises(ValueError, match=match):

@@ -19,7 +19,7 @@ which of its modules sit on the first and on the last stage.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -71,7 +71,15 @@ def stage_layers(num_layers: int, build: Callable[[int], nn.Module]) -> StageLay
 class PipelineStack(nn.Module):
     """A decoder stack that may run as pipeline stages: `build_stage` builds this stage's
     layers and records what the runner and the loaders read (`start_layer`, `end_layer`,
-    `is_first_stage`, `is_last_stage`, `layers` with every index, `stage`)."""
+    `is_first_stage`, `is_last_stage`, `layers` with every index, `stage`). The subclass also
+    builds `embed_tokens` (first stage) and `norm` (last stage), each `only_on` its stage.
+
+    Its `forward` is that of layers which add their own output (`layer(positions, hidden)`:
+    Gemma's, the Gated DeltaNet hybrids'), so that only the hidden states go between stages;
+    stacks with a deferred residual or more to hand on override it."""
+
+    embed_tokens: nn.Module
+    norm: nn.Module
 
     def build_stage(self, num_layers: int, build: Callable[[int], nn.Module]) -> StageLayers:
         stage = self.stage = stage_layers(num_layers, build)
@@ -80,6 +88,43 @@ class PipelineStack(nn.Module):
         self.layers = stage.layers
         return stage
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """`inputs_embeds` (a multimodal model's, image rows merged in) replace the embedding
+        of `input_ids`; on a later stage the previous stage's output replaces both."""
+        if intermediate_tensors is not None:
+            hidden_states = intermediate_tensors.hidden_states
+        else:
+            hidden_states = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        for i in range(self.start_layer, self.end_layer):
+            hidden_states = self.layers[i](positions, hidden_states)
+        if not self.is_last_stage:
+            return IntermediateTensors(hidden_states)
+        return self.norm(hidden_states)
+
+
+class PipelineForCausalLM(nn.Module):
+    """A causal LM over a `PipelineStack` (`self.model`): its forward passes the previous
+    stage's output on, and returns this stage's (`IntermediateTensors` before the last)."""
+
+    model: PipelineStack
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, intermediate_tensors=intermediate_tensors)
+
 
 def only_on(held: bool, build: Callable[[], nn.Module]) -> nn.Module:
     """`build()` where this stage holds the module (e.g. `is_first` for the embedding), else a
@@ -87,15 +132,16 @@ def only_on(held: bool, build: Callable[[], nn.Module]) -> nn.Module:
     return build() if held else StageAbsent()
 
 
-def stage_lm_head(
-    stage: StageLayers, vocab_size: int, hidden_size: int, tied: bool, embedding: nn.Module
-) -> tuple[nn.Module, bool]:
-    """The LM head on the last stage (`StageAbsent` elsewhere), and whether it loads from the
-    embedding's tensor: a tied head on a last stage without the embedding owns its copy."""
-    if not stage.is_last:
+def stage_lm_head(stack: PipelineStack, hf_config: Any, tied: bool) -> tuple[nn.Module, bool]:
+    """The LM head over `stack` on the last stage (`StageAbsent` elsewhere), and whether it
+    loads from the embedding's tensor: a tied head on a last stage without the embedding
+    (`stack.embed_tokens`) owns its copy."""
+    if not stack.is_last_stage:
         return StageAbsent(), False
+    embedding = stack.embed_tokens
     tie_to = embedding if tied and isinstance(embedding, VocabParallelEmbedding) else None
-    return ParallelLMHead(vocab_size, hidden_size, tie_to=tie_to), tied and tie_to is None
+    head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tie_to=tie_to)
+    return head, tied and tie_to is None
 
 
 def held_by_stage(root: nn.Module, name: str) -> bool:

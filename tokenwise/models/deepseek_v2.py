@@ -49,7 +49,12 @@ from tokenwise.layers import (
 )
 from tokenwise.layers.fused_moe import load_weights_with_experts, make_expert_params_mapping
 from tokenwise.layers.linear import divide
-from tokenwise.layers.pipeline import IntermediateTensors, only_on, stage_lm_head, stage_weights
+from tokenwise.layers.pipeline import (
+    PipelineForCausalLM,
+    only_on,
+    stage_lm_head,
+    stage_weights,
+)
 from tokenwise.layers.rope_yarn import yarn_get_mscale
 from tokenwise.models.deepseek_moe import DeepseekMoE
 from tokenwise.models.llama import LlamaMLP, ResidualStack
@@ -208,7 +213,7 @@ class DeepseekV2Model(ResidualStack):
         self.norm = only_on(stage.is_last, lambda: RMSNorm(hf.hidden_size, hf.rms_norm_eps))
 
 
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV2ForCausalLM(PipelineForCausalLM):
     # The engine reads this to know that the model has expert layers (DP shards them).
     is_moe: ClassVar[bool] = True
     is_v3: ClassVar[bool] = False
@@ -227,22 +232,10 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.model = DeepseekV2Model(config, f"{prefix}.model" if prefix else "model", self.is_v3)
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
         self.lm_head, self._head_from_embedding = stage_lm_head(
-            self.model.stage,
-            hf.vocab_size,
-            hf.hidden_size,
-            self.tie_word_embeddings,
-            self.model.embed_tokens,
+            self.model, hf, self.tie_word_embeddings
         )
         self.num_experts = int(hf.n_routed_experts)
         self.num_layers = int(hf.num_hidden_layers)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None,
-    ) -> torch.Tensor | IntermediateTensors:
-        return self.model(input_ids, positions, intermediate_tensors=intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """float32 logits for the rows the runner chose to sample."""

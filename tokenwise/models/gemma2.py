@@ -37,7 +37,7 @@ from tokenwise.layers import (
 )
 from tokenwise.layers.layernorm import GemmaRMSNorm
 from tokenwise.layers.pipeline import (
-    IntermediateTensors,
+    PipelineForCausalLM,
     PipelineStack,
     only_on,
     stage_lm_head,
@@ -159,13 +159,14 @@ class GemmaModel(PipelineStack):
                 theta, scaling = get_rope_config(hf, key)
                 ropes[key] = RotaryEmbedding(mc.head_dim, mc.max_model_len, theta, scaling)
         self.rotary_embs = nn.ModuleList(ropes.values())
-        stage = self.build_stage(
-            len(layer_types),
-            lambda i: GemmaDecoderLayer(
-                config, variant, ropes[rope_key(layer_types[i])], layer_types[i],
-                f"{prefix}.layers.{i}",
-            ),
-        )  # fmt: skip
+
+        def layer(i: int) -> GemmaDecoderLayer:
+            kind = layer_types[i]
+            return GemmaDecoderLayer(
+                config, variant, ropes[rope_key(kind)], kind, f"{prefix}.layers.{i}"
+            )
+
+        stage = self.build_stage(len(layer_types), layer)
         self.embed_tokens = only_on(
             stage.is_first, lambda: VocabParallelEmbedding(hf.vocab_size, hf.hidden_size)
         )
@@ -176,28 +177,8 @@ class GemmaModel(PipelineStack):
         hidden_states = self.embed_tokens(input_ids)
         return hidden_states * torch.tensor(self.embed_scale, dtype=hidden_states.dtype)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        inputs_embeds: torch.Tensor | None = None,
-        intermediate_tensors: IntermediateTensors | None = None,
-    ) -> torch.Tensor | IntermediateTensors:
-        """`inputs_embeds` (already scaled; Gemma 3 writes image rows into them) replace the
-        embedding of `input_ids` when given; on a later pipeline stage the previous stage's
-        hidden states (`intermediate_tensors`) replace both."""
-        if intermediate_tensors is not None:
-            hidden_states = intermediate_tensors.hidden_states
-        else:
-            hidden_states = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        for i in range(self.start_layer, self.end_layer):
-            hidden_states = self.layers[i](positions, hidden_states)
-        if not self.is_last_stage:
-            return IntermediateTensors(hidden_states)
-        return self.norm(hidden_states)
 
-
-class Gemma2ForCausalLM(nn.Module):
+class Gemma2ForCausalLM(PipelineForCausalLM):
     variant = GemmaVariant()
     stacked_params_mapping = LlamaForCausalLM.stacked_params_mapping
 
@@ -207,25 +188,13 @@ class Gemma2ForCausalLM(nn.Module):
         self.model = self.build_model(config, f"{prefix}.model" if prefix else "model")
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", True))
         self.lm_head, self._head_from_embedding = stage_lm_head(
-            self.model.stage,
-            hf.vocab_size,
-            hf.hidden_size,
-            self.tie_word_embeddings,
-            self.model.embed_tokens,
+            self.model, hf, self.tie_word_embeddings
         )
         self.final_logit_softcapping = getattr(hf, "final_logit_softcapping", None)
 
     def build_model(self, config: EngineConfig, prefix: str) -> nn.Module:
         """The decoder under the LM head (Gemma 4 builds its own; the head is shared)."""
         return GemmaModel(config, self.variant, prefix)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None,
-    ) -> torch.Tensor | IntermediateTensors:
-        return self.model(input_ids, positions, intermediate_tensors=intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden_states)

@@ -38,7 +38,12 @@ from tokenwise.layers import (
     get_rope_config,
 )
 from tokenwise.layers.fused_moe.biased import BiasedFusedMoE
-from tokenwise.layers.pipeline import IntermediateTensors, only_on, stage_lm_head, stage_weights
+from tokenwise.layers.pipeline import (
+    PipelineForCausalLM,
+    only_on,
+    stage_lm_head,
+    stage_weights,
+)
 from tokenwise.layers.quantization.mxfp4 import mxfp4_method_for
 from tokenwise.layers.weight_utils import CheckpointTensor, copy_checked, load_stacked_weights
 from tokenwise.models.llama import (
@@ -155,7 +160,7 @@ class GptOssModel(ResidualStack):
         self.norm = only_on(stage.is_last, lambda: RMSNorm(hf.hidden_size, hf.rms_norm_eps))
 
 
-class GptOssForCausalLM(nn.Module):
+class GptOssForCausalLM(PipelineForCausalLM):
     is_moe: ClassVar[bool] = True
     stacked_params_mapping = LlamaForCausalLM.stacked_params_mapping[:3]  # q/k/v only
 
@@ -165,23 +170,11 @@ class GptOssForCausalLM(nn.Module):
         self.model = GptOssModel(config, f"{prefix}.model" if prefix else "model")
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
         self.lm_head, self._head_from_embedding = stage_lm_head(
-            self.model.stage,
-            hf.vocab_size,
-            hf.hidden_size,
-            self.tie_word_embeddings,
-            self.model.embed_tokens,
+            self.model, hf, self.tie_word_embeddings
         )
 
     def num_experts(self) -> int:
         return int(self.model.layers[self.model.start_layer].mlp.experts.num_experts)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None,
-    ) -> torch.Tensor | IntermediateTensors:
-        return self.model(input_ids, positions, intermediate_tensors=intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states)

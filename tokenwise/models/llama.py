@@ -33,6 +33,7 @@ from tokenwise.layers import (
 )
 from tokenwise.layers.pipeline import (
     IntermediateTensors,
+    PipelineForCausalLM,
     PipelineStack,
     held_by_stage,
     only_on,
@@ -268,7 +269,7 @@ class LlamaModel(ResidualStack):
         self.norm = only_on(stage.is_last, lambda: RMSNorm(hf.hidden_size, hf.rms_norm_eps))
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(PipelineForCausalLM):
     # HF keeps q/k/v and gate/up apart; here they are row shards of one fused weight.
     stacked_params_mapping: tuple[tuple[str, str, str | int], ...] = (
         ("qkv_proj", "q_proj", "q"),
@@ -285,11 +286,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, variant, _join(prefix, "model"), self.make_mlp)
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
         self.lm_head, self._head_from_embedding = stage_lm_head(
-            self.model.stage,
-            hf.vocab_size,
-            hf.hidden_size,
-            self.tie_word_embeddings,
-            self.model.embed_tokens,
+            self.model, hf, self.tie_word_embeddings
         )
 
     @classmethod
@@ -301,14 +298,6 @@ class LlamaForCausalLM(nn.Module):
     def make_mlp(self, config: EngineConfig, layer_idx: int, prefix: str) -> nn.Module | None:
         """The feed-forward block of layer `layer_idx`; None means the dense LlamaMLP."""
         return None
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None,
-    ) -> torch.Tensor | IntermediateTensors:
-        return self.model(input_ids, positions, intermediate_tensors=intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """float32 logits for the rows the runner chose to sample (not every token)."""

@@ -39,7 +39,7 @@ from tokenwise.layers import (
 )
 from tokenwise.layers.layernorm import GemmaRMSNorm
 from tokenwise.layers.linear import divide
-from tokenwise.layers.pipeline import IntermediateTensors, PipelineStack, only_on, stage_lm_head
+from tokenwise.layers.pipeline import PipelineStack, only_on, stage_lm_head
 from tokenwise.models.gated_deltanet import GatedDeltaNet
 from tokenwise.models.llama import LlamaForCausalLM, LlamaMLP, MlpFactory
 from tokenwise.models.qwen2_moe import Qwen2MoeSparseMoeBlock
@@ -175,22 +175,6 @@ class HybridModel(PipelineStack):
         )
         self.norm = only_on(stage.is_last, lambda: GemmaRMSNorm(hf.hidden_size, hf.rms_norm_eps))
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None,
-    ) -> torch.Tensor | IntermediateTensors:
-        if intermediate_tensors is not None:
-            hidden_states = intermediate_tensors.hidden_states
-        else:
-            hidden_states = self.embed_tokens(input_ids)
-        for i in range(self.start_layer, self.end_layer):
-            hidden_states = self.layers[i](positions, hidden_states)
-        if not self.is_last_stage:
-            return IntermediateTensors(hidden_states)
-        return self.norm(hidden_states)
-
 
 class Qwen3NextForCausalLM(MoeForCausalLM):
     is_moe: ClassVar[bool] = True
@@ -208,25 +192,13 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
         self.model = HybridModel(config, _join(prefix, "model"), self.make_mlp)
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
         self.lm_head, self._head_from_embedding = stage_lm_head(
-            self.model.stage,
-            hf.vocab_size,
-            hf.hidden_size,
-            self.tie_word_embeddings,
-            self.model.embed_tokens,
+            self.model, hf, self.tie_word_embeddings
         )
 
     def make_mlp(self, config: EngineConfig, layer_idx: int, prefix: str) -> nn.Module | None:
         if not is_sparse_layer(config.model.hf_config, layer_idx):
             return None
         return Qwen2MoeSparseMoeBlock(config, prefix)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None,
-    ) -> torch.Tensor | IntermediateTensors:
-        return self.model(input_ids, positions, intermediate_tensors)
 
     def _ignored(self, name: str) -> bool:
         # The MTP head (not built) and, in a vision-language checkpoint, the vision tower.
