@@ -11,9 +11,10 @@ What it carries depends on the family, which is why all but the hidden states ar
 - `per_layer_inputs`: Gemma 4's per-layer embeddings of the layers after the sender's, which
   only the first stage can compute (they mix a projection of the token embedding in).
 
-`stage_layers` builds a decoder stack's layer list for this stage and `held_by_stage` tells the
-weight loaders which checkpoint tensors the stage holds, so each family's model only says
-which of its modules sit on the first and on the last stage.
+`PipelineStack` builds a decoder stack's layers for this stage (`build_stage`) and runs them,
+`PipelineForCausalLM` passes a stage's input on to it, and `stage_weights` hands the weight
+loaders the checkpoint tensors the stage holds: each family's model only says which of its
+modules sit on the first and on the last stage (`only_on`, `stage_lm_head`).
 """
 
 from __future__ import annotations
