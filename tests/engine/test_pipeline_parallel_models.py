@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import tokenwise.distributed.pp_state as pp_state
-from tests.engine._fixtures import hf_greedy, hf_step_logprobs, mixed_prompts
+from tests.engine._fixtures import checkpoint, hf_greedy, hf_step_logprobs, mixed_prompts
 from tests.engine.test_pipeline_parallel import _record_in_flight
 from tests.tiny_checkpoints import build_tiny_checkpoint, tiny_tokenizer
 from tokenwise import LLM, SamplingParams
@@ -164,4 +164,15 @@ def test_splits_the_model_cannot_run_are_refused_before_any_stage_starts(
         monkeypatch.setenv(ENV_LAYER_PARTITION, partition)
     with pytest.raises(ValueError, match=match):
         LLM(path, dtype="float32", pipeline_parallel_size=2)
+    assert not torch.distributed.is_initialized()
+
+
+def test_a_model_outside_the_pipeline_families_is_refused_naming_it() -> None:
+    path = checkpoint("Qwen3ForSequenceClassification", num_hidden_layers=4)
+    with pytest.raises(
+        ValueError,
+        match=r"pipeline_parallel_size=2 supports the text decoders LlamaForCausalLM, .*"
+        r"GptOssForCausalLM; this model is Qwen3ForSequenceClassification",
+    ):
+        LLM(path, dtype="float32", task="classify", pipeline_parallel_size=2)
     assert not torch.distributed.is_initialized()
