@@ -11,7 +11,7 @@ Each stage builds only its layers (`pp_state.pp_layer_range`) and a KV cache for
 Under PP x TP the world has P * T processes (global rank `stage * T + tp_rank`); the engine is
 rank 0 and spawns all the others. Not built yet (each refused with an error naming the
 setting): PP with data parallelism, with LoRA, speculative decoding, torch.compile or CUDA graphs,
-and for models outside `PP_ARCHITECTURES`.
+and for models other than the dense decoder-only Llama family.
 """
 
 from __future__ import annotations
@@ -36,44 +36,15 @@ from tokenwise.distributed.tp_launch import (
     startup_failures_named,
 )
 from tokenwise.distributed.tp_state import free_port
-from tokenwise.models.registry import resolve_model_class
 
-# Decoder-only models whose decoder stack builds only a stage's layers (`layers/pipeline.py`):
-# the Llama family (`models/llama.py`, its mixtures of experts in `models/sparse_moe.py`
-# included), Gemma 2/3/4, DeepSeek-V2/V3 (MLA) and gpt-oss.
-PP_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "MixtralForCausalLM",
-    "Qwen2MoeForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "Gemma2ForCausalLM",
-    "Gemma3ForCausalLM",
-    "Gemma4ForCausalLM",
-    "DeepseekV2ForCausalLM",
-    "DeepseekV3ForCausalLM",
-    "GptOssForCausalLM",
-)
 
-# Models whose decoder stack builds per stage (`models/qwen3_next.py`) but which the runner
-# cannot run as stages yet, and why: refused by name before any stage starts.
-_RECURRENT_WHY = (
-    "its Gated DeltaNet layers keep their recurrent state in slots the runner does not keep "
-    "per virtual engine yet (`runner/recurrent_states.py` copies and reads states in virtual "
-    "engine 0's cache slice only, and refuses pipeline_parallel_size > 1)"
-)
-PP_REFUSED = {
-    arch: _RECURRENT_WHY
-    for arch in (
-        "Qwen3NextForCausalLM",
-        "Qwen3_5ForCausalLM",
-        "Qwen3_5MoeForCausalLM",
-        "Qwen3_5ForConditionalGeneration",
-        "Qwen3_5MoeForConditionalGeneration",
+def _stage_models() -> list[str]:
+    """The registered architectures whose model class runs as pipeline stages."""
+    from tokenwise.models.registry import MODEL_REGISTRY
+
+    return sorted(
+        arch for arch, cls in MODEL_REGISTRY.items() if getattr(cls, "supports_pp", False)
     )
-}
 
 
 def check_pipeline_config(config: EngineConfig) -> None:
@@ -84,21 +55,19 @@ def check_pipeline_config(config: EngineConfig) -> None:
         return
     model = config.model
     assert model is not None
+    from tokenwise.models.registry import resolve_model_class
+
     archs = list(model.architectures or [])
-    for arch in archs:
-        if arch in PP_REFUSED:
-            raise ValueError(
-                f"pipeline_parallel_size={pp} does not run {arch} yet: {PP_REFUSED[arch]}; "
-                "run it with pipeline_parallel_size=1 (tensor_parallel_size works)"
-            )
-    if not any(arch in PP_ARCHITECTURES for arch in archs):
+    # A model class says whether its stack builds one stage's layers (`supports_pp`).
+    if not getattr(resolve_model_class(archs), "supports_pp", False):
         raise ValueError(
-            f"pipeline_parallel_size={pp} supports the text decoders "
-            f"{', '.join(PP_ARCHITECTURES)}; this model is {', '.join(archs) or 'unknown'}"
+            f"pipeline_parallel_size={pp} is not supported for "
+            f"{', '.join(archs) or 'this model'} yet; models that run as pipeline stages: "
+            f"{', '.join(_stage_models())}"
         )
     parts = pp_layer_partition(int(model.hf_config.num_hidden_layers), pp)
-    # A family whose layers depend on each other across the stack (Gemma 4's KV sharing)
-    # refuses a split that would separate them, here, before any stage starts.
+    # A family whose layers depend on each other across the stack (Gemma 4's KV sharing and
+    # KV-cache kinds) refuses a split it cannot run, here, before any stage starts.
     check_split = getattr(resolve_model_class(archs), "check_pipeline_split", None)
     if check_split is not None:
         check_split(model.hf_config, parts)

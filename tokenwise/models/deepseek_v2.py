@@ -216,6 +216,7 @@ class DeepseekV2Model(ResidualStack):
 class DeepseekV2ForCausalLM(PipelineForCausalLM):
     # The engine reads this to know that the model has expert layers (DP shards them).
     is_moe: ClassVar[bool] = True
+    supports_pp: ClassVar[bool] = True  # `DeepseekV2Model` builds one stage's layers
     is_v3: ClassVar[bool] = False
     # Only the dense MLPs' gate/up are fused; q, the latents and kv_b_proj stay separate.
     stacked_params_mapping: tuple[tuple[str, str, str | int], ...] = (

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -179,6 +179,7 @@ class GemmaModel(PipelineStack):
 
 
 class Gemma2ForCausalLM(PipelineForCausalLM):
+    supports_pp: ClassVar[bool] = True  # `GemmaModel` builds one stage's layers
     variant = GemmaVariant()
     stacked_params_mapping = LlamaForCausalLM.stacked_params_mapping
 

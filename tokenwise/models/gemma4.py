@@ -343,6 +343,7 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
     embedders' are skipped, and requests with images or audio are refused as for any
     text-only model."""
 
+    supports_pp = False  # the hub's multimodal layout: not run as pipeline stages yet
     _SKIPPED = (
         "model.vision_tower.",
         "model.audio_tower.",

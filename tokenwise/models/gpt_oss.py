@@ -162,6 +162,7 @@ class GptOssModel(ResidualStack):
 
 class GptOssForCausalLM(PipelineForCausalLM):
     is_moe: ClassVar[bool] = True
+    supports_pp: ClassVar[bool] = True  # `GptOssModel` builds one stage's layers
     stacked_params_mapping = LlamaForCausalLM.stacked_params_mapping[:3]  # q/k/v only
 
     def __init__(self, config: EngineConfig, prefix: str = "") -> None:

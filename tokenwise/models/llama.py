@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -270,6 +270,9 @@ class LlamaModel(ResidualStack):
 
 
 class LlamaForCausalLM(PipelineForCausalLM):
+    # Runs as pipeline stages (`LlamaModel` builds one stage's layers); a subclass that adds
+    # inputs later stages would need (3-D positions, pooled outputs) says False.
+    supports_pp: ClassVar[bool] = True
     # HF keeps q/k/v and gate/up apart; here they are row shards of one fused weight.
     stacked_params_mapping: tuple[tuple[str, str, str | int], ...] = (
         ("qkv_proj", "q_proj", "q"),

@@ -178,6 +178,9 @@ class HybridModel(PipelineStack):
 
 class Qwen3NextForCausalLM(MoeForCausalLM):
     is_moe: ClassVar[bool] = True
+    # The stack builds per stage (`HybridModel`), but this runner keeps recurrent states for
+    # virtual engine 0 only (`RecurrentStates.check_supported` refuses pipelines).
+    supports_pp: ClassVar[bool] = False
     stacked_params_mapping = (
         *LlamaForCausalLM.stacked_params_mapping,
         ("in_proj", "in_proj_qkvz", "qkvz"),
