@@ -36,6 +36,12 @@ GEMMA4_E = {
     "num_hidden_layers": 8,
     "layer_types": _TYPES,
 }
+# Gated DeltaNet hybrids with two runs of three linear-attention layers and a full-attention
+# one, so that "4,4" gives each stage both kinds.
+HYBRID_8 = {
+    "num_hidden_layers": 8,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2,
+}
 # name -> (architecture, checkpoint overrides, TOKENWISE_PP_LAYER_PARTITION)
 FAMILIES: dict[str, tuple[str, dict[str, Any], str | None]] = {
     "gemma2": ("Gemma2ForCausalLM", {}, None),
@@ -44,8 +50,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str | None]] = {
     "deepseek-v2": ("DeepseekV2ForCausalLM", {}, None),
     "deepseek-v3": ("DeepseekV3ForCausalLM", {}, None),
     "gpt-oss": ("GptOssForCausalLM", {}, None),
-    "qwen3-next": ("Qwen3NextForCausalLM", {}, None),
-    "qwen3.5": ("Qwen3_5ForCausalLM", {}, None),
+    "qwen3-next": ("Qwen3NextForCausalLM", HYBRID_8, None),
+    "qwen3.5": ("Qwen3_5ForCausalLM", HYBRID_8, None),
 }
 # One engine run per family (Gemma 2 and DeepSeek-V2 share their stage code with Gemma 3 and
 # DeepSeek-V3; the hybrids are refused).
@@ -175,3 +181,21 @@ def test_a_model_outside_the_pipeline_families_is_refused_naming_it() -> None:
     ):
         LLM(path, dtype="float32", task="classify", pipeline_parallel_size=2)
     assert not torch.distributed.is_initialized()
+
+
+def test_a_hybrid_split_that_leaves_a_stage_one_kind_of_layer_is_refused() -> None:
+    """Qwen3-Next / Qwen3.5: every stage must hold linear- and full-attention layers (one set
+    of KV-cache groups serves all stages)."""
+    from types import SimpleNamespace
+
+    from tokenwise.models.qwen3_next import Qwen3NextForCausalLM
+
+    hf = SimpleNamespace(layer_types=HYBRID_8["layer_types"])
+    Qwen3NextForCausalLM.check_pipeline_split(hf, [4, 4])
+    Qwen3NextForCausalLM.check_pipeline_split(hf, [5, 3])
+    with pytest.raises(
+        ValueError,
+        match=r"splits the layers \[2, 6\], which gives stage 0 only linear_attention layers: "
+        r"every stage of a Gated DeltaNet hybrid must hold both",
+    ):
+        Qwen3NextForCausalLM.check_pipeline_split(hf, [2, 6])

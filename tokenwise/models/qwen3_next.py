@@ -198,6 +198,25 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
             self.model, hf, self.tie_word_embeddings
         )
 
+    @classmethod
+    def check_pipeline_split(cls, hf_config: Any, parts: list[int]) -> None:
+        """Refuse a split (`parts`: layers per stage) that leaves a stage without one of the
+        two kinds of layer: the engine lays out one set of KV-cache groups (full attention,
+        then recurrent state) whose tables every stage reads by index, so every stage must
+        hold both (called by `pp_launch` before any stage starts)."""
+        start = 0
+        for stage, count in enumerate(parts):
+            kinds = set(hf_config.layer_types[start : start + count])
+            start += count
+            if kinds != {LINEAR, FULL}:
+                raise ValueError(
+                    f"pipeline_parallel_size={len(parts)} splits the layers {parts}, which "
+                    f"gives stage {stage} only {' and '.join(sorted(kinds))} layers: every "
+                    f"stage of a Gated DeltaNet hybrid must hold both {LINEAR} and {FULL} "
+                    "layers (one set of KV-cache groups serves all stages); set "
+                    "TOKENWISE_PP_LAYER_PARTITION accordingly"
+                )
+
     def make_mlp(self, config: EngineConfig, layer_idx: int, prefix: str) -> nn.Module | None:
         if not is_sparse_layer(config.model.hf_config, layer_idx):
             return None
