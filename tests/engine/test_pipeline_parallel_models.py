@@ -18,7 +18,8 @@ import torch
 import tokenwise.distributed.pp_state as pp_state
 from tests.engine._fixtures import checkpoint, hf_greedy, hf_step_logprobs, mixed_prompts
 from tests.engine.test_pipeline_parallel import _record_in_flight
-from tests.tiny_checkpoints import build_tiny_checkpoint, tiny_tokenizer
+from tests.models.test_gemma4_vs_hf import SHAPES
+from tests.tiny_checkpoints import build_tiny_checkpoint
 from tokenwise import LLM, SamplingParams
 from tokenwise.distributed.pp_state import ENV_LAYER_PARTITION
 
@@ -27,15 +28,7 @@ _TYPES = ["sliding_attention", "full_attention"] * 4
 # Gemma 4 shaped like its E2B/E4B models (per-layer inputs, the last two layers reading layers
 # 4 and 5's KV cache with double-width MLPs), 8 layers alternating sliding and global so that
 # "4,4" gives both stages both kinds of KV cache and keeps every sharing pair on one stage.
-GEMMA4_E = {
-    "attention_k_eq_v": False,
-    "hidden_size_per_layer_input": 8,
-    "vocab_size_per_layer_input": len(tiny_tokenizer()),
-    "num_kv_shared_layers": 2,
-    "use_double_wide_mlp": True,
-    "num_hidden_layers": 8,
-    "layer_types": _TYPES,
-}
+GEMMA4_E = {**SHAPES["e"], "num_hidden_layers": 8, "layer_types": _TYPES}
 # Gated DeltaNet hybrids with two runs of three linear-attention layers and a full-attention
 # one, so that "4,4" gives each stage both kinds.
 HYBRID_8 = {
