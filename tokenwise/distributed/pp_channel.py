@@ -2,9 +2,11 @@
 
 Forward, stage s to stage s + 1 (rank t of one stage to rank t of the next), one message per
 micro-batch: a pickled header `("step", virtual_engine, the encoded step message
-(`step_message.py`), busy seconds so far of each stage before, tokens)` (its length first,
-then its bytes), then one tensor stacking the hidden
-states and the residual. `("stop",)` ends the receiving stage's loop (it passes it on).
+(`step_message.py`), busy seconds so far of each stage before, layout)` (its length first,
+then its bytes), then one flat tensor concatenating the `IntermediateTensors` the layout names,
+each as `(field, shape)` in order: the hidden states, and the residual or Gemma 4's per-layer
+inputs only where the family has them (a model without a residual stream sends one tensor, not
+a dummy second). `("stop",)` ends the receiving stage's loop (it passes it on).
 Back, the last stage to the driver: the logits of the rows that sample, after a small float64
 header (rows, columns, then every stage's busy seconds so far).
 
@@ -18,6 +20,7 @@ This is gloo on CPU; on CUDA the tensors go through host memory (the NCCL path i
 
 from __future__ import annotations
 
+import math
 import pickle
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -67,9 +70,11 @@ class PipelineChannel:
         out: IntermediateTensors,
         busy: list[float],
     ) -> None:
-        num_tokens = out.hidden_states.shape[0]
-        header = pickle.dumps(("step", virtual_engine, payload, busy, num_tokens))
-        activations = torch.stack([out.hidden_states, out.residual]).to("cpu").contiguous()
+        tensors = out.present()
+        layout = [(name, tuple(t.shape)) for name, t in tensors.items()]
+        header = pickle.dumps(("step", virtual_engine, payload, busy, layout))
+        flat = [t.to("cpu", self.dtype).reshape(-1) for t in tensors.values()]
+        activations = torch.cat(flat) if len(flat) > 1 else flat[0].contiguous()
         self._send_header(header)
         self._isend(activations, stage_rank(self.rank + 1, self.tp_rank))
 
@@ -84,10 +89,19 @@ class PipelineChannel:
         message = pickle.loads(data.numpy().tobytes())
         if message[0] == "stop":
             return None
-        _, virtual_engine, payload, busy, num_tokens = message
-        activations = torch.empty((2, num_tokens, self.hidden_size), dtype=self.dtype)
+        _, virtual_engine, payload, busy, layout = message
+        sizes = [math.prod(shape) for _, shape in layout]
+        activations = torch.empty(sum(sizes), dtype=self.dtype)
         dist.recv(activations, src=src, group=group)
-        return virtual_engine, payload, IntermediateTensors(activations[0], activations[1]), busy
+        parts = activations.split(sizes)
+        received = {name: p.view(shape) for (name, shape), p in zip(layout, parts, strict=True)}
+        if received["hidden_states"].shape[-1] != self.hidden_size:
+            raise RuntimeError(
+                f"pipeline stage {self.rank - 1} sent hidden states of width "
+                f"{received['hidden_states'].shape[-1]}, but this stage's model has "
+                f"hidden_size={self.hidden_size}: every stage must load the same model"
+            )
+        return virtual_engine, payload, IntermediateTensors(**received), busy
 
     def _send_header(self, header: bytes) -> None:
         dst = stage_rank(self.rank + 1, self.tp_rank)

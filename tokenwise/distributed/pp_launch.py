@@ -65,7 +65,12 @@ def check_pipeline_config(config: EngineConfig) -> None:
             f"{', '.join(archs) or 'this model'} yet; models that run as pipeline stages: "
             f"{', '.join(_stage_models())}"
         )
-    pp_layer_partition(int(model.hf_config.num_hidden_layers), pp)
+    parts = pp_layer_partition(int(model.hf_config.num_hidden_layers), pp)
+    # A family whose layers depend on each other across the stack (Gemma 4's KV sharing and
+    # KV-cache kinds) refuses a split it cannot run, here, before any stage starts.
+    check_split = getattr(resolve_model_class(archs), "check_pipeline_split", None)
+    if check_split is not None:
+        check_split(model.hf_config, parts)
     blocks, block_size = config.cache.num_gpu_blocks, config.cache.block_size
     needed = -(-model.max_model_len // block_size)
     if blocks is not None and blocks // pp < needed:

@@ -245,8 +245,8 @@ class EngineArgs:
     pipeline_parallel_size: int = setting(
         1,
         "split the layers into this many stages, one process each, with as many batches "
-        "in flight (dense Llama/Qwen models; TOKENWISE_PP_LAYER_PARTITION='4,4' sets the "
-        "split; default: 1)",
+        "in flight (Llama, Mistral, Qwen2/3, their MoEs, Gemma 2/3/4, DeepSeek-V2/V3, "
+        "gpt-oss; TOKENWISE_PP_LAYER_PARTITION='4,4' sets the split; default: 1)",
         flags=("--pipeline-parallel-size", "-pp"),
         type=bounded_int(1),
         group=PARALLEL,

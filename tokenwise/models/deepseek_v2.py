@@ -21,11 +21,13 @@ of rows is a contiguous run of heads) and `o_proj` row-parallel. The latent path
 caches the *whole* latent of its tokens (it is one vector per token, shared by all heads:
 there is nothing per head to split) and absorbs / expands it with its own heads' slice of
 `kv_b_proj`. The MoE layers shard as `DeepseekMoE` says.
+
+Pipeline parallelism: the stack is Llama's (`ResidualStack`): a stage builds and loads only its
+layers (each with its own latent cache) and hands the next the hidden states and the residual.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -38,7 +40,6 @@ from tokenwise.attention.utils import get_mla_dims
 from tokenwise.config import EngineConfig
 from tokenwise.layers import (
     ColumnParallelLinear,
-    ParallelLMHead,
     ReplicatedLinear,
     RMSNorm,
     RotaryEmbedding,
@@ -48,11 +49,15 @@ from tokenwise.layers import (
 )
 from tokenwise.layers.fused_moe import load_weights_with_experts, make_expert_params_mapping
 from tokenwise.layers.linear import divide
+from tokenwise.layers.pipeline import (
+    PipelineForCausalLM,
+    only_on,
+    stage_lm_head,
+    stage_weights,
+)
 from tokenwise.layers.rope_yarn import yarn_get_mscale
 from tokenwise.models.deepseek_moe import DeepseekMoE
-from tokenwise.models.llama import LlamaMLP
-
-_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+from tokenwise.models.llama import LlamaMLP, ResidualStack
 
 
 def mla_softmax_scale(qk_head_dim: int, rope_scaling: dict[str, Any] | None) -> float:
@@ -180,13 +185,12 @@ class DeepseekV2DecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
-class DeepseekV2Model(nn.Module):
+class DeepseekV2Model(ResidualStack):
     def __init__(self, config: EngineConfig, prefix: str, is_v3: bool) -> None:
         super().__init__()
         mc = config.model
         hf = mc.hf_config
         d = get_mla_dims(hf)
-        self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size)
         rope_theta, rope_scaling = get_rope_config(hf)
         interleaved = bool(getattr(hf, "rope_interleave", True)) if is_v3 else True
         self.rotary_emb = RotaryEmbedding(
@@ -197,24 +201,22 @@ class DeepseekV2Model(nn.Module):
             is_neox_style=not interleaved,
         )
         scale = mla_softmax_scale(d.qk_nope_head_dim + d.qk_rope_head_dim, rope_scaling)
-        self.layers = nn.ModuleList(
-            DeepseekV2DecoderLayer(config, self.rotary_emb, scale, i, f"{prefix}.layers.{i}", is_v3)
-            for i in range(hf.num_hidden_layers)
+        stage = self.build_stage(
+            hf.num_hidden_layers,
+            lambda i: DeepseekV2DecoderLayer(
+                config, self.rotary_emb, scale, i, f"{prefix}.layers.{i}", is_v3
+            ),
         )
-        self.norm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+        self.embed_tokens = only_on(
+            stage.is_first, lambda: VocabParallelEmbedding(hf.vocab_size, hf.hidden_size)
+        )
+        self.norm = only_on(stage.is_last, lambda: RMSNorm(hf.hidden_size, hf.rms_norm_eps))
 
 
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV2ForCausalLM(PipelineForCausalLM):
     # The engine reads this to know that the model has expert layers (DP shards them).
     is_moe: ClassVar[bool] = True
+    supports_pp: ClassVar[bool] = True  # `DeepseekV2Model` builds one stage's layers
     is_v3: ClassVar[bool] = False
     # Only the dense MLPs' gate/up are fused; q, the latents and kv_b_proj stay separate.
     stacked_params_mapping: tuple[tuple[str, str, str | int], ...] = (
@@ -230,13 +232,11 @@ class DeepseekV2ForCausalLM(nn.Module):
             raise ValueError(f"moe_layer_freq must be 1 (as transformers assumes), got {freq}")
         self.model = DeepseekV2Model(config, f"{prefix}.model" if prefix else "model", self.is_v3)
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
-        tie_to = self.model.embed_tokens if self.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(hf.vocab_size, hf.hidden_size, tie_to=tie_to)
+        self.lm_head, self._head_from_embedding = stage_lm_head(
+            self.model, hf, self.tie_word_embeddings
+        )
         self.num_experts = int(hf.n_routed_experts)
         self.num_layers = int(hf.num_hidden_layers)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """float32 logits for the rows the runner chose to sample."""
@@ -245,14 +245,20 @@ class DeepseekV2ForCausalLM(nn.Module):
     def _ignored(self, name: str) -> bool:
         if name.endswith("rotary_emb.inv_freq"):
             return True
-        match = _LAYER_INDEX.match(name)
-        if match is not None and int(match.group(1)) >= self.num_layers:
+        parts = name.split(".")
+        if (
+            parts[:2] == ["model", "layers"]
+            and parts[2].isdigit()
+            and int(parts[2]) >= self.num_layers
+        ):
             return True  # V3's MTP module (`tokenwise.models.deepseek_mtp`), not the target's
         return self.tie_word_embeddings and name == "lm_head.weight"
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors in (experts per expert or stacked); strict like the others."""
+        """Copy HF-named tensors in (this pipeline stage's; experts per expert or stacked);
+        strict like the others."""
         kept = ((name, tensor) for name, tensor in weights if not self._ignored(name))
+        kept = stage_weights(self, kept, self._head_from_embedding)
         experts = make_expert_params_mapping(self.num_experts, "gate_proj", "up_proj", "down_proj")
         return load_weights_with_experts(self, kept, self.stacked_params_mapping, experts)
 

@@ -11,13 +11,16 @@ What sets Gemma apart from the Llama decoder, and why each piece is here:
   embeddings are multiplied by `sqrt(hidden_size)` (rounded to the activations' dtype, as HF).
 - Gemma 3 adds an RMSNorm over every q/k head and gives sliding and global layers different
   RoPE bases (`rope_parameters` per layer type, or 4.x's `rope_local_base_freq`).
+- Under pipeline parallelism a stage holds its layers only (`layers/pipeline.py`). Each layer
+  adds its own output, so there is no deferred residual: a stage hands the next one its
+  hidden states alone (`IntermediateTensors.residual` is None).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -26,7 +29,6 @@ from tokenwise.attention.backends.softcap import soft_cap
 from tokenwise.attention.layer import Attention
 from tokenwise.config import EngineConfig
 from tokenwise.layers import (
-    ParallelLMHead,
     QKVParallelLinear,
     RotaryEmbedding,
     RowParallelLinear,
@@ -34,6 +36,13 @@ from tokenwise.layers import (
     get_rope_config,
 )
 from tokenwise.layers.layernorm import GemmaRMSNorm
+from tokenwise.layers.pipeline import (
+    PipelineForCausalLM,
+    PipelineStack,
+    only_on,
+    stage_lm_head,
+    stage_weights,
+)
 from tokenwise.layers.weight_utils import load_stacked_weights
 from tokenwise.models.llama import LlamaForCausalLM, LlamaMLP
 
@@ -132,14 +141,13 @@ class GemmaDecoderLayer(nn.Module):
         return hidden_states + self.post_feedforward_layernorm(mlp)
 
 
-class GemmaModel(nn.Module):
+class GemmaModel(PipelineStack):
     def __init__(self, config: EngineConfig, variant: GemmaVariant, prefix: str) -> None:
         super().__init__()
         mc = config.model
         hf = mc.hf_config
         if getattr(hf, "use_bidirectional_attention", False):
             raise NotImplementedError("Gemma with use_bidirectional_attention is not supported")
-        self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size)
         self.embed_scale = float(hf.hidden_size) ** 0.5
         layer_types = gemma_layer_types(hf)
         # One RoPE table per distinct base; plain Gemma 2 shares one across all layers.
@@ -151,32 +159,27 @@ class GemmaModel(nn.Module):
                 theta, scaling = get_rope_config(hf, key)
                 ropes[key] = RotaryEmbedding(mc.head_dim, mc.max_model_len, theta, scaling)
         self.rotary_embs = nn.ModuleList(ropes.values())
-        self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, variant, ropes[rope_key(t)], t, f"{prefix}.layers.{i}")
-            for i, t in enumerate(layer_types)
+
+        def layer(i: int) -> GemmaDecoderLayer:
+            kind = layer_types[i]
+            return GemmaDecoderLayer(
+                config, variant, ropes[rope_key(kind)], kind, f"{prefix}.layers.{i}"
+            )
+
+        stage = self.build_stage(len(layer_types), layer)
+        self.embed_tokens = only_on(
+            stage.is_first, lambda: VocabParallelEmbedding(hf.vocab_size, hf.hidden_size)
         )
-        self.norm = GemmaRMSNorm(hf.hidden_size, hf.rms_norm_eps)
+        self.norm = only_on(stage.is_last, lambda: GemmaRMSNorm(hf.hidden_size, hf.rms_norm_eps))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings times `sqrt(hidden_size)`, rounded to the activations' dtype (as HF)."""
         hidden_states = self.embed_tokens(input_ids)
         return hidden_states * torch.tensor(self.embed_scale, dtype=hidden_states.dtype)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """`inputs_embeds` (already scaled; Gemma 3 writes image rows into them) replace the
-        embedding of `input_ids` when given."""
-        hidden_states = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        for layer in self.layers:
-            hidden_states = layer(positions, hidden_states)
-        return self.norm(hidden_states)
 
-
-class Gemma2ForCausalLM(nn.Module):
+class Gemma2ForCausalLM(PipelineForCausalLM):
+    supports_pp: ClassVar[bool] = True  # `GemmaModel` builds one stage's layers
     variant = GemmaVariant()
     stacked_params_mapping = LlamaForCausalLM.stacked_params_mapping
 
@@ -185,16 +188,14 @@ class Gemma2ForCausalLM(nn.Module):
         hf = config.model.hf_config
         self.model = self.build_model(config, f"{prefix}.model" if prefix else "model")
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", True))
-        tie_to = self.model.embed_tokens if self.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(hf.vocab_size, hf.hidden_size, tie_to=tie_to)
+        self.lm_head, self._head_from_embedding = stage_lm_head(
+            self.model, hf, self.tie_word_embeddings
+        )
         self.final_logit_softcapping = getattr(hf, "final_logit_softcapping", None)
 
     def build_model(self, config: EngineConfig, prefix: str) -> nn.Module:
         """The decoder under the LM head (Gemma 4 builds its own; the head is shared)."""
         return GemmaModel(config, self.variant, prefix)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden_states)
@@ -203,7 +204,14 @@ class Gemma2ForCausalLM(nn.Module):
         return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """HF-named tensors in; q/k/v and gate/up go to their fused parameters."""
+        """HF-named tensors in (this pipeline stage's only); q/k/v and gate/up go to their
+        fused parameters."""
+        return load_stacked_weights(self, self.stage_weights(weights), self.stacked_params_mapping)
+
+    def stage_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors this pipeline stage loads: a tied head's own tensor never."""
         skip_head = self.tie_word_embeddings
         kept = ((n, t) for n, t in weights if not (skip_head and n == "lm_head.weight"))
-        return load_stacked_weights(self, kept, self.stacked_params_mapping)
+        return stage_weights(self, kept, self._head_from_embedding)

@@ -71,6 +71,7 @@ class Gemma3Projector(nn.Module):
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     is_multimodal = True
+    supports_pp = False  # the images would enter at the first stage only: not built yet
     # Soft tokens of one image attend to each other both ways (see the module docstring).
     bidirectional_image_attention = True
 

@@ -21,6 +21,12 @@ layer, embeddings scaled by `sqrt(hidden_size)`, a final logit soft-cap) and cha
   group) is the producer's, so nothing in the engine knows about the sharing. Shared layers may
   have a double-width MLP (`use_double_wide_mlp`).
 - A learned `layer_scalar` multiplies each layer's output.
+- Pipeline parallelism: the first stage computes every layer's per-layer inputs (they need the
+  token embedding) and sends the later layers' ones on with the hidden states
+  (`IntermediateTensors.per_layer_inputs`). A KV-sharing layer reads its producer's cache and
+  this step's keys, so a split that puts the two on different stages is refused, as is one
+  that gives the stages different kinds of KV cache (`gemma4_layout.check_stage_split`,
+  before any stage starts).
 
 The 26B-A4B model's routed experts (`enable_moe_block`) are in `gemma4_moe.py`. Not built:
 bidirectional attention over text (`use_bidirectional_attention="all"`), refused by name. Images, video and audio
@@ -51,7 +57,9 @@ from tokenwise.layers import (
     load_stacked_weights,
 )
 from tokenwise.layers.layernorm import Gemma4RMSNorm
+from tokenwise.layers.pipeline import IntermediateTensors, PipelineStack, only_on
 from tokenwise.models.gemma2 import SLIDING, Gemma2ForCausalLM, gemma_layer_types
+from tokenwise.models.gemma4_layout import check_stage_split, kv_producers, layer_attention_shape
 from tokenwise.models.gemma4_moe import EXPERT_TENSORS, Gemma4Experts, Gemma4Router
 from tokenwise.models.llama import LlamaMLP
 
@@ -68,43 +76,6 @@ def check_gemma4_config(hf: Any) -> None:
             f"Gemma 4 with use_bidirectional_attention={mode!r} (bidirectional attention over "
             "text) is not supported"
         )
-
-
-def layer_attention_shape(hf: Any, layer: int, layer_type: str) -> tuple[int, int]:
-    """`(head_dim, num_key_value_heads)` of one layer: global layers differ from sliding ones.
-
-    transformers 5.x resolves them per layer (`per_layer_config`); a plain config (GGUF, older
-    files) says `global_head_dim` / `num_global_key_value_heads` for the global layers.
-    """
-    per_layer = getattr(hf, "per_layer_config", None)
-    if per_layer is not None:
-        lc = per_layer[layer]
-        return int(lc.head_dim), int(lc.num_key_value_heads)
-    head_dim, kv_heads = int(hf.head_dim), int(hf.num_key_value_heads)
-    if layer_type != SLIDING:
-        head_dim = int(getattr(hf, "global_head_dim", None) or head_dim)
-        if getattr(hf, "attention_k_eq_v", False):
-            kv_heads = int(getattr(hf, "num_global_key_value_heads", None) or kv_heads)
-    return head_dim, kv_heads
-
-
-def kv_producers(hf: Any, layer_types: list[str]) -> list[int | None]:
-    """For each layer, the earlier layer whose KV cache it reads (None: its own).
-
-    The last `num_kv_shared_layers` layers share; each reads the last non-sharing layer of
-    its own type (transformers' `kv_sharing_modes`)."""
-    n, shared = len(layer_types), int(getattr(hf, "num_kv_shared_layers", 0) or 0)
-    first = n - shared
-    out: list[int | None] = [None] * n
-    for i in range(first, n):
-        owners = [j for j in range(first) if layer_types[j] == layer_types[i]]
-        if not owners:
-            raise ValueError(
-                f"Gemma 4 layer {i} ({layer_types[i]}) shares KV (num_kv_shared_layers="
-                f"{shared}) but no earlier layer of that type computes any"
-            )
-        out[i] = owners[-1]
-    return out
 
 
 @dataclass(frozen=True)
@@ -232,14 +203,13 @@ def _scaled(t: torch.Tensor, scale: float) -> torch.Tensor:
     return t * torch.tensor(scale, dtype=t.dtype)
 
 
-class Gemma4Model(nn.Module):
+class Gemma4Model(PipelineStack):
     def __init__(self, config: EngineConfig, prefix: str) -> None:
         super().__init__()
         mc = config.model
         hf = mc.hf_config
         check_gemma4_config(hf)
         size, layers = int(hf.hidden_size), int(hf.num_hidden_layers)
-        self.embed_tokens = VocabParallelEmbedding(int(hf.vocab_size), size)
         self.embed_scale = float(size) ** 0.5
         layer_types = gemma_layer_types(hf)
         ropes: dict[str, RotaryEmbedding] = {}
@@ -250,21 +220,32 @@ class Gemma4Model(nn.Module):
                 ropes[layer_type] = RotaryEmbedding(head_dim, mc.max_model_len, theta, scaling)
         self.rotary_embs = nn.ModuleList(ropes.values())
         producers = kv_producers(hf, layer_types)
-        built: list[Gemma4DecoderLayer] = []
-        for i, layer_type in enumerate(layer_types):
-            owner = producers[i]
+        built: dict[int, Gemma4DecoderLayer] = {}
+
+        def build(i: int) -> Gemma4DecoderLayer:
+            owner = producers[i]  # on this stage: `check_stage_split` refused the rest
             producer = None if owner is None else built[owner].self_attn
-            plan = LayerPlan(i, layer_type, ropes[layer_type], producer)
-            built.append(Gemma4DecoderLayer(config, plan, f"{prefix}.layers.{i}"))
-        self.layers = nn.ModuleList(built)
+            plan = LayerPlan(i, layer_types[i], ropes[layer_types[i]], producer)
+            built[i] = Gemma4DecoderLayer(config, plan, f"{prefix}.layers.{i}")
+            return built[i]
+
+        stage = self.build_stage(layers, build)
         self.kv_shared = [p is not None for p in producers]
-        self.norm = Gemma4RMSNorm(size, float(hf.rms_norm_eps))
+        eps = float(hf.rms_norm_eps)
+        first = stage.is_first
+        self.embed_tokens = only_on(first, lambda: VocabParallelEmbedding(int(hf.vocab_size), size))
+        self.norm = only_on(stage.is_last, lambda: Gemma4RMSNorm(size, eps))
         self.ple_size = int(getattr(hf, "hidden_size_per_layer_input", 0) or 0)
-        if self.ple_size:
+        if self.ple_size:  # the per-layer inputs are computed on the first stage only
             ple_vocab = int(getattr(hf, "vocab_size_per_layer_input", hf.vocab_size))
-            self.embed_tokens_per_layer = VocabParallelEmbedding(ple_vocab, layers * self.ple_size)
-            self.per_layer_model_projection = ReplicatedLinear(size, layers * self.ple_size)
-            self.per_layer_projection_norm = Gemma4RMSNorm(self.ple_size, float(hf.rms_norm_eps))
+            width = layers * self.ple_size
+            self.embed_tokens_per_layer = only_on(
+                first, lambda: VocabParallelEmbedding(ple_vocab, width)
+            )
+            self.per_layer_model_projection = only_on(first, lambda: ReplicatedLinear(size, width))
+            self.per_layer_projection_norm = only_on(
+                first, lambda: Gemma4RMSNorm(self.ple_size, eps)
+            )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return _scaled(self.embed_tokens(input_ids), self.embed_scale)
@@ -283,13 +264,23 @@ class Gemma4Model(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        hidden_states = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        ple = self.per_layer_inputs(input_ids, hidden_states) if self.ple_size else None
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """On a later pipeline stage `intermediate_tensors` carries the hidden states and the
+        per-layer inputs of this stage's layers onwards (`ple[:, 0]` is `start_layer`'s)."""
+        if intermediate_tensors is not None:
+            hidden_states = intermediate_tensors.hidden_states
+            ple = intermediate_tensors.per_layer_inputs
+        else:
+            hidden_states = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+            ple = self.per_layer_inputs(input_ids, hidden_states) if self.ple_size else None
         shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for i, layer in enumerate(self.layers):
-            per_layer = ple[:, i] if ple is not None else None
-            hidden_states = layer(positions, hidden_states, per_layer, shared_kv)
+        for i in range(self.start_layer, self.end_layer):
+            per_layer = ple[:, i - self.start_layer] if ple is not None else None
+            hidden_states = self.layers[i](positions, hidden_states, per_layer, shared_kv)
+        if not self.is_last_stage:
+            rest = ple[:, self.end_layer - self.start_layer :] if ple is not None else None
+            return IntermediateTensors(hidden_states, per_layer_inputs=rest)
         return self.norm(hidden_states)
 
 
@@ -301,6 +292,12 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
     def build_model(self, config: EngineConfig, prefix: str) -> nn.Module:
         return Gemma4Model(config, prefix)
 
+    @classmethod
+    def check_pipeline_split(cls, hf_config: Any, parts: list[int]) -> None:
+        """Called by the engine before starting the stages (`pp_launch`)."""
+        check_gemma4_config(hf_config)
+        check_stage_split(hf_config, parts)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """HF-named tensors in. q/k/v and gate/up go to their fused parameters, except the
         query of a KV-sharing layer (its own `q_proj`); with `attention_k_eq_v` a global
@@ -309,9 +306,7 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
         loaded: set[str] = set()
 
         def routed() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                if self.tie_word_embeddings and name == "lm_head.weight":
-                    continue
+            for name, tensor in self.stage_weights(weights):
                 layer = _layer_index(name)
                 expert = name.rpartition(".experts.")[2] if ".experts." in name else None
                 if layer is not None and expert in EXPERT_TENSORS:  # stacked: all experts
@@ -348,6 +343,7 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
     embedders' are skipped, and requests with images or audio are refused as for any
     text-only model."""
 
+    supports_pp = False  # the hub's multimodal layout: not run as pipeline stages yet
     _SKIPPED = (
         "model.vision_tower.",
         "model.audio_tower.",

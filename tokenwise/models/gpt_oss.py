@@ -13,7 +13,8 @@ What sets it apart from the Llama-family MoEs, and where each piece lives:
   biases and the clamped SwiGLU (`fused_moe/biased.py`), dense or MXFP4 as published
   (`layers/quantization/mxfp4.py`: kept 4-bit, run by a CPU kernel).
 
-Not built yet, refused by name: pipeline parallelism.
+Pipeline parallelism: the stack is Llama's (`ResidualStack`); a stage builds and loads only its
+layers' experts and hands the next the hidden states and the residual.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from tokenwise.attention.layer import Attention
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.tp_state import get_tp_rank
 from tokenwise.layers import (
-    ParallelLMHead,
     QKVParallelLinear,
     ReplicatedLinear,
     RMSNorm,
@@ -38,9 +38,20 @@ from tokenwise.layers import (
     get_rope_config,
 )
 from tokenwise.layers.fused_moe.biased import BiasedFusedMoE
+from tokenwise.layers.pipeline import (
+    PipelineForCausalLM,
+    only_on,
+    stage_lm_head,
+    stage_weights,
+)
 from tokenwise.layers.quantization.mxfp4 import mxfp4_method_for
 from tokenwise.layers.weight_utils import CheckpointTensor, copy_checked, load_stacked_weights
-from tokenwise.models.llama import LlamaDecoderLayer, LlamaForCausalLM, layer_sliding_window
+from tokenwise.models.llama import (
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    ResidualStack,
+    layer_sliding_window,
+)
 
 _EXPERTS = ".mlp.experts."
 
@@ -132,50 +143,39 @@ class GptOssDecoderLayer(LlamaDecoderLayer):
         self.post_attention_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
 
 
-class GptOssModel(nn.Module):
+class GptOssModel(ResidualStack):
     def __init__(self, config: EngineConfig, prefix: str = "model") -> None:
         super().__init__()
         mc = config.model
         hf = mc.hf_config
-        self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size)
         theta, scaling = get_rope_config(hf)
         self.rotary_emb = RotaryEmbedding(mc.head_dim, mc.max_model_len, theta, scaling)
-        self.layers = nn.ModuleList(
-            GptOssDecoderLayer(config, self.rotary_emb, i, f"{prefix}.layers.{i}")
-            for i in range(hf.num_hidden_layers)
+        stage = self.build_stage(
+            hf.num_hidden_layers,
+            lambda i: GptOssDecoderLayer(config, self.rotary_emb, i, f"{prefix}.layers.{i}"),
         )
-        self.norm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+        self.embed_tokens = only_on(
+            stage.is_first, lambda: VocabParallelEmbedding(hf.vocab_size, hf.hidden_size)
+        )
+        self.norm = only_on(stage.is_last, lambda: RMSNorm(hf.hidden_size, hf.rms_norm_eps))
 
 
-class GptOssForCausalLM(nn.Module):
+class GptOssForCausalLM(PipelineForCausalLM):
     is_moe: ClassVar[bool] = True
+    supports_pp: ClassVar[bool] = True  # `GptOssModel` builds one stage's layers
     stacked_params_mapping = LlamaForCausalLM.stacked_params_mapping[:3]  # q/k/v only
 
     def __init__(self, config: EngineConfig, prefix: str = "") -> None:
         super().__init__()
         hf = config.model.hf_config
-        if config.parallel.pipeline_parallel_size > 1:
-            raise NotImplementedError(
-                "gpt-oss (GptOssForCausalLM) does not support pipeline_parallel_size > 1 yet; "
-                "use tensor_parallel_size instead"
-            )
         self.model = GptOssModel(config, f"{prefix}.model" if prefix else "model")
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
-        tie_to = self.model.embed_tokens if self.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(hf.vocab_size, hf.hidden_size, tie_to=tie_to)
+        self.lm_head, self._head_from_embedding = stage_lm_head(
+            self.model, hf, self.tie_word_embeddings
+        )
 
     def num_experts(self) -> int:
-        return int(self.model.layers[0].mlp.experts.num_experts)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+        return int(self.model.layers[self.model.start_layer].mlp.experts.num_experts)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states)
@@ -187,9 +187,9 @@ class GptOssForCausalLM(nn.Module):
         filled: set[str] = set()
 
         def dense() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                if self.tie_word_embeddings and name == "lm_head.weight":
-                    continue
+            tied = self.tie_word_embeddings
+            kept = ((n, t) for n, t in weights if not (tied and n == "lm_head.weight"))
+            for name, tensor in stage_weights(self, kept, self._head_from_embedding):
                 if _EXPERTS in name:
                     owner, _, rel = name.rpartition(".")
                     if owner in experts:

@@ -11,7 +11,6 @@ per-head q/k norms); a subclass only overrides `decoder_variant`, and an MoE mod
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -22,10 +21,8 @@ from torch import nn
 from tokenwise.attention.layer import Attention
 from tokenwise.attention.utils import AttentionType
 from tokenwise.config import EngineConfig
-from tokenwise.distributed.pp_state import is_first_pp_stage, is_last_pp_stage, pp_layer_range
 from tokenwise.layers import (
     MergedColumnParallelLinear,
-    ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
     RotaryEmbedding,
@@ -34,10 +31,15 @@ from tokenwise.layers import (
     get_act_and_mul,
     get_rope_config,
 )
-from tokenwise.layers.pipeline import IntermediateTensors, StageAbsent
+from tokenwise.layers.pipeline import (
+    IntermediateTensors,
+    PipelineForCausalLM,
+    PipelineStack,
+    held_by_stage,
+    only_on,
+    stage_lm_head,
+)
 from tokenwise.layers.weight_utils import load_stacked_weights
-
-_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -195,7 +197,43 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
-class LlamaModel(nn.Module):
+class ResidualStack(PipelineStack):
+    """The forward pass of a stack of Llama-style layers, which return their output before the
+    residual add (`LlamaDecoderLayer.forward`): Llama's, DeepSeek's, gpt-oss's. The subclass
+    builds `embed_tokens`, the stage's layers (`build_stage`) and a fusing `norm`; between
+    stages the hidden states travel with the running residual."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """`inputs_embeds` (a multimodal model's text embeddings with its image embeddings
+        merged in) replaces the lookup of `input_ids`; `intermediate_tensors` (the previous
+        pipeline stage's output) replaces both on a later stage."""
+        if intermediate_tensors is not None:
+            hidden_states, residual = (
+                intermediate_tensors.hidden_states,
+                intermediate_tensors.residual,
+            )
+        else:
+            if inputs_embeds is None:
+                hidden_states = self.embed_tokens(input_ids)
+            else:
+                hidden_states = inputs_embeds
+            residual = None
+        for i in range(self.start_layer, self.end_layer):
+            hidden_states, residual = self.layers[i](positions, hidden_states, residual)
+        if not self.is_last_stage:
+            assert residual is not None
+            return IntermediateTensors(hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaModel(ResidualStack):
     """The decoder stack; under pipeline parallelism only this stage's part of it.
 
     A stage holds the decoder layers `[start_layer, end_layer)` (`pp_state.pp_layer_range`),
@@ -215,57 +253,23 @@ class LlamaModel(nn.Module):
         super().__init__()
         mc = config.model
         hf = mc.hf_config
-        self.is_first_stage, self.is_last_stage = is_first_pp_stage(), is_last_pp_stage()
-        self.start_layer, self.end_layer = pp_layer_range(hf.num_hidden_layers)
-        self.embed_tokens: nn.Module = (
-            VocabParallelEmbedding(hf.vocab_size, hf.hidden_size)
-            if self.is_first_stage
-            else StageAbsent()
-        )
         rope_theta, rope_scaling = get_rope_config(hf)
         # Positions never reach max_model_len, so the table need not cover the full
         # max_position_embeddings (128k rows for Llama 3.1).
         self.rotary_emb = RotaryEmbedding(mc.head_dim, mc.max_model_len, rope_theta, rope_scaling)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(
+        stage = self.build_stage(
+            hf.num_hidden_layers,
+            lambda i: LlamaDecoderLayer(
                 config, variant, self.rotary_emb, i, _join(prefix, f"layers.{i}"), make_mlp
-            )
-            if self.start_layer <= i < self.end_layer
-            else StageAbsent()
-            for i in range(hf.num_hidden_layers)
+            ),
         )
-        self.norm: nn.Module = (
-            RMSNorm(hf.hidden_size, hf.rms_norm_eps) if self.is_last_stage else StageAbsent()
+        self.embed_tokens = only_on(
+            stage.is_first, lambda: VocabParallelEmbedding(hf.vocab_size, hf.hidden_size)
         )
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        inputs_embeds: torch.Tensor | None = None,
-        intermediate_tensors: IntermediateTensors | None = None,
-    ) -> torch.Tensor | IntermediateTensors:
-        """`inputs_embeds` (a multimodal model's text embeddings with its image embeddings
-        merged in) replaces the lookup of `input_ids`; `intermediate_tensors` (the previous
-        pipeline stage's output) replaces both on a later stage."""
-        if intermediate_tensors is not None:
-            hidden_states, residual = intermediate_tensors
-        else:
-            if inputs_embeds is None:
-                hidden_states = self.embed_tokens(input_ids)
-            else:
-                hidden_states = inputs_embeds
-            residual = None
-        for i in range(self.start_layer, self.end_layer):
-            hidden_states, residual = self.layers[i](positions, hidden_states, residual)
-        if not self.is_last_stage:
-            assert residual is not None
-            return IntermediateTensors(hidden_states, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+        self.norm = only_on(stage.is_last, lambda: RMSNorm(hf.hidden_size, hf.rms_norm_eps))
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(PipelineForCausalLM):
     # Runs as pipeline stages (`LlamaModel` builds one stage's layers); a subclass that adds
     # inputs later stages would need (3-D positions, pooled outputs) says False.
     supports_pp: ClassVar[bool] = True
@@ -284,13 +288,8 @@ class LlamaForCausalLM(nn.Module):
         variant = self.decoder_variant(hf)
         self.model = LlamaModel(config, variant, _join(prefix, "model"), self.make_mlp)
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
-        first, last = self.model.is_first_stage, self.model.is_last_stage
-        # A tied LM head on a last stage without the embedding owns its copy, loaded from the
-        # embedding's checkpoint tensor.
-        self._head_from_embedding = self.tie_word_embeddings and last and not first
-        tie_to = self.model.embed_tokens if self.tie_word_embeddings and first else None
-        self.lm_head: nn.Module = (
-            ParallelLMHead(hf.vocab_size, hf.hidden_size, tie_to=tie_to) if last else StageAbsent()
+        self.lm_head, self._head_from_embedding = stage_lm_head(
+            self.model, hf, self.tie_word_embeddings
         )
 
     @classmethod
@@ -302,14 +301,6 @@ class LlamaForCausalLM(nn.Module):
     def make_mlp(self, config: EngineConfig, layer_idx: int, prefix: str) -> nn.Module | None:
         """The feed-forward block of layer `layer_idx`; None means the dense LlamaMLP."""
         return None
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None,
-    ) -> torch.Tensor | IntermediateTensors:
-        return self.model(input_ids, positions, intermediate_tensors=intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """float32 logits for the rows the runner chose to sample (not every token)."""
@@ -323,16 +314,11 @@ class LlamaForCausalLM(nn.Module):
         return not self._on_this_stage(name)
 
     def _on_this_stage(self, name: str) -> bool:
-        """Whether the tensor belongs to a module this pipeline stage holds."""
-        model = self.model
-        match = _LAYER_INDEX.search(name)
-        if match is not None:
-            return model.start_layer <= int(match.group(1)) < model.end_layer
-        if "embed_tokens." in name:
-            return model.is_first_stage or self._head_from_embedding
-        if name.startswith("lm_head.") or name.endswith("norm.weight"):  # the final norm
-            return model.is_last_stage
-        return True
+        """Whether the tensor belongs to a module this pipeline stage holds (or, for a tied
+        head without the embedding, is the embedding's tensor the head loads)."""
+        if self._head_from_embedding and "embed_tokens." in name:
+            return True
+        return held_by_stage(self, name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors in (this pipeline stage's only); returns the names of the

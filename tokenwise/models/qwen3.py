@@ -34,6 +34,7 @@ class Qwen3ForSequenceClassification(Qwen3ForCausalLM):
     attention and no KV cache (`DECODER_NO_CACHE`): nothing is generated after it.
     """
 
+    supports_pp = False  # the last stage would have to send pooled rows back
     is_pooling_model = True
     is_classifier = True
     default_pooler_config = PoolerConfig(pooling_type="LAST", normalize=False)

@@ -14,9 +14,10 @@ Qwen3.5 (`qwen3_5.py`) is the same decoder with the linear-attention projections
 part and, for the dense models, plain MLPs; it subclasses this file's model.
 
 The MTP head the checkpoints ship (`mtp.*`, skipped here) is the speculative method "mtp"
-(`qwen3_next_mtp.py`). Not built: pipeline parallelism (the engine refuses it for every
-non-dense model), CPU and CUDA graphs (recurrent layers run eagerly, as every recurrent model
-does for now).
+(`qwen3_next_mtp.py`). The decoder stack builds only a pipeline stage's layers (each layer adds
+its own output, so a stage hands on its hidden states alone); the engine still refuses
+pipeline parallelism for these models (`distributed/pp_launch.py` says why). Not built: CPU and
+CUDA graphs (recurrent layers run eagerly, as every recurrent model does for now).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from torch import nn
 from tokenwise.attention.layer import Attention
 from tokenwise.config import EngineConfig
 from tokenwise.layers import (
-    ParallelLMHead,
     QKVParallelLinear,
     RotaryEmbedding,
     RowParallelLinear,
@@ -39,6 +39,7 @@ from tokenwise.layers import (
 )
 from tokenwise.layers.layernorm import GemmaRMSNorm
 from tokenwise.layers.linear import divide
+from tokenwise.layers.pipeline import PipelineStack, only_on, stage_lm_head
 from tokenwise.models.gated_deltanet import GatedDeltaNet
 from tokenwise.models.llama import LlamaForCausalLM, LlamaMLP, MlpFactory
 from tokenwise.models.qwen2_moe import Qwen2MoeSparseMoeBlock
@@ -155,33 +156,30 @@ class HybridDecoderLayer(nn.Module):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
-class HybridModel(nn.Module):
-    """The decoder stack (one pipeline stage holds all of it: the engine refuses PP here)."""
+class HybridModel(PipelineStack):
+    """The decoder stack, or a pipeline stage's part of it."""
 
     def __init__(self, config: EngineConfig, prefix: str, make_mlp: MlpFactory) -> None:
         super().__init__()
         mc = config.model
         hf = mc.hf_config
-        self.is_first_stage = self.is_last_stage = True
-        self.start_layer, self.end_layer = 0, int(hf.num_hidden_layers)
-        self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size)
         self.rotary_emb = partial_rope(hf, mc.head_dim, mc.max_model_len)
-        self.layers = nn.ModuleList(
-            HybridDecoderLayer(config, self.rotary_emb, i, _join(prefix, f"layers.{i}"), make_mlp)
-            for i in range(self.end_layer)
+        stage = self.build_stage(
+            int(hf.num_hidden_layers),
+            lambda i: HybridDecoderLayer(
+                config, self.rotary_emb, i, _join(prefix, f"layers.{i}"), make_mlp
+            ),
         )
-        self.norm = GemmaRMSNorm(hf.hidden_size, hf.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            hidden_states = layer(positions, hidden_states)
-        return self.norm(hidden_states)
+        self.embed_tokens = only_on(
+            stage.is_first, lambda: VocabParallelEmbedding(hf.vocab_size, hf.hidden_size)
+        )
+        self.norm = only_on(stage.is_last, lambda: GemmaRMSNorm(hf.hidden_size, hf.rms_norm_eps))
 
 
 class Qwen3NextForCausalLM(MoeForCausalLM):
     is_moe: ClassVar[bool] = True
-    supports_pp: ClassVar[bool] = False  # its stack is built whole (no stage split yet)
+    # The stack builds per stage (`HybridModel`); every stage must hold both layer kinds.
+    supports_pp: ClassVar[bool] = True
     stacked_params_mapping = (
         *LlamaForCausalLM.stacked_params_mapping,
         ("in_proj", "in_proj_qkvz", "qkvz"),
@@ -195,19 +193,33 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
         hf = config.model.hf_config
         self.model = HybridModel(config, _join(prefix, "model"), self.make_mlp)
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
-        self._head_from_embedding = False
-        tie_to = self.model.embed_tokens if self.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(hf.vocab_size, hf.hidden_size, tie_to=tie_to)
+        self.lm_head, self._head_from_embedding = stage_lm_head(
+            self.model, hf, self.tie_word_embeddings
+        )
+
+    @classmethod
+    def check_pipeline_split(cls, hf_config: Any, parts: list[int]) -> None:
+        """Refuse a split (`parts`: layers per stage) that leaves a stage without one of the
+        two kinds of layer: the engine lays out one set of KV-cache groups (full attention,
+        then recurrent state) whose tables every stage reads by index, so every stage must
+        hold both (called by `pp_launch` before any stage starts)."""
+        start = 0
+        for stage, count in enumerate(parts):
+            kinds = set(hf_config.layer_types[start : start + count])
+            start += count
+            if kinds != {LINEAR, FULL}:
+                raise ValueError(
+                    f"pipeline_parallel_size={len(parts)} splits the layers {parts}, which "
+                    f"gives stage {stage} only {' and '.join(sorted(kinds))} layers: every "
+                    f"stage of a Gated DeltaNet hybrid must hold both {LINEAR} and {FULL} "
+                    "layers (one set of KV-cache groups serves all stages); set "
+                    "TOKENWISE_PP_LAYER_PARTITION accordingly"
+                )
 
     def make_mlp(self, config: EngineConfig, layer_idx: int, prefix: str) -> nn.Module | None:
         if not is_sparse_layer(config.model.hf_config, layer_idx):
             return None
         return Qwen2MoeSparseMoeBlock(config, prefix)
-
-    def forward(  # type: ignore[override]
-        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: Any = None
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions)
 
     def _ignored(self, name: str) -> bool:
         # The MTP head (not built) and, in a vision-language checkpoint, the vision tower.

@@ -306,9 +306,7 @@ class PipelineStages:
             virtual_engine, payload, received, busy = message
             step_message = decode_step(payload)
             step, tables = step_inputs(step_message, self.device)
-            intermediate = None
-            if received is not None:
-                intermediate = IntermediateTensors(*(t.to(self.device) for t in received))
+            intermediate = None if received is None else received.to(self.device)
             metadata = self.runner.step_metadata.build(step, tables)
             if step_message.image_spans is not None:  # as the first stage's kind set them
                 for md in {id(md): md for md in metadata.values()}.values():

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from tokenwise.attention.metadata import AttentionMetadata, CommonMetadataBuilder
+from tokenwise.distributed.pp_state import get_pp_size
 from tokenwise.distributed.step_message import GroupTables
 from tokenwise.kv_cache.layout import KVCacheLayout
 from tokenwise.kv_cache.specs import CrossAttentionSpec
@@ -33,11 +34,17 @@ def metadata_groups(
 
     In a hybrid layout a group has one window; in one where sliding layers keep every block
     (pipeline parallelism, `make_layout(..., hybrid=False)`) a group holds layers of several
-    windows, each reading the group's tables through its own window. Layers with no table of
-    their own (encoder-only, cross-attention) read group 0's plain metadata.
+    windows, which all read its untrimmed tables and mask by their own window. Layers with no
+    table of their own (encoder-only, cross-attention) read group 0's plain metadata.
     """
     keys: dict[tuple[int, int | None], int] = {}
     index_of: dict[str, int] = {}
+    # Pipeline stages read the driver's tables by index, but each stage holds other layers:
+    # there every group's object is its untrimmed tables at index = group (sliding layers mask
+    # by their own window), the same on every stage.
+    staged = get_pp_size() > 1
+    if staged:
+        keys = {(g, None): g for g in range(layout.num_attention_groups)}
     for name, layer in layers.items():
         group = layout.find_group(name)
         if (
@@ -47,7 +54,7 @@ def metadata_groups(
         ):
             group, window = 0, None
         else:
-            window = getattr(layer, "sliding_window", None)
+            window = None if staged else getattr(layer, "sliding_window", None)
         index_of[name] = keys.setdefault((group, window), len(keys))
     keys = keys or {(0, None): 0}
     builders = {i: (g, CommonMetadataBuilder(block_size, w, device)) for (g, w), i in keys.items()}
