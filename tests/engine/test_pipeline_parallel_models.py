@@ -88,8 +88,9 @@ def test_pp2_gives_hf_tokens_and_logprobs(
         ref = hf_step_logprobs(path, prompts[2], MAX_TOKENS)
         for step, entry in enumerate(outputs[2].outputs[0].logprobs):
             for tid, lp in entry.items():
-                # The Gated DeltaNet kernels differ from transformers' by ~1e-4 at PP=1 too.
-                tol = 2e-4 if family == "qwen3.5" else 1e-4
+                # The Gated DeltaNet kernels differ from transformers' by 1e-4..3e-4 at PP=1
+                # too (chunked vs recurrent delta rule; the GDN tests compare tokens).
+                tol = 5e-4 if family == "qwen3.5" else 1e-4
                 assert lp.logprob == pytest.approx(ref[step][tid].item(), abs=tol)
         assert max(in_flight) == 2
     finally:
@@ -150,10 +151,8 @@ def test_each_stage_loads_exactly_its_share(
         ),
         (
             "qwen3.5",
-            None,
-            r"pipeline_parallel_size=2 is not supported for Qwen3_5ForCausalLM yet; models that "
-            r"run as pipeline stages: DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, "
-            r"Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma4ForCausalLM, GptOssForCausalLM, ",
+            "2,6",
+            r"splits the layers \[2, 6\], which gives stage 0 only linear_attention layers",
         ),
     ],
 )
