@@ -163,9 +163,9 @@ INLINE void block512_dpbf16(const uint16_t *w, const uint16_t *x, int64_t K, flo
         case 1: TILE_CALL(RR, 1); break;                                                   \
         case 2: TILE_CALL(RR, 2); break;                                                   \
         case 3: TILE_CALL(RR, 3); break;                                                   \
-        case 4: TILE_CALL(RR, 4); break;                                                   \
-        case 5: TILE_CALL(RR, 5); break;                                                   \
-        default: TILE_CALL(RR, 6); break; /* TILE_M <= 7 */                                \
+        case 4: if (TILE_M > 4) TILE_CALL(RR, 4); break; /* (no code for an unused M) */   \
+        case 5: if (TILE_M > 5) TILE_CALL(RR, 5); break;                                   \
+        default: if (TILE_M > 6) TILE_CALL(RR, 6); break; /* TILE_M <= 7 */                \
         }                                                                                  \
     } while (0)
 
