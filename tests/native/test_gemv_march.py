@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tokenwise.layers import cpu_prepack
 from tokenwise.native import build as native_build
 from tokenwise.native import gemv as cpu_gemv
 
@@ -31,12 +32,16 @@ def _build(march: str, cache, monkeypatch: pytest.MonkeyPatch):
 
 
 @pytest.fixture(scope="module")
-def libs(tmp_path_factory):
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("kernels")
+
+
+@pytest.fixture(scope="module")
+def libs(cache):
     if "avx2" not in native_build.cpu_flags().split() or "fma" not in native_build.cpu_flags():
         pytest.skip("this CPU cannot run the haswell build")
     if not native_build.torch_uses_libgomp():
         pytest.skip("the kernel is built against torch's libgomp")
-    cache = tmp_path_factory.mktemp("kernels")
     with pytest.MonkeyPatch.context() as mp:
         haswell = _build("haswell", cache, mp)
         native = _build("native", cache, mp)
@@ -70,3 +75,36 @@ def test_haswell_build_takes_any_row_count_and_rejects_none(libs) -> None:
     torch.testing.assert_close(cpu_gemv.linear(haswell, x, weight, None), F.linear(x, weight))
     with pytest.raises(RuntimeError, match="status -1"):
         cpu_gemv.linear(haswell, torch.randn(0, 16), weight, None)
+
+
+def test_an_avx2_build_routes_up_to_its_own_row_limits(libs, cache, monkeypatch) -> None:
+    """On AVX2 the engine sends the kernel more rows than on AVX-512 (the blocked path wins
+    there up to `MAX_ROWS_BY_ISA[1]`), and the prepacked path the rest."""
+    monkeypatch.setenv("TOKENWISE_KERNEL_CACHE", str(cache))
+    monkeypatch.setenv("TOKENWISE_CPU_MARCH", "haswell")
+    calls: list[int] = []
+    original = cpu_gemv.linear
+
+    def spy(lib, x, weight, bias):
+        calls.append(x.shape[0])
+        return original(lib, x, weight, bias)
+
+    monkeypatch.setattr(cpu_gemv, "linear", spy)
+    cpu_gemv.load.cache_clear()
+    try:
+        limit = cpu_gemv.max_rows(torch.float32)
+        assert (
+            limit == cpu_gemv.MAX_ROWS_BY_ISA[1][torch.float32] > cpu_gemv.MAX_ROWS[torch.float32]
+        )
+        assert cpu_gemv.max_rows(torch.bfloat16) == cpu_gemv.MAX_ROWS_BY_ISA[1][torch.bfloat16]
+        weight = torch.randn(40, 24)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        with torch.inference_mode():
+            for rows in (limit, limit + 1):
+                x = torch.randn(rows, 24)
+                out = cpu_prepack.linear(x, weight, None, packed)
+                torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+        assert calls == [limit]
+    finally:
+        monkeypatch.undo()
+        cpu_gemv.load.cache_clear()

@@ -20,8 +20,9 @@ On AVX2 + FMA (16 vector registers) more than 2 rows of x go through a blocked p
 tiles of 3 weight rows by 4 rows of x, each block of weight rows read from memory once and
 then from the cache against every tile of x. A 2-core EPYC built for haswell (oneDNN capped
 at AVX2) read 20-28 GB/s of float32 weights at 4-8 rows there, 1.1-1.4x oneDNN's prepacked
-sgemm, even at 16 rows, behind it from 32 (its packed layout needs no horizontal sums):
-hence `MAX_ROWS_BY_ISA`, up to 16 rows on AVX2.
+sgemm, 1.1x at 12 rows, even at 16 and behind it from 32, where the work is compute-bound and
+oneDNN's packed layout needs no horizontal sums: hence `MAX_ROWS_BY_ISA`, up to 12 float32
+rows (16 bf16) on AVX2.
 
 The kernel is built at first use by `native.build` (as every native kernel is) and
 used only where it is expected to be faster: an AVX2 or AVX-512 build, torch's OpenMP runtime
@@ -56,11 +57,12 @@ KERNEL = build.Kernel(
 # AVX512_BF16 + AMX: float32 1.0-1.25x at 1 to 8 rows (the LM head at 4-8 rows 0.93-0.95x);
 # bf16 1.0-1.4x at 1 row, 0.9-1.5x at 2, 0.6-0.85x at 4 and 8, where oneDNN's bf16 kernels
 # (AMX) win on compute. AVX2 + FMA (an AVX-512 EPYC built for haswell, oneDNN capped at AVX2,
-# the Qwen3-0.6B shape): float32 1.1-1.4x at 1-8 rows through the blocked path, even at 12-16
-# and 0.85-0.95x at 32-64, where oneDNN's packed sgemm wins; bf16 1.3-2.7x up to 16 rows (oneDNN
-# has no AVX2 bf16 kernel: it multiplies a float32 copy, twice the bytes).
+# the Qwen3-0.6B shape's qkv / o / gate_up / down): float32 1.1-1.4x at 1-8 rows (the blocked
+# path from 3), 1.1x at 12, 0.94-1.0x at 16 and 0.77-0.9x at 32-64, where oneDNN's packed
+# sgemm wins; bf16 1.3-2.7x up to 16 rows (oneDNN has no AVX2 bf16 kernel: it multiplies a
+# float32 copy, twice the bytes), behind from 32.
 MAX_ROWS_BY_ISA = {
-    1: {torch.float32: 16, torch.bfloat16: 16},
+    1: {torch.float32: 12, torch.bfloat16: 16},
     2: {torch.float32: 8, torch.bfloat16: 2},
     3: {torch.float32: 8, torch.bfloat16: 2},
 }
