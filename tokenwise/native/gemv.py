@@ -21,8 +21,8 @@ tiles of 3 weight rows by 4 rows of x, each block of weight rows read from memor
 then from the cache against every tile of x. A 2-core EPYC built for haswell (oneDNN capped
 at AVX2) read 20-28 GB/s of float32 weights at 4-8 rows there, 1.1-1.4x oneDNN's prepacked
 sgemm, 1.1x at 12 rows, even at 16 and behind it from 32, where the work is compute-bound and
-oneDNN's packed layout needs no horizontal sums: hence `MAX_ROWS_BY_ISA`, up to 12 float32
-rows (16 bf16) on AVX2.
+oneDNN's packed layout needs no horizontal sums: hence `MAX_ROWS_BY_ISA`, up to 12 rows on
+AVX2.
 
 The kernel is built at first use by `native.build` (as every native kernel is) and
 used only where it is expected to be faster: an AVX2 or AVX-512 build, torch's OpenMP runtime
@@ -59,10 +59,10 @@ KERNEL = build.Kernel(
 # (AMX) win on compute. AVX2 + FMA (an AVX-512 EPYC built for haswell, oneDNN capped at AVX2,
 # the Qwen3-0.6B shape's qkv / o / gate_up / down): float32 1.1-1.4x at 1-8 rows (the blocked
 # path from 3), 1.1x at 12, 0.94-1.0x at 16 and 0.77-0.9x at 32-64, where oneDNN's packed
-# sgemm wins; bf16 1.3-2.7x up to 16 rows (oneDNN has no AVX2 bf16 kernel: it multiplies a
-# float32 copy, twice the bytes), behind from 32.
+# sgemm wins; bf16 1.2-1.7x at 1-4 rows and 1.0-1.6x at 8 (oneDNN has no AVX2 bf16 kernel:
+# it multiplies a float32 copy, twice the bytes), 0.8-1.4x at 16.
 MAX_ROWS_BY_ISA = {
-    1: {torch.float32: 12, torch.bfloat16: 16},
+    1: {torch.float32: 12, torch.bfloat16: 12},
     2: {torch.float32: 8, torch.bfloat16: 2},
     3: {torch.float32: 8, torch.bfloat16: 2},
 }
