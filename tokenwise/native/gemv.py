@@ -59,7 +59,7 @@ KERNEL = build.Kernel(
 # (AMX) win on compute. AVX2 + FMA (an AVX-512 EPYC built for haswell, oneDNN capped at AVX2,
 # the Qwen3-0.6B shape's qkv / o / gate_up / down): float32 1.1-1.4x at 1-8 rows (the blocked
 # path from 3), 1.1x at 12, 0.94-1.0x at 16 and 0.77-0.9x at 32-64, where oneDNN's packed
-# sgemm wins; bf16 1.2-1.7x at 1-4 rows and 1.0-1.6x at 8 (oneDNN has no AVX2 bf16 kernel:
+# sgemm wins; bf16 1.2-2.3x at 1-4 rows and 1.0-1.7x at 8 (oneDNN has no AVX2 bf16 kernel:
 # it multiplies a float32 copy, twice the bytes), 0.8-1.4x at 16.
 MAX_ROWS_BY_ISA = {
     1: {torch.float32: 12, torch.bfloat16: 12},
