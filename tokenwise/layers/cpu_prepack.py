@@ -19,11 +19,11 @@ packed copy is the weight widened to float32, and the layer computes `x` widened
 times it, rounded back to bf16: the products of bf16 values are exact in fp32 and the sums
 accumulate in fp32, as native bf16 kernels do, so results stay bf16 results.
 
-Decode-sized calls (`native.gemv.max_rows(dtype)` rows at most, by vector path and dtype) skip all this for
-`native.gemv`'s C kernel over the plain weight, which streams weights closer to the memory
-bandwidth; it says when it is used and how to turn it off (`TOKENWISE_CPU_GEMV=0`). `linear`
-is the dense linear method's product (`layers.quantization.unquantized`); quantized layers
-hold no packed copy.
+Decode-sized calls (`native.gemv.max_rows(dtype)` rows at most, by vector path and dtype)
+skip all this for `native.gemv`'s C kernel over the plain weight, which streams weights closer
+to the memory bandwidth; it says when it is used and how to turn it off
+(`TOKENWISE_CPU_GEMV=0`). `linear` is the dense linear method's product
+(`layers.quantization.unquantized`); quantized layers hold no packed copy.
 """
 
 from __future__ import annotations
