@@ -9,7 +9,9 @@ benchmarks/configs (qkv, o, gate_up, down, lm_head) and each row count M, this p
 median time of each path and that weight bandwidth in GB/s, next to the machine's memory read
 bandwidth measured in the same run (`torch.sum` over 24 MiB chunks of a float32 buffer of
 `--sum-gib` GiB, far larger than the caches, each chunk in turn, timed like the linear paths)
-and the CPU flags, with torch's thread count (`--threads`, default torch's).
+and the CPU flags, with torch's thread count (`--threads`, default torch's). `--rows` may go
+past 8 (e.g. 16,32,64): the kernel takes any row count, and the engine sends it up to
+`gemv.max_rows(dtype)` rows, the crossover with the prepacked path measured here.
 
 By default each call reads a different copy of the weight, cycling through copies of at least
 `--cold-gib` GiB in all, so weights come from memory as in a decode step of a model larger

@@ -18,6 +18,9 @@ from tokenwise.native import gemv as cpu_gemv
 # of 4 weight rows; N=37 stays on one thread (below the kernel's parallel minimum), the others
 # split over threads.
 SHAPES = [(37, 45), (130, 1031), (1, 7), (515, 64)]
+# Every direct-path row count, then the blocked path's: whole tiles of x (4 with AVX2, 6 with
+# AVX-512) and each remainder, up to the kernel's limit.
+ROWS = [*range(1, 10), 13, 23, cpu_gemv.KERNEL_MAX_ROWS]
 
 
 # The build for this CPU, and the narrower paths a CPU with fewer vector extensions gets:
@@ -59,7 +62,7 @@ def _bf16_ulp(values: torch.Tensor) -> torch.Tensor:
     return torch.exp2(exponent - 7)
 
 
-@pytest.mark.parametrize("rows", range(1, cpu_gemv.KERNEL_MAX_ROWS + 1))
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_float32_matches_f_linear(any_lib, rows: int, n: int, k: int) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
@@ -75,7 +78,7 @@ def test_float32_matches_f_linear(any_lib, rows: int, n: int, k: int) -> None:
         torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5 * k**0.5)
 
 
-@pytest.mark.parametrize("rows", range(1, cpu_gemv.KERNEL_MAX_ROWS + 1))
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_bfloat16_is_the_fp32_accumulated_result_rounded(
     any_lib, rows: int, n: int, k: int
@@ -116,7 +119,7 @@ def test_linear_routes_decode_sized_calls_to_the_kernel(lib, monkeypatch) -> Non
     weight = torch.randn(64, 48)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight)
     with torch.inference_mode():
-        limit = cpu_gemv.MAX_ROWS[torch.float32]
+        limit = cpu_gemv.max_rows(torch.float32)
         for rows in (1, limit, limit + 1):
             x = torch.randn(rows, 48)
             out = cpu_prepack.linear(x, weight, None, packed)

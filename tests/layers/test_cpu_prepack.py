@@ -52,7 +52,7 @@ def test_packed_linear_equals_f_linear(rows: int) -> None:
 def test_every_linear_layer_and_the_tied_head_are_packed_and_used() -> None:
     model = _model()
     # More rows than the small-M kernel takes (that one reads the plain weight).
-    x = torch.randn(max(cpu_gemv.MAX_ROWS.values()) + 5, 32)
+    x = torch.randn(max(cpu_gemv.max_rows(d) for d in cpu_gemv.DTYPES) + 5, 32)
     before = {name: layer(x) for name, layer in model.items() if name != "embed"}
     assert prepack_linear_weights(model) == 4
     # The forward must go through the packed copy: scrambling the plain weights (the tied

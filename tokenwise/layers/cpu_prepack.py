@@ -19,11 +19,11 @@ packed copy is the weight widened to float32, and the layer computes `x` widened
 times it, rounded back to bf16: the products of bf16 values are exact in fp32 and the sums
 accumulate in fp32, as native bf16 kernels do, so results stay bf16 results.
 
-Decode-sized calls (`native.gemv.MAX_ROWS` rows at most, by dtype) skip all this for
-`native.gemv`'s C kernel over the plain weight, which streams weights closer to the memory
-bandwidth; it says when it is used and how to turn it off (`TOKENWISE_CPU_GEMV=0`). `linear`
-is the dense linear method's product (`layers.quantization.unquantized`); quantized layers
-hold no packed copy.
+Decode-sized calls (`native.gemv.max_rows(dtype)` rows at most, by vector path and dtype)
+skip all this for `native.gemv`'s C kernel over the plain weight, which streams weights closer
+to the memory bandwidth; it says when it is used and how to turn it off
+(`TOKENWISE_CPU_GEMV=0`). `linear` is the dense linear method's product
+(`layers.quantization.unquantized`); quantized layers hold no packed copy.
 """
 
 from __future__ import annotations
@@ -49,18 +49,16 @@ def linear(
     bias: torch.Tensor | None,
     packed: torch.Tensor | None,
 ) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for a dense layer: decode-sized calls (`cpu_gemv.MAX_ROWS`
+    """`F.linear(x, weight, bias)` for a dense layer: decode-sized calls (`cpu_gemv.max_rows`
     rows at most) through the small-M C kernel where it is available, others through the
     prepacked weight when the layer has one (`packed`)."""
     # Under torch.compile the row count is symbolic (no guard may depend on it) and the
     # compiler lays out its own matmuls: the traced graph always takes F.linear.
     if x.device.type != "cpu" or x.dtype != weight.dtype or torch.compiler.is_compiling():
         return F.linear(x, weight, bias)
-    max_rows = cpu_gemv.MAX_ROWS.get(x.dtype, 0)
+    max_rows = cpu_gemv.max_rows(x.dtype)
     if 0 < x.numel() <= max_rows * x.shape[-1] and cpu_gemv.usable(x, weight):
-        lib = cpu_gemv.load()
-        if lib is not None:
-            return cpu_gemv.linear(lib, x, weight, bias)
+        return cpu_gemv.linear(cpu_gemv.load(), x, weight, bias)
     if packed is None:
         return F.linear(x, weight, bias)
     return _packed_linear(x, packed, bias)

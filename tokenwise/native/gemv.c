@@ -1,13 +1,15 @@
 /* y = x @ W^T for a few rows of x (decode-sized linear layers), streaming W once.
  *
- * W is [N, K] row-major, float32 or bfloat16; x is [M, K] (M <= 8) of the same dtype; y is
+ * W is [N, K] row-major, float32 or bfloat16; x is [M, K] (any M >= 1) of the same dtype; y is
  * [M, N] of that dtype; bias (optional) is [N] of that dtype. Accumulation is float32; bf16
  * results are rounded to nearest even once, at the end, as native bf16 kernels do.
  *
  * At M <= 8 the work is bound by reading W: each weight row is loaded once and multiplied into
  * all M rows of x (which stay in L1), a block of R weight rows at a time (R independent load
  * streams and R*M accumulators in registers). The rows are split over OpenMP threads in
- * contiguous ranges, so each thread walks one contiguous stretch of memory.
+ * contiguous ranges, so each thread walks one contiguous stretch of memory. Above
+ * `TW_DIRECT_MAX_M` rows (2 with AVX2's 16 registers, 8 with AVX-512) a blocked path tiles the
+ * rows of x instead (`run_rows_tiled`), so the loads per FMA stay low as M grows.
  *
  * The vector path is chosen when this file is compiled (-march=native for the machine it runs
  * on): AVX-512 with AVX512_BF16 (bf16 weights through vdpbf16ps, x read as bf16 pairs),
@@ -112,6 +114,84 @@ INLINE void block512_dpbf16(const uint16_t *w, const uint16_t *x, int64_t K, flo
 
 #define SWITCH_M(BLOCK_CALL) TW_SWITCH_M(Mr, BLOCK_CALL, R_FOR, N, bias, y, ybf16)
 
+/* Register tiles of the blocked path (more than `TW_DIRECT_MAX_M` rows of x): TILE_R weight
+ * rows by TILE_M rows of x, TILE_R * TILE_M accumulators plus TILE_R weight vectors and one x
+ * vector in registers (16 ymm with AVX2, 32 zmm with AVX-512). Per step of TW_VW values that is
+ * TILE_R + TILE_M loads for TILE_R * TILE_M FMAs, where the direct path's single weight row at
+ * 8 rows of x needs 9 loads for 8 FMAs and stalls on loads. */
+#if defined(TW_AVX512)
+#define TW_DIRECT_MAX_M MAX_M
+#ifndef TILE_R
+#define TILE_R 4
+#endif
+#ifndef TILE_M
+#define TILE_M 6
+#endif
+#else
+#define TW_DIRECT_MAX_M 2
+#ifndef TILE_R
+#define TILE_R 3
+#endif
+#ifndef TILE_M
+#define TILE_M 4
+#endif
+#endif
+
+/* One tile: weight rows n..n+R-1 by x rows m0..m0+M-1, for compile-time R and M. */
+#define TILE_CALL(RR, MM)                                                                  \
+    do {                                                                                   \
+        const int R = (RR), M = (MM);                                                      \
+        if (dp) block512_dpbf16_tile;                                                      \
+        else block_f32(wrow, wbf16, xf + m0 * K, K, t, R, M);                              \
+        store(t, R, M, n, N, bias, ybf16 ? (void *)((uint16_t *)y + m0 * N)                \
+                                            : (void *)((float *)y + m0 * N), ybf16);       \
+    } while (0)
+
+#if defined(TW_AVX512_BF16)
+#define block512_dpbf16_tile block512_dpbf16((const uint16_t *)w + n * K, xh + m0 * K, K, t, R, M)
+#else
+#define block512_dpbf16_tile (void)0
+#endif
+
+/* The x-rows of one weight block of height RR: tiles of TILE_M rows, then the rest. */
+#define TILE_ROWS_OF_X(RR)                                                                 \
+    do {                                                                                   \
+        int64_t m0 = 0;                                                                    \
+        for (; m0 + TILE_M <= Mr; m0 += TILE_M) TILE_CALL(RR, TILE_M);                     \
+        switch (Mr - m0) {                                                                 \
+        case 0: break;                                                                     \
+        case 1: TILE_CALL(RR, 1); break;                                                   \
+        case 2: TILE_CALL(RR, 2); break;                                                   \
+        case 3: TILE_CALL(RR, 3); break;                                                   \
+        case 4: if (TILE_M > 4) TILE_CALL(RR, 4); break; /* (no code for an unused M) */   \
+        case 5: if (TILE_M > 5) TILE_CALL(RR, 5); break;                                   \
+        default: if (TILE_M > 6) TILE_CALL(RR, 6); break; /* TILE_M <= 7 */                \
+        }                                                                                  \
+    } while (0)
+
+/* The blocked path for many rows of x: each block of TILE_R weight rows is read from memory
+ * once and then, from the cache, against every tile of x (all M rows of x stay in L2: at 64
+ * rows of 3072 float32 values, 768 KiB), so weights still stream once per call while the
+ * work per weight row grows with M. */
+static void run_rows_tiled(const void *w, int wbf16, const float *xf, const uint16_t *xh,
+                           int64_t K, int64_t n0, int64_t n1, int64_t Mr, const void *bias,
+                           void *y, int64_t N, int ybf16) {
+    float t[4 * MAX_M];
+    const int dp = wbf16 && xh != NULL;
+    int64_t n = n0;
+    for (; n + TILE_R <= n1; n += TILE_R) {
+        const void *wrow = wbf16 ? (const void *)((const uint16_t *)w + n * K)
+                                 : (const void *)((const float *)w + n * K);
+        TILE_ROWS_OF_X(TILE_R);
+    }
+    for (; n < n1; n++) {
+        const void *wrow = wbf16 ? (const void *)((const uint16_t *)w + n * K)
+                                 : (const void *)((const float *)w + n * K);
+        TILE_ROWS_OF_X(1);
+    }
+    (void)xh;
+}
+
 /* One thread's share: weight rows [n0, n1). `xf` is x as float32; `xh` x as bf16 (or NULL). */
 static void run_rows(const void *w, int wbf16, const float *xf, const uint16_t *xh, int64_t K,
                      int64_t n0, int64_t n1, int Mr, const void *bias, void *y, int64_t N,
@@ -135,7 +215,7 @@ static void run_rows(const void *w, int wbf16, const float *xf, const uint16_t *
  * Returns 0, or -1 for bad sizes, -2 when the float32 copy of a bf16 x cannot be allocated. */
 int tw_gemv(const void *x, const void *w, const void *bias, void *y, int64_t M, int64_t N,
             int64_t K, int bf16, int num_threads) {
-    if (M < 1 || M > MAX_M || N < 1 || K < 1) return -1;
+    if (M < 1 || N < 1 || K < 1) return -1;
     const uint16_t *xh = NULL;
 #if defined(TW_AVX512_BF16)
     if (bf16) xh = (const uint16_t *)x;
@@ -143,7 +223,10 @@ int tw_gemv(const void *x, const void *w, const void *bias, void *y, int64_t M, 
     float *widened; /* bf16 x widened, unless the bf16 dot products read it as it is */
     const float *xf = x_as_f32(x, M * K, bf16 && !xh, &widened);
     if (!xf) return -2;
-    TW_PARALLEL_ROWS(N, 16, run_rows(w, bf16, xf, xh, K, n0, n1, (int)M, bias, y, N, bf16));
+    if (M > TW_DIRECT_MAX_M)
+        TW_PARALLEL_ROWS(N, 16, run_rows_tiled(w, bf16, xf, xh, K, n0, n1, M, bias, y, N, bf16));
+    else
+        TW_PARALLEL_ROWS(N, 16, run_rows(w, bf16, xf, xh, K, n0, n1, (int)M, bias, y, N, bf16));
     free(widened);
     return 0;
 }

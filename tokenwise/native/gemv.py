@@ -1,5 +1,5 @@
-"""Decode-sized CPU linear layers (at most `MAX_ROWS[dtype]` rows) through a C kernel that streams
-each weight row once, at close to the memory bandwidth.
+"""Decode-sized CPU linear layers (at most `max_rows(dtype)` rows) through a C kernel that
+streams each weight row once, at close to the memory bandwidth.
 
 Batch-1 decode is bound by weight bytes: every step reads every weight once for one row of
 activations. oneDNN's prepacked linear (`cpu_prepack`) and `F.linear` reach about half the
@@ -15,6 +15,14 @@ GB/s): at M=1 on the Qwen3-0.6B shape's layers the kernel read 30-31 GB/s in flo
 of that bandwidth; prepacked 27-29, F.linear 30-31) and 27-28 GB/s in bf16 (86-92%; prepacked
 26-27, F.linear 19-23). At 4-8 bf16 rows oneDNN's AMX kernels win (the kernel drops to 16-21
 GB/s, compute-bound), hence the per-dtype `MAX_ROWS`.
+
+On AVX2 + FMA (16 vector registers) more than 2 rows of x go through a blocked path: register
+tiles of 3 weight rows by 4 rows of x, each block of weight rows read from memory once and
+then from the cache against every tile of x. A 2-core EPYC built for haswell (oneDNN capped
+at AVX2) read 20-28 GB/s of float32 weights at 4-8 rows there, 1.1-1.4x oneDNN's prepacked
+sgemm, 1.1x at 12 rows, even at 16 and behind it from 32, where the work is compute-bound and
+oneDNN's packed layout needs no horizontal sums: hence `MAX_ROWS_BY_ISA`, up to 12 rows on
+AVX2.
 
 The kernel is built at first use by `native.build` (as every native kernel is) and
 used only where it is expected to be faster: an AVX2 or AVX-512 build, torch's OpenMP runtime
@@ -44,13 +52,24 @@ KERNEL = build.Kernel(
     fallback="linear layers keep oneDNN/F.linear",
     needs_libgomp=True,
 )
-# The kernel takes up to 8 rows; the engine sends it calls of up to this many rows per dtype,
-# where it was as fast as or faster than the prepacked path in benchmarks/linear_bandwidth.py
-# (2 threads, AVX-512 + AVX512_BF16 + AMX): float32 1.0-1.25x at 1 to 8 rows (the LM head at
-# 4-8 rows 0.93-0.95x); bf16 1.0-1.4x at 1 row, 0.9-1.5x at 2, 0.6-0.85x at 4 and 8, where
-# oneDNN's bf16 kernels (AMX) win on compute.
-KERNEL_MAX_ROWS = 8
-MAX_ROWS = {torch.float32: 8, torch.bfloat16: 2}
+# The most rows the engine sends the kernel, per vector path and dtype: where it was as fast as
+# or faster than the prepacked path in benchmarks/linear_bandwidth.py (2 threads). AVX-512 +
+# AVX512_BF16 + AMX: float32 1.0-1.25x at 1 to 8 rows (the LM head at 4-8 rows 0.93-0.95x);
+# bf16 1.0-1.4x at 1 row, 0.9-1.5x at 2, 0.6-0.85x at 4 and 8, where oneDNN's bf16 kernels
+# (AMX) win on compute. AVX2 + FMA (an AVX-512 EPYC built for haswell, oneDNN capped at AVX2,
+# the Qwen3-0.6B shape's qkv / o / gate_up / down): float32 1.1-1.4x at 1-8 rows (the blocked
+# path from 3), 1.1x at 12, 0.94-1.0x at 16 and 0.77-0.9x at 32-64, where oneDNN's packed
+# sgemm wins; bf16 1.2-2.3x at 1-4 rows and 1.0-1.7x at 8 (oneDNN has no AVX2 bf16 kernel:
+# it multiplies a float32 copy, twice the bytes), 0.8-1.4x at 16.
+MAX_ROWS_BY_ISA = {
+    1: {torch.float32: 12, torch.bfloat16: 12},
+    2: {torch.float32: 8, torch.bfloat16: 2},
+    3: {torch.float32: 8, torch.bfloat16: 2},
+}
+# The AVX-512 limits, which the tests and the CPU linear path's docs quote.
+MAX_ROWS = MAX_ROWS_BY_ISA[3]
+# Rows the kernel itself accepts (beyond its routed limits: benchmarks and tests call it there).
+KERNEL_MAX_ROWS = 64
 DTYPES = tuple(MAX_ROWS)
 ISA_NAMES = {0: "plain C", 1: "AVX2", 2: "AVX-512", 3: "AVX-512 + AVX512_BF16"}
 
@@ -82,6 +101,7 @@ def load() -> ctypes.CDLL | None:
         logger.info("small-M CPU linear kernel not used: no AVX2 or AVX-512 on this CPU")
         return None
     logger.info("small-M CPU linear kernel built for %s", ISA_NAMES.get(isa, isa))
+    lib.max_rows = MAX_ROWS_BY_ISA.get(isa, MAX_ROWS)  # read on every linear call: no ctypes call
     return lib
 
 
@@ -94,6 +114,13 @@ def open_library(path: Path) -> ctypes.CDLL:
     fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int, ctypes.c_int]
     lib.tw_gemv_packed.restype, lib.tw_gemv_packed.argtypes = ctypes.c_int, [_PTR]
     return lib
+
+
+def max_rows(dtype: torch.dtype) -> int:
+    """The most rows of `dtype` that `cpu_prepack.linear` sends the kernel on this CPU: 0 where
+    the kernel is not loaded."""
+    lib = load()
+    return 0 if lib is None else lib.max_rows.get(dtype, 0)
 
 
 def isa_name(lib: ctypes.CDLL) -> str:
