@@ -453,7 +453,9 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.model does not apply to method 'suffix'")
         for name in ("prompt_lookup_min", "prompt_lookup_max"):
             if getattr(self, name) is not None:
-                raise ValueError(f"speculative_config.{name} applies to method 'ngram', not 'suffix'")
+                raise ValueError(
+                    f"speculative_config.{name} applies to method 'ngram', not 'suffix'"
+                )
         if self.num_speculative_tokens is None:
             self.num_speculative_tokens = self.suffix_decoding_max_tree_depth
 

@@ -117,8 +117,9 @@ def test_the_cache_matcher_tracks_the_longest_suffixes_present() -> None:
     matcher = Matcher(tree)
     matcher.extend([9, 9, 2, 3, 4])
     nodes = matcher.suffix_nodes()
-    assert [n is node_of(tree, p) for n, p in zip(nodes, ([4], [3, 4], [2, 3, 4]))] == [True] * 3
     assert len(nodes) == 3  # "9 2 3 4" never occurred
+    patterns = ([4], [3, 4], [2, 3, 4])
+    assert [n is node_of(tree, p) for n, p in zip(nodes, patterns, strict=True)] == [True] * 3
 
 
 @pytest.mark.parametrize(

@@ -43,6 +43,7 @@ from tokenwise.spec_decode.draft_model import DraftModelProposer, DraftRequest
 from tokenwise.spec_decode.ngram import NgramProposer
 from tokenwise.spec_decode.suffix import SuffixProposer
 
+
 class Drafter:
     def __init__(
         self,

@@ -68,7 +68,11 @@ class DraftBudget:
         budget = self._budgets.get(request_id)
         if budget is None:
             budget = self._budgets[request_id] = _Budget(self.k)
-        budget.acceptance += ACCEPTANCE_EMA * (accepted / proposed - budget.acceptance)
+        rate = accepted / proposed
+        if budget.steps == 0:
+            budget.acceptance = rate  # a fresh start carries no earlier evidence
+        else:
+            budget.acceptance += ACCEPTANCE_EMA * (rate - budget.acceptance)
         budget.steps += 1
         if accepted >= proposed:
             budget.limit = min(self.k, max(budget.limit, proposed) + GROW)
@@ -79,7 +83,7 @@ class DraftBudget:
         if budget.acceptance < MIN_ACCEPTANCE:
             budget.skip = budget.backoff
             budget.backoff = min(2 * budget.backoff, MAX_BACKOFF_STEPS)
-            budget.acceptance, budget.steps = 1.0, 0  # judged afresh when it drafts again
+            budget.steps = 0  # judged afresh when it drafts again
             budget.limit = max(1, budget.limit)
         else:
             budget.backoff = BACKOFF_STEPS
