@@ -3,13 +3,16 @@
     python benchmarks/spec_workloads.py [--prompts 4] [--rounds 2] [--tokens 128]
         [--modes off,ngram-4,suffix-8,suffix] [--cost-model qwen3-0.6b] [--cost-tokens 24]
 
-Three workloads over functions of this repository (`tokenwise/**/*.py`, 10-30 lines, one per
-file, in a fixed order), one stream, greedy, EOS ignored:
+Workloads over functions of this repository (`tokenwise/**/*.py`, 10-30 lines, one per file,
+in a fixed order), one stream, greedy unless said, EOS ignored:
 
 - edit: the function, then "# The same function, with `OLD` renamed to `NEW`:" and its `def`
   line with the rename made: the answer repeats most of the prompt (a rewrite request);
 - summary: the function, then a docstring that starts to describe it;
-- free: the function's first three lines only: the rest is new text.
+- free: the function's first three lines only: the rest is new text;
+- free-sampled: the same at temperature 1 (seed 0): the built-in model's greedy text soon
+  repeats itself, its sampled text far less, so this is where drafts fail and the per-request
+  draft budget has to turn speculation off.
 
 The text comes from the built-in model (`tokenwise/default_model.py`: 4M parameters, trained on
 Python): the one model here that writes code rather than noise; a random-weight model repeats
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import ast
 import copy
+import gc
 import os
 import re
 import statistics
@@ -111,10 +115,12 @@ class StepLog:
         drafter.record = logged  # type: ignore[method-assign]
 
 
-def timed(llm: LLM, prompts: list[str], tokens: int) -> tuple[float, dict[str, float]]:
+def timed(
+    llm: LLM, prompts: list[str], tokens: int, temperature: float = 0.0
+) -> tuple[float, dict[str, float]]:
     """Out tok/s by the wall clock, and the run's speculation figures (with out tokens per
     CPU second as "cpu_tps": at one thread, what other processes on the machine disturb least)."""
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, seed=0, max_tokens=tokens, ignore_eos=True)
     before = copy.deepcopy(llm.llm_engine.get_stats())
     start, cpu_start = time.perf_counter(), time.process_time()
     generated = 0
@@ -151,6 +157,8 @@ def step_costs(
         skip_tokenizer_init=True,
         speculative_config={"method": "suffix", "num_speculative_tokens": max(ds)},
         max_num_seqs=1,
+        max_model_len=1024,  # not the shape's 40960: buffers sized for it are not needed here
+        kv_cache_memory="256MiB",
     )
     drafter = llm.llm_engine.drafter
     assert drafter is not None
@@ -173,6 +181,7 @@ def step_costs(
             steps = llm.llm_engine.get_stats().num_steps_total - steps_before - 1
             if r:
                 costs[d] = min(costs.get(d, float("inf")), elapsed / steps)
+    llm.llm_engine.shutdown()
     return costs
 
 
@@ -219,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--tokens", type=int, default=128, help="new tokens per prompt")
     p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--workloads", default="edit,summary,free")
+    p.add_argument("--workloads", default="edit,summary,free,free-sampled")
     p.add_argument("--cost-model", default=None, help="a shape in benchmarks/configs")
     p.add_argument("--cost-tokens", type=int, default=24, help="steps timed per cost round")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
@@ -231,18 +240,32 @@ def main(argv: list[str] | None = None) -> int:
         f"CPU flags: {cpu_flag_summary()}; model: built-in; one stream, greedy; "
         f"{torch.get_num_threads()} thread(s)"
     )
+    if args.cost_model:  # first, while the machine's memory holds no other engine
+        ds = [0, 1, 2, 4, 8, 16, 24]
+        clock = time.process_time if args.threads == 1 else time.perf_counter
+        costs = step_costs(args.cost_model, ds, args.cost_tokens, args.rounds, clock)
+        what = "CPU" if args.threads == 1 else "wall"
+        print(
+            f"\n## {args.cost_model} (random weights, fp32): ms ({what} time) per step verifying "
+            "d drafts"
+        )
+        print("| d | " + " | ".join(str(d) for d in ds) + " |")
+        print("|---|" + "---|" * len(ds))
+        print("| ms | " + " | ".join(f"{costs[d] * 1e3:.1f}" for d in ds) + " |", flush=True)
+        gc.collect()
     engines = {m: LLM(None, speculative_config=MODES[m], max_num_seqs=1) for m in modes}
     logs = {m: StepLog(llm) for m, llm in engines.items()}
     results: dict[str, dict[str, Any]] = {}
     for kind in args.workloads.split(","):
-        prompts = workload_prompts(kind, args.prompts)
+        prompts = workload_prompts(kind.removesuffix("-sampled"), args.prompts)
+        temperature = 1.0 if kind.endswith("-sampled") else 0.0
         for llm in engines.values():
             timed(llm, prompts[:1], 16)  # warm-up
         runs: dict[str, list[tuple[float, dict[str, float]]]] = {m: [] for m in modes}
         for r in range(args.rounds):
             for m, llm in engines.items():
                 logs[m].drafts = []
-                runs[m].append(timed(llm, prompts, args.tokens))
+                runs[m].append(timed(llm, prompts, args.tokens, temperature))
                 if r == args.rounds - 1:
                     runs[m][-1][1]["drafts"] = list(logs[m].drafts)  # type: ignore[assignment]
         results[kind] = runs
@@ -266,17 +289,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"{spec['mean_len']:.2f} |"
             )
     if args.cost_model:
-        ds = [0, 1, 2, 4, 8, 16, 24]
-        clock = time.process_time if args.threads == 1 else time.perf_counter
-        costs = step_costs(args.cost_model, ds, args.cost_tokens, args.rounds, clock)
-        what = "CPU" if args.threads == 1 else "wall"
-        print(
-            f"\n## {args.cost_model} (random weights, fp32): ms ({what} time) per step verifying "
-            "d drafts"
-        )
-        print("| d | " + " | ".join(str(d) for d in ds) + " |")
-        print("|---|" + "---|" * len(ds))
-        print("| ms | " + " | ".join(f"{costs[d] * 1e3:.1f}" for d in ds) + " |")
         print(f"\n## Projected ratio vs off at {args.cost_model} (built-in run's steps)")
         print("| mode | " + " | ".join(results) + " |")
         print("|---|" + "---|" * len(results))
