@@ -158,7 +158,7 @@ def step_costs(
         speculative_config={"method": "suffix", "num_speculative_tokens": max(ds)},
         max_num_seqs=1,
         max_model_len=1024,  # not the shape's 40960: buffers sized for it are not needed here
-        kv_cache_memory="256MiB",
+        kv_cache_memory=256 << 20,
     )
     drafter = llm.llm_engine.drafter
     assert drafter is not None

@@ -7,6 +7,7 @@ from tokenwise.spec_decode.draft_budget import (
     BACKOFF_STEPS,
     MAX_BACKOFF_STEPS,
     PROBE_STEPS,
+    START_LIMIT,
     DraftBudget,
 )
 
@@ -21,16 +22,23 @@ def paused_steps(budget: DraftBudget, rid: str) -> int:
 
 
 def test_the_limit_follows_how_many_drafts_are_accepted() -> None:
-    budget = DraftBudget(8)
-    assert budget.limit("a") == 8  # a new request may use all k
-    budget.observe("a", 8, 3)
-    assert budget.limit("a") == 7
-    budget.observe("a", 7, 1)
-    budget.observe("a", 6, 6)  # all accepted: grows again
-    assert budget.limit("a") == 8
-    budget.observe("a", 2, 2)  # a short proposal fully accepted does not lower it
-    assert budget.limit("a") == 8
-    assert budget.limit("b") == 8  # requests are independent
+    budget = DraftBudget(16)
+    assert budget.limit("a") == START_LIMIT  # a new request starts small
+    assert DraftBudget(2).limit("a") == 2  # never above k
+    budget.observe("a", 4, 4)
+    assert budget.limit("a") == 8  # all accepted: doubles
+    budget.observe("a", 8, 8)
+    budget.observe("a", 16, 16)
+    assert budget.limit("a") == 16  # capped at k
+    budget.observe("a", 16, 11)  # one miss late in a long copy: accepted + 1
+    assert budget.limit("a") == 12
+    budget.observe("a", 12, 0)  # a miss at once: half
+    assert budget.limit("a") == 6
+    budget.observe("a", 2, 2)  # a short proposal, all accepted, does not lower it
+    assert budget.limit("a") == 6
+    budget.observe("a", 6, 1)
+    assert budget.limit("a") == 3
+    assert budget.limit("b") == START_LIMIT  # requests are independent
 
 
 def test_rejected_drafts_turn_drafting_off_for_a_doubling_back_off() -> None:
@@ -38,8 +46,7 @@ def test_rejected_drafts_turn_drafting_off_for_a_doubling_back_off() -> None:
     for _ in range(PROBE_STEPS):
         budget.observe("a", 4, 0)
     assert paused_steps(budget, "a") == BACKOFF_STEPS
-    probe = budget.limit("a")
-    assert 1 <= probe < 4  # it probes again with a smaller budget
+    assert budget.limit("a") == 1  # it probes again with one draft
     for _ in range(PROBE_STEPS):
         budget.observe("a", 1, 0)
     assert paused_steps(budget, "a") == 2 * BACKOFF_STEPS
@@ -51,8 +58,9 @@ def test_a_probe_that_pays_resets_the_back_off() -> None:
         budget.observe("a", 4, 0)
     paused_steps(budget, "a")
     for _ in range(PROBE_STEPS):
-        budget.observe("a", 2, 2)
-    assert budget.limit("a") == 4
+        limit = budget.limit("a")
+        budget.observe("a", limit, limit)
+    assert budget.limit("a") == 4  # 1 -> 2 -> 4 (k)
     for _ in range(PROBE_STEPS + 2):  # acceptance falls slowly from a good average
         budget.observe("a", 4, 0)
     assert paused_steps(budget, "a") == BACKOFF_STEPS
