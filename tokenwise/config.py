@@ -396,7 +396,9 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE
     # Suffix decoding (method "suffix"; vLLM's names and defaults).
     suffix_decoding_max_tree_depth: int = 24
-    suffix_decoding_max_cached_requests: int = 10000
+    # vLLM's default is 10000; its trees are C++. Ours are Python, ~7 KB per cached token at
+    # depth 24, so 10000 outputs of 500 tokens would hold ~35 GB: 100 holds ~350 MB at most.
+    suffix_decoding_max_cached_requests: int = 100
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
 

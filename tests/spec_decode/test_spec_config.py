@@ -65,7 +65,7 @@ def test_suffix_defaults_follow_vllm() -> None:
     cfg = SpeculativeConfig.from_dict({"method": "suffix"})
     assert cfg.num_speculative_tokens == cfg.suffix_decoding_max_tree_depth == 24
     assert (cfg.suffix_decoding_max_cached_requests, cfg.suffix_decoding_max_spec_factor) == (
-        10000,
+        100,
         1.0,
     )
     assert cfg.suffix_decoding_min_token_prob == 0.1

@@ -49,7 +49,7 @@ class SuffixProposer:
         self,
         num_speculative_tokens: int,
         max_tree_depth: int = 24,
-        max_cached_requests: int = 10000,
+        max_cached_requests: int = 100,
         max_spec_factor: float = 1.0,
         min_token_prob: float = 0.1,
     ) -> None:
