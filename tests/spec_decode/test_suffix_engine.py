@@ -39,6 +39,11 @@ def test_greedy_output_equals_decoding_without_drafts(llama: str) -> None:
     assert run(llm, prompts, params) == ref  # again, with the first run's outputs cached
     stats = llm.llm_engine.get_stats()
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    # Finished requests leave no per-request state behind; their outputs are in the cache.
+    drafter = llm.llm_engine.drafter
+    assert drafter is not None
+    assert (drafter.suffix.num_tracked, len(drafter.budget)) == (0, 0)
+    assert len(drafter.suffix._cached) == 2 * len(prompts)  # both runs, under the bound
     assert_pool_clean(llm.llm_engine)
 
 

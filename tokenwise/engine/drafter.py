@@ -176,12 +176,15 @@ class Drafter:
             self.draft_model.observe(result.target_hidden)
         for item, tokens in zip(result.sampled_requests, result.sampled_token_ids, strict=True):
             if item.request.status.is_finished:
-                self._finished(item.request)
+                self._finished(item.request)  # its budget goes too: nothing more to observe
+            elif item.spec_token_ids:
+                self.budget.observe(
+                    item.request.request_id, len(item.spec_token_ids), len(tokens) - 1
+                )
             num_drafts = len(item.spec_token_ids)
             if not num_drafts:
                 continue
             accepted = len(tokens) - 1
-            self.budget.observe(item.request.request_id, num_drafts, accepted)
             stats.spec_decode_num_drafts += 1
             stats.spec_decode_num_draft_tokens += num_drafts
             stats.spec_decode_num_accepted_tokens += accepted
