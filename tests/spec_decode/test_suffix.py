@@ -102,13 +102,21 @@ def test_incremental_updates_propose_what_a_fresh_tree_would() -> None:
     rng = np.random.default_rng(1)
     base = rng.integers(0, 20, 40).tolist()
     text = base + base[5:30] + rng.integers(0, 20, 30).tolist() + base[:25]
+    old, later = [0, *base[10:35]], [0, *text[70:95]]
     live = SuffixProposer(6, max_tree_depth=10, max_cached_requests=4)
-    live.finish("old", [0, *base[10:35]], prompt_len=1)
+    live.finish("old", old, prompt_len=1)
+    proposed = 0
     for end in range(20, len(text), 3):
+        if end == 62:  # the cache changes while the request runs
+            live.finish("later", later, prompt_len=1)
         fresh = SuffixProposer(6, max_tree_depth=10, max_cached_requests=4)
-        fresh.finish("old", [0, *base[10:35]], prompt_len=1)
+        fresh.finish("old", old, prompt_len=1)
+        if end >= 62:
+            fresh.finish("later", later, prompt_len=1)
         expected = fresh.propose(np.array(text[:end]), request_id="r")
         assert live.propose(np.array(text[:end]), request_id="r") == expected
+        proposed += len(expected)
+    assert proposed > 20  # the comparison saw drafts, not only empty proposals
 
 
 def test_the_cache_matcher_tracks_the_longest_suffixes_present() -> None:
