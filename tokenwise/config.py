@@ -223,7 +223,7 @@ class LoRAConfig:
             )
 
 
-SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
+SPEC_METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "mtp")
 # Methods whose proposer is a model of its own (a checkpoint directory in `model`; for "mtp"
 # the target's own checkpoint unless `model` names another).
 SPEC_MODEL_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
@@ -246,17 +246,34 @@ class SpeculativeConfig:
     the target's own hidden states (`tokenwise.spec_decode.eagle`). No proposal is made while
     `disable_by_batch_size` or more requests are running (verification then costs more than
     it saves). "mtp" runs DeepSeek-V3's multi-token-prediction module, kept in the target's
-    checkpoint, the same way (`tokenwise.models.deepseek_mtp`).
+    checkpoint, the same way (`tokenwise.models.deepseek_mtp`). "suffix" is suffix decoding
+    (`tokenwise.spec_decode.suffix`): a frequency-counted suffix tree over each request's
+    prompt and output and over the outputs of the last `suffix_decoding_max_cached_requests`
+    requests, proposing a variable number of drafts per step (at most
+    `num_speculative_tokens`, which defaults to `suffix_decoding_max_tree_depth` as in vLLM).
     """
 
-    num_speculative_tokens: int
+    num_speculative_tokens: int | None = None
     method: str | None = None
     model: str | None = None
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     disable_by_batch_size: int | None = DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE
+    # Suffix decoding (method "suffix"; vLLM's names and defaults).
+    suffix_decoding_max_tree_depth: int = 24
+    # vLLM's default is 10000; its trees are C++. Ours are Python, ~7 KB per cached token at
+    # depth 24, so 10000 outputs of 500 tokens would hold ~35 GB: 100 holds ~350 MB at most.
+    suffix_decoding_max_cached_requests: int = 100
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
+        if self.method == "suffix":
+            self._check_suffix()
+        else:
+            self._refuse_suffix_fields()
+        if self.num_speculative_tokens is None:
+            raise ValueError("speculative_config.num_speculative_tokens is required")
         _check_int("speculative_config.num_speculative_tokens", self.num_speculative_tokens, 1)
         if self.method is None:
             self.method = "draft_model" if self.model is not None else "ngram"
@@ -286,6 +303,37 @@ class SpeculativeConfig:
                 )
         if self.disable_by_batch_size is not None:
             _check_int("speculative_config.disable_by_batch_size", self.disable_by_batch_size, 1)
+
+    def _check_suffix(self) -> None:
+        """Suffix decoding's settings in range; `num_speculative_tokens` defaults to the tree
+        depth (a draft never runs deeper than the tree)."""
+        prefix = "speculative_config.suffix_decoding_"
+        _check_int(prefix + "max_tree_depth", self.suffix_decoding_max_tree_depth, 2)
+        _check_int(prefix + "max_cached_requests", self.suffix_decoding_max_cached_requests, 0)
+        factor = self.suffix_decoding_max_spec_factor
+        if not _is_number(factor) or factor <= 0:
+            raise ValueError(f"{prefix}max_spec_factor must be a number > 0, got {factor!r}")
+        prob = self.suffix_decoding_min_token_prob
+        if not _is_number(prob) or not 0 <= prob <= 1:
+            raise ValueError(f"{prefix}min_token_prob must be a number in [0, 1], got {prob!r}")
+        if self.model is not None:
+            raise ValueError("speculative_config.model does not apply to method 'suffix'")
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            if getattr(self, name) is not None:
+                raise ValueError(
+                    f"speculative_config.{name} applies to method 'ngram', not 'suffix'"
+                )
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = self.suffix_decoding_max_tree_depth
+
+    def _refuse_suffix_fields(self) -> None:
+        """A `suffix_decoding_*` key set for another method is a mistake worth naming."""
+        for name in _SUFFIX_FIELDS:
+            if getattr(self, name) != _SUFFIX_DEFAULTS[name]:
+                raise ValueError(
+                    f"speculative_config.{name} applies to method 'suffix', not "
+                    f"{self.method or 'ngram'!r}"
+                )
 
     def _check_draft_model(self) -> None:
         """A draft model or EAGLE head needs its checkpoint directory; prompt lookup settings
@@ -326,9 +374,15 @@ class SpeculativeConfig:
                 f"speculative_config has unknown field(s) {', '.join(unknown)}; "
                 f"known: {', '.join(sorted(known))}"
             )
-        if "num_speculative_tokens" not in fields:
-            raise ValueError("speculative_config.num_speculative_tokens is required")
         return cls(**fields)
+
+
+_SUFFIX_FIELDS = tuple(f for f in SpeculativeConfig.__dataclass_fields__ if f.startswith("suffix_"))
+_SUFFIX_DEFAULTS = {f: SpeculativeConfig.__dataclass_fields__[f].default for f in _SUFFIX_FIELDS}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)

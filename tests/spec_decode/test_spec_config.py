@@ -59,3 +59,40 @@ def test_the_cli_flag_parses_json_and_explains_errors() -> None:
         parse_speculative_config(
             '{"num_speculative_tokens": 3, "prompt_lookup_min": 3, "prompt_lookup_max": 1}'
         )
+
+
+def test_suffix_defaults_follow_vllm() -> None:
+    cfg = SpeculativeConfig.from_dict({"method": "suffix"})
+    assert cfg.num_speculative_tokens == cfg.suffix_decoding_max_tree_depth == 24
+    assert (cfg.suffix_decoding_max_cached_requests, cfg.suffix_decoding_max_spec_factor) == (
+        100,
+        1.0,
+    )
+    assert cfg.suffix_decoding_min_token_prob == 0.1
+    cfg = SpeculativeConfig.from_dict(
+        {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_tree_depth": 12}
+    )
+    assert (cfg.num_speculative_tokens, cfg.suffix_decoding_max_tree_depth) == (8, 12)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"suffix_decoding_max_tree_depth": 1}, "suffix_decoding_max_tree_depth must be"),
+        ({"suffix_decoding_max_cached_requests": -1}, "max_cached_requests must be an integer"),
+        ({"suffix_decoding_max_spec_factor": 0}, "max_spec_factor must be a number > 0"),
+        ({"suffix_decoding_min_token_prob": 1.5}, "min_token_prob must be a number in \\[0, 1\\]"),
+        ({"prompt_lookup_max": 3}, "prompt_lookup_max applies to method 'ngram', not 'suffix'"),
+        ({"model": "."}, "model does not apply to method 'suffix'"),
+    ],
+)
+def test_bad_suffix_settings_name_the_field(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.from_dict({"method": "suffix", **fields})
+
+
+def test_suffix_settings_for_another_method_are_refused() -> None:
+    with pytest.raises(ValueError, match="suffix_decoding_max_tree_depth applies to method"):
+        SpeculativeConfig.from_dict(
+            {"num_speculative_tokens": 2, "suffix_decoding_max_tree_depth": 8}
+        )

@@ -9,10 +9,13 @@ not stop yet (`min_tokens`) get no drafts (their stop tokens are banned per toke
 requests do: the runner masks each draft position as the grammar stands after the drafts
 before it, and the scheduler's matcher only ever accepts the tokens verification kept.
 
-A request whose drafts keep failing (recent acceptance under `MIN_ACCEPTANCE`) backs off for
-`BACKOFF_STEPS` steps before it is tried again.
+How many drafts each request may verify is its own `DraftBudget` (`spec_decode.draft_budget`):
+it grows while drafts are accepted, shrinks when some are not, and falls to 0 for a while
+when too few are, so text the proposer cannot predict decodes at plain speed.
 
-The proposer is n-gram lookup (one request at a time, from its token ids), a draft model
+The proposer is n-gram lookup or suffix decoding (one request at a time, from its token ids;
+suffix decoding keeps a tree per request and is told when one finishes, so its output can
+join the shared cache of earlier outputs), a draft model
 (`spec_decode.draft_model`: one batch for all the requests that draft, which also needs each
 request's block table, since the draft's KV cache is addressed by the target's block ids) or
 an EAGLE head or MTP module (`spec_decode.eagle`: the same, plus the target's hidden states of every step,
@@ -35,29 +38,10 @@ from tokenwise.config import SPEC_MODEL_METHODS, SpeculativeConfig
 from tokenwise.engine.request import Request, RequestStatus
 from tokenwise.engine.stats import EngineStats
 from tokenwise.engine.step_outputs import ModelRunnerOutput
+from tokenwise.spec_decode.draft_budget import DraftBudget
 from tokenwise.spec_decode.draft_model import DraftModelProposer, DraftRequest
 from tokenwise.spec_decode.ngram import NgramProposer
-
-# Acceptance-aware back-off: a request whose drafts keep being rejected (an exponential
-# average of its acceptance rate below MIN_ACCEPTANCE, after a few drafting steps) gets no
-# drafts for BACKOFF_STEPS steps, then is tried again. A verifying step costs more than a
-# decode step (1.5-2x on CPU for 4 drafts, benchmarks/spec_decode.py), so text the proposer
-# cannot predict would otherwise run slower with speculation than without.
-MIN_ACCEPTANCE = 0.25
-ACCEPTANCE_EMA = 0.3
-PROBE_STEPS = 3
-BACKOFF_STEPS = 16
-
-
-class _Track:
-    """One request's recent acceptance and back-off."""
-
-    __slots__ = ("acceptance", "steps", "skip")
-
-    def __init__(self) -> None:
-        self.acceptance = 1.0
-        self.steps = 0
-        self.skip = 0
+from tokenwise.spec_decode.suffix import SuffixProposer
 
 
 class Drafter:
@@ -69,8 +53,10 @@ class Drafter:
         block_table: Callable[[str], Sequence[int]] | None = None,
     ) -> None:
         """`draft_model` (with `block_table`, a request id's target block table) for methods
-        "draft_model", "eagle", "eagle3" and "mtp"; n-gram lookup otherwise."""
+        "draft_model", "eagle", "eagle3" and "mtp"; suffix decoding for "suffix", n-gram
+        lookup otherwise."""
         self.config = config
+        assert config.num_speculative_tokens is not None
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
         self.draft_model = draft_model
@@ -78,13 +64,21 @@ class Drafter:
         if config.method in SPEC_MODEL_METHODS:
             if draft_model is None or block_table is None:
                 raise ValueError(f"method {config.method!r} needs the draft model and block tables")
+        elif config.method == "suffix":
+            self.suffix = SuffixProposer(
+                self.k,
+                config.suffix_decoding_max_tree_depth,
+                config.suffix_decoding_max_cached_requests,
+                config.suffix_decoding_max_spec_factor,
+                config.suffix_decoding_min_token_prob,
+            )
         else:
             assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
             self.proposer = NgramProposer(
                 self.k, config.prompt_lookup_min, config.prompt_lookup_max
             )
         self._tokens: dict[str, tuple[np.ndarray, int]] = {}  # request id -> (buffer, length)
-        self._tracks: dict[str, _Track] = {}
+        self.budget = DraftBudget(self.k)
 
     def propose(self, running: list[Request]) -> None:
         """Set `spec_token_ids` on the running requests that should verify drafts next step."""
@@ -100,28 +94,35 @@ class Drafter:
             room = self._room(req)
             if room <= 0:
                 continue
-            track = self._tracks.get(req.request_id)
-            if track is not None and track.skip > 0:
-                track.skip -= 1
+            room = min(room, self.budget.limit(req.request_id))
+            if room <= 0:
                 continue
             chosen.append((req, room))
         if self.draft_model is not None and chosen:
             self._propose_with_draft_model(chosen)
+        elif self.config.method == "suffix":
+            for req, room in chosen:
+                tokens = self._token_array(req)
+                req.spec_token_ids = self.suffix.propose(tokens, room, req.request_id)
         else:
             for req, room in chosen:
                 req.spec_token_ids = self.proposer.propose(self._token_array(req), room)
 
     def _forget_left(self, running: list[Request]) -> None:
         """Drop what is kept of requests that are no longer running (now and then)."""
-        tracked = len(self._tokens)
+        tracked = max(len(self._tokens), len(self.budget))
         if self.draft_model is not None:  # an EAGLE head keeps every request's features
             tracked = max(tracked, self.draft_model.num_tracked)
+        if self.config.method == "suffix":
+            tracked = max(tracked, self.suffix.num_tracked)
         if tracked > 2 * len(running) + 16:  # forget requests that left
             alive = {r.request_id for r in running}
             self._tokens = {rid: v for rid, v in self._tokens.items() if rid in alive}
-            self._tracks = {rid: v for rid, v in self._tracks.items() if rid in alive}
+            self.budget.forget(alive)
             if self.draft_model is not None:
                 self.draft_model.forget(alive)
+            if self.config.method == "suffix":
+                self.suffix.forget(alive)
 
     def _propose_with_draft_model(self, chosen: list[tuple[Request, int]]) -> None:
         """One draft-model batch for every request that drafts this step."""
@@ -174,11 +175,16 @@ class Drafter:
         if result.target_hidden is not None and self.draft_model is not None:
             self.draft_model.observe(result.target_hidden)
         for item, tokens in zip(result.sampled_requests, result.sampled_token_ids, strict=True):
+            if item.request.status.is_finished:
+                self._finished(item.request)  # its budget goes too: nothing more to observe
+            elif item.spec_token_ids:
+                self.budget.observe(
+                    item.request.request_id, len(item.spec_token_ids), len(tokens) - 1
+                )
             num_drafts = len(item.spec_token_ids)
             if not num_drafts:
                 continue
             accepted = len(tokens) - 1
-            self._track(item.request.request_id, accepted / num_drafts)
             stats.spec_decode_num_drafts += 1
             stats.spec_decode_num_draft_tokens += num_drafts
             stats.spec_decode_num_accepted_tokens += accepted
@@ -188,13 +194,13 @@ class Drafter:
             for pos in range(accepted):
                 per_pos[pos] += 1
 
-    def _track(self, request_id: str, rate: float) -> None:
-        track = self._tracks.setdefault(request_id, _Track())
-        track.acceptance += ACCEPTANCE_EMA * (rate - track.acceptance)
-        track.steps += 1
-        if track.steps >= PROBE_STEPS and track.acceptance < MIN_ACCEPTANCE:
-            track.skip = BACKOFF_STEPS
-            track.acceptance, track.steps = 1.0, 0  # judged afresh when it drafts again
+    def _finished(self, req: Request) -> None:
+        """A request ended: suffix decoding caches its output; its state here is dropped."""
+        rid = req.request_id
+        if self.config.method == "suffix":
+            self.suffix.finish(rid, req.all_token_ids, req.num_prompt_tokens)
+        self._tokens.pop(rid, None)
+        self.budget.drop(rid)
 
 
 __all__ = ["Drafter"]

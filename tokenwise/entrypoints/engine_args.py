@@ -202,7 +202,9 @@ class EngineArgs:
         None,
         "speculative decoding, as JSON with vLLM's names: "
         '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-        '"prompt_lookup_min": 1}\' (n-gram prompt lookup), or \'{"model": "./draft", '
+        '"prompt_lookup_min": 1}\' (n-gram prompt lookup), \'{"method": "suffix"}\' (suffix '
+        "decoding: suffix_decoding_max_tree_depth, _max_cached_requests, _max_spec_factor, "
+        '_min_token_prob), or \'{"model": "./draft", '
         '"num_speculative_tokens": 4}\' (a draft model with the same vocabulary), '
         '\'{"method": "eagle3", "model": "./eagle3-head", "num_speculative_tokens": 4}\' '
         '(an EAGLE / EAGLE-3 head), \'{"method": "mtp", "num_speculative_tokens": 1}\' '
