@@ -1,0 +1,110 @@
+"""Data-parallel ranks as Ray actors (`data_parallel_backend="ray"`) on a two-node Ray cluster.
+
+`ray.cluster_utils.Cluster` plays two hosts with one CPU each on this machine (shared by the
+module: a cluster start costs seconds). DP=2 as actors must give DP=1's greedy tokens with one
+rank on each node; a killed rank actor must end the running `generate` with an error naming
+the rank within the bound; shutting down must leave no actor and no placement group (every CPU
+of the cluster free again).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray data parallelism needs ray (.[ray])")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+from ray.util import placement_group_table  # noqa: E402
+
+from tests.engine._fixtures import NUM_BLOCKS, checkpoint, mixed_prompts  # noqa: E402
+from tokenwise import LLM, SamplingParams  # noqa: E402
+from tokenwise.config import ParallelConfig  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+BOUND_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def two_nodes() -> Iterator[Cluster]:
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
+    )
+    cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _free_cpus_after(llm: LLM) -> float:
+    """Shut `llm` down; the cluster's free CPUs once its actors and group are gone (bounded)."""
+    llm.shutdown()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if ray.available_resources().get("CPU", 0.0) == 2.0:
+            break
+        time.sleep(0.2)
+    return ray.available_resources().get("CPU", 0.0)
+
+
+def _ray_llm() -> LLM:
+    return LLM(
+        checkpoint(),
+        dtype="float32",
+        num_gpu_blocks=NUM_BLOCKS,
+        data_parallel_size=2,
+        data_parallel_backend="ray",
+    )
+
+
+@pytest.mark.timeout(300, method="thread")
+def test_two_ray_ranks_on_two_nodes_give_one_rank_tokens(two_nodes: Cluster) -> None:
+    prompts = mixed_prompts()[:4]
+    single = LLM(checkpoint(), dtype="float32", num_gpu_blocks=NUM_BLOCKS)
+    expected = [o.outputs[0].token_ids for o in single.generate(prompts, GREEDY, use_tqdm=False)]
+    single.shutdown()
+    llm = _ray_llm()
+    try:
+        cores = llm.llm_engine._procs
+        nodes = placement_group_table(cores._group)["bundles_to_node_id"]
+        assert len(set(nodes.values())) == 2  # one rank per "host"
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert got == expected
+        served = [s.generation_tokens_total for s in llm.llm_engine.get_rank_stats()]
+        assert all(n > 0 for n in served), served  # both actors served requests
+        assert ray.available_resources().get("CPU", 0.0) == 0.0  # one bundle per rank
+    finally:
+        free = _free_cpus_after(llm)
+    assert free == 2.0  # no actor and no placement group left
+
+
+@pytest.mark.timeout(300, method="thread")
+def test_a_killed_rank_actor_ends_generate_naming_the_rank(two_nodes: Cluster) -> None:
+    llm = _ray_llm()
+    try:
+        llm.llm_engine._procs[1].kill()
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"data-parallel rank 1 \(pid \d+\)"):
+            llm.generate(mixed_prompts()[:4], GREEDY, use_tqdm=False)
+        assert time.monotonic() - started < BOUND_S
+        with pytest.raises(RuntimeError, match="data-parallel rank 1"):  # and stays failed
+            llm.generate(["again"], GREEDY, use_tqdm=False)
+    finally:
+        free = _free_cpus_after(llm)
+    assert free == 2.0
+
+
+def test_bad_ray_data_parallel_settings_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="data_parallel_backend must be 'mp' or 'ray'"):
+        ParallelConfig(data_parallel_size=2, data_parallel_backend="k8s")
+    with pytest.raises(ValueError, match="data_parallel_size_local .* do not apply"):
+        ParallelConfig(
+            data_parallel_size=2, data_parallel_backend="ray", data_parallel_size_local=1
+        )
+    # One rank needs no actors: the backend applies from two ranks on.
+    assert ParallelConfig(data_parallel_backend="ray").local_dp_size == 1
