@@ -63,7 +63,8 @@ def _ray_llm() -> LLM:
 
 
 @pytest.mark.timeout(300, method="thread")
-def test_two_ray_ranks_on_two_nodes_give_one_rank_tokens(two_nodes: Cluster) -> None:
+def test_ray_ranks_on_two_nodes_serve_then_a_killed_one_is_named(two_nodes: Cluster) -> None:
+    """One engine start for both halves (an actor start imports torch: seconds each)."""
     prompts = mixed_prompts()[:4]
     single = LLM(checkpoint(), dtype="float32", num_gpu_blocks=NUM_BLOCKS)
     expected = [o.outputs[0].token_ids for o in single.generate(prompts, GREEDY, use_tqdm=False)]
@@ -71,32 +72,26 @@ def test_two_ray_ranks_on_two_nodes_give_one_rank_tokens(two_nodes: Cluster) -> 
     llm = _ray_llm()
     try:
         cores = llm.llm_engine._procs
-        nodes = placement_group_table(cores._group)["bundles_to_node_id"]
+        group = cores._group
+        nodes = placement_group_table(group)["bundles_to_node_id"]
         assert len(set(nodes.values())) == 2  # one rank per "host"
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
         assert got == expected
         served = [s.generation_tokens_total for s in llm.llm_engine.get_rank_stats()]
         assert all(n > 0 for n in served), served  # both actors served requests
         assert ray.available_resources().get("CPU", 0.0) == 0.0  # one bundle per rank
-    finally:
-        free = _free_cpus_after(llm)
-    assert free == 2.0  # no actor and no placement group left
 
-
-@pytest.mark.timeout(300, method="thread")
-def test_a_killed_rank_actor_ends_generate_naming_the_rank(two_nodes: Cluster) -> None:
-    llm = _ray_llm()
-    try:
-        llm.llm_engine._procs[1].kill()
+        cores[1].kill()
         started = time.monotonic()
         with pytest.raises(RuntimeError, match=r"data-parallel rank 1 \(pid \d+\)"):
-            llm.generate(mixed_prompts()[:4], GREEDY, use_tqdm=False)
+            llm.generate(prompts, GREEDY, use_tqdm=False)
         assert time.monotonic() - started < BOUND_S
         with pytest.raises(RuntimeError, match="data-parallel rank 1"):  # and stays failed
             llm.generate(["again"], GREEDY, use_tqdm=False)
     finally:
         free = _free_cpus_after(llm)
-    assert free == 2.0
+    assert free == 2.0  # no actor left: every CPU of the cluster is free again
+    assert placement_group_table(group)["state"] == "REMOVED"
 
 
 def test_bad_ray_data_parallel_settings_are_refused_by_name() -> None:
@@ -108,3 +103,22 @@ def test_bad_ray_data_parallel_settings_are_refused_by_name() -> None:
         )
     # One rank needs no actors: the backend applies from two ranks on.
     assert ParallelConfig(data_parallel_backend="ray").local_dp_size == 1
+
+
+def test_what_ray_ranks_do_not_support_is_refused_before_any_actor(two_nodes: Cluster) -> None:
+    for extra, what in (
+        ({"enable_lora": True}, "enable_lora is not supported with data_parallel_backend='ray'"),
+        (
+            {"tensor_parallel_size": 2},
+            "tensor_parallel_size must be 1 with data_parallel_backend='ray'",
+        ),
+    ):
+        with pytest.raises(ValueError, match=what):
+            LLM(
+                checkpoint(),
+                dtype="float32",
+                data_parallel_size=2,
+                data_parallel_backend="ray",
+                **extra,
+            )
+    assert ray.available_resources().get("CPU", 0.0) == 2.0  # nothing was placed

@@ -37,6 +37,7 @@ from tokenwise.engine.core_sockets import CoreSockets, stop_cores
 from tokenwise.engine.headless import check_hosts_layout
 from tokenwise.engine.kinds.multimodal_prompts import MultiModalPrompts, ProcessedImagePrompt
 from tokenwise.engine.prompts import PromptInput, load_tokenizer, validate_request
+from tokenwise.engine.ray_ranks import check_ray_layout
 from tokenwise.engine.remote_ranks import cluster_secret, engine_ready_timeout_s
 from tokenwise.engine.request_queue import check_priority
 from tokenwise.engine.stats import EngineStats, combine_stats
@@ -73,6 +74,8 @@ class EngineCoreClient:
                 "`tokenwise serve --headless`"
             )
         check_hosts_layout(parallel)
+        if parallel.ray_data_parallel:
+            check_ray_layout(config)
         self._ready_timeout_s = engine_ready_timeout_s()
         # Unfinished request id -> (its core, its weight in sequences, prompt text, token ids).
         self.groups: dict[str, tuple[int, int, str | None, list[int]]] = {}

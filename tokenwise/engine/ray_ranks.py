@@ -76,8 +76,8 @@ def check_ray_layout(config: EngineConfig) -> None:
 
 
 def start_ray_cores(config: EngineConfig) -> RayCores:
-    """One actor per DP rank, placed and started; they connect to the front end by themselves."""
-    check_ray_layout(config)
+    """One actor per DP rank, placed and started; they connect to the front end by themselves
+    (`check_ray_layout` ran before the client bound its sockets)."""
     ray = _ray()
     from ray.util import placement_group_table
     from ray.util.placement_group import placement_group, remove_placement_group
