@@ -22,6 +22,8 @@ from ray.util import placement_group_table  # noqa: E402
 from tests.engine._fixtures import NUM_BLOCKS, checkpoint, mixed_prompts  # noqa: E402
 from tokenwise import LLM, SamplingParams  # noqa: E402
 from tokenwise.config import ParallelConfig  # noqa: E402
+from tokenwise.distributed.tp_state import free_port  # noqa: E402
+from tokenwise.engine import ray_ranks  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 BOUND_S = 30.0
@@ -52,13 +54,14 @@ def _free_cpus_after(llm: LLM) -> float:
     return ray.available_resources().get("CPU", 0.0)
 
 
-def _ray_llm() -> LLM:
+def _ray_llm(size: int = 2) -> LLM:
     return LLM(
         checkpoint(),
         dtype="float32",
         num_gpu_blocks=NUM_BLOCKS,
-        data_parallel_size=2,
+        data_parallel_size=size,
         data_parallel_backend="ray",
+        data_parallel_rpc_port=free_port("127.0.0.1"),  # not the fixed default: tests share hosts
     )
 
 
@@ -122,3 +125,15 @@ def test_what_ray_ranks_do_not_support_is_refused_before_any_actor(two_nodes: Cl
                 **extra,
             )
     assert ray.available_resources().get("CPU", 0.0) == 2.0  # nothing was placed
+
+
+def test_ranks_the_cluster_has_no_room_for_fail_start_up_within_the_bound(
+    two_nodes: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ray_ranks, "PLACEMENT_TIMEOUT_S", 2.0)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"could not place 3 data-parallel rank\(s\)"):
+        _ray_llm(size=3)  # two nodes of one CPU each
+    assert time.monotonic() - started < 30
+    groups = placement_group_table().values()
+    assert all(g["state"] == "REMOVED" for g in groups)  # the pending group was removed

@@ -98,7 +98,11 @@ class EngineCoreClient:
         self._io = CoreSockets(config, id(self))
         self._wake_lock = threading.Lock()
         self._control_lock = threading.Lock()
-        self._procs = start_cores(config, self._io, self._dp)
+        try:
+            self._procs = start_cores(config, self._io, self._dp)
+        except BaseException:  # e.g. Ray could not place the ranks: free the bound ports
+            self._io.close()
+            raise
         self._finalizer = weakref.finalize(self, stop_cores, self._procs, self._io)
         self._wait_until_ready()
 

@@ -91,14 +91,12 @@ def start_ray_cores(config: EngineConfig) -> RayCores:
     if str(config.device).startswith("cuda"):
         bundle["GPU"] = 1.0
     group = placement_group([dict(bundle) for _ in range(size)], strategy="PACK")
-    ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_TIMEOUT_S)
-    if not ready:
-        remove_placement_group(group)
-        raise RuntimeError(
-            f"the Ray cluster could not place {size} data-parallel rank(s) of {bundle} each "
-            f"within {PLACEMENT_TIMEOUT_S:g} s; add nodes or lower data_parallel_size"
-        )
     try:
+        if not group.wait(timeout_seconds=PLACEMENT_TIMEOUT_S):
+            raise RuntimeError(
+                f"the Ray cluster could not place {size} data-parallel rank(s) of {bundle} "
+                f"each within {PLACEMENT_TIMEOUT_S:g} s; add nodes or lower data_parallel_size"
+            )
         nodes = placement_group_table(group).get("bundles_to_node_id", {})
         order = _rank_order(ray, nodes, parallel.data_parallel_master_ip)
         procs = _start_actors(ray, config, group, order, bundle, PlacementGroupSchedulingStrategy)
