@@ -84,11 +84,22 @@ def test_ray_ranks_on_two_nodes_serve_then_a_killed_one_is_named(two_nodes: Clus
         assert all(n > 0 for n in served), served  # both actors served requests
         assert ray.available_resources().get("CPU", 0.0) == 0.0  # one bundle per rank
 
+        # Kill rank 1 while both ranks have a request in flight.
+        client = llm.llm_engine
+        long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        for i, prompt in enumerate(prompts[:2]):
+            client.add_request(f"long-{i}", {"prompt_token_ids": prompt}, long)
+        deadline = time.monotonic() + BOUND_S
+        while not client.step() and time.monotonic() < deadline:
+            pass  # until the first tokens come back
+        assert client.get_num_unfinished_requests() == 2
         cores[1].kill()
         started = time.monotonic()
         with pytest.raises(RuntimeError, match=r"data-parallel rank 1 \(pid \d+\)"):
-            llm.generate(prompts, GREEDY, use_tqdm=False)
+            while time.monotonic() - started < BOUND_S:
+                client.step()
         assert time.monotonic() - started < BOUND_S
+        assert client.get_num_unfinished_requests() == 0  # nobody waits for them any more
         with pytest.raises(RuntimeError, match="data-parallel rank 1"):  # and stays failed
             llm.generate(["again"], GREEDY, use_tqdm=False)
     finally:
