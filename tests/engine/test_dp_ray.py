@@ -148,3 +148,31 @@ def test_ranks_the_cluster_has_no_room_for_fail_start_up_within_the_bound(
     assert time.monotonic() - started < 30
     groups = placement_group_table().values()
     assert all(g["state"] == "REMOVED" for g in groups)  # the pending group was removed
+
+
+class _FakeRay:
+    """What `_rank_order` asks Ray: the driver's node and each node's address."""
+
+    def __init__(self, here: str, addresses: dict[str, str]) -> None:
+        self._here, self._addresses = here, addresses
+
+    def get_runtime_context(self) -> _FakeRay:
+        return self
+
+    def get_node_id(self) -> str:
+        return self._here
+
+    def nodes(self) -> list[dict[str, str]]:
+        return [{"NodeID": n, "NodeManagerAddress": a} for n, a in self._addresses.items()]
+
+
+def test_rank_zero_goes_to_the_front_ends_node_and_other_hosts_need_an_address() -> None:
+    same_host = _FakeRay("b", {"a": "10.0.0.1", "b": "10.0.0.1"})  # two raylets, one host
+    assert ray_ranks._rank_order(same_host, {0: "a", 1: "a", 2: "b"}, "127.0.0.1") == [2, 0, 1]
+    with pytest.raises(RuntimeError, match="no data-parallel rank on the front end's node"):
+        ray_ranks._rank_order(same_host, {0: "a", 1: "a"}, "127.0.0.1")
+    two_hosts = _FakeRay("a", {"a": "10.0.0.1", "b": "10.0.0.2"})
+    with pytest.raises(RuntimeError, match=r"other hosts \(10\.0\.0\.2\).*data_parallel_address"):
+        ray_ranks._rank_order(two_hosts, {0: "a", 1: "b"}, "127.0.0.1")
+    # Given an address the other host can reach, it is the secret's business (checked before).
+    assert ray_ranks._rank_order(two_hosts, {0: "b", 1: "a"}, "10.0.0.1") == [1, 0]
