@@ -55,12 +55,20 @@ class ParallelConfig:
     # How the other TP / PP ranks start (vLLM's name): "mp", spawned processes; "ray", Ray
     # actors (`tokenwise/executor/ray_workers.py`).
     distributed_executor_backend: str = "mp"
+    # How the data-parallel ranks' engine cores start (vLLM's name): "mp", processes on this
+    # host (and `--headless` hosts); "ray", every rank a Ray actor (`engine/ray_ranks.py`).
+    data_parallel_backend: str = "mp"
 
     def __post_init__(self) -> None:
-        if self.distributed_executor_backend not in ("mp", "ray"):
+        for name in ("distributed_executor_backend", "data_parallel_backend"):
+            if getattr(self, name) not in ("mp", "ray"):
+                raise ValueError(f"{name} must be 'mp' or 'ray', got {getattr(self, name)!r}")
+        if self.ray_data_parallel and (
+            self.data_parallel_size_local is not None or self.data_parallel_start_rank != 0
+        ):
             raise ValueError(
-                "distributed_executor_backend must be 'mp' or 'ray', got "
-                f"{self.distributed_executor_backend!r}"
+                "data_parallel_size_local and data_parallel_start_rank do not apply with "
+                "data_parallel_backend='ray' (Ray places every rank); leave them unset"
             )
         _check_int("data_parallel_size", self.data_parallel_size, 1)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
@@ -80,7 +88,7 @@ class ParallelConfig:
         if self.data_parallel_size_local is not None:
             _check_int("data_parallel_size_local", self.data_parallel_size_local, 1)
         end = self.data_parallel_start_rank + self.local_dp_size
-        if self.local_dp_size < 1 or end > self.data_parallel_size:
+        if not self.ray_data_parallel and (self.local_dp_size < 1 or end > self.data_parallel_size):
             raise ValueError(
                 f"data_parallel_start_rank ({self.data_parallel_start_rank}) + "
                 f"data_parallel_size_local ({self.local_dp_size}) must be <= "
@@ -92,10 +100,18 @@ class ParallelConfig:
     @property
     def local_dp_size(self) -> int:
         """DP ranks on this host: `data_parallel_size_local`, by default every rank from
-        `data_parallel_start_rank` on (all of them on a single host)."""
+        `data_parallel_start_rank` on (all of them on a single host); none when Ray runs them
+        all as actors (they connect like the ranks of other hosts)."""
+        if self.ray_data_parallel:
+            return 0
         if self.data_parallel_size_local is not None:
             return self.data_parallel_size_local
         return self.data_parallel_size - self.data_parallel_start_rank
+
+    @property
+    def ray_data_parallel(self) -> bool:
+        """Whether the DP ranks are Ray actors (the Ray backend applies from two ranks on)."""
+        return self.data_parallel_backend == "ray" and self.data_parallel_size > 1
 
     @property
     def spans_hosts(self) -> bool:

@@ -37,6 +37,7 @@ from tokenwise.engine.core_sockets import CoreSockets, stop_cores
 from tokenwise.engine.headless import check_hosts_layout
 from tokenwise.engine.kinds.multimodal_prompts import MultiModalPrompts, ProcessedImagePrompt
 from tokenwise.engine.prompts import PromptInput, load_tokenizer, validate_request
+from tokenwise.engine.ray_ranks import check_ray_layout
 from tokenwise.engine.remote_control import RemoteSleepControl
 from tokenwise.engine.remote_ranks import cluster_secret, engine_ready_timeout_s
 from tokenwise.engine.request_queue import check_priority
@@ -76,6 +77,8 @@ class EngineCoreClient:
                 "`tokenwise serve --headless`"
             )
         check_hosts_layout(parallel)
+        if parallel.ray_data_parallel:
+            check_ray_layout(config)
         self._ready_timeout_s = engine_ready_timeout_s()
         # Unfinished request id -> (its core, its weight in sequences, prompt text, token ids).
         self.groups: dict[str, tuple[int, int, str | None, list[int]]] = {}
@@ -98,7 +101,11 @@ class EngineCoreClient:
         self._io = CoreSockets(config, id(self))
         self._wake_lock = threading.Lock()
         self._control_lock = threading.Lock()
-        self._procs = start_cores(config, self._io, self._dp)
+        try:
+            self._procs = start_cores(config, self._io, self._dp)
+        except BaseException:  # e.g. Ray could not place the ranks: free the bound ports
+            self._io.close()
+            raise
         self._finalizer = weakref.finalize(self, stop_cores, self._procs, self._io)
         self._wait_until_ready()
         # Sleep mode, pause and weight updates (`engine/sleep_control.py`): one core only.

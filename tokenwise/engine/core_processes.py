@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 from tokenwise.config import EngineConfig
 from tokenwise.engine import core_messages as msg
@@ -17,9 +18,14 @@ from tokenwise.engine.core_process import run_engine_core
 from tokenwise.engine.core_sockets import CoreSockets
 
 
-def start_cores(config: EngineConfig, io: CoreSockets, dp: bool) -> list[BaseProcess]:
-    """One started engine-core process per local rank, connected to `io`'s addresses."""
+def start_cores(config: EngineConfig, io: CoreSockets, dp: bool) -> list[Any]:
+    """One started engine-core process per local rank, connected to `io`'s addresses (with
+    `data_parallel_backend="ray"`, one Ray actor per rank, which dial `io`'s TCP port)."""
     parallel = config.parallel
+    if parallel.ray_data_parallel:
+        from tokenwise.engine.ray_ranks import start_ray_cores  # imports Ray: only when asked
+
+        return start_ray_cores(config)
     ctx = mp.get_context("spawn")  # fork would copy torch's threads and locks
     procs = [
         ctx.Process(

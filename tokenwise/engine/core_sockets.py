@@ -102,4 +102,7 @@ def stop_cores(procs: list[Any], io: CoreSockets) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join(timeout=STOP_TIMEOUT_S)
+    release = getattr(procs, "release", None)  # Ray's cores: their actors and placement group
+    if release is not None:
+        release()
     io.close()

@@ -49,13 +49,16 @@ def check_hosts_layout(parallel: ParallelConfig) -> None:
     """What DP across hosts does not support yet, refused rather than half working."""
     if not parallel.spans_hosts:
         return
+    if parallel.ray_data_parallel:
+        why = "with data_parallel_backend='ray'"
+    else:
+        why = (
+            f"when data-parallel ranks span hosts (data_parallel_size_local="
+            f"{parallel.local_dp_size} < data_parallel_size={parallel.data_parallel_size})"
+        )
     for name in ("tensor_parallel_size", "pipeline_parallel_size"):
         if getattr(parallel, name) != 1:
-            raise ValueError(
-                f"{name} must be 1 when data-parallel ranks span hosts "
-                f"(data_parallel_size_local={parallel.local_dp_size} < data_parallel_size="
-                f"{parallel.data_parallel_size}); not built yet"
-            )
+            raise ValueError(f"{name} must be 1 {why}; not built yet")
 
 
 def run_headless(config: EngineConfig) -> int:

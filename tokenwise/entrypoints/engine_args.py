@@ -268,6 +268,15 @@ class EngineArgs:
         type=bounded_int(1),
         group=PARALLEL,
     )
+    data_parallel_backend: str = setting(
+        "mp",
+        "how the data-parallel ranks' engine cores start: 'mp' processes on this host (and "
+        "--headless hosts), 'ray' every rank a Ray actor placed by a placement group over "
+        "the cluster's nodes (RAY_ADDRESS or a local Ray; needs --data-parallel-size >= 2, "
+        "pip install 'tokenwise[ray]'); default: mp",
+        choices=["mp", "ray"],
+        group=PARALLEL,
+    )
     data_parallel_size_local: int | None = setting(
         None,
         "data-parallel ranks on this host, for ranks on several hosts (default: every "

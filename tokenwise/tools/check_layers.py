@@ -210,8 +210,8 @@ LAYERS: tuple[Layer, ...] = (
         ),
     ),
     # Engines callers drive (`EngineClient`): the in-process engine, and the client of
-    # engine-core processes (one, or one per DP rank, some of them on other hosts) with its
-    # wire messages; `create_engine` picks one.
+    # engine-core processes (one, or one per DP rank, some of them on other hosts or Ray
+    # actors) with its wire messages; `create_engine` picks one.
     Layer(
         "engine clients",
         (
@@ -222,6 +222,7 @@ LAYERS: tuple[Layer, ...] = (
             "tokenwise.engine.core_process",
             "tokenwise.engine.core_processes",
             "tokenwise.engine.remote_core",
+            "tokenwise.engine.ray_ranks",
             "tokenwise.engine.headless",
             "tokenwise.engine.core_client",
             "tokenwise.engine.client",
