@@ -254,3 +254,36 @@ def test_checkpoint_layouts_load(ckpt: str, tmp_path: Any, rename: Any) -> None:
     save_file(renamed, str(moved / "model.safetensors"), metadata={"format": "pt"})
     llm = LLM(str(moved), dtype="float32", num_gpu_blocks=3 * 16, block_size=8, max_model_len=128)
     assert run(llm, CASES[:1]) == [hf_greedy(ckpt, *CASES[0])]
+
+
+def test_two_pipeline_stages_equal_hf(ckpt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pipeline parallelism: the first stage embeds the images, the second (two of the three
+    layers: the last layer's mask cannot reach the last token) gets each prefill row's image
+    spans (both-ways attention inside an image) in the step message."""
+    monkeypatch.setenv("TOKENWISE_PP_LAYER_PARTITION", "1,2")
+    llm = LLM(
+        ckpt,
+        dtype="float32",
+        pipeline_parallel_size=2,
+        num_gpu_blocks=2 * POOL,
+        block_size=8,
+        max_num_batched_tokens=20,
+    )
+    try:
+        assert run(llm, CASES) == [hf_greedy(ckpt, *c) for c in CASES]
+        # The first token's logprobs: without the spans on the second stage (causal over the
+        # images there) they are off by more than 1e-4 (the mask matters for these prompts).
+        params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+        model, _ = hf_parts(ckpt)
+        for prompt, specs in CASES[:2]:
+            out = llm.generate(engine_prompt(prompt, specs), params, use_tqdm=False)[0]
+            with torch.no_grad():
+                logits = model(**hf_inputs(ckpt, prompt, specs)).logits[0, -1]
+                ref = torch.log_softmax(logits, -1)
+            for token, lp in out.outputs[0].logprobs[0].items():
+                assert math.isclose(lp.logprob, ref[token].item(), abs_tol=1e-4)
+        stage0 = llm.llm_engine.runner.model.model
+        assert stage0.is_first_stage and not stage0.is_last_stage
+        assert_pool_clean(llm.llm_engine)
+    finally:
+        llm.shutdown()

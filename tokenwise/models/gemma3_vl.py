@@ -35,6 +35,7 @@ from torch import nn
 
 from tokenwise.config import EngineConfig
 from tokenwise.layers.layernorm import GemmaRMSNorm
+from tokenwise.layers.pipeline import IntermediateTensors, StageAbsent
 from tokenwise.models.clip_vision import CLIPVisionTower
 from tokenwise.models.gemma3 import Gemma3ForCausalLM
 from tokenwise.models.image_merge import decode_with_images
@@ -71,7 +72,9 @@ class Gemma3Projector(nn.Module):
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     is_multimodal = True
-    supports_pp = False  # the images would enter at the first stage only: not built yet
+    # Under pipeline parallelism the first stage holds the vision tower and embeds the images;
+    # later stages get the image spans (both-ways attention) in the step message.
+    supports_pp = True
     # Soft tokens of one image attend to each other both ways (see the module docstring).
     bidirectional_image_attention = True
 
@@ -84,11 +87,14 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         self.image_token_index = int(image_token_id(mm))
         self.vocab_size = int(config.model.hf_config.vocab_size)
         self.tokens_per_image = int(mm.mm_tokens_per_image)
-        self.vision_tower = CLIPVisionTower(vision, [-1], post_layernorm=True)
-        if not self.vision_tower.siglip:
-            raise ValueError("Gemma 3's vision tower must be SigLIP (siglip_vision_model)")
-        hidden = int(config.model.hf_config.hidden_size)
-        self.multi_modal_projector = Gemma3Projector(vision, hidden, self.tokens_per_image)
+        self.vision_tower: nn.Module = StageAbsent()
+        self.multi_modal_projector: nn.Module = StageAbsent()
+        if self.model.is_first_stage:
+            self.vision_tower = CLIPVisionTower(vision, [-1], post_layernorm=True)
+            if not self.vision_tower.siglip:
+                raise ValueError("Gemma 3's vision tower must be SigLIP (siglip_vision_model)")
+            hidden = int(config.model.hf_config.hidden_size)
+            self.multi_modal_projector = Gemma3Projector(vision, hidden, self.tokens_per_image)
 
     @property
     def num_image_tokens(self) -> int:
@@ -109,8 +115,12 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         positions: torch.Tensor,
         image_embeds: torch.Tensor | None = None,
         image_token_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """`image_embeds[i]` replaces the embedding of flat token `image_token_rows[i]`."""
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """`image_embeds[i]` replaces the embedding of flat token `image_token_rows[i]`; a
+        later pipeline stage starts from `intermediate_tensors`."""
+        if intermediate_tensors is not None:
+            return self.model(input_ids, positions, intermediate_tensors=intermediate_tensors)
         return decode_with_images(
             self.model, input_ids, positions, image_embeds, image_token_rows, self._embed_text
         )
@@ -132,6 +142,8 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
                 if not name.startswith(IMAGE_MODULES):
                     yield name, tensor
                     continue
+                if not self.model.is_first_stage:
+                    continue  # another pipeline stage's
                 if name.startswith("vision_tower.") and self.vision_tower.skips(
                     name[len("vision_tower.") :]
                 ):
