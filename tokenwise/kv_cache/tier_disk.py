@@ -86,6 +86,7 @@ class DiskTier(KVTierStore):
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file bytes, LRU first
         self._pending: dict[bytes, torch.Tensor] = {}
         self._generation = 0
+        self._closed = False
         self._tmp_count = 0
         self._scan()
         self._queue: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
@@ -133,7 +134,7 @@ class DiskTier(KVTierStore):
         with self._lock:
             if key in self._index or key in self._pending:
                 return
-            if size > self.capacity_bytes:
+            if size > self.capacity_bytes or self._closed:
                 self.stats.dropped += 1
                 return
             try:
@@ -189,6 +190,8 @@ class DiskTier(KVTierStore):
         return True
 
     def close(self, timeout_s: float = 10.0) -> None:
+        with self._lock:
+            self._closed = True
         if not self._thread.is_alive():
             return
         try:
