@@ -21,6 +21,7 @@ from tests.engine._fixtures import LLAMA, assert_pool_clean, checkpoint
 from tokenwise import LLM, SamplingParams
 from tokenwise.engine.stats import EngineStats
 from tokenwise.entrypoints.openai.metrics import _EngineCollector
+from tokenwise.entrypoints.openai.metrics_aliases import VllmAliasCollector
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 ORDER = (0, 1, 2, 0, 3, 1)
@@ -67,7 +68,7 @@ def test_tier_hits_give_the_cold_run_tokens(cold: list, tmp_path: Path) -> None:
     text = _metrics(stats)
     assert 'prefix_cache_hits_by_tier_total{model_name="m",tier="disk"} 144.0' in text
     assert 'prefix_cache_hits_by_tier_total{model_name="m",tier="kv_cache"} 48.0' in text
-    assert "vllm:external_prefix_cache_hits_total" not in text  # aliases: made by the app
+    assert 'vllm:external_prefix_cache_hits_total{model_name="m"} 144.0' in text
     assert 'tokenwise:external_prefix_cache_hits_total{model_name="m"} 144.0' in text
 
 
@@ -75,13 +76,13 @@ def _metrics(stats: EngineStats) -> str:
     from prometheus_client import CollectorRegistry, generate_latest
 
     registry = CollectorRegistry()
-    registry.register(_EngineCollector("m", lambda: stats, dict))
+    collector = _EngineCollector("m", lambda: stats, dict)
+    registry.register(collector)
+    registry.register(VllmAliasCollector([collector]))
     return generate_latest(registry).decode()
 
 
-def test_restart_serves_old_files_and_damaged_files_are_misses(
-    cold: list, tmp_path: Path
-) -> None:
+def test_restart_serves_old_files_and_damaged_files_are_misses(cold: list, tmp_path: Path) -> None:
     first = tmp_path / "first"
     llm = _tiered(checkpoint(LLAMA), first)
     engine = llm.llm_engine
