@@ -1,8 +1,9 @@
 """The KV tier's stores on their own: exact round trips, damaged files are misses, the size cap
-and LRU order hold, a killed writer leaves nothing bad to read, and bad settings are named.
+and LRU order hold, a killed writer leaves nothing bad to read, and bad settings are named;
+and its connector on a bare block manager: a prefix found half in the pool, half in the tier.
 
-No model here: payloads are made-up byte tensors, so every test runs in well under a second
-(the kill test starts one small Python process).
+No model here: payloads are made-up tensors, so every test runs in well under a second (the
+kill test starts one small Python process).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import pytest
 import torch
 
 from tokenwise.config import CacheConfig
+from tokenwise.engine.block_manager import BlockManager
 from tokenwise.kv_cache.tier import CPUMemoryTier
+from tokenwise.kv_cache.tier_blocks import KVTierConnector
 from tokenwise.kv_cache.tier_disk import DiskTier, encode_header
 
 PAYLOAD = 4096
@@ -189,3 +192,35 @@ def test_unusable_directory_is_named(tmp_path: Path) -> None:
     blocker.write_text("x")
     with pytest.raises(ValueError, match="kv_offloading_dir .* is unusable"):
         DiskTier(blocker / "sub", 1 << 20)
+
+
+def test_connector_pins_a_prefix_while_loading_its_tail() -> None:
+    """A prefix whose head is still in the pool (and least recently used) and whose tail is in
+    the tier: loading the tail must not evict the head. The hit covers all three blocks, each
+    holding the bytes its block had, and every block is free again afterwards."""
+    bs = 4
+    bm = BlockManager(num_blocks=4, block_size=bs)
+    cache = torch.zeros(4 + 1, bs, 2)  # block dimension 0, one trash row as the runner's
+    connector = KVTierConnector(bm.pool, CPUMemoryTier(1 << 20), [(cache, 0)])
+    bm.pool.tier = connector
+    a, b = list(range(13)), list(range(100, 113))
+
+    def fill(rid: str, tokens: list[int], n: int) -> list[int]:
+        blocks = bm.allocate_slots(rid, tokens, 0, n)[0]
+        for block in blocks:  # what a forward pass would write: the request's own values
+            cache[block] = float(tokens[0] * 10 + blocks.index(block))
+        return blocks
+
+    fill("a", a, 12)
+    bm.free("a")  # LRU order now: a's block 2, 1, 0
+    fill("b", b, 12)  # the uncached block, then a's blocks 2 and 1 (into the tier)
+    bm.free("b")  # LRU order: a's block 0, then b's
+    assert connector.num_saved == 2
+    hits, length = bm.get_computed_blocks("a2", a)
+    assert length == 3 * bs
+    assert [float(cache[block][0, 0]) for block in hits[0]] == [0.0, 1.0, 2.0]
+    assert bm.prefix_cache_tier_hits == 2 * bs
+    assert bm.allocate_slots("a2", a, 0, 1, hits) is not None
+    bm.free("a2")
+    bm.check_invariants()
+    assert bm.get_num_free_blocks() == 4 and bm.pool.num_used == 0
