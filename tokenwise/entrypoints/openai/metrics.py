@@ -143,16 +143,12 @@ class _EngineCollector(Collector):
         if not s.kv_tier_name:
             return
         pool_hits = s.prefix_cache_hits - s.prefix_cache_tier_hits
-        yield self._counter(
-            "external_prefix_cache_queries",
-            "Prompt tokens the KV cache missed and the KV tier was asked for.",
-            s.prefix_cache_queries - pool_hits,
-        )
-        yield self._counter(
-            "external_prefix_cache_hits",
-            "Prompt tokens loaded back from the KV tier.",
-            s.prefix_cache_tier_hits,
-        )
+        asked = s.prefix_cache_queries - pool_hits
+        for name, doc, value in (
+            ("queries", "Prompt tokens the KV cache missed and the KV tier was asked for.", asked),
+            ("hits", "Prompt tokens loaded back from the KV tier.", s.prefix_cache_tier_hits),
+        ):
+            yield self._counter("external_prefix_cache_" + name, doc, value)
         by_tier = CounterMetricFamily(
             PREFIX + "prefix_cache_hits_by_tier",
             "Prompt tokens found in the prefix cache, by the tier that held them.",
