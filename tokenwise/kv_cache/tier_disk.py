@@ -151,14 +151,13 @@ class DiskTier(KVTierStore):
         if payload is None and known:
             payload = read_payload(self._path(key), key)
             with self._lock:
-                if payload is None:
+                size = self._index.pop(key, None) if payload is None else None
+                if size is not None:  # (None: the writer evicted it while we read)
                     self.stats.corrupt += 1
                     logger.warning("KV tier: %s failed its check; treated as a miss", key.hex())
-                    size = self._index.pop(key, None)
-                    if size is not None:
-                        self.stats.bytes_used -= size
-                        self._path(key).unlink(missing_ok=True)
-                elif key in self._index:
+                    self.stats.bytes_used -= size
+                    self._path(key).unlink(missing_ok=True)
+                elif payload is not None and key in self._index:
                     self._index.move_to_end(key)
         with self._lock:
             if payload is None:
