@@ -13,9 +13,12 @@ then per turn a `--user`-token message and a `--answer`-token greedy answer, whi
 history), then `--traffic` unrelated prompts that together overflow the pool, so nothing of
 the conversation is left in it. The tier's background writes are flushed between turns (the
 user's think time). Printed per returning turn: its prompt length, the time to first token of
-each engine (the steps until its first token), the ratio, and the tokens the tier served; then
-the tier's hit rate over the returning turns' prompt tokens, whether both engines generated the
-same tokens, and the CPU flags.
+each engine (the steps until its first token), the ratio, the tokens the tier served and the
+time the tier took in the engine's thread within that turn (loads, and copies out of blocks
+the loads evicted); then the tier's hit rate over the returning turns' prompt tokens, whether
+both engines generated the same tokens (dummy weights: near-tied logits, so bf16 rounding of a
+prefill split differently may flip one; tests/engine/test_kv_tier.py checks tokens in fp32),
+and the CPU flags.
 """
 
 from __future__ import annotations
@@ -104,14 +107,15 @@ def main() -> None:
         times = {}
         for name, engine in engines.items():
             hits = engine.get_stats().prefix_cache_tier_hits
+            spent = engine.kv_tier.seconds if engine.kv_tier is not None else 0.0
             prompt = history[name] + message
             times[name], answer = turn(engine, f"turn{k}", prompt, args.answer)
             served = engine.get_stats().prefix_cache_tier_hits - hits
             history[name] = prompt + answer
             outputs[name].append(answer)
             if name == "tier":
-                tier_served = served
-        rows.append((k + 1, len(prompt), times["tier"], times["none"], tier_served))
+                tier_served, tier_s = served, engine.kv_tier.seconds - spent
+        rows.append((k + 1, len(prompt), times["tier"], times["none"], tier_served, tier_s))
         others = [tokens(traffic_len) for _ in range(args.traffic)]
         for engine in engines.values():
             for i, other in enumerate(others):
@@ -124,16 +128,19 @@ def main() -> None:
         f"{args.traffic} prompts of {traffic_len} tokens between turns, "
         f"{torch.get_num_threads()} threads; CPU flags: {cpu_flag_summary()}"
     )
-    print("| turn | prompt tokens | TTFT, tier | TTFT, no tier | no tier / tier | from tier |")
-    print("|---|---|---|---|---|---|")
-    for k, n, t_tier, t_none, served in rows:
+    print(
+        "| turn | prompt tokens | TTFT, tier | TTFT, no tier | no tier / tier | from tier "
+        "| tier's own time |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for k, n, t_tier, t_none, served, spent in rows:
         print(
             f"| {k} | {n} | {t_tier * 1e3:.0f} ms | {t_none * 1e3:.0f} ms | "
-            f"{t_none / t_tier:.2f}x | {served} |"
+            f"{t_none / t_tier:.2f}x | {served} | {spent * 1e3:.0f} ms |"
         )
     returning = rows[1:]
-    asked = sum(n for _, n, _, _, _ in returning)
-    served = sum(s for *_, s in returning)
+    asked = sum(r[1] for r in returning)
+    served = sum(r[4] for r in returning)
     total_tier = sum(r[2] for r in returning)
     total_none = sum(r[3] for r in returning)
     stats = engines["tier"].kv_tier.store.stats

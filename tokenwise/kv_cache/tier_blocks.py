@@ -28,6 +28,7 @@ a hybrid model needs one; the attention tier alone would load blocks no hit can 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,6 +64,7 @@ class KVTierConnector:
         self._loaded: set[int] = set()  # blocks loaded from the tier, not yet counted as hits
         self.num_loaded = 0  # blocks loaded in all (a lookup may load more than it hits)
         self.num_saved = 0  # blocks copied out to the store
+        self.seconds = 0.0  # spent in the engine's thread: copies out and loads (benchmarks)
 
     # ---- copies -------------------------------------------------------------------------------
 
@@ -84,8 +86,10 @@ class KVTierConnector:
         """`block_id`, cached under `key`, is being evicted: keep its K/V in the tier."""
         self._loaded.discard(block_id)
         if not self.store.contains(key):
+            start = time.perf_counter()
             self.store.put(key, self.copy_out(block_id))
             self.num_saved += 1
+            self.seconds += time.perf_counter() - start
 
     def hit(self, key: bytes) -> int | None:
         """The block cached under `key`, from the pool or loaded from the tier; pinned until
@@ -95,11 +99,13 @@ class KVTierConnector:
         if block_id is None:
             if pool.num_free == 0 or not self.store.contains(key):
                 return None
+            start = time.perf_counter()
             payload = self.store.get(key)
             if payload is None or payload.numel() != self.block_bytes:
                 return None
             block_id = pool.allocate()  # may evict (and save) an unpinned block
             self.copy_in(block_id, payload)
+            self.seconds += time.perf_counter() - start
             pool.register(block_id, key)
             self._pinned[block_id] = None  # allocate's reference is the pin
             self._loaded.add(block_id)
