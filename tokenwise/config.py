@@ -120,6 +120,8 @@ class ParallelConfig:
 
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+# `kv_offloading_backend`: "native" is vLLM's (host memory; on a CPU engine, local disk).
+KV_OFFLOADING_BACKENDS = ("native", "cpu", "disk")
 
 
 @dataclass
@@ -135,9 +137,22 @@ class CacheConfig:
     num_gpu_blocks: int | None = None  # explicit block count overrides the memory budget
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
+    # A second tier for prefix-cache blocks the pool evicts (`engine/kv_tier_setup.py`):
+    # its size in GiB (None: off), its store, and the disk store's root directory.
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str = "native"
+    kv_offloading_dir: str | None = None
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1)
+        if self.kv_offloading_size is not None and not self.kv_offloading_size > 0:
+            raise ValueError(f"kv_offloading_size must be > 0 GiB, got {self.kv_offloading_size}")
+        if self.kv_offloading_backend not in KV_OFFLOADING_BACKENDS:
+            raise ValueError(
+                f"kv_offloading_backend must be one of {', '.join(KV_OFFLOADING_BACKENDS)}, "
+                f"got {self.kv_offloading_backend!r}"
+                + (" (LMCache is not built in)" if self.kv_offloading_backend == "lmcache" else "")
+            )
         if self.cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "

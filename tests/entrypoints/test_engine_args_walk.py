@@ -36,6 +36,8 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "block_size": ("32", 32),
     "kv_cache_memory": ("1MiB", 1 << 20),
     "num_gpu_blocks": ("64", 64),
+    "kv_offloading_size": ("2.5", 2.5),
+    "kv_offloading_dir": ("/tmp/kv-tier", "/tmp/kv-tier"),
     "gpu_memory_utilization": ("0.5", 0.5),
     "cudagraph_mode": ("full", "FULL"),
     "cudagraph_capture_sizes": ("4,1", [1, 4]),

@@ -114,6 +114,7 @@ class BlockManager:
         self._hashes: dict[str, list[bytes]] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.prefix_cache_tier_hits = 0  # of those, tokens loaded from the second KV tier
 
     @property
     def num_kv_cache_groups(self) -> int:
@@ -153,16 +154,22 @@ class BlockManager:
         limit = max(0, (len(token_ids) - 1) // self.block_size)
         hashes = self._block_hashes(request_id, token_ids, limit, cache_salt, images)
         length = limit
-        while True:
-            agreed = min(m.hit_length(hashes, length) for m in self._own)
-            if agreed == length:
-                break
-            length = agreed
+        hits = empty
+        try:  # a KV tier pins what the lookup finds until it ends (`BlockPool.end_lookup`)
+            while True:
+                agreed = min(m.hit_length(hashes, length) for m in self._own)
+                if agreed == length:
+                    break
+                length = agreed
+            hits = tuple(
+                [] if m.group_id in self._cross else m.hit_blocks(hashes, length)
+                for m in self.managers
+            )
+        finally:
+            from_tier = self.pool.end_lookup(hits[self._own[0].group_id])
         self.prefix_cache_queries += len(token_ids)
         self.prefix_cache_hits += length * self.block_size
-        hits = tuple(
-            [] if m.group_id in self._cross else m.hit_blocks(hashes, length) for m in self.managers
-        )
+        self.prefix_cache_tier_hits += from_tier * self.block_size
         return hits, length * self.block_size
 
     def get_block_table(self, request_id: str, group: int = SELF_ATTN) -> tuple[int, ...]:

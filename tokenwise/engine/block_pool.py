@@ -11,6 +11,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from tokenwise.kv_cache.events import KVEventCollector
+from tokenwise.kv_cache.tier_blocks import KVTierConnector
 
 
 @dataclass(slots=True)
@@ -47,6 +48,9 @@ class BlockPool:
         # Set when KV-cache events are on (`--kv-events-config`): evictions, drops and resets
         # are reported here; stores by the group managers, which know the blocks' tokens.
         self.events: KVEventCollector | None = None
+        # Set when a second KV tier is on (`--kv-offloading-size`, `kv_cache/tier_blocks.py`):
+        # evicted blocks are copied out to it, prefix lookups that miss here are loaded from it.
+        self.tier: KVTierConnector | None = None
 
     @property
     def num_free(self) -> int:
@@ -70,6 +74,17 @@ class BlockPool:
         """Return the block registered under ``block_hash``, whether in use or free."""
         return self._hash_to_block.get(block_hash)
 
+    def hit(self, block_hash: bytes) -> int | None:
+        """`lookup` for a prefix lookup: with a KV tier, a miss here may be loaded from it,
+        and the block is pinned until `end_lookup`."""
+        if self.tier is None:
+            return self._hash_to_block.get(block_hash)
+        return self.tier.hit(block_hash)
+
+    def end_lookup(self, hits: list[int]) -> int:
+        """A prefix lookup is over: unpin its blocks; how many of `hits` the tier served."""
+        return self.tier.end_lookup(hits) if self.tier is not None else 0
+
     def touch(self, block_id: int) -> None:
         """Take one more reference on a cached block (a prefix hit).
 
@@ -92,6 +107,8 @@ class BlockPool:
             block_id, _ = self._free_cached.popitem(last=False)
             block = self.blocks[block_id]
             assert block.block_hash is not None
+            if self.tier is not None:  # before anyone can write the block again
+                self.tier.evicted(block_id, block.block_hash)
             del self._hash_to_block[block.block_hash]
             if self.events is not None:
                 self.events.removed(block.block_hash)
@@ -154,6 +171,8 @@ class BlockPool:
         self._hash_to_block.clear()
         if self.events is not None:
             self.events.cleared()
+        if self.tier is not None:  # new weights: the tier's K/V is stale too
+            self.tier.reset()
         return True
 
     def check_invariants(self) -> None:

@@ -23,6 +23,7 @@ from tokenwise.config import EngineConfig
 from tokenwise.distributed.kv_events import attach_kv_events
 from tokenwise.engine.kinds.base import ModelKind, NewRequest
 from tokenwise.engine.kinds.select import model_kind_for
+from tokenwise.engine.kv_tier_setup import attach_kv_tier
 from tokenwise.engine.output_processor import OutputProcessor, Touched
 from tokenwise.engine.pipeline_loop import PipelineLoop
 from tokenwise.engine.prompts import (
@@ -141,6 +142,7 @@ class LLMEngine:
             lambda: not self.groups,
             self.reset_prefix_cache,
         )
+        self.kv_tier = attach_kv_tier(config, [bm.pool for bm in managers], self.runner)
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -216,6 +218,8 @@ class LLMEngine:
         """Stop the workers (the executor's); the engine cannot step afterwards."""
         self.model_executor.shutdown()
         self.kv_events.shutdown()
+        if self.kv_tier is not None:
+            self.kv_tier.close()
         if self._grammars is not None:
             self._grammars.shutdown()
         self.kind.shutdown()
@@ -375,6 +379,9 @@ class LLMEngine:
         s.num_free_blocks = bm.get_num_free_blocks()
         s.prefix_cache_queries = bm.prefix_cache_queries
         s.prefix_cache_hits = bm.prefix_cache_hits
+        s.prefix_cache_tier_hits = bm.prefix_cache_tier_hits
+        if self.kv_tier is not None:
+            s.kv_tier_name = self.kv_tier.store.name
         s.num_ubatched_steps_total = self.runner.num_ubatched_steps
         if self.config.lora is not None:
             s.running_lora_adapters = lora_adapter_names(self.scheduler.running)

@@ -25,6 +25,10 @@ class EngineStats:
     num_total_blocks: int = 0
     prefix_cache_queries: int = 0  # cumulative prompt tokens looked up
     prefix_cache_hits: int = 0  # cumulative prompt tokens found cached
+    # Of those, tokens loaded back from the second KV tier (`--kv-offloading-size`), and the
+    # tier's name ("cpu", "disk"; empty: no tier).
+    prefix_cache_tier_hits: int = 0
+    kv_tier_name: str = ""
     prompt_tokens_total: int = 0  # cumulative prompt tokens computed (hits excluded)
     generation_tokens_total: int = 0
     num_preemptions_total: int = 0
@@ -143,6 +147,7 @@ def combine_stats(per_core: list[EngineStats]) -> EngineStats:
             "num_total_blocks",
             "prefix_cache_queries",
             "prefix_cache_hits",
+            "prefix_cache_tier_hits",
             "prompt_tokens_total",
             "generation_tokens_total",
             "num_preemptions_total",
@@ -158,6 +163,7 @@ def combine_stats(per_core: list[EngineStats]) -> EngineStats:
             total.finished_reasons[reason] = total.finished_reasons.get(reason, 0) + count
         for name in ("running_lora_adapters", "waiting_lora_adapters"):
             setattr(total, name, sorted(set(getattr(total, name)) | set(getattr(s, name))))
+        total.kv_tier_name = total.kv_tier_name or s.kv_tier_name
         per_pos = total.spec_decode_num_accepted_tokens_per_pos
         for pos, count in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
             if pos == len(per_pos):

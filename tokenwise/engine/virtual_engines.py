@@ -141,6 +141,10 @@ class VirtualEngineBlockManagers:
     def prefix_cache_hits(self) -> int:
         return sum(m.prefix_cache_hits for m in self.managers)
 
+    @property
+    def prefix_cache_tier_hits(self) -> int:
+        return sum(m.prefix_cache_tier_hits for m in self.managers)
+
     def reset_prefix_cache(self) -> bool:
         return all([m.reset_prefix_cache() for m in self.managers])
 

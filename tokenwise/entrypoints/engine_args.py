@@ -22,7 +22,13 @@ import difflib
 from dataclasses import dataclass, fields
 from typing import Any
 
-from tokenwise.config import KV_CACHE_DTYPES, EngineConfig, PoolerConfig, SpeculativeConfig
+from tokenwise.config import (
+    KV_CACHE_DTYPES,
+    KV_OFFLOADING_BACKENDS,
+    EngineConfig,
+    PoolerConfig,
+    SpeculativeConfig,
+)
 from tokenwise.entrypoints.arg_types import (  # noqa: F401 (re-exported: the flags' parsers)
     bounded_int,
     non_negative_int,
@@ -185,6 +191,24 @@ class EngineArgs:
         metavar="N,N,...",
     )
     enable_prefix_caching: bool = setting(True, "reuse KV blocks across requests (default: on)")
+    kv_offloading_size: float | None = setting(
+        None,
+        "GiB of a second tier for prefix-cache blocks evicted from the KV cache, loaded back "
+        "on a later prefix hit (default: off)",
+        type=float,
+        metavar="GIB",
+    )
+    kv_offloading_backend: str = setting(
+        "native",
+        "the tier's store: native = pinned host memory on CUDA, files on local disk on CPU; "
+        "cpu or disk name one (default: native)",
+        choices=list(KV_OFFLOADING_BACKENDS),
+    )
+    kv_offloading_dir: str | None = setting(
+        None,
+        "root directory of the disk tier, one subdirectory per model "
+        "(default: $XDG_CACHE_HOME/tokenwise/kv-tier)",
+    )
     scheduling_policy: str = setting(
         "fcfs",
         "fcfs serves requests in arrival order; priority by each request's `priority` "

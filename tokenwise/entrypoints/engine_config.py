@@ -215,6 +215,9 @@ def resolve_engine_config(args: Any) -> EngineConfig:
             num_gpu_blocks=args.num_gpu_blocks,
             enable_prefix_caching=args.enable_prefix_caching,
             gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_offloading_size=args.kv_offloading_size,
+            kv_offloading_backend=args.kv_offloading_backend,
+            kv_offloading_dir=args.kv_offloading_dir,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

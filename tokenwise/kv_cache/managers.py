@@ -55,7 +55,7 @@ class KVCacheGroupManager:
     # ---- prefix hits ------------------------------------------------------------------------
 
     def cached_block(self, block_hash: bytes) -> int | None:
-        return self.pool.lookup(block_hash + self._key_suffix)
+        return self.pool.hit(block_hash + self._key_suffix)
 
     def hit_length(self, hashes: Sequence[bytes], limit: int) -> int:
         """The longest hit of at most `limit` blocks this group can serve."""

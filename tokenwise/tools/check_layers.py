@@ -79,6 +79,10 @@ LAYERS: tuple[Layer, ...] = (
             # KV-cache events: the wire structs and `--kv-events-config` (msgspec, no engine).
             "tokenwise.kv_cache.events",
             "tokenwise.kv_cache.events_config",
+            # The second KV tier's stores and its connector to the cache tensors (torch only).
+            "tokenwise.kv_cache.tier",
+            "tokenwise.kv_cache.tier_disk",
+            "tokenwise.kv_cache.tier_blocks",
         ),
     ),
     # The C kernels of CPU decode, their ctypes wrappers and build: tensors and plain settings
@@ -148,6 +152,7 @@ LAYERS: tuple[Layer, ...] = (
             "tokenwise.kv_cache.managers",
             "tokenwise.kv_cache.invariants",
             "tokenwise.engine.block_manager",
+            "tokenwise.engine.kv_tier_setup",
             "tokenwise.engine.request_queue",
             "tokenwise.engine.scheduler_hooks",
             "tokenwise.engine.scheduler",

@@ -82,6 +82,7 @@ class _EngineCollector(Collector):
         yield self._counter(
             "prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits
         )
+        yield from self._kv_tier(s)
         yield self._counter(
             "prompt_tokens",
             "Prompt tokens computed (prefix-cache hits excluded).",
@@ -134,6 +135,28 @@ class _EngineCollector(Collector):
                 time.time(),
             )
             yield lora
+
+    def _kv_tier(self, s: EngineStats) -> Iterator[Metric]:
+        """With a second KV tier (`--kv-offloading-size`): vLLM's external_prefix_cache_*
+        counters (tokens the pool missed and the tier was asked for; tokens it served), and
+        the prefix-cache hits split by the tier that served them."""
+        if not s.kv_tier_name:
+            return
+        pool_hits = s.prefix_cache_hits - s.prefix_cache_tier_hits
+        asked = s.prefix_cache_queries - pool_hits
+        for name, doc, value in (
+            ("queries", "Prompt tokens the KV cache missed and the KV tier was asked for.", asked),
+            ("hits", "Prompt tokens loaded back from the KV tier.", s.prefix_cache_tier_hits),
+        ):
+            yield self._counter("external_prefix_cache_" + name, doc, value)
+        by_tier = CounterMetricFamily(
+            PREFIX + "prefix_cache_hits_by_tier",
+            "Prompt tokens found in the prefix cache, by the tier that held them.",
+            labels=["model_name", "tier"],
+        )
+        by_tier.add_metric([self.model_name, "kv_cache"], pool_hits)
+        by_tier.add_metric([self.model_name, s.kv_tier_name], s.prefix_cache_tier_hits)
+        yield by_tier
 
     def _spec_decode(self, s: EngineStats) -> Iterator[Metric]:
         """vLLM's spec_decode_* counters (zero while speculative decoding is off)."""

@@ -26,6 +26,8 @@ VLLM_ALIASES: dict[str, tuple[str, ...]] = {
     "tokenwise:kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
     "tokenwise:prefix_cache_queries": ("vllm:prefix_cache_queries",),
     "tokenwise:prefix_cache_hits": ("vllm:prefix_cache_hits",),
+    "tokenwise:external_prefix_cache_queries": ("vllm:external_prefix_cache_queries",),
+    "tokenwise:external_prefix_cache_hits": ("vllm:external_prefix_cache_hits",),
     "tokenwise:prompt_tokens_including_cached": ("vllm:prompt_tokens",),
     "tokenwise:generation_tokens": ("vllm:generation_tokens",),
     "tokenwise:num_preemptions": ("vllm:num_preemptions",),
