@@ -214,7 +214,6 @@ def test_stages_that_split_the_layers_differently_are_refused(
         ),
         ("LlamaForCausalLM", 2, "4", rf"{ENV_LAYER_PARTITION}='4' has 1 entries"),
         ("LlamaForCausalLM", 2, "4,0", "at least one layer"),
-        ("BertModel", 2, None, "pipeline_parallel_size=2 is not supported for BertModel"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_setting(

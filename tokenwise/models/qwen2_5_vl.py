@@ -46,7 +46,6 @@ def checkpoint_name(name: str) -> str:
 class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     is_multimodal = True
     uses_mrope = True
-    supports_pp = False  # later stages would need the 3-D (M-RoPE) positions
 
     def __init__(self, config: EngineConfig, prefix: str = "") -> None:
         mm = config.model.hf_multimodal_config

@@ -15,7 +15,6 @@ from torch import nn
 
 from tokenwise.attention.utils import AttentionType
 from tokenwise.config import EngineConfig, PoolerConfig
-from tokenwise.layers.pipeline import IntermediateTensors
 from tokenwise.models.llama import DecoderVariant, LlamaForCausalLM, LlamaModel
 
 
@@ -31,10 +30,11 @@ class Qwen3ForSequenceClassification(Qwen3ForCausalLM):
 
     HF scores the last token of each sequence; the engine's pooler picks that row (LAST
     pooling) and `classify` projects it. Each prompt is read whole, in one step, with causal
-    attention and no KV cache (`DECODER_NO_CACHE`): nothing is generated after it.
+    attention and no KV cache (`DECODER_NO_CACHE`): nothing is generated after it. Its
+    forward returns the last hidden states of every token; under pipeline parallelism the last
+    stage's go back to the driver, which pools them (the score head loads on every stage).
     """
 
-    supports_pp = False  # the last stage would have to send pooled rows back
     is_pooling_model = True
     is_classifier = True
     default_pooler_config = PoolerConfig(pooling_type="LAST", normalize=False)
@@ -52,17 +52,6 @@ class Qwen3ForSequenceClassification(Qwen3ForCausalLM):
     def decoder_variant(cls, hf_config: Any) -> DecoderVariant:
         variant = super().decoder_variant(hf_config)
         return replace(variant, attn_type=AttentionType.DECODER_NO_CACHE)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None,
-    ) -> torch.Tensor | IntermediateTensors:
-        """The last hidden states (final norm applied) of every token of the step; under
-        pipeline parallelism the last stage's go back to the driver, which pools them (the
-        score head is loaded on every stage)."""
-        return self.model(input_ids, positions, intermediate_tensors=intermediate_tensors)
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
         """float32 logits `[num_seqs, num_labels]` of each sequence's last hidden state."""
