@@ -1,5 +1,6 @@
 """bfloat16 activations in the quantized CPU kernel: int8 per 32 values (llama.cpp's arithmetic,
-the default) or int16 per group, on every vector path this CPU can build.
+the default) or int16 per group, on every vector path this CPU can build; float32 activations
+exact, or int8 when asked.
 
 The int8 path must compute exactly the dot product of the dequantized weights with x rounded
 to int8 per block of 32 (scale max|x| / 127, round half to even): that reference is written
@@ -136,11 +137,41 @@ def test_shapes_the_int8_path_cannot_take_keep_int16(lib, bits: int, k: int) -> 
     _close_to(out8, x.float(), dense, None)
 
 
-def test_float32_x_stays_exact(native) -> None:
+def test_float32_x_stays_exact_by_default(native, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unless TOKENWISE_CPU_QUANT_FP32_ACTIVATIONS says int8, float32 x is not rounded (and
+    16 bits, a bf16-only path, leaves it exact too)."""
+    monkeypatch.delenv(cpu_qgemv.FP32_ACTIVATIONS_ENV, raising=False)
+    cpu_qgemv.fp32_activation_bits.cache_clear()
     qw = quantize(_weight(33, 256, seed=4), 4, 32, True)
     x = _x(2, 256, seed=5).float()
-    out = cpu_qgemv.qgemv(native, x, qw.qweight, qw.scales, None, None, 4, 32, 33, x_bits=8)
-    torch.testing.assert_close(out, x @ reference_dequantize(qw).T, rtol=1e-5, atol=1e-5)
+    args = (qw.qweight, qw.scales, None, None, 4, 32, 33)
+    try:
+        for x_bits in (None, 16, 32):
+            out = cpu_qgemv.qgemv(native, x, *args, x_bits=x_bits)
+            torch.testing.assert_close(out, x @ reference_dequantize(qw).T, rtol=1e-5, atol=1e-5)
+    finally:
+        cpu_qgemv.fp32_activation_bits.cache_clear()
+
+
+@pytest.mark.parametrize(("bits", "symmetric"), FORMATS)
+def test_float32_x_on_the_int8_path(lib, bits: int, symmetric: bool) -> None:
+    """float32 x with 8 bits asked for (TOKENWISE_CPU_QUANT_FP32_ACTIVATIONS=int8) is the
+    product with x rounded to int8 per 32 values, as for bf16 x, and the output stays float32:
+    only float summation order separates it from the reference. K 640 ends in a part-filled
+    chunk; 3 and 8 rows of x, 19 weight rows (not a multiple of any block height)."""
+    qw = quantize(_weight(19, 640, seed=bits), bits, 64, symmetric)
+    dense = reference_dequantize(qw).double()
+    for rows in (1, 3, 8):
+        x = _x(rows, 640, seed=rows).float()
+        x[:, 100] = 1000.0 * (rows - 2)  # a block whose largest value dwarfs the others
+        args = (qw.qweight, qw.scales, qw.offsets, None, bits, 64, 19)
+        out = cpu_qgemv.qgemv(lib, x, *args, x_bits=8)
+        assert out.dtype == torch.float32
+        expected = _int8_rounded(x).double() @ dense.T
+        magnitude = x.double().abs() @ dense.abs().T
+        assert ((out.double() - expected).abs() <= magnitude * 1e-5 + 1e-6).all()
+        # and it is not the exact product: the block with the outlier lost its small values
+        assert not torch.allclose(out.double(), x.double() @ dense.T, rtol=1e-5, atol=1e-5)
 
 
 def test_activation_setting(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -157,3 +188,19 @@ def test_activation_setting(monkeypatch: pytest.MonkeyPatch) -> None:
             cpu_qgemv.activation_bits()
     finally:
         cpu_qgemv.activation_bits.cache_clear()
+
+
+def test_fp32_activation_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu_qgemv.fp32_activation_bits.cache_clear()
+    try:
+        monkeypatch.delenv(cpu_qgemv.FP32_ACTIVATIONS_ENV, raising=False)
+        assert cpu_qgemv.default_x_bits(torch.float32) == 32
+        cpu_qgemv.fp32_activation_bits.cache_clear()
+        monkeypatch.setenv(cpu_qgemv.FP32_ACTIVATIONS_ENV, " INT8 ")
+        assert cpu_qgemv.default_x_bits(torch.float32) == 8
+        cpu_qgemv.fp32_activation_bits.cache_clear()
+        monkeypatch.setenv(cpu_qgemv.FP32_ACTIVATIONS_ENV, "int16")
+        with pytest.raises(ValueError, match="QUANT_FP32_ACTIVATIONS must be one of float, int8"):
+            cpu_qgemv.fp32_activation_bits()
+    finally:
+        cpu_qgemv.fp32_activation_bits.cache_clear()

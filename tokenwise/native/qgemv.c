@@ -126,14 +126,23 @@ static void qblock_scalar(const qctx *c, int64_t n, float *t, int R, int M) {
 #endif
 /* The integer path keeps R * M int32 and R * M float accumulators live. */
 #define X16R_FOR(M) ((M) <= 2 ? 4 : (M) <= 4 ? 2 : 1)
+/* The int8-activation path on AVX2 takes one weight row at a time at every M: with 16 vector
+ * registers, more rows spill the per-block scales and accumulators to the stack, and each
+ * block's few integer instructions then wait on memory (measured 2.4x slower at M = 1 with 4
+ * rows, benchmarks/RESULTS.md, 2026-11-28). AVX-512's 32 registers hold the wider blocks. */
+#if defined(TW_AVX512)
+#define X8R_FOR X16R_FOR
+#else
+#define X8R_FOR(M) 1
+#endif
 
 static void run_rows(const qctx *c, int64_t n0, int64_t n1, int Mr) {
 #if defined(TW_AVX512) || defined(TW_AVX2)
     if (c->xq8) {
         if (c->bits == 8)
-            SWITCH_M(q8x8_block, X16R_FOR)
+            SWITCH_M(q8x8_block, X8R_FOR)
         else
-            SWITCH_M(q4x8_block, X16R_FOR)
+            SWITCH_M(q4x8_block, X8R_FOR)
         return;
     }
     if (c->xq) {
@@ -160,8 +169,10 @@ static int check_shape(int64_t N, int64_t K, int bits, int64_t G) {
 }
 
 /* y[M, N] = x[M, K] @ dequant(q)^T (+ bias[N]); x, bias and y of one dtype (bf16 when `xbf16`).
- * bf16 x takes an integer path where the groups allow it: x as int8 per 32 values when
- * `xbits` is 8 (qgemv_x8.h), else as int16 per group (qgemv_x16.h).
+ * x takes an integer path where the groups allow it: as int8 per 32 values when `xbits` is 8
+ * (qgemv_x8.h; float32 x too, as llama.cpp does: the caller asks for it only when the user
+ * did), else bf16 x as int16 per group when `xbits` is 16 (qgemv_x16.h); otherwise the exact
+ * float path.
  * Returns 0; -1 for bad sizes; -2 when a copy of x cannot be allocated. */
 int tw_qgemv(const void *x, const uint8_t *q, const void *sc, const void *of,
              const void *bias, void *y, int64_t M, int64_t N, int64_t K, int bits, int64_t G,
@@ -174,7 +185,7 @@ int tw_qgemv(const void *x, const uint8_t *q, const void *sc, const void *of,
               K / G, -1};
     void *x16 = NULL;
 #if defined(TW_AVX512) || defined(TW_AVX2)
-    if (xbf16 && xbits == 8 && x8_fits(bits, K, G)) {
+    if (xbits == 8 && x8_fits(bits, K, G)) {
         const int64_t nb = K / X8_BLOCK;
         /* int8 x, then (4-byte aligned: M * K is a multiple of 64) the lanes' corrections and
          * the blocks' scales and scaled sums */
