@@ -10,6 +10,9 @@ rounding separate it from the kernel.
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import pytest
 import torch
 
@@ -204,3 +207,34 @@ def test_fp32_activation_setting(monkeypatch: pytest.MonkeyPatch) -> None:
             cpu_qgemv.fp32_activation_bits()
     finally:
         cpu_qgemv.fp32_activation_bits.cache_clear()
+
+
+def test_haswell_build_matches_native(native, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TOKENWISE_CPU_MARCH=haswell builds the AVX2+FMA kernel (no 512-bit register in its code)
+    and it computes what the native build does on every path (float32 x exact and int8, bf16 x
+    int8), up to float summation order."""
+    monkeypatch.setenv("TOKENWISE_CPU_MARCH", "haswell")
+    monkeypatch.setenv("TOKENWISE_KERNEL_CACHE", str(tmp_path))
+    path = native_build.build(
+        native_build.find_compiler(), cpu_qgemv.KERNEL.source, "qgemv", cpu_qgemv.flags()
+    )
+    assert path.parent == tmp_path
+    if shutil.which("objdump"):
+        code = subprocess.run(["objdump", "-d", str(path)], capture_output=True, text=True).stdout
+        assert "vfmadd" in code and "zmm" not in code
+    haswell = cpu_qgemv.open_library(path)
+    assert haswell.tw_qgemv_isa() == 1
+    for bits, symmetric in FORMATS:
+        qw = quantize(_weight(21, 512, seed=bits), bits, 32, symmetric)
+        dense = reference_dequantize(qw).double()
+        args = (qw.qweight, qw.scales, qw.offsets, None, bits, 32, 21)
+        for rows in (1, 6):
+            x = _x(rows, 512, seed=rows)
+            for dtype, x_bits in ((torch.float32, 32), (torch.float32, 8), (torch.bfloat16, 8)):
+                xd = x.to(dtype)
+                a = cpu_qgemv.qgemv(native, xd, *args, x_bits=x_bits).double()
+                b = cpu_qgemv.qgemv(haswell, xd, *args, x_bits=x_bits).double()
+                magnitude = xd.double().abs() @ dense.abs().T
+                # bf16 output: the two may round a result to neighbouring bf16 values
+                rel = 2**-7 if dtype == torch.bfloat16 else 0.0
+                assert ((a - b).abs() <= a.abs() * rel + magnitude * 1e-5 + 1e-6).all()
