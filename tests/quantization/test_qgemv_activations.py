@@ -177,36 +177,34 @@ def test_float32_x_on_the_int8_path(lib, bits: int, symmetric: bool) -> None:
         assert not torch.allclose(out.double(), x.double() @ dense.T, rtol=1e-5, atol=1e-5)
 
 
-def test_activation_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    cpu_qgemv.activation_bits.cache_clear()
-    try:
-        monkeypatch.delenv(cpu_qgemv.ACTIVATIONS_ENV, raising=False)
-        assert cpu_qgemv.activation_bits() == 8
-        cpu_qgemv.activation_bits.cache_clear()
-        monkeypatch.setenv(cpu_qgemv.ACTIVATIONS_ENV, "int16")
-        assert cpu_qgemv.activation_bits() == 16
-        cpu_qgemv.activation_bits.cache_clear()
-        monkeypatch.setenv(cpu_qgemv.ACTIVATIONS_ENV, "fp8")
-        with pytest.raises(ValueError, match="TOKENWISE_CPU_QUANT_ACTIVATIONS.*int8, int16"):
-            cpu_qgemv.activation_bits()
-    finally:
-        cpu_qgemv.activation_bits.cache_clear()
+SETTINGS = [  # variable, its reader, value -> bits (None: unset), a bad value and its message
+    ("TOKENWISE_CPU_QUANT_ACTIVATIONS", "activation_bits", {None: 8, "int16": 16}, "fp8",
+     "TOKENWISE_CPU_QUANT_ACTIVATIONS.*int8, int16"),
+    ("TOKENWISE_CPU_QUANT_FP32_ACTIVATIONS", "fp32_activation_bits", {None: 32, " INT8 ": 8},
+     "int16", "QUANT_FP32_ACTIVATIONS must be one of float, int8"),
+]  # fmt: skip
 
 
-def test_fp32_activation_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    cpu_qgemv.fp32_activation_bits.cache_clear()
+@pytest.mark.parametrize(("env", "reader", "values", "bad", "message"), SETTINGS)
+def test_activation_settings(
+    monkeypatch: pytest.MonkeyPatch, env: str, reader: str, values: dict, bad: str, message: str
+) -> None:
+    read = getattr(cpu_qgemv, reader)
+    dtype = torch.float32 if "FP32" in env else torch.bfloat16
     try:
-        monkeypatch.delenv(cpu_qgemv.FP32_ACTIVATIONS_ENV, raising=False)
-        assert cpu_qgemv.default_x_bits(torch.float32) == 32
-        cpu_qgemv.fp32_activation_bits.cache_clear()
-        monkeypatch.setenv(cpu_qgemv.FP32_ACTIVATIONS_ENV, " INT8 ")
-        assert cpu_qgemv.default_x_bits(torch.float32) == 8
-        cpu_qgemv.fp32_activation_bits.cache_clear()
-        monkeypatch.setenv(cpu_qgemv.FP32_ACTIVATIONS_ENV, "int16")
-        with pytest.raises(ValueError, match="QUANT_FP32_ACTIVATIONS must be one of float, int8"):
-            cpu_qgemv.fp32_activation_bits()
+        for value, bits in values.items():
+            read.cache_clear()
+            if value is None:
+                monkeypatch.delenv(env, raising=False)
+            else:
+                monkeypatch.setenv(env, value)
+            assert read() == bits and cpu_qgemv.default_x_bits(dtype) == bits
+        read.cache_clear()
+        monkeypatch.setenv(env, bad)
+        with pytest.raises(ValueError, match=message):
+            read()
     finally:
-        cpu_qgemv.fp32_activation_bits.cache_clear()
+        read.cache_clear()
 
 
 def test_haswell_build_matches_native(native, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
