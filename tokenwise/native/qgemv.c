@@ -12,8 +12,9 @@
  * Decode is bound by reading the weights: each group is loaded once and multiplied into all M
  * rows of x, R weight rows at a time; rows are split over OpenMP threads in contiguous ranges,
  * as in gemv.c. float32 x: each weight is widened to float32 in registers (w = q * s + o,
- * one fused multiply-add). bf16 x: the integer path of qgemv_x16.h, fewer instructions per
- * weight. `tw_qdequant` writes the dense weights, for the larger row counts of prefill.
+ * one fused multiply-add), exact; or, when the caller asks (`xbits` 8), x quantized to int8 as
+ * bf16 x is. bf16 x: the integer paths of qgemv_x8.h (int8 x, default) and qgemv_x16.h, fewer
+ * instructions per weight. `tw_qdequant` writes the dense weights, for the larger row counts of prefill.
  */
 #include "qgemv.h"
 #include "qgemv_x16.h"
