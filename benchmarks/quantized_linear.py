@@ -1,7 +1,7 @@
 """Decode-sized linear layers with int8 / int4 weights against the dense kernel, on CPU.
 
     python benchmarks/quantized_linear.py [--rows 1,2,4,8] [--models llama-100m,qwen3-0.6b]
-        [--dtypes bfloat16,float32] [--layers qkv,gate_up]
+        [--dtypes bfloat16,float32] [--layers qkv,gate_up] [--fp32-activations float|int8]
 
 For each linear shape of the model configs (qkv, o, gate_up, down, lm_head), each activation
 dtype and row count M, prints the fastest call of: the dense path the engine takes for that
@@ -10,7 +10,13 @@ layers (`QuantizedWeight.linear`: int8 symmetric, int4 symmetric, int4 with offs
 32), with the weight bytes each reads per second and its speed-up over the dense path measured
 in the same run. Weights are cycled over >= `--cold-gib` GiB of copies per path, so they come
 from memory as in the decode step of a model larger than the caches; paths take turns in short
-bursts (`linear_bandwidth._best_seconds`), so other load falls on all alike.
+bursts (`linear_bandwidth._best_seconds`), so other load falls on all alike. The memory
+bandwidth is measured among those bursts (`torch.sum` over the same dense weight copies: on a
+shared machine a separate measurement catches other moments' load), and each quantized path's
+GB/s is also given as its share of it. `--fp32-activations int8`
+runs float32 x through the int8-activation path (TOKENWISE_CPU_QUANT_FP32_ACTIVATIONS).
+On an AVX-512 machine, `TOKENWISE_CPU_MARCH=haswell ATEN_CPU_CAPABILITY=avx2
+ONEDNN_MAX_CPU_ISA=AVX2` measures the AVX2 paths.
 """
 
 from __future__ import annotations
@@ -40,15 +46,20 @@ def main() -> None:
     parser.add_argument("--layers", default="", help="only these layer names (comma-separated)")
     parser.add_argument("--cold-gib", type=float, default=0.5)
     parser.add_argument("--budget", type=float, default=0.25, help="seconds per measurement")
+    parser.add_argument("--fp32-activations", choices=("float", "int8"), default=None)
     args = parser.parse_args()
+    if args.fp32_activations:
+        os.environ[cpu_qgemv.FP32_ACTIVATIONS_ENV] = args.fp32_activations
     torch.manual_seed(0)
     lib = cpu_qgemv.load()
     print(f"CPU flags: {cpu_flag_summary()}; threads: {torch.get_num_threads()}")
     print(f"quantized kernel: {cpu_qgemv.ISA_NAMES.get(lib.tw_qgemv_isa()) if lib else 'none'}")
+    fp32_bits = cpu_qgemv.fp32_activation_bits()
+    print(f"float32 activations: {'int8 per 32 values' if fp32_bits == 8 else 'float (exact)'}")
     print()
-    heads = " | ".join(f"{f} µs (GB/s, speed-up)" for f in FORMATS)
-    print(f"| model | layer | N x K | x dtype | M | dense µs (GB/s) | {heads} |")
-    print("|---|---|---|---|---|---|" + "---|" * len(FORMATS))
+    heads = " | ".join(f"{f} µs (GB/s, % of bandwidth, speed-up)" for f in FORMATS)
+    print(f"| model | layer | N x K | x dtype | M | sum GB/s | dense µs (GB/s) | {heads} |")
+    print("|---|---|---|---|---|---|---|" + "---|" * len(FORMATS))
     wanted = set(filter(None, args.layers.split(",")))
     rows = [int(r) for r in args.rows.split(",")]
     for model in args.models.split(","):
@@ -76,18 +87,22 @@ def _measure(
         ]
     for m in rows:
         x = torch.randn(m, k).to(dtype)
-        paths = {"dense": lambda i, x=x: cpu_prepack.linear(x, weights[i % copies], None, None)}
+        paths = {
+            "sum": lambda i: weights[i % copies].sum(),
+            "dense": lambda i, x=x: cpu_prepack.linear(x, weights[i % copies], None, None),
+        }
         for fmt, layers in quantized.items():
             paths[fmt] = lambda i, x=x, ls=layers: ls[i % len(ls)].linear(x, None)
         times = _best_seconds(
             paths, max(copies, *(len(v) for v in quantized.values())), args.budget
         )
-        dense = times["dense"]
-        cells = [f"{dense * 1e6:.0f} ({dense_bytes / dense / 1e9:.1f})"]
+        dense, bandwidth = times["dense"], dense_bytes / times["sum"]
+        cells = [f"{bandwidth / 1e9:.1f}", f"{dense * 1e6:.0f} ({dense_bytes / dense / 1e9:.1f})"]
         for fmt, layers in quantized.items():
             t = times[fmt]
             gbs = layers[0].nbytes / t / 1e9
-            cells.append(f"{t * 1e6:.0f} ({gbs:.1f}, {dense / t:.2f}x)")
+            share = 100 * gbs * 1e9 / bandwidth
+            cells.append(f"{t * 1e6:.0f} ({gbs:.1f}, {share:.0f}%, {dense / t:.2f}x)")
         print(f"| {label} | {m} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -17,7 +17,11 @@
    the GGUF run one at a time; `tokenwise bench serve`'s client sends both the same workload
    (streaming `/v1/completions`, token-id prompts U[32,384], 128 new tokens, greedy,
    ignore_eos). Workloads: `one` (6 requests in turn) and `48` (48 at once).
-4. `--quant q8_0|q4_0`: the GGUF file is quantized by llama.cpp's `llama-quantize --pure`
+4. `--cpu avx2` measures both as on an AVX2+FMA CPU without AVX-512 (AMD Zen 1-3, Haswell):
+   llama.cpp built with its AVX-512 options off (in `build-avx2/`, refused if objdump finds a
+   zmm register in it), `tokenwise serve` with its C kernels built for `-march=haswell` and
+   torch's kernels held to AVX2 (`AVX2_ENV`), fp32.
+5. `--quant q8_0|q4_0`: the GGUF file is quantized by llama.cpp's `llama-quantize --pure`
    (built like llama-server) and both servers load that one file: llama-server runs its
    quantized kernels, tokenwise keeps the layers in the file's integers and scales (int8 /
    int4, `tokenwise.layers.quantization`) with bf16 (or fp32) activations.
@@ -114,6 +118,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="",
         metavar="ARGS",
         help="extra `tokenwise serve` arguments, e.g. --enforce-eager (no CPU graphs)",
+    )
+    p.add_argument(
+        "--cpu",
+        choices=("native", "avx2"),
+        default="native",
+        help="avx2: both sides as on an AVX2+FMA CPU without AVX-512 (llama.cpp built for AVX2 "
+        "only in build-avx2/, checked for zmm registers; tokenwise with TOKENWISE_CPU_MARCH="
+        "haswell, ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2; fp32)",
     )
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server -t")
     p.add_argument("--seed", type=int, default=0)
@@ -240,13 +252,27 @@ GGML_ISA = {
 }  # fmt: skip
 
 
-def ggml_isa_flags() -> list[str]:
-    """cmake options for this CPU's vector ISA, without AMX (GGML_NATIVE would turn it on)."""
+# What `--cpu avx2` keeps of this CPU's flags: an AVX2+FMA CPU (Haswell, Zen 1-3).
+AVX2_ISA = {"avx", "avx2", "fma", "f16c", "bmi2"}
+# The environment of `tokenwise serve` under `--cpu avx2`: the C kernels and torch's own
+# kernels (ATen, oneDNN) on their AVX2 paths.
+AVX2_ENV = {
+    "TOKENWISE_CPU_MARCH": "haswell",
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+}
+
+
+def ggml_isa_flags(cpu: str = "native") -> list[str]:
+    """cmake options for this CPU's vector ISA (`cpu` "avx2": no more than AVX2+FMA), without
+    AMX (GGML_NATIVE would turn it on)."""
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     present = set()
     for line in cpuinfo.splitlines():
         if line.startswith("flags"):
             present |= set(line.split(":", 1)[1].split())
+    if cpu == "avx2":
+        present &= AVX2_ISA
     flags = [
         "-DGGML_NATIVE=OFF",
         "-DGGML_AMX_TILE=OFF",
@@ -256,9 +282,32 @@ def ggml_isa_flags() -> list[str]:
     return flags + [f"-D{opt}={'ON' if cpu in present else 'OFF'}" for cpu, opt in GGML_ISA.items()]
 
 
-def ensure_llama_server(cache: Path, skip_build: bool, target: str = "llama-server") -> Path:
+def zmm_users(paths: list[Path]) -> list[str]:
+    """The files among `paths` whose machine code names a 512-bit register (objdump)."""
+    found = []
+    for path in paths:
+        out = subprocess.run(
+            ["objdump", "-d", "--no-show-raw-insn", str(path)],
+            capture_output=True, text=True, timeout=600, check=True,
+        ).stdout  # fmt: skip
+        if "%zmm" in out:
+            found.append(path.name)
+    return found
+
+
+def check_avx2_build(bin_dir: Path) -> None:
+    """Refuse an AVX2 build of llama.cpp that holds AVX-512 code (a flag the sdist ignored)."""
+    files = [p for p in sorted(bin_dir.iterdir()) if p.is_file() and not p.suffix == ".py"]
+    if found := zmm_users(files):
+        raise SystemExit(f"vs_llamacpp: the AVX2 build uses zmm registers in {', '.join(found)}")
+
+
+def ensure_llama_server(
+    cache: Path, skip_build: bool, target: str = "llama-server", cpu: str = "native"
+) -> Path:
     src = llama_cpp_source(cache)
-    binary = src / "build" / "bin" / target
+    build_dir = "build" if cpu == "native" else f"build-{cpu}"
+    binary = src / build_dir / "bin" / target
     if binary.exists():
         return binary
     if skip_build:
@@ -268,13 +317,15 @@ def ensure_llama_server(cache: Path, skip_build: bool, target: str = "llama-serv
             "vs_llamacpp: cmake is missing; install it (apt-get update && apt-get install -y "
             "cmake) and run again"
         )
-    configure = ["cmake", "-B", "build", "-DLLAMA_CURL=OFF", *ggml_isa_flags()]
+    configure = ["cmake", "-B", build_dir, "-DLLAMA_CURL=OFF", *ggml_isa_flags(cpu)]
     _run([*_nice(), *configure, "-DCMAKE_BUILD_TYPE=Release"], 900, "cmake configure", cwd=src)
     jobs = str(os.cpu_count() or 2)
-    build = ["cmake", "--build", "build", "--target", target, "-j", jobs]
+    build = ["cmake", "--build", build_dir, "--target", target, "-j", jobs]
     _run([*_nice(), *build], 7200, f"building {target}", cwd=src)
     if not binary.exists():
         raise SystemExit(f"vs_llamacpp: the build finished without {binary}")
+    if cpu == "avx2":
+        check_avx2_build(binary.parent)
     return binary
 
 
@@ -389,8 +440,11 @@ def free_port() -> int:
 class Server:
     """One server process in its own process group; `stop()` kills the whole group."""
 
-    def __init__(self, name: str, cmd: list[str], port: int, log_path: Path) -> None:
+    def __init__(
+        self, name: str, cmd: list[str], port: int, log_path: Path, env: dict | None = None
+    ) -> None:
         self.name, self.cmd, self.port, self.log_path = name, cmd, port, log_path
+        self.env = env
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -401,8 +455,9 @@ class Server:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                self.cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
-            )
+                self.cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+                env=None if self.env is None else {**os.environ, **self.env},
+            )  # fmt: skip
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -523,7 +578,9 @@ def run_workloads(
         for server in SERVERS:
             cmd = server_command(server, args, w, hf_dir, gguf, binary)
             port = int(cmd[-1])
-            srv = Server(server, cmd, port, logs / f"{args.shape}-{w.name}-{server}.log")
+            env = AVX2_ENV if args.cpu == "avx2" and server == "tokenwise" else None
+            log = logs / f"{args.shape}-{w.name}-{server}.log"
+            srv = Server(server, cmd, port, log, env)
             try:
                 srv.start(args.startup_timeout)
                 warm = client_args(
@@ -556,6 +613,8 @@ def main(argv: list[str] | None = None) -> int:
     cache = Path(args.cache_dir)
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     flags = cpu_flags(cpuinfo)
+    if args.cpu == "avx2":
+        flags = [f for f in flags if f in AVX2_ISA]  # what the builds may use
     args.dtype = "bf16" if has_native_bf16(flags) else "f32"
     args.shape_cfg = json.loads(
         (REPO / "benchmarks" / "configs" / args.shape / "config.json").read_text()
@@ -565,11 +624,11 @@ def main(argv: list[str] | None = None) -> int:
         if not binary.exists():
             raise SystemExit(f"vs_llamacpp: no llama-server at {binary}")
     else:
-        binary = ensure_llama_server(cache, args.skip_build)
+        binary = ensure_llama_server(cache, args.skip_build, cpu=args.cpu)
     hf_dir, gguf = build_checkpoints(args.shape, args.dtype, cache, args.seed)
     bytes_per_param: float = 2 if args.dtype == "bf16" else 4
     if args.quant != "none":
-        quantize_bin = ensure_llama_server(cache, args.skip_build, "llama-quantize")
+        quantize_bin = ensure_llama_server(cache, args.skip_build, "llama-quantize", args.cpu)
         gguf = quantized_gguf(gguf, args.quant, quantize_bin)
         bytes_per_param = QUANT_BYTES[args.quant]
     results = run_workloads(args, hf_dir, gguf, binary)
@@ -586,6 +645,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{LLAMA_CPP_PYTHON} (-fa on -t {args.threads}, -np = concurrency"
         f"{' ' + args.llama_server_args if args.llama_server_args else ''})"
         f"{'; tokenwise serve ' + args.tokenwise_args if args.tokenwise_args else ''}"
+        f"{'; AVX2 emulated (--cpu avx2)' if args.cpu == 'avx2' else ''}"
     )
     print()
     print(format_tables(results, weight_bytes, header))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -96,3 +98,43 @@ def test_commands_bound_the_servers(vs, tmp_path) -> None:
     eager_args.dtype, eager_args.shape_cfg = args.dtype, args.shape_cfg
     eager = vs.server_command("tokenwise", eager_args, w, tmp_path, tmp_path / "m.gguf", tmp_path)
     assert "--enforce-eager" in eager and eager[-1] == str(int(eager[-1]))  # the port stays last
+
+
+def test_avx2_build_options(vs, monkeypatch) -> None:
+    """--cpu avx2 turns every AVX-512 option of ggml off, whatever this CPU has."""
+    assert vs.parse_args([]).cpu == "native"
+    assert vs.parse_args(["--cpu", "avx2"]).cpu == "avx2"
+    with pytest.raises(SystemExit):
+        vs.parse_args(["--cpu", "avx512"])
+    info = "flags\t\t: fpu avx avx2 fma f16c bmi2 avx512f avx512vbmi avx512_vnni avx512_bf16\n"
+    real_read_text = vs.Path.read_text
+    monkeypatch.setattr(
+        vs.Path, "read_text", lambda p: info if str(p) == "/proc/cpuinfo" else real_read_text(p)
+    )
+    native = vs.ggml_isa_flags()
+    avx2 = vs.ggml_isa_flags("avx2")
+    assert "-DGGML_AVX512=ON" in native and "-DGGML_AVX512_VNNI=ON" in native
+    for opt in ("AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16", "AVX_VNNI"):
+        assert f"-DGGML_{opt}=OFF" in avx2
+    for opt in ("AVX", "AVX2", "FMA", "F16C", "BMI2"):
+        assert f"-DGGML_{opt}=ON" in avx2
+    assert "-DGGML_NATIVE=OFF" in avx2
+
+
+def test_zmm_check_tells_avx512_code_apart(vs, tmp_path) -> None:
+    """The check an AVX2 build of llama.cpp passes: objdump finds zmm registers only in code
+    built for AVX-512."""
+    if not (shutil.which("gcc") and shutil.which("objdump")):
+        pytest.skip("needs gcc and objdump")
+    src = tmp_path / "add.c"
+    src.write_text(
+        "#include <immintrin.h>\n"
+        "void add(float *a, const float *b) {\n"
+        "  for (int i = 0; i < 1024; i++) a[i] += b[i];\n}\n"
+    )
+    for isa in ("avx2", "avx512f"):
+        flags = ["-O3", f"-m{isa}", "-mprefer-vector-width=512"]
+        subprocess.run(
+            ["gcc", *flags, "-c", str(src), "-o", str(tmp_path / f"{isa}.o")], check=True
+        )
+    assert vs.zmm_users([tmp_path / "avx2.o", tmp_path / "avx512f.o"]) == ["avx512f.o"]

@@ -1,5 +1,6 @@
 """bfloat16 activations in the quantized CPU kernel: int8 per 32 values (llama.cpp's arithmetic,
-the default) or int16 per group, on every vector path this CPU can build.
+the default) or int16 per group, on every vector path this CPU can build; float32 activations
+exact, or int8 when asked.
 
 The int8 path must compute exactly the dot product of the dequantized weights with x rounded
 to int8 per block of 32 (scale max|x| / 127, round half to even): that reference is written
@@ -8,6 +9,9 @@ rounding separate it from the kernel.
 """
 
 from __future__ import annotations
+
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -136,24 +140,99 @@ def test_shapes_the_int8_path_cannot_take_keep_int16(lib, bits: int, k: int) -> 
     _close_to(out8, x.float(), dense, None)
 
 
-def test_float32_x_stays_exact(native) -> None:
+def test_float32_x_stays_exact_by_default(native, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unless TOKENWISE_CPU_QUANT_FP32_ACTIVATIONS says int8, float32 x is not rounded (and
+    16 bits, a bf16-only path, leaves it exact too)."""
+    monkeypatch.delenv(cpu_qgemv.FP32_ACTIVATIONS_ENV, raising=False)
+    cpu_qgemv.fp32_activation_bits.cache_clear()
     qw = quantize(_weight(33, 256, seed=4), 4, 32, True)
     x = _x(2, 256, seed=5).float()
-    out = cpu_qgemv.qgemv(native, x, qw.qweight, qw.scales, None, None, 4, 32, 33, x_bits=8)
-    torch.testing.assert_close(out, x @ reference_dequantize(qw).T, rtol=1e-5, atol=1e-5)
-
-
-def test_activation_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    cpu_qgemv.activation_bits.cache_clear()
+    args = (qw.qweight, qw.scales, None, None, 4, 32, 33)
     try:
-        monkeypatch.delenv(cpu_qgemv.ACTIVATIONS_ENV, raising=False)
-        assert cpu_qgemv.activation_bits() == 8
-        cpu_qgemv.activation_bits.cache_clear()
-        monkeypatch.setenv(cpu_qgemv.ACTIVATIONS_ENV, "int16")
-        assert cpu_qgemv.activation_bits() == 16
-        cpu_qgemv.activation_bits.cache_clear()
-        monkeypatch.setenv(cpu_qgemv.ACTIVATIONS_ENV, "fp8")
-        with pytest.raises(ValueError, match="TOKENWISE_CPU_QUANT_ACTIVATIONS.*int8, int16"):
-            cpu_qgemv.activation_bits()
+        for x_bits in (None, 16, 32):
+            out = cpu_qgemv.qgemv(native, x, *args, x_bits=x_bits)
+            torch.testing.assert_close(out, x @ reference_dequantize(qw).T, rtol=1e-5, atol=1e-5)
     finally:
-        cpu_qgemv.activation_bits.cache_clear()
+        cpu_qgemv.fp32_activation_bits.cache_clear()
+
+
+@pytest.mark.parametrize(("bits", "symmetric"), FORMATS)
+def test_float32_x_on_the_int8_path(lib, bits: int, symmetric: bool) -> None:
+    """float32 x with 8 bits asked for (TOKENWISE_CPU_QUANT_FP32_ACTIVATIONS=int8) is the
+    product with x rounded to int8 per 32 values, as for bf16 x, and the output stays float32:
+    only float summation order separates it from the reference. K 640 ends in a part-filled
+    chunk; 3 and 8 rows of x, 19 weight rows (not a multiple of any block height)."""
+    qw = quantize(_weight(19, 640, seed=bits), bits, 64, symmetric)
+    dense = reference_dequantize(qw).double()
+    for rows in (1, 3, 8):
+        x = _x(rows, 640, seed=rows).float()
+        x[:, 100] = 1000.0 * (rows - 2)  # a block whose largest value dwarfs the others
+        args = (qw.qweight, qw.scales, qw.offsets, None, bits, 64, 19)
+        out = cpu_qgemv.qgemv(lib, x, *args, x_bits=8)
+        assert out.dtype == torch.float32
+        expected = _int8_rounded(x).double() @ dense.T
+        magnitude = x.double().abs() @ dense.abs().T
+        assert ((out.double() - expected).abs() <= magnitude * 1e-5 + 1e-6).all()
+        # and it is not the exact product: the block with the outlier lost its small values
+        assert not torch.allclose(out.double(), x.double() @ dense.T, rtol=1e-5, atol=1e-5)
+
+
+SETTINGS = [  # variable, its reader, value -> bits (None: unset), a bad value and its message
+    ("TOKENWISE_CPU_QUANT_ACTIVATIONS", "activation_bits", {None: 8, "int16": 16}, "fp8",
+     "TOKENWISE_CPU_QUANT_ACTIVATIONS.*int8, int16"),
+    ("TOKENWISE_CPU_QUANT_FP32_ACTIVATIONS", "fp32_activation_bits", {None: 32, " INT8 ": 8},
+     "int16", "QUANT_FP32_ACTIVATIONS must be one of float, int8"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("env", "reader", "values", "bad", "message"), SETTINGS)
+def test_activation_settings(
+    monkeypatch: pytest.MonkeyPatch, env: str, reader: str, values: dict, bad: str, message: str
+) -> None:
+    read = getattr(cpu_qgemv, reader)
+    dtype = torch.float32 if "FP32" in env else torch.bfloat16
+    try:
+        for value, bits in values.items():
+            read.cache_clear()
+            if value is None:
+                monkeypatch.delenv(env, raising=False)
+            else:
+                monkeypatch.setenv(env, value)
+            assert read() == bits and cpu_qgemv.default_x_bits(dtype) == bits
+        read.cache_clear()
+        monkeypatch.setenv(env, bad)
+        with pytest.raises(ValueError, match=message):
+            read()
+    finally:
+        read.cache_clear()
+
+
+def test_haswell_build_matches_native(native, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TOKENWISE_CPU_MARCH=haswell builds the AVX2+FMA kernel (no 512-bit register in its code)
+    and it computes what the native build does on every path (float32 x exact and int8, bf16 x
+    int8), up to float summation order."""
+    monkeypatch.setenv("TOKENWISE_CPU_MARCH", "haswell")
+    monkeypatch.setenv("TOKENWISE_KERNEL_CACHE", str(tmp_path))
+    path = native_build.build(
+        native_build.find_compiler(), cpu_qgemv.KERNEL.source, "qgemv", cpu_qgemv.flags()
+    )
+    assert path.parent == tmp_path
+    if shutil.which("objdump"):
+        code = subprocess.run(["objdump", "-d", str(path)], capture_output=True, text=True).stdout
+        assert "vfmadd" in code and "zmm" not in code
+    haswell = cpu_qgemv.open_library(path)
+    assert haswell.tw_qgemv_isa() == 1
+    for bits, symmetric in FORMATS:
+        qw = quantize(_weight(21, 512, seed=bits), bits, 32, symmetric)
+        dense = reference_dequantize(qw).double()
+        args = (qw.qweight, qw.scales, qw.offsets, None, bits, 32, 21)
+        for rows in (1, 6):
+            x = _x(rows, 512, seed=rows)
+            for dtype, x_bits in ((torch.float32, 32), (torch.float32, 8), (torch.bfloat16, 8)):
+                xd = x.to(dtype)
+                a = cpu_qgemv.qgemv(native, xd, *args, x_bits=x_bits).double()
+                b = cpu_qgemv.qgemv(haswell, xd, *args, x_bits=x_bits).double()
+                magnitude = xd.double().abs() @ dense.abs().T
+                # bf16 output: the two may round a result to neighbouring bf16 values
+                rel = 2**-7 if dtype == torch.bfloat16 else 0.0
+                assert ((a - b).abs() <= a.abs() * rel + magnitude * 1e-5 + 1e-6).all()

@@ -175,6 +175,7 @@ def resolve_engine_config(args: Any) -> EngineConfig:
     check_features(features)
     if uses_cpu_kernels(model_config.quantization, device):
         cpu_qgemv.activation_bits()  # a bad TOKENWISE_CPU_QUANT_ACTIVATIONS fails here
+        cpu_qgemv.fp32_activation_bits()  # and a bad ..._FP32_ACTIVATIONS
     if model_config.is_pooling:
         model_config.pooler_config = resolve_pooler_config(
             model_config.model, archs, args.override_pooler_config

@@ -12,8 +12,9 @@
  * Decode is bound by reading the weights: each group is loaded once and multiplied into all M
  * rows of x, R weight rows at a time; rows are split over OpenMP threads in contiguous ranges,
  * as in gemv.c. float32 x: each weight is widened to float32 in registers (w = q * s + o,
- * one fused multiply-add). bf16 x: the integer path of qgemv_x16.h, fewer instructions per
- * weight. `tw_qdequant` writes the dense weights, for the larger row counts of prefill.
+ * one fused multiply-add), exact; or, when the caller asks (`xbits` 8), x quantized to int8 as
+ * bf16 x is. bf16 x: the integer paths of qgemv_x8.h (int8 x, default) and qgemv_x16.h, fewer
+ * instructions per weight. `tw_qdequant` writes the dense weights, for the larger row counts of prefill.
  */
 #include "qgemv.h"
 #include "qgemv_x16.h"
@@ -118,22 +119,36 @@ static void qblock_scalar(const qctx *c, int64_t n, float *t, int R, int M) {
 
 #if defined(TW_AVX512)
 #define QR_FOR(M) ((M) <= 2 ? 4 : 2)
+#define QR8_FOR QR_FOR
 #elif defined(TW_AVX2)
 #define QR_FOR(M) ((M) <= 1 ? 4 : (M) <= 2 ? 2 : 1)
+/* int8 weights on AVX2: one row at a time (1.3-1.5x faster than 4 at M <= 2, measured
+ * 2026-11-28: the widened weights of 4 rows and their scales do not fit 16 registers). */
+#define QR8_FOR(M) 1
 #else
 #define qblock qblock_scalar
 #define QR_FOR(M) 1
+#define QR8_FOR QR_FOR
 #endif
 /* The integer path keeps R * M int32 and R * M float accumulators live. */
 #define X16R_FOR(M) ((M) <= 2 ? 4 : (M) <= 4 ? 2 : 1)
+/* The int8-activation path on AVX2 takes one weight row at a time at every M: with 16 vector
+ * registers, more rows spill the per-block scales and accumulators to the stack, and each
+ * block's few integer instructions then wait on memory (measured 2.4x slower at M = 1 with 4
+ * rows, benchmarks/RESULTS.md, 2026-11-28). AVX-512's 32 registers hold the wider blocks. */
+#if defined(TW_AVX512)
+#define X8R_FOR X16R_FOR
+#else
+#define X8R_FOR(M) 1
+#endif
 
 static void run_rows(const qctx *c, int64_t n0, int64_t n1, int Mr) {
 #if defined(TW_AVX512) || defined(TW_AVX2)
     if (c->xq8) {
         if (c->bits == 8)
-            SWITCH_M(q8x8_block, X16R_FOR)
+            SWITCH_M(q8x8_block, X8R_FOR)
         else
-            SWITCH_M(q4x8_block, X16R_FOR)
+            SWITCH_M(q4x8_block, X8R_FOR)
         return;
     }
     if (c->xq) {
@@ -149,7 +164,10 @@ static void run_rows(const qctx *c, int64_t n0, int64_t n1, int Mr) {
         return;
     }
 #endif
-    SWITCH_M(qblock, QR_FOR)
+    if (c->bits == 8)
+        SWITCH_M(qblock, QR8_FOR)
+    else
+        SWITCH_M(qblock, QR_FOR)
 }
 
 static int check_shape(int64_t N, int64_t K, int bits, int64_t G) {
@@ -160,8 +178,10 @@ static int check_shape(int64_t N, int64_t K, int bits, int64_t G) {
 }
 
 /* y[M, N] = x[M, K] @ dequant(q)^T (+ bias[N]); x, bias and y of one dtype (bf16 when `xbf16`).
- * bf16 x takes an integer path where the groups allow it: x as int8 per 32 values when
- * `xbits` is 8 (qgemv_x8.h), else as int16 per group (qgemv_x16.h).
+ * x takes an integer path where the groups allow it: as int8 per 32 values when `xbits` is 8
+ * (qgemv_x8.h; float32 x too, as llama.cpp does: the caller asks for it only when the user
+ * did), else bf16 x as int16 per group when `xbits` is 16 (qgemv_x16.h); otherwise the exact
+ * float path.
  * Returns 0; -1 for bad sizes; -2 when a copy of x cannot be allocated. */
 int tw_qgemv(const void *x, const uint8_t *q, const void *sc, const void *of,
              const void *bias, void *y, int64_t M, int64_t N, int64_t K, int bits, int64_t G,
@@ -174,7 +194,7 @@ int tw_qgemv(const void *x, const uint8_t *q, const void *sc, const void *of,
               K / G, -1};
     void *x16 = NULL;
 #if defined(TW_AVX512) || defined(TW_AVX2)
-    if (xbf16 && xbits == 8 && x8_fits(bits, K, G)) {
+    if (xbits == 8 && x8_fits(bits, K, G)) {
         const int64_t nb = K / X8_BLOCK;
         /* int8 x, then (4-byte aligned: M * K is a multiple of 64) the lanes' corrections and
          * the blocks' scales and scaled sums */

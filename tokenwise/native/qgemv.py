@@ -5,7 +5,10 @@ in registers (decode: bound by reading the weights, so fewer bytes per weight is
 bfloat16 activations run on integers: by default quantized to int8 per 32 values, llama.cpp's
 arithmetic for its Q8_0 / Q4_0 dot products (`TOKENWISE_CPU_QUANT_ACTIVATIONS=int16` keeps 16
 bits instead: 1/65534 of a group's largest value rather than 1/254, and 1.3-1.8x slower on
-AVX512_VNNI); float32 activations always take the exact float path;
+AVX512_VNNI); float32 activations take the exact float path unless
+`TOKENWISE_CPU_QUANT_FP32_ACTIVATIONS=int8` asks for llama.cpp's int8 arithmetic (on AVX2
+without VNNI the float path widens every weight to float32, 3-4 instructions per 8 weights, and
+is bound by that work rather than by memory: the int8 path is 2.6-3.4x faster at one row);
 `tw_qdequant` writes the dense weights for larger row counts (prefill), which then run through
 torch's matmul. Built at first use for this CPU by `native.build`, like `gemv`, and used
 under the same conditions (libgomp, so the kernel runs on torch's OpenMP threads). Where it is
@@ -36,6 +39,8 @@ MAX_ROWS = 8
 ISA_NAMES = {0: "plain C", 1: "AVX2", 2: "AVX-512"}
 ACTIVATIONS_ENV = "TOKENWISE_CPU_QUANT_ACTIVATIONS"
 ACTIVATION_BITS = {"int8": 8, "int16": 16}
+FP32_ACTIVATIONS_ENV = "TOKENWISE_CPU_QUANT_FP32_ACTIVATIONS"
+FP32_ACTIVATION_BITS = {"float": 32, "int8": 8}
 
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
@@ -85,6 +90,23 @@ def activation_bits() -> int:
     return ACTIVATION_BITS[name]
 
 
+@cache
+def fp32_activation_bits() -> int:
+    """What float32 activations become (`TOKENWISE_CPU_QUANT_FP32_ACTIVATIONS`): 32, the exact
+    float path, or 8, int8 per 32 values."""
+    name = envs.get(FP32_ACTIVATIONS_ENV).strip().lower()
+    if name not in FP32_ACTIVATION_BITS:
+        raise ValueError(
+            f"{FP32_ACTIVATIONS_ENV} must be one of {', '.join(FP32_ACTIVATION_BITS)}, got {name!r}"
+        )
+    return FP32_ACTIVATION_BITS[name]
+
+
+def default_x_bits(dtype: torch.dtype) -> int:
+    """The activation bits the settings ask for x of `dtype`."""
+    return activation_bits() if dtype == torch.bfloat16 else fp32_activation_bits()
+
+
 def qgemv(
     lib: ctypes.CDLL,
     x: torch.Tensor,
@@ -98,8 +120,9 @@ def qgemv(
     x_bits: int | None = None,
 ) -> torch.Tensor:
     """`x @ dequant(W)^T + bias` for x of at most `MAX_ROWS` rows (over its last dim), x float32
-    or bfloat16 (bias of x's dtype); all tensors contiguous CPU tensors. `x_bits` (8 or 16,
-    default `activation_bits()`) is what bfloat16 x is quantized to where the shapes allow."""
+    or bfloat16 (bias of x's dtype); all tensors contiguous CPU tensors. `x_bits` (default
+    `default_x_bits(x.dtype)`) is what x is quantized to where the shapes allow: 8 (either
+    dtype), 16 (bfloat16 x only), or 32 (float32 x: none, the exact float path)."""
     # Every Python step here runs once per layer per decode step: no reshape (a contiguous x
     # of any shape is the flat [rows, K] the kernel reads), one allocation.
     k = x.shape[-1]
@@ -120,7 +143,7 @@ def qgemv(
         group_size,
         int(scales.dtype == torch.float32),
         int(x.dtype == torch.bfloat16),
-        activation_bits() if x_bits is None else x_bits,
+        default_x_bits(x.dtype) if x_bits is None else x_bits,
         torch.get_num_threads(),
     )
     if status != 0:

@@ -17,7 +17,7 @@
  *
  * Precision: x loses up to 1/254 of its block's largest value, against 1/65534 in the int16
  * path: the error llama.cpp accepts (the same order as the weights' own rounding). So the path
- * is chosen per call (`xbits` 8), and float32 x never takes it.
+ * is chosen per call (`xbits` 8), for float32 x only when the user asked for it.
  * Without VNNI the byte products go through vpmaddubsw (saturating int16 pairs), so there int8
  * weights use |w| and x with w's sign instead of the shift (|w| * |x| * 2 <= 32512 cannot
  * saturate); int4 nibbles need nothing (15 * 127 * 2).
@@ -95,6 +95,30 @@ INLINE float quantize_block8(const float *v, int8_t *out, int *sum) {
     _mm_storeu_si128((__m128i *)out, _mm512_cvtepi32_epi8(i0));
     _mm_storeu_si128((__m128i *)(out + 16), _mm512_cvtepi32_epi8(i1));
     *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+#elif defined(TW_AVX2)
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 a[4], m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        a[i] = _mm256_loadu_ps(v + 8 * i);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, a[i]));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    const __m256 inv = _mm256_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+    __m256i i32[4];
+    for (int i = 0; i < 4; i++) i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(a[i], inv)); /* ties to even */
+    /* int32 -> int8 with the packs' lane interleave undone by one permute */
+    const __m256i p01 = _mm256_packs_epi32(i32[0], i32[1]), p23 = _mm256_packs_epi32(i32[2], i32[3]);
+    const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23),
+                                                   _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)out, p8);
+    const __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+    *sum = _mm_cvtsi128_si32(t);
 #else
     float amax = 0.0f;
     for (int i = 0; i < X8_BLOCK; i++) {
