@@ -90,6 +90,12 @@ def torch_uses_libgomp() -> bool:
     return "libgomp" in maps and "libiomp" not in maps
 
 
+def with_torch_openmp(flags: list[str]) -> list[str]:
+    """`flags` plus `-fopenmp` where torch's OpenMP runtime is libgomp (the kernel then shares
+    its threads; see the module docstring), else `flags` alone (the kernel runs serially)."""
+    return [*flags, "-fopenmp"] if torch_uses_libgomp() else flags
+
+
 def find_compiler() -> str | None:
     """`$CC` (default `cc`), else `gcc`, as a path; None when neither is installed."""
     return shutil.which(envs.external("CC") or "cc") or shutil.which("gcc")
@@ -157,8 +163,17 @@ class Kernel:
     def source(self) -> Path:
         return NATIVE_DIR / self.file
 
-    def load(self, flags: list[str], opener: Callable[[Path], ctypes.CDLL]) -> ctypes.CDLL | None:
-        """`load` of this kernel, cached as `<file stem>_<key>.so`."""
+    def load(
+        self,
+        flags: list[str],
+        opener: Callable[[Path], ctypes.CDLL],
+        *,
+        switchable: bool = False,
+    ) -> ctypes.CDLL | None:
+        """`load` of this kernel, cached as `<file stem>_<key>.so`; a `switchable` kernel (the
+        decode kernels) is None while `TOKENWISE_CPU_KERNELS=0` switches those off."""
+        if switchable and kernels_switched_off():
+            return None
         if self.needs_libgomp and not torch_uses_libgomp():
             logger.info("%s not used: torch's OpenMP runtime is not libgomp", self.what)
             return None

@@ -37,15 +37,13 @@ _PTR = ctypes.c_void_p
 
 
 def _flags() -> list[str]:
-    return [*CFLAGS, "-fopenmp"] if build.torch_uses_libgomp() else CFLAGS
+    return build.with_torch_openmp(CFLAGS)
 
 
 @cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library, or None when it cannot be used on this machine."""
-    if build.kernels_switched_off():
-        return None
-    return KERNEL.load(_flags(), open_library)
+    return KERNEL.load(_flags(), open_library, switchable=True)
 
 
 def open_library(path: Path) -> ctypes.CDLL:

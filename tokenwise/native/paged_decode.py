@@ -52,7 +52,7 @@ _PTR = ctypes.c_void_p
 
 
 def _flags() -> list[str]:
-    return [*CFLAGS, "-fopenmp"] if _torch_uses_libgomp() else CFLAGS
+    return build.with_torch_openmp(CFLAGS)
 
 
 def kernel_code(dtype: torch.dtype) -> int:
@@ -67,9 +67,7 @@ def _build(compiler: str) -> Path:
 @cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library, or None when it cannot be used on this machine."""
-    if build.kernels_switched_off():
-        return None
-    return KERNEL.load(_flags(), open_library)
+    return KERNEL.load(_flags(), open_library, switchable=True)
 
 
 def open_library(path: Path) -> ctypes.CDLL:
