@@ -58,6 +58,15 @@ CASES = [
     (_features(multimodal=True, **EMBED), "task='embed' does not apply"),
     (_features(encoder_decoder=True, speculative=NGRAM), "not to ToyForCausalLM"),
     (_features({"tensor_parallel_size": 2}, speculative=MTP), "tensor_parallel_size=2"),
+    (
+        _features({"pipeline_parallel_size": 2, "data_parallel_size": 2}),
+        "pipeline_parallel_size=2 does not combine with data_parallel_size",
+    ),
+    (
+        _features({"pipeline_parallel_size": 2}, speculative=NGRAM),
+        "does not combine with speculative_config",
+    ),
+    (_features({"pipeline_parallel_size": 3, "enable_lora": True}), "with enable_lora yet"),
 ]
 
 

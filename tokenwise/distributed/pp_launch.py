@@ -80,10 +80,9 @@ def check_pipeline_config(config: EngineConfig) -> None:
             f"({needed}): pipeline_parallel_size={pp} splits the KV cache {pp} ways, so give "
             f"num_gpu_blocks at least {needed * pp} or lower max_model_len"
         )
+    # Data parallelism, drafts and LoRA are refused by the feature table
+    # (`entrypoints/feature_rules.py`); what is left depends on the resolved graph mode.
     refusals = {
-        "data_parallel_size": parallel.data_parallel_size > 1,
-        "speculative_config": config.speculative is not None,
-        "enable_lora": config.lora is not None,
         "enforce_eager=False (torch.compile)": config.compilation.use_compile,
         "cudagraph_mode": config.compilation.cudagraph_mode != CUDAGraphMode.NONE,
     }
@@ -91,7 +90,7 @@ def check_pipeline_config(config: EngineConfig) -> None:
         if refused:
             raise ValueError(
                 f"pipeline_parallel_size={pp} does not combine with {setting} yet; "
-                "run the pipeline on its own (eager, no LoRA, no drafts)"
+                "run the pipeline eagerly (enforce_eager=True, cudagraph_mode NONE)"
             )
 
 

@@ -9,11 +9,14 @@ Generated rather than written by hand so the page cannot fall behind the code;
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 from tokenwise import envs
 from tokenwise.entrypoints.engine_args import EngineArgs
-from tokenwise.entrypoints.engine_flags import SERVE_ONLY, cli_default, option_strings
+from tokenwise.entrypoints.engine_flags import (
+    SERVE_ONLY,
+    cli_default,
+    declared_fields,
+    option_strings,
+)
 
 HEADER = """# Configuration
 
@@ -52,7 +55,7 @@ def render() -> str:
     lines = [HEADER, "## Engine settings", ""]
     lines.append("| `LLM(...)` keyword | flag | default | what it does |")
     lines.append("|---|---|---|---|")
-    for f in fields(EngineArgs):
+    for f in declared_fields(EngineArgs):
         meta = f.metadata
         if meta["alias_of"]:
             flag = f"(see `{meta['alias_of']}`)"

@@ -83,11 +83,18 @@ def _argparse_kwargs(f: Field) -> dict[str, Any]:
     return kwargs
 
 
+def declared_fields(settings: type) -> list[Field]:
+    """The fields of `settings` with the class's own first, then those it inherits (a base
+    such as `ParallelArgs` holds a group declared apart): the order of the flags and docs."""
+    own = vars(settings).get("__annotations__", {})
+    return sorted(fields(settings), key=lambda f: f.name not in own)
+
+
 def add_flags(parser: argparse.ArgumentParser, settings: type, commands: str) -> None:
     """One flag per field of the `settings` dataclass offered to `commands`, grouped as
     declared; alias fields add no flag of their own (their spelling is on the target's)."""
     groups: dict[str, Any] = {}
-    for f in fields(settings):
+    for f in declared_fields(settings):
         meta = f.metadata
         if "commands" not in meta or meta["commands"] != commands or meta["alias_of"]:
             continue

@@ -9,10 +9,8 @@ one row here, not a check in the module that implements it.
 Checks that are not pure functions of the settings and the model's kind stay where their
 facts are known, and are listed here so a reader finds them:
 - `distributed.pp_launch.check_pipeline_config`: pipeline stages against the model's layer
-  count, the KV block split and the *resolved* compile / graph mode, at launch (also for
-  configs built by hand). Its refusals of non-dense architectures, data parallelism,
-  speculation and LoRA are pure and belong here; they stay there for now because that
-  module is being split (and the distributed layer cannot import this one);
+  count, the model class's `supports_pp` / `check_pipeline_split`, the KV block split and the
+  *resolved* compile / graph mode, at launch (also for configs built by hand);
 - `runner.graph_setup.check_cudagraph_config`: the graph mode against the attention backend
   the device selects;
 - `engine.speculative_setup.make_drafter`: speculation against the model kind the engine
@@ -191,6 +189,23 @@ RULES: tuple[Rule, ...] = (
             f"not run under tensor_parallel_size={f.args.tensor_parallel_size} yet (use data "
             "parallelism, where each rank runs its own draft, or method 'ngram')"
         ),
+    ),
+    *(
+        Rule(
+            "pipeline parallelism",
+            other,
+            lambda f, asked=asked: f.args.pipeline_parallel_size > 1 and asked(f),
+            lambda f, setting=setting: (
+                f"pipeline_parallel_size={f.args.pipeline_parallel_size} does not combine "
+                f"with {setting} yet; run the pipeline on its own (no data parallelism, no "
+                "drafts, no LoRA)"
+            ),
+        )
+        for other, setting, asked in (
+            ("data parallelism", "data_parallel_size", lambda f: f.args.data_parallel_size > 1),
+            ("speculative decoding", "speculative_config", lambda f: f.speculative is not None),
+            ("LoRA adapters", "enable_lora", lambda f: bool(f.args.enable_lora)),
+        )
     ),
 )
 
