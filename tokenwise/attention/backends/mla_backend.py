@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from tokenwise.attention.backends.torch_backend import len_blocks
+from tokenwise.attention.backends.paged_rows import len_blocks
 
 if TYPE_CHECKING:
     from tokenwise.attention.metadata import AttentionMetadata

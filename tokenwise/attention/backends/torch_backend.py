@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenwise.attention.backends.encoder_only import encoder_only_attention
-from tokenwise.attention.backends.kv_quant import dequantize, gather_rows, write_rows
+from tokenwise.attention.backends.kv_quant import write_rows
 from tokenwise.attention.backends.packed_prefill import packed_prefill
 from tokenwise.attention.backends.paged_reference import paged_decode_reference
+from tokenwise.attention.backends.paged_rows import decode_per_sequence, len_blocks, read_blocks
 from tokenwise.attention.backends.prefill_attention import attend_prefill
 from tokenwise.attention.backends.single_sequence import single_sequence_attention
-from tokenwise.attention.backends.softcap import soft_cap
 from tokenwise.attention.utils import AttentionType
 from tokenwise.native import paged_decode as cpu_paged_decode
 
@@ -211,8 +211,8 @@ class TorchAttentionImpl:
                 table = md.block_tables[i, : len_blocks(md, i)]
                 key_offset = md.block_table_first_block[i] * block_size
                 n_keys = ctx_len + q_len - key_offset
-                keys = self._read(key_cache, table, q.dtype, self.k_scale)[:n_keys]
-                values = self._read(value_cache, table, q.dtype, self.v_scale)[:n_keys]
+                keys = read_blocks(key_cache, table, q.dtype, self.k_scale)[:n_keys]
+                values = read_blocks(value_cache, table, q.dtype, self.v_scale)[:n_keys]
             spans = all_spans[i] if i < len(all_spans) else ()
             output[start:end] = attend_prefill(
                 q[start:end],
@@ -256,11 +256,6 @@ class TorchAttentionImpl:
             sinks=self.sinks,
         )
 
-    @staticmethod
-    def _read(cache: torch.Tensor, table: torch.Tensor, dtype: torch.dtype, scale: float):
-        """The blocks of `table` as one run of token rows, dequantized to `dtype` (fp8)."""
-        return dequantize(gather_rows(cache, table).flatten(0, 1), dtype, scale)
-
     def _decode_into(
         self,
         q: torch.Tensor,
@@ -288,7 +283,19 @@ class TorchAttentionImpl:
         """
         lib = cpu_paged_decode.load()
         if lib is None or key_cache.dtype not in cpu_paged_decode.CACHE_DTYPES:
-            self._decode_per_sequence(q, key_cache, value_cache, md, output)
+            decode_per_sequence(
+                q,
+                key_cache,
+                value_cache,
+                md,
+                output,
+                num_kv_heads=self.num_kv_heads,
+                scale=self.scale,
+                sliding_window=self.sliding_window,
+                softcap=self.logits_soft_cap,
+                sinks=self.sinks,
+                kv_scales=(self.k_scale, self.v_scale),
+            )
             return
         first = md.num_prefills
         direct = output.dtype == torch.float32 and output.is_contiguous()
@@ -311,45 +318,6 @@ class TorchAttentionImpl:
         )
         if not direct:
             output.copy_(out)
-
-    def _decode_per_sequence(
-        self,
-        q: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        md: AttentionMetadata,
-        output: torch.Tensor,
-    ) -> None:
-        """Fallback CPU decode: gather each sequence's blocks and attend with a grouped matmul.
-
-        Measured on CPU (64 sequences of 40-760 tokens), this beat one padded batched gather by
-        3x: the batch pads every sequence to the longest, and the padded gather dominates.
-        """
-        first_seq = md.num_prefills
-        block_size = md.block_size
-        for j in range(output.shape[0]):
-            i = first_seq + j
-            seq_len = md.context_lens[i] + md.query_lens[i]
-            key_offset = md.block_table_first_block[i] * block_size
-            start = 0
-            if self.sliding_window is not None:
-                start = max(0, seq_len - self.sliding_window - key_offset)
-            table = md.block_tables[i, : len_blocks(md, i)]
-            end = seq_len - key_offset
-            keys = self._read(key_cache, table, q.dtype, self.k_scale)[start:end]
-            values = self._read(value_cache, table, q.dtype, self.v_scale)[start:end]
-            qg = q[j].view(self.num_kv_heads, self.group, self.head_size)
-            scores = torch.matmul(qg, keys.permute(1, 2, 0)).float() * self.scale
-            if self.logits_soft_cap:
-                scores = soft_cap(scores, self.logits_soft_cap)
-            if self.sinks is not None:
-                sink = self.sinks.float().view(self.num_kv_heads, self.group, 1)
-                probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-                probs = probs.to(values.dtype)
-            else:
-                probs = torch.softmax(scores, dim=-1).to(values.dtype)
-            out = torch.matmul(probs, values.transpose(0, 1))
-            output[j] = out.view(self.num_heads, self.head_size)
 
     def _decode(
         self,
@@ -386,13 +354,6 @@ class TorchAttentionImpl:
         if self.logits_soft_cap or self.sinks is not None:
             return partial(paged_decode_reference, softcap=self.logits_soft_cap, sinks=self.sinks)
         return paged_decode_reference
-
-
-def len_blocks(md: AttentionMetadata, i: int) -> int:
-    """Blocks of row `i` that hold keys (the row is padded to the batch's longest table)."""
-    seq_len = md.context_lens[i] + md.query_lens[i]
-    first = md.block_table_first_block[i]
-    return -(-seq_len // md.block_size) - first
 
 
 def write_kv_cache(
