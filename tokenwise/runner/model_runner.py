@@ -17,7 +17,6 @@ from tokenwise.attention.backends.selector import get_attn_backend
 from tokenwise.attention.layer import Attention, AttentionLayerBase
 from tokenwise.attention.metadata import AttentionMetadata
 from tokenwise.attention.utils import AttentionType
-from tokenwise.compilation.compile import compile_model
 from tokenwise.config import CUDAGraphMode, EngineConfig
 from tokenwise.distributed.dp_coordination import DPStepCounts, coordinate_step_across_dp
 from tokenwise.distributed.pp_channel import PipelineChannel
@@ -27,16 +26,13 @@ from tokenwise.distributed.tp_state import get_tp_size
 from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenwise.forward_context import set_forward_context
 from tokenwise.layer_registry import get_layers_from_config
-from tokenwise.layers.cpu_prepack import prepack_linear_weights
-from tokenwise.layers.huge_pages import move_weights_to_huge_pages
-from tokenwise.loader import load_model
-from tokenwise.lora.manager import LoRAManager
 from tokenwise.runner import verify_rows
 from tokenwise.runner.graph_runner import CUDAGraphRunner
 from tokenwise.runner.graph_setup import default_capture_sizes, graph_setup
 from tokenwise.runner.input_batch import InputBatch, StepInputs
 from tokenwise.runner.kind_part import RunnerKindPart
 from tokenwise.runner.kv_cache_sizing import KVCacheSizer, cache_layers, make_kv_cache_layout
+from tokenwise.runner.model_setup import load_prepared_model
 from tokenwise.runner.pipeline_stages import PipelineStages
 from tokenwise.runner.prompt_logprobs import plan_prompt_logprobs, score_prompt_tokens
 from tokenwise.runner.recurrent_states import RecurrentStates
@@ -75,7 +71,6 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.tp = tp if tp is not None else TPDriver(None)
         self.tp_size = get_tp_size()
-        self.model = load_model(config, self.device)
         self.kind_part = kind_part(self)
         self._capturer_factory, wrap_piece = graph_setup(config, self.device)
         scheduler = config.scheduler
@@ -86,20 +81,9 @@ class ModelRunner:
             )
         max_capture = compilation.max_capture_size if self._capturer_factory else 0
         max_num_tokens = max(scheduler.max_num_batched_tokens, max_capture)
-        if self.device.type == "cpu" and not config.compilation.use_compile:
-            # Inductor cannot lower oneDNN's packed linear over our weights, and lays out its
-            # own matmuls anyway: prepacking is for the eager CPU path.
-            prepack_linear_weights(self.model)
-        if self.device.type == "cpu":
-            move_weights_to_huge_pages(self.model)  # decode streams them: no TLB miss per 4 KB
-        # Adapter slots go into the linear layers before compilation sees the model.
-        self.lora_manager: LoRAManager | None = None
-        if config.lora is not None:
-            self.lora_manager = LoRAManager(
-                self.model, config.lora, max_num_tokens, self.model_config.dtype, self.device
-            )
-        if config.compilation.use_compile:
-            self.model = compile_model(self.model, config.compilation, wrap_piece)
+        self.model, self.lora_manager = load_prepared_model(
+            config, self.device, max_num_tokens, wrap_piece
+        )
         self.attn_layers = get_layers_from_config(config, AttentionLayerBase)
         if not self.attn_layers:
             raise RuntimeError("the model registered no attention layers")
