@@ -26,6 +26,7 @@ import pickle
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -130,27 +131,23 @@ def serve_engine_core(
         outbox.close()
 
 
+@dataclass
 class _CoreLoop:
-    def __init__(
-        self,
-        engine: LLMEngine,
-        rank: int,
-        inbox: zmq.Socket,
-        outbox: zmq.Socket,
-        control: zmq.Socket,
-        front_end_lost: Callable[[], bool] | None = None,
-    ) -> None:
-        self.engine = engine
-        self.rank = rank
-        self.inbox = inbox
-        self.outbox = outbox
-        self.control = control
+    """One core's serving loop over its sockets (see `serve_engine_core`)."""
+
+    engine: LLMEngine
+    rank: int
+    inbox: zmq.Socket
+    outbox: zmq.Socket
+    control: zmq.Socket
+    front_end_lost: Callable[[], bool] | None = None
+
+    def __post_init__(self) -> None:
         self.poller = zmq.Poller()
-        self.poller.register(inbox, zmq.POLLIN)
-        self.poller.register(control, zmq.POLLIN)
+        self.poller.register(self.inbox, zmq.POLLIN)
+        self.poller.register(self.control, zmq.POLLIN)
         self.stopping = False
         self.parent = mp.parent_process()
-        self.front_end_lost = front_end_lost
         self._forward_times_sent = 0.0
         self._records_sent = 0  # cursor into the engine's step records
 

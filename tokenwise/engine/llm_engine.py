@@ -39,11 +39,14 @@ from tokenwise.engine.stats import (
     EngineStats,
     StatLogger,
     finished_request_line,
-    lora_adapter_names,
 )
 from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from tokenwise.engine.step_records import StepRecorder, StepRecords
-from tokenwise.engine.virtual_engines import VirtualEngineBlockManagers, VirtualEngineSchedulers
+from tokenwise.engine.virtual_engines import (
+    VirtualEngineBlockManagers,
+    VirtualEngineSchedulers,
+    make_schedulers,
+)
 from tokenwise.executor.executor import Executor
 from tokenwise.executor.worker_main import maybe_serve_torchrun_worker
 from tokenwise.lora.request import LoRARequest
@@ -109,18 +112,13 @@ class LLMEngine:
             config, device, kind_cls.runner_part, on_runner, self._check_kv_capacity
         )
         num_blocks = self.model_executor.num_blocks
-        max_loras = config.lora.max_loras if config.lora is not None else None
+        # One block manager and scheduler per virtual engine (one without PP).
         managers = [self.kind.make_block_manager(num_blocks) for _ in range(pp)]
-        schedulers = [
-            kind_cls.scheduler_cls(config.scheduler, bm, config.model.max_model_len, max_loras)
-            for bm in managers
-        ]
-        self.block_manager: Any = managers[0]
-        self.scheduler: Any = schedulers[0]
+        schedulers = make_schedulers(kind_cls.scheduler_cls, config, managers)
+        self.block_manager: Any = managers[0] if pp == 1 else VirtualEngineBlockManagers(managers)
+        self.scheduler: Any = schedulers[0] if pp == 1 else VirtualEngineSchedulers(schedulers)
         self.pipeline: PipelineLoop | None = None
         if pp > 1:
-            self.block_manager = VirtualEngineBlockManagers(managers)
-            self.scheduler = VirtualEngineSchedulers(schedulers)
             self.pipeline = PipelineLoop(self, self.runner.pipeline, schedulers)
         self._stats = EngineStats(num_total_blocks=num_blocks * pp)
         # The caller's requests (id -> its samples) and what each sample reports.
@@ -371,22 +369,14 @@ class LLMEngine:
     # ---- observability ------------------------------------------------------------------------
 
     def get_stats(self) -> EngineStats:
-        s = self._stats
-        bm = self.block_manager
-        s.num_running = len(self.scheduler.running)
-        s.num_waiting = len(self.scheduler.waiting)
-        s.kv_cache_usage = bm.usage
-        s.num_free_blocks = bm.get_num_free_blocks()
-        s.prefix_cache_queries = bm.prefix_cache_queries
-        s.prefix_cache_hits = bm.prefix_cache_hits
-        s.prefix_cache_tier_hits = bm.prefix_cache_tier_hits
-        if self.kv_tier is not None:
-            s.kv_tier_name = self.kv_tier.store.name
-        s.num_ubatched_steps_total = self.runner.num_ubatched_steps
-        if self.config.lora is not None:
-            s.running_lora_adapters = lora_adapter_names(self.scheduler.running)
-            s.waiting_lora_adapters = lora_adapter_names(self.scheduler.waiting)
-        return s
+        tier = self.kv_tier.store.name if self.kv_tier is not None else ""
+        return self._stats.refresh(
+            self.scheduler,
+            self.block_manager,
+            kv_tier_name=tier,
+            num_ubatched_steps=self.runner.num_ubatched_steps,
+            lora=self.config.lora is not None,
+        )
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer

@@ -37,7 +37,7 @@ the scheduler the stop strings its detokenizers found: nothing here calls back i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import Future
 
 from tokenwise.config import SchedulerConfig
@@ -45,7 +45,7 @@ from tokenwise.engine.block_manager import CROSS_ATTN, BlockManager, KVCacheBloc
 from tokenwise.engine.request import Request, RequestStatus
 from tokenwise.engine.request_queue import create_request_queue
 from tokenwise.engine.scheduler_hooks import KindHooks
-from tokenwise.engine.step_apply import apply_forward_pass, drafts_to_verify
+from tokenwise.engine.step_apply import OnToken, apply_forward_pass, drafts_to_verify
 from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 __all__ = ["Scheduler", "ScheduledRequest", "SchedulerOutput"]
@@ -246,7 +246,7 @@ class Scheduler(KindHooks):
         self,
         scheduler_output: SchedulerOutput,
         runner_output: ModelRunnerOutput,
-        on_token: Callable[[Request, int], str | None] | None = None,
+        on_token: OnToken | None = None,
     ) -> list[tuple[Request, int]]:
         """Apply one forward pass: computed tokens, sampled tokens, stops; free what finished.
 

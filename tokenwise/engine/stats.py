@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenwise.engine.request import Request
 
@@ -46,6 +47,31 @@ class EngineStats:
     # router reads from `vllm:lora_requests_info` to send a request where its adapter is.
     running_lora_adapters: list[str] = field(default_factory=list)
     waiting_lora_adapters: list[str] = field(default_factory=list)
+
+    def refresh(
+        self,
+        scheduler: Any,
+        block_manager: Any,
+        *,
+        kv_tier_name: str,
+        num_ubatched_steps: int,
+        lora: bool,
+    ) -> EngineStats:
+        """These figures, with the gauges read now from the engine's scheduler and block
+        manager (or their per-virtual-engine views); returns self."""
+        self.num_running = len(scheduler.running)
+        self.num_waiting = len(scheduler.waiting)
+        self.kv_cache_usage = block_manager.usage
+        self.num_free_blocks = block_manager.get_num_free_blocks()
+        self.prefix_cache_queries = block_manager.prefix_cache_queries
+        self.prefix_cache_hits = block_manager.prefix_cache_hits
+        self.prefix_cache_tier_hits = block_manager.prefix_cache_tier_hits
+        self.kv_tier_name = kv_tier_name
+        self.num_ubatched_steps_total = num_ubatched_steps
+        if lora:
+            self.running_lora_adapters = lora_adapter_names(scheduler.running)
+            self.waiting_lora_adapters = lora_adapter_names(scheduler.waiting)
+        return self
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -15,6 +15,10 @@ from tokenwise.engine.request import Request, RequestStatus
 from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from tokenwise.engine.stop_rules import check_stop
 
+# What the engine hears of each accepted token: (request, token) -> a matched stop string or
+# None (the output processor's incremental detokenizer checks them).
+OnToken = Callable[[Request, int], str | None]
+
 
 def drafts_to_verify(req: Request, num_new: int, budget: int, max_model_len: int) -> list[int]:
     """The drafts `req` verifies this step: its proposed ones, cut to what fits.
@@ -39,7 +43,7 @@ def drafts_to_verify(req: Request, num_new: int, budget: int, max_model_len: int
 def apply_forward_pass(
     scheduler_output: SchedulerOutput,
     runner_output: ModelRunnerOutput,
-    on_token: Callable[[Request, int], str | None] | None,
+    on_token: OnToken | None,
     max_model_len: int,
 ) -> tuple[list[tuple[Request, int]], dict[RequestStatus, list[Request]]]:
     """Computed tokens, sampled tokens and stops of one pass, applied to its requests.

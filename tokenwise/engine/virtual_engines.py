@@ -15,14 +15,26 @@ request's virtual engine; the pipeline loop (`pipeline_loop.py`) schedules each 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
 
 from tokenwise.engine.block_manager import BlockManager
 from tokenwise.engine.request import Request, RequestStatus
 from tokenwise.engine.scheduler import Scheduler
+from tokenwise.engine.step_apply import OnToken
 from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
+
+
+def make_schedulers(
+    scheduler_cls: type[Scheduler], config: Any, managers: list[BlockManager]
+) -> list[Scheduler]:
+    """One `scheduler_cls` (the model kind's) per block manager, from the engine `config`."""
+    max_loras = config.lora.max_loras if config.lora is not None else None
+    return [
+        scheduler_cls(config.scheduler, bm, config.model.max_model_len, max_loras)
+        for bm in managers
+    ]
 
 
 class VirtualEngineSchedulers:
@@ -47,7 +59,7 @@ class VirtualEngineSchedulers:
         self,
         scheduler_output: SchedulerOutput,
         runner_output: ModelRunnerOutput,
-        on_token: Callable[[Request, int], str | None] | None = None,
+        on_token: OnToken | None = None,
     ) -> list[tuple[Request, int]]:
         if scheduler_output.is_empty:
             return []

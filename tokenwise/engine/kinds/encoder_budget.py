@@ -29,12 +29,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenwise.engine.kinds.image_holds import ImageHolds
+
 
 class EncoderBudget:
     def __init__(self, max_tokens: int) -> None:
         self.max_tokens = max_tokens
-        self._holders: dict[bytes, set[str]] = {}
-        self._held_by: dict[str, set[bytes]] = {}
+        self._holds = ImageHolds()
         self._step: dict[bytes, tuple[str, int]] = {}  # encoded this step: (request, tokens)
         self.spent = 0  # image tokens this step encodes
 
@@ -53,7 +54,7 @@ class EncoderBudget:
             if image.end <= start or image.offset >= end:
                 continue
             key = image.content_hash
-            if key in self._holders or key in self._step:
+            if self._holds.is_held(key) or key in self._step:
                 continue  # cached, or encoded for another chunk of this step
             if whole or self.spent == 0 or self.spent + image.length <= self.max_tokens:
                 self._step[key] = (rid, image.length)
@@ -84,31 +85,18 @@ class EncoderBudget:
             for image in getattr(req, "images", ()):
                 if image.end <= start or image.offset >= end:
                     continue
-                self._holders.setdefault(image.content_hash, set()).add(rid)
-                self._held_by.setdefault(rid, set()).add(image.content_hash)
+                self._holds.hold(rid, image.content_hash)
                 if end >= image.end:
                     finished.append(image.content_hash)
             for key in finished:
-                self._release(rid, key)
+                self._holds.release(rid, key)
 
     def release_request(self, request_id: str) -> None:
         """`request_id` left the batch (finished, aborted, preempted): it holds nothing."""
         self.forget(request_id)
-        for key in list(self._held_by.get(request_id, ())):
-            self._release(request_id, key)
+        for key in self._holds.keys_of(request_id):
+            self._holds.release(request_id, key)
 
     def num_held(self) -> int:
         """Images some request holds (0 once every prefill is past its images)."""
-        return len(self._holders)
-
-    def _release(self, request_id: str, key: bytes) -> None:
-        held = self._held_by.get(request_id)
-        if held is None or key not in held:
-            return
-        held.discard(key)
-        if not held:
-            del self._held_by[request_id]
-        holders = self._holders[key]
-        holders.discard(request_id)
-        if not holders:
-            del self._holders[key]
+        return len(self._holds)

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import torch
 
+from tokenwise.engine.kinds.image_holds import ImageHolds
+
 
 class EncoderCache:
     def __init__(self) -> None:
         self._embeds: dict[bytes, torch.Tensor] = {}
-        self._holders: dict[bytes, set[str]] = {}
-        self._held_by: dict[str, set[bytes]] = {}
+        self._holds = ImageHolds()
         self.num_hits = 0  # a request found the image's embeddings already computed
         self.num_misses = 0  # the vision tower had to run for it
 
@@ -32,13 +33,13 @@ class EncoderCache:
         caller encodes the image and `put`s it). A request's first lookup of an image counts
         as a hit or a miss; the lookups of its later chunks do not."""
         embeds = self._embeds.get(key)
-        if key not in self._held_by.get(request_id, ()):
+        if not self._holds.holds(request_id, key):
             if embeds is None:
                 self.num_misses += 1
             else:
                 self.num_hits += 1
         if embeds is not None:
-            self._hold(request_id, key)
+            self._holds.hold(request_id, key)
         return embeds
 
     def served_by_pending(self) -> None:
@@ -49,27 +50,14 @@ class EncoderCache:
 
     def put(self, request_id: str, key: bytes, embeds: torch.Tensor) -> None:
         self._embeds[key] = embeds
-        self._hold(request_id, key)
+        self._holds.hold(request_id, key)
 
     def release(self, request_id: str, key: bytes) -> None:
         """`request_id` needs `key` no more (its prefill has passed the image)."""
-        held = self._held_by.get(request_id)
-        if held is None or key not in held:
-            return
-        held.discard(key)
-        if not held:
-            del self._held_by[request_id]
-        holders = self._holders[key]
-        holders.discard(request_id)
-        if not holders:
-            del self._holders[key]
+        if self._holds.release(request_id, key):
             del self._embeds[key]
 
     def release_request(self, request_id: str) -> None:
         """Everything `request_id` holds (it left the batch)."""
-        for key in list(self._held_by.get(request_id, ())):
+        for key in self._holds.keys_of(request_id):
             self.release(request_id, key)
-
-    def _hold(self, request_id: str, key: bytes) -> None:
-        self._holders.setdefault(key, set()).add(request_id)
-        self._held_by.setdefault(request_id, set()).add(key)
