@@ -168,7 +168,7 @@ class BartForConditionalGeneration(nn.Module):
         super().__init__()
         hf = config.model.hf_config
         self.model = BartModel(config, join(prefix, "model"))
-        self.is_last_stage = self.model.is_last_stage
+        self.is_last_stage = self.model.decoder.is_last_stage
         self.lm_head = only_on(
             self.is_last_stage,
             lambda: ParallelLMHead(hf.vocab_size, hf.d_model, tie_to=self.model.shared),

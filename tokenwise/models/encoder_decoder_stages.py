@@ -85,11 +85,3 @@ class EncoderDecoderModel(nn.Module):
     @property
     def layers(self) -> nn.ModuleList:
         return self.decoder.layers
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.decoder.is_first_stage
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.decoder.is_last_stage
