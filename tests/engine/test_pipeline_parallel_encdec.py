@@ -1,7 +1,8 @@
 """Encoder-decoder models under pipeline parallelism: BART and Whisper as two stages (two
 processes; the encoder on stage 0, the decoder layers split), with two batches in flight on
 two virtual engines, give transformers' greedy tokens and logprobs (fp32), BART's long decoder
-prompts prefilled in chunks and its requests preempted; every block is free after. Each of three stages builds and loads
+prompts prefilled in chunks and its requests preempted, Whisper's task prompt in two pieces;
+every block is free after. Each of three stages builds and loads
 exactly its share of the parameters (in-process), and a split of the decoder layers the model
 cannot take is refused by name before any stage starts.
 
@@ -23,7 +24,7 @@ from tests.engine._fixtures import assert_pool_clean
 from tests.engine.test_pipeline_parallel import _record_in_flight
 from tests.models.test_bart_vs_hf import hf_bart
 from tests.models.test_bart_vs_hf import hf_greedy as hf_bart_greedy
-from tests.models.test_whisper_vs_hf import CLIPS, RATE, hf_parts, strip_eos
+from tests.models.test_whisper_vs_hf import CLIPS, RATE, TASK_PROMPT, hf_parts, strip_eos
 from tests.tiny_checkpoints import build_tiny_checkpoint
 from tokenwise import LLM, SamplingParams
 from tokenwise.attention.utils import AttentionType
@@ -118,26 +119,33 @@ def test_bart_pp2_gives_hf_tokens_and_logprobs(tmp_path: Path) -> None:
 
 
 def test_whisper_pp2_gives_hf_transcriptions_and_logprobs(tmp_path: Path) -> None:
+    """Three clips with the default decoder prompt against HF `generate`; the fourth with
+    Whisper's four task tokens, which a 52-token budget (a 50-token encoder beside them)
+    prefills in two pieces, against HF's forward pass on the same tokens."""
     path = build_tiny_checkpoint(tmp_path, WHISPER)
     prompts = [{"prompt": "", "multi_modal_data": {"audio": (clip, RATE)}} for clip in CLIPS]
+    prompts[3]["prompt"] = TASK_PROMPT
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2)
-    with pp2_engine(path, num_gpu_blocks=64, block_size=8) as (llm, in_flight):
+    settings = {"num_gpu_blocks": 64, "block_size": 8, "max_num_batched_tokens": 52}
+    with pp2_engine(path, **settings) as (llm, in_flight):
         outs = llm.generate(prompts, params, use_tqdm=False)
         _assert_both_virtual_engines_ran(llm, in_flight)
         _assert_all_free(llm)
     model, fe = hf_parts(path)
     feats = fe(list(CLIPS), sampling_rate=RATE, return_tensors="pt").input_features
     with torch.no_grad():
-        ref_tokens = model.generate(feats, do_sample=False, max_new_tokens=MAX_TOKENS)
+        ref_tokens = model.generate(feats[:3], do_sample=False, max_new_tokens=MAX_TOKENS)
     eos = model.config.eos_token_id
-    got = [strip_eos(list(o.outputs[0].token_ids), eos) for o in outs]
+    got = [strip_eos(list(o.outputs[0].token_ids), eos) for o in outs[:3]]
     assert got == [strip_eos(row.tolist(), eos) for row in ref_tokens]
     assert len({tuple(g) for g in got}) > 1  # the clips do give different transcriptions
-    completion = outs[3].outputs[0]
-    full = outs[3].prompt_token_ids + list(completion.token_ids)
+    prompt_ids, completion = outs[3].prompt_token_ids, outs[3].outputs[0]
+    assert len(prompt_ids) == 4
+    full = prompt_ids + list(completion.token_ids)
     with torch.no_grad():
         logits = model(input_features=feats[3:], decoder_input_ids=torch.tensor([full[:-1]]))
-    ref = torch.log_softmax(logits.logits[0].float(), dim=-1)[len(outs[3].prompt_token_ids) - 1 :]
+    ref = torch.log_softmax(logits.logits[0].float(), dim=-1)[len(prompt_ids) - 1 :]
+    assert list(completion.token_ids) == ref.argmax(-1).tolist()
     for step, entry in enumerate(completion.logprobs):
         for token, lp in entry.items():
             assert lp.logprob == pytest.approx(ref[step, token].item(), abs=ATOL)
