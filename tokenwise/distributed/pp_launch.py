@@ -11,7 +11,7 @@ Each stage builds only its layers (`pp_state.pp_layer_range`) and a KV cache for
 Under PP x TP the world has P * T processes (global rank `stage * T + tp_rank`); the engine is
 rank 0 and spawns all the others. Not built yet (each refused with an error naming the
 setting): PP with data parallelism, with LoRA, speculative decoding, torch.compile or CUDA graphs,
-and for models other than the dense decoder-only Llama family.
+and for the models whose class does not say `supports_pp`.
 """
 
 from __future__ import annotations
@@ -58,17 +58,20 @@ def check_pipeline_config(config: EngineConfig) -> None:
     from tokenwise.models.registry import resolve_model_class
 
     archs = list(model.architectures or [])
+    model_cls = resolve_model_class(archs)
     # A model class says whether its stack builds one stage's layers (`supports_pp`).
-    if not getattr(resolve_model_class(archs), "supports_pp", False):
+    if not getattr(model_cls, "supports_pp", False):
         raise ValueError(
             f"pipeline_parallel_size={pp} is not supported for "
             f"{', '.join(archs) or 'this model'} yet; models that run as pipeline stages: "
             f"{', '.join(_stage_models())}"
         )
-    parts = pp_layer_partition(int(model.hf_config.num_hidden_layers), pp)
+    # The layers the stages split: the decoder's (`decoder_layers` of an encoder-decoder model).
+    field = getattr(model_cls, "pp_layers_field", "num_hidden_layers")
+    parts = pp_layer_partition(int(getattr(model.hf_config, field)), pp, field)
     # A family whose layers depend on each other across the stack (Gemma 4's KV sharing and
     # KV-cache kinds) refuses a split it cannot run, here, before any stage starts.
-    check_split = getattr(resolve_model_class(archs), "check_pipeline_split", None)
+    check_split = getattr(model_cls, "check_pipeline_split", None)
     if check_split is not None:
         check_split(model.hf_config, parts)
     blocks, block_size = config.cache.num_gpu_blocks, config.cache.block_size

@@ -50,8 +50,11 @@ _idle_group: ProcessGroup | None = None
 _owns_default_group = False
 
 
-def pp_layer_partition(num_layers: int, pp_size: int) -> list[int]:
-    """How many decoder layers each stage holds, stage 0 first.
+def pp_layer_partition(
+    num_layers: int, pp_size: int, field: str = "num_hidden_layers"
+) -> list[int]:
+    """How many decoder layers each stage holds, stage 0 first (`field`: the config field
+    that counts them, for the errors; an encoder-decoder model splits its `decoder_layers`).
 
     From `TOKENWISE_PP_LAYER_PARTITION` when set (comma-separated, one count per stage, summing
     to the layer count); otherwise as even as possible, the remainder going one layer each to
@@ -60,7 +63,7 @@ def pp_layer_partition(num_layers: int, pp_size: int) -> list[int]:
     """
     if pp_size > num_layers:
         raise ValueError(
-            f"pipeline_parallel_size ({pp_size}) exceeds the model's num_hidden_layers "
+            f"pipeline_parallel_size ({pp_size}) exceeds the model's {field} "
             f"({num_layers}): every stage needs at least one layer"
         )
     text = envs.get(ENV_LAYER_PARTITION).strip()
@@ -83,7 +86,7 @@ def pp_layer_partition(num_layers: int, pp_size: int) -> list[int]:
     if sum(parts) != num_layers:
         raise ValueError(
             f"{ENV_LAYER_PARTITION}={text!r} sums to {sum(parts)} layers, but the model has "
-            f"num_hidden_layers={num_layers}"
+            f"{field}={num_layers}"
         )
     if min(parts) < 1:
         raise ValueError(f"{ENV_LAYER_PARTITION}={text!r}: every stage needs at least one layer")

@@ -69,6 +69,17 @@ class StatePlan(msgspec.Struct, array_like=True, frozen=True):
     snapshot: list[tuple[int, int]]
 
 
+class CrossStep(msgspec.Struct, array_like=True, frozen=True):
+    """An encoder-decoder step's cross-attention rows (`runner/cross_metadata.py`), for the
+    later pipeline stages, which have no requests: per decoder sequence its encoder output's
+    length and cross block table, and the cross slots of the encoder tokens this step writes
+    (none in a step where no encoder runs)."""
+
+    encoder_lens: list[int]
+    block_tables: Array
+    slot_mapping: Array
+
+
 class StepMessage(msgspec.Struct, array_like=True, frozen=True):
     """Everything a TP worker or a pipeline stage needs to run the driver's step."""
 
@@ -86,6 +97,8 @@ class StepMessage(msgspec.Struct, array_like=True, frozen=True):
     mrope_positions: Array | None = None
     # Per prefill row, the image spans its queries see both ways (Gemma 3), for later stages.
     image_spans: list[list[tuple[int, int]]] | None = None
+    # An encoder-decoder model's cross-attention rows (BART, Whisper), for later stages.
+    cross: CrossStep | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -103,6 +116,7 @@ def encode_step(
     states: StatePlan | None = None,
     mrope_positions: torch.Tensor | None = None,
     image_spans: list[list[tuple[int, int]]] | None = None,
+    cross: CrossStep | None = None,
 ) -> bytes:
     """The step as bytes (`decode_step` reads them back)."""
     message = StepMessage(
@@ -121,6 +135,7 @@ def encode_step(
         states=states,
         mrope_positions=None if mrope_positions is None else Array.of(mrope_positions),
         image_spans=image_spans,
+        cross=cross,
     )
     return _ENCODER.encode(message)
 
@@ -155,6 +170,7 @@ def step_inputs(message: StepMessage, device: torch.device) -> tuple[StepInputs,
 
 __all__ = [
     "Array",
+    "CrossStep",
     "GroupStep",
     "GroupTables",
     "StatePlan",

@@ -10,6 +10,9 @@ What it carries depends on the family, which is why all but the hidden states ar
   DeltaNet hybrids) have none, and the channel then sends nothing for it.
 - `per_layer_inputs`: Gemma 4's per-layer embeddings of the layers after the sender's, which
   only the first stage can compute (they mix a projection of the token embedding in).
+- `encoder_hidden_states`: an encoder-decoder model's encoder output (BART, Whisper), in a
+  step where some request's encoder ran on the first stage: every later stage projects its own
+  layers' cross-attention K/V from it.
 
 `PipelineStack` builds a decoder stack's layers for this stage (`build_stage`) and runs them,
 `PipelineForCausalLM` passes a stage's input on to it, and `stage_weights` hands the weight
@@ -33,6 +36,7 @@ class IntermediateTensors(NamedTuple):
     hidden_states: torch.Tensor
     residual: torch.Tensor | None = None
     per_layer_inputs: torch.Tensor | None = None
+    encoder_hidden_states: torch.Tensor | None = None
 
     def present(self) -> dict[str, torch.Tensor]:
         """The tensors this message carries, by field name (what the channel sends)."""
@@ -169,12 +173,13 @@ def stage_weights(
     weights: Iterable[tuple[str, torch.Tensor]],
     head_from_embedding: bool = False,
     embedding: str = "model.embed_tokens.weight",
+    head: str = "lm_head.weight",
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint tensors this stage holds. `head_from_embedding`: the model ties its LM
     head to the embedding, and this stage has the head but not the embedding, so it owns a
-    copy of the head, loaded from the embedding's tensor (`embedding`) as `lm_head.weight`."""
+    copy of the head, loaded from the embedding's tensor (`embedding`) as `head`."""
     for name, tensor in weights:
         if head_from_embedding and name == embedding:
-            yield "lm_head.weight", tensor
+            yield head, tensor
         elif held_by_stage(root, name):
             yield name, tensor

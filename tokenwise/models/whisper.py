@@ -11,7 +11,8 @@ plus fixed position embeddings (stored in the checkpoint), then encoder layers
 `x + self_attn(LN(x))`, `h + fc2(gelu(fc1(LN(h))))` and a final LayerNorm. The decoder embeds
 tokens plus learned positions (no offset), its layers add `h + cross_attn(LN(h), encoder)`, and
 a final LayerNorm precedes the LM head (`proj_out`, tied to the token embedding). k_proj has no
-bias.
+bias. Under pipeline parallelism the decoder's layers are split over the stages, the encoder is
+the first stage's (`encoder_decoder_stages.py`).
 """
 
 from __future__ import annotations
@@ -25,15 +26,17 @@ from torch import nn
 
 from tokenwise.attention.utils import AttentionType
 from tokenwise.config import EngineConfig
+from tokenwise.distributed.pp_state import is_first_pp_stage
 from tokenwise.layers import (
     ColumnParallelLinear,
-    ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
     get_act_fn,
 )
+from tokenwise.layers.pipeline import IntermediateTensors, only_on, stage_lm_head, stage_weights
 from tokenwise.layers.weight_utils import load_stacked_weights
 from tokenwise.models.encoder_decoder_layers import EncDecAttention, join
+from tokenwise.models.encoder_decoder_stages import EncoderDecoderModel, StagedDecoder
 
 
 class WhisperLayer(nn.Module):
@@ -105,48 +108,55 @@ class WhisperEncoder(nn.Module):
         return self.layer_norm(hidden_states)
 
 
-class WhisperDecoder(nn.Module):
+class WhisperDecoder(StagedDecoder):
+    """This pipeline stage's decoder layers; the embeddings on the first stage, the final
+    LayerNorm on the last."""
+
     def __init__(self, config: EngineConfig, prefix: str) -> None:
         super().__init__()
         hf = config.model.hf_config
-        self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, hf.d_model)
-        self.embed_positions = nn.Embedding(hf.max_target_positions, hf.d_model)
-        self.layers = nn.ModuleList(
-            WhisperLayer(config, join(prefix, f"layers.{i}"), decoder=True)
-            for i in range(hf.decoder_layers)
+        d = hf.d_model
+        stage = self.build_stage(
+            hf.decoder_layers,
+            lambda i: WhisperLayer(config, join(prefix, f"layers.{i}"), decoder=True),
         )
-        self.layer_norm = nn.LayerNorm(hf.d_model)
+        self.embed_tokens = only_on(
+            stage.is_first, lambda: VocabParallelEmbedding(hf.vocab_size, d)
+        )
+        self.embed_positions = only_on(
+            stage.is_first, lambda: nn.Embedding(hf.max_target_positions, d)
+        )
+        self.layer_norm = only_on(stage.is_last, lambda: nn.LayerNorm(d))
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None,
-    ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids) + self.embed_positions(positions)
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, encoder_hidden_states)
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) + self.embed_positions(positions)
+
+    def finish(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.layer_norm(hidden_states)
 
 
-class WhisperModel(nn.Module):
+class WhisperModel(EncoderDecoderModel):
     def __init__(self, config: EngineConfig, prefix: str) -> None:
         super().__init__()
-        self.encoder = WhisperEncoder(config, join(prefix, "encoder"))
+        self.encoder = only_on(
+            is_first_pp_stage(), lambda: WhisperEncoder(config, join(prefix, "encoder"))
+        )
         self.decoder = WhisperDecoder(config, join(prefix, "decoder"))
 
 
 class WhisperForConditionalGeneration(nn.Module):
     is_encoder_decoder = True
     encoder_input_kind = "audio"
+    # Runs as pipeline stages, which split the decoder's layers (`encoder_decoder_stages.py`).
+    supports_pp = True
+    pp_layers_field = "decoder_layers"
 
     def __init__(self, config: EngineConfig, prefix: str = "") -> None:
         super().__init__()
         hf = config.model.hf_config
         self.model = WhisperModel(config, join(prefix, "model"))
-        self.proj_out = ParallelLMHead(
-            hf.vocab_size, hf.d_model, tie_to=self.model.decoder.embed_tokens
-        )
+        # Tied to the token embedding; a last stage without it owns a copy of its tensor.
+        self.proj_out, self._head_from_embedding = stage_lm_head(self.model.decoder, hf, True)
 
     @classmethod
     def max_encoder_len(cls, hf_config: Any) -> int:
@@ -158,17 +168,27 @@ class WhisperForConditionalGeneration(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         encoder_input_features: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Decoder hidden states; the encoder runs first when features are given."""
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """Decoder hidden states (this stage's hand-over before the last stage); the encoder
+        runs first when features are given (first stage)."""
         encoder_hidden_states = None
         if encoder_input_features is not None:
             encoder_hidden_states = self.model.encoder(encoder_input_features)
-        return self.model.decoder(input_ids, positions, encoder_hidden_states)
+        return self.model.decoder(input_ids, positions, encoder_hidden_states, intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.proj_out(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """HF-named tensors in; `proj_out.weight` is the token embedding (tied)."""
+        """HF-named tensors in (this pipeline stage's only); `proj_out.weight` is the token
+        embedding (tied)."""
         kept = ((name, tensor) for name, tensor in weights if name != "proj_out.weight")
-        return load_stacked_weights(self, kept, ())
+        staged = stage_weights(
+            self,
+            kept,
+            self._head_from_embedding,
+            embedding="model.decoder.embed_tokens.weight",
+            head="proj_out.weight",
+        )
+        return load_stacked_weights(self, staged, ())

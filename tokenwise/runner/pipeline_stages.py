@@ -2,8 +2,8 @@
 in flight.
 
 `PipelineStages` is a part the runner holds (`runner.pipeline`), not a subclass of it: the
-runner's step (its kind's inputs included: a vision-language model's images enter at the first
-stage) is laid out and its metadata built as for one process; this part decides which virtual
+runner's step (its kind's inputs included: a vision-language model's images and an
+encoder-decoder model's encoders enter at the first stage) is laid out and its metadata built as for one process; this part decides which virtual
 engine's batch it uses, sends the activations on and receives the logits.
 
 Every stage holds its layers only (`pp_state.pp_layer_range`) and, for each attention layer,
@@ -47,6 +47,7 @@ from tokenwise.distributed.step_message import StatePlan, decode_step, encode_st
 from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from tokenwise.forward_context import set_forward_context
 from tokenwise.layers.pipeline import IntermediateTensors
+from tokenwise.runner.cross_metadata import apply_cross_step, cross_step
 from tokenwise.runner.input_batch import InputBatch, StepInputs
 from tokenwise.runner.prompt_logprobs import (
     PromptLogprobRows,
@@ -96,9 +97,11 @@ class PipelineStages:
             )
             for _ in range(self.pp_size - 1)
         ]
-        if self.recurrent is not None:  # each virtual engine's batch mirrors the state group
+        # Each virtual engine's batch mirrors the groups the runner's parts added (recurrent
+        # state, cross-attention), as wide.
+        for table in batch.group_tables[batch.num_self_groups :]:
             for extra in self._input_batches[1:]:
-                extra.add_kv_cache_group(1)
+                extra.add_kv_cache_group(table.shape[1])
         self._in_flight: deque[_InFlight] = deque()
         self._busy_s = 0.0
         # Every stage's busy seconds as of the last batch collected (driver).
@@ -193,7 +196,12 @@ class PipelineStages:
         mrope = model_kwargs.get("mrope_positions")
         spans = next(iter(metadata.values())).bidirectional_spans if metadata else None
         payload = encode_step(  # bytes: owned, whatever the buffers do next
-            step, tables, states=plan, mrope_positions=mrope, image_spans=spans
+            step,
+            tables,
+            states=plan,
+            mrope_positions=mrope,
+            image_spans=spans,
+            cross=cross_step(metadata),
         )
         with self.channel.failures_named():
             if self.tp.active:  # stage 0's other TP ranks run the same batch
@@ -311,6 +319,8 @@ class PipelineStages:
             if step_message.image_spans is not None:  # as the first stage's kind set them
                 for md in {id(md): md for md in metadata.values()}.values():
                     md.bidirectional_spans = step_message.image_spans
+            if step_message.cross is not None:  # an encoder-decoder model's cross rows
+                apply_cross_step(step_message.cross, metadata, self.runner.attn_layers, self.device)
             kwargs = {}
             if step_message.mrope_positions is not None:
                 kwargs["mrope_positions"] = step_message.mrope_positions.tensor(self.device)

@@ -21,12 +21,13 @@ lengths and cross block tables from `CommonAttentionState`'s encoder-decoder buf
 `model_inputs` rewrites before the replay (padding rows: length 1, block 0) through the state's
 `prepare_graph_input_buffers`, given the step's graph metadata with its cross fields; a mixed
 batch (a chunk of a long decoder prompt) replays PIECEWISE graphs with eager attention on
-metadata built here, padded like the decoder's. Models run on one rank.
+metadata built here, padded like the decoder's. Models run on one rank, or as pipeline stages:
+the driver's part runs the encoders on the first stage, and its cross rows go to the later
+stages in the step message (`runner/cross_metadata.py`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from tokenwise.attention.utils import AttentionType, compute_slot_mapping
 from tokenwise.compilation.compile import CompiledModel
 from tokenwise.engine.block_manager import CROSS_ATTN
 from tokenwise.engine.step_outputs import ScheduledRequest
+from tokenwise.runner.cross_metadata import with_cross_fields
 from tokenwise.runner.input_batch import StepInputs
 from tokenwise.runner.kind_part import RunnerKindPart
 
@@ -137,14 +139,11 @@ class EncoderDecoderRunnerPart(RunnerKindPart):
             n = item.num_encoder_tokens
             compute_slot_mapping(False, slots, i, n, 0, 0, self.block_size, {i: table})
         lens = list(encoder_lens) + [1] * pad
-        return dataclasses.replace(
+        return with_cross_fields(
             decoder_md,
-            num_encoder_tokens=len(slots),
-            encoder_seq_lens=lens,
-            encoder_seq_lens_tensor=torch.tensor(lens, dtype=torch.int32, device=dev),
-            max_encoder_seq_len=max(lens, default=0),
-            cross_slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            cross_block_tables=cross_tables.to(dev),
+            lens,
+            cross_tables.to(dev),
+            torch.tensor(slots, dtype=torch.int64, device=dev),
         )
 
     def may_replay_graphs(self, step: StepInputs) -> bool:
