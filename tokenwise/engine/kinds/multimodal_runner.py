@@ -16,7 +16,9 @@ request kept it).
 
 A model whose image tokens attend to each other both ways (Gemma 3,
 `bidirectional_image_attention`) gets each prefill row's image spans on the step's attention
-metadata (`image_spans_by_row`), which every layer's backend reads from the forward context.
+metadata (`image_spans_by_row`), which every layer's backend reads from the forward context;
+a model that names the layers that do (Gemma 4: `bidirectional_image_layers`, its sliding
+ones) gets them on those layers' KV-cache groups only.
 
 A model with M-RoPE (Qwen2.5-VL) gets every step's `[3, T]` positions (`mrope_positions`),
 filled from the requests' precomputed prompt positions and their deltas into a persistent
@@ -112,7 +114,7 @@ class MultiModalRunnerPart(RunnerKindPart):
         if self.bidirectional_images and attn_metadata:
             spans = image_spans_by_row(step.scheduled, step.states)
             if any(spans):
-                for md in {id(md): md for md in attn_metadata.values()}.values():
+                for md in self._spans_metadata(attn_metadata):
                     md.bidirectional_spans = spans
         if self.mrope_buffer is not None:
             buffer = self.mrope_buffer
@@ -121,6 +123,21 @@ class MultiModalRunnerPart(RunnerKindPart):
             ).shape[0]
             inputs["mrope_positions"] = buffer.copy_to_device(n).t()
         return inputs
+
+    def _spans_metadata(self, attn_metadata: dict[str, Any]) -> list[Any]:
+        """The metadata objects (one per KV-cache group) whose layers see images both ways:
+        all, or those of the layers the model names (Gemma 4: its sliding layers)."""
+        layers = getattr(self.eager_model, "bidirectional_image_layers", None)
+        if layers is None:
+            return list({id(md): md for md in attn_metadata.values()}.values())
+        picked = {id(md): md for name, md in attn_metadata.items() if name in layers}
+        causal = {id(md) for name, md in attn_metadata.items() if name not in layers}
+        if picked.keys() & causal:
+            raise ValueError(
+                "a KV-cache group holds layers that attend over images both ways and layers "
+                "that attend causally; their attention metadata cannot differ"
+            )
+        return list(picked.values())
 
     def _image_inputs(self, step: StepInputs) -> dict[str, Any]:
         slices = image_slices(step.scheduled, step.states)
