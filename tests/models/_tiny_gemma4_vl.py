@@ -16,14 +16,14 @@ video processor, which needs torchvision.
 
 from __future__ import annotations
 
-import copy
 import os
 from functools import lru_cache
 from typing import Any
 
 import torch
 
-from tests.tiny_checkpoints import _perturb, tiny_config, tiny_tokenizer
+from tests.models._tiny_gemma3_vl import tokenizer_with_image_tokens
+from tests.tiny_checkpoints import _perturb, tiny_config
 
 BOI, IMAGE, EOI = "<|image>", "<|image|>", "<image|>"
 PATCH = 2
@@ -34,18 +34,7 @@ MAX_SOFT_TOKENS = 70
 @lru_cache(maxsize=1)
 def gemma4_tokenizer() -> Any:
     """The tiny tokenizer with Gemma 4's image tokens."""
-    from transformers import PreTrainedTokenizerFast
-
-    base = tiny_tokenizer()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=copy.deepcopy(base.backend_tokenizer),
-        bos_token=base.bos_token,
-        eos_token=base.eos_token,
-        model_max_length=1024,
-        extra_special_tokens={"boi_token": BOI, "image_token": IMAGE, "eoi_token": EOI},
-    )
-    tok.add_special_tokens({"extra_special_tokens": [BOI, IMAGE, EOI]})
-    return tok
+    return tokenizer_with_image_tokens(BOI, IMAGE, EOI, 1024)
 
 
 def image_processor() -> Any:

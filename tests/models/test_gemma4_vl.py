@@ -31,12 +31,12 @@ from tests.models._tiny_gemma4_vl import (
     image_processor,
 )
 from tests.models._tiny_llava import make_image
+from tests.models._vl_helpers import Specs, chunk_ends, engine_prompt, strip_eos
 from tokenwise.entrypoints.llm import LLM
 from tokenwise.sampling.params import SamplingParams
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-Specs = tuple[tuple[int, int, int], ...]
 
 # (prompt, image specs (seed, width, height)): one image, two of other shapes, text only.
 CASES: list[tuple[str, Specs]] = [
@@ -81,10 +81,6 @@ def hf_inputs(prompt: str, specs: Specs) -> dict[str, torch.Tensor]:
     return inputs
 
 
-def strip_eos(tokens: list[int], eos: int) -> list[int]:
-    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
-
-
 @cache
 def hf_greedy(path: str, prompt: str, specs: Specs) -> list[int]:
     inputs = hf_inputs(prompt, specs)
@@ -102,32 +98,10 @@ def hf_first_logprobs(path: str, prompt: str, specs: Specs, image_mask: bool = T
         return torch.log_softmax(hf_model(path)(**inputs).logits[0, -1], -1)
 
 
-def engine_prompt(prompt: str, specs: Specs) -> Any:
-    if not specs:
-        return prompt
-    return {"prompt": prompt, "multi_modal_data": {"image": [make_image(*s) for s in specs]}}
-
-
 def run(llm: LLM, cases: list[tuple[str, Specs]]) -> list[list[int]]:
     outs = llm.generate([engine_prompt(*c) for c in cases], GREEDY, use_tqdm=False)
     eos = llm.llm_engine.eos_token_ids[0]
     return [strip_eos(list(o.outputs[0].token_ids), eos) for o in outs]
-
-
-def chunk_ends(llm: LLM) -> list[tuple[int, list[tuple[int, int]]]]:
-    """Spy on the scheduler: where each scheduled chunk ends, and its request's images."""
-    seen: list[tuple[int, list[tuple[int, int]]]] = []
-    sched = llm.llm_engine.scheduler
-    original = sched.limit_chunk
-
-    def spy(request: Any, num_computed: int, num_new: int) -> int:
-        n = original(request, num_computed, num_new)
-        if n > 0:
-            seen.append((num_computed + n, [(im.offset, im.end) for im in request.images]))
-        return n
-
-    sched.limit_chunk = spy  # type: ignore[method-assign]
-    return seen
 
 
 def cuts_an_image(ends: list[tuple[int, list[tuple[int, int]]]]) -> bool:

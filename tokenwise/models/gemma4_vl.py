@@ -34,6 +34,7 @@ from tokenwise.models.gemma2 import SLIDING, gemma_layer_types
 from tokenwise.models.gemma4 import Gemma4ForCausalLM
 from tokenwise.models.gemma4_vision import Gemma4MultimodalEmbedder, Gemma4VisionTower
 from tokenwise.models.image_merge import decode_with_images
+from tokenwise.models.llava import copy_tower_tensor
 
 # The towers and embedders of the modalities that are not served: their tensors are skipped.
 SKIPPED = ("model.audio_tower.", "model.embed_audio.")
@@ -53,7 +54,6 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
         super().__init__(config, prefix)
         hf = config.model.hf_config
         vision = mm.vision_config
-        self.image_token_index = int(mm.image_token_id)
         self.pad_token_id = int(getattr(hf, "pad_token_id", None) or 0)
         placeholders = [getattr(mm, f"{m}_token_id", None) for m in ("image", "video", "audio")]
         self.register_buffer(
@@ -66,7 +66,9 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
             int(vision.hidden_size), int(hf.hidden_size), float(vision.rms_norm_eps)
         )
         # Image tokens attend both ways in the sliding layers ("vision"), else causally.
-        self.bidirectional_image_attention = hf.use_bidirectional_attention == "vision"
+        self.bidirectional_image_attention = (
+            getattr(hf, "use_bidirectional_attention", None) == "vision"
+        )
         # A KV-sharing layer attends through its producer's `attn` (same type, same spans).
         kinds = gemma_layer_types(hf)
         self.bidirectional_image_layers = frozenset(
@@ -116,16 +118,6 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
                     yield name.replace("model.language_model.", "model.", 1), tensor
                     continue
                 ours = IMAGE_PREFIXES[image] + name[len(image) :]
-                if ours not in own:
-                    raise ValueError(
-                        f"checkpoint tensor {name!r} matches no part of Gemma 4's tower"
-                    )
-                if tuple(own[ours].shape) != tuple(tensor.shape):
-                    raise ValueError(
-                        f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the "
-                        f"model expects {tuple(own[ours].shape)}"
-                    )
-                own[ours].data.copy_(tensor)
-                loaded.add(ours)
+                loaded.add(copy_tower_tensor(own, ours, tensor, "Gemma 4's tower"))
 
         return super().load_weights(text_weights()) | loaded

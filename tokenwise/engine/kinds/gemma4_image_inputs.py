@@ -61,19 +61,7 @@ class Gemma4ImagePrompts(GridImagePrompts):
 
     def process(self, text: str, images: list[Any]) -> tuple[list[int], list[ImageInput]]:
         """Token ids of `text` with each image's placeholder expanded, and the images."""
-        pieces = text.split(self.image_token)
-        if len(pieces) - 1 != len(images):
-            raise ValueError(
-                f"the prompt has {len(pieces) - 1} image placeholder(s) ({self.image_token!r}) "
-                f"but {len(images)} image(s) were given; put one {self.image_token!r} where "
-                "each image goes"
-            )
-        try:
-            batch = self.processor(
-                images=[image.convert("RGB") for image in images], return_tensors="pt"
-            )
-        except (ValueError, OSError, TypeError) as exc:
-            raise ValueError(f"the image processor refused the input: {exc}") from exc
+        pieces, batch = self.split_and_process(text, images)
         kernel = int(self.processor.pooling_kernel_size)
         grids, pixels, counts = [], [], []
         for patches, positions in zip(
