@@ -45,8 +45,11 @@ def image_processor() -> Any:
     )
 
 
-def build_tiny_gemma4_vl(out_dir: str, bidirectional: str | None = "vision", seed: int = 0) -> str:
-    """Write the checkpoint and its image processor into `out_dir`; returns it."""
+def build_tiny_gemma4_vl(
+    out_dir: str, bidirectional: str | None = "vision", seed: int = 0, **text: Any
+) -> str:
+    """Write the checkpoint and its image processor into `out_dir`; returns it. `text`:
+    overrides of the text config (e.g. `layer_types` with `num_hidden_layers`)."""
     import transformers
 
     tok = gemma4_tokenizer()
@@ -57,6 +60,7 @@ def build_tiny_gemma4_vl(out_dir: str, bidirectional: str | None = "vision", see
         pad_token_id=tok.eos_token_id,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
+        **text,
     ).to_dict()
     vision = {
         "hidden_size": 32,

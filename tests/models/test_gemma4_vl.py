@@ -232,8 +232,6 @@ def test_bad_inputs_are_refused_by_name(ckpt: str) -> None:
         "this model reads images only; multi_modal_data has audio",
     )
     refused(f"text with a bare {IMAGE}", "holds the image placeholder token but no image")
-    with pytest.raises(ValueError, match="pipeline_parallel_size=2 is not supported for Gemma4"):
-        LLM(ckpt, dtype="float32", pipeline_parallel_size=2)
     assert run(llm, CASES[:1]) == [hf_greedy(ckpt, *CASES[0])]  # the engine still serves
 
 
@@ -249,3 +247,39 @@ def test_processor_and_tower_must_agree(ckpt: str, tmp_path: Any) -> None:
     llm = LLM(str(moved), dtype="float32", num_gpu_blocks=POOL, block_size=8)
     with pytest.raises(ValueError, match="patch_size=4 but the vision tower's config says 2"):
         llm.generate(engine_prompt(*CASES[0]), GREEDY, use_tqdm=False)
+
+
+def test_two_pipeline_stages_equal_hf(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pipeline parallelism: the first stage (sliding, global) embeds the images; the second
+    (sliding, global, sliding, global) gets each prefill row's image spans in the step
+    message and puts them on its sliding layers only: the first token's logprobs equal HF's
+    (1e-4), which the rule on its first global layer would break (this checkpoint has six
+    layers so that a global layer that is not the last one sits on the second stage)."""
+    kinds = ["sliding_attention", "full_attention"] * 3
+    out = str(tmp_path_factory.mktemp("gemma4vl-6") / "ckpt")
+    ckpt = build_tiny_gemma4_vl(out, num_hidden_layers=6, layer_types=kinds)
+    monkeypatch.setenv("TOKENWISE_PP_LAYER_PARTITION", "2,4")
+    llm = LLM(
+        ckpt,
+        dtype="float32",
+        pipeline_parallel_size=2,
+        num_gpu_blocks=2 * POOL,
+        block_size=8,
+        max_num_batched_tokens=80,
+    )
+    try:
+        assert run(llm, CASES) == [hf_greedy(ckpt, *c) for c in CASES]
+        params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+        for prompt, specs in CASES[:2]:
+            out = llm.generate(engine_prompt(prompt, specs), params, use_tqdm=False)[0]
+            ref = hf_first_logprobs(ckpt, prompt, specs)
+            for token, lp in out.outputs[0].logprobs[0].items():
+                assert math.isclose(lp.logprob, ref[token].item(), abs_tol=1e-4)
+        stage0 = llm.llm_engine.runner.model
+        assert stage0.model.is_first_stage and not stage0.model.is_last_stage
+        assert stage0.bidirectional_image_layers == {"model.layers.0.self_attn.attn"}
+        assert_pool_clean(llm.llm_engine)
+    finally:
+        llm.shutdown()

@@ -17,9 +17,9 @@ image. Without it (None: the small models), every layer is causal and a chunk ma
 image.
 
 Audio (`Gemma4AudioModel`) and video are not served: their towers' tensors are skipped, and
-a prompt with audio is refused by the multimodal kind, which reads images only. Pipeline
-stages are refused: a later stage would need the per-layer choice of image spans, which the
-step message does not carry.
+a prompt with audio is refused by the multimodal kind, which reads images only. Under
+pipeline parallelism the first stage holds the tower; the step message carries the image
+spans, and each stage sets them on its own sliding layers.
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch import nn
 
 from tokenwise.config import EngineConfig
+from tokenwise.layers.pipeline import IntermediateTensors, StageAbsent
 from tokenwise.models.gemma2 import SLIDING, gemma_layer_types
 from tokenwise.models.gemma4 import Gemma4ForCausalLM
 from tokenwise.models.gemma4_vision import Gemma4MultimodalEmbedder, Gemma4VisionTower
@@ -45,7 +47,9 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
     is_multimodal = True
     # Image pixels arrive as each image's own patch grid (see `gemma4_image_inputs.py`).
     variable_image_tokens = True
-    supports_pp = False  # later stages cannot yet tell sliding from global layers' spans
+    # Under pipeline parallelism the first stage holds the tower and embeds the images; every
+    # stage puts the image spans on its own sliding layers (`bidirectional_image_layers`).
+    supports_pp = True
 
     def __init__(self, config: EngineConfig, prefix: str = "") -> None:
         mm = config.model.hf_multimodal_config
@@ -61,19 +65,23 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
             torch.tensor([int(t) for t in placeholders if t is not None]),
             persistent=False,
         )
-        self.vision_tower = Gemma4VisionTower(vision)
-        self.embed_vision = Gemma4MultimodalEmbedder(
-            int(vision.hidden_size), int(hf.hidden_size), float(vision.rms_norm_eps)
-        )
+        self.vision_tower: nn.Module = StageAbsent()
+        self.embed_vision: nn.Module = StageAbsent()
+        if self.model.is_first_stage:
+            self.vision_tower = Gemma4VisionTower(vision)
+            self.embed_vision = Gemma4MultimodalEmbedder(
+                int(vision.hidden_size), int(hf.hidden_size), float(vision.rms_norm_eps)
+            )
         # Image tokens attend both ways in the sliding layers ("vision"), else causally.
         self.bidirectional_image_attention = (
             getattr(hf, "use_bidirectional_attention", None) == "vision"
         )
-        # A KV-sharing layer attends through its producer's `attn` (same type, same spans).
+        # This stage's sliding layers; a KV-sharing layer attends through its producer's
+        # `attn` (same type, same spans).
         kinds = gemma_layer_types(hf)
         self.bidirectional_image_layers = frozenset(
-            layer.self_attn.attn.layer_name
-            for i, layer in enumerate(self.model.layers)
+            self.model.layers[i].self_attn.attn.layer_name
+            for i in range(self.model.start_layer, self.model.end_layer)
             if kinds[i] == SLIDING and not self.model.kv_shared[i]
         )
 
@@ -96,8 +104,12 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
         positions: torch.Tensor,
         image_embeds: torch.Tensor | None = None,
         image_token_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """`image_embeds[i]` replaces the embedding of flat token `image_token_rows[i]`."""
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """`image_embeds[i]` replaces the embedding of flat token `image_token_rows[i]`; a
+        later pipeline stage starts from `intermediate_tensors`."""
+        if intermediate_tensors is not None:
+            return self.model(input_ids, positions, intermediate_tensors=intermediate_tensors)
         ids = input_ids.masked_fill(torch.isin(input_ids, self.placeholder_ids), self.pad_token_id)
         return decode_with_images(
             self.model, ids, positions, image_embeds, image_token_rows, self.model.embed
@@ -117,6 +129,8 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
                 if image is None:
                     yield name.replace("model.language_model.", "model.", 1), tensor
                     continue
+                if not self.model.is_first_stage:
+                    continue  # the first stage's
                 ours = IMAGE_PREFIXES[image] + name[len(image) :]
                 loaded.add(copy_tower_tensor(own, ours, tensor, "Gemma 4's tower"))
 

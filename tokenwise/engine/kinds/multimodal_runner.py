@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from tokenwise.attention.backends.image_mask import put_image_spans
 from tokenwise.compilation.compile import CompiledModel
 from tokenwise.engine.kinds.encoder_cache import EncoderCache
 from tokenwise.engine.kinds.image_inputs import ImageInput
@@ -114,8 +115,8 @@ class MultiModalRunnerPart(RunnerKindPart):
         if self.bidirectional_images and attn_metadata:
             spans = image_spans_by_row(step.scheduled, step.states)
             if any(spans):
-                for md in self._spans_metadata(attn_metadata):
-                    md.bidirectional_spans = spans
+                layers = getattr(self.eager_model, "bidirectional_image_layers", None)
+                put_image_spans(attn_metadata, spans, layers)
         if self.mrope_buffer is not None:
             buffer = self.mrope_buffer
             n = step_mrope_positions(
@@ -123,21 +124,6 @@ class MultiModalRunnerPart(RunnerKindPart):
             ).shape[0]
             inputs["mrope_positions"] = buffer.copy_to_device(n).t()
         return inputs
-
-    def _spans_metadata(self, attn_metadata: dict[str, Any]) -> list[Any]:
-        """The metadata objects (one per KV-cache group) whose layers see images both ways:
-        all, or those of the layers the model names (Gemma 4: its sliding layers)."""
-        layers = getattr(self.eager_model, "bidirectional_image_layers", None)
-        if layers is None:
-            return list({id(md): md for md in attn_metadata.values()}.values())
-        picked = {id(md): md for name, md in attn_metadata.items() if name in layers}
-        causal = {id(md) for name, md in attn_metadata.items() if name not in layers}
-        if picked.keys() & causal:
-            raise ValueError(
-                "a KV-cache group holds layers that attend over images both ways and layers "
-                "that attend causally; their attention metadata cannot differ"
-            )
-        return list(picked.values())
 
     def _image_inputs(self, step: StepInputs) -> dict[str, Any]:
         slices = image_slices(step.scheduled, step.states)
