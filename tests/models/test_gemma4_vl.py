@@ -155,11 +155,18 @@ def test_chunks_may_cut_images_without_the_image_rule(causal_ckpt: str) -> None:
     assert_pool_clean(llm.llm_engine)
 
 
-def test_first_logprobs_equal_hf_and_need_the_sliding_image_rule(ckpt: str) -> None:
+@pytest.mark.parametrize("prefill", ["per_sequence", "packed"])
+def test_first_logprobs_equal_hf_and_need_the_sliding_image_rule(
+    ckpt: str, prefill: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The first token's logprobs equal HF's (1e-4). HF without its image mask (causal over
     the images) is off by far more, and so is the engine with the image rule on every layer
     (Gemma 3's): Gemma 4's global layers stay causal. (No prefix cache: each run computes
-    its prompt.)"""
+    its prompt.) "packed" forces the GPU's one-call prefill on CPU."""
+    if prefill == "packed":
+        from tokenwise.attention.backends.torch_backend import TorchAttentionImpl
+
+        monkeypatch.setattr(TorchAttentionImpl, "_prefill", TorchAttentionImpl._prefill_packed)
     llm = LLM(ckpt, dtype="float32", num_gpu_blocks=POOL, block_size=8, enable_prefix_caching=False)
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
     model = llm.llm_engine.runner.kind_part.eager_model
