@@ -29,9 +29,9 @@ TOKENS_PER_IMAGE = 16
 SLIDING_WINDOW = 8
 
 
-@lru_cache(maxsize=1)
-def gemma3_tokenizer() -> Any:
-    """The tiny tokenizer with Gemma's image tokens, named as `Gemma3Processor` reads them."""
+def tokenizer_with_image_tokens(boi: str, image: str, eoi: str, max_length: int) -> Any:
+    """The tiny tokenizer with Gemma's three image tokens added (ids after the text's), named
+    as Gemma's processors read them (`boi_token`, `image_token`, `eoi_token`)."""
     from transformers import PreTrainedTokenizerFast
 
     base = tiny_tokenizer()
@@ -39,11 +39,17 @@ def gemma3_tokenizer() -> Any:
         tokenizer_object=copy.deepcopy(base.backend_tokenizer),
         bos_token=base.bos_token,
         eos_token=base.eos_token,
-        model_max_length=512,
-        extra_special_tokens={"boi_token": BOI, "image_token": IMAGE, "eoi_token": EOI},
+        model_max_length=max_length,
+        extra_special_tokens={"boi_token": boi, "image_token": image, "eoi_token": eoi},
     )
-    tok.add_special_tokens({"extra_special_tokens": [BOI, IMAGE, EOI]})
+    tok.add_special_tokens({"extra_special_tokens": [boi, image, eoi]})
     return tok
+
+
+@lru_cache(maxsize=1)
+def gemma3_tokenizer() -> Any:
+    """The tiny tokenizer with Gemma 3's image tokens."""
+    return tokenizer_with_image_tokens(BOI, IMAGE, EOI, 512)
 
 
 def build_tiny_gemma3_vl(out_dir: str, seed: int = 0) -> str:

@@ -13,7 +13,7 @@ causal mask over the images the logprobs would be off by far more than the toler
 from __future__ import annotations
 
 import math
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 import pytest
@@ -22,15 +22,21 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from tests.engine._fixtures import assert_pool_clean
-from tests.models._tiny_gemma3_vl import TOKENS_PER_IMAGE, build_tiny_gemma3_vl
+from tests.models._tiny_gemma3_vl import build_tiny_gemma3_vl
 from tests.models._tiny_llava import make_image
+from tests.models._vl_helpers import (
+    Specs,
+    check_prefix_hits_through_and_into_image,
+    chunk_ends,
+    engine_prompt,
+    strip_eos,
+)
 from tokenwise.entrypoints.llm import LLM
 from tokenwise.models.llava import checkpoint_name
 from tokenwise.sampling.params import SamplingParams
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-Specs = tuple[tuple[int, int, int], ...]
 
 # (prompt, image specs (seed, width, height)): one image, two, text only, an image first.
 CASES: list[tuple[str, Specs]] = [
@@ -65,10 +71,6 @@ def hf_inputs(path: str, prompt: str, specs: Specs) -> Any:
     return processor(images=images, text=prompt, return_tensors="pt")
 
 
-def strip_eos(tokens: list[int], eos: int) -> list[int]:
-    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
-
-
 @cache
 def hf_greedy(path: str, prompt: str, specs: Specs) -> list[int]:
     model, _ = hf_parts(path)
@@ -79,33 +81,10 @@ def hf_greedy(path: str, prompt: str, specs: Specs) -> list[int]:
     return strip_eos(out[0, inputs["input_ids"].shape[1] :].tolist(), eos)
 
 
-def engine_prompt(prompt: str, specs: Specs) -> Any:
-    if not specs:
-        return prompt
-    images = [make_image(*s) for s in specs]
-    return {"prompt": prompt, "multi_modal_data": {"image": images}}
-
-
 def run(llm: LLM, cases: list[tuple[str, Specs]]) -> list[list[int]]:
     outs = llm.generate([engine_prompt(*c) for c in cases], GREEDY, use_tqdm=False)
     eos = llm.llm_engine.eos_token_ids[0]
     return [strip_eos(list(o.outputs[0].token_ids), eos) for o in outs]
-
-
-def chunk_ends(llm: LLM) -> list[tuple[int, list[tuple[int, int]]]]:
-    """Spy on the scheduler: where each scheduled chunk ends, and its request's images."""
-    seen: list[tuple[int, list[tuple[int, int]]]] = []
-    sched = llm.llm_engine.scheduler
-    original = sched.limit_chunk
-
-    def spy(request: Any, num_computed: int, num_new: int) -> int:
-        n = original(request, num_computed, num_new)
-        if n > 0:
-            seen.append((num_computed + n, [(im.offset, im.end) for im in request.images]))
-        return n
-
-    sched.limit_chunk = spy  # type: ignore[method-assign]
-    return seen
 
 
 @pytest.mark.parametrize("budget", [512, 20], ids=["whole-prompts", "chunks-around-images"])
@@ -162,25 +141,10 @@ def test_first_logprobs_equal_hf_and_need_the_image_mask(
 
 def test_prefix_cache_hits_through_and_into_images(ckpt: str) -> None:
     llm = LLM(ckpt, dtype="float32", num_gpu_blocks=POOL, block_size=8)
-    engine = llm.llm_engine
     prompt, specs = CASES[0]
-    first = llm.generate(engine_prompt(prompt, specs), GREEDY, use_tqdm=False)[0]
-    again = llm.generate(engine_prompt(prompt, specs), GREEDY, use_tqdm=False)[0]
-    n = len(first.prompt_token_ids)
-    assert first.num_cached_tokens == 0
-    assert again.num_cached_tokens == (n - 1) // 8 * 8  # every full block, through the image
-    eos = engine.eos_token_ids[0]
-    assert strip_eos(list(again.outputs[0].token_ids), eos) == hf_greedy(ckpt, prompt, specs)
-    assert engine.runner.kind_part.num_encoder_runs == 1  # the hit covered the image
-    # The same image, other text after it: the hit ends inside the image, whose cached K/V
-    # were computed with the whole image; the rest of the image runs in one chunk.
-    image_id = engine.kind.image_token_id
-    offset = first.prompt_token_ids.index(image_id)
     tail = ("USER: <start_of_image> who is this? ASSISTANT:", specs)
-    third = llm.generate(engine_prompt(*tail), GREEDY, use_tqdm=False)[0]
-    assert offset < third.num_cached_tokens < offset + TOKENS_PER_IMAGE
-    assert strip_eos(list(third.outputs[0].token_ids), eos) == hf_greedy(ckpt, *tail)
-    assert_pool_clean(engine)
+    reference = partial(hf_greedy, ckpt)
+    check_prefix_hits_through_and_into_image(llm, (prompt, specs), tail, reference, GREEDY)
 
 
 def test_preempting_pool_recomputes_images(ckpt: str) -> None:

@@ -39,7 +39,12 @@ from tokenwise.layers.pipeline import IntermediateTensors, StageAbsent
 from tokenwise.models.clip_vision import CLIPVisionTower
 from tokenwise.models.gemma3 import Gemma3ForCausalLM
 from tokenwise.models.image_merge import decode_with_images
-from tokenwise.models.llava import IMAGE_MODULES, checkpoint_name, image_token_id
+from tokenwise.models.llava import (
+    IMAGE_MODULES,
+    checkpoint_name,
+    copy_tower_tensor,
+    image_token_id,
+)
 
 
 class Gemma3Projector(nn.Module):
@@ -148,14 +153,6 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
                     name[len("vision_tower.") :]
                 ):
                     continue
-                if name not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} matches no parameter of Gemma 3")
-                if tuple(params[name].shape) != tuple(tensor.shape):
-                    raise ValueError(
-                        f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the "
-                        f"model expects {tuple(params[name].shape)}"
-                    )
-                params[name].data.copy_(tensor)
-                loaded.add(name)
+                loaded.add(copy_tower_tensor(params, name, tensor, "Gemma 3"))
 
         return super().load_weights(text_weights()) | loaded

@@ -29,9 +29,8 @@ layer, embeddings scaled by `sqrt(hidden_size)`, a final logit soft-cap) and cha
   before any stage starts).
 
 The 26B-A4B model's routed experts (`enable_moe_block`) are in `gemma4_moe.py`. Not built:
-bidirectional attention over text (`use_bidirectional_attention="all"`), refused by name. Images, video and audio
-of `Gemma4ForConditionalGeneration` are not served: its towers' weights are skipped and the
-model is text-only.
+bidirectional attention over text (`use_bidirectional_attention="all"`), refused by name. The
+hub's `Gemma4ForConditionalGeneration` (with images) is in `gemma4_vl.py`.
 """
 
 from __future__ import annotations
@@ -335,27 +334,3 @@ def _layer_index(name: str) -> int | None:
         if part == "layers" and parts[i + 1].isdigit():
             return int(parts[i + 1])
     return None
-
-
-class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
-    """The hub's Gemma 4 checkpoints (with vision and audio towers), served as text only: the
-    language model's tensors (`model.language_model.*`) load, the towers' and their
-    embedders' are skipped, and requests with images or audio are refused as for any
-    text-only model."""
-
-    supports_pp = False  # the hub's multimodal layout: not run as pipeline stages yet
-    _SKIPPED = (
-        "model.vision_tower.",
-        "model.audio_tower.",
-        "model.embed_vision.",
-        "model.embed_audio.",
-    )
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        def text_only() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                if name.startswith(self._SKIPPED):
-                    continue
-                yield name.replace("model.language_model.", "model.", 1), tensor
-
-        return super().load_weights(text_only())

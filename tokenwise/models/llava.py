@@ -165,17 +165,26 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
                     continue  # another pipeline stage's
                 if self.vision_tower.skips(name[len("vision_tower.") :]):
                     continue
-                if name not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} matches no parameter of LLaVA")
-                if tuple(params[name].shape) != tuple(tensor.shape):
-                    raise ValueError(
-                        f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the "
-                        f"model expects {tuple(params[name].shape)}"
-                    )
-                params[name].data.copy_(tensor)
-                loaded.add(name)
+                loaded.add(copy_tower_tensor(params, name, tensor, "LLaVA"))
 
         return super().load_weights(text_weights()) | loaded
+
+
+def copy_tower_tensor(
+    targets: dict[str, torch.Tensor], name: str, tensor: torch.Tensor, family: str
+) -> str:
+    """Copy a vision tower's (or projector's) checkpoint tensor into the parameter or buffer
+    of that name, refusing by name one that matches none or has another shape; returns the
+    name. Towers load unfused, so a plain copy is all they need."""
+    if name not in targets:
+        raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {family}")
+    if tuple(targets[name].shape) != tuple(tensor.shape):
+        raise ValueError(
+            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model expects "
+            f"{tuple(targets[name].shape)}"
+        )
+    targets[name].data.copy_(tensor)
+    return name
 
 
 def image_token_id(mm_config: Any) -> int:

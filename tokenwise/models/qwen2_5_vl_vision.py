@@ -52,10 +52,15 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def segment_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: list[int],
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Bidirectional attention within consecutive segments of `[T, heads, head_dim]` tensors.
-    Segments of one length run as one batch (most windows of an image have the same size)."""
+    Segments of one length run as one batch (most windows of an image have the same size).
+    `scale`: the logits' factor (None: `head_dim ** -0.5`)."""
     out = torch.empty_like(q)
     starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
     lengths_np = np.asarray(lengths, dtype=np.int64)
@@ -66,7 +71,7 @@ def segment_attention(
         rows = torch.from_numpy((first[:, None] + np.arange(length)).reshape(-1)).to(q.device)
         shape = (len(first), int(length), *q.shape[1:])
         qs, ks, vs = (x.index_select(0, rows).view(shape).transpose(1, 2) for x in (q, k, v))
-        attn = F.scaled_dot_product_attention(qs, ks, vs)
+        attn = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
         out[rows] = attn.transpose(1, 2).reshape(-1, *q.shape[1:])
     return out
 

@@ -25,7 +25,8 @@ from tokenwise.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCau
 from tokenwise.models.gemma2 import Gemma2ForCausalLM
 from tokenwise.models.gemma3 import Gemma3ForCausalLM
 from tokenwise.models.gemma3_vl import Gemma3ForConditionalGeneration
-from tokenwise.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
+from tokenwise.models.gemma4 import Gemma4ForCausalLM
+from tokenwise.models.gemma4_vl import Gemma4ForConditionalGeneration
 from tokenwise.models.gpt_oss import GptOssForCausalLM
 from tokenwise.models.llama import LlamaForCausalLM
 from tokenwise.models.llava import LlavaForConditionalGeneration

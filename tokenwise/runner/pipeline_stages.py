@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tokenwise.attention.backends.image_mask import put_image_spans
 from tokenwise.attention.metadata import AttentionMetadata
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.pp_channel import PipelineChannel, StageMessage
@@ -194,7 +195,11 @@ class PipelineStages:
         # 3-D positions (M-RoPE) go to every stage with the step.
         model_kwargs = r.kind_part.model_inputs(step, metadata)
         mrope = model_kwargs.get("mrope_positions")
-        spans = next(iter(metadata.values())).bidirectional_spans if metadata else None
+        # Gemma 4 sets them on its sliding layers' groups only: any group that has them.
+        spans = next(
+            (md.bidirectional_spans for md in (metadata or {}).values() if md.bidirectional_spans),
+            None,
+        )
         payload = encode_step(  # bytes: owned, whatever the buffers do next
             step,
             tables,
@@ -317,8 +322,8 @@ class PipelineStages:
             intermediate = None if received is None else received.to(self.device)
             metadata = self.runner.step_metadata.build(step, tables)
             if step_message.image_spans is not None:  # as the first stage's kind set them
-                for md in {id(md): md for md in metadata.values()}.values():
-                    md.bidirectional_spans = step_message.image_spans
+                layers = getattr(self.runner.model, "bidirectional_image_layers", None)
+                put_image_spans(metadata, step_message.image_spans, layers)
             if step_message.cross is not None:  # an encoder-decoder model's cross rows
                 apply_cross_step(step_message.cross, metadata, self.runner.attn_layers, self.device)
             kwargs = {}

@@ -6,6 +6,9 @@ image) AND, in a sliding layer, k > q - window. Other tokens (text, decode steps
 causal mask, so the backends only take this path for prefill rows whose metadata lists image
 spans (`AttentionMetadata.bidirectional_spans`, set by the multimodal runner).
 
+A model may name the layers that follow the rule (Gemma 4: only its sliding layers; its global
+layers stay causal): `put_image_spans` then sets the spans on those layers' metadata alone.
+
 Spans are `(start, end)` prompt positions of one image's soft tokens; the scheduler keeps an
 image's queries in one chunk, so every key such a query may see is in the cache or in this
 step's K/V, which the backend writes before it attends.
@@ -13,7 +16,8 @@ step's K/V, which the backend writes before it attends.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from typing import Any
 
 import torch
 
@@ -45,3 +49,25 @@ def visible_keys(
     if sliding_window is not None:
         mask &= k > q - sliding_window
     return mask
+
+
+def put_image_spans(
+    attn_metadata: dict[str, Any],
+    spans: list[list[Span]],
+    layers: Collection[str] | None = None,
+) -> None:
+    """Set each prefill row's image spans on the step's metadata (one object per KV-cache
+    group, keyed by layer name): every group's, or only those of the named `layers`. A group
+    holding layers of both kinds cannot say two things, so it is refused."""
+    if layers is None:
+        picked = {id(md): md for md in attn_metadata.values()}
+    else:
+        picked = {id(md): md for name, md in attn_metadata.items() if name in layers}
+        causal = {id(md) for name, md in attn_metadata.items() if name not in layers}
+        if picked.keys() & causal:
+            raise ValueError(
+                "a KV-cache group holds layers that attend over images both ways and layers "
+                "that attend causally; their attention metadata cannot differ"
+            )
+    for md in picked.values():
+        md.bidirectional_spans = spans

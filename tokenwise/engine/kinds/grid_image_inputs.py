@@ -63,8 +63,9 @@ class GridImagePrompts:
             self._processor = load_image_processor(self.model_dir)
         return self._processor
 
-    def process(self, text: str, images: list[Any]) -> tuple[list[int], list[ImageInput]]:
-        """Token ids of `text` with each image's placeholder expanded, and the images."""
+    def split_and_process(self, text: str, images: list[Any]) -> tuple[list[str], Any]:
+        """The text around each placeholder (one per image, checked) and the image
+        processor's batch for the images."""
         pieces = text.split(self.image_token)
         if len(pieces) - 1 != len(images):
             raise ValueError(
@@ -78,6 +79,11 @@ class GridImagePrompts:
             )
         except (ValueError, OSError, TypeError) as exc:
             raise ValueError(f"the image processor refused the input: {exc}") from exc
+        return pieces, batch
+
+    def process(self, text: str, images: list[Any]) -> tuple[list[int], list[ImageInput]]:
+        """Token ids of `text` with each image's placeholder expanded, and the images."""
+        pieces, batch = self.split_and_process(text, images)
         grids: list[Grid] = [
             (int(t), int(h), int(w)) for t, h, w in batch["image_grid_thw"].tolist()
         ]

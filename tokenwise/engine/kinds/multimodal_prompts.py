@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenwise.engine.kinds.gemma4_image_inputs import Gemma4ImagePrompts
 from tokenwise.engine.kinds.grid_image_inputs import GridImagePrompts
 from tokenwise.engine.kinds.image_inputs import ImagePrompts, as_image_list
 from tokenwise.engine.kinds.mrope_positions import prompt_mrope_positions
@@ -45,11 +46,14 @@ class ProcessedImagePrompt:
 def prompt_settings(model: Any, image_token_id: int) -> dict[str, int]:
     """What prompt processing needs to know of the built model (sent to a front end)."""
     uses_mrope = bool(getattr(model, "uses_mrope", False))
+    variable = bool(getattr(model, "variable_image_tokens", False))
     return {
         "image_token_id": image_token_id,
         "uses_mrope": int(uses_mrope),
         "merge_size": int(model.spatial_merge_size) if uses_mrope else 0,
-        "num_image_tokens": 0 if uses_mrope else int(model.num_image_tokens),
+        "num_image_tokens": 0 if uses_mrope or variable else int(model.num_image_tokens),
+        # Gemma 4: each image has its own number of soft tokens, from its aspect ratio.
+        "variable_image_tokens": int(variable),
         # Gemma 3: an image's tokens attend to each other both ways (chunks never cut one).
         "whole_images": int(bool(getattr(model, "bidirectional_image_attention", False))),
     }
@@ -80,6 +84,10 @@ class MultiModalPrompts:
         if self.uses_mrope:
             self.prompts = GridImagePrompts(
                 model_config.model, tokenizer, self.image_token_id, self.merge_size
+            )
+        elif settings.get("variable_image_tokens"):
+            self.prompts = Gemma4ImagePrompts(
+                model_config.model, tokenizer, model_config.hf_multimodal_config
             )
         else:
             self.prompts = ImagePrompts(

@@ -16,7 +16,9 @@ request kept it).
 
 A model whose image tokens attend to each other both ways (Gemma 3,
 `bidirectional_image_attention`) gets each prefill row's image spans on the step's attention
-metadata (`image_spans_by_row`), which every layer's backend reads from the forward context.
+metadata (`image_spans_by_row`), which every layer's backend reads from the forward context;
+a model that names the layers that do (Gemma 4: `bidirectional_image_layers`, its sliding
+ones) gets them on those layers' KV-cache groups only.
 
 A model with M-RoPE (Qwen2.5-VL) gets every step's `[3, T]` positions (`mrope_positions`),
 filled from the requests' precomputed prompt positions and their deltas into a persistent
@@ -33,6 +35,7 @@ from typing import Any
 
 import torch
 
+from tokenwise.attention.backends.image_mask import put_image_spans
 from tokenwise.compilation.compile import CompiledModel
 from tokenwise.engine.kinds.encoder_cache import EncoderCache
 from tokenwise.engine.kinds.image_inputs import ImageInput
@@ -112,8 +115,8 @@ class MultiModalRunnerPart(RunnerKindPart):
         if self.bidirectional_images and attn_metadata:
             spans = image_spans_by_row(step.scheduled, step.states)
             if any(spans):
-                for md in {id(md): md for md in attn_metadata.values()}.values():
-                    md.bidirectional_spans = spans
+                layers = getattr(self.eager_model, "bidirectional_image_layers", None)
+                put_image_spans(attn_metadata, spans, layers)
         if self.mrope_buffer is not None:
             buffer = self.mrope_buffer
             n = step_mrope_positions(
