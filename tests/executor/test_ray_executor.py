@@ -39,7 +39,7 @@ from tokenwise.distributed.rendezvous import (  # noqa: E402
     arrival_proof,
     wait_for_arrivals,
 )
-from tokenwise.executor import ray_placement  # noqa: E402
+from tokenwise.executor import ray_placement, ray_workers  # noqa: E402
 from tokenwise.executor.executor import RayExecutor  # noqa: E402
 
 PROMPTS = [[5, 17, 42, 99, 7, 3], [11, 12, 13, 14, 15, 16, 17, 18]]
@@ -106,14 +106,21 @@ def _killed_generate_fails_naming(llm: LLM, kill: Callable[[], None], name: str)
 
 @pytest.mark.timeout(300, method="thread")
 def test_tp2_actor_on_the_other_node_gives_hf_tokens_then_its_kill_is_named(
-    two_ray_nodes: Any,
+    two_ray_nodes: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The ranks meet as on two hosts: at the driver node's address, proving the secret (the
+    cluster's nodes share this machine's address, so the placement alone would pick
+    loopback, which the PP test covers)."""
+    node_ip = ray.util.get_node_ip_address()
+    monkeypatch.setattr(ray_workers, "rendezvous_host", lambda *_: node_ip)
+    monkeypatch.setenv(SECRET_ENV, "test-secret")  # the actor gets it with TOKENWISE_*
     expected = _hf_tokens()
     llm = _ray_llm(tensor_parallel_size=2)
     try:
         executor = llm.llm_engine.model_executor
         assert isinstance(executor, RayExecutor)
         workers = executor.driver_worker.tp.workers
+        assert workers.init_method.startswith(f"tcp://{node_ip}:")
         here = ray.get_runtime_context().get_node_id()
         # The driver's rank on this node, rank 1's actor on the other: both nodes in use.
         assert {here, workers.procs[0].node_id} == {n["NodeID"] for n in ray.nodes()}
@@ -201,6 +208,7 @@ def test_serve_answers_503_and_exits_when_its_idle_rank_actor_dies(two_ray_nodes
         assert health == sorted(health) and set(health) <= {200, 503}, health
         assert "the engine loop died" in server.log()
         assert re.search(r"tensor-parallel worker 1 \(pid \d+\) exited", server.log())
+        assert "continue; the engine cannot continue" not in server.log()  # said once
     assert _wait_all_free() == 2.0
 
 

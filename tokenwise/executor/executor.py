@@ -199,6 +199,8 @@ class MultiprocExecutor(Executor):
         return True
 
     def check_health(self) -> None:
+        if not self._finalizer.alive:
+            return  # shut down: its workers left on purpose
         self.driver_worker.tp.check_workers()
         if self.driver_worker.pipeline is not None:
             self.driver_worker.pipeline.check_stages()
