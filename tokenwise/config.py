@@ -19,9 +19,6 @@ from tokenwise.compilation_config import (  # noqa: F401  (re-exported: their ol
 )
 from tokenwise.kv_cache.events_config import KVEventsConfig
 
-#: Ray's placement-group strategies, for the Ray executor's ranks (`ray_placement_strategy`).
-RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
@@ -133,6 +130,10 @@ class ParallelConfig:
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 # `kv_offloading_backend`: "native" is vLLM's (host memory; on a CPU engine, local disk).
 KV_OFFLOADING_BACKENDS = ("native", "cpu", "disk")
+
+
+#: Ray's placement-group strategies, for the Ray executor's ranks (`ray_placement_strategy`).
+RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 @dataclass
