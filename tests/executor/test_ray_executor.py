@@ -17,6 +17,7 @@ import re
 import signal
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -239,6 +240,16 @@ def test_ranks_on_other_hosts_meet_at_the_driver_address_only_with_the_secret(
         ray_placement.rendezvous_host(two_hosts, "a", {0: "a", 1: "b"})
     monkeypatch.setenv(SECRET_ENV, "s3cret")
     assert ray_placement.rendezvous_host(two_hosts, "a", {0: "a", 1: "b"}) == "10.0.0.1"
+    # Where the ranks then meet: a fresh port at that address; under DP the DP address.
+    one_engine = SimpleNamespace(parallel=ParallelConfig())
+    assert ray_placement.move_rendezvous("tcp://127.0.0.1:1", None, one_engine) == (
+        "tcp://127.0.0.1:1"
+    )
+    moved = ray_placement.move_rendezvous("tcp://127.0.0.1:1", "127.0.0.2", one_engine)
+    assert moved.startswith("tcp://127.0.0.2:") and moved != "tcp://127.0.0.2:1"
+    dp_rank = SimpleNamespace(parallel=ParallelConfig(data_parallel_size=2))
+    with pytest.raises(RuntimeError, match="set data_parallel_address"):
+        ray_placement.move_rendezvous("tcp://127.0.0.1:1", "10.0.0.1", dp_rank)
 
 
 class _Alive:

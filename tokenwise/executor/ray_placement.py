@@ -23,6 +23,7 @@ from tokenwise import envs
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.rendezvous import SECRET_ENV
 from tokenwise.distributed.tp_state import free_port
+from tokenwise.kv_cache.events_config import is_loopback
 
 # How long the placement group may take to be placed (resources of a busy cluster).
 PLACEMENT_TIMEOUT_S = 60.0
@@ -89,7 +90,17 @@ def rendezvous_host(ray: Any, here: str, nodes: dict[int, str]) -> str | None:
 
 def move_rendezvous(init_method: str, host: str | None, config: EngineConfig) -> str:
     """`init_method` moved to `host` (a fresh port there), unless no move is needed or the
-    world meets at the data-parallel address, which the user chose."""
-    if host is None or config.parallel.data_parallel_size > 1:
+    world meets at the data-parallel address, which the user chose (refused on loopback: the
+    ranks on other hosts could not reach it)."""
+    parallel = config.parallel
+    if host is None:
+        return init_method
+    if parallel.data_parallel_size > 1:
+        if is_loopback(parallel.data_parallel_master_ip):
+            raise RuntimeError(
+                "Ray placed tensor-parallel ranks on other hosts, which cannot reach this data-"
+                f"parallel rank's rendezvous on {parallel.data_parallel_master_ip}: set "
+                "data_parallel_address to an address of this host they can reach"
+            )
         return init_method
     return f"tcp://{host}:{free_port(host)}"
