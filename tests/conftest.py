@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -27,3 +28,24 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def two_ray_nodes() -> Iterator[Any]:
+    """A two-node Ray cluster on this machine (`ray.cluster_utils.Cluster`: two raylets of one
+    CPU each, playing two hosts), this process its driver. Module-scoped: a start costs ~10 s,
+    so a module's tests share one; each Ray module gets its own, since other modules start
+    their own Ray. Torn down with every actor and placement group in it."""
+    ray = pytest.importorskip("ray", reason="Ray tests need ray (.[ray])")
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
+    )
+    try:
+        cluster.add_node(num_cpus=1)
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

@@ -56,6 +56,9 @@ class ParallelConfig:
     # How the other TP / PP ranks start (vLLM's name): "mp", spawned processes; "ray", Ray
     # actors (`tokenwise/executor/ray_workers.py`).
     distributed_executor_backend: str = "mp"
+    # How the Ray backend's placement group spreads one bundle per TP/PP rank over the nodes:
+    # one of Ray's strategies (`executor/ray_workers.py`; "PACK": as few nodes as have room).
+    ray_placement_strategy: str = "PACK"
     # How the data-parallel ranks' engine cores start (vLLM's name): "mp", processes on this
     # host (and `--headless` hosts); "ray", every rank a Ray actor (`engine/ray_ranks.py`).
     data_parallel_backend: str = "mp"
@@ -64,6 +67,11 @@ class ParallelConfig:
         for name in ("distributed_executor_backend", "data_parallel_backend"):
             if getattr(self, name) not in ("mp", "ray"):
                 raise ValueError(f"{name} must be 'mp' or 'ray', got {getattr(self, name)!r}")
+        if self.ray_placement_strategy not in RAY_PLACEMENT_STRATEGIES:
+            raise ValueError(
+                f"ray_placement_strategy must be one of {', '.join(RAY_PLACEMENT_STRATEGIES)}, "
+                f"got {self.ray_placement_strategy!r}"
+            )
         if self.ray_data_parallel and (
             self.data_parallel_size_local is not None or self.data_parallel_start_rank != 0
         ):
@@ -123,6 +131,10 @@ class ParallelConfig:
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 # `kv_offloading_backend`: "native" is vLLM's (host memory; on a CPU engine, local disk).
 KV_OFFLOADING_BACKENDS = ("native", "cpu", "disk")
+
+
+#: Ray's placement-group strategies, for the Ray executor's ranks (`ray_placement_strategy`).
+RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 @dataclass

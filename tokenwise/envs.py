@@ -53,8 +53,9 @@ ENV_VARS: dict[str, EnvVar] = _declare(
         "str",
         "",
         "Shared secret that lets data-parallel ranks and engine cores talk beyond loopback "
-        "(CurveZMQ keys derived from it; every host needs the same value). Without it a "
-        "--data-parallel-address other than loopback is refused.",
+        "(CurveZMQ keys derived from it; every host needs the same value), and that Ray "
+        "TP/PP ranks on other hosts prove at their rendezvous. Without it a "
+        "--data-parallel-address other than loopback, or such a placement, is refused.",
     ),
     # CPU kernels and weight layout.
     EnvVar("TOKENWISE_CPU_KERNELS", "0|1", "1", "0 turns off the C paged-decode attention kernel."),

@@ -1,8 +1,8 @@
 """Data-parallel ranks as Ray actors (`data_parallel_backend="ray"`) on a two-node Ray cluster.
 
-`ray.cluster_utils.Cluster` plays two hosts with one CPU each on this machine (shared by the
-module: a cluster start costs seconds). DP=2 as actors must give DP=1's greedy tokens with one
-rank on each node; a killed rank actor must end the running `generate` with an error naming
+`ray.cluster_utils.Cluster` plays two hosts with one CPU each on this machine (the suite's
+`two_ray_nodes` fixture, shared by the module: a cluster start costs seconds). DP=2 as actors
+must give DP=1's greedy tokens with one rank on each node; a killed rank actor must end the running `generate` with an error naming
 the rank within the bound; shutting down must leave no actor and no placement group (every CPU
 of the cluster free again).
 """
@@ -10,7 +10,6 @@ of the cluster free again).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -27,20 +26,6 @@ from tokenwise.engine import ray_ranks  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 BOUND_S = 30.0
-
-
-@pytest.fixture(scope="module")
-def two_nodes() -> Iterator[Cluster]:
-    cluster = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
-    )
-    cluster.add_node(num_cpus=1)
-    ray.init(address=cluster.address, log_to_driver=False)
-    try:
-        yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def _free_cpus_after(llm: LLM) -> float:
@@ -66,7 +51,7 @@ def _ray_llm(size: int = 2) -> LLM:
 
 
 @pytest.mark.timeout(300, method="thread")
-def test_ray_ranks_on_two_nodes_serve_then_a_killed_one_is_named(two_nodes: Cluster) -> None:
+def test_ray_ranks_on_two_nodes_serve_then_a_killed_one_is_named(two_ray_nodes: Cluster) -> None:
     """One engine start for both halves (an actor start imports torch: seconds each)."""
     prompts = mixed_prompts()[:4]
     single = LLM(checkpoint(), dtype="float32", num_gpu_blocks=NUM_BLOCKS)
@@ -119,7 +104,7 @@ def test_bad_ray_data_parallel_settings_are_refused_by_name() -> None:
     assert ParallelConfig(data_parallel_backend="ray").local_dp_size == 1
 
 
-def test_what_ray_ranks_do_not_support_is_refused_before_any_actor(two_nodes: Cluster) -> None:
+def test_what_ray_ranks_do_not_support_is_refused_before_any_actor(two_ray_nodes: Cluster) -> None:
     for extra, what in (
         ({"enable_lora": True}, "enable_lora is not supported with data_parallel_backend='ray'"),
         (
@@ -139,7 +124,7 @@ def test_what_ray_ranks_do_not_support_is_refused_before_any_actor(two_nodes: Cl
 
 
 def test_ranks_the_cluster_has_no_room_for_fail_start_up_within_the_bound(
-    two_nodes: Cluster, monkeypatch: pytest.MonkeyPatch
+    two_ray_nodes: Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(ray_ranks, "PLACEMENT_TIMEOUT_S", 2.0)
     started = time.monotonic()

@@ -166,6 +166,7 @@ class PipelineChannel:
     def _fail(self, reason: str) -> None:
         assert self.workers is not None
         self.workers.kill()
+        self.workers.join()  # reaped now: Ray actors free their placement group with it
         self._stopped = True
         destroy_pp_group()
         raise RuntimeError(f"{reason}; the engine cannot continue")

@@ -156,7 +156,7 @@ def start_pipeline_parallel(
     )
     with startup_failures_named(workers):
         try:
-            init_pp_group(pp, tp, 0, 0, init_method, config.device, workers)
+            init_pp_group(pp, tp, 0, 0, workers.init_method, config.device, workers)
         except BaseException:
             destroy_pp_group()
             raise

@@ -18,11 +18,18 @@ no deadline while every worker lives) and each step's message to the workers
 The store's host binds its listening socket itself (`open_store`): torch's `TCPStore` listens
 on every interface whatever host it is given, and its protocol has no authentication, so a
 world meeting on 127.0.0.1 would otherwise be open to the network. Bound to the address the
-world meets at, a loopback world stays on loopback.
+world meets at, a loopback world stays on loopback. A world that meets beyond loopback (ranks
+on several hosts: the Ray executor's) needs `TOKENWISE_CLUSTER_SECRET`: each rank's arrival
+key carries an HMAC of the secret over the rendezvous address and its rank
+(`arrival_proof`), and the driver refuses a world in which a rank arrived without it, so a
+stranger who reaches the port cannot take a rank's place (the store and gloo still carry
+plain TCP: the network between the hosts must be trusted not to read or forge traffic).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import socket
 import time
@@ -33,8 +40,11 @@ from urllib.parse import urlparse
 import torch.distributed as dist
 
 from tokenwise import envs
+from tokenwise.kv_cache.events_config import is_loopback
 
 ENV_WORKER_START_TIMEOUT = "TOKENWISE_WORKER_START_TIMEOUT_S"
+# The shared secret of the engine's sockets between hosts (`engine.remote_ranks` uses it too).
+SECRET_ENV = "TOKENWISE_CLUSTER_SECRET"
 DEFAULT_WORKER_START_TIMEOUT_S = 60.0
 POLL_INTERVAL_S = 0.05
 LIVENESS_CHECK_S = 0.2  # how often a collective's wait looks at the workers
@@ -79,6 +89,22 @@ def arrival_key(rank: int) -> str:
     return f"tokenwise/arrived/{rank}"
 
 
+def arrival_proof(init_method: str, rank: int) -> str:
+    """What `rank` writes beside its pid on arrival: "" at a loopback rendezvous, else an
+    HMAC of `TOKENWISE_CLUSTER_SECRET` over the address and the rank (refused without it)."""
+    host = urlparse(init_method).hostname or ""
+    if is_loopback(host):
+        return ""
+    secret = envs.get(SECRET_ENV)
+    if not secret:
+        raise ValueError(
+            f"the ranks' rendezvous {init_method} is beyond loopback, which needs {SECRET_ENV} "
+            "set to the same value for every rank (see docs/cluster.md)"
+        )
+    message = f"tokenwise-rendezvous/{init_method}/{rank}".encode()
+    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
+
+
 def open_store(
     host: str, port: int, world: int, is_master: bool, timeout: timedelta
 ) -> dist.TCPStore:
@@ -112,20 +138,29 @@ def open_rendezvous(init_method: str, world: int, rank: int) -> dist.TCPStore:
     url = urlparse(init_method)
     if url.scheme != "tcp" or url.hostname is None or url.port is None:
         raise ValueError(f"init_method must be tcp://host:port, got {init_method!r}")
+    proof = arrival_proof(init_method, rank)
     timeout = timedelta(seconds=worker_start_timeout_s())
     store = open_store(url.hostname, url.port, world, rank == 0, timeout)
-    store.set(arrival_key(rank), str(os.getpid()))
+    store.set(arrival_key(rank), f"{os.getpid()} {proof}".rstrip())
     return store
 
 
-def wait_for_arrivals(store: dist.Store, world: int, rank: int, workers: Liveness) -> None:
+def wait_for_arrivals(
+    store: dist.Store, world: int, rank: int, workers: Liveness, init_method: str = ""
+) -> None:
     """Return once every rank of the world has arrived; raise `WorkerLostError` naming the
-    worker as soon as one of `workers` is dead, or the ranks still missing at the deadline."""
+    worker as soon as one of `workers` is dead, or the ranks still missing at the deadline.
+    Beyond loopback every arrival must carry its `arrival_proof` for `init_method`."""
     timeout = worker_start_timeout_s()
     deadline = time.monotonic() + timeout
     missing = [r for r in range(world) if r != rank]
+    checked = bool(init_method) and not is_loopback(urlparse(init_method).hostname or "")
     while True:
-        missing = [r for r in missing if not store.check([arrival_key(r)])]
+        arrived = [r for r in missing if store.check([arrival_key(r)])]
+        if checked:
+            for r in arrived:
+                _check_proof(store, init_method, r)
+        missing = [r for r in missing if r not in arrived]
         if not missing:
             return
         dead = workers.dead_worker()
@@ -139,6 +174,16 @@ def wait_for_arrivals(store: dist.Store, world: int, rank: int, workers: Livenes
                 f"(raise {ENV_WORKER_START_TIMEOUT} for a slow start)"
             )
         time.sleep(POLL_INTERVAL_S)
+
+
+def _check_proof(store: dist.Store, init_method: str, rank: int) -> None:
+    """Refuse a world in which `rank` arrived without proving it holds the secret."""
+    _, _, proof = store.get(arrival_key(rank)).decode(errors="replace").partition(" ")
+    if not hmac.compare_digest(proof, arrival_proof(init_method, rank)):
+        raise WorkerLostError(
+            f"a process arrived at the rendezvous {init_method} as rank {rank} without "
+            f"{SECRET_ENV}'s proof (a rank with another secret, or a stranger): refused"
+        )
 
 
 def wait_polled(

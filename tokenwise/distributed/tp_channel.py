@@ -84,6 +84,7 @@ class TPDriver:
     def _fail(self, reason: str) -> None:
         assert self.workers is not None
         self.workers.kill()
+        self.workers.join()  # reaped now: Ray actors free their placement group with it
         self._stopped = True
         destroy_tp_group()
         raise RuntimeError(f"{reason}; the engine cannot continue")

@@ -93,6 +93,9 @@ class TPWorkers:
         size = world_size or config.parallel.tensor_parallel_size
         self.describe = describe
         self.first_rank = first_rank  # this driver's global rank (DP rank * TP size under DP)
+        # Where the world meets; a launcher whose ranks run on other hosts moves it off
+        # loopback in `_start` (the Ray executor's), and the driver joins where it says.
+        self.init_method = init_method
         # Handles with `multiprocessing.Process`'s face (pid, exitcode, is_alive, join, kill):
         # processes here, Ray actors for the Ray executor (`executor/ray_workers.py`).
         self.procs: list[Any] = self._start(config, init_method, worker_main, size)
@@ -232,7 +235,7 @@ def start_tensor_parallel(
         config, init_method, worker_main, first_rank=size * parallel.data_parallel_rank
     )
     with startup_failures_named(workers):
-        join_parallel_groups(config, 0, init_method, workers)
+        join_parallel_groups(config, 0, workers.init_method, workers)
     return workers
 
 

@@ -84,7 +84,7 @@ def join_world(
         return True
     store = open_rendezvous(init_method, world, rank)
     if workers is not None:
-        wait_for_arrivals(store, world, rank, workers)
+        wait_for_arrivals(store, world, rank, workers, init_method)
     dist.init_process_group(
         backend=backend, store=store, world_size=world, rank=rank, timeout=timeout
     )

@@ -167,6 +167,7 @@ class _CoreLoop:
                 return
             elif not local:
                 self._apply_messages(block_s=DENSE_IDLE_WAIT_S)
+                self.engine.check_health()  # a worker that died while idle
                 continue
             if local:
                 self._publish(self.engine.step())

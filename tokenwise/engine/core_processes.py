@@ -87,7 +87,8 @@ def diagnose(procs: list[BaseProcess], io: CoreSockets, reports: dict[int, str],
         text += f" (so did ranks {also_lost})"
     if root in reports:
         text += f": {reports[root].splitlines()[0]}"
-    text += "; the engine cannot continue"
+    if not text.endswith("; the engine cannot continue"):  # the rank's report may say so
+        text += "; the engine cannot continue"
     others = sorted(set(reports) - {root})
     if others:
         text += f" (rank {others[0]} then failed: {reports[others[0]].splitlines()[0][:300]})"

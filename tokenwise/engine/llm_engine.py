@@ -389,7 +389,8 @@ class LLMEngine:
         """Nothing to wake: `step()` never waits for outputs, it computes them."""
 
     def check_health(self) -> None:
-        """Nothing to check: this engine runs in the caller's process (and thread)."""
+        """Raise if a worker of the executor died (the engine itself runs in this thread)."""
+        self.model_executor.check_health()
 
     def forward_time_table(self) -> dict[int, tuple[int, float]]:
         """batch size -> (forward passes, median ms) of this process's forward passes."""

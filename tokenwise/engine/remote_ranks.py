@@ -32,6 +32,7 @@ from zmq.utils.monitor import recv_monitor_message
 from tokenwise import envs
 from tokenwise.config import EngineConfig, ParallelConfig
 from tokenwise.distributed.curve_auth import HANDSHAKE_FAILED, CurveServer
+from tokenwise.distributed.rendezvous import SECRET_ENV
 from tokenwise.engine import core_messages as msg
 from tokenwise.kv_cache.events_config import is_loopback
 
@@ -39,7 +40,6 @@ ENV_READY_TIMEOUT = "TOKENWISE_ENGINE_READY_TIMEOUT_S"  # vLLM's VLLM_ENGINE_REA
 DEFAULT_READY_TIMEOUT_S = 600.0  # every core loads the model; big checkpoints take minutes
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 10_000  # a host that answers no ping for this long is lost
-SECRET_ENV = "TOKENWISE_CLUSTER_SECRET"
 #: The key-derivation domain of the engine-core sockets: not the KV events' (a router that may
 #: read events must not be able to pose as a rank).
 CURVE_DOMAIN = "tokenwise-engine-core"

@@ -298,6 +298,7 @@ def _parallel_config(args: Any, is_moe: bool) -> ParallelConfig:
         data_parallel_start_rank=args.data_parallel_start_rank,
         data_parallel_rpc_port=args.data_parallel_rpc_port,
         distributed_executor_backend=args.distributed_executor_backend,
+        ray_placement_strategy=args.ray_placement_strategy,
         data_parallel_backend=args.data_parallel_backend,
         **thresholds,
     )

@@ -40,9 +40,19 @@ class ParallelArgs:
     distributed_executor_backend: str = setting(
         "mp",
         "how the other tensor/pipeline-parallel ranks start: 'mp' spawned processes, 'ray' "
-        "Ray actors on this node (RAY_ADDRESS or a local Ray; pip install 'tokenwise[ray]'); "
+        "Ray actors on the cluster's nodes (RAY_ADDRESS or a local Ray; pip install "
+        "'tokenwise[ray]'); "
         "default: mp",
         choices=["mp", "ray"],
+        group=PARALLEL,
+    )
+    ray_placement_strategy: str = setting(
+        "PACK",
+        "with --distributed-executor-backend ray: how the placement group spreads one bundle "
+        "per rank over the nodes, as Ray's strategies: PACK (as few nodes as have room), "
+        "SPREAD (over as many nodes as possible), STRICT_PACK (one node), STRICT_SPREAD (one "
+        "rank per node); default: PACK",
+        choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"],
         group=PARALLEL,
     )
     data_parallel_size: int = setting(

@@ -112,6 +112,11 @@ class Executor:
         """Whether a failed step may leave other ranks inside a collective (no retry)."""
         return False
 
+    def check_health(self) -> None:
+        """Raise, naming it, when a worker process or actor has died (vLLM's name). The engine
+        core calls it while idle, so a rank lost between requests ends the engine (a server
+        answers 503 and exits) instead of waiting for the next request to find out."""
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.driver_worker.execute_model(scheduler_output)
 
@@ -192,6 +197,13 @@ class MultiprocExecutor(Executor):
     @property
     def is_collective(self) -> bool:
         return True
+
+    def check_health(self) -> None:
+        if not self._finalizer.alive:
+            return  # shut down: its workers left on purpose
+        self.driver_worker.tp.check_workers()
+        if self.driver_worker.pipeline is not None:
+            self.driver_worker.pipeline.check_stages()
 
     def _run_everywhere(self, call: RPCCall) -> list[Any]:
         """The driver broadcasts the call, runs it, and gathers every rank's reply (bounded)."""

@@ -5,13 +5,12 @@ starts the other tensor- and pipeline-parallel ranks as Ray actors instead of sp
 processes. Each actor runs the same entry point a spawned process runs
 (`worker_main.run_tp_worker` / `run_pp_worker`), so everything after the start is the
 multiprocess executor's: the ranks join torch.distributed groups (gloo on CPU, NCCL on GPU),
-run the one start-up sequence and serve the driver's step messages.
+run the one start-up sequence and serve the driver's step messages, over TP, PP or both.
 
-Placement: one bundle per rank (`{"CPU": 1}`, plus `{"GPU": 1}` on CUDA) in a placement group,
-packed (`STRICT_PACK`) on the driver's node, which the driver waits for with a bound and a clear
-error when the cluster has no room. The ranks rendezvous on loopback, so they must share the
-driver's node: nothing listens beyond loopback without a secret, and torch.distributed's
-rendezvous has none (ranks on other hosts wait for an authenticated rendezvous).
+Placement (`ray_placement.py`): one bundle per rank, the driver's included, with the
+`ray_placement_strategy` setting's strategy, so the actors may run on other nodes; the ranks
+meet on loopback when every bundle is on the driver's host, else at the driver node's address
+with the cluster secret.
 
 The cluster: `RAY_ADDRESS` (or an earlier `ray.init`) names one to join; otherwise Ray starts a
 local one. The actors get the driver's `TOKENWISE_*` variables and `PYTHONPATH`
@@ -33,9 +32,14 @@ from typing import Any
 from tokenwise import envs
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.tp_launch import TPWorkers, WorkerMain
-
-# How long the placement group may take to be placed (resources of a busy cluster).
-PLACEMENT_TIMEOUT_S = 60.0
+from tokenwise.executor.ray_placement import (
+    PLACEMENT_TIMEOUT_S,
+    move_rendezvous,
+    place,
+    rank_bundle,
+    rank_bundles,
+    rendezvous_host,
+)
 
 
 def _ray() -> Any:
@@ -51,8 +55,11 @@ def _ray() -> Any:
 class _RankActor:
     """A Ray actor that runs one rank's entry point (made a remote class in `_start`)."""
 
-    def pid(self) -> int:
-        return os.getpid()
+    def where(self) -> tuple[int, str]:
+        """This actor's pid and Ray node id."""
+        import ray
+
+        return os.getpid(), ray.get_runtime_context().get_node_id()
 
     def run(self, worker_main: WorkerMain, config: EngineConfig, rank: int, init: str) -> int:
         worker_main(config, rank, init)
@@ -62,8 +69,9 @@ class _RankActor:
 class ActorProcess:
     """One rank's actor, with the face of a `multiprocessing.Process`."""
 
-    def __init__(self, ray: Any, actor: Any, done: Any, pid: int) -> None:
+    def __init__(self, ray: Any, actor: Any, done: Any, pid: int, node_id: str = "") -> None:
         self._ray, self._actor, self._done, self.pid = ray, actor, done, pid
+        self.node_id = node_id  # the Ray node it runs on
         self._exitcode: int | None = None
 
     @property
@@ -103,58 +111,64 @@ class RayWorkers(TPWorkers):
         self, config: EngineConfig, init_method: str, worker_main: WorkerMain, size: int
     ) -> list[Any]:
         ray = _ray()
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from ray.util.placement_group import remove_placement_group
 
         if not ray.is_initialized():
             ray.init(ignore_reinit_error=True, include_dashboard=False, log_to_driver=False)
-        bundle = {"CPU": 1.0}
-        if str(config.device).startswith("cuda"):
-            bundle["GPU"] = 1.0
-        group = placement_group([dict(bundle) for _ in range(1, size)], strategy="STRICT_PACK")
-        self._placement = group
         self._remove = remove_placement_group
-        ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_TIMEOUT_S)
-        if not ready:
-            remove_placement_group(group)
-            raise RuntimeError(
-                f"the Ray cluster could not place {size - 1} worker(s) of {bundle} each on one "
-                f"node within {PLACEMENT_TIMEOUT_S:g} s; free resources or lower the parallelism"
+        group, nodes = place(ray, config, size)
+        self._placement = group
+        try:
+            here = ray.get_runtime_context().get_node_id()
+            order = rank_bundles(here, nodes)
+            self.init_method = move_rendezvous(
+                init_method, rendezvous_host(ray, here, nodes), config
             )
-        self._check_same_node(ray, group)
+            return self._start_actors(ray, config, worker_main, group, order[1:])
+        except BaseException:
+            remove_placement_group(group)
+            raise
+
+    def _start_actors(
+        self,
+        ray: Any,
+        config: EngineConfig,
+        worker_main: WorkerMain,
+        group: Any,
+        bundles: list[int],
+    ) -> list[ActorProcess]:
+        """Ranks 1.. in `bundles` (in rank order), each running its entry point."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = rank_bundle(config)
         env = envs.tokenwise_variables()
         if (path := envs.external("PYTHONPATH")) is not None:
             env["PYTHONPATH"] = path
+        # One CPU per bundle: torch in the actor uses that many threads, not every core.
+        env["OMP_NUM_THREADS"] = envs.external("OMP_NUM_THREADS") or str(int(bundle["CPU"]))
         remote = ray.remote(_RankActor)
-        procs = []
-        for index, rank in enumerate(range(1, size)):
-            actor = remote.options(
+        actors = [
+            remote.options(
                 num_cpus=bundle["CPU"],
                 num_gpus=bundle.get("GPU", 0),
-                name=None,
                 runtime_env={"env_vars": env},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=group, placement_group_bundle_index=index
                 ),
             ).remote()
-            pid = ray.get(actor.pid.remote(), timeout=PLACEMENT_TIMEOUT_S)
-            done = actor.run.remote(worker_main, config, rank, init_method)
-            procs.append(ActorProcess(ray, actor, done, pid))
+            for index in bundles
+        ]
+        procs = []
+        try:
+            places = ray.get([a.where.remote() for a in actors], timeout=PLACEMENT_TIMEOUT_S)
+            for rank, (actor, (pid, node)) in enumerate(zip(actors, places, strict=True), 1):
+                done = actor.run.remote(worker_main, config, rank, self.init_method)
+                procs.append(ActorProcess(ray, actor, done, pid, node))
+        except BaseException:
+            for actor in actors:
+                ray.kill(actor, no_restart=True)
+            raise
         return procs
-
-    def _check_same_node(self, ray: Any, group: Any) -> None:
-        """Refuse a placement off the driver's node (the rendezvous is on loopback)."""
-        from ray.util import placement_group_table
-
-        here = ray.get_runtime_context().get_node_id()
-        nodes = set(placement_group_table(group).get("bundles_to_node_id", {}).values())
-        if nodes - {here}:
-            self._remove(group)
-            raise RuntimeError(
-                "Ray placed tensor/pipeline-parallel workers on another node; ranks on other "
-                "hosts are not supported yet (their rendezvous listens on loopback only): run "
-                "the engine on a node with room for every rank"
-            )
 
     def join(self) -> None:
         """Wait for the actors to leave (bounded), kill what is left, free the placement."""
