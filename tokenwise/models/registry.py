@@ -35,10 +35,9 @@ from tokenwise.models.qwen2 import Qwen2ForCausalLM
 from tokenwise.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from tokenwise.models.qwen2_moe import Qwen2MoeForCausalLM
 from tokenwise.models.qwen3 import Qwen3ForCausalLM, Qwen3ForSequenceClassification
-from tokenwise.models.qwen3_5 import (
-    Qwen3_5ForCausalLM,
+from tokenwise.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+from tokenwise.models.qwen3_5_vl import (
     Qwen3_5ForConditionalGeneration,
-    Qwen3_5MoeForCausalLM,
     Qwen3_5MoeForConditionalGeneration,
 )
 from tokenwise.models.qwen3_moe import Qwen3MoeForCausalLM

@@ -1,0 +1,156 @@
+"""Qwen3.5 with its vision tower (`Qwen3_5ForConditionalGeneration`, and the MoE twin).
+
+The decoder is the text model's (`qwen3_5.py`: the Gated DeltaNet hybrid, read from
+`model.language_model.*`); the tower is `qwen3_5_vision.py` (`model.visual.*`). Images take
+Qwen2.5-VL's path through the engine unchanged: the same processor and placeholder expansion
+(`engine/kinds/grid_image_inputs.py`), the same 3-D prompt positions
+(`engine/kinds/mrope_positions.py`, HF's `get_rope_index`: an image's tokens sit at
+`start + (frame, row, column)` and the text after it resumes at `start + max(rows, cols)`),
+and image rows written over the placeholders' embeddings (`image_merge.py`).
+
+Two things differ from Qwen2.5-VL:
+
+- the M-RoPE of the full-attention layers turns only the first `partial_rotary_factor` of each
+  head, and its frequencies take the three axes *interleaved* (`mrope_section` [t, h, w]:
+  frequency j follows the height when `j % 3 == 1 and j < 3h`, the width when
+  `j % 3 == 2 and j < 3w`, else time), not in three bands (`InterleavedMRotaryEmbedding`);
+- the linear-attention layers carry recurrent state, which ignores positions. Images cost them
+  nothing special: their state snapshots, and so prefix-cache hits, are at block boundaries,
+  whose keys cover the images' content hashes as for any vision-language model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenwise.config import EngineConfig
+from tokenwise.layers.mrope import MRotaryEmbedding, get_mrope_section
+from tokenwise.layers.pipeline import IntermediateTensors, StageAbsent
+from tokenwise.layers.rotary_embedding import get_rope_config
+from tokenwise.models.image_merge import decode_with_images
+from tokenwise.models.llava import image_token_id
+from tokenwise.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+from tokenwise.models.qwen3_5_vision import Grid, Qwen3_5VisionTower, check_grids
+
+_TEXT_PREFIXES = (("model.language_model.", "model."),)
+_VISUAL = "model.visual."
+DEFAULT_MROPE_SECTION = [11, 11, 10]  # HF's default when the config names none
+
+
+class InterleavedMRotaryEmbedding(MRotaryEmbedding):
+    """M-RoPE whose frequencies cycle time, height, width (Qwen3-VL / Qwen3.5 layout); 1-D
+    positions rotate as plain RoPE."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        mrope_section: list[int],
+        rope_scaling: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(head_dim, max_position, base, mrope_section, rope_scaling)
+        j = torch.arange(head_dim // 2)
+        axis = torch.zeros_like(j)
+        axis[(j % 3 == 1) & (j < 3 * mrope_section[1])] = 1
+        axis[(j % 3 == 2) & (j < 3 * mrope_section[2])] = 2
+        self.axis_of_dim = torch.cat((axis, axis))
+
+
+def interleaved_mrope(hf: Any, rotary_dim: int, max_len: int) -> InterleavedMRotaryEmbedding:
+    theta, scaling = get_rope_config(hf)
+    if scaling is not None:
+        for key in ("partial_rotary_factor", "mrope_section", "mrope_interleaved"):
+            scaling.pop(key, None)
+    section = get_mrope_section(hf) or DEFAULT_MROPE_SECTION
+    return InterleavedMRotaryEmbedding(rotary_dim, max_len, theta, section, scaling)
+
+
+class Qwen3_5VisionLanguage(nn.Module):
+    """What both Qwen3.5 vision-language classes add to their text model (a mixin placed
+    before it): the tower, the 3-D rotary, image rows in `forward`, the tower's weights."""
+
+    is_multimodal = True
+    uses_mrope = True
+    text_prefixes = _TEXT_PREFIXES
+    model: Any
+
+    def __init__(self, config: EngineConfig, prefix: str = "") -> None:
+        mm = config.model.hf_multimodal_config
+        if mm is None:
+            raise ValueError(f"{type(self).__name__} needs a config with vision_config")
+        super().__init__(config, prefix)  # type: ignore[call-arg]
+        rotary = interleaved_mrope(
+            config.model.hf_config, self.model.rotary_emb.head_dim, config.model.max_model_len
+        )
+        self.model.rotary_emb = rotary
+        for layer in self.model.layers:
+            if hasattr(layer, "self_attn"):
+                layer.self_attn.rotary_emb = rotary
+        self.image_token_index = int(image_token_id(mm))
+        # Under pipeline parallelism the images are the first stage's (it embeds the prompt).
+        self.visual: nn.Module = StageAbsent()
+        if self.model.is_first_stage:
+            self.visual = Qwen3_5VisionTower(mm.vision_config)
+        self.spatial_merge_size = int(mm.vision_config.spatial_merge_size)
+
+    def tokens_per_image(self, grid: Grid) -> int:
+        return self.visual.tokens_per_image(grid)
+
+    def embed_image_list(
+        self, pixel_values: list[torch.Tensor], grids: list[Grid | None]
+    ) -> list[torch.Tensor]:
+        """Each image's `[tokens, hidden]` rows; the images run through the tower together."""
+        known = check_grids(grids, self.spatial_merge_size)
+        for i, (pixels, (t, h, w)) in enumerate(zip(pixel_values, known, strict=True)):
+            if pixels.dim() != 2 or pixels.shape[0] != t * h * w:
+                raise ValueError(
+                    f"image {i}: pixel_values of shape {tuple(pixels.shape)} do not hold the "
+                    f"{t * h * w} flattened patches of grid_thw {(t, h, w)}"
+                )
+        merged = self.visual(torch.cat(pixel_values), known)
+        return list(merged.split([self.tokens_per_image(g) for g in known]))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        image_embeds: torch.Tensor | None = None,
+        image_token_rows: torch.Tensor | None = None,
+        mrope_positions: torch.Tensor | None = None,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """`mrope_positions` (`[3, T]`) replace `positions`; `image_embeds[i]` replaces the
+        embedding of flat token `image_token_rows[i]`."""
+        if mrope_positions is not None:
+            positions = mrope_positions
+        if intermediate_tensors is not None:
+            return self.model(input_ids, positions, intermediate_tensors=intermediate_tensors)
+        return decode_with_images(self.model, input_ids, positions, image_embeds, image_token_rows)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """All tensors through the text model's loader (which checks names, shapes and that
+        none is missing): the tower's as `visual.*`, its patch embedding's Conv3d kernel
+        flattened; a later pipeline stage skips them (it holds no tower)."""
+
+        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if name.startswith(_VISUAL):
+                    name = "visual." + name[len(_VISUAL) :]
+                    if name == "visual.patch_embed.proj.weight":
+                        tensor = tensor.reshape(tensor.shape[0], -1)
+                yield name, tensor
+
+        return super().load_weights(renamed())  # type: ignore[misc]
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5VisionLanguage, Qwen3_5ForCausalLM):
+    pass
+
+
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5VisionLanguage, Qwen3_5MoeForCausalLM):
+    pass
