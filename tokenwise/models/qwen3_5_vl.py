@@ -30,7 +30,7 @@ from torch import nn
 from tokenwise.config import EngineConfig
 from tokenwise.layers.mrope import MRotaryEmbedding, get_mrope_section
 from tokenwise.layers.pipeline import IntermediateTensors, StageAbsent
-from tokenwise.layers.rotary_embedding import get_rope_config
+from tokenwise.layers.rotary_embedding import RotaryEmbedding, get_rope_config
 from tokenwise.models.image_merge import decode_with_images
 from tokenwise.models.llava import image_token_id
 from tokenwise.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
@@ -43,7 +43,8 @@ DEFAULT_MROPE_SECTION = [11, 11, 10]  # HF's default when the config names none
 
 class InterleavedMRotaryEmbedding(MRotaryEmbedding):
     """M-RoPE whose frequencies cycle time, height, width (Qwen3-VL / Qwen3.5 layout); 1-D
-    positions rotate as plain RoPE."""
+    positions rotate as plain RoPE. As in HF, the sections need not cover the rotary: the
+    frequencies past `3 * section` follow time."""
 
     def __init__(
         self,
@@ -53,12 +54,15 @@ class InterleavedMRotaryEmbedding(MRotaryEmbedding):
         mrope_section: list[int],
         rope_scaling: dict[str, Any] | None = None,
     ) -> None:
-        super().__init__(head_dim, max_position, base, mrope_section, rope_scaling)
+        RotaryEmbedding.__init__(self, head_dim, max_position, base, rope_scaling)
+        if len(mrope_section) != 3 or min(mrope_section) < 0:
+            raise ValueError(f"mrope_section must be three sizes >= 0, got {mrope_section}")
+        self.mrope_section = list(mrope_section)
         j = torch.arange(head_dim // 2)
         axis = torch.zeros_like(j)
         axis[(j % 3 == 1) & (j < 3 * mrope_section[1])] = 1
         axis[(j % 3 == 2) & (j < 3 * mrope_section[2])] = 2
-        self.axis_of_dim = torch.cat((axis, axis))
+        self.register_buffer("axis_of_dim", torch.cat((axis, axis)), persistent=False)
 
 
 def interleaved_mrope(hf: Any, rotary_dim: int, max_len: int) -> InterleavedMRotaryEmbedding:
