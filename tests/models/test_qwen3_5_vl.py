@@ -241,3 +241,29 @@ def test_bad_image_inputs_are_refused_by_name(dense_dir: str) -> None:
     with pytest.raises(ValueError, match="image processor refused the input"):
         llm.generate(engine_prompt(text, ((0, 900, 4),)), GREEDY)  # aspect ratio over 200
     assert_pool_clean(llm.llm_engine)
+
+
+def test_images_turned_off_serve_the_text_model(dense_dir: str) -> None:
+    """`limit_mm_per_prompt={"image": 0}` (vLLM's language-model-only mode): the checkpoint
+    runs as its text model (no tower, the generate kind), so speculative decoding, refused for
+    vision-language models, is taken; text answers stay HF's, an image is refused by name."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    llm = LLM(
+        dense_dir,
+        dtype="float32",
+        num_gpu_blocks=32,
+        block_size=8,
+        max_model_len=128,
+        limit_mm_per_prompt={"image": 0},
+        speculative_config=spec,
+    )
+    engine = llm.llm_engine
+    assert engine.kind.name == "generate"
+    model = engine.runner.model
+    assert not [name for name, _ in model.named_parameters() if "visual" in name]
+    text = CASES[2]
+    assert tokens(llm, run(llm, [text])) == [hf_greedy(dense_dir, *text)]
+    with pytest.raises(ValueError, match=r"Qwen3_5ForConditionalGeneration\) takes text only"):
+        llm.generate(engine_prompt(*ONE_IMAGE), GREEDY)
+    with pytest.raises(ValueError, match="speculative_config applies to text-only"):
+        LLM(dense_dir, dtype="float32", num_gpu_blocks=32, speculative_config=spec)

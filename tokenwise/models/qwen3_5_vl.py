@@ -17,6 +17,10 @@ Two things differ from Qwen2.5-VL:
 - the linear-attention layers carry recurrent state, which ignores positions. Images cost them
   nothing special: their state snapshots, and so prefix-cache hits, are at block boundaries,
   whose keys cover the images' content hashes as for any vision-language model.
+
+With `limit_mm_per_prompt={"image": 0}` (vLLM's "language model only") the checkpoint serves
+text alone, as the text model: no tower, the generate kind, and so tensor / data parallelism
+and speculative decoding (the MTP head), which vision-language models do not take yet.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from tokenwise.config import EngineConfig
 from tokenwise.layers.mrope import MRotaryEmbedding, get_mrope_section
 from tokenwise.layers.pipeline import IntermediateTensors, StageAbsent
 from tokenwise.layers.rotary_embedding import RotaryEmbedding, get_rope_config
-from tokenwise.models.image_merge import decode_with_images
+from tokenwise.models.image_merge import decode_with_images, images_turned_off
 from tokenwise.models.llava import image_token_id
 from tokenwise.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from tokenwise.models.qwen3_5_vision import Grid, Qwen3_5VisionTower, check_grids
@@ -80,6 +84,8 @@ class Qwen3_5VisionLanguage(nn.Module):
 
     is_multimodal = True
     uses_mrope = True
+    # `limit_mm_per_prompt={"image": 0}` serves the checkpoint as its text model (image_merge.py)
+    text_only_without_images = True
     text_prefixes = _TEXT_PREFIXES
     model: Any
 
@@ -96,9 +102,10 @@ class Qwen3_5VisionLanguage(nn.Module):
             if hasattr(layer, "self_attn"):
                 layer.self_attn.rotary_emb = rotary
         self.image_token_index = int(image_token_id(mm))
-        # Under pipeline parallelism the images are the first stage's (it embeds the prompt).
+        # Under pipeline parallelism the images are the first stage's (it embeds the prompt);
+        # with images turned off no stage builds the tower (its tensors are skipped).
         self.visual: nn.Module = StageAbsent()
-        if self.model.is_first_stage:
+        if self.model.is_first_stage and not images_turned_off(config.model.limit_mm_per_prompt):
             self.visual = Qwen3_5VisionTower(mm.vision_config)
         self.spatial_merge_size = int(mm.vision_config.spatial_merge_size)
 
