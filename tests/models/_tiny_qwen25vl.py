@@ -122,16 +122,17 @@ def build_tiny_qwen25vl(
     return out_dir
 
 
-def hf_processor(path: str) -> Any:
-    """HF's `Qwen2_5_VLProcessor` over the checkpoint's image processor and tokenizer: the
-    reference's inputs. Built by hand, because transformers checks its video processor's
-    class, which needs torchvision (not installed); images never reach the video processor."""
+def hf_processor(path: str, processor: str = "Qwen2_5_VLProcessor") -> Any:
+    """HF's `processor` (Qwen3.5's is `Qwen3VLProcessor`) over the checkpoint's image
+    processor and tokenizer: the reference's inputs. Built by hand, because transformers
+    checks its video processor's class, which needs torchvision (not installed); images never
+    reach the video processor."""
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
 
-    cls = transformers.Qwen2_5_VLProcessor
+    cls = getattr(transformers, processor)
     original = cls.check_argument_for_proper_class
     cls.check_argument_for_proper_class = lambda self, name, arg: None  # type: ignore[method-assign]
     try:

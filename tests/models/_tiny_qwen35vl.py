@@ -110,25 +110,3 @@ def build_tiny_qwen35vl(out_dir: str, moe: bool = False, seed: int = 0) -> str:
     image_processor.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
     return out_dir
-
-
-def hf_processor(path: str) -> Any:
-    """HF's `Qwen3VLProcessor` (Qwen3.5's) over the checkpoint's image processor and tokenizer:
-    the reference's inputs. Built by hand, as in `_tiny_qwen25vl.py`, because transformers
-    checks its video processor's class, which needs torchvision (not installed)."""
-    import transformers
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-
-    cls = transformers.Qwen3VLProcessor
-    original = cls.check_argument_for_proper_class
-    cls.check_argument_for_proper_class = lambda self, name, arg: None  # type: ignore[method-assign]
-    try:
-        return cls(
-            image_processor=Qwen2VLImageProcessorPil.from_pretrained(path),
-            tokenizer=transformers.AutoTokenizer.from_pretrained(path),
-            video_processor=None,
-        )
-    finally:
-        cls.check_argument_for_proper_class = original  # type: ignore[method-assign]

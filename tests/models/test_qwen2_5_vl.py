@@ -11,7 +11,6 @@ false sharing), and a pool too small for the batch (preemption, then recomputati
 
 from __future__ import annotations
 
-from functools import cache
 from typing import Any
 
 import numpy as np
@@ -20,15 +19,21 @@ import torch
 import transformers
 
 from tests.engine._fixtures import assert_pool_clean
+from tests.models._grid_vl import (
+    GREEDY,
+    Specs,
+    engine_prompt,
+    hf_greedy,
+    hf_inputs,
+    hf_parts,
+    images_of,
+    record_image_cuts,
+    strip_eos,
+)
 from tests.models._tiny_llava import make_image
-from tests.models._tiny_qwen25vl import IMAGE, build_tiny_qwen25vl, hf_processor
+from tests.models._tiny_qwen25vl import IMAGE, build_tiny_qwen25vl
 from tokenwise.engine.kinds.mrope_positions import prompt_mrope_positions
 from tokenwise.entrypoints.llm import LLM
-from tokenwise.sampling.params import SamplingParams
-
-MAX_TOKENS = 10
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-Specs = tuple[tuple[int, int, int], ...]  # (seed, width, height) of each image
 
 CASES: list[tuple[str, Specs]] = [
     ("USER: " + IMAGE + "What is in the picture? ASSISTANT:", ((0, 40, 56),)),
@@ -42,68 +47,10 @@ def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_tiny_qwen25vl(str(tmp_path_factory.mktemp("qwen25vl") / "ckpt"))
 
 
-@cache
-def hf_parts(path: str) -> tuple[Any, Any]:
-    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        path, dtype=torch.float32
-    )
-    return model.eval(), hf_processor(path)
-
-
-def images_of(specs: Specs) -> list[Any]:
-    return [make_image(*spec) for spec in specs]
-
-
-def hf_inputs(path: str, prompt: str, specs: Specs) -> Any:
-    return hf_parts(path)[1](images=images_of(specs) or None, text=prompt, return_tensors="pt")
-
-
-def strip_eos(tokens: list[int], eos: int) -> list[int]:
-    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
-
-
-@cache
-def hf_greedy(path: str, prompt: str, specs: Specs) -> list[int]:
-    model = hf_parts(path)[0]
-    inputs = hf_inputs(path, prompt, specs)
-    with torch.no_grad():
-        out = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_TOKENS)
-    eos = model.config.text_config.eos_token_id
-    return strip_eos(out[0, inputs["input_ids"].shape[1] :].tolist(), eos)
-
-
-def engine_prompt(prompt: str, specs: Specs) -> Any:
-    if not specs:
-        return prompt
-    images = images_of(specs)
-    return {
-        "prompt": prompt,
-        "multi_modal_data": {"image": images[0] if len(images) == 1 else images},
-    }
-
-
 def run(llm: LLM, cases: list[tuple[str, Specs]]) -> list[list[int]]:
     outs = llm.generate([engine_prompt(*c) for c in cases], GREEDY, use_tqdm=False)
     eos = llm.llm_engine.eos_token_ids[0]
     return [strip_eos(list(o.outputs[0].token_ids), eos) for o in outs]
-
-
-def record_image_cuts(llm: LLM) -> list[bool]:
-    """Spy on the runner: one flag per scheduled chunk that starts or ends inside an image."""
-    runner = llm.llm_engine.runner
-    cuts: list[bool] = []
-    execute = runner.execute_model
-
-    def spy(scheduler_output: Any) -> Any:
-        for item in scheduler_output.scheduled:
-            lo = item.request.num_computed_tokens
-            hi = lo + item.num_new_tokens
-            for image in getattr(item.request, "images", ()):
-                cuts.append(image.offset < lo < image.end or image.offset < hi < image.end)
-        return execute(scheduler_output)
-
-    runner.execute_model = spy
-    return cuts
 
 
 @pytest.mark.parametrize("budget", [512, 12], ids=["whole-prompts", "chunks-cut-images"])

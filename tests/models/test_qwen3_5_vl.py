@@ -11,7 +11,6 @@ another image (no false sharing).
 
 from __future__ import annotations
 
-from functools import cache
 from typing import Any
 
 import pytest
@@ -19,15 +18,20 @@ import torch
 import transformers
 
 from tests.engine._fixtures import assert_pool_clean
-from tests.models._tiny_llava import make_image
+from tests.models._grid_vl import (
+    GREEDY,
+    Specs,
+    engine_prompt,
+    hf_greedy,
+    hf_inputs,
+    hf_parts,
+    images_of,
+    record_image_cuts,
+    strip_eos,
+)
 from tests.models._tiny_qwen25vl import IMAGE
-from tests.models._tiny_qwen35vl import build_tiny_qwen35vl, hf_processor
+from tests.models._tiny_qwen35vl import build_tiny_qwen35vl
 from tokenwise.entrypoints.llm import LLM
-from tokenwise.sampling.params import SamplingParams
-
-MAX_TOKENS = 8
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-Specs = tuple[tuple[int, int, int], ...]  # (seed, width, height) of each image
 
 ONE_IMAGE = ("USER: " + IMAGE + "What is in the picture? ASSISTANT:", ((0, 40, 56),))
 CASES: list[tuple[str, Specs]] = [
@@ -42,67 +46,13 @@ def dense_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_tiny_qwen35vl(str(tmp_path_factory.mktemp("qwen35vl") / "ckpt"))
 
 
-@cache
-def hf_parts(path: str) -> tuple[Any, Any]:
-    config = transformers.AutoConfig.from_pretrained(path)
-    cls = getattr(transformers, config.architectures[0])
-    model = cls.from_pretrained(path, dtype=torch.float32)
-    return model.eval(), hf_processor(path)
-
-
-def images_of(specs: Specs) -> list[Any]:
-    return [make_image(*spec) for spec in specs]
-
-
-def hf_inputs(path: str, prompt: str, specs: Specs) -> Any:
-    return hf_parts(path)[1](images=images_of(specs) or None, text=prompt, return_tensors="pt")
-
-
-def strip_eos(tokens: list[int], eos: int) -> list[int]:
-    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
-
-
-@cache
-def hf_greedy(path: str, prompt: str, specs: Specs) -> list[int]:
-    model = hf_parts(path)[0]
-    inputs = hf_inputs(path, prompt, specs)
-    with torch.no_grad():
-        out = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_TOKENS)
-    eos = model.config.text_config.eos_token_id
-    return strip_eos(out[0, inputs["input_ids"].shape[1] :].tolist(), eos)
-
-
-def engine_prompt(prompt: str, specs: Specs) -> Any:
-    if not specs:
-        return prompt
-    return {"prompt": prompt, "multi_modal_data": {"image": images_of(specs)}}
-
-
-def run(llm: LLM, cases: list[tuple[str, Specs]]) -> list[Any]:
+def outputs(llm: LLM, cases: list[tuple[str, Specs]]) -> list[Any]:
     return llm.generate([engine_prompt(*c) for c in cases], GREEDY, use_tqdm=False)
 
 
 def tokens(llm: LLM, outs: list[Any]) -> list[list[int]]:
     eos = llm.llm_engine.eos_token_ids[0]
     return [strip_eos(list(o.outputs[0].token_ids), eos) for o in outs]
-
-
-def record_image_cuts(llm: LLM) -> list[bool]:
-    """Spy on the runner: one flag per scheduled chunk that starts or ends inside an image."""
-    runner = llm.llm_engine.runner
-    cuts: list[bool] = []
-    execute = runner.execute_model
-
-    def spy(scheduler_output: Any) -> Any:
-        for item in scheduler_output.scheduled:
-            lo = item.request.num_computed_tokens
-            hi = lo + item.num_new_tokens
-            for image in getattr(item.request, "images", ()):
-                cuts.append(image.offset < lo < image.end or image.offset < hi < image.end)
-        return execute(scheduler_output)
-
-    runner.execute_model = spy
-    return cuts
 
 
 @pytest.mark.parametrize("budget", [512, 12], ids=["whole-prompts", "chunks-cut-images"])
@@ -114,7 +64,7 @@ def test_mixed_batch_equals_hf(dense_dir: str, budget: int) -> None:
         dense_dir, dtype="float32", num_gpu_blocks=64, block_size=8, max_num_batched_tokens=budget
     )
     cuts = record_image_cuts(llm)
-    outs = run(llm, CASES)
+    outs = outputs(llm, CASES)
     assert tokens(llm, outs) == [hf_greedy(dense_dir, *c) for c in CASES]
     # The processor's expansion is HF's: same token ids, one run of placeholders per image.
     for out, case in zip(outs, CASES, strict=True):
@@ -122,7 +72,7 @@ def test_mixed_batch_equals_hf(dense_dir: str, budget: int) -> None:
     assert budget == 512 or sum(cuts) >= 3
     # The images do steer the model: the same text with another image answers otherwise.
     other = (ONE_IMAGE[0], ((9, 40, 56),))
-    assert tokens(llm, run(llm, [other])) == [hf_greedy(dense_dir, *other)]
+    assert tokens(llm, outputs(llm, [other])) == [hf_greedy(dense_dir, *other)]
     assert hf_greedy(dense_dir, *other) != hf_greedy(dense_dir, *ONE_IMAGE)
     runner = llm.llm_engine.runner
     assert runner.kind_part.num_encoder_runs == 4  # each distinct image once, however many chunks
@@ -139,8 +89,8 @@ def test_prefix_hits_resume_recurrent_state_inside_an_image(dense_dir: str) -> N
         dense_dir, dtype="float32", num_gpu_blocks=64, block_size=8, max_num_batched_tokens=16
     )
     engine = llm.llm_engine
-    (first,) = run(llm, [ONE_IMAGE])
-    (again,) = run(llm, [ONE_IMAGE])
+    (first,) = outputs(llm, [ONE_IMAGE])
+    (again,) = outputs(llm, [ONE_IMAGE])
     image = first.prompt_token_ids.index(engine.kind.image_token_id)
     image_end = image + 5 * 7
     assert first.num_cached_tokens == 0
@@ -148,11 +98,11 @@ def test_prefix_hits_resume_recurrent_state_inside_an_image(dense_dir: str) -> N
     assert tokens(llm, [first, again]) == [hf_greedy(dense_dir, *ONE_IMAGE)] * 2
     assert engine.runner.kind_part.num_encoder_runs == 1  # the hit covered the image
     tail = ("USER: " + IMAGE + "Who is it? ASSISTANT:", ONE_IMAGE[1])
-    (resumed,) = run(llm, [tail])
+    (resumed,) = outputs(llm, [tail])
     assert image < resumed.num_cached_tokens < image_end  # the hit ends inside the image
     assert tokens(llm, [resumed]) == [hf_greedy(dense_dir, *tail)]
     other = (ONE_IMAGE[0], ((5, 40, 56),))
-    (fresh,) = run(llm, [other])
+    (fresh,) = outputs(llm, [other])
     assert fresh.num_cached_tokens <= image // 8 * 8
     assert tokens(llm, [fresh]) == [hf_greedy(dense_dir, *other)]
     assert_pool_clean(engine)
@@ -163,7 +113,7 @@ def test_moe_variant_equals_hf(tmp_path_factory: pytest.TempPathFactory) -> None
     path = build_tiny_qwen35vl(str(tmp_path_factory.mktemp("qwen35moevl") / "ckpt"), moe=True)
     llm = LLM(path, dtype="float32", num_gpu_blocks=64, block_size=8, max_num_batched_tokens=12)
     cases = CASES[:2]
-    assert tokens(llm, run(llm, cases)) == [hf_greedy(path, *c) for c in cases]
+    assert tokens(llm, outputs(llm, cases)) == [hf_greedy(path, *c) for c in cases]
 
 
 def test_interleaved_mrope_equals_hf_rotary() -> None:
@@ -173,7 +123,6 @@ def test_interleaved_mrope_equals_hf_rotary() -> None:
     from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen
 
     from tokenwise.layers.mrope import MRotaryEmbedding
-    from tokenwise.models.qwen3_5_vl import InterleavedMRotaryEmbedding
 
     section = [11, 11, 10]
     config = transformers.Qwen3_5TextConfig(
@@ -189,7 +138,7 @@ def test_interleaved_mrope_equals_hf_rotary() -> None:
         },
     )
     hf_rope = hf_qwen.Qwen3_5TextRotaryEmbedding(config)
-    ours = InterleavedMRotaryEmbedding(64, 512, 1e7, section)
+    ours = MRotaryEmbedding(64, 512, 1e7, section, interleaved=True)
     generator = torch.Generator().manual_seed(0)
     positions = torch.randint(0, 500, (3, 7), generator=generator)
     q = torch.randn(7, 2, 64, generator=generator)
@@ -262,7 +211,7 @@ def test_images_turned_off_serve_the_text_model(dense_dir: str) -> None:
     model = engine.runner.model
     assert not [name for name, _ in model.named_parameters() if "visual" in name]
     text = CASES[2]
-    assert tokens(llm, run(llm, [text])) == [hf_greedy(dense_dir, *text)]
+    assert tokens(llm, outputs(llm, [text])) == [hf_greedy(dense_dir, *text)]
     with pytest.raises(ValueError, match=r"Qwen3_5ForConditionalGeneration\) takes text only"):
         llm.generate(engine_prompt(*ONE_IMAGE), GREEDY)
     with pytest.raises(ValueError, match="speculative_config applies to text-only"):

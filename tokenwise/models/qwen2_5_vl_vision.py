@@ -20,6 +20,7 @@ Images never attend to each other, so several images run as one sequence of segm
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -103,13 +104,20 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, config: Any) -> None:
+    """Pre-norm attention and MLP; Qwen3.5's tower passes its own norm and MLP classes."""
+
+    def __init__(
+        self,
+        config: Any,
+        norm: Callable[[int], nn.Module] = VisionRMSNorm,
+        mlp: Callable[[int, int, str], nn.Module] = VisionMLP,
+    ) -> None:
         super().__init__()
         dim = int(config.hidden_size)
-        self.norm1 = VisionRMSNorm(dim)
-        self.norm2 = VisionRMSNorm(dim)
+        self.norm1 = norm(dim)
+        self.norm2 = norm(dim)
         self.attn = VisionAttention(dim, int(config.num_heads))
-        self.mlp = VisionMLP(dim, int(config.intermediate_size), str(config.hidden_act))
+        self.mlp = mlp(dim, int(config.intermediate_size), str(config.hidden_act))
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]
@@ -121,9 +129,9 @@ class VisionBlock(nn.Module):
 class PatchEmbed(nn.Module):
     """A flattened patch -> hidden: HF's Conv3d, whose kernel covers exactly one patch."""
 
-    def __init__(self, in_features: int, dim: int) -> None:
+    def __init__(self, in_features: int, dim: int, bias: bool = False) -> None:
         super().__init__()
-        self.proj = nn.Linear(in_features, dim, bias=False)
+        self.proj = nn.Linear(in_features, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(x.to(self.proj.weight.dtype))
@@ -203,10 +211,6 @@ class Qwen2_5_VisionTower(nn.Module):
         quarter = head_dim // 2
         inv_freq = 1.0 / theta ** (torch.arange(0, quarter, 2, dtype=torch.float32) / quarter)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def tokens_per_image(self, grid: Grid) -> int:
-        t, h, w = grid
-        return t * h * w // (self.merge * self.merge)
 
     def forward(self, pixel_values: torch.Tensor, grids: list[Grid]) -> torch.Tensor:
         """`[patches, C * T * P * P]` of all `grids` -> `[merged tokens, out_hidden]`."""

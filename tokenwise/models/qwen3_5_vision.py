@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenwise.models.clip_vision import activation
-from tokenwise.models.qwen2_5_vl_vision import Grid, VisionAttention, patch_rows_cols
+from tokenwise.models.qwen2_5_vl_vision import Grid, PatchEmbed, VisionBlock, patch_rows_cols
 
 
 class VisionMLP(nn.Module):
@@ -43,31 +43,8 @@ class VisionMLP(nn.Module):
         return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
-class VisionBlock(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        dim = int(config.hidden_size)
-        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
-        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
-        self.attn = VisionAttention(dim, int(config.num_heads))
-        self.mlp = VisionMLP(dim, int(config.intermediate_size), str(config.hidden_act))
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]
-    ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, lengths)
-        return x + self.mlp(self.norm2(x))
-
-
-class PatchEmbed(nn.Module):
-    """A flattened patch -> hidden: HF's Conv3d (with bias), whose kernel covers one patch."""
-
-    def __init__(self, in_features: int, dim: int) -> None:
-        super().__init__()
-        self.proj = nn.Linear(in_features, dim, bias=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x.to(self.proj.weight.dtype))
+def layer_norm(dim: int) -> nn.Module:
+    return nn.LayerNorm(dim, eps=1e-6)
 
 
 class PatchMerger(nn.Module):
@@ -100,9 +77,11 @@ class Qwen3_5VisionTower(nn.Module):
                 f"vision num_position_embeddings={num_positions} is not a square number: "
                 "Qwen3.5's learned positions form a square grid"
             )
-        self.patch_embed = PatchEmbed(in_features, dim)
+        self.patch_embed = PatchEmbed(in_features, dim, bias=True)
         self.pos_embed = nn.Embedding(num_positions, dim)
-        self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(int(config.depth)))
+        self.blocks = nn.ModuleList(
+            VisionBlock(config, layer_norm, VisionMLP) for _ in range(int(config.depth))
+        )
         self.merger = PatchMerger(int(config.out_hidden_size), dim, self.merge)
         head_dim = dim // int(config.num_heads)
         params = getattr(config, "rope_parameters", None) or {}
@@ -111,10 +90,6 @@ class Qwen3_5VisionTower(nn.Module):
         quarter = head_dim // 2
         inv_freq = 1.0 / theta ** (torch.arange(0, quarter, 2, dtype=torch.float32) / quarter)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def tokens_per_image(self, grid: Grid) -> int:
-        t, h, w = grid
-        return t * h * w // (self.merge * self.merge)
 
     def position_embeddings(self, grids: list[Grid]) -> torch.Tensor:
         """`[patches, hidden]`: the learned square table resampled to each image's `h x w`
@@ -142,18 +117,3 @@ class Qwen3_5VisionTower(nn.Module):
         for block in self.blocks:
             x = block(x, cos, sin, frames)
         return self.merger(x)
-
-
-def check_grids(grids: list[Grid | None], merge: int) -> list[Grid]:
-    """The grids, each refused by name unless it is `(t, h, w)` positive with `h` and `w`
-    multiples of the merge size (what the processor always gives)."""
-    out = []
-    for i, grid in enumerate(grids):
-        ok = grid is not None and len(grid) == 3 and all(int(n) > 0 for n in grid)
-        if not ok or grid[1] % merge or grid[2] % merge:  # type: ignore[index]
-            raise ValueError(
-                f"image {i}: grid_thw {grid} must be three positive sizes (frames, rows, "
-                f"columns of patches) with rows and columns multiples of {merge}"
-            )
-        out.append((int(grid[0]), int(grid[1]), int(grid[2])))  # type: ignore[index]
-    return out

@@ -11,9 +11,8 @@ and image rows written over the placeholders' embeddings (`image_merge.py`).
 Two things differ from Qwen2.5-VL:
 
 - the M-RoPE of the full-attention layers turns only the first `partial_rotary_factor` of each
-  head, and its frequencies take the three axes *interleaved* (`mrope_section` [t, h, w]:
-  frequency j follows the height when `j % 3 == 1 and j < 3h`, the width when
-  `j % 3 == 2 and j < 3w`, else time), not in three bands (`InterleavedMRotaryEmbedding`);
+  head, and its frequencies take the three axes *interleaved* (`layers/mrope.py`), not in
+  three bands; HF's default `mrope_section` is [11, 11, 10];
 - the linear-attention layers carry recurrent state, which ignores positions. Images cost them
   nothing special: their state snapshots, and so prefix-cache hits, are at block boundaries,
   whose keys cover the images' content hashes as for any vision-language model.
@@ -33,61 +32,35 @@ from torch import nn
 
 from tokenwise.config import EngineConfig
 from tokenwise.layers.mrope import MRotaryEmbedding, get_mrope_section
-from tokenwise.layers.pipeline import IntermediateTensors, StageAbsent
-from tokenwise.layers.rotary_embedding import RotaryEmbedding, get_rope_config
-from tokenwise.models.image_merge import decode_with_images, images_turned_off
+from tokenwise.layers.pipeline import StageAbsent
+from tokenwise.layers.rotary_embedding import get_rope_config
+from tokenwise.models.grid_image_model import GridImageModel
+from tokenwise.models.image_merge import images_turned_off
 from tokenwise.models.llava import image_token_id
 from tokenwise.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
-from tokenwise.models.qwen3_5_vision import Grid, Qwen3_5VisionTower, check_grids
+from tokenwise.models.qwen3_5_vision import Qwen3_5VisionTower
 
 _TEXT_PREFIXES = (("model.language_model.", "model."),)
 _VISUAL = "model.visual."
 DEFAULT_MROPE_SECTION = [11, 11, 10]  # HF's default when the config names none
 
 
-class InterleavedMRotaryEmbedding(MRotaryEmbedding):
-    """M-RoPE whose frequencies cycle time, height, width (Qwen3-VL / Qwen3.5 layout); 1-D
-    positions rotate as plain RoPE. As in HF, the sections need not cover the rotary: the
-    frequencies past `3 * section` follow time."""
-
-    def __init__(
-        self,
-        head_dim: int,
-        max_position: int,
-        base: float,
-        mrope_section: list[int],
-        rope_scaling: dict[str, Any] | None = None,
-    ) -> None:
-        RotaryEmbedding.__init__(self, head_dim, max_position, base, rope_scaling)
-        if len(mrope_section) != 3 or min(mrope_section) < 0:
-            raise ValueError(f"mrope_section must be three sizes >= 0, got {mrope_section}")
-        self.mrope_section = list(mrope_section)
-        j = torch.arange(head_dim // 2)
-        axis = torch.zeros_like(j)
-        axis[(j % 3 == 1) & (j < 3 * mrope_section[1])] = 1
-        axis[(j % 3 == 2) & (j < 3 * mrope_section[2])] = 2
-        self.register_buffer("axis_of_dim", torch.cat((axis, axis)), persistent=False)
-
-
-def interleaved_mrope(hf: Any, rotary_dim: int, max_len: int) -> InterleavedMRotaryEmbedding:
+def interleaved_mrope(hf: Any, rotary_dim: int, max_len: int) -> MRotaryEmbedding:
     theta, scaling = get_rope_config(hf)
     if scaling is not None:
         for key in ("partial_rotary_factor", "mrope_section", "mrope_interleaved"):
             scaling.pop(key, None)
     section = get_mrope_section(hf) or DEFAULT_MROPE_SECTION
-    return InterleavedMRotaryEmbedding(rotary_dim, max_len, theta, section, scaling)
+    return MRotaryEmbedding(rotary_dim, max_len, theta, section, scaling, interleaved=True)
 
 
-class Qwen3_5VisionLanguage(nn.Module):
+class Qwen3_5VisionLanguage(GridImageModel):
     """What both Qwen3.5 vision-language classes add to their text model (a mixin placed
     before it): the tower, the 3-D rotary, image rows in `forward`, the tower's weights."""
 
-    is_multimodal = True
-    uses_mrope = True
     # `limit_mm_per_prompt={"image": 0}` serves the checkpoint as its text model (image_merge.py)
     text_only_without_images = True
     text_prefixes = _TEXT_PREFIXES
-    model: Any
 
     def __init__(self, config: EngineConfig, prefix: str = "") -> None:
         mm = config.model.hf_multimodal_config
@@ -108,40 +81,6 @@ class Qwen3_5VisionLanguage(nn.Module):
         if self.model.is_first_stage and not images_turned_off(config.model.limit_mm_per_prompt):
             self.visual = Qwen3_5VisionTower(mm.vision_config)
         self.spatial_merge_size = int(mm.vision_config.spatial_merge_size)
-
-    def tokens_per_image(self, grid: Grid) -> int:
-        return self.visual.tokens_per_image(grid)
-
-    def embed_image_list(
-        self, pixel_values: list[torch.Tensor], grids: list[Grid | None]
-    ) -> list[torch.Tensor]:
-        """Each image's `[tokens, hidden]` rows; the images run through the tower together."""
-        known = check_grids(grids, self.spatial_merge_size)
-        for i, (pixels, (t, h, w)) in enumerate(zip(pixel_values, known, strict=True)):
-            if pixels.dim() != 2 or pixels.shape[0] != t * h * w:
-                raise ValueError(
-                    f"image {i}: pixel_values of shape {tuple(pixels.shape)} do not hold the "
-                    f"{t * h * w} flattened patches of grid_thw {(t, h, w)}"
-                )
-        merged = self.visual(torch.cat(pixel_values), known)
-        return list(merged.split([self.tokens_per_image(g) for g in known]))
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        image_embeds: torch.Tensor | None = None,
-        image_token_rows: torch.Tensor | None = None,
-        mrope_positions: torch.Tensor | None = None,
-        intermediate_tensors: IntermediateTensors | None = None,
-    ) -> torch.Tensor | IntermediateTensors:
-        """`mrope_positions` (`[3, T]`) replace `positions`; `image_embeds[i]` replaces the
-        embedding of flat token `image_token_rows[i]`."""
-        if mrope_positions is not None:
-            positions = mrope_positions
-        if intermediate_tensors is not None:
-            return self.model(input_ids, positions, intermediate_tensors=intermediate_tensors)
-        return decode_with_images(self.model, input_ids, positions, image_embeds, image_token_rows)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """All tensors through the text model's loader (which checks names, shapes and that
