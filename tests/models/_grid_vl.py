@@ -77,3 +77,23 @@ def record_image_cuts(llm: Any) -> list[bool]:
 
     runner.execute_model = spy
     return cuts
+
+
+def assert_tower_equals_hf(path: str, model: Any) -> tuple[list[Any], list[Any]]:
+    """The engine model's tower rows for images of three sizes, run as one batch, equal HF's
+    `get_image_features`; returns the images' pixels and grids."""
+    hf_model, processor = hf_parts(path)
+    images = images_of(((1, 70, 33), (2, 20, 24), (0, 40, 56)))
+    inputs = processor.image_processor(images=images, return_tensors="pt")
+    with torch.no_grad():
+        want = hf_model.model.get_image_features(
+            inputs["pixel_values"], inputs["image_grid_thw"], return_dict=True
+        ).pooler_output
+    grids = [tuple(g) for g in inputs["image_grid_thw"].tolist()]
+    pixels = list(inputs["pixel_values"].split([t * h * w for t, h, w in grids]))
+    with torch.inference_mode():
+        got = model.embed_image_list(pixels, grids)
+    assert [g.shape for g in got] == [w.shape for w in want]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    return pixels, grids

@@ -11,12 +11,18 @@ change the greedy tokens.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
-from tests.models._tiny_qwen25vl import IMAGE_TOKEN, MERGE, PATCH, VISION_TOKENS, qwen25vl_tokenizer
+from tests.models._tiny_qwen25vl import (
+    IMAGE_TOKEN,
+    MERGE,
+    PATCH,
+    VISION_TOKENS,
+    qwen25vl_tokenizer,
+    save_noisy,
+)
 
 LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 
@@ -24,9 +30,6 @@ LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attent
 def build_tiny_qwen35vl(out_dir: str, moe: bool = False, seed: int = 0) -> str:
     """Write the checkpoint and its processor into `out_dir`; returns it."""
     import transformers
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
 
     tok = qwen25vl_tokenizer()
     ids = {name: tok.convert_tokens_to_ids(name) for name in VISION_TOKENS}
@@ -93,20 +96,4 @@ def build_tiny_qwen35vl(out_dir: str, moe: bool = False, seed: int = 0) -> str:
     )
     config.architectures = [model_cls.__name__]
     torch.manual_seed(seed)
-    model = model_cls(config).eval()
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() == 1:  # norms near 1, biases near 0, both noisy
-                noise = torch.randn(param.shape, generator=generator) * 0.1
-                param.copy_(noise + (0.0 if name.endswith("bias") else 1.0))
-            else:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
-    os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir)
-    image_processor = Qwen2VLImageProcessorPil(
-        patch_size=PATCH, merge_size=MERGE, temporal_patch_size=2, min_pixels=64, max_pixels=4096
-    )
-    image_processor.save_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
-    return out_dir
+    return save_noisy(model_cls(config).eval(), out_dir, seed)

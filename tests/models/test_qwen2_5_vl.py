@@ -22,6 +22,7 @@ from tests.engine._fixtures import assert_pool_clean
 from tests.models._grid_vl import (
     GREEDY,
     Specs,
+    assert_tower_equals_hf,
     engine_prompt,
     hf_greedy,
     hf_inputs,
@@ -137,21 +138,8 @@ def test_mrope_layer_equals_hf_rotary() -> None:
 def test_vision_tower_equals_hf(qwen_dir: str) -> None:
     """The tower's rows for images of three sizes, run as one batch, are HF's
     `get_image_features` (windows, the full-attention block, 2-D rotary, merger)."""
-    model = hf_parts(qwen_dir)[0]
     llm = LLM(qwen_dir, dtype="float32", num_gpu_blocks=16, block_size=8, max_model_len=128)
-    images = images_of(((1, 70, 33), (2, 20, 24), (0, 40, 56)))
-    inputs = hf_parts(qwen_dir)[1].image_processor(images=images, return_tensors="pt")
-    with torch.no_grad():
-        want = model.model.get_image_features(
-            inputs["pixel_values"], inputs["image_grid_thw"], return_dict=True
-        ).pooler_output
-    grids = [tuple(g) for g in inputs["image_grid_thw"].tolist()]
-    pixels = list(inputs["pixel_values"].split([t * h * w for t, h, w in grids]))
-    with torch.inference_mode():
-        got = llm.llm_engine.runner.kind_part.eager_model.embed_image_list(pixels, grids)
-    assert [g.shape for g in got] == [w.shape for w in want]
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    assert_tower_equals_hf(qwen_dir, llm.llm_engine.runner.kind_part.eager_model)
 
 
 def test_one_d_positions_would_not_equal_hf(qwen_dir: str) -> None:

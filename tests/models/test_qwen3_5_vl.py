@@ -21,11 +21,10 @@ from tests.engine._fixtures import assert_pool_clean
 from tests.models._grid_vl import (
     GREEDY,
     Specs,
+    assert_tower_equals_hf,
     engine_prompt,
     hf_greedy,
     hf_inputs,
-    hf_parts,
-    images_of,
     record_image_cuts,
     strip_eos,
 )
@@ -157,22 +156,9 @@ def test_interleaved_mrope_equals_hf_rotary() -> None:
 def test_vision_tower_equals_hf(dense_dir: str) -> None:
     """The tower's rows for images of three sizes, run as one batch, are HF's
     `get_image_features` (resampled learned positions, 2-D rotary, merger)."""
-    model, processor = hf_parts(dense_dir)
     llm = LLM(dense_dir, dtype="float32", num_gpu_blocks=16, block_size=8, max_model_len=128)
-    images = images_of(((1, 70, 33), (2, 20, 24), (0, 40, 56)))
-    inputs = processor.image_processor(images=images, return_tensors="pt")
-    with torch.no_grad():
-        want = model.model.get_image_features(
-            inputs["pixel_values"], inputs["image_grid_thw"], return_dict=True
-        ).pooler_output
-    grids = [tuple(g) for g in inputs["image_grid_thw"].tolist()]
-    pixels = list(inputs["pixel_values"].split([t * h * w for t, h, w in grids]))
     model_ = llm.llm_engine.runner.kind_part.eager_model
-    with torch.inference_mode():
-        got = model_.embed_image_list(pixels, grids)
-    assert [g.shape for g in got] == [w.shape for w in want]
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    pixels, grids = assert_tower_equals_hf(dense_dir, model_)
     # Bad inputs to the tower are refused by name, not deep inside it.
     with pytest.raises(ValueError, match=r"image 1: grid_thw \(1, 5, 4\).*multiples of 2"):
         model_.embed_image_list(pixels[:2], [grids[0], (1, 5, 4)])

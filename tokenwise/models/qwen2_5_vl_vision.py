@@ -152,6 +152,24 @@ class PatchMerger(nn.Module):
         return self.mlp(self.ln_q(x).view(-1, self.hidden))
 
 
+def axial_inv_freq(config: Any) -> torch.Tensor:
+    """The inverse frequencies of the 2-D rotary: rows and columns each take head_dim / 4
+    frequencies of a head_dim / 2 rotary."""
+    head_dim = int(config.hidden_size) // int(config.num_heads)
+    params = getattr(config, "rope_parameters", None) or {}
+    theta = float(params.get("rope_theta", 10000.0))
+    quarter = head_dim // 2
+    return 1.0 / theta ** (torch.arange(0, quarter, 2, dtype=torch.float32) / quarter)
+
+
+def axial_cos_sin(rows_cols: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """cos and sin (`[patches, 1, head_dim]`) of patches at `rows_cols` (`[patches, 2]`): the
+    row's frequencies, then the column's, repeated for both halves of the head."""
+    freqs = (rows_cols[..., None].float() * inv_freq).flatten(1)
+    emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+    return emb.cos(), emb.sin()
+
+
 def window_layout(grids: list[Grid], merge: int, window: int) -> tuple[np.ndarray, list[int]]:
     """The merged-block order that makes every attention window contiguous, and the windows'
     lengths in patches. A frame of `h x w` merged blocks is cut into `window x window`
@@ -204,13 +222,7 @@ class Qwen2_5_VisionTower(nn.Module):
         self.patch_embed = PatchEmbed(in_features, dim)
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(int(config.depth)))
         self.merger = PatchMerger(int(config.out_hidden_size), dim, self.merge)
-        head_dim = dim // int(config.num_heads)
-        params = getattr(config, "rope_parameters", None) or {}
-        theta = float(params.get("rope_theta", 10000.0))
-        # Rows and columns each take head_dim / 4 frequencies of a head_dim / 2 rotary.
-        quarter = head_dim // 2
-        inv_freq = 1.0 / theta ** (torch.arange(0, quarter, 2, dtype=torch.float32) / quarter)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", axial_inv_freq(config), persistent=False)
 
     def forward(self, pixel_values: torch.Tensor, grids: list[Grid]) -> torch.Tensor:
         """`[patches, C * T * P * P]` of all `grids` -> `[merged tokens, out_hidden]`."""
@@ -222,10 +234,7 @@ class Qwen2_5_VisionTower(nn.Module):
         x = self.patch_embed(pixel_values)
         x = x.index_select(0, patch_order)
         pos = torch.from_numpy(patch_rows_cols(grids, self.merge)).to(x.device)
-        freqs = pos.index_select(0, patch_order)[..., None].float() * self.inv_freq
-        freqs = freqs.flatten(1)  # [patches, head_dim / 2]: row frequencies, then column ones
-        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = axial_cos_sin(pos.index_select(0, patch_order), self.inv_freq)
         image_lengths = [h * w for t, h, w in grids for _ in range(t)]
         for i, block in enumerate(self.blocks):
             lengths = image_lengths if i in self.fullatt_block_indexes else window_lengths

@@ -29,7 +29,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenwise.models.clip_vision import activation
-from tokenwise.models.qwen2_5_vl_vision import Grid, PatchEmbed, VisionBlock, patch_rows_cols
+from tokenwise.models.qwen2_5_vl_vision import (
+    Grid,
+    PatchEmbed,
+    VisionBlock,
+    axial_cos_sin,
+    axial_inv_freq,
+    patch_rows_cols,
+)
 
 
 class VisionMLP(nn.Module):
@@ -83,13 +90,7 @@ class Qwen3_5VisionTower(nn.Module):
             VisionBlock(config, layer_norm, VisionMLP) for _ in range(int(config.depth))
         )
         self.merger = PatchMerger(int(config.out_hidden_size), dim, self.merge)
-        head_dim = dim // int(config.num_heads)
-        params = getattr(config, "rope_parameters", None) or {}
-        theta = float(params.get("rope_theta", 10000.0))
-        # Rows and columns each take head_dim / 4 frequencies of a head_dim / 2 rotary.
-        quarter = head_dim // 2
-        inv_freq = 1.0 / theta ** (torch.arange(0, quarter, 2, dtype=torch.float32) / quarter)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", axial_inv_freq(config), persistent=False)
 
     def position_embeddings(self, grids: list[Grid]) -> torch.Tensor:
         """`[patches, hidden]`: the learned square table resampled to each image's `h x w`
@@ -110,9 +111,7 @@ class Qwen3_5VisionTower(nn.Module):
         x = self.patch_embed(pixel_values)
         x = x + self.position_embeddings(grids).to(x.dtype)
         pos = torch.from_numpy(patch_rows_cols(grids, self.merge)).to(x.device)
-        freqs = (pos[..., None].float() * self.inv_freq).flatten(1)  # rows', then columns'
-        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = axial_cos_sin(pos, self.inv_freq)
         frames = [h * w for t, h, w in grids for _ in range(t)]
         for block in self.blocks:
             x = block(x, cos, sin, frames)
