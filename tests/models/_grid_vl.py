@@ -97,3 +97,22 @@ def assert_tower_equals_hf(path: str, model: Any) -> tuple[list[Any], list[Any]]
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
     return pixels, grids
+
+
+def rotate_like_hf(hf_module: Any, hf_rope: Any, ours: Any, head_dim: int) -> tuple[Any, Any, Any]:
+    """q (2 heads) and k (1 head) at random `[3, 7]` positions, rotated by `ours` and by HF's
+    text rotary (`hf_rope`, applied with `hf_module.apply_rotary_pos_emb`) must agree;
+    returns the positions, q and k for further checks."""
+    generator = torch.Generator().manual_seed(0)
+    positions = torch.randint(0, 500, (3, 7), generator=generator)
+    q = torch.randn(7, 2, head_dim, generator=generator)
+    k = torch.randn(7, 1, head_dim, generator=generator)
+    cos, sin = hf_rope(q, positions[:, None, :])
+    # HF: [batch, heads, T, head_dim] with cos/sin [batch, T, head_dim].
+    want_q, want_k = hf_module.apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin
+    )
+    got_q, got_k = ours(positions, q, k)
+    torch.testing.assert_close(got_q, want_q[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_k, want_k[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+    return positions, q, k

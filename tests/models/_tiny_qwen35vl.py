@@ -23,6 +23,7 @@ from tests.models._tiny_qwen25vl import (
     qwen25vl_tokenizer,
     save_noisy,
 )
+from tests.tiny_checkpoints import _GDN, _GDN_MOE
 
 LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 
@@ -48,16 +49,10 @@ def build_tiny_qwen35vl(out_dir: str, moe: bool = False, seed: int = 0) -> str:
     text: dict[str, Any] = {
         "hidden_size": 64,
         "intermediate_size": 128,
-        "num_hidden_layers": len(LAYERS),
+        **_GDN,  # the text tests' Gated DeltaNet sizes (4 layers, head_dim 32)
         "layer_types": LAYERS,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "head_dim": 32,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_conv_kernel_dim": 4,
         "vocab_size": len(tok),
         "max_position_embeddings": 512,
         "bos_token_id": tok.bos_token_id,
@@ -73,12 +68,7 @@ def build_tiny_qwen35vl(out_dir: str, moe: bool = False, seed: int = 0) -> str:
         },
     }
     if moe:
-        text.update(
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=48,
-        )
+        text.update(_GDN_MOE)
     config_cls = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
     model_cls = (
         transformers.Qwen3_5MoeForConditionalGeneration

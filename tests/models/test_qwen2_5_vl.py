@@ -29,6 +29,7 @@ from tests.models._grid_vl import (
     hf_parts,
     images_of,
     record_image_cuts,
+    rotate_like_hf,
     strip_eos,
 )
 from tests.models._tiny_llava import make_image
@@ -115,18 +116,7 @@ def test_mrope_layer_equals_hf_rotary() -> None:
     )
     hf_rope = hf_qwen.Qwen2_5_VLRotaryEmbedding(config)
     ours = MRotaryEmbedding(128, 512, 1e6, section)
-    generator = torch.Generator().manual_seed(0)
-    positions = torch.randint(0, 500, (3, 7), generator=generator)
-    q = torch.randn(7, 2, 128, generator=generator)
-    k = torch.randn(7, 1, 128, generator=generator)
-    cos, sin = hf_rope(q, positions[:, None, :])
-    # HF: [batch, heads, T, head_dim] with cos/sin [batch, T, head_dim].
-    want_q, want_k = hf_qwen.apply_rotary_pos_emb(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin
-    )
-    got_q, got_k = ours(positions, q, k)
-    torch.testing.assert_close(got_q, want_q[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got_k, want_k[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+    positions, q, k = rotate_like_hf(hf_qwen, hf_rope, ours, 128)
     flat = positions[0]
     plain = RotaryEmbedding(128, 512, 1e6)
     for a, b in zip(ours(flat, q, k), plain(flat, q, k), strict=True):

@@ -26,6 +26,7 @@ from tests.models._grid_vl import (
     hf_greedy,
     hf_inputs,
     record_image_cuts,
+    rotate_like_hf,
     strip_eos,
 )
 from tests.models._tiny_qwen25vl import IMAGE
@@ -138,19 +139,9 @@ def test_interleaved_mrope_equals_hf_rotary() -> None:
     )
     hf_rope = hf_qwen.Qwen3_5TextRotaryEmbedding(config)
     ours = MRotaryEmbedding(64, 512, 1e7, section, interleaved=True)
-    generator = torch.Generator().manual_seed(0)
-    positions = torch.randint(0, 500, (3, 7), generator=generator)
-    q = torch.randn(7, 2, 64, generator=generator)
-    k = torch.randn(7, 1, 64, generator=generator)
-    cos, sin = hf_rope(q, positions[:, None, :])
-    want_q, want_k = hf_qwen.apply_rotary_pos_emb(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin
-    )
-    got_q, got_k = ours(positions, q, k)
-    torch.testing.assert_close(got_q, want_q[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got_k, want_k[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+    positions, q, k = rotate_like_hf(hf_qwen, hf_rope, ours, 64)
     banded_q, _ = MRotaryEmbedding(64, 512, 1e7, section)(positions, q, k)
-    assert not torch.allclose(banded_q, got_q, atol=1e-3)
+    assert not torch.allclose(banded_q, ours(positions, q, k)[0], atol=1e-3)
 
 
 def test_vision_tower_equals_hf(dense_dir: str) -> None:
