@@ -42,6 +42,14 @@ class GridImageModel(nn.Module):
     spatial_merge_size: int
     model: Any
 
+    def use_rotary(self, rotary: nn.Module) -> None:
+        """Put the M-RoPE layer in place of the text model's rotary, in every attention layer
+        this stage holds (a pipeline stage's other layers are `StageAbsent`)."""
+        self.model.rotary_emb = rotary
+        for layer in self.model.layers:
+            if hasattr(layer, "self_attn"):
+                layer.self_attn.rotary_emb = rotary
+
     def tokens_per_image(self, grid: Grid) -> int:
         t, h, w = grid
         return t * h * w // (self.spatial_merge_size**2)

@@ -58,10 +58,7 @@ class Qwen2_5_VLForConditionalGeneration(GridImageModel, Qwen2ForCausalLM):
         theta, scaling = get_rope_config(hf)
         mc = config.model
         rotary = MRotaryEmbedding(mc.head_dim, mc.max_model_len, theta, section, scaling)
-        self.model.rotary_emb = rotary
-        for layer in self.model.layers:
-            if hasattr(layer, "self_attn"):
-                layer.self_attn.rotary_emb = rotary
+        self.use_rotary(rotary)
         self.image_token_index = int(image_token_id(mm))
         # Under pipeline parallelism the images are the first stage's (it embeds the prompt);
         # every stage gets the step's 3-D positions in the step message.

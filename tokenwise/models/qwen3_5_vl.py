@@ -70,10 +70,7 @@ class Qwen3_5VisionLanguage(GridImageModel):
         rotary = interleaved_mrope(
             config.model.hf_config, self.model.rotary_emb.head_dim, config.model.max_model_len
         )
-        self.model.rotary_emb = rotary
-        for layer in self.model.layers:
-            if hasattr(layer, "self_attn"):
-                layer.self_attn.rotary_emb = rotary
+        self.use_rotary(rotary)
         self.image_token_index = int(image_token_id(mm))
         # Under pipeline parallelism the images are the first stage's (it embeds the prompt);
         # with images turned off no stage builds the tower (its tensors are skipped).
