@@ -116,6 +116,28 @@ def test_moe_variant_equals_hf(tmp_path_factory: pytest.TempPathFactory) -> None
     assert tokens(llm, outputs(llm, cases)) == [hf_greedy(path, *c) for c in cases]
 
 
+def test_two_pipeline_stages_equal_hf(dense_dir: str) -> None:
+    """Pipeline parallelism: the first stage (layers linear, full) holds the tower and embeds
+    the images, the second (linear, full) gets the 3-D positions in the step message; chunks
+    that cut images give HF's tokens."""
+    llm = LLM(
+        dense_dir,
+        dtype="float32",
+        pipeline_parallel_size=2,
+        num_gpu_blocks=128,
+        block_size=8,
+        max_num_batched_tokens=12,
+    )
+    try:
+        assert tokens(llm, outputs(llm, CASES)) == [hf_greedy(dense_dir, *c) for c in CASES]
+        runner = llm.llm_engine.runner
+        assert runner.model.model.end_layer == 2  # the other two layers are the second stage's
+        assert runner.kind_part.num_encoder_runs == 3
+        assert_pool_clean(llm.llm_engine)
+    finally:
+        llm.shutdown()
+
+
 def test_interleaved_mrope_equals_hf_rotary() -> None:
     """The decoder's rotary on `[3, T]` positions turns q and k as HF's Qwen3.5 text rotary
     (time, height and width frequencies interleaved over the rotated quarter of each head),
