@@ -51,9 +51,6 @@ def build_tiny_qwen25vl(
 ) -> str:
     """Write the checkpoint and its processor into `out_dir`; returns it."""
     import transformers
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
 
     tok = qwen25vl_tokenizer()
     ids = {name: tok.convert_tokens_to_ids(name) for name in VISION_TOKENS}
@@ -100,6 +97,16 @@ def build_tiny_qwen25vl(
     config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
     torch.manual_seed(seed)
     model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
+    return save_noisy(model, out_dir, seed)
+
+
+def save_noisy(model: Any, out_dir: str, seed: int) -> str:
+    """Give `model` the test weights (see above), then save it with the image processor and
+    the tokenizer into `out_dir`; returns it."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -118,20 +125,21 @@ def build_tiny_qwen25vl(
         max_pixels=4096,
     )
     image_processor.save_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
+    qwen25vl_tokenizer().save_pretrained(out_dir)
     return out_dir
 
 
-def hf_processor(path: str) -> Any:
-    """HF's `Qwen2_5_VLProcessor` over the checkpoint's image processor and tokenizer: the
-    reference's inputs. Built by hand, because transformers checks its video processor's
-    class, which needs torchvision (not installed); images never reach the video processor."""
+def hf_processor(path: str, processor: str = "Qwen2_5_VLProcessor") -> Any:
+    """HF's `processor` (Qwen3.5's is `Qwen3VLProcessor`) over the checkpoint's image
+    processor and tokenizer: the reference's inputs. Built by hand, because transformers
+    checks its video processor's class, which needs torchvision (not installed); images never
+    reach the video processor."""
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
 
-    cls = transformers.Qwen2_5_VLProcessor
+    cls = getattr(transformers, processor)
     original = cls.check_argument_for_proper_class
     cls.check_argument_for_proper_class = lambda self, name, arg: None  # type: ignore[method-assign]
     try:

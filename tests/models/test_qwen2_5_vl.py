@@ -11,7 +11,6 @@ false sharing), and a pool too small for the batch (preemption, then recomputati
 
 from __future__ import annotations
 
-from functools import cache
 from typing import Any
 
 import numpy as np
@@ -20,15 +19,23 @@ import torch
 import transformers
 
 from tests.engine._fixtures import assert_pool_clean
+from tests.models._grid_vl import (
+    GREEDY,
+    Specs,
+    assert_tower_equals_hf,
+    engine_prompt,
+    hf_greedy,
+    hf_inputs,
+    hf_parts,
+    images_of,
+    record_image_cuts,
+    rotate_like_hf,
+    strip_eos,
+)
 from tests.models._tiny_llava import make_image
-from tests.models._tiny_qwen25vl import IMAGE, build_tiny_qwen25vl, hf_processor
+from tests.models._tiny_qwen25vl import IMAGE, build_tiny_qwen25vl
 from tokenwise.engine.kinds.mrope_positions import prompt_mrope_positions
 from tokenwise.entrypoints.llm import LLM
-from tokenwise.sampling.params import SamplingParams
-
-MAX_TOKENS = 10
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-Specs = tuple[tuple[int, int, int], ...]  # (seed, width, height) of each image
 
 CASES: list[tuple[str, Specs]] = [
     ("USER: " + IMAGE + "What is in the picture? ASSISTANT:", ((0, 40, 56),)),
@@ -42,68 +49,10 @@ def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_tiny_qwen25vl(str(tmp_path_factory.mktemp("qwen25vl") / "ckpt"))
 
 
-@cache
-def hf_parts(path: str) -> tuple[Any, Any]:
-    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        path, dtype=torch.float32
-    )
-    return model.eval(), hf_processor(path)
-
-
-def images_of(specs: Specs) -> list[Any]:
-    return [make_image(*spec) for spec in specs]
-
-
-def hf_inputs(path: str, prompt: str, specs: Specs) -> Any:
-    return hf_parts(path)[1](images=images_of(specs) or None, text=prompt, return_tensors="pt")
-
-
-def strip_eos(tokens: list[int], eos: int) -> list[int]:
-    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
-
-
-@cache
-def hf_greedy(path: str, prompt: str, specs: Specs) -> list[int]:
-    model = hf_parts(path)[0]
-    inputs = hf_inputs(path, prompt, specs)
-    with torch.no_grad():
-        out = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_TOKENS)
-    eos = model.config.text_config.eos_token_id
-    return strip_eos(out[0, inputs["input_ids"].shape[1] :].tolist(), eos)
-
-
-def engine_prompt(prompt: str, specs: Specs) -> Any:
-    if not specs:
-        return prompt
-    images = images_of(specs)
-    return {
-        "prompt": prompt,
-        "multi_modal_data": {"image": images[0] if len(images) == 1 else images},
-    }
-
-
 def run(llm: LLM, cases: list[tuple[str, Specs]]) -> list[list[int]]:
     outs = llm.generate([engine_prompt(*c) for c in cases], GREEDY, use_tqdm=False)
     eos = llm.llm_engine.eos_token_ids[0]
     return [strip_eos(list(o.outputs[0].token_ids), eos) for o in outs]
-
-
-def record_image_cuts(llm: LLM) -> list[bool]:
-    """Spy on the runner: one flag per scheduled chunk that starts or ends inside an image."""
-    runner = llm.llm_engine.runner
-    cuts: list[bool] = []
-    execute = runner.execute_model
-
-    def spy(scheduler_output: Any) -> Any:
-        for item in scheduler_output.scheduled:
-            lo = item.request.num_computed_tokens
-            hi = lo + item.num_new_tokens
-            for image in getattr(item.request, "images", ()):
-                cuts.append(image.offset < lo < image.end or image.offset < hi < image.end)
-        return execute(scheduler_output)
-
-    runner.execute_model = spy
-    return cuts
 
 
 @pytest.mark.parametrize("budget", [512, 12], ids=["whole-prompts", "chunks-cut-images"])
@@ -167,18 +116,7 @@ def test_mrope_layer_equals_hf_rotary() -> None:
     )
     hf_rope = hf_qwen.Qwen2_5_VLRotaryEmbedding(config)
     ours = MRotaryEmbedding(128, 512, 1e6, section)
-    generator = torch.Generator().manual_seed(0)
-    positions = torch.randint(0, 500, (3, 7), generator=generator)
-    q = torch.randn(7, 2, 128, generator=generator)
-    k = torch.randn(7, 1, 128, generator=generator)
-    cos, sin = hf_rope(q, positions[:, None, :])
-    # HF: [batch, heads, T, head_dim] with cos/sin [batch, T, head_dim].
-    want_q, want_k = hf_qwen.apply_rotary_pos_emb(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin
-    )
-    got_q, got_k = ours(positions, q, k)
-    torch.testing.assert_close(got_q, want_q[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got_k, want_k[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+    positions, q, k = rotate_like_hf(hf_qwen, hf_rope, ours, 128)
     flat = positions[0]
     plain = RotaryEmbedding(128, 512, 1e6)
     for a, b in zip(ours(flat, q, k), plain(flat, q, k), strict=True):
@@ -190,21 +128,8 @@ def test_mrope_layer_equals_hf_rotary() -> None:
 def test_vision_tower_equals_hf(qwen_dir: str) -> None:
     """The tower's rows for images of three sizes, run as one batch, are HF's
     `get_image_features` (windows, the full-attention block, 2-D rotary, merger)."""
-    model = hf_parts(qwen_dir)[0]
     llm = LLM(qwen_dir, dtype="float32", num_gpu_blocks=16, block_size=8, max_model_len=128)
-    images = images_of(((1, 70, 33), (2, 20, 24), (0, 40, 56)))
-    inputs = hf_parts(qwen_dir)[1].image_processor(images=images, return_tensors="pt")
-    with torch.no_grad():
-        want = model.model.get_image_features(
-            inputs["pixel_values"], inputs["image_grid_thw"], return_dict=True
-        ).pooler_output
-    grids = [tuple(g) for g in inputs["image_grid_thw"].tolist()]
-    pixels = list(inputs["pixel_values"].split([t * h * w for t, h, w in grids]))
-    with torch.inference_mode():
-        got = llm.llm_engine.runner.kind_part.eager_model.embed_image_list(pixels, grids)
-    assert [g.shape for g in got] == [w.shape for w in want]
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    assert_tower_equals_hf(qwen_dir, llm.llm_engine.runner.kind_part.eager_model)
 
 
 def test_one_d_positions_would_not_equal_hf(qwen_dir: str) -> None:

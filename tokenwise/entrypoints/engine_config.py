@@ -160,6 +160,7 @@ def resolve_engine_config(args: Any) -> EngineConfig:
     archs = model_config.architectures
     num_labels = int(getattr(model_config.hf_config, "num_labels", 2))
     model_config.task = resolve_task(args.task, archs, num_labels)
+    limit_mm = parse_limit_mm_per_prompt(args.limit_mm_per_prompt)
     speculative = None
     if args.speculative_config is not None:
         speculative = SpeculativeConfig.from_dict(args.speculative_config)
@@ -169,7 +170,7 @@ def resolve_engine_config(args: Any) -> EngineConfig:
         device=device,
         enforce_eager=enforce_eager,
         encoder_decoder=is_encoder_decoder_architecture(archs),
-        multimodal=is_multimodal_architecture(archs),
+        multimodal=is_multimodal_architecture(archs, limit_mm),
         speculative=speculative,
     )
     check_features(features)
@@ -181,7 +182,7 @@ def resolve_engine_config(args: Any) -> EngineConfig:
             model_config.model, archs, args.override_pooler_config
         )
     # A text-only model refuses every image, whatever the limit says.
-    model_config.limit_mm_per_prompt = parse_limit_mm_per_prompt(args.limit_mm_per_prompt)
+    model_config.limit_mm_per_prompt = limit_mm
     eager = _eager_kinds(features, cudagraph_mode)
     if eager is not None:
         enforce_eager, cudagraph_mode, cpu_graphs = eager

@@ -9,6 +9,10 @@ position on axis i. With the neox ("rotate half") layout, frequency j drives hea
 j and j + head_dim / 2, so the cos/sin rows of the three axes are gathered from the same
 table as 1-D RoPE and spliced band by band.
 
+Qwen3-VL / Qwen3.5 interleave the axes instead of banding them (`interleaved=True`):
+frequency j follows the height when `j % 3 == 1` and `j < 3 * section[1]`, the width when
+`j % 3 == 2` and `j < 3 * section[2]`, else time; the sections need not cover the rotary.
+
 One-dimensional `positions` (a step of a text-only model) take the 1-D path unchanged.
 """
 
@@ -31,6 +35,17 @@ def get_mrope_section(hf_config: Any) -> list[int] | None:
     return None
 
 
+def axis_of_frequency(section: list[int], num_freqs: int, interleaved: bool) -> torch.Tensor:
+    """The axis (0: temporal, 1: height, 2: width) each of `num_freqs` frequencies follows."""
+    if not interleaved:
+        return torch.repeat_interleave(torch.arange(3), torch.tensor(section))
+    j = torch.arange(num_freqs)
+    axis = torch.zeros_like(j)
+    axis[(j % 3 == 1) & (j < 3 * section[1])] = 1
+    axis[(j % 3 == 2) & (j < 3 * section[2])] = 2
+    return axis
+
+
 class MRotaryEmbedding(RotaryEmbedding):
     def __init__(
         self,
@@ -39,16 +54,19 @@ class MRotaryEmbedding(RotaryEmbedding):
         base: float,
         mrope_section: list[int],
         rope_scaling: dict[str, Any] | None = None,
+        interleaved: bool = False,
     ) -> None:
         super().__init__(head_dim, max_position, base, rope_scaling)
-        if len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2:
+        if len(mrope_section) != 3 or min(mrope_section) < 0:
+            raise ValueError(f"mrope_section must be three sizes >= 0, got {mrope_section}")
+        if not interleaved and sum(mrope_section) != head_dim // 2:
             raise ValueError(
                 f"mrope_section must be three band sizes summing to head_dim / 2 = "
                 f"{head_dim // 2}, got {mrope_section}"
             )
         self.mrope_section = list(mrope_section)
-        # The axis (0: temporal, 1: height, 2: width) of each frequency, for both halves.
-        axis = torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section))
+        self.interleaved = interleaved
+        axis = axis_of_frequency(self.mrope_section, head_dim // 2, interleaved)
         self.register_buffer("axis_of_dim", torch.cat((axis, axis)), persistent=False)
 
     def forward(
@@ -68,4 +86,5 @@ class MRotaryEmbedding(RotaryEmbedding):
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, mrope_section={self.mrope_section}"
+        extra = ", interleaved" if self.interleaved else ""
+        return f"{super().extra_repr()}, mrope_section={self.mrope_section}{extra}"

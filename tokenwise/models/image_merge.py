@@ -11,8 +11,23 @@ text-only step costs nothing extra. Only the text embedding differs between the 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
+
+
+def images_turned_off(limit_mm_per_prompt: dict[str, int] | None) -> bool:
+    """`limit_mm_per_prompt={"image": 0}`: vLLM's "language model only" mode, in which a
+    vision-language checkpoint that allows it (`text_only_without_images`) serves text alone,
+    as its text model (no tower built; every feature of the text model, TP and speculative
+    decoding included)."""
+    return (limit_mm_per_prompt or {}).get("image") == 0
+
+
+def serves_text_only(model_cls: Any, limit_mm_per_prompt: dict[str, int] | None) -> bool:
+    return bool(getattr(model_cls, "text_only_without_images", False)) and images_turned_off(
+        limit_mm_per_prompt
+    )
 
 
 def decode_with_images(

@@ -3,7 +3,7 @@ M-RoPE.
 
 As LLaVA, this class *is* the text model (Qwen2) plus the vision tower
 (`qwen2_5_vl_vision.py`), and a `forward` that writes image rows over the placeholder tokens
-(`image_token_id`). What differs from LLaVA:
+(`image_token_id`; `grid_image_model.py`, shared with Qwen3.5). What differs from LLaVA:
 
 - an image has as many placeholder tokens as its size asks for (`grid_thw`: one token per
   2x2 patches), so the vision tower takes a list of images of different sizes;
@@ -26,12 +26,12 @@ from torch import nn
 
 from tokenwise.config import EngineConfig
 from tokenwise.layers.mrope import MRotaryEmbedding, get_mrope_section
-from tokenwise.layers.pipeline import IntermediateTensors, StageAbsent
+from tokenwise.layers.pipeline import StageAbsent
 from tokenwise.layers.rotary_embedding import get_rope_config
-from tokenwise.models.image_merge import decode_with_images
+from tokenwise.models.grid_image_model import GridImageModel
 from tokenwise.models.llava import image_token_id
 from tokenwise.models.qwen2 import Qwen2ForCausalLM
-from tokenwise.models.qwen2_5_vl_vision import Grid, Qwen2_5_VisionTower
+from tokenwise.models.qwen2_5_vl_vision import Qwen2_5_VisionTower
 
 
 def checkpoint_name(name: str) -> str:
@@ -43,10 +43,7 @@ def checkpoint_name(name: str) -> str:
     return name
 
 
-class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
-    is_multimodal = True
-    uses_mrope = True
-
+class Qwen2_5_VLForConditionalGeneration(GridImageModel, Qwen2ForCausalLM):
     def __init__(self, config: EngineConfig, prefix: str = "") -> None:
         mm = config.model.hf_multimodal_config
         if mm is None:
@@ -61,10 +58,7 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         theta, scaling = get_rope_config(hf)
         mc = config.model
         rotary = MRotaryEmbedding(mc.head_dim, mc.max_model_len, theta, section, scaling)
-        self.model.rotary_emb = rotary
-        for layer in self.model.layers:
-            if hasattr(layer, "self_attn"):
-                layer.self_attn.rotary_emb = rotary
+        self.use_rotary(rotary)
         self.image_token_index = int(image_token_id(mm))
         # Under pipeline parallelism the images are the first stage's (it embeds the prompt);
         # every stage gets the step's 3-D positions in the step message.
@@ -72,37 +66,6 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         if self.model.is_first_stage:
             self.visual = Qwen2_5_VisionTower(mm.vision_config)
         self.spatial_merge_size = int(mm.vision_config.spatial_merge_size)
-
-    def tokens_per_image(self, grid: Grid) -> int:
-        return self.visual.tokens_per_image(grid)
-
-    def embed_image_list(
-        self, pixel_values: list[torch.Tensor], grids: list[Grid | None]
-    ) -> list[torch.Tensor]:
-        """Each image's `[tokens, hidden]` rows; the images run through the tower together."""
-        if any(grid is None for grid in grids):
-            raise ValueError("Qwen2.5-VL images need their grid_thw")
-        known = [grid for grid in grids if grid is not None]
-        merged = self.visual(torch.cat(pixel_values), known)
-        return list(merged.split([self.tokens_per_image(g) for g in known]))
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        image_embeds: torch.Tensor | None = None,
-        image_token_rows: torch.Tensor | None = None,
-        mrope_positions: torch.Tensor | None = None,
-        intermediate_tensors: IntermediateTensors | None = None,
-    ) -> torch.Tensor | IntermediateTensors:
-        """`mrope_positions` (`[3, T]`) replace `positions`; `image_embeds[i]` replaces the
-        embedding of flat token `image_token_rows[i]`; a later pipeline stage starts from
-        `intermediate_tensors`."""
-        if mrope_positions is not None:
-            positions = mrope_positions
-        if intermediate_tensors is not None:
-            return self.model(input_ids, positions, intermediate_tensors=intermediate_tensors)
-        return decode_with_images(self.model, input_ids, positions, image_embeds, image_token_rows)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The decoder's tensors through Qwen2's loader (fusing q/k/v and gate/up); the vision

@@ -20,6 +20,7 @@ Images never attend to each other, so several images run as one sequence of segm
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -108,13 +109,20 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, config: Any) -> None:
+    """Pre-norm attention and MLP; Qwen3.5's tower passes its own norm and MLP classes."""
+
+    def __init__(
+        self,
+        config: Any,
+        norm: Callable[[int], nn.Module] = VisionRMSNorm,
+        mlp: Callable[[int, int, str], nn.Module] = VisionMLP,
+    ) -> None:
         super().__init__()
         dim = int(config.hidden_size)
-        self.norm1 = VisionRMSNorm(dim)
-        self.norm2 = VisionRMSNorm(dim)
+        self.norm1 = norm(dim)
+        self.norm2 = norm(dim)
         self.attn = VisionAttention(dim, int(config.num_heads))
-        self.mlp = VisionMLP(dim, int(config.intermediate_size), str(config.hidden_act))
+        self.mlp = mlp(dim, int(config.intermediate_size), str(config.hidden_act))
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]
@@ -126,9 +134,9 @@ class VisionBlock(nn.Module):
 class PatchEmbed(nn.Module):
     """A flattened patch -> hidden: HF's Conv3d, whose kernel covers exactly one patch."""
 
-    def __init__(self, in_features: int, dim: int) -> None:
+    def __init__(self, in_features: int, dim: int, bias: bool = False) -> None:
         super().__init__()
-        self.proj = nn.Linear(in_features, dim, bias=False)
+        self.proj = nn.Linear(in_features, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(x.to(self.proj.weight.dtype))
@@ -147,6 +155,24 @@ class PatchMerger(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.ln_q(x).view(-1, self.hidden))
+
+
+def axial_inv_freq(config: Any) -> torch.Tensor:
+    """The inverse frequencies of the 2-D rotary: rows and columns each take head_dim / 4
+    frequencies of a head_dim / 2 rotary."""
+    head_dim = int(config.hidden_size) // int(config.num_heads)
+    params = getattr(config, "rope_parameters", None) or {}
+    theta = float(params.get("rope_theta", 10000.0))
+    quarter = head_dim // 2
+    return 1.0 / theta ** (torch.arange(0, quarter, 2, dtype=torch.float32) / quarter)
+
+
+def axial_cos_sin(rows_cols: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """cos and sin (`[patches, 1, head_dim]`) of patches at `rows_cols` (`[patches, 2]`): the
+    row's frequencies, then the column's, repeated for both halves of the head."""
+    freqs = (rows_cols[..., None].float() * inv_freq).flatten(1)
+    emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+    return emb.cos(), emb.sin()
 
 
 def window_layout(grids: list[Grid], merge: int, window: int) -> tuple[np.ndarray, list[int]]:
@@ -201,17 +227,7 @@ class Qwen2_5_VisionTower(nn.Module):
         self.patch_embed = PatchEmbed(in_features, dim)
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(int(config.depth)))
         self.merger = PatchMerger(int(config.out_hidden_size), dim, self.merge)
-        head_dim = dim // int(config.num_heads)
-        params = getattr(config, "rope_parameters", None) or {}
-        theta = float(params.get("rope_theta", 10000.0))
-        # Rows and columns each take head_dim / 4 frequencies of a head_dim / 2 rotary.
-        quarter = head_dim // 2
-        inv_freq = 1.0 / theta ** (torch.arange(0, quarter, 2, dtype=torch.float32) / quarter)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def tokens_per_image(self, grid: Grid) -> int:
-        t, h, w = grid
-        return t * h * w // (self.merge * self.merge)
+        self.register_buffer("inv_freq", axial_inv_freq(config), persistent=False)
 
     def forward(self, pixel_values: torch.Tensor, grids: list[Grid]) -> torch.Tensor:
         """`[patches, C * T * P * P]` of all `grids` -> `[merged tokens, out_hidden]`."""
@@ -223,10 +239,7 @@ class Qwen2_5_VisionTower(nn.Module):
         x = self.patch_embed(pixel_values)
         x = x.index_select(0, patch_order)
         pos = torch.from_numpy(patch_rows_cols(grids, self.merge)).to(x.device)
-        freqs = pos.index_select(0, patch_order)[..., None].float() * self.inv_freq
-        freqs = freqs.flatten(1)  # [patches, head_dim / 2]: row frequencies, then column ones
-        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = axial_cos_sin(pos.index_select(0, patch_order), self.inv_freq)
         image_lengths = [h * w for t, h, w in grids for _ in range(t)]
         for i, block in enumerate(self.blocks):
             lengths = image_lengths if i in self.fullatt_block_indexes else window_lengths

@@ -7,10 +7,8 @@ per-key-head groups. The dense models have a plain SwiGLU MLP in every layer; th
 (`Qwen3_5MoeForCausalLM`) routed experts plus a sigmoid-gated shared expert in every layer,
 with the top-k weights always renormalised.
 
-`Qwen3_5ForConditionalGeneration` / `Qwen3_5MoeForConditionalGeneration` checkpoints (the
-published ones, with a vision tower) run as text models: the decoder's tensors are read from
-`model.language_model.*`, the vision tower's are skipped, and a prompt with an image is refused
-by name (this model takes text only). Their multimodal RoPE equals plain RoPE for text.
+`Qwen3_5ForConditionalGeneration` / `Qwen3_5MoeForConditionalGeneration` (the published
+checkpoints, with a vision tower) are these decoders plus the tower: `qwen3_5_vl.py`.
 """
 
 from __future__ import annotations
@@ -30,7 +28,6 @@ _SPLIT_IN_PROJ = (
     ("in_proj", "in_proj_b", "b"),
     ("in_proj", "in_proj_a", "a"),
 )
-_TEXT_PREFIXES = (("model.language_model.", "model."),)
 
 
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
@@ -49,11 +46,3 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
         if getattr(hf, "norm_topk_prob", None) is None:
             hf.norm_topk_prob = True  # Qwen3.5-MoE always renormalises (its config has no key)
         return Qwen2MoeSparseMoeBlock(config, prefix)
-
-
-class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
-    text_prefixes = _TEXT_PREFIXES
-
-
-class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
-    text_prefixes = _TEXT_PREFIXES

@@ -28,6 +28,7 @@ from tokenwise.models.gemma3_vl import Gemma3ForConditionalGeneration
 from tokenwise.models.gemma4 import Gemma4ForCausalLM
 from tokenwise.models.gemma4_vl import Gemma4ForConditionalGeneration
 from tokenwise.models.gpt_oss import GptOssForCausalLM
+from tokenwise.models.image_merge import serves_text_only
 from tokenwise.models.llama import LlamaForCausalLM
 from tokenwise.models.llava import LlavaForConditionalGeneration
 from tokenwise.models.mistral import MistralForCausalLM
@@ -36,10 +37,9 @@ from tokenwise.models.qwen2 import Qwen2ForCausalLM
 from tokenwise.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from tokenwise.models.qwen2_moe import Qwen2MoeForCausalLM
 from tokenwise.models.qwen3 import Qwen3ForCausalLM, Qwen3ForSequenceClassification
-from tokenwise.models.qwen3_5 import (
-    Qwen3_5ForCausalLM,
+from tokenwise.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+from tokenwise.models.qwen3_5_vl import (
     Qwen3_5ForConditionalGeneration,
-    Qwen3_5MoeForCausalLM,
     Qwen3_5MoeForConditionalGeneration,
 )
 from tokenwise.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -166,11 +166,16 @@ def is_encoder_decoder_architecture(architectures: list[str]) -> bool:
     return bool(getattr(model_cls, "is_encoder_decoder", False))
 
 
-def is_multimodal_architecture(architectures: list[str]) -> bool:
-    """Whether the model takes images in its prompts (LLaVA, Qwen2.5-VL)."""
+def is_multimodal_architecture(
+    architectures: list[str], limit_mm_per_prompt: dict[str, int] | None = None
+) -> bool:
+    """Whether the model takes images in its prompts (LLaVA, Qwen2.5-VL); not a checkpoint
+    that may serve text alone (Qwen3.5) when `limit_mm_per_prompt` turns images off."""
     try:
         model_cls = resolve_model_class(architectures)
     except ValueError:
+        return False
+    if serves_text_only(model_cls, limit_mm_per_prompt):
         return False
     return bool(getattr(model_cls, "is_multimodal", False))
 

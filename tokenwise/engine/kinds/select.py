@@ -20,6 +20,6 @@ def model_kind_for(config: EngineConfig) -> type[ModelKind]:
         return EmbedKind
     if is_encoder_decoder_architecture(config.model.architectures):
         return EncoderDecoderKind
-    if is_multimodal_architecture(config.model.architectures):
+    if is_multimodal_architecture(config.model.architectures, config.model.limit_mm_per_prompt):
         return MultiModalKind
     return GenerateKind

@@ -270,7 +270,7 @@ def image_settings(engine: Any) -> tuple[str | None, int | None]:
     for a model that reads no images. The processor is the engine's own (in this process) or
     the core client's (which processes prompts before sending them to the core)."""
     model_config = engine.model_config
-    if not is_multimodal_architecture(model_config.architectures):
+    if not is_multimodal_architecture(model_config.architectures, model_config.limit_mm_per_prompt):
         return None, None
     limit = (model_config.limit_mm_per_prompt or {}).get("image")
     prompts = getattr(engine, "image_prompts", None) or engine.kind.processor
