@@ -281,3 +281,30 @@ def test_two_pipeline_stages_equal_hf(
         assert_pool_clean(llm.llm_engine)
     finally:
         llm.shutdown()
+
+
+def test_images_turned_off_serve_the_text_model_under_tensor_parallelism(ckpt: str) -> None:
+    """`limit_mm_per_prompt={"image": 0}`: the hub checkpoint runs as its text model (no
+    tower built, the generate kind), so tensor parallelism, refused for vision-language
+    models, is taken again; its text answers stay HF's and an image is refused by name."""
+    llm = LLM(
+        ckpt,
+        dtype="float32",
+        num_gpu_blocks=POOL,
+        block_size=8,
+        max_model_len=256,
+        limit_mm_per_prompt={"image": 0},
+        tensor_parallel_size=2,
+    )
+    try:
+        engine = llm.llm_engine
+        assert engine.kind.name == "generate"
+        names = [name for name, _ in engine.runner.model.named_parameters()]
+        assert names and not [n for n in names if "vision" in n]
+        assert run(llm, CASES[2:]) == [hf_greedy(ckpt, *CASES[2])]
+        with pytest.raises(ValueError, match="takes text only"):
+            llm.generate(engine_prompt(*CASES[0]), GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match="tensor_parallel_size must be 1"):
+        LLM(ckpt, dtype="float32", num_gpu_blocks=POOL, tensor_parallel_size=2)

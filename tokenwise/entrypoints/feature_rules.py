@@ -156,7 +156,9 @@ RULES: tuple[Rule, ...] = (
         lambda f: f.multimodal and f.multi_rank,
         lambda f: (
             "vision-language models run on one rank: data_parallel_size and "
-            f"tensor_parallel_size must be 1, got {f.ranks()}"
+            f"tensor_parallel_size must be 1, got {f.ranks()} (Qwen3.5 and Gemma 4 "
+            "checkpoints serve text alone, on several ranks, with limit_mm_per_prompt="
+            '{"image": 0})'
         ),
     ),
     Rule(

@@ -16,7 +16,9 @@ spans on their KV-cache groups' metadata alone, and the scheduler never ends a c
 image. Without it (None: the small models), every layer is causal and a chunk may cut an
 image.
 
-Audio (`Gemma4AudioModel`) and video are not served: their towers' tensors are skipped, and
+With `limit_mm_per_prompt={"image": 0}` the checkpoint is served as its text model: no tower is
+built, its tensors are skipped, and the engine runs it as `Gemma4ForCausalLM` (tensor and data
+parallelism included). Audio (`Gemma4AudioModel`) and video are not served: their towers' tensors are skipped, and
 a prompt with audio is refused by the multimodal kind, which reads images only. Under
 pipeline parallelism the first stage holds the tower; the step message carries the image
 spans, and each stage sets them on its own sliding layers.
@@ -35,7 +37,7 @@ from tokenwise.layers.pipeline import IntermediateTensors, StageAbsent
 from tokenwise.models.gemma2 import SLIDING, gemma_layer_types
 from tokenwise.models.gemma4 import Gemma4ForCausalLM
 from tokenwise.models.gemma4_vision import Gemma4MultimodalEmbedder, Gemma4VisionTower
-from tokenwise.models.image_merge import decode_with_images
+from tokenwise.models.image_merge import decode_with_images, images_turned_off
 from tokenwise.models.llava import copy_tower_tensor
 
 # The towers and embedders of the modalities that are not served: their tensors are skipped.
@@ -50,6 +52,9 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
     # Under pipeline parallelism the first stage holds the tower and embeds the images; every
     # stage puts the image spans on its own sliding layers (`bidirectional_image_layers`).
     supports_pp = True
+    # `limit_mm_per_prompt={"image": 0}` serves the checkpoint as its text model (no tower;
+    # tensor and data parallelism as `Gemma4ForCausalLM`), as vLLM's language-model-only mode.
+    text_only_without_images = True
 
     def __init__(self, config: EngineConfig, prefix: str = "") -> None:
         mm = config.model.hf_multimodal_config
@@ -67,7 +72,7 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
         )
         self.vision_tower: nn.Module = StageAbsent()
         self.embed_vision: nn.Module = StageAbsent()
-        if self.model.is_first_stage:
+        if self.model.is_first_stage and not images_turned_off(config.model.limit_mm_per_prompt):
             self.vision_tower = Gemma4VisionTower(vision)
             self.embed_vision = Gemma4MultimodalEmbedder(
                 int(vision.hidden_size), int(hf.hidden_size), float(vision.rms_norm_eps)
@@ -129,8 +134,8 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
                 if image is None:
                     yield name.replace("model.language_model.", "model.", 1), tensor
                     continue
-                if not self.model.is_first_stage:
-                    continue  # the first stage's
+                if isinstance(self.vision_tower, StageAbsent):
+                    continue  # the first stage's, and only when images are served
                 ours = IMAGE_PREFIXES[image] + name[len(image) :]
                 loaded.add(copy_tower_tensor(own, ours, tensor, "Gemma 4's tower"))
 
