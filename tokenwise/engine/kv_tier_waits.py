@@ -30,12 +30,15 @@ class KVTierWaits:
             loads.poll()
 
     def still_loading(self, request: Request) -> bool:
-        """Whether a waiting request must keep waiting for its load (if not, it is placed
-        as any waiting request: its second lookup finds the loaded blocks in the pool)."""
+        """Whether a waiting request must keep waiting for its load; if not, it is placed as
+        any waiting request (its prefix lookup comes next, and finds the loaded blocks)."""
+        loads = self._tier_loads()
+        if loads is None:
+            return False
+        loads.looking_up(request.request_id)
         if request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
             return False
-        loads = self._tier_loads()
-        if loads is not None and not loads.ready(request.request_id):
+        if not loads.ready(request.request_id):
             return True
         request.status = RequestStatus.WAITING
         return False
@@ -60,6 +63,12 @@ class KVTierWaits:
         is aborted for want of blocks; whether anything was freed (then try again)."""
         loads = self._tier_loads()
         return loads is not None and loads.drop_all()
+
+    @staticmethod
+    def placeable_now(request: Request) -> bool:
+        """Not waiting for something else first: a tier load, or its grammar's compile."""
+        loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        return not loading and (request.grammar is None or request.grammar.ready)
 
     def tier_load_futures(self) -> list[Future]:
         loads = self._tier_loads()

@@ -239,7 +239,7 @@ class Scheduler(KindHooks, KVTierWaits):
         # 3. Nothing scheduled, nothing running, yet requests wait: the head can never run
         # (requests whose grammar is still compiling are not stuck, just not ready).
         if out.is_empty and not self.running:
-            req = next((r for r in self.waiting if self._placeable_now(r)), None)
+            req = next((r for r in self.waiting if self.placeable_now(r)), None)
             if req is not None and not self.release_tier_loads():
                 reason = self._unplaceable_reason(req)
                 self.finish_requests([req], RequestStatus.FINISHED_ABORTED)
@@ -321,12 +321,6 @@ class Scheduler(KindHooks, KVTierWaits):
             return num_new
         aligned = (num_computed + num_new) // bm.block_size * bm.block_size - num_computed
         return aligned if aligned > 0 else num_new
-
-    @staticmethod
-    def _placeable_now(req: Request) -> bool:
-        """Not waiting for something else first: its grammar's compile, or a tier load."""
-        loading = req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-        return not loading and (req.grammar is None or req.grammar.ready)
 
     def _poll_grammars(self) -> None:
         """Make matchers for compiled grammars; end requests whose compile failed or is late."""

@@ -18,7 +18,9 @@ How the pieces share the work, all of the pool's side in the engine's thread:
   asked for it until it is admitted (`admitted`) or leaves (`drop`), so the request's second
   lookup, which now hits the pool, finds it;
 - a read that fails, or that is not back within `timeout_s`, is a miss: its block is released
-  uncached and the request's second lookup recomputes from there. Nothing waits unbounded.
+  uncached, and the request's next lookup defers nothing (`_no_defer`): it recomputes from
+  the first block it lacks rather than try the same slow or broken reads again. Nothing waits
+  unbounded.
 
 Blocks are written between forward passes, into blocks no request's table holds, so no
 forward pass can read a half-written block.
@@ -65,18 +67,26 @@ class TierLoads:
         self._loads: dict[str, _Load] = {}  # request id -> its read (until finished)
         self._waits: dict[str, set[bytes]] = {}  # request id -> keys it waits for
         self._pins: dict[str, list[tuple[Any, int]]] = {}  # request id -> (pool, block) held
+        self._no_defer: set[str] = set()  # requests whose last load failed: they recompute
+        self._current: str | None = None  # the request whose lookup comes next
         self.num_failed = 0  # blocks a read could not serve (missing, corrupt, late)
         self.num_timeouts = 0  # loads given up at their deadline
 
     # ---- during a lookup ----------------------------------------------------------------------
 
+    def looking_up(self, request_id: str) -> None:
+        """The next lookup is `request_id`'s (so that one whose load failed defers nothing)."""
+        self._current = request_id
+
     def defer(self, connector: Any, key: bytes) -> int | None:
         """The block `key` will be loaded into (a hit for the lookup), or None: a miss."""
+        if self._current in self._no_defer:
+            return None
         loading = self._in_flight.get(key)
         if loading is not None:
             self._lookup_waits.add(key)
             return loading[1]
-        for conn, block_id, k in self._lookup:
+        for _, block_id, k in self._lookup:
             if k == key:
                 return block_id
         pool = connector.pool
@@ -135,10 +145,13 @@ class TierLoads:
         pins = self._pins.get(request_id, [])
         for (conn, block_id, key), payload in zip(load.items, payloads, strict=True):
             self._in_flight.pop(key, None)
-            if not conn.finish_load(block_id, key, payload):
+            if conn.finish_load(block_id, key, payload):
+                continue
+            pins.remove((conn.pool, block_id))
+            conn.pool.release(block_id)  # unregistered: back to the free list
+            if conn.pool.lookup(key) is None:  # (else cached meanwhile, another way)
                 self.num_failed += 1
-                pins.remove((conn.pool, block_id))
-                conn.pool.release(block_id)  # unregistered: back to the free list, a miss
+                self._no_defer.add(request_id)
 
     def ready(self, request_id: str) -> bool:
         """Whether every key the request waits for is loaded (or given up)."""
@@ -161,6 +174,7 @@ class TierLoads:
             for _, _, key in load.items:
                 self._in_flight.pop(key, None)
         self._waits.pop(request_id, None)
+        self._no_defer.discard(request_id)
         self.admitted(request_id)
 
     def drop_all(self) -> bool:
