@@ -31,6 +31,7 @@ def _prompts() -> list[list[int]]:
 
 
 SHORT = list(range(7, 27))  # the running request's prompt: shares no block with the others
+BIG = [random.Random(1).randrange(5, 250) for _ in range(200)]  # 13 blocks with its answer
 
 
 class Gate:
@@ -62,7 +63,11 @@ def _generate(llm: LLM, prompt: list[int], params: SamplingParams = PARAMS) -> l
 @pytest.fixture(scope="module")
 def cold() -> dict[str, list[int]]:
     llm = LLM(checkpoint(LLAMA), enable_prefix_caching=False, **SMALL)
-    return {"A": _generate(llm, _prompts()[A]), "short": _generate(llm, SHORT, LONG)}
+    return {
+        "A": _generate(llm, _prompts()[A]),
+        "short": _generate(llm, SHORT, LONG),
+        "big": _generate(llm, BIG),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -160,4 +165,29 @@ def test_a_late_or_failed_load_is_recomputed(llm: LLM, cold: dict, failure: str)
     finally:
         loads.timeout_s = 30.0
         gate.remove()
+    assert_pool_clean(engine)
+
+
+def test_a_load_holding_blocks_delays_the_head_instead_of_aborting_it(llm: LLM, cold: dict) -> None:
+    """A's load reserves 6 of the 16 blocks; BIG, queued behind it, needs 13 and nothing runs.
+    That is no reason to abort BIG: the load ends, A runs, then BIG does."""
+    engine = llm.llm_engine
+    _a_on_disk(llm)
+    gate = Gate(engine.kv_tier.store)
+    try:
+        engine.add_request("a", {"prompt_token_ids": _prompts()[A]}, PARAMS)
+        engine.add_request("big", {"prompt_token_ids": BIG}, PARAMS)
+        a, big = _request(engine, "a"), _request(engine, "big")
+        for _ in range(4):
+            engine.step()
+            assert a.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            assert big.status == RequestStatus.WAITING  # neither placed nor aborted
+    finally:
+        gate.remove()
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    assert list(a.output_token_ids) == cold["A"] and a.num_cached_tokens == 6 * 16
+    assert list(big.output_token_ids) == cold["big"]
     assert_pool_clean(engine)

@@ -60,9 +60,10 @@ class KVTierWaits:
 
     def release_tier_loads(self) -> bool:
         """The queue's head cannot be placed: free what waiting requests hold before anyone
-        is aborted for want of blocks; whether anything was freed (then try again)."""
+        is aborted for want of blocks; whether to try again instead of aborting (something
+        was freed, or a load is still in flight and will be, within its deadline)."""
         loads = self._tier_loads()
-        return loads is not None and loads.drop_all()
+        return loads is not None and loads.release_loaded()
 
     @staticmethod
     def placeable_now(request: Request) -> bool:

@@ -177,13 +177,15 @@ class TierLoads:
         self._no_defer.discard(request_id)
         self.admitted(request_id)
 
-    def drop_all(self) -> bool:
-        """Release every waiting request's blocks (the pool is stuck without them: the queue's
-        head cannot be placed); whether anything was held. Their requests look up afresh."""
-        held = list(self._pins) + [r for r in self._loads if r not in self._pins]
-        for request_id in held:
-            self.drop(request_id)
-        return bool(held)
+    def release_loaded(self) -> bool:
+        """Unpin every finished load's blocks (they stay cached, so their requests still find
+        them unless evicted): the pool is stuck without them, as the queue's head cannot be
+        placed. Whether anything was released, or a load is still in flight (it ends within
+        its deadline; then try again)."""
+        done = [r for r in self._pins if r not in self._loads]
+        for request_id in done:
+            self.admitted(request_id)
+        return bool(done or self._loads)
 
     def futures(self) -> list[Future]:
         """The reads in flight (an idle engine sleeps on them, briefly)."""
