@@ -16,18 +16,13 @@ from typing import Any
 import pytest
 
 from tests.engine._fixtures import LLAMA, assert_pool_clean, checkpoint
+from tests.engine._kv_tier_turns import PARAMS, SMALL
+from tests.engine._kv_tier_turns import prompts as _prompts
 from tokenwise import LLM, SamplingParams
 from tokenwise.engine.request import RequestStatus
 
-PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 LONG = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-SMALL = {"dtype": "float32", "num_gpu_blocks": 16, "max_model_len": 256}
 A = 0
-
-
-def _prompts() -> list[list[int]]:
-    rng = random.Random(0)
-    return [[rng.randrange(5, 250) for _ in range(100)] for _ in range(4)]
 
 
 SHORT = list(range(7, 27))  # the running request's prompt: shares no block with the others

@@ -1,7 +1,7 @@
 """Recurrent-state snapshots in the second KV tier: a tiny Qwen3.5 (Gated DeltaNet layers and
 one full-attention layer, fp32) whose state slots are too few to keep every prompt's snapshot.
 
-The pattern of `test_kv_tier.py`: four 100-token prompts run A B C A D B over a 16-block pool
+The pattern of `_kv_tier_turns.py`: four 100-token prompts run A B C A D B over a 16-block pool
 and 4 state slots (`max_num_seqs=2`: two live states, two snapshots), so A's and B's attention
 blocks and one of their snapshots are evicted before they return. A hybrid's prefix hit needs
 both the attention blocks and the state snapshot after the hit's last block; a hit that the
@@ -10,34 +10,18 @@ tier serves therefore proves both came back, and its greedy tokens must equal a 
 
 from __future__ import annotations
 
-import random
 import shutil
 from pathlib import Path
 
 import pytest
 
 from tests.engine._fixtures import assert_pool_clean, checkpoint
-from tokenwise import LLM, SamplingParams
+from tests.engine._kv_tier_turns import SMALL as TURNS_SMALL
+from tests.engine._kv_tier_turns import run_turns as _run
+from tokenwise import LLM
 
-PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-ORDER = (0, 1, 2, 0, 3, 1)
-SMALL = {"dtype": "float32", "num_gpu_blocks": 16, "max_model_len": 256, "max_num_seqs": 2}
+SMALL = TURNS_SMALL | {"max_num_seqs": 2}
 BS = 16
-
-
-def _prompts() -> list[list[int]]:
-    rng = random.Random(0)
-    return [[rng.randrange(5, 250) for _ in range(100)] for _ in range(4)]
-
-
-def _run(llm: LLM, order: tuple[int, ...] = ORDER) -> list[list[int]]:
-    prompts, engine, outs = _prompts(), llm.llm_engine, []
-    for i in order:
-        out = llm.generate([{"prompt_token_ids": prompts[i]}], PARAMS, use_tqdm=False)
-        outs.append(list(out[0].outputs[0].token_ids))
-        if engine.kv_tier is not None:
-            assert engine.kv_tier.store.flush(30)
-    return outs
 
 
 @pytest.fixture(scope="module")

@@ -61,7 +61,7 @@ class TierLoads:
             raise ValueError(f"a tier load timeout must be > 0 seconds, got {timeout_s}")
         self.timeout_s = timeout_s
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-loader")
-        self._lookup: list[tuple[Any, int, bytes]] = []  # this lookup's deferred reads
+        self._lookup: dict[bytes, tuple[Any, int]] = {}  # this lookup's reads: key -> (conn, block)
         self._lookup_waits: set[bytes] = set()  # keys this lookup found already loading
         self._in_flight: dict[bytes, tuple[Any, int, _Load]] = {}  # key -> (conn, block, load)
         self._loads: dict[str, _Load] = {}  # request id -> its read (until finished)
@@ -86,14 +86,13 @@ class TierLoads:
         if loading is not None:
             self._lookup_waits.add(key)
             return loading[1]
-        for _, block_id, k in self._lookup:
-            if k == key:
-                return block_id
+        if key in self._lookup:
+            return self._lookup[key][1]
         pool = connector.pool
         if pool.num_free == 0 or not connector.store.contains(key):
             return None
         block_id = pool.allocate()  # the reservation; may evict (and save) another block
-        self._lookup.append((connector, block_id, key))
+        self._lookup[key] = (connector, block_id)
         return block_id
 
     @property
@@ -105,8 +104,9 @@ class TierLoads:
 
     def begin(self, request_id: str) -> bool:
         """End the request's lookup: start its reads; whether the request must wait."""
-        items, waits = self._lookup, self._lookup_waits
-        self._lookup, self._lookup_waits = [], set()
+        items = [(conn, block_id, key) for key, (conn, block_id) in self._lookup.items()]
+        waits = self._lookup_waits
+        self._lookup, self._lookup_waits = {}, set()
         if not items and not waits:
             return False
         if items:
