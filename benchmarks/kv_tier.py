@@ -68,6 +68,8 @@ def overlap(engine, prompt: list[int], other: list[int], max_tokens: int) -> str
         engine.step()
     engine.add_request("back", {"prompt_token_ids": prompt}, params)
     back = engine.groups["back"][0]
+    loads = engine.kv_tier.loads
+    read_before = loads.read_seconds
     start, steps, before = time.perf_counter(), 0, len(busy.output_token_ids)
     waited, during = 0.0, 0
     while engine.has_unfinished_requests():
@@ -77,9 +79,10 @@ def overlap(engine, prompt: list[int], other: list[int], max_tokens: int) -> str
             waited = time.perf_counter() - start
             during = len(busy.output_token_ids) - before
     return (
-        f"overlap: while a returning turn of {len(prompt)} tokens waited {waited * 1e3:.0f} ms "
-        f"for its blocks ({back.num_cached_tokens} tokens cached), a decoding request ran "
-        f"{steps} steps and produced {during} tokens"
+        f"overlap: a returning turn of {len(prompt)} tokens waited {steps} steps "
+        f"({waited * 1e3:.0f} ms) for its blocks ({back.num_cached_tokens} tokens cached, read in "
+        f"{(loads.read_seconds - read_before) * 1e3:.0f} ms on the loader thread); a decoding "
+        f"request produced {during} tokens meanwhile"
     )
 
 

@@ -71,6 +71,7 @@ class TierLoads:
         self._current: str | None = None  # the request whose lookup comes next
         self.num_failed = 0  # blocks a read could not serve (missing, corrupt, late)
         self.num_timeouts = 0  # loads given up at their deadline
+        self.read_seconds = 0.0  # the loader thread's time in finished reads (benchmarks)
 
     # ---- during a lookup ----------------------------------------------------------------------
 
@@ -125,7 +126,8 @@ class TierLoads:
         now = time.monotonic()
         for request_id, load in list(self._loads.items()):
             if load.future.done():
-                payloads = load.future.result()
+                payloads, seconds = load.future.result()
+                self.read_seconds += seconds
             elif now >= load.deadline:
                 load.cancelled.set()
                 self.num_timeouts += 1
@@ -197,8 +199,10 @@ class TierLoads:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _read(items: list[tuple[Any, bytes]], cancelled: threading.Event) -> list:
-    """The loader thread: each key's payload from its store (None: a miss, or given up)."""
+def _read(items: list[tuple[Any, bytes]], cancelled: threading.Event) -> tuple[list, float]:
+    """The loader thread: each key's payload from its store (None: a miss, or given up), and
+    the seconds it took."""
+    start = time.perf_counter()
     out: list[torch.Tensor | None] = []
     for store, key in items:
         if cancelled.is_set():
@@ -209,7 +213,7 @@ def _read(items: list[tuple[Any, bytes]], cancelled: threading.Event) -> list:
         except Exception:  # an unreadable store is a miss, never a failed step
             logger.exception("KV tier: reading a block failed; it is recomputed")
             out.append(None)
-    return out
+    return out, time.perf_counter() - start
 
 
 __all__ = ["LOAD_TIMEOUT_S", "TierLoads"]
