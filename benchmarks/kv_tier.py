@@ -10,15 +10,18 @@ tier (files on local disk, on a CPU engine) and the returning turn loads them ba
 Two engines with the same small KV pool and dummy bf16 weights, one with a disk tier and one
 without, take turns: each plays turn k of the same conversation (a `--system`-token opening,
 then per turn a `--user`-token message and a `--answer`-token greedy answer, which joins the
-history), then `--traffic` unrelated prompts that together overflow the pool, so nothing of
-the conversation is left in it. The tier's background writes are flushed between turns (the
-user's think time). Printed per returning turn: its prompt length, the time to first token of
-each engine (the steps until its first token), the ratio, the tokens the tier served and the
-time the tier took in the engine's thread within that turn (loads, and copies out of blocks
-the loads evicted); then the tier's hit rate over the returning turns' prompt tokens, whether
-both engines generated the same tokens (dummy weights: near-tied logits, so bf16 rounding of a
-prefill split differently may flip one; tests/engine/test_kv_tier.py checks tokens in fp32),
-and the CPU flags.
+history), then `--traffic` unrelated prompts that together overflow the pool, so nothing of the
+conversation is left in it. The tier's background writes are flushed between turns (the user's
+think time). Printed per returning turn: its prompt length, the time to first token of each
+engine (the steps until its first token), the ratio, the tokens the tier served and the time
+the tier took in the engine's thread within that turn (copying loaded blocks in, and copies out
+of blocks the loads evicted: the reads run on the loader thread); then the tier's hit rate over
+the returning turns' prompt tokens, whether both engines generated the same tokens (dummy
+weights: near-tied logits, so bf16 rounding of a prefill split differently may flip one;
+tests/engine/test_kv_tier.py checks tokens in fp32), and the CPU flags. Last, the overlap: one
+more returning turn of the tiered engine arrives while an unrelated request decodes; printed
+are the decode steps (and tokens) that request ran while the turn waited for its blocks, and
+how long the load took.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tokenwise import LLM, SamplingParams  # noqa: E402
+from tokenwise.engine.request import RequestStatus  # noqa: E402
 from tokenwise.model_config import cpu_flag_summary  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
@@ -53,6 +57,33 @@ def turn(engine, rid: str, prompt: list[int], max_tokens: int) -> tuple[float, l
             ttft = time.perf_counter() - start
     assert ttft is not None
     return ttft, tokens
+
+
+def overlap(engine, prompt: list[int], other: list[int], max_tokens: int) -> str:
+    """A returning turn arrives while `other` decodes: what `other` did during the load."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    engine.add_request("busy", {"prompt_token_ids": other}, params)
+    busy = engine.groups["busy"][0]
+    while not busy.output_token_ids:  # its prefill done: decoding from here on
+        engine.step()
+    engine.add_request("back", {"prompt_token_ids": prompt}, params)
+    back = engine.groups["back"][0]
+    loads = engine.kv_tier.loads
+    read_before = loads.read_seconds
+    start, steps, before = time.perf_counter(), 0, len(busy.output_token_ids)
+    waited, during = 0.0, 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        if back.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            steps += 1
+            waited = time.perf_counter() - start
+            during = len(busy.output_token_ids) - before
+    return (
+        f"overlap: a returning turn of {len(prompt)} tokens waited {steps} steps "
+        f"({waited * 1e3:.0f} ms) for its blocks ({back.num_cached_tokens} tokens cached, read in "
+        f"{(loads.read_seconds - read_before) * 1e3:.0f} ms on the loader thread); a decoding "
+        f"request produced {during} tokens meanwhile"
+    )
 
 
 def main() -> None:
@@ -152,6 +183,8 @@ def main() -> None:
         f"{stats.dropped} dropped, {stats.corrupt} corrupt"
     )
     print(f"same generated tokens with and without the tier: {outputs['tier'] == outputs['none']}")
+    prompt = history["tier"] + tokens(args.user)
+    print(overlap(engines["tier"], prompt, tokens(64), args.answer))
 
 
 if __name__ == "__main__":

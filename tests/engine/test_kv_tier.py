@@ -10,7 +10,6 @@ are evicted by the traffic in between and a returning prompt has to find them in
 
 from __future__ import annotations
 
-import random
 import shutil
 from pathlib import Path
 from typing import Any
@@ -18,30 +17,13 @@ from typing import Any
 import pytest
 
 from tests.engine._fixtures import LLAMA, assert_pool_clean, checkpoint
-from tokenwise import LLM, SamplingParams
+from tests.engine._kv_tier_turns import PARAMS, SMALL
+from tests.engine._kv_tier_turns import prompts as _prompts
+from tests.engine._kv_tier_turns import run_turns as _run
+from tokenwise import LLM
 from tokenwise.engine.stats import EngineStats
 from tokenwise.entrypoints.openai.metrics import _EngineCollector
 from tokenwise.entrypoints.openai.metrics_aliases import VllmAliasCollector
-
-PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-ORDER = (0, 1, 2, 0, 3, 1)
-SMALL = {"dtype": "float32", "num_gpu_blocks": 16, "max_model_len": 256}
-
-
-def _prompts() -> list[list[int]]:
-    rng = random.Random(0)
-    return [[rng.randrange(5, 250) for _ in range(100)] for _ in range(4)]
-
-
-def _run(llm: LLM, order: tuple[int, ...] = ORDER) -> list[list[int]]:
-    """Each prompt of `order` alone (one after the other, as turns of a conversation)."""
-    prompts, engine, outs = _prompts(), llm.llm_engine, []
-    for i in order:
-        out = llm.generate([{"prompt_token_ids": prompts[i]}], PARAMS, use_tqdm=False)
-        outs.append(list(out[0].outputs[0].token_ids))
-        if engine.kv_tier is not None:
-            assert engine.kv_tier.store.flush(30)
-    return outs
 
 
 @pytest.fixture(scope="module")

@@ -167,6 +167,11 @@ class BlockManager:
             )
         finally:
             from_tier = self.pool.end_lookup(hits[self._own[0].group_id])
+            if self._state is not None:  # a snapshot loaded from the tier is pinned too
+                self.state_pool.end_lookup(hits[self._state.group_id])
+        tier = self.pool.tier
+        if tier is not None and tier.loads is not None and tier.loads.lookup_deferred:
+            return hits, length * self.block_size  # counted when the request looks again
         self.prefix_cache_queries += len(token_ids)
         self.prefix_cache_hits += length * self.block_size
         self.prefix_cache_tier_hits += from_tier * self.block_size

@@ -7,10 +7,14 @@ a directory of files on a CPU engine (whose host memory is already its KV cache)
 each model (and KV layout, cache dtype, DP rank) gets a directory of its own under it, named by
 a fingerprint, so that K/V written for one set of weights is never read for another one.
 
+A model with recurrent-state layers gets a second connector on its state pool, over the same
+store: its snapshots go out and come back under their chain hashes like attention blocks.
+Loads run in the background (`kv_cache/tier_loads.py`) while the request waits.
+
 Refused, with the reason: prefix caching off (the tier extends it), tensor or pipeline
 parallelism (each rank holds a shard of each block; the connector copies the driver's only),
-recurrent-state layers (`kv_cache/tier_blocks.py`), and speculative methods with a KV cache of
-their own (a draft model, EAGLE, MTP: their cache would not follow a block loaded back).
+and speculative methods with a KV cache of their own (a draft model, EAGLE, MTP: their cache
+would not follow a block loaded back).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from tokenwise.kv_cache.specs import CrossAttentionSpec
 from tokenwise.kv_cache.tier import CPUMemoryTier, KVTierStore
 from tokenwise.kv_cache.tier_blocks import KVTierConnector, block_dim
 from tokenwise.kv_cache.tier_disk import DiskTier
+from tokenwise.kv_cache.tier_loads import TierLoads
 
 logger = logging.getLogger("tokenwise.engine")
 
@@ -46,11 +51,6 @@ def check_kv_tier_supported(config: EngineConfig, runner: Any) -> None:
         if getattr(p, name) > 1:
             raise ValueError(f"kv_offloading_size is not supported with {name} > 1 yet")
     layout = runner.kv_cache_layout
-    if any(g.spec.pool == "state" for g in layout.groups):
-        raise ValueError(
-            "kv_offloading_size is not supported for models with recurrent-state layers "
-            "(their prefix hits need state snapshots, which the tier does not keep)"
-        )
     if not layout.groups:
         raise ValueError("kv_offloading_size: this model keeps no KV cache to offload")
     spec = config.speculative
@@ -61,8 +61,9 @@ def check_kv_tier_supported(config: EngineConfig, runner: Any) -> None:
         )
 
 
-def cache_tensors(runner: Any) -> list[tuple[Any, int]]:
-    """(tensor, block dimension) of every cache tensor a prefix-cached block lives in."""
+def cache_tensors(runner: Any, pool: str = "kv") -> list[tuple[Any, int]]:
+    """(tensor, block dimension) of every cache tensor a prefix-cached block lives in (`pool`
+    "state": every recurrent-state tensor, indexed by the state pool's slots)."""
     layout = runner.kv_cache_layout
     cross = {
         n for g in layout.groups if isinstance(g.spec, CrossAttentionSpec) for n in g.layer_names
@@ -70,7 +71,7 @@ def cache_tensors(runner: Any) -> list[tuple[Any, int]]:
     layers = runner.cache_layers()
     out = []
     for t in layout.tensors:
-        if t.pool != "kv" or all(name in cross for name in t.shared_by):
+        if t.pool != pool or all(name in cross for name in t.shared_by):
             continue
         name = t.shared_by[0]
         out.append((runner.kv_caches[name], block_dim(layers[name], runner.block_size)))
@@ -121,16 +122,27 @@ def make_store(config: EngineConfig, tensors: list[tuple[Any, int]], device: str
     return DiskTier(root / f"{tier_fingerprint(config, tensors)}-dp{rank}", capacity)
 
 
-def attach_kv_tier(config: EngineConfig, pools: list[Any], runner: Any) -> KVTierConnector | None:
-    """The engine's KV tier, hooked into its block pool; None when `kv_offloading_size` is
-    unset. Raises ValueError for an engine the tier does not support."""
+def attach_kv_tier(
+    config: EngineConfig, managers: list[Any], runner: Any
+) -> KVTierConnector | None:
+    """The engine's KV tier, hooked into its block manager's pools (the KV pool, and the state
+    pool of a recurrent model); None when `kv_offloading_size` is unset. Raises ValueError for
+    an engine the tier does not support."""
     if config.cache.kv_offloading_size is None:
         return None
     check_kv_tier_supported(config, runner)
     tensors = cache_tensors(runner)
-    store = make_store(config, tensors, str(config.device))
-    connector = KVTierConnector(pools[0], store, tensors)
-    pools[0].tier = connector
+    states = cache_tensors(runner, "state")
+    store = make_store(config, tensors + states, str(config.device))
+    loads = TierLoads()
+    manager = managers[0]
+    connector = KVTierConnector(manager.pool, store, tensors)
+    connector.loads = loads
+    manager.pool.tier = connector
+    if states:
+        state_connector = KVTierConnector(manager.state_pool, store, states)
+        state_connector.loads = loads
+        manager.state_pool.tier = state_connector
     where = getattr(store, "directory", "host memory")
     logger.info(
         "KV tier: %s, %.2f GiB, %d KiB per block (%s)",

@@ -140,7 +140,7 @@ class LLMEngine:
             lambda: not self.groups,
             self.reset_prefix_cache,
         )
-        self.kv_tier = attach_kv_tier(config, [bm.pool for bm in managers], self.runner)
+        self.kv_tier = attach_kv_tier(config, managers, self.runner)
 
     # ---- requests -----------------------------------------------------------------------------
 

@@ -26,6 +26,8 @@ class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
+    # Its prefix hit is being read back from the KV tier (`kv_cache/tier_loads.py`).
+    WAITING_FOR_REMOTE_KVS = enum.auto()
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()

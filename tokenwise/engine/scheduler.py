@@ -42,6 +42,7 @@ from concurrent.futures import Future
 
 from tokenwise.config import SchedulerConfig
 from tokenwise.engine.block_manager import CROSS_ATTN, BlockManager, KVCacheBlocks
+from tokenwise.engine.kv_tier_waits import KVTierWaits
 from tokenwise.engine.request import Request, RequestStatus
 from tokenwise.engine.request_queue import create_request_queue
 from tokenwise.engine.scheduler_hooks import KindHooks
@@ -51,7 +52,7 @@ from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, S
 __all__ = ["Scheduler", "ScheduledRequest", "SchedulerOutput"]
 
 
-class Scheduler(KindHooks):
+class Scheduler(KindHooks, KVTierWaits):
     """The decoder-only scheduler; a model kind changes it through `KindHooks`."""
 
     def __init__(
@@ -104,6 +105,7 @@ class Scheduler(KindHooks):
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
         bm.discard_step()  # a step scheduled but never applied (a failed forward pass)
+        self.poll_tier_loads()
 
         # 1. Running requests, oldest first: decodes and continuing prompt chunks.
         idx = 0
@@ -153,6 +155,9 @@ class Scheduler(KindHooks):
             if req.grammar is not None and not req.grammar.ready:
                 not_ready.append(self.waiting.pop_request())
                 continue
+            if self.still_loading(req):  # its prefix is being read back from the KV tier
+                not_ready.append(self.waiting.pop_request())
+                continue
             if len(self.running) >= self.config.max_num_seqs:
                 # Under "priority" a more urgent request takes a less urgent one's slot.
                 restored = self._preempt_for(req, out)
@@ -180,6 +185,9 @@ class Scheduler(KindHooks):
                 hits, num_hit = bm.get_computed_blocks(
                     req.request_id, req.all_token_ids, req.cache_salt, self.image_spans(req)
                 )
+                if self.start_tier_load(req):
+                    not_ready.append(self.waiting.pop_request())
+                    continue
             num_new = req.num_tokens - num_hit
             if num_new > budget - num_encoder:
                 if not self.config.enable_chunked_prefill:
@@ -214,6 +222,7 @@ class Scheduler(KindHooks):
                 budget += restored
                 continue
             self.waiting.pop_request()
+            self.end_tier_wait(req)
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
@@ -230,8 +239,8 @@ class Scheduler(KindHooks):
         # 3. Nothing scheduled, nothing running, yet requests wait: the head can never run
         # (requests whose grammar is still compiling are not stuck, just not ready).
         if out.is_empty and not self.running:
-            req = next((r for r in self.waiting if r.grammar is None or r.grammar.ready), None)
-            if req is not None:
+            req = next((r for r in self.waiting if self.placeable_now(r)), None)
+            if req is not None and not self.release_tier_loads():
                 reason = self._unplaceable_reason(req)
                 self.finish_requests([req], RequestStatus.FINISHED_ABORTED)
                 out.aborted.append((req, reason))
@@ -328,11 +337,12 @@ class Scheduler(KindHooks):
 
     def waiting_grammars(self) -> list[Future]:
         """The compiles that waiting requests wait for (the engine sleeps on them when idle)."""
-        return [
+        compiling = [
             r.grammar.compiled
             for r in self.waiting
             if r.grammar is not None and not r.grammar.ready
         ]
+        return compiling + self.tier_load_futures()
 
     def _unplaceable_reason(self, req: Request) -> str:
         bm = self.block_manager
@@ -384,6 +394,7 @@ class Scheduler(KindHooks):
         for req in done:
             req.status = status
             self.block_manager.free(req.request_id, discard_cached=discard_cached)
+            self.end_tier_wait(req)
             self._left_since_last_step.append(req.request_id)
             self._sent_to_runner.discard(req.request_id)
         if done:

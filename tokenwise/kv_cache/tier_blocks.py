@@ -21,9 +21,13 @@ runner:
 Which KV-group kinds this covers (`kv_cache/specs.py`): full attention and MLA (every block),
 sliding window (its group's keys carry the group suffix, and only the blocks of the last
 window are looked up), cross-attention (never cached: nothing to tier; its tensors are left
-out of the payload). Recurrent-state groups are refused (`attach_kv_tier`): their snapshots
-live in a pool of their own slots, a whole state (megabytes) per block boundary, and a hit of
-a hybrid model needs one; the attention tier alone would load blocks no hit can use.
+out of the payload), and recurrent state: a second connector drives the state pool, whose
+"blocks" are snapshot slots keyed by the same chain hash (plus the group suffix) as the
+attention blocks of the prefix they summarise, so a prefix hit finds both in the tier.
+
+With a `TierLoads` (`kv_cache/tier_loads.py`, the engine's default) a key found only in the
+store is not read during the lookup: `hit` reserves a block for it and hands the read to the
+background loader, and the request waits for it while others keep stepping.
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ class KVTierConnector:
         self.num_loaded = 0  # blocks loaded in all (a lookup may load more than it hits)
         self.num_saved = 0  # blocks copied out to the store
         self.seconds = 0.0  # spent in the engine's thread: copies out and loads (benchmarks)
+        # Set by `attach_kv_tier`: overlapped loads (None: a lookup reads the store itself).
+        self.loads: Any = None
 
     # ---- copies -------------------------------------------------------------------------------
 
@@ -97,6 +103,8 @@ class KVTierConnector:
         pool = self.pool
         block_id = pool.lookup(key)
         if block_id is None:
+            if self.loads is not None:  # read in the background; the request waits for it
+                return self.loads.defer(self, key)
             if pool.num_free == 0 or not self.store.contains(key):
                 return None
             start = time.perf_counter()
@@ -116,6 +124,20 @@ class KVTierConnector:
             self._pinned[block_id] = None
         return block_id
 
+    def finish_load(self, block_id: int, key: bytes, payload: torch.Tensor | None) -> bool:
+        """A background read for `block_id` (reserved by `TierLoads.defer`) is back: write it
+        in and register the block under `key`; False (nothing written) for a bad payload."""
+        if payload is None or payload.numel() != self.block_bytes:
+            return False
+        start = time.perf_counter()
+        self.copy_in(block_id, payload)
+        self.seconds += time.perf_counter() - start
+        if not self.pool.register(block_id, key):
+            return False  # loaded meanwhile some other way: this copy stays uncached
+        self._loaded.add(block_id)
+        self.num_loaded += 1
+        return True
+
     def end_lookup(self, hits: Sequence[int]) -> int:
         """Drop the lookup's pins (last pinned first: a prefix's head is freed last, as
         `BlockManager.free` does); how many of `hits` came from the tier (counted once)."""
@@ -132,6 +154,8 @@ class KVTierConnector:
         self.store.clear()
 
     def close(self) -> None:
+        if self.loads is not None:
+            self.loads.close()
         self.store.close()
 
 

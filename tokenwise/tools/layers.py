@@ -52,6 +52,7 @@ LAYERS: tuple[Layer, ...] = (
             "tokenwise.kv_cache.tier",
             "tokenwise.kv_cache.tier_disk",
             "tokenwise.kv_cache.tier_blocks",
+            "tokenwise.kv_cache.tier_loads",
         ),
     ),
     # The C kernels of CPU decode, their ctypes wrappers and build: tensors and plain settings
@@ -124,6 +125,7 @@ LAYERS: tuple[Layer, ...] = (
             "tokenwise.engine.kv_tier_setup",
             "tokenwise.engine.request_queue",
             "tokenwise.engine.scheduler_hooks",
+            "tokenwise.engine.kv_tier_waits",
             "tokenwise.engine.scheduler",
             "tokenwise.engine.step_apply",
             "tokenwise.engine.stop_rules",
