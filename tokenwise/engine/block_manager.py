@@ -34,7 +34,12 @@ from tokenwise.kv_cache.managers import (
     StateStep,
     make_manager,
 )
-from tokenwise.kv_cache.specs import CrossAttentionSpec, KVCacheSpec, specs_for_groups
+from tokenwise.kv_cache.specs import (
+    CrossAttentionSpec,
+    KVCacheSpec,
+    check_pools,
+    specs_for_groups,
+)
 
 #: KV-cache groups: indices into the per-group tables (and the scheduler output's block ids).
 #: Group 0 is full attention whenever the model has any; an encoder-decoder model's groups are
@@ -67,24 +72,7 @@ class BlockManager:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if specs is None:
             specs = specs_for_groups(num_kv_cache_groups, block_size)
-        for spec in specs:
-            if spec.block_size != block_size:
-                raise ValueError(
-                    f"a {spec.describe()} group has block_size {spec.block_size}, the manager "
-                    f"{block_size}: every group's blocks come from one pool"
-                )
-        kv_groups = sum(1 for spec in specs if spec.pool == "kv")
-        if (num_blocks > 0) != (kv_groups > 0):
-            raise ValueError(
-                f"a block manager with {kv_groups} KV-cache groups needs "
-                f"{'no' if not kv_groups else 'some'} blocks, got {num_blocks}"
-            )
-        if (num_state_slots > 0) != (len(specs) > kv_groups):
-            raise ValueError(
-                f"a block manager with {len(specs) - kv_groups} recurrent-state groups needs "
-                f"{'no' if len(specs) == kv_groups else 'some'} state slots, got "
-                f"{num_state_slots}"
-            )
+        check_pools(specs, block_size, num_blocks, num_state_slots)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching

@@ -25,6 +25,7 @@ they hold no tensors and never change after start-up.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -139,5 +140,32 @@ __all__ = [
     "RecurrentStateSpec",
     "SlidingWindowSpec",
     "cdiv",
+    "check_pools",
     "specs_for_groups",
 ]
+
+
+def check_pools(
+    specs: Sequence[KVCacheSpec], block_size: int, num_blocks: int, num_state_slots: int
+) -> None:
+    """Raise ValueError unless the groups' `specs` fit one block manager's two pools: every
+    group's blocks are `block_size` tokens (one pool), KV groups need blocks and recurrent
+    groups state slots (and neither pool is given without its groups)."""
+    for spec in specs:
+        if spec.block_size != block_size:
+            raise ValueError(
+                f"a {spec.describe()} group has block_size {spec.block_size}, the manager "
+                f"{block_size}: every group's blocks come from one pool"
+            )
+    kv_groups = sum(1 for spec in specs if spec.pool == "kv")
+    if (num_blocks > 0) != (kv_groups > 0):
+        raise ValueError(
+            f"a block manager with {kv_groups} KV-cache groups needs "
+            f"{'no' if not kv_groups else 'some'} blocks, got {num_blocks}"
+        )
+    if (num_state_slots > 0) != (len(specs) > kv_groups):
+        raise ValueError(
+            f"a block manager with {len(specs) - kv_groups} recurrent-state groups needs "
+            f"{'no' if len(specs) == kv_groups else 'some'} state slots, got "
+            f"{num_state_slots}"
+        )
