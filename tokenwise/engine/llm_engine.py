@@ -21,6 +21,8 @@ from typing import Any
 from tokenwise.batchsize_stats import get_batchsize_forward_time_summary
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.kv_events import attach_kv_events
+from tokenwise.engine.async_scheduler import async_scheduler_cls
+from tokenwise.engine.async_step import AsyncStepLoop
 from tokenwise.engine.kinds.base import ModelKind, NewRequest
 from tokenwise.engine.kinds.select import model_kind_for
 from tokenwise.engine.kv_tier_setup import attach_kv_tier
@@ -111,8 +113,11 @@ class LLMEngine:
         num_blocks = self.model_executor.num_blocks
         max_loras = config.lora.max_loras if config.lora is not None else None
         managers = [self.kind.make_block_manager(num_blocks) for _ in range(pp)]
+        scheduler_cls = kind_cls.scheduler_cls
+        if config.scheduler.async_scheduling:  # one step ahead of the runner (`async_step.py`)
+            scheduler_cls = async_scheduler_cls(scheduler_cls)
         schedulers = [
-            kind_cls.scheduler_cls(config.scheduler, bm, config.model.max_model_len, max_loras)
+            scheduler_cls(config.scheduler, bm, config.model.max_model_len, max_loras)
             for bm in managers
         ]
         self.block_manager: Any = managers[0]
@@ -143,6 +148,7 @@ class LLMEngine:
             self.reset_prefix_cache,
         )
         self.kv_tier = attach_kv_tier(config, [bm.pool for bm in managers], self.runner)
+        self.async_loop = AsyncStepLoop(self) if config.scheduler.async_scheduling else None
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -216,6 +222,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the workers (the executor's); the engine cannot step afterwards."""
+        if self.async_loop is not None:
+            self.async_loop.shutdown()
         self.model_executor.shutdown()
         self.kv_events.shutdown()
         if self.kv_tier is not None:
@@ -258,6 +266,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         if self.pipeline is not None:  # P batches in flight, one per virtual engine
             return self.pipeline.step()
+        if self.async_loop is not None:  # step N+1 scheduled while step N runs
+            return self.async_loop.step()
         started = time.perf_counter()
         sched = self.scheduler.schedule()
         self.step_recorder.begin(sched, started, self._stats)  # before the pass moves tokens
