@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenwise.config import SchedulerConfig
 from tokenwise.engine.request import Request
 from tokenwise.engine.step_apply import apply_forward_pass
 from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
@@ -92,3 +93,8 @@ class AsyncSchedulerMixin:
 def async_scheduler_cls(base: type) -> type:
     """`base` (a kind's scheduler class) scheduling one step ahead."""
     return type(f"Async{base.__name__}", (AsyncSchedulerMixin, base), {})
+
+
+def scheduler_class(base: type, config: SchedulerConfig) -> type:
+    """The scheduler class the engine builds: `base`, one step ahead under async scheduling."""
+    return async_scheduler_cls(base) if config.async_scheduling else base

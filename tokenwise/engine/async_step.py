@@ -52,11 +52,13 @@ def check_async_engine(engine: Any) -> None:
 
 
 class AsyncStepLoop:
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, max_failed_steps: int) -> None:
         """`engine`: the `LLMEngine` whose scheduler, executor and outputs the steps use
-        (typed Any: the engine loop sits above this module)."""
+        (typed Any: it imports this module); `max_failed_steps`: its limit of failed passes
+        in a row, past which `step` raises (the engine is broken)."""
         check_async_engine(engine)
         self.engine = engine
+        self.max_failed_steps = max_failed_steps
         self._worker = concurrent.futures.ThreadPoolExecutor(1, "tokenwise-forward")
         # Submitted, not yet collected: (step, its forward pass, when it was scheduled).
         self._in_flight: deque[tuple[SchedulerOutput, concurrent.futures.Future, float]] = deque()
@@ -125,10 +127,8 @@ class AsyncStepLoop:
                 req.error = req.error or f"{type(exc).__name__}: {exc}"
                 engine.output_processor.touch(req, touched)
         # The engine's count of failures in a row (reset by a step that runs).
-        from tokenwise.engine.llm_engine import MAX_CONSECUTIVE_FAILED_STEPS  # the loop above
-
         engine._consecutive_failed_steps += 1
-        if engine._consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
+        if engine._consecutive_failed_steps >= self.max_failed_steps:
             raise RuntimeError(
                 f"{engine._consecutive_failed_steps} forward passes failed in a row; the "
                 f"engine is unusable (last error: {type(exc).__name__}: {exc})"
@@ -141,3 +141,10 @@ class AsyncStepLoop:
 
     def shutdown(self) -> None:
         self._worker.shutdown(wait=True, cancel_futures=True)
+
+
+def make_async_loop(engine: Any, max_failed_steps: int) -> AsyncStepLoop | None:
+    """The engine's async loop when `async_scheduling` is on, else None."""
+    if not engine.config.scheduler.async_scheduling:
+        return None
+    return AsyncStepLoop(engine, max_failed_steps)

@@ -21,8 +21,8 @@ from typing import Any
 from tokenwise.batchsize_stats import get_batchsize_forward_time_summary
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.kv_events import attach_kv_events
-from tokenwise.engine.async_scheduler import async_scheduler_cls
-from tokenwise.engine.async_step import AsyncStepLoop
+from tokenwise.engine.async_scheduler import scheduler_class
+from tokenwise.engine.async_step import make_async_loop
 from tokenwise.engine.kinds.base import ModelKind, NewRequest
 from tokenwise.engine.kinds.select import model_kind_for
 from tokenwise.engine.kv_tier_setup import attach_kv_tier
@@ -113,9 +113,7 @@ class LLMEngine:
         num_blocks = self.model_executor.num_blocks
         max_loras = config.lora.max_loras if config.lora is not None else None
         managers = [self.kind.make_block_manager(num_blocks) for _ in range(pp)]
-        scheduler_cls = kind_cls.scheduler_cls
-        if config.scheduler.async_scheduling:  # one step ahead of the runner (`async_step.py`)
-            scheduler_cls = async_scheduler_cls(scheduler_cls)
+        scheduler_cls = scheduler_class(kind_cls.scheduler_cls, config.scheduler)  # async?
         schedulers = [
             scheduler_cls(config.scheduler, bm, config.model.max_model_len, max_loras)
             for bm in managers
@@ -148,7 +146,7 @@ class LLMEngine:
             self.reset_prefix_cache,
         )
         self.kv_tier = attach_kv_tier(config, [bm.pool for bm in managers], self.runner)
-        self.async_loop = AsyncStepLoop(self) if config.scheduler.async_scheduling else None
+        self.async_loop = make_async_loop(self, MAX_CONSECUTIVE_FAILED_STEPS)  # None: off
 
     # ---- requests -----------------------------------------------------------------------------
 

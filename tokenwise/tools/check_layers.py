@@ -157,6 +157,7 @@ LAYERS: tuple[Layer, ...] = (
             "tokenwise.engine.scheduler_hooks",
             "tokenwise.engine.scheduler",
             "tokenwise.engine.step_apply",
+            "tokenwise.engine.async_scheduler",
             "tokenwise.engine.stop_rules",
             "tokenwise.engine.detokenizer",
             "tokenwise.engine.prompts",
@@ -210,6 +211,7 @@ LAYERS: tuple[Layer, ...] = (
         "engine loop",
         (
             "tokenwise.engine.sleep_control",
+            "tokenwise.engine.async_step",
             "tokenwise.engine.llm_engine",
             "tokenwise.engine.speculative_setup",
         ),
