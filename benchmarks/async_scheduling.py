@@ -10,6 +10,10 @@ benchmarks/configs (or the built-in model, `--config default`); the built-in mod
 tokenizer, so that every step detokenizes, as a server does. The modes take turns, `--repeats` times, and the best time of
 each is kept, so machine noise hits them alike. Prints out tok/s, the ratio to async off with
 all cores, whether the greedy tokens equal that mode's, and the CPU flags.
+
+Run it with `OMP_WAIT_POLICY=PASSIVE` on a machine other processes load: with the default
+policy the OpenMP threads of a synchronous engine spin between forward passes, and where
+the cores are oversubscribed that alone makes it several times slower (docs/scheduling.md).
 """
 
 from __future__ import annotations
@@ -128,7 +132,8 @@ def main() -> None:
                 rows.append(f"| {streams} | {mode.name} | {tok_s:.1f} | {ratio:.2f}x | {same} |")
     print(
         f"{args.config} {args.dtype}, {args.prompt_len} in / {args.max_tokens} out per stream, "
-        f"best of {args.repeats}, {cores} torch threads; CPU flags: {cpu_flag_summary()}"
+        f"best of {args.repeats}, {cores} torch threads, OMP_WAIT_POLICY="
+        f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}; CPU flags: {cpu_flag_summary()}"
     )
     print("| streams | async scheduling | out tok/s | vs off, all cores | greedy tokens |")
     print("|---|---|---|---|---|")

@@ -63,6 +63,7 @@ CASES = [
     (_features(ASYNC, **EMBED), "(--async-scheduling) applies to text-only decoder"),
     (_features({**ASYNC, "pipeline_parallel_size": 2}), "pipeline_parallel_size=2"),
     (_features({**ASYNC, "data_parallel_size": 2}), "got 2 and 1"),
+    (_features({**ASYNC, "enable_lora": True}), "does not run with enable_lora"),
     (_features({**ASYNC, "kv_offloading_size": 1.0}), "tier loads are not ordered"),
 ]
 

@@ -16,7 +16,9 @@ aborted) may already be in step N+1: that step's token for it is discarded (it k
 tokens, nothing is streamed) and its blocks were freed when it finished; the steps run in
 order on one worker, so a later step that reuses them writes after step N+1 did. A request is
 not scheduled over a placeholder that must end it (`max_tokens`, `max_model_len`): no wasted
-decode for a request that is done.
+decode for a request that is done. A request preempted with a token in flight keeps its
+placeholder and its blocks go at once; the token is appended when it arrives, and only then is
+the request admitted again, to recompute prompt and output together.
 
 What the scheduler cannot follow one step ahead is refused: recurrent state snapshots are
 committed per applied step (`async_step.check_async_engine`), and a guided-decoding grammar
@@ -28,13 +30,13 @@ from __future__ import annotations
 from typing import Any
 
 from tokenwise.config import SchedulerConfig
-from tokenwise.engine.request import Request
+from tokenwise.engine.request import Request, RequestStatus
 from tokenwise.engine.step_apply import apply_forward_pass
 from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 
 
 class AsyncSchedulerMixin:
-    """Mixed in before a kind's scheduler class (`async_scheduler_cls`); overrides the four
+    """Mixed in before a kind's scheduler class (`async_scheduler_cls`); overrides the
     places where a step's tokens meet the request's counts."""
 
     max_model_len: int
@@ -53,6 +55,10 @@ class AsyncSchedulerMixin:
         num_new = super().limit_chunk(request, num_computed, num_new)  # type: ignore[misc]
         pending = request.num_output_placeholders
         if pending and num_new > 0:
+            if request.status is not RequestStatus.RUNNING:
+                # Preempted with its token in flight: it is admitted again once the token is
+                # known (the runner's copy has it already; the recomputation must too).
+                return 0
             max_tokens = request.sampling_params.max_tokens
             if max_tokens is not None and request.num_output_tokens + pending >= max_tokens:
                 return 0  # the token in flight is its last
@@ -83,11 +89,6 @@ class AsyncSchedulerMixin:
         for status, reqs in finished.items():
             self.finish_requests(reqs, status)  # type: ignore[attr-defined]
         return sampled
-
-    def _preempt(self, req: Request) -> None:
-        super()._preempt(req)  # type: ignore[misc]
-        # Its in-flight token still arrives (and is kept); it is recomputed with the rest.
-        req.num_output_placeholders = 0
 
 
 def async_scheduler_cls(base: type) -> type:

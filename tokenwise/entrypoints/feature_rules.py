@@ -130,6 +130,15 @@ ASYNC_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         _ASYNC,
+        "LoRA (enable_lora)",
+        lambda f: _async(f) and f.args.enable_lora,
+        lambda f: (
+            f"{_ASYNC} does not run with enable_lora yet: adapters are loaded into their "
+            "slots between steps, and with async scheduling a step is always running"
+        ),
+    ),
+    Rule(
+        _ASYNC,
         "the KV tier (kv_offloading_size)",
         lambda f: _async(f) and f.args.kv_offloading_size is not None,
         lambda f: (
