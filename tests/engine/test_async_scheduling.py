@@ -97,6 +97,10 @@ def test_greedy_tokens_and_stops_match_sync(sync_llm: LLM, async_llm: LLM) -> No
     # Steps were scheduled ahead for requests that had finished: their tokens were dropped.
     assert any(kept == 0 for step in sampled for _, kept in step)
     assert all(r.num_output_placeholders == 0 for step in sampled for r, _ in step)
+    # A lone request ending on its stop token leaves a step scheduled behind it, collected
+    # before generate returns: an idle engine runs nothing.
+    assert run(async_llm, batch[1:2], params[1:2]) == want[1:2]
+    assert engine.async_loop.num_in_flight == 0
     assert_pool_clean(engine)
 
 
@@ -139,14 +143,27 @@ def test_abort_mid_flight(async_llm: LLM, path: str) -> None:
     assert_pool_clean(engine)
 
 
-def test_preemption_in_a_small_pool(sync_llm: LLM, path: str) -> None:
-    """8 blocks for 6 requests: preemptions while steps are in flight, the same tokens."""
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_preemption_in_a_small_pool(sync_llm: LLM, path: str, policy: str) -> None:
+    """8 blocks for 6 requests: preemptions while steps are in flight, the same tokens (under
+    "priority" a later, more urgent request also preempts running ones)."""
     llm = make_llm(
-        path, True, num_gpu_blocks=8, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64
+        path,
+        True,
+        num_gpu_blocks=8,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        max_model_len=64,
+        scheduling_policy=policy,
     )
     batch = prompts(4, 6)
     params = [greedy(6 + 2 * i, ignore_eos=True) for i in range(len(batch))]
-    assert run(llm, batch, params) == run(sync_llm, batch, params)
+    priority = [len(batch) - i for i in range(len(batch))] if policy == "priority" else None
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in batch], params, use_tqdm=False, priority=priority
+    )
+    got = [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outs]
+    assert got == run(sync_llm, batch, params)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     assert_pool_clean(llm.llm_engine)
 

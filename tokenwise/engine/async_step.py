@@ -84,9 +84,10 @@ class AsyncStepLoop:
             recorded = self._collect(touched)
         elif not submitted:
             engine.wait_for_grammars()
-        if not engine.groups:
+        outputs = engine.end_step(recorded, touched, sched.num_preempted)
+        if not engine.groups:  # every request reported finished: nothing may run behind
             self.drain()
-        return engine.end_step(recorded, touched, sched.num_preempted)
+        return outputs
 
     def _collect(self, touched: dict[str, list[Request]]) -> SchedulerOutput:
         """Wait for the oldest step in flight and apply its output; the step collected."""
