@@ -17,7 +17,7 @@ an idle engine has nothing running behind a caller's back (a weight update, slee
 The forward pass releases the interpreter lock inside its kernels, so the Python work of the
 engine's thread overlaps the pass. On CPU both compete for the cores: whether leaving one core
 to the engine's thread pays is measured in `benchmarks/async_scheduling.py`
-(docs/performance.md).
+(docs/scheduling.md: on 2 cores it does not pay).
 
 A failed pass fails the requests of the steps in flight (the one behind it was scheduled on
 its tokens), then the engine serves on, as a synchronous step does.
