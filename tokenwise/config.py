@@ -197,6 +197,8 @@ class SchedulerConfig:
     # A vision-language model's vision tower: image tokens it encodes per step at most (None:
     # `max_num_batched_tokens`, vLLM's default); see `engine/kinds/encoder_budget.py`.
     max_num_encoder_input_tokens: int | None = None
+    # Schedule step N+1 while step N runs (`engine/async_step.py`), vLLM's `async_scheduling`.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)

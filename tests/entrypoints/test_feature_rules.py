@@ -41,6 +41,7 @@ def _features(
 EMBED = {"pooling": True, "task": "embed"}
 NGRAM = SpeculativeConfig(num_speculative_tokens=2, method="ngram")
 MTP = SpeculativeConfig(num_speculative_tokens=1, method="mtp")
+ASYNC = {"async_scheduling": True}
 # One case per row, in table order: (facts that trigger it, words of its message).
 CASES = [
     (_features(quantization="int8", enforce_eager=False), "runs its CPU kernels eagerly"),
@@ -67,6 +68,12 @@ CASES = [
         "does not combine with speculative_config",
     ),
     (_features({"pipeline_parallel_size": 3, "enable_lora": True}), "with enable_lora yet"),
+    (_features(ASYNC, speculative=NGRAM), "does not run with speculative_config"),
+    (_features(ASYNC, **EMBED), "(--async-scheduling) applies to text-only decoder"),
+    (_features({**ASYNC, "pipeline_parallel_size": 2}), "pipeline_parallel_size=2"),
+    (_features({**ASYNC, "data_parallel_size": 2}), "got 2 and 1"),
+    (_features({**ASYNC, "enable_lora": True}), "does not run with enable_lora"),
+    (_features({**ASYNC, "kv_offloading_size": 1.0}), "tier loads are not ordered"),
 ]
 
 
@@ -86,6 +93,7 @@ def test_row_refuses_its_combination(index: int) -> None:
 
 def test_what_combines_passes() -> None:
     check_features(_features())
+    check_features(_features(ASYNC))
     check_features(_features({"tensor_parallel_size": 2}, speculative=NGRAM))
     check_features(_features({"cudagraph_mode": "NONE"}, **EMBED))
     check_features(_features(quantization="int8", device="cuda", enforce_eager=False))

@@ -21,6 +21,8 @@ from typing import Any
 from tokenwise.batchsize_stats import get_batchsize_forward_time_summary
 from tokenwise.config import EngineConfig
 from tokenwise.distributed.kv_events import attach_kv_events
+from tokenwise.engine.async_scheduler import scheduler_class
+from tokenwise.engine.async_step import make_async_loop
 from tokenwise.engine.kinds.base import ModelKind, NewRequest
 from tokenwise.engine.kinds.select import model_kind_for
 from tokenwise.engine.kv_tier_setup import attach_kv_tier
@@ -114,7 +116,8 @@ class LLMEngine:
         num_blocks = self.model_executor.num_blocks
         # One block manager and scheduler per virtual engine (one without PP).
         managers = [self.kind.make_block_manager(num_blocks) for _ in range(pp)]
-        schedulers = make_schedulers(kind_cls.scheduler_cls, config, managers)
+        scheduler_cls = scheduler_class(kind_cls.scheduler_cls, config.scheduler)  # async?
+        schedulers = make_schedulers(scheduler_cls, config, managers)
         self.block_manager: Any = managers[0] if pp == 1 else VirtualEngineBlockManagers(managers)
         self.scheduler: Any = schedulers[0] if pp == 1 else VirtualEngineSchedulers(schedulers)
         self.pipeline: PipelineLoop | None = None
@@ -141,6 +144,7 @@ class LLMEngine:
             self.reset_prefix_cache,
         )
         self.kv_tier = attach_kv_tier(config, managers, self.runner)
+        self.async_loop = make_async_loop(self, MAX_CONSECUTIVE_FAILED_STEPS)  # None: off
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -214,6 +218,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the workers (the executor's); the engine cannot step afterwards."""
+        if self.async_loop is not None:
+            self.async_loop.shutdown()
         self.model_executor.shutdown()
         self.kv_events.shutdown()
         if self.kv_tier is not None:
@@ -256,6 +262,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         if self.pipeline is not None:  # P batches in flight, one per virtual engine
             return self.pipeline.step()
+        if self.async_loop is not None:  # step N+1 scheduled while step N runs
+            return self.async_loop.step()
         started = time.perf_counter()
         sched = self.scheduler.schedule()
         self.step_recorder.begin(sched, started, self._stats)  # before the pass moves tokens

@@ -114,6 +114,9 @@ class OutputProcessor:
         lp_ranks = lp.ranks.tolist() if lp is not None else None
         row = 0
         for (req, kept), tokens in zip(sampled, result.sampled_token_ids, strict=True):
+            if not kept:  # async scheduling: a step sampled for a request already finished
+                row += len(tokens)
+                continue
             touched[req.group_id] = self.groups[req.group_id]
             out = self._outputs[req.request_id]
             if out.first_token_time is None:
@@ -142,7 +145,8 @@ class OutputProcessor:
         ids, values, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
         row = 0
         for req, first, count in scored.requests:
-            entries = self._outputs[req.request_id].prompt_logprobs
+            out = self._outputs.get(req.request_id)  # None: it finished while the step ran
+            entries = out.prompt_logprobs if out is not None else None
             num = req.sampling_params.prompt_logprobs or 0
             for k in range(count):
                 if entries is not None and first + k == len(entries):

@@ -88,6 +88,9 @@ class Request:
     # Speculative decoding: draft tokens proposed for the request's next step (the engine's
     # proposer writes them after a step; the scheduler takes them into the next one).
     spec_token_ids: list[int] = field(default_factory=list)
+    # Async scheduling: tokens scheduled to be sampled by steps still in flight, whose ids
+    # only the runner knows yet (`engine/async_scheduler.py`; always 0 otherwise).
+    num_output_placeholders: int = 0
     # Guided decoding: the matcher the scheduler advances (None for unguided requests).
     grammar: GrammarState | None = None
     # Why the request ended with FINISHED_ERROR (its grammar, or a failed forward pass).

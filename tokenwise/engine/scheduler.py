@@ -111,7 +111,8 @@ class Scheduler(KindHooks, KVTierWaits):
         idx = 0
         while idx < len(self.running) and budget > 0:
             req = self.running[idx]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            known = req.num_tokens + req.num_output_placeholders  # in flight (async) too
+            num_new = min(known - req.num_computed_tokens, budget)
             num_new = self.limit_chunk(req, req.num_computed_tokens, num_new)
             num_new = self._align_chunk(req, req.num_computed_tokens, num_new)
             if num_new <= 0:

@@ -45,6 +45,7 @@ def apply_forward_pass(
     runner_output: ModelRunnerOutput,
     on_token: OnToken | None,
     max_model_len: int,
+    scheduled_ahead: bool = False,
 ) -> tuple[list[tuple[Request, int]], dict[RequestStatus, list[Request]]]:
     """Computed tokens, sampled tokens and stops of one pass, applied to its requests.
 
@@ -53,15 +54,26 @@ def apply_forward_pass(
     a request at the token that completed it, so drafts accepted after that token are dropped;
     rejected drafts roll back here (the request's computed tokens count only its accepted
     drafts, so the next step overwrites the K/V the rejected ones left in the cache).
+
+    `scheduled_ahead` (async scheduling, `async_scheduler.py`): computed tokens were counted
+    when the step was scheduled, each emitted token fills one of the request's placeholders,
+    and a request that finished while the step ran keeps nothing (kept 0: its token is
+    discarded; a preempted one keeps its token, which it recomputes with the rest).
     """
-    for item in scheduler_output.scheduled:
-        item.request.num_computed_tokens += item.num_new_tokens
+    if not scheduled_ahead:
+        for item in scheduler_output.scheduled:
+            item.request.num_computed_tokens += item.num_new_tokens
     sampled: list[tuple[Request, int]] = []
     finished: dict[RequestStatus, list[Request]] = {}
     for item, tokens in zip(
         runner_output.sampled_requests, runner_output.sampled_token_ids, strict=True
     ):
         req = item.request
+        if scheduled_ahead:
+            req.num_output_placeholders = max(0, req.num_output_placeholders - len(tokens))
+            if req.is_finished:
+                sampled.append((req, 0))
+                continue
         if item.spec_token_ids:  # the drafts after the first rejected one were not kept
             req.num_computed_tokens -= len(item.spec_token_ids) - (len(tokens) - 1)
         kept = 0

@@ -217,6 +217,11 @@ class EngineArgs(ParallelArgs):
         "cache or --max-num-seqs is full (default: fcfs)",
         choices=["fcfs", "priority"],
     )
+    async_scheduling: bool = setting(
+        False,
+        "schedule step N+1 while step N runs, with a placeholder for each token in flight, "
+        "and process step N's outputs meanwhile (text decoders on one rank; default: off)",
+    )
     seed: int = setting(0, "random seed of the engine and of dummy weights (default: 0)", type=int)
     device: str | None = setting(
         None,

@@ -227,6 +227,7 @@ def resolve_engine_config(args: Any) -> EngineConfig:
             enable_chunked_prefill=args.enable_chunked_prefill,
             policy=args.scheduling_policy,
             max_num_encoder_input_tokens=args.max_num_encoder_input_tokens,
+            async_scheduling=args.async_scheduling,
         ),
         compilation=CompilationConfig(
             use_compile=not enforce_eager,

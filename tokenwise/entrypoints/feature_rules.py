@@ -18,7 +18,10 @@ facts are known, and are listed here so a reader finds them:
 - `engine_config.resolve_cudagraph_mode`: a graph mode against device, eagerness and MoE
   host reads, which are derived there;
 - the draft model's vocabulary and an EAGLE head's hidden size, read when they load;
-- `distributed.ubatching`: micro-batch splits of one step's tokens (per step, not config).
+- `distributed.ubatching`: micro-batch splits of one step's tokens (per step, not config);
+- `engine.async_step.check_async_engine`: async scheduling against a model with recurrent
+  state (known once the KV-cache groups are built); `engine.async_scheduler` refuses a
+  guided-decoding request (per request, not config) under async scheduling.
 """
 
 from __future__ import annotations
@@ -76,6 +79,72 @@ def _fp8_cache(f: Features) -> bool:
 
 def _not_text_decoder(f: Features) -> bool:
     return f.pooling or f.encoder_decoder or f.multimodal
+
+
+def _async(f: Features) -> bool:
+    return bool(f.args.async_scheduling)
+
+
+# Async scheduling (`engine/async_step.py`) is built for one text decoder on one rank: the
+# scheduler runs one step ahead of the runner, which these features cannot follow yet.
+_ASYNC = "async_scheduling=True (--async-scheduling)"
+ASYNC_RULES: tuple[Rule, ...] = (
+    Rule(
+        _ASYNC,
+        "speculative decoding",
+        lambda f: _async(f) and f.speculative is not None,
+        lambda f: (
+            f"{_ASYNC} does not run with speculative_config yet: the drafts of step N+1 "
+            "would be proposed before step N's tokens are known; drop one of the two"
+        ),
+    ),
+    Rule(
+        _ASYNC,
+        "pooling, encoder-decoder and vision-language models",
+        lambda f: _async(f) and _not_text_decoder(f),
+        lambda f: (
+            f"{_ASYNC} applies to text-only decoder generation models, not to "
+            f"{', '.join(f.model.architectures)}"
+        ),
+    ),
+    Rule(
+        _ASYNC,
+        "pipeline parallelism",
+        lambda f: _async(f) and f.args.pipeline_parallel_size > 1,
+        lambda f: (
+            f"{_ASYNC} does not combine with pipeline_parallel_size="
+            f"{f.args.pipeline_parallel_size}: the pipeline already keeps one batch per "
+            "stage in flight"
+        ),
+    ),
+    Rule(
+        _ASYNC,
+        "data / tensor parallelism",
+        lambda f: _async(f) and f.multi_rank,
+        lambda f: (
+            f"{_ASYNC} runs on one rank for now: data_parallel_size and "
+            f"tensor_parallel_size must be 1, got {f.ranks()}"
+        ),
+    ),
+    Rule(
+        _ASYNC,
+        "LoRA (enable_lora)",
+        lambda f: _async(f) and f.args.enable_lora,
+        lambda f: (
+            f"{_ASYNC} does not run with enable_lora yet: adapters are loaded into their "
+            "slots between steps, and with async scheduling a step is always running"
+        ),
+    ),
+    Rule(
+        _ASYNC,
+        "the KV tier (kv_offloading_size)",
+        lambda f: _async(f) and f.args.kv_offloading_size is not None,
+        lambda f: (
+            f"{_ASYNC} does not run with kv_offloading_size yet: tier loads are not "
+            "ordered with a step in flight"
+        ),
+    ),
+)
 
 
 RULES: tuple[Rule, ...] = (
@@ -209,7 +278,7 @@ RULES: tuple[Rule, ...] = (
             ("LoRA adapters", "enable_lora", lambda f: bool(f.args.enable_lora)),
         )
     ),
-)
+) + ASYNC_RULES
 
 
 def check_features(features: Features) -> None:

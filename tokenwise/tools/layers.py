@@ -128,6 +128,7 @@ LAYERS: tuple[Layer, ...] = (
             "tokenwise.engine.kv_tier_waits",
             "tokenwise.engine.scheduler",
             "tokenwise.engine.step_apply",
+            "tokenwise.engine.async_scheduler",
             "tokenwise.engine.stop_rules",
             "tokenwise.engine.detokenizer",
             "tokenwise.engine.prompts",
@@ -181,6 +182,7 @@ LAYERS: tuple[Layer, ...] = (
         "engine loop",
         (
             "tokenwise.engine.sleep_control",
+            "tokenwise.engine.async_step",
             "tokenwise.engine.llm_engine",
             "tokenwise.engine.speculative_setup",
         ),
