@@ -47,6 +47,7 @@ from tokenwise.engine.step_records import StepRecorder, StepRecords
 from tokenwise.engine.virtual_engines import (
     VirtualEngineBlockManagers,
     VirtualEngineSchedulers,
+    check_kv_capacity,
     make_schedulers,
 )
 from tokenwise.executor.executor import Executor
@@ -111,7 +112,11 @@ class LLMEngine:
         # The executor owns the workers (this process's and any it spawns) and runs the
         # start-up sequence on them; `num_blocks` is per virtual engine.
         self.model_executor = Executor.create(
-            config, device, kind_cls.runner_part, on_runner, self._check_kv_capacity
+            config,
+            device,
+            kind_cls.runner_part,
+            on_runner,
+            lambda n: check_kv_capacity(self.kind, n, pp),
         )
         num_blocks = self.model_executor.num_blocks
         # One block manager and scheduler per virtual engine (one without PP).
@@ -203,18 +208,6 @@ class LLMEngine:
                 self.step_recorder.num_aborted += 1
 
     abort = abort_request
-
-    def _check_kv_capacity(self, num_blocks: int) -> None:
-        pp = self.config.parallel.pipeline_parallel_size
-        try:
-            self.kind.check_kv_capacity(num_blocks)
-        except ValueError as exc:
-            if pp == 1:
-                raise
-            raise ValueError(
-                f"{exc}; that is per virtual engine: pipeline_parallel_size={pp} splits the "
-                f"KV cache {pp} ways, so num_gpu_blocks must be {pp} times as large"
-            ) from None
 
     def shutdown(self) -> None:
         """Stop the workers (the executor's); the engine cannot step afterwards."""

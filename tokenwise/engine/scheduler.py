@@ -42,6 +42,7 @@ from concurrent.futures import Future
 
 from tokenwise.config import SchedulerConfig
 from tokenwise.engine.block_manager import CROSS_ATTN, BlockManager, KVCacheBlocks
+from tokenwise.engine.grammar_waits import GrammarWaits
 from tokenwise.engine.kv_tier_waits import KVTierWaits
 from tokenwise.engine.request import Request, RequestStatus
 from tokenwise.engine.request_queue import create_request_queue
@@ -52,7 +53,7 @@ from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, S
 __all__ = ["Scheduler", "ScheduledRequest", "SchedulerOutput"]
 
 
-class Scheduler(KindHooks, KVTierWaits):
+class Scheduler(KindHooks, KVTierWaits, GrammarWaits):
     """The decoder-only scheduler; a model kind changes it through `KindHooks`."""
 
     def __init__(
@@ -148,7 +149,7 @@ class Scheduler(KindHooks, KVTierWaits):
         adapters: set[int] = set()
         if self.max_loras is not None:  # LoRA on: the adapters the running requests hold
             adapters = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
-        self._poll_grammars()
+        self.poll_grammars()
         not_ready: list[Request] = []  # guided requests still compiling keep their place
         preempted_running = out.num_preempted > 0
         while self.waiting and budget > 0 and not preempted_running:
@@ -323,27 +324,10 @@ class Scheduler(KindHooks, KVTierWaits):
         aligned = (num_computed + num_new) // bm.block_size * bm.block_size - num_computed
         return aligned if aligned > 0 else num_new
 
-    def _poll_grammars(self) -> None:
-        """Make matchers for compiled grammars; end requests whose compile failed or is late."""
-        failed = [
-            r
-            for r in self.waiting
-            if r.grammar is not None and not r.grammar.poll() and r.grammar.error is not None
-        ]
-        for req in failed:
-            assert req.grammar is not None
-            req.error = req.grammar.error
-        if failed:
-            self.finish_requests(failed, RequestStatus.FINISHED_ERROR)
-
     def waiting_grammars(self) -> list[Future]:
-        """The compiles that waiting requests wait for (the engine sleeps on them when idle)."""
-        compiling = [
-            r.grammar.compiled
-            for r in self.waiting
-            if r.grammar is not None and not r.grammar.ready
-        ]
-        return compiling + self.tier_load_futures()
+        """What waiting requests wait for: grammar compiles and tier loads (the engine sleeps
+        on them when idle)."""
+        return self.grammar_futures() + self.tier_load_futures()
 
     def _unplaceable_reason(self, req: Request) -> str:
         bm = self.block_manager

@@ -26,6 +26,20 @@ from tokenwise.engine.step_apply import OnToken
 from tokenwise.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 
 
+def check_kv_capacity(kind: Any, num_blocks: int, pp: int) -> None:
+    """The model kind's check that `num_blocks` (per virtual engine) can hold a request,
+    its error saying that the pool is split `pp` ways under pipeline parallelism."""
+    try:
+        kind.check_kv_capacity(num_blocks)
+    except ValueError as exc:
+        if pp == 1:
+            raise
+        raise ValueError(
+            f"{exc}; that is per virtual engine: pipeline_parallel_size={pp} splits the "
+            f"KV cache {pp} ways, so num_gpu_blocks must be {pp} times as large"
+        ) from None
+
+
 def make_schedulers(
     scheduler_cls: type[Scheduler], config: Any, managers: list[BlockManager]
 ) -> list[Scheduler]:

@@ -126,6 +126,7 @@ LAYERS: tuple[Layer, ...] = (
             "tokenwise.engine.request_queue",
             "tokenwise.engine.scheduler_hooks",
             "tokenwise.engine.kv_tier_waits",
+            "tokenwise.engine.grammar_waits",
             "tokenwise.engine.scheduler",
             "tokenwise.engine.step_apply",
             "tokenwise.engine.async_scheduler",
