@@ -242,7 +242,7 @@ def test_both_checkpoint_layouts_load(qwen_dir: str, tmp_path: Any) -> None:
 def test_chat_image_parts_render_and_answer(qwen_dir: str) -> None:
     """A chat message's image parts go through the chat template to Qwen's placeholders, and
     the prompt with its images answers as HF does (what the server's chat route runs)."""
-    from tokenwise.entrypoints.openai.api_server import image_settings
+    from tokenwise.entrypoints.openai.chat_images import image_settings
     from tokenwise.entrypoints.openai.chat_rendering import render_chat
     from tokenwise.entrypoints.openai.protocol import ChatCompletionRequest
 

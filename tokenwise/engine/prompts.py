@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from tokenwise.model_config import ModelConfig
@@ -191,3 +192,12 @@ def _truncate(
     if text is not None:
         text = tokenizer.decode(token_ids) if tokenizer is not None else None
     return text, token_ids
+
+
+def as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    """A single prompt (a string, a dict or one token-id list) becomes a list of one."""
+    if isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]

@@ -13,7 +13,12 @@ from tqdm.auto import tqdm
 
 from tokenwise.config import EngineConfig
 from tokenwise.engine.client import create_engine
-from tokenwise.engine.prompts import PromptInput, resolve_eos_token_ids, validate_request
+from tokenwise.engine.prompts import (
+    PromptInput,
+    as_prompt_list,
+    resolve_eos_token_ids,
+    validate_request,
+)
 from tokenwise.entrypoints.beam_search import (
     BeamSearch,
     BeamSearchOutput,
@@ -185,7 +190,7 @@ class LLM:
                 f"task={self.engine_config.model.task!r} and cannot generate text; call "
                 f"LLM.{_POOLING_CALLS[self.engine_config.model.task]}"
             )
-        prompts = _as_prompt_list(prompts)
+        prompts = as_prompt_list(prompts)
         if sampling_params is None:
             params_list = [SamplingParams()] * len(prompts)
         elif isinstance(sampling_params, SamplingParams):
@@ -232,7 +237,7 @@ class LLM:
         tokenizer = self.get_tokenizer()
         eos = resolve_eos_token_ids(model, tokenizer)
         searches = []
-        for prompt in _as_prompt_list(prompts):
+        for prompt in as_prompt_list(prompts):
             if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
                 # Each beam step sends token ids, which would leave the images behind.
                 raise ValueError("beam search takes text prompts only, not multi_modal_data")
@@ -272,7 +277,7 @@ class LLM:
                 f"task={self.engine_config.model.task!r}; LLM.embed needs an embedding model: "
                 "load an encoder-only checkpoint (BERT, XLM-RoBERTa) with task='embed'"
             )
-        prompts = _as_prompt_list(prompts)
+        prompts = as_prompt_list(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             params_list = [pooling_params or PoolingParams()] * len(prompts)
         else:
@@ -320,7 +325,7 @@ class LLM:
         labels: softmax, or a sigmoid for a single-label or multi-label head), as vLLM's
         `LLM.classify`. Needs a sequence classifier loaded with task="classify"."""
         check_task(self.engine_config.model, ("classify",), "LLM.classify")
-        prompts = _as_prompt_list(prompts)
+        prompts = as_prompt_list(prompts)
         outs = self._run(self._add_all(prompts, [PoolingParams()] * len(prompts)), use_tqdm)
         return [to_classification(o) for o in outs]
 
@@ -391,12 +396,3 @@ _POOLING_CALLS = {
     "score": "score(text_1, text_2)",
     "classify": "classify(prompts)",
 }
-
-
-def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
-    """A single prompt (a string, a dict or one token-id list) becomes a list of one."""
-    if isinstance(prompts, (str, dict)) or (
-        isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
-    ):
-        return [prompts]  # type: ignore[list-item]
-    return list(prompts)  # type: ignore[arg-type]

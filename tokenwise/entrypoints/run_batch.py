@@ -199,8 +199,9 @@ def run_batch_command(args: argparse.Namespace) -> int:
 
     from tokenwise.engine.client import create_engine
     from tokenwise.entrypoints.engine_args import EngineArgs
-    from tokenwise.entrypoints.openai.api_server import build_app, image_settings
+    from tokenwise.entrypoints.openai.api_server import build_app
     from tokenwise.entrypoints.openai.async_engine import AsyncEngine
+    from tokenwise.entrypoints.openai.chat_images import image_settings
     from tokenwise.entrypoints.openai.metrics import ServerMetrics
     from tokenwise.entrypoints.openai.server_config import ServerConfig, with_family_parsers
 

@@ -32,6 +32,7 @@ from tokenwise.entrypoints.openai.access_log import AccessLogMiddleware, request
 from tokenwise.entrypoints.openai.async_core_engine import AsyncCoreEngine
 from tokenwise.entrypoints.openai.async_engine import AsyncEngine
 from tokenwise.entrypoints.openai.body_limit import BodySizeLimitMiddleware
+from tokenwise.entrypoints.openai.chat_images import image_settings
 from tokenwise.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from tokenwise.entrypoints.openai.image_fetch import fetch_limits
 from tokenwise.entrypoints.openai.metrics import ServerMetrics
@@ -65,7 +66,7 @@ from tokenwise.entrypoints.openai.serving_scoring import ScoringServing
 from tokenwise.entrypoints.openai.serving_tokenization import TokenizationServing
 from tokenwise.entrypoints.openai.serving_transcriptions import TranscriptionServing
 from tokenwise.entrypoints.openai.serving_ui import add_ui_routes
-from tokenwise.models.registry import is_multimodal_architecture, is_speech_architecture
+from tokenwise.models.registry import is_speech_architecture
 
 logger = logging.getLogger("tokenwise.server")
 
@@ -263,18 +264,6 @@ def build_app(
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-def image_settings(engine: Any) -> tuple[str | None, int | None]:
-    """A vision-language engine's image placeholder and per-prompt image limit; (None, None)
-    for a model that reads no images. The processor is the engine's own (in this process) or
-    the core client's (which processes prompts before sending them to the core)."""
-    model_config = engine.model_config
-    if not is_multimodal_architecture(model_config.architectures, model_config.limit_mm_per_prompt):
-        return None, None
-    limit = (model_config.limit_mm_per_prompt or {}).get("image")
-    prompts = getattr(engine, "image_prompts", None) or engine.kind.processor
-    return prompts.image_token, limit
 
 
 def build_server(

@@ -26,6 +26,7 @@ from urllib.parse import unquote, urlparse
 from tokenwise.entrypoints.openai.errors import OpenAIError
 from tokenwise.entrypoints.openai.image_fetch import fetch_images, is_remote
 from tokenwise.entrypoints.openai.protocol import ImagePart
+from tokenwise.models.registry import is_multimodal_architecture
 
 PARAM = "messages"
 # The bytes of the current request's http(s) image URLs, fetched before it is prepared.
@@ -164,3 +165,15 @@ def decode_image(data: bytes, index: int) -> Any:
             param=PARAM,
             code="invalid_image",
         ) from exc
+
+
+def image_settings(engine: Any) -> tuple[str | None, int | None]:
+    """A vision-language engine's image placeholder and per-prompt image limit; (None, None)
+    for a model that reads no images. The processor is the engine's own (in this process) or
+    the core client's (which processes prompts before sending them to the core)."""
+    model_config = engine.model_config
+    if not is_multimodal_architecture(model_config.architectures, model_config.limit_mm_per_prompt):
+        return None, None
+    limit = (model_config.limit_mm_per_prompt or {}).get("image")
+    prompts = getattr(engine, "image_prompts", None) or engine.kind.processor
+    return prompts.image_token, limit
