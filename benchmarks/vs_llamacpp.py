@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import glob
 import json
 import os
 import shutil
@@ -49,9 +48,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tokenwise.tools.llamacpp_source import LLAMA_CPP_PYTHON, SourceUnavailable
+from tokenwise.tools.llamacpp_source import llama_cpp_source as fetch_llama_cpp_source
+
 REPO = Path(__file__).resolve().parent.parent
 SHAPES = ("llama-100m", "qwen3-0.6b")
-LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 TOKENIZER_DIR = REPO / "tokenwise" / "models_data" / "default"  # byte-level BPE, vocab 4096
 VOCAB_SIZE = 4096
 BOS_ID, EOS_ID = 1, 0
@@ -227,20 +228,12 @@ def _nice() -> list[str]:
 
 
 def llama_cpp_source(cache: Path) -> Path:
-    """The vendored llama.cpp of the llama-cpp-python sdist, downloaded once."""
-    found = sorted(glob.glob(str(cache / "llama_cpp_python-*" / "vendor" / "llama.cpp")))
-    if found:
-        return Path(found[-1])
-    cache.mkdir(parents=True, exist_ok=True)
-    tarballs = sorted(glob.glob(str(cache / "llama_cpp_python-*.tar.gz")))
-    if not tarballs:
-        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
-        _run([*pip, LLAMA_CPP_PYTHON, "-d", str(cache)], 900, "pip download of llama-cpp-python")
-        tarballs = sorted(glob.glob(str(cache / "llama_cpp_python-*.tar.gz")))
-    if not tarballs:
-        raise SystemExit(f"vs_llamacpp: no llama_cpp_python-*.tar.gz in {cache} after download")
-    _run(["tar", "xzf", tarballs[-1], "-C", str(cache)], 600, "unpacking llama-cpp-python")
-    return llama_cpp_source(cache)
+    """The vendored llama.cpp of the llama-cpp-python sdist, downloaded once
+    (`tokenwise.tools.llamacpp_source`, which `make test` runs for the GGUF tests too)."""
+    try:
+        return fetch_llama_cpp_source(cache)
+    except SourceUnavailable as exc:
+        raise SystemExit(f"vs_llamacpp: {exc}") from None
 
 
 # /proc/cpuinfo flag -> ggml's cmake option. AMX stays off: on the development VMs the AMX tile
