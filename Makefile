@@ -42,9 +42,9 @@ browser: $(STAMP)
 	fi
 
 # llama.cpp's converter (convert_hf_to_gguf.py, from the llama-cpp-python sdist) for the GGUF
-# tests that check our writer against it: fetched once into ~/.cache/tokenwise/llamacpp (about
-# 12-26 s measured on a shared VM: a 77 MB download and its unpacking), nothing once there. Without network the
-# tests skip; under CI (CI=true) this step fails instead.
+# tests that check our writer against it: fetched once into ~/.cache/tokenwise/llamacpp (12-26 s
+# measured on a shared VM: a 77 MB download and its unpacking), nothing once there. Without
+# network the tests skip; under CI (CI=true) this step fails instead.
 llamacpp-converter: $(STAMP)
 	@$(PY) -m tokenwise.tools.llamacpp_source $(if $(filter true,$(CI)),--required)
 
