@@ -20,10 +20,8 @@ Prints the CPU flags. Not a timed test: numbers depend on the machine and its lo
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,6 +35,7 @@ from tokenwise.models.gated_delta_rule import delta_rule_step, l2_normalize  # n
 from tokenwise.native import gdn_decode  # noqa: E402
 
 HYBRID = Path(__file__).parent / "configs" / "qwen3.5-0.8b"
+DENSE = Path(__file__).parent / "configs" / "qwen3-0.8b-dense"  # vs_llamacpp.py's twin too
 
 
 def _best(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
@@ -96,36 +95,6 @@ def kernel_bandwidth(repeats: int) -> None:
         f"machine: torch copy of 256 MiB, {2 * big.numel() * 4 / t_copy / 1e9:.1f} GB/s "
         f"(read + written), {torch.get_num_threads()} threads"
     )
-
-
-def dense_twin(out: Path) -> Path:
-    hybrid = json.loads((HYBRID / "config.json").read_text())
-    config = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "head_dim": 128,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 8,
-        "rope_theta": 1000000,
-        "max_position_embeddings": 32768,
-        **{
-            key: hybrid[key]
-            for key in (
-                "hidden_size",
-                "intermediate_size",
-                "num_hidden_layers",
-                "hidden_act",
-                "rms_norm_eps",
-                "tie_word_embeddings",
-                "vocab_size",
-                "bos_token_id",
-                "eos_token_id",
-            )
-        },
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config))
-    return out
 
 
 def make_engine(path: Path, longest: int, tokens: int) -> LLM:
@@ -188,9 +157,7 @@ def main() -> None:
     kernel_bandwidth(args.repeats)
     if args.skip_models:
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        paths = {"hybrid": HYBRID, "dense": dense_twin(Path(tmp) / "dense")}
-        compare(paths, args.prompt, args.tokens, args.repeats)
+    compare({"hybrid": HYBRID, "dense": DENSE}, args.prompt, args.tokens, args.repeats)
 
 
 if __name__ == "__main__":
