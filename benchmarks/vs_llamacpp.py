@@ -401,7 +401,9 @@ def build_checkpoints(shape: str, dtype: str, cache: Path, seed: int) -> tuple[P
     hf_dir = build_hf_checkpoint(shape, dtype, cache, seed)
     gguf = hf_dir.parent / f"model-{dtype}.gguf"
     if not gguf.exists():
-        if importlib_missing("sentencepiece"):
+        # Its Llama vocabulary path tries sentencepiece first; the Qwen ones do not use it.
+        llama = shape_config(shape).get("model_type") == "llama"
+        if llama and importlib_missing("sentencepiece"):
             raise SystemExit(
                 "vs_llamacpp: convert_hf_to_gguf.py needs sentencepiece: "
                 f"{sys.executable} -m pip install sentencepiece"

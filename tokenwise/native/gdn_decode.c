@@ -12,6 +12,11 @@
  * state starts `state_offset` floats into its row (the conv state comes first), heads one after
  * the other. q and k have `nk` heads (value head h reads key head h / (nv / nk)), already
  * L2-normalised and q scaled; q, k, v, g, beta, out are contiguous float32.
+ *
+ * `gdn_decode_bf16` is the same step over a bf16 cache (a model run in bf16 keeps its states
+ * in bf16, as vLLM's mamba_ssm_cache_dtype "auto" does): each head is widened into a float32
+ * scratch (exact), updated there and rounded back to nearest even, so the result is what the
+ * float32 step followed by torch's `.to(torch.bfloat16)` gives, while half the bytes move.
  */
 #include "common.h"
 
@@ -63,6 +68,9 @@ static void head_update(float *S, const float *q, const float *k, const float *v
     }
 }
 
+/* The largest head the bf16 form widens on the stack (256 KiB of float32 scratch). */
+#define GDN_MAX_HEAD 65536
+
 /* Returns 0, or -1 for sizes it refuses (nv not a multiple of nk, an empty head). */
 int gdn_decode(float *states, int64_t row_stride, int64_t state_offset, const int64_t *slots,
                int64_t n, const float *q, const float *k, const float *v, const float *g,
@@ -77,6 +85,27 @@ int gdn_decode(float *states, int64_t row_stride, int64_t state_offset, const in
         const int64_t kh = i * nk + h / ratio;
         head_update(S, q + kh * dk, k + kh * dk, v + p * dv, g[p], beta[p], out + p * dv, dk,
                     dv);
+    }
+    return 0;
+}
+
+int gdn_decode_bf16(uint16_t *states, int64_t row_stride, int64_t state_offset,
+                    const int64_t *slots, int64_t n, const float *q, const float *k, const float *v,
+                    const float *g, const float *beta, float *out, int64_t nk, int64_t nv,
+                    int64_t dk, int64_t dv) {
+    if (nk < 1 || nv < nk || nv % nk || dk < 1 || dv < 1 || dv > 4096) return -1;
+    if (dk * dv > GDN_MAX_HEAD) return -1;
+    const int64_t ratio = nv / nk, heads = n * nv, numel = dk * dv;
+#pragma omp parallel for schedule(static) if (heads * numel >= 65536)
+    for (int64_t p = 0; p < heads; p++) {
+        const int64_t i = p / nv, h = p % nv;
+        uint16_t *S16 = states + slots[i] * row_stride + state_offset + h * numel;
+        float S[numel];
+        for (int64_t e = 0; e < numel; e++) S[e] = bf16_to_f32(S16[e]);
+        const int64_t kh = i * nk + h / ratio;
+        head_update(S, q + kh * dk, k + kh * dk, v + p * dv, g[p], beta[p], out + p * dv, dk,
+                    dv);
+        for (int64_t e = 0; e < numel; e++) S16[e] = f32_to_bf16(S[e]);
     }
     return 0;
 }

@@ -7,9 +7,11 @@ states of the batch's slots, runs about eight ops each writing a state-sized tem
 scatters them back; the kernel updates each slot's state in place in two passes over it.
 
 `gated_delta_decode` returns None where the kernel does not apply (the layer then runs the
-torch form): a device other than CPU, a dtype other than float32, no usable compiler, or
-`TOKENWISE_CPU_KERNELS=0`. There is no GPU kernel: on CUDA the torch form runs (batched over
-the decode requests), which is correct but not fast.
+torch form): a device other than CPU, a state dtype other than float32 or bfloat16 (a bf16
+model keeps bf16 states: the kernel widens each head to float32 and rounds it back, half the
+bytes of the float32 form to move), no usable compiler, or `TOKENWISE_CPU_KERNELS=0`. There
+is no GPU kernel: on CUDA the torch form runs (batched over the decode requests), which is
+correct but not fast.
 
 Threads: built with `-fopenmp` where torch's runtime is libgomp (the threads torch's matmuls
 just used, as `paged_decode`), splitting the (slot, head) pairs once there is enough state.
@@ -51,6 +53,8 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.gdn_decode.restype = ctypes.c_int
     lib.gdn_decode.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR]
     lib.gdn_decode.argtypes += [_PTR, _I64, _I64, _I64, _I64]
+    lib.gdn_decode_bf16.restype = lib.gdn_decode.restype
+    lib.gdn_decode_bf16.argtypes = lib.gdn_decode.argtypes
     return lib
 
 
@@ -64,11 +68,14 @@ def gated_delta_decode(
     g: torch.Tensor,
     beta: torch.Tensor,
 ) -> torch.Tensor | None:
-    """One token per slot, in place: `states` `[num_slots, row]` (each slot's delta-rule state,
+    """One token per slot, in place: `states` `[num_slots, row]` float32 or bfloat16 (each
+    slot's delta-rule state,
     `[nv, dk, dv]`, starting `state_offset` floats into its row), `slots` int64 `[n]`, `q`/`k`
     `[n, nk, dk]` (L2-normalised, q scaled), `v` `[n, nv, dv]`, `g`/`beta` `[n, nv]`.
     Returns `o` `[n, nv, dv]`, or None where the kernel does not apply (see the module)."""
-    if states.device.type != "cpu" or states.dtype != torch.float32 or states.dim() != 2:
+    if states.device.type != "cpu" or states.dim() != 2:
+        return None
+    if states.dtype not in (torch.float32, torch.bfloat16):
         return None
     if not states.is_contiguous():
         return None
@@ -87,7 +94,8 @@ def gated_delta_decode(
     if n and not 0 <= int(slots.min()) <= int(slots.max()) < states.shape[0]:
         raise ValueError(f"state slots must lie in [0, {states.shape[0]}), got {slots.tolist()}")
     out = torch.empty(n, nv, dv, dtype=torch.float32)
-    status = lib.gdn_decode(
+    kernel = lib.gdn_decode if states.dtype == torch.float32 else lib.gdn_decode_bf16
+    status = kernel(
         states.data_ptr(),
         states.shape[1],
         state_offset,
@@ -107,6 +115,6 @@ def gated_delta_decode(
     if status != 0:
         raise ValueError(
             f"gated delta-rule decode kernel refused nk={nk}, nv={nv}, dk={dk}, dv={dv} (nv must "
-            "be a multiple of nk)"
+            "be a multiple of nk, dv at most 4096, and dk x dv at most 65536 for bf16 states)"
         )
     return out
