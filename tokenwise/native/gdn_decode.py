@@ -55,6 +55,10 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.gdn_decode.argtypes += [_PTR, _I64, _I64, _I64, _I64]
     lib.gdn_decode_bf16.restype = lib.gdn_decode.restype
     lib.gdn_decode_bf16.argtypes = lib.gdn_decode.argtypes
+    lib.gdn_decode_step.restype = ctypes.c_int
+    lib.gdn_decode_step.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64]
+    lib.gdn_decode_step.argtypes += [_PTR, _PTR, _PTR, ctypes.c_float, _PTR, _I64, _I64, _I64]
+    lib.gdn_decode_step.argtypes += [_I64, _I64]
     return lib
 
 
@@ -118,3 +122,64 @@ def gated_delta_decode(
             "be a multiple of nk, dv at most 4096, and dk x dv at most 65536 for bf16 states)"
         )
     return out
+
+
+def gated_delta_decode_step(
+    proj: torch.Tensor,
+    rows: list[int],
+    states: torch.Tensor,
+    slots: list[int],
+    conv_weight: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    heads: tuple[int, int, int, int],
+) -> bool:
+    """A Gated DeltaNet layer's whole decode step between `in_proj` and `out_proj` for the
+    tokens `rows` of `proj` (`in_proj`'s output `[T, channels + nv dv + 2 nv]`), each
+    the one token of the request in state slot `slots[i]` (conv state, then delta-rule state,
+    updated in place), written to the same rows of `out` `[T, nv dv]`: the causal conv and its
+    SiLU, the L2 norms, the gates, the delta rule and the gated RMSNorm (`gdn_decode.c`).
+    `heads` is (nk, nv, dk, dv), `conv_weight` `[channels, K]`. Every tensor float32, or every
+    one bfloat16. Returns False (nothing done) where the kernel does not apply."""
+    dtype = proj.dtype
+    tensors = (proj, states, conv_weight, a_log, dt_bias, norm_weight, out)
+    if dtype not in (torch.float32, torch.bfloat16) or proj.device.type != "cpu":
+        return False
+    if any(t.dtype != dtype or not t.is_contiguous() for t in tensors):
+        return False
+    if (lib := load()) is None:
+        return False
+    nk, nv, dk, dv = heads
+    channels, taps = conv_weight.shape
+    if proj.shape[1] != channels + nv * dv + 2 * nv or out.shape[1] != nv * dv:
+        raise ValueError(
+            f"in_proj output width {proj.shape[1]} / output width {out.shape[1]} do not match "
+            f"{channels} conv channels and {nv} value heads of {dv}"
+        )
+    if states.shape[1] < (taps - 1) * channels + nv * dk * dv:
+        raise ValueError(f"a state row of {states.shape[1]} values cannot hold this layer's state")
+    if len(rows) != len(slots):
+        raise ValueError(f"{len(rows)} token rows but {len(slots)} state slots")
+    if rows and not (0 <= min(slots) and max(slots) < states.shape[0]):
+        raise ValueError(f"state slots must lie in [0, {states.shape[0]}), got {slots}")
+    if rows and not (0 <= min(rows) and max(rows) < min(proj.shape[0], out.shape[0])):
+        raise ValueError(f"token rows must lie in [0, {proj.shape[0]}), got {rows}")
+    row_ids, slot_ids = (
+        torch.tensor(rows, dtype=torch.int64),
+        torch.tensor(slots, dtype=torch.int64),
+    )
+    status = lib.gdn_decode_step(
+        proj.data_ptr(), proj.shape[1], row_ids.data_ptr(), states.data_ptr(), states.shape[1],
+        slot_ids.data_ptr(), len(rows), conv_weight.data_ptr(), taps, a_log.data_ptr(),
+        dt_bias.data_ptr(), norm_weight.data_ptr(), eps, out.data_ptr(), nk, nv, dk, dv,
+        int(dtype == torch.bfloat16),
+    )  # fmt: skip
+    if status != 0:
+        raise ValueError(
+            f"Gated DeltaNet decode step refused nk={nk}, nv={nv}, dk={dk}, dv={dv}, K={taps} "
+            f"(status {status}: nv a multiple of nk, dv <= 4096, dk x dv <= 65536)"
+        )
+    return True
