@@ -7,8 +7,10 @@
 1. The decode kernel (`tokenwise.native.gdn_decode`) at batch 1 on one layer of the
    `configs/qwen3.5-0.8b` shape (16 value heads of 128 x 128, 1 MiB of float32 state),
    cycling over 64 slots so that every call's state comes from memory, not the cache: bytes
-   of state read plus written per second, beside a plain `torch` copy of 256 MiB (read +
-   written per second) as the machine's bandwidth, and the torch form of the same step.
+   of state read plus written per second (float32 and bf16 states), beside a plain `torch`
+   copy of 256 MiB (read + written per second) as the machine's bandwidth, and the torch form
+   of the same step; then one whole layer's step between its projections, fused (one C call)
+   and op by op as before it, in float32 and bf16.
 2. One stream, `--dtype`, dummy weights, EOS ignored: decode tokens/s of
    `configs/qwen3.5-0.8b` (18 Gated DeltaNet + 6 gated attention layers), with its fused decode
    step and op by op as before it (`op_by_op`), and of its dense twin
@@ -24,18 +26,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tokenwise import LLM, SamplingParams  # noqa: E402
+from tokenwise.attention.recurrent import RecurrentMetadata  # noqa: E402
 from tokenwise.model_config import cpu_flag_summary  # noqa: E402
 from tokenwise.models import gated_deltanet  # noqa: E402
 from tokenwise.models.gated_delta_rule import delta_rule_step, l2_normalize  # noqa: E402
@@ -114,6 +120,61 @@ def kernel_bandwidth(repeats: int) -> None:
         f"machine: torch copy of 256 MiB, {2 * big.numel() * 4 / t_copy / 1e9:.1f} GB/s "
         f"(read + written), {torch.get_num_threads()} threads"
     )
+
+
+class _LayerConfig(dict):
+    """What a lone `GatedDeltaNet` reads of an engine config: the hybrid's dims."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        cfg = json.loads((HYBRID / "config.json").read_text())
+        self.model = SimpleNamespace(hf_config=SimpleNamespace(**cfg))
+
+
+def layer_step(repeats: int) -> None:
+    """One Gated DeltaNet layer of the hybrid, the part between its two projections at batch
+    1 (64 slots in turn, so states come from memory): the fused step against op by op (as
+    before it), in float32 and bf16."""
+    for dtype in (torch.float32, torch.bfloat16):
+        best = _layer_times(dtype, repeats)
+        print(
+            f"one layer between its projections, {dtype}: fused {best['fused'] * 1e6:.0f} us, "
+            f"op by op {best['op by op'] * 1e6:.0f} us, {torch.get_num_threads()} thread(s), "
+            f"load average {os.getloadavg()[0]:.1f}",
+            flush=True,
+        )
+
+
+def _layer_times(dtype: torch.dtype, repeats: int) -> dict[str, float]:
+    layer = gated_deltanet.GatedDeltaNet(_LayerConfig(), f"layer.{dtype}")  # type: ignore[arg-type]
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape) * 0.02)
+    layer = layer.to(dtype)
+    states = (torch.randn(64, layer.state_numel) * 0.01).to(dtype)
+    proj = layer.in_proj(torch.randn(1, layer.in_proj.weight.shape[1]).to(dtype))
+    sizes = [layer.channels, layer.nv * layer.dv, layer.nv, layer.nv]
+
+    def fused(i: int) -> None:
+        layer._decode_step(proj, states, RecurrentMetadata([i % 64], [0, 1], [False]))
+
+    def before(i: int) -> None:
+        mixed, z, b, a = proj.split(sizes, dim=-1)
+        beta = torch.sigmoid(b).float()
+        g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias.float())
+        core = torch.empty(1, layer.nv, layer.dv)
+        md = RecurrentMetadata([i % 64], [0, 1], [False])
+        with op_by_op(True):
+            layer._decode(mixed, g, beta, states, md, [0], core)
+        layer.norm(core.to(dtype), z.reshape(1, layer.nv, layer.dv))
+
+    best: dict[str, float] = {}
+    for name, fn in (("fused", fused), ("op by op", before)) * (repeats + 1):
+        start = time.perf_counter()
+        for i in range(64):
+            fn(i)
+        best[name] = min(best.get(name, float("inf")), (time.perf_counter() - start) / 64)
+    return best
 
 
 def make_engine(path: Path, longest: int, tokens: int, dtype: str) -> LLM:
@@ -202,6 +263,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(f"CPU flags: {cpu_flag_summary()}; {torch.get_num_threads()} torch threads")
     kernel_bandwidth(args.repeats)
+    layer_step(args.repeats)
     if args.skip_models:
         return
     compare(args.prompt, args.tokens, args.repeats, args.dtype)
