@@ -401,9 +401,9 @@ def build_checkpoints(shape: str, dtype: str, cache: Path, seed: int) -> tuple[P
     hf_dir = build_hf_checkpoint(shape, dtype, cache, seed)
     gguf = hf_dir.parent / f"model-{dtype}.gguf"
     if not gguf.exists():
-        # Its Llama vocabulary path tries sentencepiece first; the Qwen ones do not use it.
-        llama = shape_config(shape).get("model_type") == "llama"
-        if llama and importlib_missing("sentencepiece"):
+        # Its Llama and Qwen2/3 vocabulary paths import sentencepiece first; Qwen3.5's does not.
+        hybrid = "linear_num_key_heads" in shape_config(shape)
+        if not hybrid and importlib_missing("sentencepiece"):
             raise SystemExit(
                 "vs_llamacpp: convert_hf_to_gguf.py needs sentencepiece: "
                 f"{sys.executable} -m pip install sentencepiece"
@@ -708,9 +708,14 @@ def shape_config(shape: str) -> dict[str, Any]:
     return json.loads(path.read_text()) | {"vocab_size": VOCAB_SIZE}
 
 
-def model_files(args: argparse.Namespace, shape: str) -> tuple[Path, Path]:
-    """`shape`'s checkpoint and the GGUF file the servers load (quantized where asked)."""
+def model_files(
+    args: argparse.Namespace, shape: str, tokenwise_only: bool = False
+) -> tuple[Path, Path]:
+    """`shape`'s checkpoint and the GGUF file the servers load (quantized where asked; none
+    for a model only tokenwise serves from its checkpoint)."""
     cache = Path(args.cache_dir)
+    if tokenwise_only and args.quant == "none":  # served from the checkpoint: no GGUF file
+        return build_hf_checkpoint(shape, args.dtype, cache, args.seed), Path(os.devnull)
     hf_dir, gguf = build_checkpoints(shape, args.dtype, cache, args.seed)
     if args.quant != "none":
         quantize_bin = ensure_llama_server(cache, args.skip_build, "llama-quantize", args.cpu)
@@ -743,7 +748,7 @@ def main(argv: list[str] | None = None) -> int:
     if (twin_shape := DENSE_TWIN.get(args.shape)) and not args.no_twin:
         twin_args = argparse.Namespace(**vars(args))
         twin_args.shape, twin_args.shape_cfg = twin_shape, shape_config(twin_shape)
-        twin = (twin_args, *model_files(args, twin_shape))
+        twin = (twin_args, *model_files(args, twin_shape, tokenwise_only=True))
         twin_row = (twin_shape, decode_weight_bytes(twin_args.shape_cfg, bytes_per_param))
     results = run_workloads(args, hf_dir, gguf, binary, twin)
     weight_bytes = decode_weight_bytes(args.shape_cfg, bytes_per_param)
