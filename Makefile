@@ -9,7 +9,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 LOG := $(VENV)/install.log
 QUIET = >>$(LOG) 2>&1 || (cat $(LOG); exit 1)
 
-.PHONY: setup browser run test lint format docs clean
+.PHONY: setup browser llamacpp-converter run test lint format docs clean
 
 setup: $(STAMP)
 
@@ -41,10 +41,17 @@ browser: $(STAMP)
 			"the browser test will be skipped (and fail under CI)"; \
 	fi
 
+# llama.cpp's converter (convert_hf_to_gguf.py, from the llama-cpp-python sdist) for the GGUF
+# tests that check our writer against it: fetched once into ~/.cache/tokenwise/llamacpp (12-26 s
+# measured on a shared VM: a 77 MB download and its unpacking), nothing once there. Without
+# network the tests skip; under CI (CI=true) this step fails instead.
+llamacpp-converter: $(STAMP)
+	@$(PY) -m tokenwise.tools.llamacpp_source $(if $(filter true,$(CI)),--required)
+
 run: setup
 	@$(VENV)/bin/tokenwise generate "def fibonacci(n):" "def read_config(path):" --max-tokens 40 --stream
 
-test: setup browser
+test: setup browser llamacpp-converter
 	@$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 lint: setup

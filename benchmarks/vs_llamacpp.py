@@ -26,6 +26,14 @@
    quantized kernels, tokenwise keeps the layers in the file's integers and scales (int8 /
    int4, `tokenwise.layers.quantization`) with bf16 (or fp32) activations.
 
+6. `--shape qwen3.5-0.8b` (a hybrid: 18 Gated DeltaNet + 6 gated attention layers) also serves
+   its dense twin (`configs/qwen3-0.8b-dense`: a Qwen3 with the same hidden size, MLP, depth
+   and vocabulary) with `tokenwise serve` in the one-stream workload (`--no-twin`: not), so
+   one run gives the hybrid against llama.cpp on the same GGUF file and against the dense
+   model in tokenwise. `--repeats N` runs every workload N times, the servers taking turns
+   (a shared machine's busy spells hit all alike); each server's best run is printed, every
+   run's throughput and load average are in `--output-json`.
+
 Prints, per workload, the output tok/s of each server and their ratio, and for one stream the
 weight bandwidth each reaches (bytes of weights read per decoded token x 1000 / mean TPOT).
 Every wait is bounded; the servers started here are killed (process group) on any exit.
@@ -36,7 +44,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import glob
 import json
 import os
 import shutil
@@ -49,9 +56,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tokenwise.tools.llamacpp_source import LLAMA_CPP_PYTHON, SourceUnavailable
+from tokenwise.tools.llamacpp_source import llama_cpp_source as fetch_llama_cpp_source
+
 REPO = Path(__file__).resolve().parent.parent
-SHAPES = ("llama-100m", "qwen3-0.6b")
-LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+SHAPES = ("llama-100m", "qwen3-0.6b", "qwen3.5-0.8b", "qwen3-0.8b-dense")
+# A hybrid shape's dense twin: a Qwen3 of the same hidden size, MLP, depth and vocabulary, every
+# layer full attention. A run of the hybrid also serves its twin with tokenwise (one stream),
+# so that one run says whether the hybrid decodes faster per token than the dense model.
+DENSE_TWIN = {"qwen3.5-0.8b": "qwen3-0.8b-dense"}
 TOKENIZER_DIR = REPO / "tokenwise" / "models_data" / "default"  # byte-level BPE, vocab 4096
 VOCAB_SIZE = 4096
 BOS_ID, EOS_ID = 1, 0
@@ -60,6 +73,7 @@ OUTPUT_LEN = 128
 MAX_MODEL_LEN = 512  # longest prompt + output
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
 SERVERS = ("tokenwise", "llama-server")
+TWIN = "tokenwise-dense"  # the dense twin served by tokenwise (one stream only)
 # GGUF types both servers run quantized, and their bytes per weight (a float16 scale per 32).
 QUANT_BYTES = {"q8_0": 34 / 32, "q4_0": 18 / 32}
 
@@ -128,6 +142,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "haswell, ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2; fp32)",
     )
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server -t")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of each workload, the servers taking turns (best throughput kept)",
+    )
+    p.add_argument(
+        "--no-twin", action="store_true", help="a hybrid shape without its dense twin's run"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--startup-timeout", type=float, default=600.0, help="per server start, s")
     p.add_argument("--workload-timeout", type=float, default=1800.0, help="per workload, s")
@@ -135,6 +158,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.threads < 1:
         p.error("--threads must be at least 1")
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
     return args
 
 
@@ -143,15 +168,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def decode_weight_bytes(cfg: dict[str, Any], bytes_per_param: float) -> int:
     """Bytes of weights one decode step reads: every layer, the final norm and the LM head
-    (vocab x hidden, tied or not; the embedding lookup reads one row)."""
+    (vocab x hidden, tied or not; the embedding lookup reads one row). A hybrid (Qwen3.5: a
+    config with `linear_num_key_heads`) has full attention on every `full_attention_interval`-th
+    layer, with its query projection doubled by the output gate, and Gated DeltaNet on the
+    others (`hybrid_mixer_params`)."""
     h, n_layers, inter = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
     n_heads = cfg["num_attention_heads"]
     n_kv = cfg.get("num_key_value_heads") or n_heads
     head_dim = cfg.get("head_dim") or h // n_heads
-    attn = h * n_heads * head_dim + 2 * h * n_kv * head_dim + n_heads * head_dim * h
-    norms = 2 * h + (2 * head_dim if cfg.get("model_type", "").startswith("qwen3") else 0)
-    params = n_layers * (attn + 3 * h * inter + norms) + h + cfg["vocab_size"] * h
+    hybrid = "linear_num_key_heads" in cfg
+    q_out = n_heads * head_dim * (2 if hybrid else 1)
+    attn = h * q_out + 2 * h * n_kv * head_dim + n_heads * head_dim * h
+    attn += 2 * head_dim if cfg.get("model_type", "").startswith("qwen3") else 0
+    mixers = n_layers * attn
+    if hybrid:
+        n_full = n_layers // cfg["full_attention_interval"]
+        mixers = n_full * attn + (n_layers - n_full) * hybrid_mixer_params(cfg)
+    params = mixers + n_layers * (3 * h * inter + 2 * h) + h + cfg["vocab_size"] * h
     return int(params * bytes_per_param)
+
+
+def hybrid_mixer_params(cfg: dict[str, Any]) -> int:
+    """Parameters of one Gated DeltaNet mixer: the input projection (q, k, v, z, b, a), the
+    depthwise conv, A_log and dt_bias, the gated norm and the output projection."""
+    h = cfg["hidden_size"]
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    channels = 2 * nk * dk + nv * dv
+    in_proj = h * (channels + nv * dv + 2 * nv)
+    return in_proj + channels * cfg["linear_conv_kernel_dim"] + 2 * nv + dv + nv * dv * h
 
 
 def cpu_flags(cpuinfo: str) -> list[str]:
@@ -171,9 +216,12 @@ def format_tables(
     results: dict[str, dict[str, dict[str, Any]]],
     weight_bytes: int,
     header: str,
+    twin: tuple[str, int] | None = None,
 ) -> str:
     """`results[workload][server]` holds `output_throughput` and `mean_tpot_ms` (the
-    `tokenwise bench serve` aggregate); a missing server prints as '-'."""
+    `tokenwise bench serve` aggregate); a missing server prints as '-'. `twin` (shape, weight
+    bytes): the dense twin's one-stream row (`results["one"][TWIN]`) and the hybrid / dense
+    ratio of decode speed."""
     lines = [header, ""]
     lines += [
         "| workload | tokenwise serve (out tok/s) | llama-server (out tok/s) | tokenwise / llama-server |",
@@ -199,7 +247,21 @@ def format_tables(
             bw = f"{weight_bytes * tps / 1e9:.1f} GB/s" if tps else "-"
             label = "tokenwise serve" if server == "tokenwise" else server
             lines.append(f"| {label} | {_num(tps)} | {bw} |")
+        if twin is not None:
+            lines += _twin_rows(results["one"], *twin)
     return "\n".join(lines)
+
+
+def _twin_rows(one: dict[str, dict[str, Any]], shape: str, weight_bytes: int) -> list[str]:
+    """The dense twin's bandwidth row, and the hybrid's decode speed against it."""
+    tpots = [one.get(s, {}).get("mean_tpot_ms") for s in ("tokenwise", TWIN)]
+    tps = [1000.0 / t if t else None for t in tpots]
+    bw = f"{weight_bytes * tps[1] / 1e9:.1f} GB/s" if tps[1] else "-"
+    lines = [f"| tokenwise serve, dense twin {shape} ({weight_bytes / 1e6:.0f} MB) |"]
+    lines[0] += f" {_num(tps[1])} | {bw} |"
+    if tps[0] and tps[1]:
+        lines += ["", f"Hybrid / dense twin decode speed in tokenwise: {tps[0] / tps[1]:.2f}x"]
+    return lines
 
 
 def _num(value: float | None) -> str:
@@ -227,20 +289,12 @@ def _nice() -> list[str]:
 
 
 def llama_cpp_source(cache: Path) -> Path:
-    """The vendored llama.cpp of the llama-cpp-python sdist, downloaded once."""
-    found = sorted(glob.glob(str(cache / "llama_cpp_python-*" / "vendor" / "llama.cpp")))
-    if found:
-        return Path(found[-1])
-    cache.mkdir(parents=True, exist_ok=True)
-    tarballs = sorted(glob.glob(str(cache / "llama_cpp_python-*.tar.gz")))
-    if not tarballs:
-        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
-        _run([*pip, LLAMA_CPP_PYTHON, "-d", str(cache)], 900, "pip download of llama-cpp-python")
-        tarballs = sorted(glob.glob(str(cache / "llama_cpp_python-*.tar.gz")))
-    if not tarballs:
-        raise SystemExit(f"vs_llamacpp: no llama_cpp_python-*.tar.gz in {cache} after download")
-    _run(["tar", "xzf", tarballs[-1], "-C", str(cache)], 600, "unpacking llama-cpp-python")
-    return llama_cpp_source(cache)
+    """The vendored llama.cpp of the llama-cpp-python sdist, downloaded once
+    (`tokenwise.tools.llamacpp_source`, which `make test` runs for the GGUF tests too)."""
+    try:
+        return fetch_llama_cpp_source(cache)
+    except SourceUnavailable as exc:
+        raise SystemExit(f"vs_llamacpp: {exc}") from None
 
 
 # /proc/cpuinfo flag -> ggml's cmake option. AMX stays off: on the development VMs the AMX tile
@@ -347,7 +401,9 @@ def build_checkpoints(shape: str, dtype: str, cache: Path, seed: int) -> tuple[P
     hf_dir = build_hf_checkpoint(shape, dtype, cache, seed)
     gguf = hf_dir.parent / f"model-{dtype}.gguf"
     if not gguf.exists():
-        if importlib_missing("sentencepiece"):
+        # Its Llama and Qwen2/3 vocabulary paths import sentencepiece first; Qwen3.5's does not.
+        hybrid = "linear_num_key_heads" in shape_config(shape)
+        if not hybrid and importlib_missing("sentencepiece"):
             raise SystemExit(
                 "vs_llamacpp: convert_hf_to_gguf.py needs sentencepiece: "
                 f"{sys.executable} -m pip install sentencepiece"
@@ -356,6 +412,8 @@ def build_checkpoints(shape: str, dtype: str, cache: Path, seed: int) -> tuple[P
         tmp_gguf = gguf.with_suffix(".tmp")
         cmd = [*_nice(), sys.executable, "-c", CONVERT_SHIM, str(src), str(hf_dir)]
         cmd += ["--outtype", dtype, "--outfile", str(tmp_gguf)]
+        if "linear_num_key_heads" in shape_config(shape):
+            cmd.append("--no-mtp")  # a random checkpoint has no multi-token-prediction head
         _run(cmd, 1800, "convert_hf_to_gguf.py")
         tmp_gguf.rename(gguf)
     return hf_dir, gguf
@@ -382,8 +440,7 @@ def build_hf_checkpoint(shape: str, dtype: str, cache: Path, seed: int) -> Path:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        cfg = json.loads((REPO / "benchmarks" / "configs" / shape / "config.json").read_text())
-        cfg.update(vocab_size=VOCAB_SIZE, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
+        cfg = shape_config(shape) | {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID}
         cfg["torch_dtype"] = cfg["dtype"] = "bfloat16" if dtype == "bf16" else "float32"
         tmp = out / "hf.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -560,50 +617,110 @@ def server_command(
 
 
 def kv_cache_mib(cfg: dict[str, Any], dtype: str, concurrency: int) -> int:
-    """Room for `concurrency` full-length sequences (+10%), as llama-server's -c gives."""
+    """Room for `concurrency` full-length sequences (+10%), as llama-server's -c gives; for a
+    hybrid also four recurrent states per sequence (live slot and prefix-cache snapshots)."""
     n_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
     n_kv = cfg.get("num_key_value_heads") or n_heads
-    per_token = 2 * cfg["num_hidden_layers"] * n_kv * head_dim * (2 if dtype == "bf16" else 4)
-    return int(per_token * concurrency * MAX_MODEL_LEN * 1.1 / 2**20) + 16
+    itemsize = 2 if dtype == "bf16" else 4
+    per_token = 2 * cfg["num_hidden_layers"] * n_kv * head_dim * itemsize
+    states = 0
+    if "linear_num_key_heads" in cfg:
+        nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+        dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+        conv = (cfg["linear_conv_kernel_dim"] - 1) * (2 * nk * dk + nv * dv)
+        n_gdn = (
+            cfg["num_hidden_layers"] - cfg["num_hidden_layers"] // cfg["full_attention_interval"]
+        )
+        states = n_gdn * (conv + nv * dk * dv) * itemsize * 4 * concurrency
+    return int((per_token * concurrency * MAX_MODEL_LEN * 1.1 + states) / 2**20) + 16
 
 
 def run_workloads(
-    args: argparse.Namespace, hf_dir: Path, gguf: Path, binary: Path
+    args: argparse.Namespace,
+    hf_dir: Path,
+    gguf: Path,
+    binary: Path,
+    twin: tuple[argparse.Namespace, Path, Path] | None = None,
 ) -> dict[str, dict[str, dict[str, Any]]]:
+    """Each workload on each server, `args.repeats` times with the servers taking turns (so
+    that a busy spell of a shared machine hits all alike); a server's best run is kept, with
+    every run's throughput and load average in `runs`. `twin` (its args, checkpoint, GGUF
+    file): the dense twin, served by tokenwise in the one-stream workload."""
     results: dict[str, dict[str, dict[str, Any]]] = {}
-    logs = Path(args.cache_dir) / "logs"
     for w in args.workloads:
         results[w.name] = {}
-        for server in SERVERS:
-            cmd = server_command(server, args, w, hf_dir, gguf, binary)
-            port = int(cmd[-1])
-            env = AVX2_ENV if args.cpu == "avx2" and server == "tokenwise" else None
-            log = logs / f"{args.shape}-{w.name}-{server}.log"
-            srv = Server(server, cmd, port, log, env)
-            try:
-                srv.start(args.startup_timeout)
-                warm = client_args(
-                    srv.url, 2, 2, args.seed + 1, random_input_len=(32, 32), output_len=8
-                )
-                drive(warm, args.workload_timeout)
-                ns = client_args(srv.url, w.num_prompts, w.concurrency, args.seed)
-                r = drive(ns, args.workload_timeout)
-            except (RuntimeError, TimeoutError) as exc:
-                raise SystemExit(f"vs_llamacpp: {server}, workload {w.name}: {exc}") from None
-            finally:
-                srv.stop()
-            # Other processes on the cores (a shared machine) slow llama.cpp's spinning thread
-            # barriers badly: the 1-minute load average after the run tells such runs apart.
-            r["loadavg_1m"] = os.getloadavg()[0]
-            results[w.name][server] = r
-            print(
-                f"{server:>12} {w.title}: {r['output_throughput']:.1f} out tok/s, "
-                f"mean TPOT {r['mean_tpot_ms']:.2f} ms, mean TTFT {r['mean_ttft_ms']:.0f} ms, "
-                f"load average {r['loadavg_1m']:.2f}",
-                flush=True,
-            )
+        entries = [(server, server, args, hf_dir, gguf) for server in SERVERS]
+        if twin is not None and w.name == "one":
+            entries.append((TWIN, "tokenwise", *twin))
+        for _ in range(args.repeats):
+            for label, server, entry_args, entry_hf, entry_gguf in entries:
+                r = run_one(server, entry_args, w, entry_hf, entry_gguf, binary, label)
+                best = results[w.name].get(label)
+                runs = (best or {}).get("runs", [])
+                runs.append((round(r["output_throughput"], 2), r["loadavg_1m"]))
+                if best is None or r["output_throughput"] > best["output_throughput"]:
+                    best = r
+                results[w.name][label] = best | {"runs": runs}
     return results
+
+
+def run_one(
+    server: str,
+    args: argparse.Namespace,
+    w: Workload,
+    hf_dir: Path,
+    gguf: Path,
+    binary: Path,
+    label: str,
+) -> dict[str, Any]:
+    """One server started, warmed up, measured on workload `w` and stopped."""
+    cmd = server_command(server, args, w, hf_dir, gguf, binary)
+    port = int(cmd[-1])
+    env = AVX2_ENV if args.cpu == "avx2" and server == "tokenwise" else None
+    log = Path(args.cache_dir) / "logs" / f"{args.shape}-{w.name}-{server}.log"
+    srv = Server(server, cmd, port, log, env)
+    try:
+        srv.start(args.startup_timeout)
+        warm = client_args(srv.url, 2, 2, args.seed + 1, random_input_len=(32, 32), output_len=8)
+        drive(warm, args.workload_timeout)
+        ns = client_args(srv.url, w.num_prompts, w.concurrency, args.seed)
+        r = drive(ns, args.workload_timeout)
+    except (RuntimeError, TimeoutError) as exc:
+        raise SystemExit(f"vs_llamacpp: {label}, workload {w.name}: {exc}") from None
+    finally:
+        srv.stop()
+    # Other processes on the cores (a shared machine) slow llama.cpp's spinning thread
+    # barriers badly: the 1-minute load average after the run tells such runs apart.
+    r["loadavg_1m"] = os.getloadavg()[0]
+    print(
+        f"{label:>15} {w.title}: {r['output_throughput']:.1f} out tok/s, "
+        f"mean TPOT {r['mean_tpot_ms']:.2f} ms, mean TTFT {r['mean_ttft_ms']:.0f} ms, "
+        f"load average {r['loadavg_1m']:.2f}",
+        flush=True,
+    )
+    return r
+
+
+def shape_config(shape: str) -> dict[str, Any]:
+    """`benchmarks/configs/<shape>`'s config with the benchmark's vocabulary."""
+    path = REPO / "benchmarks" / "configs" / shape / "config.json"
+    return json.loads(path.read_text()) | {"vocab_size": VOCAB_SIZE}
+
+
+def model_files(
+    args: argparse.Namespace, shape: str, tokenwise_only: bool = False
+) -> tuple[Path, Path]:
+    """`shape`'s checkpoint and the GGUF file the servers load (quantized where asked; none
+    for a model only tokenwise serves from its checkpoint)."""
+    cache = Path(args.cache_dir)
+    if tokenwise_only and args.quant == "none":  # served from the checkpoint: no GGUF file
+        return build_hf_checkpoint(shape, args.dtype, cache, args.seed), Path(os.devnull)
+    hf_dir, gguf = build_checkpoints(shape, args.dtype, cache, args.seed)
+    if args.quant != "none":
+        quantize_bin = ensure_llama_server(cache, args.skip_build, "llama-quantize", args.cpu)
+        gguf = quantized_gguf(gguf, args.quant, quantize_bin)
+    return hf_dir, gguf
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -616,22 +733,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu == "avx2":
         flags = [f for f in flags if f in AVX2_ISA]  # what the builds may use
     args.dtype = "bf16" if has_native_bf16(flags) else "f32"
-    args.shape_cfg = json.loads(
-        (REPO / "benchmarks" / "configs" / args.shape / "config.json").read_text()
-    ) | {"vocab_size": VOCAB_SIZE}
+    args.shape_cfg = shape_config(args.shape)
     if args.llama_server:
         binary = Path(args.llama_server)
         if not binary.exists():
             raise SystemExit(f"vs_llamacpp: no llama-server at {binary}")
     else:
         binary = ensure_llama_server(cache, args.skip_build, cpu=args.cpu)
-    hf_dir, gguf = build_checkpoints(args.shape, args.dtype, cache, args.seed)
-    bytes_per_param: float = 2 if args.dtype == "bf16" else 4
-    if args.quant != "none":
-        quantize_bin = ensure_llama_server(cache, args.skip_build, "llama-quantize", args.cpu)
-        gguf = quantized_gguf(gguf, args.quant, quantize_bin)
-        bytes_per_param = QUANT_BYTES[args.quant]
-    results = run_workloads(args, hf_dir, gguf, binary)
+    hf_dir, gguf = model_files(args, args.shape)
+    bytes_per_param = (
+        QUANT_BYTES[args.quant] if args.quant != "none" else 2 if args.dtype == "bf16" else 4
+    )
+    twin, twin_row = None, None
+    if (twin_shape := DENSE_TWIN.get(args.shape)) and not args.no_twin:
+        twin_args = argparse.Namespace(**vars(args))
+        twin_args.shape, twin_args.shape_cfg = twin_shape, shape_config(twin_shape)
+        twin = (twin_args, *model_files(args, twin_shape, tokenwise_only=True))
+        twin_row = (twin_shape, decode_weight_bytes(twin_args.shape_cfg, bytes_per_param))
+    results = run_workloads(args, hf_dir, gguf, binary, twin)
     weight_bytes = decode_weight_bytes(args.shape_cfg, bytes_per_param)
     model_name = next(
         (ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if ln.startswith("model name")),
@@ -648,9 +767,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{'; AVX2 emulated (--cpu avx2)' if args.cpu == 'avx2' else ''}"
     )
     print()
-    print(format_tables(results, weight_bytes, header))
+    print(format_tables(results, weight_bytes, header, twin_row))
     if args.output_json:
         out = {"header": header, "weight_bytes": weight_bytes, "results": results}
+        out["dense_twin"] = twin_row
         Path(args.output_json).write_text(json.dumps(out, indent=2, default=str))
     return 0
 

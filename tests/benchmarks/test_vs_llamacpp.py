@@ -37,7 +37,13 @@ def test_arguments(vs) -> None:
     assert args.shape == "qwen3-0.6b" and args.skip_build and args.llama_server == "/x"
     assert [(w.num_prompts, w.concurrency) for w in args.workloads] == [(6, 1)]
     assert [w.name for w in vs.parse_args(["--workloads", "48,one,48"]).workloads] == ["48", "one"]
-    for bad in (["--workloads", "2"], ["--workloads", ","], ["--shape", "gpt2"]):
+    assert vs.parse_args(["--shape", "qwen3.5-0.8b", "--repeats", "3"]).repeats == 3
+    for bad in (
+        ["--workloads", "2"],
+        ["--workloads", ","],
+        ["--shape", "gpt2"],
+        ["--repeats", "0"],
+    ):
         with pytest.raises(SystemExit):
             vs.parse_args(bad)
 
@@ -59,6 +65,52 @@ def test_weight_bytes_of_the_shapes(vs) -> None:
     assert vs.decode_weight_bytes(shape("llama-100m"), 2) == 176_199_168
     qwen = vs.decode_weight_bytes(shape("qwen3-0.6b"), 2)
     assert 0.88e9 < qwen < 0.89e9  # Qwen3-0.6B without its 151936-token embedding
+
+
+@pytest.mark.parametrize("name", ["qwen3.5-0.8b", "qwen3-0.8b-dense"])
+def test_weight_bytes_match_the_models_parameters(vs, name: str) -> None:
+    """The formula against transformers' own parameter count of the shape (built on the meta
+    device: no memory): a decode step reads every parameter once, the tied embedding as the
+    LM head."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = vs.shape_config(name)
+    config = AutoConfig.for_model(**cfg)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    params = sum(p.numel() for p in model.parameters())  # tied: the embedding counted once
+    assert vs.decode_weight_bytes(cfg, 2) == 2 * params
+
+
+def test_the_hybrid_reads_more_weights_than_its_dense_twin(vs) -> None:
+    hybrid, dense = (vs.shape_config(n) for n in ("qwen3.5-0.8b", vs.DENSE_TWIN["qwen3.5-0.8b"]))
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"):
+        assert hybrid[key] == dense[key], key
+    ratio = vs.decode_weight_bytes(hybrid, 2) / vs.decode_weight_bytes(dense, 2)
+    assert 1.05 < ratio < 1.2  # Gated DeltaNet's projections are wider than the twin's attention
+
+
+def test_hybrid_kv_memory_holds_its_states(vs) -> None:
+    """Qwen3.5's 18 Gated DeltaNet layers hold ~0.5 MiB of bf16 state each per sequence:
+    the hybrid's budget grows by that, four states per sequence."""
+    hybrid = vs.shape_config("qwen3.5-0.8b")
+    plain = {k: v for k, v in hybrid.items() if not k.startswith("linear_")}
+    state_mib = 18 * (3 * 6144 + 16 * 128 * 128) * 2 * 4 / 2**20  # layers x numel x bf16 x 4
+    grown = vs.kv_cache_mib(hybrid, "bf16", 1) - vs.kv_cache_mib(plain, "bf16", 1)
+    assert abs(grown - state_mib) <= 1
+
+
+def test_the_twin_row_and_ratio(vs) -> None:
+    one = {
+        "tokenwise": {"output_throughput": 9.0, "mean_tpot_ms": 100.0},
+        "llama-server": {"output_throughput": 10.0, "mean_tpot_ms": 80.0},
+        vs.TWIN: {"output_throughput": 11.0, "mean_tpot_ms": 125.0},
+    }
+    lines = vs.format_tables({"one": one}, 1_000_000_000, "H", ("dense", 800_000_000)).splitlines()
+    assert "| tokenwise serve, dense twin dense (800 MB) | 8.0 | 6.4 GB/s |" in lines
+    assert "Hybrid / dense twin decode speed in tokenwise: 1.25x" in lines  # 10 tok/s vs 8
+    assert not any("twin" in ln for ln in vs.format_tables({"one": one}, 1, "H").splitlines())
 
 
 def test_table_ratio_and_bandwidth(vs) -> None:

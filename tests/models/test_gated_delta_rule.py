@@ -57,23 +57,34 @@ def test_chunked_form_equals_the_recurrent_form(length: int) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dv", [16, 20])  # 20: a vector tail on AVX2 and AVX-512
-def test_decode_kernel_updates_its_slots_in_place(dv: int) -> None:
+def test_decode_kernel_updates_its_slots_in_place(dv: int, dtype: torch.dtype) -> None:
+    """Against the torch step on the same state: a bf16 cache is widened, stepped in float32
+    and rounded back (to nearest even, as torch's `.to(torch.bfloat16)`)."""
     n, nk, nv, dk, offset = 3, 2, 4, 16, 12
     gen = torch.Generator().manual_seed(1)
-    states = torch.randn(6, offset + nv * dk * dv, generator=gen)
+    states = torch.randn(6, offset + nv * dk * dv, generator=gen).to(dtype)
     before = states.clone()
     slots = torch.tensor([4, 0, 2])
     q, k, _, _, _, _ = _inputs(n, nk, dk, dv, seed=2)
     _, _, v, g, beta, _ = _inputs(n, nv, dk, dv, seed=3)
     out = gdn_decode.gated_delta_decode(states, offset, slots, q, k, v, g, beta)
-    assert out is not None
+    assert out is not None and out.dtype == torch.float32
     # Value head h reads key head h // (nv / nk).
     qv, kv = q.repeat_interleave(nv // nk, dim=1), k.repeat_interleave(nv // nk, dim=1)
-    old = before[slots, offset:].view(n, nv, dk, dv)
+    old = before[slots, offset:].view(n, nv, dk, dv).float()
     want_out, want_state = delta_rule_step(old, qv, kv, v, g, beta)
     torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(states[slots, offset:].view(n, nv, dk, dv), want_state)
+    got_state = states[slots, offset:].view(n, nv, dk, dv)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got_state, want_state)
+    else:  # at most one bf16 step apart where float32 rounding differs at a midpoint
+        assert got_state.dtype == torch.bfloat16
+        torch.testing.assert_close(
+            got_state.float(), want_state.to(dtype).float(), atol=1e-6, rtol=8e-3
+        )
+        assert (got_state == want_state.to(dtype)).float().mean() > 0.99
     untouched = [1, 3, 5]
     assert torch.equal(states[untouched], before[untouched])
     assert torch.equal(states[:, :offset], before[:, :offset])  # the conv state before it
@@ -88,5 +99,5 @@ def test_decode_kernel_refuses_bad_slots_and_declines_other_dtypes() -> None:
         gdn_decode.gated_delta_decode(states, 0, torch.tensor([2]), q, k, v, g, beta)
     with pytest.raises(ValueError, match="does not fit a state row of 16"):
         gdn_decode.gated_delta_decode(states, 4, torch.tensor([0]), q, k, v, g, beta)
-    halves = states.to(torch.bfloat16)
+    halves = states.to(torch.float16)
     assert gdn_decode.gated_delta_decode(halves, 0, torch.tensor([0]), q, k, v, g, beta) is None

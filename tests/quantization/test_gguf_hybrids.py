@@ -19,7 +19,6 @@ directory within 1e-5 (the file's tensors read back to the checkpoint's).
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shutil
@@ -34,6 +33,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests._optional import skip_or_fail_in_ci
 from tests.engine._fixtures import hf_greedy
 from tests.models.test_gpt_oss_vs_hf import _write_mxfp4
 from tests.quantization._gguf_hybrid_files import write_hybrid_gguf
@@ -43,6 +43,7 @@ from tokenwise import LLM, SamplingParams
 from tokenwise.gguf.gpt_oss_config import gpt_oss_kwargs
 from tokenwise.gguf.hf_config import gguf_hf_config
 from tokenwise.model_config import ModelConfig
+from tokenwise.tools.llamacpp_source import find_source
 
 Q = gguf.GGMLQuantizationType
 # case -> (architecture, config overrides, file type)
@@ -188,12 +189,12 @@ def test_missing_linear_attention_key_is_named(
 
 def _converter_source() -> str | None:
     """llama.cpp's source (with `convert_hf_to_gguf.py`): $LLAMACPP_SOURCE, else the one
-    `benchmarks/vs_llamacpp.py` unpacked into its cache."""
+    `make test` fetched into the cache (`tokenwise.tools.llamacpp_source`)."""
     given = os.environ.get("LLAMACPP_SOURCE")
-    cache = os.path.expanduser("~/.cache/tokenwise/llamacpp/llama_cpp_python-*/vendor/llama.cpp")
-    found = [given] if given else sorted(glob.glob(cache))
-    ok = [p for p in found if os.path.isfile(os.path.join(p, "convert_hf_to_gguf.py"))]
-    return ok[-1] if ok else None
+    if given:
+        return given if os.path.isfile(os.path.join(given, "convert_hf_to_gguf.py")) else None
+    found = find_source()
+    return None if found is None else str(found)
 
 
 CONVERT = """
@@ -208,9 +209,13 @@ convert_hf_to_gguf.main()
 """
 
 
-@pytest.mark.skipif(_converter_source() is None, reason="llama.cpp's converter is not at hand")
 @pytest.mark.parametrize("case", ["qwen35", "qwen35moe", "qwen3next", "gpt_oss_mxfp4"])
 def test_the_real_converter_writes_the_same_file(files: dict, case: str, tmp_path: Path) -> None:
+    if _converter_source() is None:
+        skip_or_fail_in_ci(
+            "llama.cpp's converter is not at hand: `make test` fetches it "
+            "(python -m tokenwise.tools.llamacpp_source), or set LLAMACPP_SOURCE"
+        )
     hf_dir, path, _ = files[case]
     out = str(tmp_path / "converted.gguf")
     cmd = [sys.executable, "-c", CONVERT, str(_converter_source()), hf_dir, "--outtype", "f32"]

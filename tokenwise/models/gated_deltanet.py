@@ -43,7 +43,7 @@ from tokenwise.models.gated_delta_rule import (
     l2_normalize,
     recurrent_gated_delta_rule,
 )
-from tokenwise.native.gdn_decode import gated_delta_decode
+from tokenwise.native.gdn_decode import gated_delta_decode, gated_delta_decode_step
 
 
 def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -191,9 +191,10 @@ class GatedDeltaNet(RecurrentStateLayer):
     def mix(self, x: torch.Tensor, states: torch.Tensor, md: RecurrentMetadata) -> torch.Tensor:
         """`x` is the layer's normed hidden states `[T, hidden]`; returns `out_proj`'s output."""
         num_tokens = x.shape[0]
-        mixed, z, b, a = self.in_proj(x).split(
-            [self.channels, self.nv * self.dv, self.nv, self.nv], dim=-1
-        )
+        proj = self.in_proj(x)
+        if (out := self._decode_step(proj, states, md)) is not None:
+            return self.out_proj(out)
+        mixed, z, b, a = proj.split([self.channels, self.nv * self.dv, self.nv, self.nv], dim=-1)
         beta = torch.sigmoid(b).float()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         core = torch.empty(num_tokens, self.nv, self.dv, dtype=torch.float32, device=x.device)
@@ -217,6 +218,23 @@ class GatedDeltaNet(RecurrentStateLayer):
             self._decode(mixed, g, beta, states, md, decode, core)
         out = self.norm(core.to(x.dtype), z.reshape(num_tokens, self.nv, self.dv))
         return self.out_proj(out.reshape(num_tokens, self.nv * self.dv))
+
+    def _decode_step(
+        self, proj: torch.Tensor, states: torch.Tensor, md: RecurrentMetadata
+    ) -> torch.Tensor | None:
+        """A step of decode tokens only (one per request, none keeping token states): the
+        whole step up to `out_proj` in one C call (`gated_delta_decode_step`), where it
+        applies; None otherwise (the general path then runs)."""
+        qsl = md.query_start_loc
+        if any(md.keep_token_states) or qsl != list(range(md.num_reqs + 1)):
+            return None
+        out = proj.new_empty(proj.shape[0], self.nv * self.dv)
+        done = gated_delta_decode_step(
+            proj, qsl[:-1], states, md.state_slots, self.conv1d.weight.view(self.channels, -1),
+            self.A_log, self.dt_bias, self.norm.weight, self.norm.eps, out,
+            (self.nk, self.nv, self.dk, self.dv),
+        )  # fmt: skip
+        return out if done else None
 
     def _qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Split conv outputs `[n, channels]` into normalised q, k `[n, nk, dk]` and v."""

@@ -12,6 +12,11 @@
  * state starts `state_offset` floats into its row (the conv state comes first), heads one after
  * the other. q and k have `nk` heads (value head h reads key head h / (nv / nk)), already
  * L2-normalised and q scaled; q, k, v, g, beta, out are contiguous float32.
+ *
+ * `gdn_decode_bf16` is the same step over a bf16 cache (a model run in bf16 keeps its states
+ * in bf16, as vLLM's mamba_ssm_cache_dtype "auto" does): each head is widened into a float32
+ * scratch (exact), updated there and rounded back to nearest even, so the result is what the
+ * float32 step followed by torch's `.to(torch.bfloat16)` gives, while half the bytes move.
  */
 #include "common.h"
 
@@ -63,6 +68,9 @@ static void head_update(float *S, const float *q, const float *k, const float *v
     }
 }
 
+/* The largest head the bf16 form widens on the stack (256 KiB of float32 scratch). */
+#define GDN_MAX_HEAD 65536
+
 /* Returns 0, or -1 for sizes it refuses (nv not a multiple of nk, an empty head). */
 int gdn_decode(float *states, int64_t row_stride, int64_t state_offset, const int64_t *slots,
                int64_t n, const float *q, const float *k, const float *v, const float *g,
@@ -78,5 +86,134 @@ int gdn_decode(float *states, int64_t row_stride, int64_t state_offset, const in
         head_update(S, q + kh * dk, k + kh * dk, v + p * dv, g[p], beta[p], out + p * dv, dk,
                     dv);
     }
+    return 0;
+}
+
+int gdn_decode_bf16(uint16_t *states, int64_t row_stride, int64_t state_offset,
+                    const int64_t *slots, int64_t n, const float *q, const float *k, const float *v,
+                    const float *g, const float *beta, float *out, int64_t nk, int64_t nv,
+                    int64_t dk, int64_t dv) {
+    if (nk < 1 || nv < nk || nv % nk || dk < 1 || dv < 1 || dv > 4096) return -1;
+    if (dk * dv > GDN_MAX_HEAD) return -1;
+    const int64_t ratio = nv / nk, heads = n * nv, numel = dk * dv;
+#pragma omp parallel for schedule(static) if (heads * numel >= 65536)
+    for (int64_t p = 0; p < heads; p++) {
+        const int64_t i = p / nv, h = p % nv;
+        uint16_t *S16 = states + slots[i] * row_stride + state_offset + h * numel;
+        float S[numel];
+        for (int64_t e = 0; e < numel; e++) S[e] = bf16_to_f32(S16[e]);
+        const int64_t kh = i * nk + h / ratio;
+        head_update(S, q + kh * dk, k + kh * dk, v + p * dv, g[p], beta[p], out + p * dv, dk,
+                    dv);
+        for (int64_t e = 0; e < numel; e++) S16[e] = f32_to_bf16(S[e]);
+    }
+    return 0;
+}
+
+/* ---- the whole decode step of a Gated DeltaNet layer between its two projections ----
+ *
+ * In eager PyTorch the step between `in_proj` and `out_proj` is some forty small ops per layer
+ * (the conv and its state shift, SiLU, two L2 norms, the gates, the delta rule, the gated
+ * RMSNorm, each with its dtype casts); at batch 1 their dispatch costs more than their
+ * arithmetic. `gdn_decode_step` does all of it in one call for `n` decode tokens:
+ *
+ *   proj  [*, proj_stride] (row rows[i]): mixed (q, k, v: `channels`), z (nv dv), b (nv), a (nv)
+ *   state row of slot slots[i]: the conv state [K - 1, channels], then the delta-rule state
+ *   out   [*, nv dv] (row rows[i]): RMSNorm(o_h) * norm_w * silu(z_h) per value head
+ *
+ * Every tensor is float32, or every one bf16 (`bf16` set: proj, states, conv_w [channels, K],
+ * a_log, dt_bias, norm_w and out); the arithmetic is float32 throughout, rounding once where
+ * a value is stored. */
+
+INLINE float ld(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+INLINE void st(void *p, int64_t i, float x, int bf16) {
+    if (bf16)
+        ((uint16_t *)p)[i] = f32_to_bf16(x);
+    else
+        ((float *)p)[i] = x;
+}
+
+static float l2_scale(const float *x, int64_t d, float scale) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < d; i++) ss += x[i] * x[i];
+    return scale / sqrtf(ss + 1e-6f);
+}
+
+int gdn_decode_step(void *proj, int64_t proj_stride, const int64_t *rows, void *states,
+                    int64_t row_stride, const int64_t *slots, int64_t n, const void *conv_w,
+                    int64_t taps, const void *a_log, const void *dt_bias, const void *norm_w,
+                    float eps, void *out, int64_t nk, int64_t nv, int64_t dk, int64_t dv,
+                    int64_t bf16) {
+    if (nk < 1 || nv < nk || nv % nk || dk < 1 || dv < 1 || dv > 4096 || taps < 1) return -1;
+    if (dk * dv > GDN_MAX_HEAD || n < 0) return -1;
+    const int b16 = bf16 != 0;
+    const int64_t kd = nk * dk, channels = 2 * kd + nv * dv, ratio = nv / nk;
+    const int64_t conv_numel = (taps - 1) * channels, numel = dk * dv;
+    float *x = malloc(sizeof(float) * (size_t)(n * channels + 2 * n * nv + n * nv * dv + 1));
+    if (!x) return -2;
+    float *g = x + n * channels, *beta = g + n * nv, *o = beta + n * nv;
+    /* 1. Per token: the conv over its window (state, then the new input) with SiLU, the state
+     *    shifted by one input; q and k L2-normalised (q scaled by dk^-1/2); the gates. */
+#pragma omp parallel for schedule(static) if (n * channels * taps >= 65536)
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t r = rows[i], s = slots[i];
+        float *xi = x + i * channels;
+        for (int64_t c = 0; c < channels; c++) {
+            const float in = ld(proj, r * proj_stride + c, b16);
+            const int64_t base = s * row_stride + c;
+            float acc = in * ld(conv_w, c * taps + taps - 1, b16);
+            for (int64_t j = 0; j < taps - 1; j++) {
+                const float prev = ld(states, base + j * channels, b16);
+                acc += prev * ld(conv_w, c * taps + j, b16);
+                if (j > 0) st(states, base + (j - 1) * channels, prev, b16);
+            }
+            if (taps > 1) st(states, base + (taps - 2) * channels, in, b16);
+            xi[c] = acc / (1.0f + tw_exp(-acc));
+        }
+        for (int64_t h = 0; h < nk; h++) {
+            float *q = xi + h * dk, *k = xi + kd + h * dk;
+            const float qs = l2_scale(q, dk, 1.0f / sqrtf((float)dk)), ks = l2_scale(k, dk, 1.0f);
+            for (int64_t e = 0; e < dk; e++) q[e] *= qs, k[e] *= ks;
+        }
+        const int64_t zb = r * proj_stride + channels + nv * dv;
+        for (int64_t h = 0; h < nv; h++) {
+            const float bv = ld(proj, zb + h, b16), av = ld(proj, zb + nv + h, b16);
+            const float sp = av + ld(dt_bias, h, b16);
+            const float soft = sp > 20.0f ? sp : log1pf(expf(sp));
+            g[i * nv + h] = -expf(ld(a_log, h, b16)) * soft;
+            beta[i * nv + h] = 1.0f / (1.0f + expf(-bv));
+        }
+    }
+    /* 2. Per (token, value head): the delta rule on its state, then the gated RMSNorm. */
+    const int64_t heads = n * nv;
+#pragma omp parallel for schedule(static) if (heads * numel >= 65536)
+    for (int64_t p = 0; p < heads; p++) {
+        const int64_t i = p / nv, h = p % nv, r = rows[i];
+        const float *xi = x + i * channels;
+        const int64_t kh = h / ratio, at = slots[i] * row_stride + conv_numel + h * numel;
+        float *oh = o + p * dv;
+        const float *q = xi + kh * dk, *k = xi + kd + kh * dk, *v = xi + 2 * kd + h * dv;
+        if (b16) {
+            uint16_t *S16 = (uint16_t *)states + at;
+            float S[numel];
+            for (int64_t e = 0; e < numel; e++) S[e] = bf16_to_f32(S16[e]);
+            head_update(S, q, k, v, g[p], beta[p], oh, dk, dv);
+            for (int64_t e = 0; e < numel; e++) S16[e] = f32_to_bf16(S[e]);
+        } else {
+            head_update((float *)states + at, q, k, v, g[p], beta[p], oh, dk, dv);
+        }
+        float ss = 0.0f;
+        for (int64_t j = 0; j < dv; j++) ss += oh[j] * oh[j];
+        const float rms = 1.0f / sqrtf(ss / (float)dv + eps);
+        const int64_t zr = r * proj_stride + channels + h * dv, orow = r * nv * dv + h * dv;
+        for (int64_t j = 0; j < dv; j++) {
+            const float z = ld(proj, zr + j, b16);
+            st(out, orow + j, oh[j] * rms * ld(norm_w, j, b16) * (z / (1.0f + tw_exp(-z))), b16);
+        }
+    }
+    free(x);
     return 0;
 }
