@@ -128,6 +128,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "haswell, ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2; fp32)",
     )
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server -t")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds per workload, the two servers taking turns (first in odd rounds, second "
+        "in even ones); the tables show each server's median round",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--startup-timeout", type=float, default=600.0, help="per server start, s")
     p.add_argument("--workload-timeout", type=float, default=1800.0, help="per workload, s")
@@ -135,6 +142,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.threads < 1:
         p.error("--threads must be at least 1")
+    if args.repeat < 1:
+        p.error("--repeat must be at least 1")
     return args
 
 
@@ -184,6 +193,18 @@ def format_tables(
         ratio = f"{tw / lc:.2f}x" if tw and lc else "-"
         title = WORKLOADS[name].title if name in WORKLOADS else name
         lines.append(f"| {title} | {_num(tw)} | {_num(lc)} | {ratio} |")
+    rounds = [
+        f"{WORKLOADS[n].title if n in WORKLOADS else n}, {s}: "
+        + " / ".join(
+            f"{r['output_throughput']:.1f} (load {r['loadavg_1m']:.1f})" for r in run["rounds"]
+        )
+        for n, by_server in results.items()
+        for s, run in by_server.items()
+        if len(run.get("rounds", ())) > 1
+    ]
+    if rounds:
+        lines += ["", "Each round (out tok/s, 1-minute load average after it):", ""]
+        lines += [f"- {line}" for line in rounds]
     if "one" in results:
         lines += [
             "",
@@ -336,6 +357,14 @@ sys.path[:0] = [root, root + "/gguf-py"]
 from conversion import base
 # Our byte-level BPE's pre-tokenizer hash is in no list: it is GPT-2's byte-level split.
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+# Llama's vocabulary tries sentencepiece first and takes BPE on FileNotFoundError only; without
+# the package installed the import fails first. There is no tokenizer.model here: say so.
+_spm = base.TextModel._create_vocab_sentencepiece
+def _no_spm(self):
+    if not (self.dir_model / "tokenizer.model").is_file():
+        raise FileNotFoundError("no tokenizer.model (byte-level BPE)")
+    return _spm(self)
+base.TextModel._create_vocab_sentencepiece = _no_spm
 import convert_hf_to_gguf
 sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
 convert_hf_to_gguf.main()
@@ -347,11 +376,6 @@ def build_checkpoints(shape: str, dtype: str, cache: Path, seed: int) -> tuple[P
     hf_dir = build_hf_checkpoint(shape, dtype, cache, seed)
     gguf = hf_dir.parent / f"model-{dtype}.gguf"
     if not gguf.exists():
-        if importlib_missing("sentencepiece"):
-            raise SystemExit(
-                "vs_llamacpp: convert_hf_to_gguf.py needs sentencepiece: "
-                f"{sys.executable} -m pip install sentencepiece"
-            )
         src = llama_cpp_source(cache)
         tmp_gguf = gguf.with_suffix(".tmp")
         cmd = [*_nice(), sys.executable, "-c", CONVERT_SHIM, str(src), str(hf_dir)]
@@ -420,12 +444,6 @@ def non_text_token_ids() -> list[int]:
         if not text or "\ufffd" in text:
             bad.append(i)
     return bad
-
-
-def importlib_missing(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is None
 
 
 # ---- servers and the client --------------------------------------------------------------------
@@ -572,38 +590,57 @@ def run_workloads(
     args: argparse.Namespace, hf_dir: Path, gguf: Path, binary: Path
 ) -> dict[str, dict[str, dict[str, Any]]]:
     results: dict[str, dict[str, dict[str, Any]]] = {}
-    logs = Path(args.cache_dir) / "logs"
     for w in args.workloads:
-        results[w.name] = {}
-        for server in SERVERS:
-            cmd = server_command(server, args, w, hf_dir, gguf, binary)
-            port = int(cmd[-1])
-            env = AVX2_ENV if args.cpu == "avx2" and server == "tokenwise" else None
-            log = logs / f"{args.shape}-{w.name}-{server}.log"
-            srv = Server(server, cmd, port, log, env)
-            try:
-                srv.start(args.startup_timeout)
-                warm = client_args(
-                    srv.url, 2, 2, args.seed + 1, random_input_len=(32, 32), output_len=8
-                )
-                drive(warm, args.workload_timeout)
-                ns = client_args(srv.url, w.num_prompts, w.concurrency, args.seed)
-                r = drive(ns, args.workload_timeout)
-            except (RuntimeError, TimeoutError) as exc:
-                raise SystemExit(f"vs_llamacpp: {server}, workload {w.name}: {exc}") from None
-            finally:
-                srv.stop()
-            # Other processes on the cores (a shared machine) slow llama.cpp's spinning thread
-            # barriers badly: the 1-minute load average after the run tells such runs apart.
-            r["loadavg_1m"] = os.getloadavg()[0]
-            results[w.name][server] = r
-            print(
-                f"{server:>12} {w.title}: {r['output_throughput']:.1f} out tok/s, "
-                f"mean TPOT {r['mean_tpot_ms']:.2f} ms, mean TTFT {r['mean_ttft_ms']:.0f} ms, "
-                f"load average {r['loadavg_1m']:.2f}",
-                flush=True,
-            )
+        runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SERVERS}
+        for rnd in range(args.repeat):
+            # Taking turns: a slow stretch of a shared machine hits both servers alike.
+            for server in SERVERS if rnd % 2 == 0 else SERVERS[::-1]:
+                runs[server].append(run_one(args, w, server, hf_dir, gguf, binary))
+        results[w.name] = {s: median_run(r) for s, r in runs.items()}
     return results
+
+
+def run_one(
+    args: argparse.Namespace, w: Workload, server: str, hf_dir: Path, gguf: Path, binary: Path
+) -> dict[str, Any]:
+    """One server started, warmed up, sent workload `w` and stopped: the client's aggregate."""
+    cmd = server_command(server, args, w, hf_dir, gguf, binary)
+    port = int(cmd[-1])
+    env = AVX2_ENV if args.cpu == "avx2" and server == "tokenwise" else None
+    log = Path(args.cache_dir) / "logs" / f"{args.shape}-{w.name}-{server}.log"
+    srv = Server(server, cmd, port, log, env)
+    try:
+        srv.start(args.startup_timeout)
+        warm = client_args(srv.url, 2, 2, args.seed + 1, random_input_len=(32, 32), output_len=8)
+        drive(warm, args.workload_timeout)
+        ns = client_args(srv.url, w.num_prompts, w.concurrency, args.seed)
+        r = drive(ns, args.workload_timeout)
+    except (RuntimeError, TimeoutError) as exc:
+        raise SystemExit(f"vs_llamacpp: {server}, workload {w.name}: {exc}") from None
+    finally:
+        srv.stop()
+    # Other processes on the cores (a shared machine) slow llama.cpp's spinning thread
+    # barriers badly: the 1-minute load average after the run tells such runs apart.
+    r["loadavg_1m"] = os.getloadavg()[0]
+    print(
+        f"{server:>12} {w.title}: {r['output_throughput']:.1f} out tok/s, "
+        f"mean TPOT {r['mean_tpot_ms']:.2f} ms, mean TTFT {r['mean_ttft_ms']:.0f} ms, "
+        f"load average {r['loadavg_1m']:.2f}",
+        flush=True,
+    )
+    return r
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median output throughput (the lower of the middle two for an even count),
+    with every run's throughput and load average beside it (`rounds`)."""
+    ordered = sorted(runs, key=lambda r: r["output_throughput"])
+    pick = dict(ordered[(len(ordered) - 1) // 2])
+    pick["rounds"] = [
+        {"output_throughput": r["output_throughput"], "loadavg_1m": r.get("loadavg_1m")}
+        for r in runs
+    ]
+    return pick
 
 
 def main(argv: list[str] | None = None) -> int:

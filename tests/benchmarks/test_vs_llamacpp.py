@@ -138,3 +138,22 @@ def test_zmm_check_tells_avx512_code_apart(vs, tmp_path) -> None:
             ["gcc", *flags, "-c", str(src), "-o", str(tmp_path / f"{isa}.o")], check=True
         )
     assert vs.zmm_users([tmp_path / "avx2.o", tmp_path / "avx512f.o"]) == ["avx512f.o"]
+
+
+def test_repeat_takes_each_servers_median_round(vs) -> None:
+    assert vs.parse_args([]).repeat == 1
+    assert vs.parse_args(["--repeat", "3"]).repeat == 3
+    with pytest.raises(SystemExit):
+        vs.parse_args(["--repeat", "0"])
+    runs = [
+        {"output_throughput": t, "mean_tpot_ms": 1000 / t, "loadavg_1m": load}
+        for t, load in ((30.0, 2.0), (10.0, 9.0), (20.0, 4.0))
+    ]
+    pick = vs.median_run(runs)
+    assert pick["output_throughput"] == 20.0 and pick["mean_tpot_ms"] == 50.0
+    assert [r["output_throughput"] for r in pick["rounds"]] == [30.0, 10.0, 20.0]  # run order
+    assert vs.median_run(runs[:2])["output_throughput"] == 10.0  # the lower middle of two
+    table = vs.format_tables({"one": {"tokenwise": pick}}, 1, "H")
+    line = "- one stream (6 requests in turn), tokenwise: 30.0 (load 2.0) / 10.0 (load 9.0) / "
+    assert line + "20.0 (load 4.0)" in table.splitlines()
+    assert "Each round" not in vs.format_tables({"one": {"tokenwise": runs[0]}}, 1, "H")
