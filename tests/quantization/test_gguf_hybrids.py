@@ -44,6 +44,8 @@ from tokenwise.gguf.gpt_oss_config import gpt_oss_kwargs
 from tokenwise.gguf.hf_config import gguf_hf_config
 from tokenwise.model_config import ModelConfig
 
+pytestmark = pytest.mark.usefixtures("exact_fp32_activations")  # compared with transformers
+
 Q = gguf.GGMLQuantizationType
 # case -> (architecture, config overrides, file type)
 CASES: dict[str, tuple[str, dict[str, Any], Any]] = {
