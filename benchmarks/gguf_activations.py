@@ -66,7 +66,7 @@ def worker(args: argparse.Namespace) -> dict:
         ids: list[int] = []
         while engine.has_request(rid):
             for out in engine.step():
-                new = out.outputs[0].token_ids[len(ids) :] if out.outputs else []
+                new = out.outputs[0].token_ids if out.outputs else []  # this step's tokens
                 ids += new
                 stamps += [time.perf_counter()] * len(new)
         if i:  # the first request only warms up (CPU graphs, first-use builds)

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         # Read when torch and the kernels load: the servers inherit them, this process too.
         os.environ.update(vs.AVX2_ENV)
         flags = [f for f in flags if f in vs.AVX2_ISA]
-    dtype = "bf16" if vs.has_native_bf16(flags) else "fp32"
+    dtype = "bf16" if vs.has_native_bf16(flags) else "f32"  # vs_llamacpp's names: one cache
     hf_dir = vs.build_hf_checkpoint(args.shape, dtype, Path(args.cache_dir), args.seed)
     torch_dtype = "bfloat16" if dtype == "bf16" else "float32"
     common = [
