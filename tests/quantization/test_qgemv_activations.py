@@ -180,8 +180,9 @@ def test_float32_x_on_the_int8_path(lib, bits: int, symmetric: bool) -> None:
 SETTINGS = [  # variable, its reader, value -> bits (None: unset), a bad value and its message
     ("TOKENWISE_CPU_QUANT_ACTIVATIONS", "activation_bits", {None: 8, "int16": 16}, "fp8",
      "TOKENWISE_CPU_QUANT_ACTIVATIONS.*int8, int16"),
-    ("TOKENWISE_CPU_QUANT_FP32_ACTIVATIONS", "fp32_activation_bits", {None: 32, " INT8 ": 8},
-     "int16", "QUANT_FP32_ACTIVATIONS must be one of float, int8"),
+    ("TOKENWISE_CPU_QUANT_FP32_ACTIVATIONS", "fp32_activation_bits",
+     {None: None, "float": 32, " INT8 ": 8},
+     "int16", "QUANT_FP32_ACTIVATIONS must be one of auto, float, int8"),
 ]  # fmt: skip
 
 
