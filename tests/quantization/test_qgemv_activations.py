@@ -177,11 +177,14 @@ def test_float32_x_on_the_int8_path(lib, bits: int, symmetric: bool) -> None:
         assert not torch.allclose(out.double(), x.double() @ dense.T, rtol=1e-5, atol=1e-5)
 
 
-SETTINGS = [  # variable, its reader, value -> bits (None: unset), a bad value and its message
-    ("TOKENWISE_CPU_QUANT_ACTIVATIONS", "activation_bits", {None: 8, "int16": 16}, "fp8",
+SETTINGS = [  # variable, its reader, value (None: unset) -> (what the reader returns, the bits
+    # x gets before a layer tokenwise quantized, before a GGUF file's layer), a bad value and
+    # its message
+    ("TOKENWISE_CPU_QUANT_ACTIVATIONS", "activation_bits",
+     {None: (8, 8, 8), "int16": (16, 16, 16)}, "fp8",
      "TOKENWISE_CPU_QUANT_ACTIVATIONS.*int8, int16"),
     ("TOKENWISE_CPU_QUANT_FP32_ACTIVATIONS", "fp32_activation_bits",
-     {None: None, "float": 32, " INT8 ": 8},
+     {None: (None, 32, 8), "float": (32, 32, 32), " INT8 ": (8, 8, 8)},
      "int16", "QUANT_FP32_ACTIVATIONS must be one of auto, float, int8"),
 ]  # fmt: skip
 
@@ -199,7 +202,8 @@ def test_activation_settings(
                 monkeypatch.delenv(env, raising=False)
             else:
                 monkeypatch.setenv(env, value)
-            assert read() == bits and cpu_qgemv.default_x_bits(dtype) == bits
+            got = (read(), cpu_qgemv.default_x_bits(dtype), cpu_qgemv.default_x_bits(dtype, True))
+            assert got == bits
         read.cache_clear()
         monkeypatch.setenv(env, bad)
         with pytest.raises(ValueError, match=message):
