@@ -58,9 +58,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=4, help="requests per mode per round")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/tokenwise/llamacpp"))
+    p.add_argument(
+        "--cpu",
+        choices=("native", "avx2"),
+        default="native",
+        help="avx2: all three modes as on an AVX2+FMA CPU (vs_llamacpp.AVX2_ENV), fp32",
+    )
     args = p.parse_args(argv)
     flags = vs.cpu_flags(Path("/proc/cpuinfo").read_text())
-    dtype = "bf16" if vs.has_native_bf16(flags) else "fp32"
+    if args.cpu == "avx2":
+        if "torch" in sys.modules:
+            raise SystemExit("serve_vs_offline: --cpu avx2 must be set before torch is imported")
+        # Read when torch and the kernels load: the servers inherit them, this process too.
+        os.environ.update(vs.AVX2_ENV)
+        flags = [f for f in flags if f in vs.AVX2_ISA]
+    dtype = "bf16" if vs.has_native_bf16(flags) else "f32"  # vs_llamacpp's names: one cache
     hf_dir = vs.build_hf_checkpoint(args.shape, dtype, Path(args.cache_dir), args.seed)
     torch_dtype = "bfloat16" if dtype == "bf16" else "float32"
     common = [
@@ -113,7 +125,11 @@ def main(argv: list[str] | None = None) -> int:
         for srv in servers.values():
             srv.stop()
     base = statistics.median(tpots["offline"])
-    print(f"\n{args.shape}, {dtype}, one stream, {args.rounds} rounds x {args.requests} requests")
+    print(
+        f"\n{args.shape}, {dtype}, one stream, {args.rounds} rounds x {args.requests} requests"
+        f"{', AVX2 emulated (--cpu avx2)' if args.cpu == 'avx2' else ''}, "
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
     print(f"CPU flags: {' '.join(flags) or 'none of ' + ' '.join(vs.CPU_FLAGS)}")
     print(f"{'mode':<24}{'median TPOT (ms)':>18}{'decode tok/s':>14}{'vs offline':>12}")
     for mode in MODES:

@@ -144,6 +144,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server -t")
     p.add_argument(
         "--repeats",
+        "--repeat",
+        dest="repeats",
         type=int,
         default=1,
         help="runs of each workload, the servers taking turns (best throughput kept)",
@@ -232,6 +234,20 @@ def format_tables(
         ratio = f"{tw / lc:.2f}x" if tw and lc else "-"
         title = WORKLOADS[name].title if name in WORKLOADS else name
         lines.append(f"| {title} | {_num(tw)} | {_num(lc)} | {ratio} |")
+    rounds = [
+        f"{WORKLOADS[n].title if n in WORKLOADS else n}, {s}: "
+        + " / ".join(f"{tok_s:.1f} (load {load:.1f})" for tok_s, load in run["runs"])
+        for n, by_server in results.items()
+        for s, run in by_server.items()
+        if len(run.get("runs", ())) > 1
+    ]
+    if rounds:
+        lines += [
+            "",
+            "Each run (out tok/s, 1-minute load average after it; the best is in the table):",
+            "",
+        ]
+        lines += [f"- {line}" for line in rounds]
     if "one" in results:
         lines += [
             "",
@@ -390,6 +406,14 @@ sys.path[:0] = [root, root + "/gguf-py"]
 from conversion import base
 # Our byte-level BPE's pre-tokenizer hash is in no list: it is GPT-2's byte-level split.
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+# Llama's vocabulary tries sentencepiece first and takes BPE on FileNotFoundError only; without
+# the package installed the import fails first. There is no tokenizer.model here: say so.
+_spm = base.TextModel._create_vocab_sentencepiece
+def _no_spm(self):
+    if not (self.dir_model / "tokenizer.model").is_file():
+        raise FileNotFoundError("no tokenizer.model (byte-level BPE)")
+    return _spm(self)
+base.TextModel._create_vocab_sentencepiece = _no_spm
 import convert_hf_to_gguf
 sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
 convert_hf_to_gguf.main()
@@ -401,13 +425,6 @@ def build_checkpoints(shape: str, dtype: str, cache: Path, seed: int) -> tuple[P
     hf_dir = build_hf_checkpoint(shape, dtype, cache, seed)
     gguf = hf_dir.parent / f"model-{dtype}.gguf"
     if not gguf.exists():
-        # Its Llama and Qwen2/3 vocabulary paths import sentencepiece first; Qwen3.5's does not.
-        hybrid = "linear_num_key_heads" in shape_config(shape)
-        if not hybrid and importlib_missing("sentencepiece"):
-            raise SystemExit(
-                "vs_llamacpp: convert_hf_to_gguf.py needs sentencepiece: "
-                f"{sys.executable} -m pip install sentencepiece"
-            )
         src = llama_cpp_source(cache)
         tmp_gguf = gguf.with_suffix(".tmp")
         cmd = [*_nice(), sys.executable, "-c", CONVERT_SHIM, str(src), str(hf_dir)]
@@ -477,12 +494,6 @@ def non_text_token_ids() -> list[int]:
         if not text or "\ufffd" in text:
             bad.append(i)
     return bad
-
-
-def importlib_missing(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is None
 
 
 # ---- servers and the client --------------------------------------------------------------------

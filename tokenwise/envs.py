@@ -89,11 +89,11 @@ ENV_VARS: dict[str, EnvVar] = _declare(
     ),
     EnvVar(
         "TOKENWISE_CPU_QUANT_FP32_ACTIVATIONS",
-        "float|int8",
-        "float",
+        "auto|float|int8",
+        "auto",
         "float32 activations before the int8/int4 CPU kernels: float keeps the exact product, "
         "int8 quantizes them per 32 values as llama.cpp does for Q8_0/Q4_0 (2.6-3.4x faster "
-        "decode GEMV on AVX2 without VNNI).",
+        "decode GEMV on AVX2 without VNNI); auto: int8 for a GGUF file's layers, float else.",
     ),
     EnvVar(
         "TOKENWISE_CPU_FP8_WEIGHTS",

@@ -38,6 +38,8 @@ from tokenwise.layers.quantization.weight_only import QuantizedExperts, referenc
 from tokenwise.loader import load_model
 from tokenwise.model_config import ModelConfig
 
+pytestmark = pytest.mark.usefixtures("exact_fp32_activations")  # compared with transformers
+
 Q = gguf.GGMLQuantizationType
 ATOL = 1e-4
 SEQ_LEN = 24  # past the sliding window of 8: sliding and global layers differ

@@ -45,6 +45,8 @@ from tokenwise.gguf.hf_config import gguf_hf_config
 from tokenwise.model_config import ModelConfig
 from tokenwise.tools.llamacpp_source import find_source
 
+pytestmark = pytest.mark.usefixtures("exact_fp32_activations")  # compared with transformers
+
 Q = gguf.GGMLQuantizationType
 # case -> (architecture, config overrides, file type)
 CASES: dict[str, tuple[str, dict[str, Any], Any]] = {

@@ -25,6 +25,9 @@ from tokenwise import LLM, SamplingParams
 from tokenwise.config import EngineConfig
 from tokenwise.loader import load_model
 from tokenwise.model_config import ModelConfig
+from tokenwise.native import qgemv as cpu_qgemv
+
+pytestmark = pytest.mark.usefixtures("exact_fp32_activations")  # compared with transformers
 
 Q = gguf.GGMLQuantizationType
 ATOL = 1e-4  # fp32 kernel-order differences only (see the module docstring)
@@ -125,6 +128,30 @@ def _assert_matches_hf(path: str) -> None:
     assert reference.std() > 0.1  # the weights decode to a model that discriminates tokens
     torch.testing.assert_close(ours, reference, atol=ATOL, rtol=0)
     assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_default_int8_activations_cost_less_than_the_files_rounding(
+    tmp_path: Any, arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """By default (not this module's exact setting) a Q8_0 file's layers multiply float32
+    activations as int8 per 32 values, as llama.cpp does: the logits leave transformers' (which
+    multiplies the dequantized file in float32) by more than kernel order, but by less than
+    Q8_0's own weight rounding moves them from the float32 checkpoint the file was made of."""
+    monkeypatch.setenv(cpu_qgemv.FP32_ACTIVATIONS_ENV, "auto")
+    cpu_qgemv.fp32_activation_bits.cache_clear()
+    from transformers import AutoModelForCausalLM
+
+    hf_dir, path = _files(tmp_path, arch, Q.Q8_0)
+    ids = _ids()
+    ours = _our_logits(path, ids)
+    cpu_qgemv.fp32_activation_bits.cache_clear()
+    with torch.no_grad():
+        from_file = _hf_gguf_model(path)(ids[None]).logits[0]
+        dense = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        unrounded = dense(ids[None]).logits[0]
+    activations_error = (ours - from_file).abs().max()
+    assert ATOL * 10 < activations_error < (from_file - unrounded).abs().max()
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

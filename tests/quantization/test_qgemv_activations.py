@@ -16,7 +16,7 @@ import subprocess
 import pytest
 import torch
 
-from tokenwise.layers.quantization.weight_only import quantize, reference_dequantize
+from tokenwise.layers.quantization.weight_only import quantize, reference_dequantize, stack_rows
 from tokenwise.native import build as native_build
 from tokenwise.native import qgemv as cpu_qgemv
 
@@ -177,11 +177,15 @@ def test_float32_x_on_the_int8_path(lib, bits: int, symmetric: bool) -> None:
         assert not torch.allclose(out.double(), x.double() @ dense.T, rtol=1e-5, atol=1e-5)
 
 
-SETTINGS = [  # variable, its reader, value -> bits (None: unset), a bad value and its message
-    ("TOKENWISE_CPU_QUANT_ACTIVATIONS", "activation_bits", {None: 8, "int16": 16}, "fp8",
+SETTINGS = [  # variable, its reader, value (None: unset) -> (what the reader returns, the bits
+    # x gets before a layer tokenwise quantized, before a GGUF file's layer), a bad value and
+    # its message
+    ("TOKENWISE_CPU_QUANT_ACTIVATIONS", "activation_bits",
+     {None: (8, 8, 8), "int16": (16, 16, 16)}, "fp8",
      "TOKENWISE_CPU_QUANT_ACTIVATIONS.*int8, int16"),
-    ("TOKENWISE_CPU_QUANT_FP32_ACTIVATIONS", "fp32_activation_bits", {None: 32, " INT8 ": 8},
-     "int16", "QUANT_FP32_ACTIVATIONS must be one of float, int8"),
+    ("TOKENWISE_CPU_QUANT_FP32_ACTIVATIONS", "fp32_activation_bits",
+     {None: (None, 32, 8), "float": (32, 32, 32), " INT8 ": (8, 8, 8)},
+     "int16", "QUANT_FP32_ACTIVATIONS must be one of auto, float, int8"),
 ]  # fmt: skip
 
 
@@ -198,7 +202,8 @@ def test_activation_settings(
                 monkeypatch.delenv(env, raising=False)
             else:
                 monkeypatch.setenv(env, value)
-            assert read() == bits and cpu_qgemv.default_x_bits(dtype) == bits
+            got = (read(), cpu_qgemv.default_x_bits(dtype), cpu_qgemv.default_x_bits(dtype, True))
+            assert got == bits
         read.cache_clear()
         monkeypatch.setenv(env, bad)
         with pytest.raises(ValueError, match=message):
@@ -236,3 +241,39 @@ def test_haswell_build_matches_native(native, tmp_path, monkeypatch: pytest.Monk
                 # bf16 output: the two may round a result to neighbouring bf16 values
                 rel = 2**-7 if dtype == torch.bfloat16 else 0.0
                 assert ((a - b).abs() <= a.abs() * rel + magnitude * 1e-5 + 1e-6).all()
+
+
+def test_gguf_blocks_default_to_int8_float32_activations(
+    native, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under the default ("auto") a layer holding a GGUF file's blocks multiplies float32 x as
+    int8 per 32 values, as llama.cpp does; a layer quantized by tokenwise keeps the exact
+    product; "float" and "int8" hold for both kinds. Rows fused from GGUF parts stay GGUF."""
+    monkeypatch.delenv(cpu_qgemv.FP32_ACTIVATIONS_ENV, raising=False)
+    cpu_qgemv.fp32_activation_bits.cache_clear()
+    qw = quantize(_weight(33, 256, seed=6), 8, 32, True)
+    x = _x(2, 256, seed=7).float()
+    exact = x @ reference_dequantize(qw).T
+    args = (qw.qweight, qw.scales, None, None, 8, 32, 33)
+    as_int8 = cpu_qgemv.qgemv(native, x, *args, x_bits=8)
+    assert (as_int8 - exact).abs().max() > 1e-4  # the rounding shows: the check can tell
+    try:
+        torch.testing.assert_close(qw.linear(x, None), exact, rtol=1e-5, atol=1e-5)
+        from_file = stack_rows([qw, qw])
+        assert not from_file.gguf_file
+        qw.gguf_file = True
+        assert torch.equal(qw.linear(x, None), as_int8)
+        assert stack_rows([qw, qw]).gguf_file
+        monkeypatch.setenv(cpu_qgemv.FP32_ACTIVATIONS_ENV, "float")
+        cpu_qgemv.fp32_activation_bits.cache_clear()
+        torch.testing.assert_close(qw.linear(x, None), exact, rtol=1e-5, atol=1e-5)
+        monkeypatch.setenv(cpu_qgemv.FP32_ACTIVATIONS_ENV, "int8")
+        cpu_qgemv.fp32_activation_bits.cache_clear()
+        qw.gguf_file = False
+        assert torch.equal(qw.linear(x, None), as_int8)
+        monkeypatch.setenv(cpu_qgemv.FP32_ACTIVATIONS_ENV, "int4")
+        cpu_qgemv.fp32_activation_bits.cache_clear()
+        with pytest.raises(ValueError, match="QUANT_FP32_ACTIVATIONS must be one of auto"):
+            cpu_qgemv.fp32_activation_bits()
+    finally:
+        cpu_qgemv.fp32_activation_bits.cache_clear()

@@ -187,6 +187,7 @@ def test_gguf_layers_keep_the_files_integers(
     layer = model.model.layers[0].mlp.down_proj
     packed = layer.quant_weight
     assert isinstance(packed, QuantizedWeight) and packed.bits == bits
+    assert packed.gguf_file  # float32 activations: int8 by default, as llama.cpp
     reader = gguf.GGUFReader(path)
     tensor = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
     blocks = tensor.data.reshape(packed.shape[0], -1, 34 if bits == 8 else 18)

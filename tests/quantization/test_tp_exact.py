@@ -40,6 +40,8 @@ from tests.quantization.test_gptq_awq import _checkpoints
 from tests.tiny_checkpoints import build_tiny_checkpoint
 from tokenwise.layers.quantization.weight_only import quantize
 
+pytestmark = pytest.mark.usefixtures("exact_fp32_activations")  # compared with transformers
+
 Q = gguf.GGMLQuantizationType
 TP = worker.TP_SIZE
 ATOL = 1e-4

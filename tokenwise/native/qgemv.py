@@ -40,7 +40,9 @@ ISA_NAMES = {0: "plain C", 1: "AVX2", 2: "AVX-512"}
 ACTIVATIONS_ENV = "TOKENWISE_CPU_QUANT_ACTIVATIONS"
 ACTIVATION_BITS = {"int8": 8, "int16": 16}
 FP32_ACTIVATIONS_ENV = "TOKENWISE_CPU_QUANT_FP32_ACTIVATIONS"
-FP32_ACTIVATION_BITS = {"float": 32, "int8": 8}
+# "auto": int8 for layers holding a GGUF file's blocks (llama.cpp's own arithmetic for them),
+# the exact float path for every other layer.
+FP32_ACTIVATION_BITS: dict[str, int | None] = {"auto": None, "float": 32, "int8": 8}
 
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
@@ -91,9 +93,9 @@ def activation_bits() -> int:
 
 
 @cache
-def fp32_activation_bits() -> int:
+def fp32_activation_bits() -> int | None:
     """What float32 activations become (`TOKENWISE_CPU_QUANT_FP32_ACTIVATIONS`): 32, the exact
-    float path, or 8, int8 per 32 values."""
+    float path, 8, int8 per 32 values, or None (auto: the layer's kind decides, `default_x_bits`)."""
     name = envs.get(FP32_ACTIVATIONS_ENV).strip().lower()
     if name not in FP32_ACTIVATION_BITS:
         raise ValueError(
@@ -102,9 +104,18 @@ def fp32_activation_bits() -> int:
     return FP32_ACTIVATION_BITS[name]
 
 
-def default_x_bits(dtype: torch.dtype) -> int:
-    """The activation bits the settings ask for x of `dtype`."""
-    return activation_bits() if dtype == torch.bfloat16 else fp32_activation_bits()
+def default_x_bits(dtype: torch.dtype, gguf_file: bool = False) -> int:
+    """The activation bits the settings ask for x of `dtype` before a layer whose blocks came
+    from a GGUF file (`gguf_file`) or not. float32 x under "auto" is int8 for GGUF blocks:
+    llama.cpp multiplies Q8_0 / Q4_0 blocks by int8 activations, so a GGUF user gets the
+    arithmetic (and, on AVX2 without VNNI, the 2-4x faster decode GEMV) the file was made for;
+    layers tokenwise quantized itself keep the exact product."""
+    if dtype == torch.bfloat16:
+        return activation_bits()
+    bits = fp32_activation_bits()
+    if bits is None:
+        return 8 if gguf_file else 32
+    return bits
 
 
 def qgemv(

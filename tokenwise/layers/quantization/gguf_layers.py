@@ -73,6 +73,7 @@ class GGUFLayerQuantizer:
             return
         mine = self.slices.take(hf_name, record)  # this rank's slice (`tp_slice`)
         if mine is not None:
+            mine.gguf_file = True  # float32 activations: int8 by default, as llama.cpp
             self.records[hf_name] = mine
 
     def quantize_experts(self, model: nn.Module) -> int:

@@ -67,6 +67,9 @@ class QuantizedWeight:
     # Off the CPU: the layer's kernel (`gpu_int4.Int4Kernel`), set at load by `gpu_selfcheck`
     # once its packing passed the self-check; None: dequantized per call (`gpu_weight_only`).
     device_kernel: Any = field(default=None, repr=False)
+    # Integers and scales read from a GGUF file: float32 activations then default to int8, the
+    # arithmetic llama.cpp runs these blocks with (`cpu_qgemv.default_x_bits`).
+    gguf_file: bool = False
 
     def __post_init__(self) -> None:
         if self.scales.dtype not in (torch.float16, torch.float32):
@@ -148,7 +151,8 @@ class QuantizedWeight:
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
         args = (self.qweight, self.scales, self.offsets, bias, self.bits, self.group_size)
-        return cpu_qgemv.qgemv(lib, x, *args, self.shape[0])
+        x_bits = cpu_qgemv.default_x_bits(x.dtype, self.gguf_file)
+        return cpu_qgemv.qgemv(lib, x, *args, self.shape[0], x_bits=x_bits)
 
 
 @dataclass(eq=False)
@@ -206,6 +210,7 @@ def stack_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
         shape=(sum(p.shape[0] for p in parts), first.shape[1]),
         input_perm=first.input_perm,
         input_size=first.input_size,
+        gguf_file=all(p.gguf_file for p in parts),
     )
 
 
