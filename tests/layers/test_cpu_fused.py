@@ -8,7 +8,7 @@ import platform
 import pytest
 import torch
 
-from tokenwise.layers.layernorm import RMSNorm
+from tokenwise.layers.layernorm import GemmaRMSNorm, RMSNorm
 from tokenwise.layers.rotary_embedding import RotaryEmbedding
 from tokenwise.native import fused as cpu_fused
 
@@ -53,6 +53,27 @@ def test_rms_norm_equals_torch(dtype: torch.dtype, size: int, rows: int) -> None
         want_out, want_sum = _torch_norm(x, weight, 1e-5, res)
         assert torch.equal(fused[1], want_sum)
         _same(fused[0], want_out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("size", [64, 256, 1024])
+def test_gemma_rms_norm_equals_torch(dtype: torch.dtype, size: int) -> None:
+    """Gemma's norm (checkpoint `weight - 1`, the scale applied in float32 before the cast):
+    the kernel's `gemma` mode equals the module's torch arithmetic, written out here."""
+    gen = torch.Generator().manual_seed(size)
+    for scale in (0.01, 1.0, 30.0):
+        x = (torch.randn(3, size, generator=gen) * scale).to(dtype)
+        weight = (0.3 * torch.randn(size, generator=gen)).to(dtype)
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + 1e-6)
+        want = (normed * (1.0 + weight.float())).to(dtype)
+        fused = cpu_fused.rms_norm(x, weight, 1e-6, gemma=True)
+        assert fused is not None and fused[1] is None
+        _same(fused[0], want)
+        norm = GemmaRMSNorm(size, 1e-6).to(dtype)
+        norm.weight.data = weight
+        _same(norm(x), want)  # the module takes the kernel for decode rows
+        assert not torch.equal(fused[0], _torch_norm(x, weight, 1e-6)[0])  # not plain RMSNorm
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

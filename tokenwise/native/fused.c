@@ -101,14 +101,16 @@ static float cascade_sum(const float *sq, int64_t n) {
 }
 
 /* out = weight * (x / sqrt(mean(x^2) + eps)) over `rows` rows of `n`, with HF's rounding (the
- * normalised row rounded to the model's dtype before the weight multiplies it). With `res`,
+ * normalised row rounded to the model's dtype before the weight multiplies it); with `gemma`,
+ * out = (1 + weight) * (x / sqrt(mean(x^2) + eps)) in float32, rounded once (Gemma's norm, which
+ * stores weight - 1 and scales before the cast back, as transformers does). With `res`,
  * x is first x + res (rounded), which is also written to `sum_out`. x's rows come in groups of
  * `group_rows` contiguous rows, `group_stride` values apart (per-head q/k norms read a strided
  * view of the fused qkv output: a group is a token's heads); res, out and sum_out are
  * contiguous. Returns 0, or -1 when scratch memory could not be allocated. */
 int tw_rms_norm(const void *x, const void *res, const void *weight, void *out, void *sum_out,
                 int64_t rows, int64_t n, float eps, int bf16, int64_t group_rows,
-                int64_t group_stride) {
+                int64_t group_stride, int gemma) {
     /* Two float rows of scratch: on the stack up to 2048 values (callers may be threads with
      * small stacks), else from the heap. */
     float local[2 * 2048];
@@ -128,6 +130,11 @@ int tw_rms_norm(const void *x, const void *res, const void *weight, void *out, v
         }
         const float mean = cascade_sum(sq, n) / (float)n;
         const float inv = 1.0f / sqrtf(mean + eps);
+        if (gemma) {
+            for (int64_t i = 0; i < n; ++i)
+                store(out, base + i, (h[i] * inv) * (1.0f + load(weight, i, bf16)), bf16);
+            continue;
+        }
         for (int64_t i = 0; i < n; ++i) {
             const float normed = round_to(h[i] * inv, bf16);
             store(out, base + i, load(weight, i, bf16) * normed, bf16);
@@ -302,7 +309,7 @@ int tw_embed_rows(const void *table, const int64_t *ids, int64_t n, int64_t row_
 /* The `_packed` entries (common.h). */
 int tw_rms_norm_packed(const int64_t *a) {
     return tw_rms_norm(TW_PTR(0), TW_PTR(1), TW_PTR(2), TW_PTR(3), TW_PTR(4), a[5], a[6],
-                       tw_f32_arg(a[7]), (int)a[8], a[9], a[10]);
+                       tw_f32_arg(a[7]), (int)a[8], a[9], a[10], (int)a[11]);
 }
 
 int tw_rope_neox_packed(const int64_t *a) {

@@ -63,7 +63,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.tw_rms_norm.restype = ctypes.c_int
     lib.tw_rms_norm.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float]
-    lib.tw_rms_norm.argtypes += [ctypes.c_int, _I64, _I64]
+    lib.tw_rms_norm.argtypes += [ctypes.c_int, _I64, _I64, ctypes.c_int]
     lib.tw_rope_neox.restype = None
     lib.tw_rope_neox.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]
     lib.tw_rope_neox.argtypes += [_I64, _I64, ctypes.c_int]
@@ -89,10 +89,15 @@ def _eligible(x: torch.Tensor) -> bool:
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    gemma: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """`(norm(x + residual), x + residual)` (or `(norm(x), None)`) as `RMSNorm` computes them,
-    rows over the last dimension; None where the kernel does not apply (see the module)."""
+    """`(norm(x + residual), x + residual)` (or `(norm(x), None)`) as `RMSNorm` computes them
+    (`gemma`: as `GemmaRMSNorm` does, the scale `1 + weight` in float32), rows over the last
+    dimension; None where the kernel does not apply (see the module)."""
     n = x.shape[-1] if x.dim() else 0
     # Tokens, not rows: a per-head norm has a row per head of each token.
     tokens = x.shape[0] if x.dim() == 3 else (x.numel() // n if n else 0)
@@ -127,6 +132,7 @@ def rms_norm(
         eps,
         int(x.dtype == torch.bfloat16),
         *layout,
+        int(gemma),
     )
     if status != 0:
         raise MemoryError("RMSNorm kernel could not allocate its scratch rows")
