@@ -44,8 +44,9 @@ def decode_per_sequence(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
-    sinks: torch.Tensor | None,
-    kv_scales: tuple[float, float],
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Fallback CPU decode into `output` (`[rows, heads, head_size]`): gather each sequence's
     blocks and attend with a grouped matmul, KV heads never repeated.
@@ -65,8 +66,8 @@ def decode_per_sequence(
             start = max(0, seq_len - sliding_window - key_offset)
         table = md.block_tables[i, : len_blocks(md, i)]
         end = seq_len - key_offset
-        keys = read_blocks(key_cache, table, q.dtype, kv_scales[0])[start:end]
-        values = read_blocks(value_cache, table, q.dtype, kv_scales[1])[start:end]
+        keys = read_blocks(key_cache, table, q.dtype, k_scale)[start:end]
+        values = read_blocks(value_cache, table, q.dtype, v_scale)[start:end]
         qg = q[j].view(num_kv_heads, group, head_size)
         scores = torch.matmul(qg, keys.permute(1, 2, 0)).float() * scale
         if softcap:

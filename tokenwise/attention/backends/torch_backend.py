@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -177,6 +177,19 @@ class TorchAttentionImpl:
             self.sinks_f32(),
         )
 
+    def _paged_settings(self) -> dict[str, Any]:
+        """This layer's settings as the PyTorch paged paths take them (`packed_prefill`,
+        `decode_per_sequence`); read per call: the sinks and fp8 scales arrive with weights."""
+        return {
+            "num_kv_heads": self.num_kv_heads,
+            "scale": self.scale,
+            "sliding_window": self.sliding_window,
+            "softcap": self.logits_soft_cap,
+            "k_scale": self.k_scale,
+            "v_scale": self.v_scale,
+            "sinks": self.sinks,
+        }
+
     def sinks_f32(self) -> torch.Tensor | None:
         """The sinks as the C kernel reads them: contiguous float32, one tensor for the
         model's life (a CPU graph records its address). Made at the first decode, after the
@@ -241,20 +254,7 @@ class TorchAttentionImpl:
     ) -> None:
         """Every prefill of the step in one SDPA call (the GPU path; `_prefill` on CPU):
         `packed_prefill.py` (this step's K/V are in the cache already)."""
-        packed_prefill(
-            q,
-            key_cache,
-            value_cache,
-            md,
-            output,
-            num_kv_heads=self.num_kv_heads,
-            scale=self.scale,
-            sliding_window=self.sliding_window,
-            softcap=self.logits_soft_cap,
-            k_scale=self.k_scale,
-            v_scale=self.v_scale,
-            sinks=self.sinks,
-        )
+        packed_prefill(q, key_cache, value_cache, md, output, **self._paged_settings())
 
     def _decode_into(
         self,
@@ -283,19 +283,7 @@ class TorchAttentionImpl:
         """
         lib = cpu_paged_decode.load()
         if lib is None or key_cache.dtype not in cpu_paged_decode.CACHE_DTYPES:
-            decode_per_sequence(
-                q,
-                key_cache,
-                value_cache,
-                md,
-                output,
-                num_kv_heads=self.num_kv_heads,
-                scale=self.scale,
-                sliding_window=self.sliding_window,
-                softcap=self.logits_soft_cap,
-                sinks=self.sinks,
-                kv_scales=(self.k_scale, self.v_scale),
-            )
+            decode_per_sequence(q, key_cache, value_cache, md, output, **self._paged_settings())
             return
         first = md.num_prefills
         direct = output.dtype == torch.float32 and output.is_contiguous()
