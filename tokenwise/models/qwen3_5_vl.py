@@ -78,6 +78,11 @@ class Qwen3_5VisionLanguage(GridImageModel):
         if self.model.is_first_stage and not images_turned_off(config.model.limit_mm_per_prompt):
             self.visual = Qwen3_5VisionTower(mm.vision_config)
         self.spatial_merge_size = int(mm.vision_config.spatial_merge_size)
+        # Videos (`engine/kinds/video_prompts.py`): each temporal group of frames is placed
+        # and embedded as an image, between these markers.
+        self.video_pad_token_id = int(mm.video_token_id)
+        self.video_start_token_id = int(mm.vision_start_token_id)
+        self.video_end_token_id = int(mm.vision_end_token_id)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """All tensors through the text model's loader (which checks names, shapes and that

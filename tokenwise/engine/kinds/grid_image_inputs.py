@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from tokenwise.engine.kinds.image_inputs import PREPROCESSOR_FILES, ImageInput, hash_pixels
+from tokenwise.engine.kinds.video_prompts import VideoPrompts
 
 Grid = tuple[int, int, int]
 
@@ -47,7 +48,12 @@ class GridImagePrompts:
     """Turns prompts with images into token ids and `ImageInput`s (one per engine)."""
 
     def __init__(
-        self, model_dir: str, tokenizer: Any, image_token_id: int, merge_size: int
+        self,
+        model_dir: str,
+        tokenizer: Any,
+        image_token_id: int,
+        merge_size: int,
+        video_tokens: dict[str, int] | None = None,
     ) -> None:
         self.model_dir = model_dir
         self.tokenizer = tokenizer
@@ -55,6 +61,8 @@ class GridImagePrompts:
         self.merge_size = merge_size
         self.image_token = str(tokenizer.convert_ids_to_tokens(image_token_id))
         self._processor: Any = None
+        # Qwen3.5: videos too (`video_prompts.py`); the video, vision start and end tokens.
+        self.videos = VideoPrompts(model_dir, tokenizer, video_tokens) if video_tokens else None
 
     @property
     def processor(self) -> Any:
@@ -81,19 +89,32 @@ class GridImagePrompts:
             raise ValueError(f"the image processor refused the input: {exc}") from exc
         return pieces, batch
 
-    def process(self, text: str, images: list[Any]) -> tuple[list[int], list[ImageInput]]:
-        """Token ids of `text` with each image's placeholder expanded, and the images."""
-        pieces, batch = self.split_and_process(text, images)
-        grids: list[Grid] = [
-            (int(t), int(h), int(w)) for t, h, w in batch["image_grid_thw"].tolist()
-        ]
+    def process(
+        self, text: str, images: list[Any], videos: list[Any] | None = None
+    ) -> tuple[list[int], list[ImageInput]]:
+        """Token ids of `text` with each image's (and video's) placeholder expanded, and the
+        images and videos' temporal groups, in prompt order."""
+        processed: list[Any] = []
+        if videos:
+            if self.videos is None:
+                raise ValueError("this model reads images only, not videos")
+            text, processed = self.videos.expand(text, videos, self.processor)
+        grids: list[Grid] = []
+        pixels: list[Any] = []
+        pieces = [text]
+        if images or self.image_token in text:
+            pieces, batch = self.split_and_process(text, images)
+            grids = [(int(t), int(h), int(w)) for t, h, w in batch["image_grid_thw"].tolist()]
+            pixels = list(batch["pixel_values"].split([t * h * w for t, h, w in grids]))
         counts = [t * h * w // self.merge_size**2 for t, h, w in grids]
         expanded = pieces[0]
         for count, piece in zip(counts, pieces[1:], strict=True):
             expanded += self.image_token * count + piece
         ids = [int(t) for t in self.tokenizer(expanded)["input_ids"]]
-        pixels = batch["pixel_values"].split([t * h * w for t, h, w in grids])
-        return ids, self.locate(ids, list(pixels), grids, counts)
+        found = self.locate(ids, pixels, grids, counts)
+        if self.videos is not None:
+            found += self.videos.locate(ids, processed, self.merge_size)
+        return ids, sorted(found, key=lambda item: item.offset)
 
     def locate(
         self, ids: list[int], pixels: list[Any], grids: list[Grid], counts: list[int]
