@@ -17,9 +17,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
-from tokenwise.engine.kinds.image_inputs import PREPROCESSOR_FILES, ImageInput, hash_pixels
+from tokenwise.engine.kinds.image_inputs import (
+    PREPROCESSOR_FILES,
+    ImageInput,
+    check_placeholders,
+    grid_runs,
+)
 from tokenwise.engine.kinds.video_prompts import VideoPrompts
 
 Grid = tuple[int, int, int]
@@ -75,12 +78,7 @@ class GridImagePrompts:
         """The text around each placeholder (one per image, checked) and the image
         processor's batch for the images."""
         pieces = text.split(self.image_token)
-        if len(pieces) - 1 != len(images):
-            raise ValueError(
-                f"the prompt has {len(pieces) - 1} image placeholder(s) ({self.image_token!r}) "
-                f"but {len(images)} image(s) were given; put one {self.image_token!r} where "
-                "each image goes"
-            )
+        check_placeholders(len(pieces) - 1, len(images), self.image_token, "image")
         try:
             batch = self.processor(
                 images=[image.convert("RGB") for image in images], return_tensors="pt"
@@ -120,18 +118,5 @@ class GridImagePrompts:
         self, ids: list[int], pixels: list[Any], grids: list[Grid], counts: list[int]
     ) -> list[ImageInput]:
         """Each image's run of placeholder tokens, in order; they must be whole runs."""
-        where = np.flatnonzero(np.asarray(ids) == self.image_token_id)
-        if len(where) != sum(counts):
-            raise ValueError(
-                f"the prompt holds {len(where)} image placeholder tokens, but its images need "
-                f"{sum(counts)} ({self.image_token!r} may appear in the text only as a placeholder)"
-            )
-        images, start = [], 0
-        for i, (count, grid, pix) in enumerate(zip(counts, grids, pixels, strict=True)):
-            run = where[start : start + count]
-            if run[-1] - run[0] != count - 1:
-                raise ValueError(f"image {i}'s placeholder tokens are not contiguous")
-            content = hash_pixels(pix, layout=f"grid{grid}")
-            images.append(ImageInput(int(run[0]), count, content, pix, grid))
-            start += count
-        return images
+        items = list(zip(pixels, grids, counts, strict=True))
+        return grid_runs(ids, self.image_token_id, self.image_token, "image", items)

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 from PIL import Image
 
-from tokenwise.engine.kinds.image_inputs import ImageInput, hash_pixels
+from tokenwise.engine.kinds.image_inputs import ImageInput, check_placeholders, grid_runs
 from tokenwise.engine.kinds.video_inputs import ProcessedVideo, VideoSettings, process_video
 
 
@@ -53,13 +52,7 @@ class VideoPrompts:
         self, text: str, videos: list[Any], image_processor: Any
     ) -> tuple[str, list[ProcessedVideo]]:
         """`text` with each video's placeholder expanded, and the processed videos."""
-        found = text.count(self.video_token)
-        if found != len(videos):
-            raise ValueError(
-                f"the prompt has {found} video placeholder(s) ({self.video_token!r}) but "
-                f"{len(videos)} video(s) were given; put one {self.video_token!r} where each "
-                "video goes"
-            )
+        check_placeholders(text.count(self.video_token), len(videos), self.video_token, "video")
         settings = self.settings(image_processor)
         processed = [process_video(settings, video, i) for i, video in enumerate(videos)]
         done: list[str] = []  # the expanded text so far; only the rest is searched again
@@ -79,22 +72,10 @@ class VideoPrompts:
 
     def locate(self, ids: list[int], videos: list[ProcessedVideo], merge: int) -> list[ImageInput]:
         """Each temporal group's run of video placeholder tokens, in order."""
-        counts = [v.grid_thw[1] * v.grid_thw[2] // merge**2 for v in videos]
-        where = np.flatnonzero(np.asarray(ids) == self.video_token_id)
-        need = sum(c * v.grid_thw[0] for c, v in zip(counts, videos, strict=True))
-        if len(where) != need:
-            raise ValueError(
-                f"the prompt holds {len(where)} video placeholder tokens, but its videos need "
-                f"{need} ({self.video_token!r} may appear in the text only as a placeholder)"
-            )
-        groups, start = [], 0
-        for i, (count, video) in enumerate(zip(counts, videos, strict=True)):
-            grid = (1, video.grid_thw[1], video.grid_thw[2])
-            for pixels in video.groups():
-                run = where[start : start + count]
-                if run[-1] - run[0] != count - 1:
-                    raise ValueError(f"video {i}'s placeholder tokens are not contiguous")
-                content = hash_pixels(pixels, layout=f"grid{grid}")
-                groups.append(ImageInput(int(run[0]), count, content, pixels, grid))
-                start += count
-        return groups
+        items = []
+        for video in videos:
+            _, rows, cols = video.grid_thw
+            items += [
+                (pixels, (1, rows, cols), rows * cols // merge**2) for pixels in video.groups()
+            ]
+        return grid_runs(ids, self.video_token_id, self.video_token, "video", items)
