@@ -23,6 +23,7 @@ from tests.models._tiny_qwen25vl import IMAGE
 from tests.models._tiny_qwen35vl import build_tiny_qwen35vl
 from tokenwise.engine.kinds.video_inputs import VideoSettings, patchify, process_video, smart_resize
 from tokenwise.entrypoints.llm import LLM
+from tokenwise.models.image_merge import images_turned_off
 
 VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
 ONE_VIDEO = "USER: " + VIDEO + "What happens? ASSISTANT:"
@@ -184,3 +185,9 @@ def test_bad_videos_are_refused_by_name(path: str, llm: LLM) -> None:
         ValueError, match=r"1 videos, more than the 0.*limit_mm_per_prompt\['video'\]"
     ):
         limited.generate({"prompt": ONE_VIDEO, "multi_modal_data": {"video": video}}, GREEDY)
+
+
+def test_a_video_limit_keeps_the_tower() -> None:
+    """`{"image": 0}` alone is the text-model mode; a video limit above 0 needs the tower."""
+    assert images_turned_off({"image": 0}) and images_turned_off({"image": 0, "video": 0})
+    assert not images_turned_off({"image": 0, "video": 1})
