@@ -6,7 +6,9 @@ Qwen2.5-VL's path through the engine unchanged: the same processor and placehold
 (`engine/kinds/grid_image_inputs.py`), the same 3-D prompt positions
 (`engine/kinds/mrope_positions.py`, HF's `get_rope_index`: an image's tokens sit at
 `start + (frame, row, column)` and the text after it resumes at `start + max(rows, cols)`),
-and image rows written over the placeholders' embeddings (`image_merge.py`).
+and image rows written over the placeholders' embeddings (`image_merge.py`). Videos go the same
+way: each temporal group of two frames, behind its timestamp, is placed and embedded as an
+image of one frame (`engine/kinds/video_prompts.py`).
 
 Two things differ from Qwen2.5-VL:
 
