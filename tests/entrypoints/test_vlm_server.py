@@ -314,6 +314,16 @@ def test_text_only_model_refuses_images(servers: tuple[RemoteServer, RemoteServe
     assert info.value.code == "images_not_supported"
 
 
+def test_video_url_parts_are_refused_by_name(client: OpenAI) -> None:
+    """No video library decodes a clip here: a `video_url` part is a 400 naming it."""
+    part = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
+    with pytest.raises(
+        openai.BadRequestError, match="video_url content parts are not served"
+    ) as info:
+        chat(client, [{"role": "user", "content": [part, {"type": "text", "text": "Hi"}]}])
+    assert info.value.code == "videos_not_supported"
+
+
 @pytest.mark.parametrize("multimodal_template", [True, False], ids=["parts", "string"])
 def test_chat_template_of_either_form_places_the_images(multimodal_template: bool) -> None:
     """A template that renders Hugging Face's image parts writes the placeholders itself; one

@@ -207,6 +207,10 @@ def test_bad_image_prompts_are_refused_by_name(qwen_dir: str) -> None:
         llm.generate({"prompt": "no placeholder", "multi_modal_data": {"image": image}})
     with pytest.raises(ValueError, match="no image was given"):
         llm.generate("<|image_pad|> without an image", GREEDY, use_tqdm=False)
+    # Video is Qwen3.5's only (test_qwen3_5_video.py): refused here by name.
+    frames = np.zeros((2, 16, 16, 3), dtype=np.uint8)
+    with pytest.raises(ValueError, match="reads images only; multi_modal_data has video"):
+        llm.generate({"prompt": "<|video_pad|>", "multi_modal_data": {"video": frames}}, GREEDY)
     assert_pool_clean(llm.llm_engine)
 
 

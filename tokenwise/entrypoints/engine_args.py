@@ -82,7 +82,8 @@ class EngineArgs(ParallelArgs):
     )
     limit_mm_per_prompt: dict[str, int] | None = setting(
         None,
-        "most images one prompt may carry, as vLLM takes it: '{\"image\": 2}' (default: no limit)",
+        "most images (and videos: Qwen3.5) one prompt may carry, as vLLM takes it: "
+        '\'{"image": 2, "video": 1}\' (default: no limit)',
         type=parse_json_dict,
         metavar="JSON",
     )

@@ -20,8 +20,9 @@ def images_turned_off(limit_mm_per_prompt: dict[str, int] | None) -> bool:
     """`limit_mm_per_prompt={"image": 0}`: vLLM's "language model only" mode, in which a
     vision-language checkpoint that allows it (`text_only_without_images`) serves text alone,
     as its text model (no tower built; every feature of the text model, TP and speculative
-    decoding included)."""
-    return (limit_mm_per_prompt or {}).get("image") == 0
+    decoding included). A video limit above 0 keeps the tower (videos run through it)."""
+    limits = limit_mm_per_prompt or {}
+    return limits.get("image") == 0 and not limits.get("video")  # a video needs the tower
 
 
 def serves_text_only(model_cls: Any, limit_mm_per_prompt: dict[str, int] | None) -> bool:

@@ -6,7 +6,9 @@ Qwen2.5-VL's path through the engine unchanged: the same processor and placehold
 (`engine/kinds/grid_image_inputs.py`), the same 3-D prompt positions
 (`engine/kinds/mrope_positions.py`, HF's `get_rope_index`: an image's tokens sit at
 `start + (frame, row, column)` and the text after it resumes at `start + max(rows, cols)`),
-and image rows written over the placeholders' embeddings (`image_merge.py`).
+and image rows written over the placeholders' embeddings (`image_merge.py`). Videos go the same
+way: each temporal group of two frames, behind its timestamp, is placed and embedded as an
+image of one frame (`engine/kinds/video_prompts.py`).
 
 Two things differ from Qwen2.5-VL:
 
@@ -78,6 +80,11 @@ class Qwen3_5VisionLanguage(GridImageModel):
         if self.model.is_first_stage and not images_turned_off(config.model.limit_mm_per_prompt):
             self.visual = Qwen3_5VisionTower(mm.vision_config)
         self.spatial_merge_size = int(mm.vision_config.spatial_merge_size)
+        # Videos (`engine/kinds/video_prompts.py`): each temporal group of frames is placed
+        # and embedded as an image, between these markers.
+        self.video_pad_token_id = int(mm.video_token_id)
+        self.video_start_token_id = int(mm.vision_start_token_id)
+        self.video_end_token_id = int(mm.vision_end_token_id)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """All tensors through the text model's loader (which checks names, shapes and that

@@ -17,9 +17,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
-from tokenwise.engine.kinds.image_inputs import PREPROCESSOR_FILES, ImageInput, hash_pixels
+from tokenwise.engine.kinds.image_inputs import (
+    PREPROCESSOR_FILES,
+    ImageInput,
+    check_placeholders,
+    grid_runs,
+)
+from tokenwise.engine.kinds.video_prompts import VideoPrompts
 
 Grid = tuple[int, int, int]
 
@@ -47,7 +51,12 @@ class GridImagePrompts:
     """Turns prompts with images into token ids and `ImageInput`s (one per engine)."""
 
     def __init__(
-        self, model_dir: str, tokenizer: Any, image_token_id: int, merge_size: int
+        self,
+        model_dir: str,
+        tokenizer: Any,
+        image_token_id: int,
+        merge_size: int,
+        video_tokens: dict[str, int] | None = None,
     ) -> None:
         self.model_dir = model_dir
         self.tokenizer = tokenizer
@@ -55,6 +64,8 @@ class GridImagePrompts:
         self.merge_size = merge_size
         self.image_token = str(tokenizer.convert_ids_to_tokens(image_token_id))
         self._processor: Any = None
+        # Qwen3.5: videos too (`video_prompts.py`); the video, vision start and end tokens.
+        self.videos = VideoPrompts(model_dir, tokenizer, video_tokens) if video_tokens else None
 
     @property
     def processor(self) -> Any:
@@ -67,12 +78,7 @@ class GridImagePrompts:
         """The text around each placeholder (one per image, checked) and the image
         processor's batch for the images."""
         pieces = text.split(self.image_token)
-        if len(pieces) - 1 != len(images):
-            raise ValueError(
-                f"the prompt has {len(pieces) - 1} image placeholder(s) ({self.image_token!r}) "
-                f"but {len(images)} image(s) were given; put one {self.image_token!r} where "
-                "each image goes"
-            )
+        check_placeholders(len(pieces) - 1, len(images), self.image_token, "image")
         try:
             batch = self.processor(
                 images=[image.convert("RGB") for image in images], return_tensors="pt"
@@ -81,36 +87,36 @@ class GridImagePrompts:
             raise ValueError(f"the image processor refused the input: {exc}") from exc
         return pieces, batch
 
-    def process(self, text: str, images: list[Any]) -> tuple[list[int], list[ImageInput]]:
-        """Token ids of `text` with each image's placeholder expanded, and the images."""
-        pieces, batch = self.split_and_process(text, images)
-        grids: list[Grid] = [
-            (int(t), int(h), int(w)) for t, h, w in batch["image_grid_thw"].tolist()
-        ]
+    def process(
+        self, text: str, images: list[Any], videos: list[Any] | None = None
+    ) -> tuple[list[int], list[ImageInput]]:
+        """Token ids of `text` with each image's (and video's) placeholder expanded, and the
+        images and videos' temporal groups, in prompt order."""
+        processed: list[Any] = []
+        if videos:
+            if self.videos is None:
+                raise ValueError("this model reads images only, not videos")
+            text, processed = self.videos.expand(text, videos, self.processor)
+        grids: list[Grid] = []
+        pixels: list[Any] = []
+        pieces = [text]
+        if images or self.image_token in text:
+            pieces, batch = self.split_and_process(text, images)
+            grids = [(int(t), int(h), int(w)) for t, h, w in batch["image_grid_thw"].tolist()]
+            pixels = list(batch["pixel_values"].split([t * h * w for t, h, w in grids]))
         counts = [t * h * w // self.merge_size**2 for t, h, w in grids]
         expanded = pieces[0]
         for count, piece in zip(counts, pieces[1:], strict=True):
             expanded += self.image_token * count + piece
         ids = [int(t) for t in self.tokenizer(expanded)["input_ids"]]
-        pixels = batch["pixel_values"].split([t * h * w for t, h, w in grids])
-        return ids, self.locate(ids, list(pixels), grids, counts)
+        found = self.locate(ids, pixels, grids, counts)
+        if self.videos is not None:
+            found += self.videos.locate(ids, processed, self.merge_size)
+        return ids, sorted(found, key=lambda item: item.offset)
 
     def locate(
         self, ids: list[int], pixels: list[Any], grids: list[Grid], counts: list[int]
     ) -> list[ImageInput]:
         """Each image's run of placeholder tokens, in order; they must be whole runs."""
-        where = np.flatnonzero(np.asarray(ids) == self.image_token_id)
-        if len(where) != sum(counts):
-            raise ValueError(
-                f"the prompt holds {len(where)} image placeholder tokens, but its images need "
-                f"{sum(counts)} ({self.image_token!r} may appear in the text only as a placeholder)"
-            )
-        images, start = [], 0
-        for i, (count, grid, pix) in enumerate(zip(counts, grids, pixels, strict=True)):
-            run = where[start : start + count]
-            if run[-1] - run[0] != count - 1:
-                raise ValueError(f"image {i}'s placeholder tokens are not contiguous")
-            content = hash_pixels(pix, layout=f"grid{grid}")
-            images.append(ImageInput(int(run[0]), count, content, pix, grid))
-            start += count
-        return images
+        items = list(zip(pixels, grids, counts, strict=True))
+        return grid_runs(ids, self.image_token_id, self.image_token, "image", items)

@@ -106,13 +106,7 @@ class ImagePrompts:
 
     def process(self, text: str, images: list[Any]) -> tuple[list[int], list[ImageInput]]:
         """Token ids of `text` with each image's placeholder expanded, and the images."""
-        count = text.count(self.image_token)
-        if count != len(images):
-            raise ValueError(
-                f"the prompt has {count} image placeholder(s) ({self.image_token!r}) but "
-                f"{len(images)} image(s) were given; put one {self.image_token!r} where each "
-                "image goes"
-            )
+        check_placeholders(text.count(self.image_token), len(images), self.image_token, "image")
         try:
             batch = self.processor(
                 images=[image.convert("RGB") for image in images],
@@ -141,6 +135,39 @@ class ImagePrompts:
                 raise ValueError(f"image {i}'s placeholder tokens are not contiguous")
             images.append(ImageInput(int(run[0]), n, hash_pixels(pixels), pixels))
         return images
+
+
+def check_placeholders(found: int, given: int, token: str, what: str) -> None:
+    """One placeholder `token` in the prompt per `what` ("image", "video") given."""
+    if found != given:
+        raise ValueError(
+            f"the prompt has {found} {what} placeholder(s) ({token!r}) but {given} {what}(s) "
+            f"were given; put one {token!r} where each {what} goes"
+        )
+
+
+def grid_runs(
+    ids: list[int], token_id: int, token: str, what: str, items: list[tuple[Any, Any, int]]
+) -> list[ImageInput]:
+    """Each item's run of `token_id` placeholders, in order, as an `ImageInput`; `items` are
+    `(pixels, grid_thw, tokens)` (an image, or a video's temporal group). The runs must be
+    whole and the prompt must hold no other placeholder."""
+    where = np.flatnonzero(np.asarray(ids) == token_id)
+    need = sum(count for *_, count in items)
+    if len(where) != need:
+        raise ValueError(
+            f"the prompt holds {len(where)} {what} placeholder tokens, but its {what}s need "
+            f"{need} ({token!r} may appear in the text only as a placeholder)"
+        )
+    out, start = [], 0
+    for i, (pixels, grid, count) in enumerate(items):
+        run = where[start : start + count]
+        if run[-1] - run[0] != count - 1:
+            raise ValueError(f"{what} {i}'s placeholder tokens are not contiguous")
+        content = hash_pixels(pixels, layout=f"grid{grid}")
+        out.append(ImageInput(int(run[0]), count, content, pixels, grid))
+        start += count
+    return out
 
 
 def hash_spans(images: list[ImageInput]) -> tuple[tuple[int, int, bytes], ...]:

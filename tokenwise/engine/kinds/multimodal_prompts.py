@@ -29,6 +29,7 @@ from tokenwise.engine.kinds.gemma4_image_inputs import Gemma4ImagePrompts
 from tokenwise.engine.kinds.grid_image_inputs import GridImagePrompts
 from tokenwise.engine.kinds.image_inputs import ImagePrompts, as_image_list
 from tokenwise.engine.kinds.mrope_positions import prompt_mrope_positions
+from tokenwise.engine.kinds.video_prompts import as_video_list
 from tokenwise.engine.prompts import PromptInput, check_text, validate_request
 from tokenwise.sampling.params import SamplingParams
 
@@ -56,6 +57,11 @@ def prompt_settings(model: Any, image_token_id: int) -> dict[str, int]:
         "variable_image_tokens": int(variable),
         # Gemma 3: an image's tokens attend to each other both ways (chunks never cut one).
         "whole_images": int(bool(getattr(model, "bidirectional_image_attention", False))),
+        # Qwen3.5: videos, and their placeholder and vision start / end tokens (-1: none).
+        **{
+            f"video_{name}_token_id": int(getattr(model, f"video_{name}_token_id", -1))
+            for name in ("pad", "start", "end")
+        },
     }
 
 
@@ -81,9 +87,18 @@ class MultiModalPrompts:
         self.merge_size = settings["merge_size"]
         self.whole_images = bool(settings.get("whole_images", 0))
         self.prompts: ImagePrompts | GridImagePrompts
+        self.video_tokens = {
+            key: settings.get(f"video_{name}_token_id", -1)
+            for key, name in (("video", "pad"), ("start", "start"), ("end", "end"))
+        }
+        self.reads_video = self.uses_mrope and self.video_tokens["video"] >= 0
         if self.uses_mrope:
             self.prompts = GridImagePrompts(
-                model_config.model, tokenizer, self.image_token_id, self.merge_size
+                model_config.model,
+                tokenizer,
+                self.image_token_id,
+                self.merge_size,
+                self.video_tokens if self.reads_video else None,
             )
         elif settings.get("variable_image_tokens"):
             self.prompts = Gemma4ImagePrompts(
@@ -104,27 +119,18 @@ class MultiModalPrompts:
         """(text, token ids, the request's extra fields) of a prompt, checked."""
         mc, tokenizer = self.model_config, self.tokenizer
         data = multi_modal_data(prompt)
-        images = []
-        if data is not None:
-            unknown = sorted(set(data) - {"image"})
-            if unknown:
-                raise ValueError(
-                    f"this model reads images only; multi_modal_data has {', '.join(unknown)}"
-                )
-            if data.get("image") is not None:
-                images = as_image_list(data["image"])
-        limit = (mc.limit_mm_per_prompt or {}).get("image")
-        if limit is not None and len(images) > limit:
-            raise ValueError(
-                f"the prompt has {len(images)} images, more than the {limit} per prompt this "
-                "server allows (limit_mm_per_prompt / --limit-mm-per-prompt)"
-            )
-        if not images:
+        images, videos = self.check_data(data)
+        if not images and not videos:
             text, ids = validate_request(mc, tokenizer, prompt, params)
             if self.image_token_id in ids:
                 raise ValueError(
                     "the prompt holds the image placeholder token but no image was given "
                     "(pass it in multi_modal_data={'image': ...})"
+                )
+            if self.reads_video and self.video_tokens["video"] in ids:
+                raise ValueError(
+                    "the prompt holds the video placeholder token but no video was given "
+                    "(pass it in multi_modal_data={'video': frames})"
                 )
             return text, ids, {"images": []}
         assert isinstance(prompt, dict)
@@ -137,7 +143,11 @@ class MultiModalPrompts:
         if params.truncate_prompt_tokens is not None:
             raise ValueError("truncate_prompt_tokens cannot be used with images (it could cut one)")
         check_text(text, "prompt")
-        ids, image_inputs = self.prompts.process(text, images)
+        if videos:
+            assert isinstance(self.prompts, GridImagePrompts)
+            ids, image_inputs = self.prompts.process(text, images, videos)
+        else:
+            ids, image_inputs = self.prompts.process(text, images)
         validate_request(mc, tokenizer, {"prompt_token_ids": ids}, params)
         extra: dict[str, Any] = {"images": image_inputs}
         if self.whole_images:  # the request's field (Gemma 3); others keep its default
@@ -146,6 +156,29 @@ class MultiModalPrompts:
             positions, delta = prompt_mrope_positions(len(ids), image_inputs, self.merge_size)
             extra.update(mrope_positions=positions, mrope_position_delta=delta)
         return text, ids, extra
+
+    def check_data(self, data: dict[str, Any] | None) -> tuple[list[Any], list[Any]]:
+        """The prompt's images and videos, checked against the model and the limits."""
+        if data is None:
+            return [], []
+        modalities = {"image", "video"} if self.reads_video else {"image"}
+        unknown = sorted(set(data) - modalities)
+        if unknown:
+            reads = " and ".join(f"{m}s" for m in sorted(modalities))
+            raise ValueError(
+                f"this model reads {reads} only; multi_modal_data has {', '.join(unknown)}"
+            )
+        images = as_image_list(data["image"]) if data.get("image") is not None else []
+        videos = as_video_list(data["video"]) if data.get("video") is not None else []
+        limits = self.model_config.limit_mm_per_prompt or {}
+        for name, items in (("image", images), ("video", videos)):
+            limit = limits.get(name)
+            if limit is not None and len(items) > limit:
+                raise ValueError(
+                    f"the prompt has {len(items)} {name}s, more than the {limit} per prompt this "
+                    f"server allows (limit_mm_per_prompt['{name}'] / --limit-mm-per-prompt)"
+                )
+        return images, videos
 
     def accept_processed(
         self, prompt: ProcessedImagePrompt, params: SamplingParams

@@ -2,7 +2,7 @@
 
 Kept apart from the kind so the configuration code (`entrypoints/engine_config.py`) can read them
 without importing the engine: images run on one rank, eagerly (`multimodal_runner.py` says
-why), and `limit_mm_per_prompt` (vLLM's `{"image": N}`) must name modalities this engine
+why), and `limit_mm_per_prompt` (vLLM's `{"image": N, "video": M}`) must name modalities this engine
 reads, with non-negative counts.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-MODALITIES = ("image",)
+MODALITIES = ("image", "video")  # video: Qwen3.5 only (others refuse a video by name)
 
 
 def parse_limit_mm_per_prompt(limit: Any) -> dict[str, int] | None:

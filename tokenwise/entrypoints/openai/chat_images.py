@@ -4,7 +4,8 @@ Every problem is the client's to fix and is named: an image sent to a model that
 more images than `--limit-mm-per-prompt` allows, a URL of a kind the server does not fetch, a
 local file outside `--allowed-local-media-path` (or no such path configured: local files are
 off by default, as in vLLM, since they let a client read the server's disk), a base64 payload
-that does not decode, or bytes that are not an image PIL can read.
+that does not decode, or bytes that are not an image PIL can read. A `video_url` part is
+refused by name: decoding a video file needs a video library this server does not have.
 
 Sources: `data:image/...;base64,...` URLs (what the openai client sends for a local image),
 `file://` URLs or plain paths under the allowed directory, and http(s) URLs, which the chat
@@ -25,7 +26,7 @@ from urllib.parse import unquote, urlparse
 
 from tokenwise.entrypoints.openai.errors import OpenAIError
 from tokenwise.entrypoints.openai.image_fetch import fetch_images, is_remote
-from tokenwise.entrypoints.openai.protocol import ImagePart
+from tokenwise.entrypoints.openai.protocol import ImagePart, VideoPart
 from tokenwise.models.registry import is_multimodal_architecture
 
 PARAM = "messages"
@@ -46,6 +47,20 @@ def image_parts(messages: list[Any]) -> list[ImagePart]:
 
 def check_image_parts(messages: list[Any], supports_images: bool, limit: int | None) -> list:
     """The request's image parts, refused if the model reads none or they are too many."""
+    if any(
+        isinstance(part, VideoPart)
+        for m in messages
+        if isinstance(m.content, list)
+        for part in m.content
+    ):
+        # No video library here to decode a clip; offline prompts take decoded frames.
+        raise OpenAIError(
+            400,
+            "video_url content parts are not served: this server decodes no video files; "
+            "pass the frames to LLM.generate as multi_modal_data={'video': frames}",
+            param=PARAM,
+            code="videos_not_supported",
+        )
     parts = image_parts(messages)
     if not parts:
         return []

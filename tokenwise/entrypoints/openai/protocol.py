@@ -150,11 +150,18 @@ class ImagePart(RequestModel):
     image_url: ImageURL
 
 
+class VideoPart(RequestModel):
+    """vLLM's `video_url` part: parsed only to be refused by name (`chat_images.py`)."""
+
+    type: Literal["video_url"]
+    video_url: ImageURL
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     role: str
-    content: str | list[TextPart | ImagePart] | None = None
+    content: str | list[TextPart | ImagePart | VideoPart] | None = None
 
 
 class FunctionDefinition(RequestModel):
