@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests._optional import skip_or_fail_in_ci
+from tests.quantization._gguf_files import write_gguf
 from tests.quantization._gguf_hybrid_files import write_hybrid_gguf
 from tests.quantization.test_gguf_hybrids import CONVERT, _converter_source
 from tests.tiny_checkpoints import build_tiny_checkpoint
@@ -211,5 +212,16 @@ def test_a_file_without_the_head_is_refused_naming_the_option_and_file(tmp_path:
         ValueError,
         match=r"speculative_config\.method 'mtp' needs an MTP head, and GGUF file "
         r"'.*no-head\.gguf' has none \(qwen35\.nextn_predict_layers",
+    ):
+        make(path, speculative_config=SPEC)
+
+
+def test_a_file_of_another_family_is_refused_naming_the_option_and_file(tmp_path: Path) -> None:
+    hf_dir = build_tiny_checkpoint(tmp_path / "ckpt", "Qwen3ForCausalLM")
+    path = write_gguf(hf_dir, str(tmp_path / "qwen3.gguf"))
+    with pytest.raises(
+        ValueError,
+        match=r"speculative_config\.method 'mtp' runs the MTP head of Qwen3\.5, Qwen3\.5-MoE and "
+        r"Qwen3-Next GGUF files .*; GGUF file '.*qwen3\.gguf' is a 'qwen3' model",
     ):
         make(path, speculative_config=SPEC)
