@@ -7,7 +7,7 @@ the file must hold the checkpoint directory's tensors (after the converter's rew
 undone); greedy output with it must be the file's own greedy output (lossless) and, from an
 F32 file, the directory's with its head, draft for draft. A file without the head is refused.
 
-The target is made to count, mostly (the next token after t is t + 1: unit-direction
+The target is made to count, mostly (the next token after t is t + 1: random equal-norm
 embeddings, the LM head's row v the embedding of v - 1, every layer's output projection scaled
 down so the embedding dominates; on the Qwen3.5 checkpoint about a quarter of its steps still
 go elsewhere), and its head to predict that: `fc` passes the next token's embedding through,
