@@ -40,7 +40,8 @@ from tokenwise.gguf.gemma4_config import gemma4_tensor_names
 from tokenwise.gguf.gemma_config import GEMMA_ARCHS
 from tokenwise.gguf.gpt_oss_tensors import GptOssTensors, gpt_oss_tensor_names, is_expert_tensor
 from tokenwise.gguf.hf_config import gguf_architecture
-from tokenwise.gguf.hybrid_config import GDN_ARCHS
+from tokenwise.gguf.hybrid_config import GDN_ARCHS, decoder_layers
+from tokenwise.gguf.mtp_tensors import head_names_as_block, mtp_block, mtp_tensor_names
 from tokenwise.gguf.reader import open_gguf, read_metadata
 
 # Tensors that are configuration, not parameters: read by `hf_config` (rope factors).
@@ -105,9 +106,12 @@ def iterate_gguf(
     expected_names: Iterable[str],
     dtype: torch.dtype,
     observe: Callable[[str, torch.Tensor, str, np.ndarray], None] | None = None,
+    mtp: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(HF name, tensor in dtype)` for every tensor of the file, one at a time
-    (gpt-oss's MXFP4 experts as their uint8 codes and scales, `gpt_oss_tensors`).
+    (gpt-oss's MXFP4 experts as their uint8 codes and scales, `gpt_oss_tensors`). With `mtp`,
+    only the MTP head's tensors of a Gated DeltaNet hybrid, under its `mtp.*` names
+    (`mtp_tensors`; `expected_names` are the head's); without, the MTP blocks are skipped.
 
     `observe(HF name, float32 values, GGUF type name, bytes as [rows, row bytes])` sees each
     tensor before the cast (the
@@ -118,18 +122,29 @@ def iterate_gguf(
     heads = int(metadata[f"{arch}.attention.head_count"])
     kv_heads = metadata.get(f"{arch}.attention.head_count_kv", heads)
     kv_heads = int(kv_heads[0] if isinstance(kv_heads, list) else kv_heads)  # per layer: gemma4
-    mapping = gguf_to_hf_names(arch, num_layers, expected_names)
+    head_block = None
+    if mtp:  # the MTP head's tensors only, from the first block after the decoder
+        if arch not in GDN_ARCHS:
+            raise ValueError(f"GGUF file {path!r}: a {arch} file has no MTP head tokenwise reads")
+        first, head_block = decoder_layers(metadata, arch), mtp_block(metadata, arch)
+        as_block = head_names_as_block(list(expected_names), first)
+        mapping = mtp_tensor_names(gguf_to_hf_names(arch, num_layers, as_block), first)
+    else:
+        mapping = gguf_to_hf_names(arch, num_layers, expected_names)
     if arch == "gemma4":
         mapping.update(gemma4_tensor_names(num_layers))
     gdn = GdnTensors(metadata, arch) if arch in GDN_ARCHS else None
-    if gdn is not None:
+    if gdn is not None and not mtp:
         mapping.update(gdn_tensor_names(num_layers))
     oss = GptOssTensors() if arch == "gpt-oss" else None
     if oss is not None:
         mapping.update(gpt_oss_tensor_names(num_layers))
     reader = open_gguf(path)
     for tensor in reader.tensors:
-        if tensor.name in CONFIG_TENSORS or (gdn is not None and gdn.is_mtp(tensor.name)):
+        if head_block is not None:  # the MTP head: its block's tensors, nothing else
+            if not tensor.name.startswith(head_block):
+                continue
+        elif tensor.name in CONFIG_TENSORS or (gdn is not None and gdn.is_mtp(tensor.name)):
             continue
         if oss is not None and is_expert_tensor(tensor.name):
             keep_codes = tensor.tensor_type.name == "MXFP4" and tensor.name.endswith("weight")

@@ -14,7 +14,7 @@ back for the next draft. Its attention layer has its own KV cache in the draft r
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -34,6 +34,10 @@ def has_mtp_head(names: set[str]) -> bool:
 
 
 class Qwen3NextMTPHead(nn.Module):
+    # The routed experts' projections as checkpoints name them (the GGUF loader and quantizer
+    # ask for them expert by expert, as they do of the target).
+    expert_proj_names: ClassVar[tuple[str, str, str]] = ("gate_proj", "up_proj", "down_proj")
+
     def __init__(self, config: EngineConfig, target: Any) -> None:
         super().__init__()
         mc = config.model
@@ -71,7 +75,7 @@ class Qwen3NextMTPHead(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The checkpoint's `mtp.*` tensors; the rest (the target itself) is skipped."""
         kept = [(n[len(PREFIX) :], t) for n, t in weights if n.startswith(PREFIX)]
-        experts = make_expert_params_mapping(self.num_experts, "gate_proj", "up_proj", "down_proj")
+        experts = make_expert_params_mapping(self.num_experts, *self.expert_proj_names)
         return load_weights_with_experts(self, kept, self.stacked_params_mapping, experts)
 
 

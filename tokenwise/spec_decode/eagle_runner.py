@@ -33,6 +33,7 @@ from tokenwise.models.llama_eagle3 import Eagle3LlamaHead, eagle3_aux_layers
 from tokenwise.models.qwen3_next import Qwen3NextForCausalLM
 from tokenwise.models.qwen3_next_mtp import Qwen3NextMTPHead, has_mtp_head
 from tokenwise.spec_decode.draft_runner import DraftRunner, DraftSeq
+from tokenwise.spec_decode.gguf_mtp import load_gguf_mtp_head
 
 
 class EagleRunner(DraftRunner):
@@ -65,6 +66,8 @@ class EagleRunner(DraftRunner):
         super().__init__(target, head_dir, device)
 
     def _load_model(self, draft_dir: str) -> nn.Module:
+        if self.config.model.load_format == "gguf":  # MTP of the target's own GGUF file
+            return load_gguf_mtp_head(self.config, self.target_model, self.device)
         head_hf = self.config.model.hf_config
         where = f"speculative_config.model {draft_dir!r}"
         target_h = int(self.target_hf.hidden_size)
