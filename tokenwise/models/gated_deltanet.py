@@ -235,7 +235,9 @@ class GatedDeltaNet(RecurrentStateLayer):
         rows, slots = md.graph_rows, md.graph_slots
         if rows is None or slots is None:  # eager: this step's own index tensors
             if md.state_slots and not 0 <= min(md.state_slots) <= max(md.state_slots) < len(states):
-                raise ValueError(f"state slots must lie in [0, {len(states)}), got {md.state_slots}")
+                raise ValueError(
+                    f"state slots must lie in [0, {len(states)}), got {md.state_slots}"
+                )
             rows, slots = index_tensor(qsl[:-1]), index_tensor(md.state_slots)
         out = proj.new_empty(proj.shape[0], self.nv * self.dv)
         done = gated_delta_decode_step(
