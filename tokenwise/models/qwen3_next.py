@@ -16,8 +16,13 @@ part and, for the dense models, plain MLPs; it subclasses this file's model.
 The MTP head the checkpoints ship (`mtp.*`, skipped here) is the speculative method "mtp"
 (`qwen3_next_mtp.py`). The decoder stack builds only a pipeline stage's layers (each layer adds
 its own output, so a stage hands on its hidden states alone); the engine still refuses
-pipeline parallelism for these models (`distributed/pp_launch.py` says why). Not built: CPU and
-CUDA graphs (recurrent layers run eagerly, as every recurrent model does for now).
+pipeline parallelism for these models (`distributed/pp_launch.py` says why).
+
+At decode size the gated attention's glue (q/k norms, partial RoPE, the output gate) and the
+residual adds are C calls (`native/gated_attn.c`), and the Gated DeltaNet step one more
+(`native/gdn_decode.c`): with the linear and attention kernels that is the whole forward, so
+the dense models' decode steps replay CPU graphs (`runner/recurrent_graph.py`). MoE blocks
+still run torch ops, so those models decode eagerly; CUDA graphs are not built for hybrids.
 """
 
 from __future__ import annotations

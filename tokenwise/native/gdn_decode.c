@@ -31,33 +31,47 @@
  * denormals as zero whatever MXCSR says, so a state decayed into the denormal range would
  * round differently from torch's `.to(torch.bfloat16)`. */
 #if defined(TW_AVX512)
-INLINE tw_vf bf16_load_v(const uint16_t *p) {
-    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+#define GDN_AS_INT _mm512_castps_si512
+#define GDN_AS_FLOAT _mm512_castsi512_ps
+#define GDN_OR _mm512_or_si512
+/* TW_VW bf16 values zero-extended to 32-bit lanes, and 32-bit lanes (each below 2^16) back. */
+INLINE tw_vi gdn_load_u16(const uint16_t *p) {
+    return _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
 }
-INLINE void bf16_store_v(uint16_t *p, tw_vf x) {
-    const __m512i u = _mm512_castps_si512(x), hi = _mm512_srli_epi32(u, 16);
-    const __m512i odd = _mm512_and_si512(hi, _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(
-        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+INLINE void gdn_store_u16(uint16_t *p, tw_vi r) {
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
 }
-#elif defined(TW_AVX2)
-INLINE tw_vf bf16_load_v(const uint16_t *p) {
-    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+INLINE tw_vi gdn_where_nan(tw_vf x, tw_vi nan, tw_vi other) {
+    return _mm512_mask_mov_epi32(other, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), nan);
 }
-INLINE void bf16_store_v(uint16_t *p, tw_vf x) {
-    const __m256i u = _mm256_castps_si256(x), hi = _mm256_srli_epi32(u, 16);
-    const __m256i odd = _mm256_and_si256(hi, _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(
-        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd), 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
+#elif defined(TW_AVX2)
+#define GDN_AS_INT _mm256_castps_si256
+#define GDN_AS_FLOAT _mm256_castsi256_ps
+#define GDN_OR _mm256_or_si256
+INLINE tw_vi gdn_load_u16(const uint16_t *p) {
+    return _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+INLINE void gdn_store_u16(uint16_t *p, tw_vi r) {
     _mm_storeu_si128((__m128i *)p,
                      _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+INLINE tw_vi gdn_where_nan(tw_vf x, tw_vi nan, tw_vi other) {
+    return _mm256_blendv_epi8(other, nan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+}
+#endif
+
+#ifdef GDN_VEC
+INLINE tw_vf bf16_load_v(const uint16_t *p) {
+    return GDN_AS_FLOAT(TW_V(slli_epi32)(gdn_load_u16(p), 16));
+}
+
+/* common.h's `f32_to_bf16`, a vector at a time. */
+INLINE void bf16_store_v(uint16_t *p, tw_vf x) {
+    const tw_vi u = GDN_AS_INT(x), hi = TW_V(srli_epi32)(u, 16);
+    const tw_vi odd = TW_VI_AND(hi, TW_V(set1_epi32)(1));
+    const tw_vi up = TW_V(add_epi32)(TW_V(add_epi32)(u, TW_V(set1_epi32)(0x7fff)), odd);
+    const tw_vi quiet = GDN_OR(hi, TW_V(set1_epi32)(0x40));
+    gdn_store_u16(p, gdn_where_nan(x, quiet, TW_V(srli_epi32)(up, 16)));
 }
 #endif
 
