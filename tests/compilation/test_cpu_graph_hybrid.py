@@ -101,6 +101,19 @@ def test_replays_around_chunked_prefill_preemption_and_prefix_hits(
     assert_pool_clean(llm.llm_engine)
 
 
+def test_ngram_drafts_between_replays_are_lossless(path: str) -> None:
+    """Verification steps (drafts: per-token states kept, rolled back) run eagerly; the decode
+    steps between them replay on the slots the rollbacks left."""
+    repetitive = [11, 12, 13, 14, 15, 16, 17, 18] * 5
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    llm = _make(path, speculative_config=spec)
+    replayed = count_graph_steps(llm)
+    outs = llm.generate([{"prompt_token_ids": repetitive}], params, use_tqdm=False)
+    assert list(outs[0].outputs[0].token_ids) == hf_greedy(path, repetitive, 24)
+    assert llm.llm_engine.get_stats().spec_decode_num_draft_tokens > 0 and replayed
+
+
 def test_a_torch_op_left_in_the_hybrid_forward_is_named(
     path: str,
     want: list[list[int]],
