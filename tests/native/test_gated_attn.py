@@ -82,6 +82,8 @@ def test_what_the_kernels_decline() -> None:
     assert (
         gated_attn.gated_qk(qkv, positions.int(), rope.cos_sin_cache, q_w, k_w, 1e-6, heads) is None
     )
+    mrope = positions.expand(3, -1).contiguous()  # [3, T]: multimodal RoPE's sections
+    assert gated_attn.gated_qk(qkv, mrope, rope.cos_sin_cache, q_w, k_w, 1e-6, heads) is None
     wrong_rot = (HEADS, KV_HEADS, D, ROT * 2)  # the table's rows are ROT wide
     assert (
         gated_attn.gated_qk(qkv, positions, rope.cos_sin_cache, q_w, k_w, 1e-6, wrong_rot) is None

@@ -76,6 +76,7 @@ def gated_qk(
         return None
     if (
         positions.dtype != torch.int64
+        or positions.shape != (qkv.shape[0],)  # multimodal RoPE's [3, T] positions: torch
         or not positions.is_contiguous()
         or cos_sin_cache.dtype != torch.float32
         or not cos_sin_cache.is_contiguous()
