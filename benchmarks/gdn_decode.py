@@ -12,8 +12,8 @@
    of the same step; then one whole layer's step between its projections, fused (one C call)
    and op by op as before it, in float32 and bf16.
 2. One stream, `--dtype`, dummy weights, EOS ignored: decode tokens/s of
-   `configs/qwen3.5-0.8b` (18 Gated DeltaNet + 6 gated attention layers), with its fused decode
-   step and op by op as before it (`op_by_op`), and of its dense twin
+   `configs/qwen3.5-0.8b` (18 Gated DeltaNet + 6 gated attention layers), replaying its CPU
+   graph (the default) and eagerly (`enforce_eager`), and of its dense twin
    `configs/qwen3-0.8b-dense` (a `Qwen3ForCausalLM` with the same hidden size, MLP, vocabulary
    and layer count, every layer full attention: 16 heads of 128, 8 KV heads), for each prompt
    length: the engine's steps after the prefill are timed, `--tokens` of them, best of
@@ -177,7 +177,7 @@ def _layer_times(dtype: torch.dtype, repeats: int) -> dict[str, float]:
     return best
 
 
-def make_engine(path: Path, longest: int, tokens: int, dtype: str) -> LLM:
+def make_engine(path: Path, longest: int, tokens: int, dtype: str, eager: bool = False) -> LLM:
     return LLM(
         str(path),
         load_format="dummy",
@@ -185,6 +185,8 @@ def make_engine(path: Path, longest: int, tokens: int, dtype: str) -> LLM:
         skip_tokenizer_init=True,
         max_model_len=longest + tokens + 16,
         num_gpu_blocks=(longest + tokens) // 16 + 8,
+        max_num_seqs=1,
+        enforce_eager=eager,
     )
 
 
@@ -224,27 +226,28 @@ def decode_seconds(llm: LLM, rid: str, prompt: list[int], tokens: int) -> float:
 
 
 def compare(prompts: list[int], tokens: int, repeats: int, dtype: str) -> None:
-    """The hybrid (fused decode step, then op by op as before) and its dense twin, engines
+    """The hybrid (replaying its CPU graph, then eagerly) and its dense twin (graphs), engines
     alive and taking turns (so that machine noise hits them alike); best of `repeats` after a
     warm-up, per prompt length."""
-    hybrid = make_engine(HYBRID, max(prompts), tokens, dtype)
-    dense = make_engine(DENSE, max(prompts), tokens, dtype)
-    runs = {"hybrid": (hybrid, False), "hybrid op by op": (hybrid, True), "dense": (dense, False)}
+    runs = {
+        "hybrid": make_engine(HYBRID, max(prompts), tokens, dtype),
+        "hybrid eager": make_engine(HYBRID, max(prompts), tokens, dtype, eager=True),
+        "dense": make_engine(DENSE, max(prompts), tokens, dtype),
+    }
     gen = torch.Generator().manual_seed(0)
     for length in prompts:
         prompt = torch.randint(3, 30000, (length,), generator=gen).tolist()
         best = dict.fromkeys(runs, float("inf"))
         for attempt in range(repeats + 1):  # the first one warms up
-            for name, (llm, before) in runs.items():
-                with op_by_op(before):
-                    t = decode_seconds(llm, f"{name}-{length}-{attempt}", prompt, tokens)
+            for name, llm in runs.items():
+                t = decode_seconds(llm, f"{name}-{length}-{attempt}", prompt, tokens)
                 best[name] = min(best[name], t) if attempt else best[name]
         tps = {name: 1.0 / t for name, t in best.items()}
         print(
-            f"prompt {length:5d}, {dtype}: hybrid {tps['hybrid']:6.2f} tok/s (op by op, as "
-            f"before: {tps['hybrid op by op']:6.2f}), dense Qwen3 twin {tps['dense']:6.2f} "
-            f"tok/s, hybrid/dense {tps['hybrid'] / tps['dense']:.2f}x (before "
-            f"{tps['hybrid op by op'] / tps['dense']:.2f}x), load average "
+            f"prompt {length:5d}, {dtype}: hybrid {tps['hybrid']:6.2f} tok/s (eager: "
+            f"{tps['hybrid eager']:6.2f}), dense Qwen3 twin {tps['dense']:6.2f} tok/s, "
+            f"hybrid/dense {tps['hybrid'] / tps['dense']:.2f}x (eager "
+            f"{tps['hybrid eager'] / tps['dense']:.2f}x), load average "
             f"{os.getloadavg()[0]:.1f}",
             flush=True,
         )

@@ -106,9 +106,14 @@ def test_bad_slots_and_widths_are_refused_by_name() -> None:
     proj, out = torch.zeros(1, 128 + 64 + 8), torch.zeros(1, 64)
     args = (layer.conv1d.weight.view(128, 4), layer.A_log, layer.dt_bias, layer.norm.weight, 1e-6)
     states = torch.zeros(2, layer.state_numel)
+    idx = gdn_decode.index_tensor
+    with pytest.raises(ValueError, match=r"status -3: .* every slot below 2"):
+        gdn_decode.gated_delta_decode_step(
+            proj, idx([0]), states, idx([2]), *args, out, (2, 4, 16, 16)
+        )
     with pytest.raises(ValueError, match=r"state slots must lie in \[0, 2\), got \[2\]"):
-        gdn_decode.gated_delta_decode_step(proj, [0], states, [2], *args, out, (2, 4, 16, 16))
+        layer.mix(torch.zeros(1, 48), states, RecurrentMetadata([2], [0, 1], [False]))
     with pytest.raises(ValueError, match="in_proj output width 199"):
         gdn_decode.gated_delta_decode_step(
-            proj[:, 1:], [0], states, [0], *args, out, (2, 4, 16, 16)
+            proj[:, 1:], idx([0]), states, idx([0]), *args, out, (2, 4, 16, 16)
         )

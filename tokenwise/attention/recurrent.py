@@ -35,13 +35,18 @@ class RecurrentMetadata:
     `state_slots[i]` is request i's live slot (step order); its tokens are
     `query_start_loc[i]:query_start_loc[i + 1]` of the flat stream. Where `keep_token_states[i]`
     is set, each layer stores the state after each of those tokens in
-    `token_states[layer_name][token]`.
+    `token_states[layer_name][token]`. `graph_rows` / `graph_slots` are set only on the
+    metadata a CPU graph is captured with (decode tokens only); its kernels read them.
     """
 
     state_slots: list[int]
     query_start_loc: list[int]
     keep_token_states: list[bool]
     token_states: dict[str, torch.Tensor] = field(default_factory=dict)
+    # A replayed CPU graph's decode step (`runner/recurrent_graph.py`): int64 buffers of the
+    # token rows and live slots, refilled before each replay; None when the step runs eagerly.
+    graph_rows: torch.Tensor | None = None
+    graph_slots: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -43,7 +43,11 @@ from tokenwise.models.gated_delta_rule import (
     l2_normalize,
     recurrent_gated_delta_rule,
 )
-from tokenwise.native.gdn_decode import gated_delta_decode, gated_delta_decode_step
+from tokenwise.native.gdn_decode import (
+    gated_delta_decode,
+    gated_delta_decode_step,
+    index_tensor,
+)
 
 
 def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -228,9 +232,16 @@ class GatedDeltaNet(RecurrentStateLayer):
         qsl = md.query_start_loc
         if any(md.keep_token_states) or qsl != list(range(md.num_reqs + 1)):
             return None
+        rows, slots = md.graph_rows, md.graph_slots
+        if rows is None or slots is None:  # eager: this step's own index tensors
+            if md.state_slots and not 0 <= min(md.state_slots) <= max(md.state_slots) < len(states):
+                raise ValueError(
+                    f"state slots must lie in [0, {len(states)}), got {md.state_slots}"
+                )
+            rows, slots = index_tensor(qsl[:-1]), index_tensor(md.state_slots)
         out = proj.new_empty(proj.shape[0], self.nv * self.dv)
         done = gated_delta_decode_step(
-            proj, qsl[:-1], states, md.state_slots, self.conv1d.weight.view(self.channels, -1),
+            proj, rows, states, slots, self.conv1d.weight.view(self.channels, -1),
             self.A_log, self.dt_bias, self.norm.weight, self.norm.eps, out,
             (self.nk, self.nv, self.dk, self.dv),
         )  # fmt: skip

@@ -16,8 +16,13 @@ part and, for the dense models, plain MLPs; it subclasses this file's model.
 The MTP head the checkpoints ship (`mtp.*`, skipped here) is the speculative method "mtp"
 (`qwen3_next_mtp.py`). The decoder stack builds only a pipeline stage's layers (each layer adds
 its own output, so a stage hands on its hidden states alone); the engine still refuses
-pipeline parallelism for these models (`distributed/pp_launch.py` says why). Not built: CPU and
-CUDA graphs (recurrent layers run eagerly, as every recurrent model does for now).
+pipeline parallelism for these models (`distributed/pp_launch.py` says why).
+
+At decode size the gated attention's glue (q/k norms, partial RoPE, the output gate) and the
+residual adds are C calls (`native/gated_attn.c`), and the Gated DeltaNet step one more
+(`native/gdn_decode.c`): with the linear and attention kernels that is the whole forward, so
+the dense models' decode steps replay CPU graphs (`runner/recurrent_graph.py`). MoE blocks
+still run torch ops, so those models decode eagerly; CUDA graphs are not built for hybrids.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from tokenwise.models.gated_deltanet import GatedDeltaNet
 from tokenwise.models.llama import LlamaForCausalLM, LlamaMLP, MlpFactory
 from tokenwise.models.qwen2_moe import Qwen2MoeSparseMoeBlock
 from tokenwise.models.sparse_moe import MoeForCausalLM, is_sparse_layer
+from tokenwise.native import gated_attn
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -106,7 +112,21 @@ class GatedAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         n, d = hidden_states.shape[0], self.head_dim
-        q_gate, k, v = self.qkv_proj(hidden_states).split(self.qkv_proj.output_sizes, dim=-1)
+        qkv = self.qkv_proj(hidden_states)
+        q_gate, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
+        if self.rotary_emb.is_neox_style and self.k_norm.eps == self.q_norm.eps:
+            heads = (self.num_heads, self.num_kv_heads, d, self.rotary_dim)
+            fused = gated_attn.gated_qk(
+                qkv, positions, self.rotary_emb.cos_sin_cache, self.q_norm.weight,
+                self.k_norm.weight, self.q_norm.eps, heads,
+            )  # fmt: skip
+            if fused is not None:  # decode rows: the glue in C (`gated_attn.c`)
+                out = self.attn(*fused, v)
+                gated = gated_attn.sigmoid_gate(out, qkv, self.num_heads, d)
+                if gated is None:
+                    gate = q_gate.view(n, self.num_heads, 2, d)[:, :, 1].reshape(n, -1)
+                    gated = out * torch.sigmoid(gate)
+                return self.o_proj(gated)
         q, gate = q_gate.view(n, self.num_heads, 2, d).unbind(dim=2)
         q = self.q_norm(q)
         k = self.k_norm(k.view(n, self.num_kv_heads, d))
@@ -152,8 +172,14 @@ class HybridDecoderLayer(nn.Module):
             x = self.linear_attn(x)
         else:
             x = self.self_attn(positions, x)
-        hidden_states = hidden_states + x
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        hidden_states = _add(hidden_states, x)
+        return _add(hidden_states, self.mlp(self.post_attention_layernorm(hidden_states)))
+
+
+def _add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`a + b`: a C call for decode rows (recordable into a CPU graph), torch's add otherwise."""
+    out = gated_attn.add(a, b)
+    return a + b if out is None else out
 
 
 class HybridModel(PipelineStack):

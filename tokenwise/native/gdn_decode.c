@@ -24,6 +24,57 @@
 #define GDN_VEC 1
 #endif
 
+/* ---- bf16 state rows, TW_VW values at a time ----
+ * Widening is exact (a bf16 is the top half of a float32: zero-extend, shift left 16).
+ * Narrowing rounds to nearest even with integer operations, as common.h's scalar
+ * `f32_to_bf16` does (NaN kept quiet). Not AVX-512 BF16's VCVTNEPS2BF16: it treats input
+ * denormals as zero whatever MXCSR says, so a state decayed into the denormal range would
+ * round differently from torch's `.to(torch.bfloat16)`. */
+#if defined(TW_AVX512)
+#define GDN_AS_INT _mm512_castps_si512
+#define GDN_AS_FLOAT _mm512_castsi512_ps
+#define GDN_OR _mm512_or_si512
+/* TW_VW bf16 values zero-extended to 32-bit lanes, and 32-bit lanes (each below 2^16) back. */
+INLINE tw_vi gdn_load_u16(const uint16_t *p) {
+    return _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+}
+INLINE void gdn_store_u16(uint16_t *p, tw_vi r) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
+}
+INLINE tw_vi gdn_where_nan(tw_vf x, tw_vi nan, tw_vi other) {
+    return _mm512_mask_mov_epi32(other, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), nan);
+}
+#elif defined(TW_AVX2)
+#define GDN_AS_INT _mm256_castps_si256
+#define GDN_AS_FLOAT _mm256_castsi256_ps
+#define GDN_OR _mm256_or_si256
+INLINE tw_vi gdn_load_u16(const uint16_t *p) {
+    return _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+INLINE void gdn_store_u16(uint16_t *p, tw_vi r) {
+    _mm_storeu_si128((__m128i *)p,
+                     _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+INLINE tw_vi gdn_where_nan(tw_vf x, tw_vi nan, tw_vi other) {
+    return _mm256_blendv_epi8(other, nan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+}
+#endif
+
+#ifdef GDN_VEC
+INLINE tw_vf bf16_load_v(const uint16_t *p) {
+    return GDN_AS_FLOAT(TW_V(slli_epi32)(gdn_load_u16(p), 16));
+}
+
+/* common.h's `f32_to_bf16`, a vector at a time. */
+INLINE void bf16_store_v(uint16_t *p, tw_vf x) {
+    const tw_vi u = GDN_AS_INT(x), hi = TW_V(srli_epi32)(u, 16);
+    const tw_vi odd = TW_VI_AND(hi, TW_V(set1_epi32)(1));
+    const tw_vi up = TW_V(add_epi32)(TW_V(add_epi32)(u, TW_V(set1_epi32)(0x7fff)), odd);
+    const tw_vi quiet = GDN_OR(hi, TW_V(set1_epi32)(0x40));
+    gdn_store_u16(p, gdn_where_nan(x, quiet, TW_V(srli_epi32)(up, 16)));
+}
+#endif
+
 static void head_update(float *S, const float *q, const float *k, const float *v, float g,
                         float beta, float *out, int64_t dk, int64_t dv) {
     const float decay = tw_exp(g);
@@ -68,6 +119,61 @@ static void head_update(float *S, const float *q, const float *k, const float *v
     }
 }
 
+/* `head_update` over a bf16 head `S16` (NULL: a zero state, left unwritten, for padding rows),
+ * the conversions folded into its two passes: pass 1 widens each row into the float32 scratch
+ * `S` while it recalls, pass 2 rounds each updated row straight back. So the bf16 bytes are
+ * read once and written once, and the float32 copy (64 KiB for a 128 x 128 head) stays in
+ * cache between the passes. Results equal widening the head, `head_update`, then rounding. */
+static void head_update_bf16(uint16_t *S16, float *S, const float *q, const float *k,
+                             const float *v, float g, float beta, float *out, int64_t dk,
+                             int64_t dv) {
+    const float decay = tw_exp(g);
+    float delta[dv];
+    for (int64_t j = 0; j < dv; j++) delta[j] = 0.0f;
+    for (int64_t i = 0; i < dk; i++) {
+        float *row = S + i * dv;
+        const uint16_t *src = S16 ? S16 + i * dv : NULL;
+        const float ki = k[i];
+        int64_t j = 0;
+#ifdef GDN_VEC
+        const tw_vf kv = TW_V(set1_ps)(ki);
+        for (; j + TW_VW <= dv; j += TW_VW) {
+            const tw_vf s = src ? bf16_load_v(src + j) : TW_V(setzero_ps)();
+            TW_V(storeu_ps)(row + j, s);
+            TW_V(storeu_ps)(delta + j, TW_V(fmadd_ps)(s, kv, TW_V(loadu_ps)(delta + j)));
+        }
+#endif
+        for (; j < dv; j++) {
+            row[j] = src ? bf16_to_f32(src[j]) : 0.0f;
+            delta[j] += row[j] * ki;
+        }
+    }
+    for (int64_t j = 0; j < dv; j++) {
+        delta[j] = (v[j] - decay * delta[j]) * beta;
+        out[j] = 0.0f;
+    }
+    for (int64_t i = 0; i < dk; i++) {
+        const float *row = S + i * dv;
+        uint16_t *dst = S16 ? S16 + i * dv : NULL;
+        const float ki = k[i], qi = q[i];
+        int64_t j = 0;
+#ifdef GDN_VEC
+        const tw_vf dec = TW_V(set1_ps)(decay), kv = TW_V(set1_ps)(ki), qv = TW_V(set1_ps)(qi);
+        for (; j + TW_VW <= dv; j += TW_VW) {
+            const tw_vf s = TW_V(fmadd_ps)(TW_V(loadu_ps)(row + j), dec,
+                                           TW_V(mul_ps)(kv, TW_V(loadu_ps)(delta + j)));
+            if (dst) bf16_store_v(dst + j, s);
+            TW_V(storeu_ps)(out + j, TW_V(fmadd_ps)(s, qv, TW_V(loadu_ps)(out + j)));
+        }
+#endif
+        for (; j < dv; j++) {
+            const float s = row[j] * decay + ki * delta[j];
+            if (dst) dst[j] = f32_to_bf16(s);
+            out[j] += s * qi;
+        }
+    }
+}
+
 /* The largest head the bf16 form widens on the stack (256 KiB of float32 scratch). */
 #define GDN_MAX_HEAD 65536
 
@@ -101,11 +207,9 @@ int gdn_decode_bf16(uint16_t *states, int64_t row_stride, int64_t state_offset,
         const int64_t i = p / nv, h = p % nv;
         uint16_t *S16 = states + slots[i] * row_stride + state_offset + h * numel;
         float S[numel];
-        for (int64_t e = 0; e < numel; e++) S[e] = bf16_to_f32(S16[e]);
         const int64_t kh = i * nk + h / ratio;
-        head_update(S, q + kh * dk, k + kh * dk, v + p * dv, g[p], beta[p], out + p * dv, dk,
-                    dv);
-        for (int64_t e = 0; e < numel; e++) S16[e] = f32_to_bf16(S[e]);
+        head_update_bf16(S16, S, q + kh * dk, k + kh * dk, v + p * dv, g[p], beta[p],
+                         out + p * dv, dk, dv);
     }
     return 0;
 }
@@ -143,12 +247,14 @@ static float l2_scale(const float *x, int64_t d, float scale) {
 }
 
 int gdn_decode_step(void *proj, int64_t proj_stride, const int64_t *rows, void *states,
-                    int64_t row_stride, const int64_t *slots, int64_t n, const void *conv_w,
-                    int64_t taps, const void *a_log, const void *dt_bias, const void *norm_w,
-                    float eps, void *out, int64_t nk, int64_t nv, int64_t dk, int64_t dv,
-                    int64_t bf16) {
+                    int64_t row_stride, int64_t num_slots, const int64_t *slots, int64_t n,
+                    const void *conv_w, int64_t taps, const void *a_log, const void *dt_bias,
+                    const void *norm_w, float eps, void *out, int64_t nk, int64_t nv, int64_t dk,
+                    int64_t dv, int64_t bf16) {
     if (nk < 1 || nv < nk || nv % nk || dk < 1 || dv < 1 || dv > 4096 || taps < 1) return -1;
     if (dk * dv > GDN_MAX_HEAD || n < 0) return -1;
+    for (int64_t i = 0; i < n; i++)
+        if (slots[i] >= num_slots) return -3;
     const int b16 = bf16 != 0;
     const int64_t kd = nk * dk, channels = 2 * kd + nv * dv, ratio = nv / nk;
     const int64_t conv_numel = (taps - 1) * channels, numel = dk * dv;
@@ -156,7 +262,9 @@ int gdn_decode_step(void *proj, int64_t proj_stride, const int64_t *rows, void *
     if (!x) return -2;
     float *g = x + n * channels, *beta = g + n * nv, *o = beta + n * nv;
     /* 1. Per token: the conv over its window (state, then the new input) with SiLU, the state
-     *    shifted by one input; q and k L2-normalised (q scaled by dk^-1/2); the gates. */
+     *    shifted by one input; q and k L2-normalised (q scaled by dk^-1/2); the gates. A
+     *    negative slot (a padding row of a replayed CPU graph) starts from a zero state and
+     *    writes nothing back. */
 #pragma omp parallel for schedule(static) if (n * channels * taps >= 65536)
     for (int64_t i = 0; i < n; i++) {
         const int64_t r = rows[i], s = slots[i];
@@ -165,12 +273,12 @@ int gdn_decode_step(void *proj, int64_t proj_stride, const int64_t *rows, void *
             const float in = ld(proj, r * proj_stride + c, b16);
             const int64_t base = s * row_stride + c;
             float acc = in * ld(conv_w, c * taps + taps - 1, b16);
-            for (int64_t j = 0; j < taps - 1; j++) {
+            for (int64_t j = 0; s >= 0 && j < taps - 1; j++) {
                 const float prev = ld(states, base + j * channels, b16);
                 acc += prev * ld(conv_w, c * taps + j, b16);
                 if (j > 0) st(states, base + (j - 1) * channels, prev, b16);
             }
-            if (taps > 1) st(states, base + (taps - 2) * channels, in, b16);
+            if (taps > 1 && s >= 0) st(states, base + (taps - 2) * channels, in, b16);
             xi[c] = acc / (1.0f + tw_exp(-acc));
         }
         for (int64_t h = 0; h < nk; h++) {
@@ -196,12 +304,10 @@ int gdn_decode_step(void *proj, int64_t proj_stride, const int64_t *rows, void *
         const int64_t kh = h / ratio, at = slots[i] * row_stride + conv_numel + h * numel;
         float *oh = o + p * dv;
         const float *q = xi + kh * dk, *k = xi + kd + kh * dk, *v = xi + 2 * kd + h * dv;
-        if (b16) {
-            uint16_t *S16 = (uint16_t *)states + at;
-            float S[numel];
-            for (int64_t e = 0; e < numel; e++) S[e] = bf16_to_f32(S16[e]);
-            head_update(S, q, k, v, g[p], beta[p], oh, dk, dv);
-            for (int64_t e = 0; e < numel; e++) S16[e] = f32_to_bf16(S[e]);
+        float S[numel];
+        if (b16 || slots[i] < 0) {
+            uint16_t *S16 = (b16 && slots[i] >= 0) ? (uint16_t *)states + at : NULL;
+            head_update_bf16(S16, S, q, k, v, g[p], beta[p], oh, dk, dv);
         } else {
             head_update((float *)states + at, q, k, v, g[p], beta[p], oh, dk, dv);
         }
@@ -216,4 +322,12 @@ int gdn_decode_step(void *proj, int64_t proj_stride, const int64_t *rows, void *
     }
     free(x);
     return 0;
+}
+
+/* The `_packed` entry (common.h): a replayed CPU graph's call, the slot and row indices read
+ * from the persistent buffers the runner fills before each replay. */
+int gdn_decode_step_packed(const int64_t *a) {
+    return gdn_decode_step(TW_PTR(0), a[1], TW_PTR(2), TW_PTR(3), a[4], a[5], TW_PTR(6), a[7],
+                           TW_PTR(8), a[9], TW_PTR(10), TW_PTR(11), TW_PTR(12),
+                           tw_f32_arg(a[13]), TW_PTR(14), a[15], a[16], a[17], a[18], a[19]);
 }

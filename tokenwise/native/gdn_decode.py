@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from tokenwise.native import build
+from tokenwise.native import build, trace
 
 KERNEL = build.Kernel(
     "gdn_decode.c",
@@ -56,9 +56,11 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.gdn_decode_bf16.restype = lib.gdn_decode.restype
     lib.gdn_decode_bf16.argtypes = lib.gdn_decode.argtypes
     lib.gdn_decode_step.restype = ctypes.c_int
-    lib.gdn_decode_step.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64]
+    lib.gdn_decode_step.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _PTR, _I64]
     lib.gdn_decode_step.argtypes += [_PTR, _PTR, _PTR, ctypes.c_float, _PTR, _I64, _I64, _I64]
     lib.gdn_decode_step.argtypes += [_I64, _I64]
+    lib.gdn_decode_step_packed.restype = ctypes.c_int
+    lib.gdn_decode_step_packed.argtypes = [_PTR]
     return lib
 
 
@@ -124,11 +126,16 @@ def gated_delta_decode(
     return out
 
 
+def index_tensor(values: list[int]) -> torch.Tensor:
+    """int64 indices (token rows, state slots) as `gated_delta_decode_step` takes them."""
+    return torch.tensor(values, dtype=torch.int64)
+
+
 def gated_delta_decode_step(
     proj: torch.Tensor,
-    rows: list[int],
+    rows: torch.Tensor,
     states: torch.Tensor,
-    slots: list[int],
+    slots: torch.Tensor,
     conv_weight: torch.Tensor,
     a_log: torch.Tensor,
     dt_bias: torch.Tensor,
@@ -140,10 +147,14 @@ def gated_delta_decode_step(
     """A Gated DeltaNet layer's whole decode step between `in_proj` and `out_proj` for the
     tokens `rows` of `proj` (`in_proj`'s output `[T, channels + nv dv + 2 nv]`), each
     the one token of the request in state slot `slots[i]` (conv state, then delta-rule state,
-    updated in place), written to the same rows of `out` `[T, nv dv]`: the causal conv and its
-    SiLU, the L2 norms, the gates, the delta rule and the gated RMSNorm (`gdn_decode.c`).
-    `heads` is (nk, nv, dk, dv), `conv_weight` `[channels, K]`. Every tensor float32, or every
-    one bfloat16. Returns False (nothing done) where the kernel does not apply."""
+    updated in place; a negative slot is a padding row: zero state, nothing written), written
+    to the same rows of `out` `[T, nv dv]`: the causal conv and its SiLU, the L2 norms, the
+    gates, the delta rule and the gated RMSNorm (`gdn_decode.c`). `rows` and `slots` are int64
+    tensors of one length (`index_tensor`), read by the kernel when it runs: a CPU graph
+    records their addresses, and the runner refills them before each replay
+    (`runner/recurrent_graph.py`), as it does block tables. `heads` is (nk, nv, dk, dv),
+    `conv_weight` `[channels, K]`. Every float tensor float32, or every one bfloat16. Returns
+    False (nothing done) where the kernel does not apply."""
     dtype = proj.dtype
     tensors = (proj, states, conv_weight, a_log, dt_bias, norm_weight, out)
     if dtype not in (torch.float32, torch.bfloat16) or proj.device.type != "cpu":
@@ -161,25 +172,24 @@ def gated_delta_decode_step(
         )
     if states.shape[1] < (taps - 1) * channels + nv * dk * dv:
         raise ValueError(f"a state row of {states.shape[1]} values cannot hold this layer's state")
-    if len(rows) != len(slots):
-        raise ValueError(f"{len(rows)} token rows but {len(slots)} state slots")
-    if rows and not (0 <= min(slots) and max(slots) < states.shape[0]):
-        raise ValueError(f"state slots must lie in [0, {states.shape[0]}), got {slots}")
-    if rows and not (0 <= min(rows) and max(rows) < min(proj.shape[0], out.shape[0])):
-        raise ValueError(f"token rows must lie in [0, {proj.shape[0]}), got {rows}")
-    row_ids, slot_ids = (
-        torch.tensor(rows, dtype=torch.int64),
-        torch.tensor(slots, dtype=torch.int64),
-    )
-    status = lib.gdn_decode_step(
-        proj.data_ptr(), proj.shape[1], row_ids.data_ptr(), states.data_ptr(), states.shape[1],
-        slot_ids.data_ptr(), len(rows), conv_weight.data_ptr(), taps, a_log.data_ptr(),
-        dt_bias.data_ptr(), norm_weight.data_ptr(), eps, out.data_ptr(), nk, nv, dk, dv,
-        int(dtype == torch.bfloat16),
+    if rows.shape != slots.shape or rows.dim() != 1:
+        raise ValueError(f"token rows {tuple(rows.shape)} and state slots {tuple(slots.shape)} "
+                         "must be 1-D and of one length")  # fmt: skip
+    if rows.dtype != torch.int64 or slots.dtype != torch.int64:
+        raise ValueError(f"token rows and state slots must be int64, got {rows.dtype}, "
+                         f"{slots.dtype}")  # fmt: skip
+    if rows.numel() > min(proj.shape[0], out.shape[0]):
+        raise ValueError(f"{rows.numel()} token rows but {proj.shape[0]} rows of input")
+    status = trace.call(
+        lib, "gdn_decode_step", proj.data_ptr(), proj.shape[1], rows.data_ptr(),
+        states.data_ptr(), states.shape[1], states.shape[0], slots.data_ptr(), rows.numel(),
+        conv_weight.data_ptr(), taps, a_log.data_ptr(), dt_bias.data_ptr(),
+        norm_weight.data_ptr(), eps, out.data_ptr(), nk, nv, dk, dv, int(dtype == torch.bfloat16),
     )  # fmt: skip
     if status != 0:
         raise ValueError(
             f"Gated DeltaNet decode step refused nk={nk}, nv={nv}, dk={dk}, dv={dv}, K={taps} "
-            f"(status {status}: nv a multiple of nk, dv <= 4096, dk x dv <= 65536)"
+            f"(status {status}: nv a multiple of nk, dv <= 4096, dk x dv <= 65536, every slot "
+            f"below {states.shape[0]})"
         )
     return True

@@ -141,6 +141,8 @@ class CUDAGraphRunner:
         # What each captured FULL size reads (`get_graph_input_buffers`), for `prepare_replay`.
         self._graph_buffers: dict[int, dict[str, torch.Tensor]] = {}
         self.captured = False  # set by `capture`: no step replays a graph before it
+        # Recurrent-state layers' slot buffers (`recurrent_graph.py`), set by the model runner.
+        self.recurrent: Any = None
         # FULL keys whose capture was refused, and why (those batches run eagerly).
         self.rejected: dict[BatchDescriptor, str] = {}
 
@@ -176,6 +178,8 @@ class CUDAGraphRunner:
         piecewise = sorted(keys[CUDAGraphMode.PIECEWISE], reverse=True)
         state, enc_dec = self.attn_state, self.has_cross_attention
         parallel = self.config.parallel
+        if self.recurrent is not None:
+            self.recurrent.capturing()
         with state.graph_capture(state.max_batch_size, enc_dec), torch.inference_mode():
             for desc in full:
                 md = self._metadata_for_capture(desc.num_tokens)
@@ -303,6 +307,8 @@ class CUDAGraphRunner:
     ) -> torch.Tensor:
         if isinstance(attn_metadata, AttentionMetadata):
             attn_metadata = {name: attn_metadata for name in self.layer_names}
+            if self.recurrent is not None and mode == CUDAGraphMode.FULL:
+                attn_metadata.update(self.recurrent.metadata(size))
         with set_forward_context(
             attn_metadata,
             self.config,

@@ -35,6 +35,7 @@ from tokenwise.runner.kv_cache_sizing import KVCacheSizer, cache_layers, make_kv
 from tokenwise.runner.model_setup import load_prepared_model
 from tokenwise.runner.pipeline_stages import PipelineStages
 from tokenwise.runner.prompt_logprobs import plan_prompt_logprobs, score_prompt_tokens
+from tokenwise.runner.recurrent_graph import attach_recurrent_inputs
 from tokenwise.runner.recurrent_states import RecurrentStates
 from tokenwise.runner.request_states import RequestStates
 from tokenwise.runner.sample_step import sample_step
@@ -125,11 +126,11 @@ class ModelRunner:
             device=self.device,
             num_groups=self.kv_cache_layout.num_attention_groups,
         )
-        # Recurrent-state layers (their state copies around each step); eager only, for now.
+        # Recurrent-state layers (their state copies around each step); CPU graphs only.
         self.recurrent = RecurrentStates.create(
             self.kv_cache_layout, self.attn_layers, self.input_batch, config, self.dp_lockstep
         )
-        if self.recurrent is not None:
+        if self.recurrent is not None and self.device.type != "cpu":
             self._capturer_factory = None
         # Built once, here; KV sizing asks it to `measure()` and `initialize_kv_cache` to
         # `capture()`. None when the mode has no graphs.
@@ -148,6 +149,7 @@ class ModelRunner:
                 self._verify_query_len,
                 num_groups=self.kv_cache_layout.num_attention_groups,
             )
+            attach_recurrent_inputs(self.graph_runner, self.recurrent)
         self.kv_sizer = KVCacheSizer(
             config,
             self.attn_layers,
@@ -236,7 +238,11 @@ class ModelRunner:
             attn_metadata = self.step_metadata.build(step, tables)
         state_plan = self.recurrent.plan(step) if self.recurrent is not None else None
         if state_plan is not None:
-            attn_metadata.update(self.recurrent.begin(state_plan))
+            recurrent_md = self.recurrent.begin(state_plan)
+            if mode == CUDAGraphMode.FULL:  # the graph reads its slots from its own buffers
+                self.graph_runner.recurrent.prepare(state_plan)
+            else:
+                attn_metadata.update(recurrent_md)
         model_kwargs = self.kind_part.model_inputs(step, attn_metadata)
         if self.tp_size > 1:
             self.tp.check_workers()

@@ -18,7 +18,8 @@ sends them the rollbacks (`("restore", pairs)`), so every rank keeps its shard o
 step. Under pipeline parallelism each virtual engine has its own copy of every state tensor
 (`layer.kv_cache[k]`, its own slots from its own block manager); the driver plans with that
 virtual engine's input batch and each stage does the copies for its own layers. Micro-batches
-and graphs are refused for such models for now.
+are refused for such models for now. On CPU their decode steps replay CPU graphs, which read
+the live slots from `recurrent_graph.py`'s buffers (the copies here stay outside the replay).
 """
 
 from __future__ import annotations
