@@ -32,6 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import vs_llamacpp as vs  # noqa: E402
 
+# Room for one 512-token sequence of the largest shape (Qwen3-0.6B in fp32: ~115 MiB).
+KV_CACHE_MEMORY, KV_CACHE_MEMORY_BYTES = "160MiB", 160 << 20
 # Each server mode and the environment its server starts with (inherited by its processes).
 SERVERS = {
     "serve (core process)": {"TOKENWISE_ENABLE_MULTIPROCESSING": "1"},
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     common = [
         sys.executable, "-m", "tokenwise.entrypoints.cli", "serve", "--model", str(hf_dir),
         "--dtype", torch_dtype, "--max-model-len", str(vs.MAX_MODEL_LEN), "--max-num-seqs", "1",
-        "--kv-cache-memory", "64MiB", "--disable-log-requests", "--host", "127.0.0.1",
+        "--kv-cache-memory", KV_CACHE_MEMORY, "--disable-log-requests", "--host", "127.0.0.1",
     ]  # fmt: skip
     logs = Path(args.cache_dir) / "logs"
     servers = {}
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 
         config = build_engine_config(
             str(hf_dir), dtype=torch_dtype, max_model_len=vs.MAX_MODEL_LEN, max_num_seqs=1,
-            kv_cache_memory=64 << 20,
+            kv_cache_memory=KV_CACHE_MEMORY_BYTES,
         )  # fmt: skip
         engine = LLMEngine(config, "cpu")
         rng = random.Random(args.seed)
