@@ -38,6 +38,16 @@ class _LateEvent:
         return self.done
 
 
+class _CopiedEvent:
+    """A dry run's event after a step's input copies: on CPU they are done when queued."""
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
 def _count_deferred_steps(llm: Any, device: str) -> list[int]:
     """Count the steps whose ids come back by the non-blocking copy (one entry per step);
     on CPU (a dry run) the runner first gets the path with `_LateEvent`."""
@@ -45,7 +55,7 @@ def _count_deferred_steps(llm: Any, device: str) -> list[int]:
 
     runner = llm.llm_engine.runner
     if device != "cuda":
-        runner.deferred = DeferredTokens(_LateEvent, runner.input_batch)
+        runner.deferred = DeferredTokens(_LateEvent, runner.input_batch, _CopiedEvent)
     deferred = runner.deferred
     steps: list[int] = []
     if deferred is None:

@@ -162,7 +162,14 @@ def test_engine_with_late_copies_matches_the_sync_engine(path: str) -> None:
     want = engine_tokens(LLM(path, **kwargs), batch, params)
     llm = LLM(path, async_scheduling=True, **kwargs)
     runner = llm.llm_engine.runner
-    runner.deferred = DeferredTokens(lambda: LateEvent(engine_lands=True), runner.input_batch)
+    inputs_events: list[LateEvent] = []
+
+    def inputs_event() -> LateEvent:  # input copies that run after two looks
+        inputs_events.append(LateEvent(lands_after=2))
+        return inputs_events[-1]
+
+    late = DeferredTokens(lambda: LateEvent(engine_lands=True), runner.input_batch, inputs_event)
+    runner.deferred = late
     launched = []
     real_launch = runner.deferred.launch
 
@@ -173,5 +180,7 @@ def test_engine_with_late_copies_matches_the_sync_engine(path: str) -> None:
     runner.deferred.launch = spy  # type: ignore[method-assign]
     assert engine_tokens(llm, batch, params) == want
     assert sum(launched) > 20  # most steps took the deferred path
+    # Every step but the last waited for its predecessor's input copies before writing its own.
+    assert len(inputs_events) > 20 and all(e.queries == 2 for e in inputs_events[:-1])
     assert llm.llm_engine.scheduler.num_preemptions > 0
     assert_pool_clean(llm.llm_engine)

@@ -15,7 +15,12 @@ is processed, except step N+1's input, and that can be fed on the device. So, he
 - the engine thread waits for the event (bounded, `WAIT_TIMEOUT_S`) only when it applies the
   step's output (`ModelRunnerOutput.pending_token_ids`), and the runner writes the real ids
   into its copies as soon as they have arrived (`fill`), before anything reads them from the
-  host (a recomputation, a step that is not plain greedy).
+  host (a recomputation, a step that is not plain greedy);
+- the step's inputs are copied to the device from pinned buffers that the next step rewrites:
+  with no blocking read left at the end of a step, the runner records an event once a step's
+  input copies are queued (`inputs_queued`) and the next step waits for it (bounded) before
+  it writes them, as vLLM's runner does; those copies run first in the step, so the wait is
+  short.
 
 Only plain greedy steps take this path (`eligible`): sampling that reads the request's past
 tokens on the host (penalties, bad_words) or returns logprobs would need the ids first. The CPU
@@ -46,6 +51,18 @@ WAIT_TIMEOUT_S = 60.0
 _POLL_S = 20e-6
 
 
+def _wait_event(event: Any, timeout_s: float, what: str) -> None:
+    """Poll `event` until done; `TimeoutError` naming `what` after `timeout_s` seconds (a
+    CUDA event's own `synchronize()` has no bound)."""
+    deadline = time.monotonic() + timeout_s
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{what} within {timeout_s:g} s of their launch: the device is hung or far behind"
+            )
+        time.sleep(_POLL_S)
+
+
 class PendingTokens:
     """One step's sampled ids (one per sampled request) on their way to the host."""
 
@@ -67,14 +84,7 @@ class PendingTokens:
     def wait(self, timeout_s: float = WAIT_TIMEOUT_S) -> list[int]:
         """The ids, once the copy has landed; `TimeoutError` after `timeout_s` seconds."""
         if self._ids is None:
-            deadline = time.monotonic() + timeout_s
-            while not self.event.query():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"a step's sampled token ids did not reach the host within {timeout_s:g} "
-                        "s of the copy's launch: the device is hung or far behind"
-                    )
-                time.sleep(_POLL_S)
+            _wait_event(self.event, timeout_s, "a step's sampled token ids did not reach the host")
             self._ids = self.host.tolist()
         return self._ids
 
@@ -110,12 +120,21 @@ class DeferredTokens:
     """The runner's sampled ids still on their way to the host; used on the worker thread.
 
     `rows` is the runner's `InputBatch` (its `req_index` and `token_ids`): a row that cached a
-    placeholder gets the real id too, for a later step that reads that position again."""
+    placeholder gets the real id too, for a later step that reads that position again.
+    `make_event` makes the events after the sampled ids' copies, `inputs_event` (default: the
+    same) those after a step's input copies."""
 
-    def __init__(self, make_event: Callable[[], Any], rows: Any) -> None:
+    def __init__(
+        self,
+        make_event: Callable[[], Any],
+        rows: Any,
+        inputs_event: Callable[[], Any] | None = None,
+    ) -> None:
         self.make_event = make_event
+        self.inputs_event = inputs_event or make_event
         self.rows = rows
         self._in_flight: deque[_InFlight] = deque()
+        self._inputs_copied: Any = None  # the event after the last step's input copies
 
     @classmethod
     def create(cls, config: Any, device: torch.device, tp_size: int, rows: Any) -> Any:
@@ -159,10 +178,19 @@ class DeferredTokens:
         self._in_flight.append(_InFlight(pending, slots))
         return pending
 
+    def inputs_queued(self) -> None:
+        """A step's input copies (host to device) are queued: mark the point on the stream."""
+        self._inputs_copied = self.inputs_event()
+        self._inputs_copied.record()
+
     def fill(self, wait: bool, timeout_s: float = WAIT_TIMEOUT_S) -> None:
-        """Write the ids that have arrived into the requests' copies (and the batch rows that
-        cached their placeholders), oldest step first; with `wait`, all of them (each wait
-        bounded by `timeout_s`)."""
+        """Before a step writes its inputs: wait (bounded) until the last step's input copies
+        have run, then write the ids that have arrived into the requests' copies (and the batch
+        rows that cached their placeholders), oldest step first; with `wait`, all of them
+        (each wait bounded by `timeout_s`)."""
+        if self._inputs_copied is not None:
+            _wait_event(self._inputs_copied, timeout_s, "a step's input copies did not run")
+            self._inputs_copied = None
         rows = self.rows
         while self._in_flight and (wait or self._in_flight[0].pending.ready()):
             done = self._in_flight.popleft()

@@ -245,6 +245,8 @@ class ModelRunner:
         if state_plan is not None:
             attn_metadata.update(self.recurrent.begin(state_plan))
         model_kwargs = self.kind_part.model_inputs(step, attn_metadata)
+        if self.deferred is not None:  # the next step rewrites the pinned input buffers
+            self.deferred.inputs_queued()
         if self.tp_size > 1:
             self.tp.check_workers()
             self.tp.broadcast(("step", encode_step(step, tables, loras, state_plan)))
