@@ -8,6 +8,8 @@ fp32), three ways, taking turns round after round so machine noise hits them ali
 
 - `offline`: `LLMEngine` in this process, one request at a time;
 - `serve (core process)`: `tokenwise serve`, its engine in an engine-core process (the default);
+- `serve (core, nice 0)`: the same with `TOKENWISE_SERVER_NICE=0`, the API process at the
+  priority it was started with (server_priority.py: by default it yields to the core);
 - `serve (engine thread)`: `tokenwise serve` with `TOKENWISE_ENABLE_MULTIPROCESSING=0`.
 
 Each round sends every mode the same requests in turn (token-id prompts U[32,384], 128 new
@@ -30,7 +32,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import vs_llamacpp as vs  # noqa: E402
 
-MODES = ("offline", "serve (core process)", "serve (engine thread)")
+# Room for one 512-token sequence of the largest shape (Qwen3-0.6B in fp32: ~115 MiB).
+KV_CACHE_MEMORY, KV_CACHE_MEMORY_BYTES = "160MiB", 160 << 20
+# Each server mode and the environment its server starts with (inherited by its processes).
+SERVERS = {
+    "serve (core process)": {"TOKENWISE_ENABLE_MULTIPROCESSING": "1"},
+    "serve (core, nice 0)": {"TOKENWISE_ENABLE_MULTIPROCESSING": "1", "TOKENWISE_SERVER_NICE": "0"},
+    "serve (engine thread)": {"TOKENWISE_ENABLE_MULTIPROCESSING": "0"},
+}
 
 
 def offline_tpot_ms(engine: object, prompts: list[list[int]]) -> list[float]:
@@ -64,7 +73,16 @@ def main(argv: list[str] | None = None) -> int:
         default="native",
         help="avx2: all three modes as on an AVX2+FMA CPU (vs_llamacpp.AVX2_ENV), fp32",
     )
+    p.add_argument(
+        "--skip-engine-thread",
+        action="store_true",
+        help="leave out `serve (engine thread)` (the slowest mode) to save time",
+    )
     args = p.parse_args(argv)
+    server_modes = {
+        m: e for m, e in SERVERS.items() if not (args.skip_engine_thread and "thread" in m)
+    }
+    modes = ("offline", *server_modes)
     flags = vs.cpu_flags(Path("/proc/cpuinfo").read_text())
     if args.cpu == "avx2":
         if "torch" in sys.modules:
@@ -78,30 +96,27 @@ def main(argv: list[str] | None = None) -> int:
     common = [
         sys.executable, "-m", "tokenwise.entrypoints.cli", "serve", "--model", str(hf_dir),
         "--dtype", torch_dtype, "--max-model-len", str(vs.MAX_MODEL_LEN), "--max-num-seqs", "1",
-        "--kv-cache-memory", "64MiB", "--disable-log-requests", "--host", "127.0.0.1",
+        "--kv-cache-memory", KV_CACHE_MEMORY, "--disable-log-requests", "--host", "127.0.0.1",
     ]  # fmt: skip
     logs = Path(args.cache_dir) / "logs"
     servers = {}
-    for mode, env in (("serve (core process)", "1"), ("serve (engine thread)", "0")):
+    for i, (mode, env) in enumerate(server_modes.items()):
         port = vs.free_port()
-        srv = vs.Server(mode, [*common, "--port", str(port)], port, logs / f"svo-{env}.log")
-        servers[mode] = srv
+        cmd = [*common, "--port", str(port)]
+        servers[mode] = vs.Server(mode, cmd, port, logs / f"svo-{i}.log", env)
     try:
-        for mode, srv in servers.items():
-            # Read by the server at start-up (the environment is inherited).
-            os.environ["TOKENWISE_ENABLE_MULTIPROCESSING"] = "1" if "core" in mode else "0"
+        for srv in servers.values():
             srv.start(600)
-        os.environ.pop("TOKENWISE_ENABLE_MULTIPROCESSING", None)
         from tokenwise.engine.llm_engine import LLMEngine
         from tokenwise.entrypoints.llm import build_engine_config
 
         config = build_engine_config(
             str(hf_dir), dtype=torch_dtype, max_model_len=vs.MAX_MODEL_LEN, max_num_seqs=1,
-            kv_cache_memory=64 << 20,
+            kv_cache_memory=KV_CACHE_MEMORY_BYTES,
         )  # fmt: skip
         engine = LLMEngine(config, "cpu")
         rng = random.Random(args.seed)
-        tpots: dict[str, list[float]] = {m: [] for m in MODES}
+        tpots: dict[str, list[float]] = {m: [] for m in modes}
         for url in [s.url for s in servers.values()]:  # warm-up
             vs.drive(vs.client_args(url, 1, 1, 1, random_input_len=(32, 32), output_len=8), 300)
         offline_tpot_ms(engine, [[rng.randrange(4096) for _ in range(32)]])
@@ -112,14 +127,16 @@ def main(argv: list[str] | None = None) -> int:
                 [prompt_rng.randrange(4096) for _ in range(prompt_rng.randint(*vs.INPUT_LEN))]
                 for _ in range(args.requests)
             ]
-            order = MODES if rnd % 2 == 0 else tuple(reversed(MODES))
+            order = modes if rnd % 2 == 0 else tuple(reversed(modes))
             for mode in order:
                 if mode == "offline":
                     tpots[mode].append(statistics.mean(offline_tpot_ms(engine, prompts)))
                 else:
                     ns = vs.client_args(servers[mode].url, args.requests, 1, seed)
                     tpots[mode].append(vs.drive(ns, 1800)["mean_tpot_ms"])
-            print(f"round {rnd + 1}: " + ", ".join(f"{m} {tpots[m][-1]:.2f} ms" for m in MODES))
+            load = os.getloadavg()[0]
+            line = ", ".join(f"{m} {tpots[m][-1]:.2f} ms" for m in modes)
+            print(f"round {rnd + 1} (load average {load:.2f}): {line}", flush=True)
         engine.shutdown()
     finally:
         for srv in servers.values():
@@ -132,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"CPU flags: {' '.join(flags) or 'none of ' + ' '.join(vs.CPU_FLAGS)}")
     print(f"{'mode':<24}{'median TPOT (ms)':>18}{'decode tok/s':>14}{'vs offline':>12}")
-    for mode in MODES:
+    for mode in modes:
         tpot = statistics.median(tpots[mode])
         print(f"{mode:<24}{tpot:>18.2f}{1000 / tpot:>14.1f}{base / tpot:>11.2f}x")
     return 0

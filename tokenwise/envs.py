@@ -122,6 +122,14 @@ ENV_VARS: dict[str, EnvVar] = _declare(
         "0 runs the server's engine core in the server process instead of its own.",
     ),
     EnvVar(
+        "TOKENWISE_SERVER_NICE",
+        "int 0-19",
+        "10",
+        "How many nice levels `tokenwise serve`'s API process lowers its own priority once its "
+        "engine-core processes run, so its per-token HTTP work does not preempt their forward "
+        "pass's OpenMP threads (docs/performance.md); 0 leaves it as started.",
+    ),
+    EnvVar(
         "TOKENWISE_SERVER_DEV_MODE",
         "0|1",
         "0",

@@ -3,6 +3,7 @@ reasons as the synchronous engine in-process, and nothing follows a stream's fin
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -81,3 +82,30 @@ def test_refusal_at_start_names_the_setting(model_dir: str) -> None:
             async_scheduling=True,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2},
         )
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if entry.isdigit() and int(fields[1]) == pid:
+            kids.append(int(entry))
+    return kids
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="Linux thread priorities")
+def test_api_process_yields_to_its_engine_core(
+    booting_server: RemoteServer, client: OpenAI
+) -> None:
+    """`TOKENWISE_SERVER_NICE` (10 by default): the API process's threads lowered, its engine
+    core left at the priority the server was started with (server_priority.py)."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    pid = booting_server.proc.pid
+    tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    assert {os.getpriority(os.PRIO_PROCESS, t) for t in tids} == {min(19, base + 10)}
+    cores = [k for k in _children(pid) if "spawn_main" in open(f"/proc/{k}/cmdline").read()]
+    assert cores and all(os.getpriority(os.PRIO_PROCESS, k) == base for k in cores)

@@ -96,6 +96,8 @@ class AsyncStepLoop:
         engine.step_recorder.begin(done, scheduled_at, engine._stats)
         try:
             result = future.result()  # the pass itself is bounded as a synchronous one is
+            if result.pending_token_ids is not None:  # a GPU's non-blocking copy (bounded)
+                result.sampled_token_ids = result.pending_token_ids.token_lists()
         except Exception as exc:
             engine.step_recorder.forward_done(failed=True)
             self._fail([done], exc, touched)

@@ -176,3 +176,6 @@ class ModelRunnerOutput:
     # EAGLE: the target features this step computed, per request
     # (`tokenwise.runner.target_hidden.TargetHidden`); None unless an EAGLE head proposes.
     target_hidden: Any = None
+    # Async scheduling on a GPU: the sampled ids still on their way to the host
+    # (`runner.deferred_tokens.PendingTokens`); `sampled_token_ids` is empty until then.
+    pending_token_ids: Any = None

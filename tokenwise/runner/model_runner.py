@@ -27,6 +27,7 @@ from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, S
 from tokenwise.forward_context import set_forward_context
 from tokenwise.layer_registry import get_layers_from_config
 from tokenwise.runner import verify_rows
+from tokenwise.runner.deferred_tokens import DeferredTokens
 from tokenwise.runner.graph_runner import CUDAGraphRunner
 from tokenwise.runner.graph_setup import default_capture_sizes, graph_setup
 from tokenwise.runner.input_batch import InputBatch, StepInputs
@@ -165,6 +166,8 @@ class ModelRunner:
         )
         self.kind_part.setup()
         self.pipeline = PipelineStages(self, pipeline) if pipeline is not None else None
+        # Async scheduling on a GPU: sampled ids come back by a non-blocking copy.
+        self.deferred = DeferredTokens.create(config, self.device, self.tp_size, self.input_batch)
 
     # ---- KV cache (sized and allocated by `kv_sizer`) ---------------------------------------
 
@@ -214,7 +217,11 @@ class ModelRunner:
         if self.pipeline is not None:  # through every stage, on virtual engine 0
             return self.pipeline.execute_model(scheduler_output)
         self.kind_part.begin_step(scheduler_output)
+        if self.deferred is not None:  # the sampled ids that reached the host, before reads
+            self.deferred.fill(wait=False)
         step, ordered = self._prepare(scheduler_output, self.input_batch)
+        if self.deferred is not None:  # the others: fed on the device
+            self.deferred.patch_inputs(step)
         num_sample_rows = len(step.logits_indices)
         prompt_rows = plan_prompt_logprobs(step)
         if prompt_rows is not None:  # after the sampling rows; TP workers compute them too
@@ -244,6 +251,8 @@ class ModelRunner:
             else:
                 attn_metadata.update(recurrent_md)
         model_kwargs = self.kind_part.model_inputs(step, attn_metadata)
+        if self.deferred is not None:  # the next step rewrites the pinned input buffers
+            self.deferred.inputs_queued()
         if self.tp_size > 1:
             self.tp.check_workers()
             self.tp.broadcast(("step", encode_step(step, tables, loras, state_plan)))
@@ -275,8 +284,16 @@ class ModelRunner:
         vocab = self.model_config.vocab_size
         logits = logits[:num_sample_rows]
         states = step.sampled_states
-        token_ids, logprobs = sample_step(self.sampler, logits, sampled, states, vocab, self.device)
-        self.requests.record(states, token_ids)
+        pending = None
+        if self.deferred is not None and capture is None:
+            pending = self.deferred.sample(self.sampler, logits, sampled, states, vocab)
+        if pending is not None:
+            token_ids, logprobs = [], None  # `pending` has them
+        else:
+            token_ids, logprobs = sample_step(
+                self.sampler, logits, sampled, states, vocab, self.device
+            )
+            self.requests.record(states, token_ids)
         if state_plan is not None:
             pairs = self.recurrent.restores(step, state_plan, sampled, token_ids)
             self.recurrent.restore(pairs, self.tp if self.tp_size > 1 else None)
@@ -287,6 +304,7 @@ class ModelRunner:
             num_tokens,
             prompt_logprobs=prompt_lps,
             target_hidden=target_hidden,
+            pending_token_ids=pending,
         )
 
     def _prepare(

@@ -33,13 +33,10 @@ def sample_step(
     request asked for logprobs."""
     if any(s.spec_token_ids for s in sampled):
         return verify_drafts(logits, sampled, states, vocab_size, device)
-    suppress_stop_tokens_before_min_tokens(logits, states)
     params = [st.sampling_params for st in states]
-    apply_logits_processors(logits, params, lambda i: states[i].output_token_ids)
-    # Guided rows: what their grammars forbid goes to -inf, one batched op for all rows.
-    apply_grammar_bitmask(logits, [st.grammar for st in states], vocab_size)
     if Sampler.is_plain_greedy(params):  # argmax only: no sampling metadata to build
-        return _singles(sampler.greedy(logits).sampled_token_ids), None
+        return _singles(greedy_ids(sampler, logits, states, vocab_size)), None
+    _process_rows(logits, states, params, vocab_size)
     metadata = SamplingMetadata.from_params(
         params,
         [st.generator for st in states],
@@ -52,9 +49,31 @@ def sample_step(
     return _singles(out.sampled_token_ids), out.logprobs
 
 
+def _process_rows(
+    logits: torch.Tensor,
+    states: list[CachedRequestState],
+    params: list,
+    vocab_size: int,
+) -> None:
+    """What each row's request asks of its logits before a token is chosen, in place."""
+    suppress_stop_tokens_before_min_tokens(logits, states)
+    apply_logits_processors(logits, params, lambda i: states[i].output_token_ids)
+    # Guided rows: what their grammars forbid goes to -inf, one batched op for all rows.
+    apply_grammar_bitmask(logits, [st.grammar for st in states], vocab_size)
+
+
+def greedy_ids(
+    sampler: Sampler, logits: torch.Tensor, states: list[CachedRequestState], vocab_size: int
+) -> torch.Tensor:
+    """Plain greedy rows (`Sampler.is_plain_greedy`) after their processing: each row's
+    token id, left where the logits are (async scheduling on a GPU copies them itself)."""
+    _process_rows(logits, states, [st.sampling_params for st in states], vocab_size)
+    return sampler.greedy(logits).sampled_token_ids
+
+
 def _singles(token_ids: torch.Tensor) -> list[list[int]]:
     """One emitted token per request (a step without drafts)."""
     return [[t] for t in token_ids.tolist()]
 
 
-__all__ = ["sample_step"]
+__all__ = ["greedy_ids", "sample_step"]

@@ -54,6 +54,7 @@ from tokenwise.entrypoints.openai.protocol_tokenization import DetokenizeRequest
 from tokenwise.entrypoints.openai.request_fields import accept_fields
 from tokenwise.entrypoints.openai.responses_store import ResponseStore
 from tokenwise.entrypoints.openai.server_config import ServerConfig, with_family_parsers
+from tokenwise.entrypoints.openai.server_priority import yield_to_engine_cores
 from tokenwise.entrypoints.openai.serving_chat import ChatServing
 from tokenwise.entrypoints.openai.serving_common import json_response
 from tokenwise.entrypoints.openai.serving_completions import CompletionServing
@@ -321,6 +322,8 @@ def build_server(
     metrics = ServerMetrics(config.served_model_name)
     # Engine-core processes: the event loop reads their outputs itself (no relay thread).
     front = AsyncCoreEngine if hasattr(engine, "output_fd") else AsyncEngine
+    if front is AsyncCoreEngine:
+        yield_to_engine_cores()  # the cores run at the priority we started with
     async_engine = front(
         engine,
         observer=metrics.observe,
