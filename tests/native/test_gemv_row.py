@@ -1,5 +1,5 @@
-"""The one-row float32 path of `native/gemv.c` (`gemv_row.h`: one weight row after another)
-built for haswell (AVX2 + FMA) agrees with the build for this CPU, and gives the same bits
+"""The one-row path of `native/gemv.c` (`gemv_row.h`: one weight row after another, float32 or
+bf16) built for haswell (AVX2 + FMA) agrees with the build for this CPU, and gives the same bits
 whatever the thread count: each output is one row's dot product, summed in one fixed order."""
 
 from __future__ import annotations
@@ -39,15 +39,25 @@ def _call(lib: ctypes.CDLL, x, weight, bias, threads: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_one_row_haswell_agrees_with_native_and_f64(libs, n: int, k: int, with_bias: bool) -> None:  # noqa: F811
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_row_haswell_agrees_with_native_and_f64(
+    libs,  # noqa: F811
+    n: int,
+    k: int,
+    with_bias: bool,
+    dtype: torch.dtype,
+) -> None:
     haswell, native = libs
     gen = torch.Generator().manual_seed(n * 10_000 + k)
-    weight = torch.randn(n, k, generator=gen)
-    bias = torch.randn(n, generator=gen) if with_bias else None
-    x = torch.randn(1, k, generator=gen)
+    weight = torch.randn(n, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    x = torch.randn(1, k, generator=gen).to(dtype)
     exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
-    # float32 sums in some order: within 1e-5 of |x| @ |W| (plus the bias's own rounding).
+    # float32 sums in some order: within 1e-5 of |x| @ |W| (plus the bias's own rounding);
+    # bf16 results then rounded once more (half a bf16 unit: 2^-9 relative, 2^-8 to be safe).
     bound = 1e-5 * (x.abs().double() @ weight.abs().double().T + 1.0)
+    if dtype == torch.bfloat16:
+        bound = bound + exact.abs() * 2.0**-8
     a = cpu_gemv.linear(haswell, x, weight, bias)
     b = cpu_gemv.linear(native, x, weight, bias)
     assert a.shape == b.shape == (1, n)

@@ -224,8 +224,8 @@ int tw_gemv(const void *x, const void *w, const void *bias, void *y, int64_t M, 
     float *widened; /* bf16 x widened, unless the bf16 dot products read it as it is */
     const float *xf = x_as_f32(x, M * K, bf16 && !xh, &widened);
     if (!xf) return -2;
-    if (M == 1 && !bf16) /* one row of float32: one weight row after another (gemv_row.h) */
-        TW_PARALLEL_ROWS(N, 16, run_one_row_f32(w, x, K, n0, n1, bias, y));
+    if (M == 1) /* one weight row after another (gemv_row.h) */
+        TW_PARALLEL_ROWS(N, 16, run_one_row(w, bf16, xf, xh, K, n0, n1, bias, y));
     else if (M > TW_DIRECT_MAX_M)
         TW_PARALLEL_ROWS(N, 16, run_rows_tiled(w, bf16, xf, xh, K, n0, n1, M, bias, y, N, bf16));
     else
