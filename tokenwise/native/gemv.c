@@ -17,6 +17,7 @@
  * says which, so the caller can keep its own path where this one would not be faster.
  */
 #include "linear.h"
+#include "gemv_row.h"
 
 int tw_gemv_isa(void) {
 #if defined(TW_AVX512_BF16)
@@ -223,7 +224,9 @@ int tw_gemv(const void *x, const void *w, const void *bias, void *y, int64_t M, 
     float *widened; /* bf16 x widened, unless the bf16 dot products read it as it is */
     const float *xf = x_as_f32(x, M * K, bf16 && !xh, &widened);
     if (!xf) return -2;
-    if (M > TW_DIRECT_MAX_M)
+    if (M == 1) /* one weight row after another (gemv_row.h) */
+        TW_PARALLEL_ROWS(N, 16, run_one_row(w, bf16, xf, xh, K, n0, n1, bias, y));
+    else if (M > TW_DIRECT_MAX_M)
         TW_PARALLEL_ROWS(N, 16, run_rows_tiled(w, bf16, xf, xh, K, n0, n1, M, bias, y, N, bf16));
     else
         TW_PARALLEL_ROWS(N, 16, run_rows(w, bf16, xf, xh, K, n0, n1, (int)M, bias, y, N, bf16));

@@ -16,6 +16,13 @@ of that bandwidth; prepacked 27-29, F.linear 30-31) and 27-28 GB/s in bf16 (86-9
 26-27, F.linear 19-23). At 4-8 bf16 rows oneDNN's AMX kernels win (the kernel drops to 16-21
 GB/s, compute-bound), hence the per-dtype `MAX_ROWS`.
 
+At one row the kernel walks the weight rows in order, one contiguous stream per thread
+(`gemv_row.h`): blocks of 4 rows read side by side, the former path, made 4 short streams
+that the hardware prefetchers follow poorly. On an AVX-512 EPYC (2 vCPUs, shared) that took
+float32 built for haswell from 14-21 to 25-27 GB/s per thread on the Llama ~100M and Qwen3-0.6B
+layer shapes (a plain sum over the same bytes: 27-30 GB/s), bf16 with vdpbf16ps from 12-17 to
+22-27 GB/s.
+
 On AVX2 + FMA (16 vector registers) more than 2 rows of x go through a blocked path: register
 tiles of 3 weight rows by 4 rows of x, each block of weight rows read from memory once and
 then from the cache against every tile of x. A 2-core EPYC built for haswell (oneDNN capped
