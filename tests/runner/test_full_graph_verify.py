@@ -7,7 +7,7 @@ on the same persistent buffers, so stale or wrongly laid-out rows give wrong tok
 replayed graph would. Drafts come from an oracle that knows HF's continuation and plants a
 wrong draft every other step, so accepted and rejected drafts (and their rollback) both occur;
 near the end drafts are cut to the tokens left, so some steps mix requests with different draft
-counts and must keep today's path (piecewise or eager).
+counts: laid out as decode rows, those replay the FULL decode graph of their token count.
 """
 
 from __future__ import annotations
@@ -135,9 +135,10 @@ def test_uniform_verify_steps_replay_full_graphs_and_keep_greedy_output(
             assert (graph, desc, query_len) == (M.FULL, want, q)
             uniform_verify += padded != tokens  # padding requests (3 requests -> 16 tokens)
         elif any(drafts) and len(set(drafts)) > 1:  # verify rows of different draft counts
-            mixed += 1
-            assert query_len == 0 and (desc is None or not desc.uniform)
-            assert graph == (M.PIECEWISE if mode == M.FULL_AND_PIECEWISE else M.NONE)
+            mixed += 1  # as decode rows: the decode graph of the padded token count
+            padded = min(s for s in SIZES if s >= tokens)
+            want = BatchDescriptor(padded, padded, True) if exact else BatchDescriptor(padded)
+            assert (graph, desc, query_len) == (M.FULL, want, 1 + max(drafts))
     assert uniform_verify > 0 and mixed > 0
     # Each verify key replays the decode graph of its size: no graph of its own was captured.
     entries = llm.llm_engine.runner.graph_runner.full_model.entries

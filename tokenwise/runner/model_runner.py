@@ -222,8 +222,8 @@ class ModelRunner:
         has_lora = self._prepare_lora(loras, step)
         mode, desc, query_len = CUDAGraphMode.NONE, None, 0
         if self.graph_runner is not None and self.kind_part.may_replay_graphs(step):
-            query_len = verify_rows.uniform_query_len(step, self._verify_query_len)
-            mode, desc = self.graph_runner.plan(num_tokens, bool(query_len), has_lora, query_len)
+            query_len, plan_len = verify_rows.graph_query_len(step, self._verify_query_len)
+            mode, desc = self.graph_runner.plan(num_tokens, bool(plan_len), has_lora, plan_len)
             if mode == CUDAGraphMode.FULL and query_len > 1:
                 step = verify_rows.write_decode_rows(self.input_batch, step)  # the graph's rows
             if mode != CUDAGraphMode.NONE:
