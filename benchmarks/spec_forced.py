@@ -11,7 +11,8 @@ speculation can only lose there. What is real and what is not, here:
 - real: the shape's whole forward on every step (28 layers, fp32 random weights, the LM head
   over 151936 tokens), the proposers (n-gram, suffix) over the real token history, the
   per-request draft budget, verification (`rejection.verify`) and the engine loop, one stream,
-  wall clock, every mode in the same process taking turns round after round;
+  wall clock, every mode taking turns round after round on one engine (its drafter swapped
+  per mode, `drafters`; "off" has none, so it runs plain decode steps);
 - forced: which token the model emits. The built-in model (4M parameters, trained on Python:
   the only model here that writes code) first writes each workload's text
   (`spec_workloads.py`'s edit / summary / free prompts, greedy; free-sampled at temperature 1);
@@ -23,7 +24,7 @@ speculation can only lose there. What is real and what is not, here:
 Every mode's output is checked to be the trace, token for token. `--costs` instead times the
 shape's decode step and its steps verifying `d` drafts (a proposer that always proposes `d`),
 with verification under CPU graphs (`runner/verify_rows.graph_query_len`) and without (the
-eager path verification took before), both engines taking turns. CPU flags and the load
+eager path verification took before), taking turns on one engine. CPU flags and the load
 average are printed with the figures: on a shared machine read ratios, not absolute speeds.
 """
 
@@ -44,9 +45,10 @@ import torch  # noqa: E402
 
 from benchmarks.spec_workloads import _Fixed, workload_prompts  # noqa: E402
 from tokenwise import LLM, SamplingParams  # noqa: E402
-from tokenwise.config import CUDAGraphMode  # noqa: E402
+from tokenwise.config import CUDAGraphMode, SpeculativeConfig  # noqa: E402
+from tokenwise.engine.drafter import Drafter  # noqa: E402
 from tokenwise.model_config import cpu_flag_summary  # noqa: E402
-from tokenwise.runner import model_runner, verify_rows  # noqa: E402
+from tokenwise.runner import model_runner  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 MODES: dict[str, dict[str, Any] | None] = {
@@ -63,7 +65,7 @@ class ForcedTrace:
     keeps only the trace's token at that row's position (-inf elsewhere), so greedy decoding
     and verification (one row per draft position) both emit the trace."""
 
-    def __init__(self, sample_step: Any, traces: dict[tuple[int, ...], list[int]]) -> None:
+    def __init__(self, sample_step: Any, traces: dict[tuple[Any, ...], list[int]]) -> None:
         self.sample_step = sample_step
         self.traces = traces
 
@@ -72,7 +74,7 @@ class ForcedTrace:
     ) -> Any:
         row = 0
         for s, st in zip(sampled, states, strict=True):
-            trace = self.traces.get(tuple(st.prompt_token_ids))
+            trace = self.traces.get((st.sampling_params.temperature, *st.prompt_token_ids))
             done = len(st.output_token_ids)
             for j in range(len(s.spec_token_ids) + 1):
                 if trace is not None and done + j < len(trace):
@@ -100,25 +102,18 @@ def record_traces(
     return out
 
 
-def shape_engine(shape: str, spec: dict[str, Any] | None, graph_verify: bool = True) -> LLM:
-    """One stream of `shape` with random fp32 weights; `graph_verify=False` builds it with
-    verification kept eager (as before verification replayed graphs)."""
-    saved = verify_rows.graph_verify_len
-    if not graph_verify:
-        verify_rows.graph_verify_len = lambda *args: None  # type: ignore[assignment]
-    try:
-        return LLM(
-            str(CONFIGS / shape),
-            load_format="dummy",
-            dtype="float32",
-            skip_tokenizer_init=True,
-            speculative_config=spec,
-            max_num_seqs=1,
-            max_model_len=1024,  # not the shape's 40960: the 256 MiB cache holds it
-            kv_cache_memory=256 << 20,
-        )
-    finally:
-        verify_rows.graph_verify_len = saved
+def shape_engine(shape: str, spec: dict[str, Any] | None) -> LLM:
+    """One stream of `shape` with random fp32 weights."""
+    return LLM(
+        str(CONFIGS / shape),
+        load_format="dummy",
+        dtype="float32",
+        skip_tokenizer_init=True,
+        speculative_config=spec,
+        max_num_seqs=1,
+        max_model_len=1024,  # not the shape's 40960: the 256 MiB cache holds it
+        kv_cache_memory=256 << 20,
+    )
 
 
 class StepCounter:
@@ -170,27 +165,53 @@ def run_once(llm: LLM, traces: list[tuple[list[int], list[int], float]]) -> dict
     }
 
 
+def drafters(llm: LLM, modes: list[str]) -> dict[str, Drafter | None]:
+    """Each mode's drafter for the one engine (None: no speculation). The engine is built with
+    suffix decoding at its default 24 drafts; the other modes' drafters are made from their
+    own settings and swapped in, so the modes share one copy of the weights (each engine of
+    the 0.6B shape holds ~5 GB in fp32) and the scheduler, runner and graphs stay the same."""
+    engine = llm.llm_engine
+    out: dict[str, Drafter | None] = {}
+    for m in modes:
+        spec = MODES[m]
+        if spec is None:
+            out[m] = None
+        elif spec == MODES["suffix"]:
+            out[m] = engine.drafter
+        else:
+            config = SpeculativeConfig.from_dict(spec)
+            out[m] = Drafter(config, engine.config.model.max_model_len)
+    return out
+
+
 def end_to_end(args: argparse.Namespace) -> None:
     workloads = args.workloads.split(",")
     traces = record_traces(workloads, args.prompts, args.tokens)
     gc.collect()
     modes = args.modes.split(",")
-    engines = {m: shape_engine(args.shape, MODES[m]) for m in modes}
-    counters = {m: StepCounter(llm) for m, llm in engines.items()}
+    llm = shape_engine(args.shape, MODES["suffix"])
+    engine = llm.llm_engine
+    by_mode = drafters(llm, modes)
+    counter = StepCounter(llm)
     model_runner.sample_step = ForcedTrace(  # type: ignore[assignment]
-        model_runner.sample_step, {tuple(p): t for runs in traces.values() for p, t, _ in runs}
+        model_runner.sample_step,  # free and free-sampled share prompts: keyed by temperature too
+        {(temp, *p): t for runs in traces.values() for p, t, temp in runs},
     )
-    first = next(iter(traces.values()))[:1]
-    for llm in engines.values():  # warm-up: kernels built, graphs replayed once
-        run_once(llm, [(first[0][0], first[0][1][:8], 0.0)])
+    first = next(iter(traces.values()))[0]
+    for drafter in by_mode.values():  # warm-up: kernels built, graphs replayed once
+        engine.drafter = drafter
+        run_once(llm, [(first[0], first[1][:8], 0.0)])
     for kind in workloads:
         load = os.getloadavg()[0]
         runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
-        for c in counters.values():
-            c.verify = c.graphed = 0
+        graphed: dict[str, list[int]] = {m: [0, 0] for m in modes}
         for _ in range(args.rounds):
-            for m, llm in engines.items():
+            for m, drafter in by_mode.items():
+                engine.drafter = drafter
+                counter.verify = counter.graphed = 0
                 runs[m].append(run_once(llm, traces[kind]))
+                graphed[m][0] += counter.graphed
+                graphed[m][1] += counter.verify
         base = statistics.median(r["tps"] for r in runs["off"])
         base_best = max(r["tps"] for r in runs["off"])
         print(
@@ -205,29 +226,27 @@ def end_to_end(args: argparse.Namespace) -> None:
         for m in modes:
             tps = statistics.median(r["tps"] for r in runs[m])
             best = max(r["tps"] for r in runs[m])
-            last, c = runs[m][-1], counters[m]
-            graphed = f"{c.graphed}/{c.verify}" if c.verify else "-"
+            last, (on_graph, verify) = runs[m][-1], graphed[m]
             print(
                 f"| {m} | {tps:.2f} | {tps / base:.2f}x | {best / base_best:.2f}x | "
-                f"{last['acceptance'] * 100:.0f}% | {last['mean_len']:.2f} | {graphed} |",
+                f"{last['acceptance'] * 100:.0f}% | {last['mean_len']:.2f} | "
+                f"{f'{on_graph}/{verify}' if verify else '-'} |",
                 flush=True,
             )
 
 
 def costs(args: argparse.Namespace) -> None:
-    """Per-step cost of verifying `d` drafts, verification on graphs and eager, in turns."""
+    """Per-step cost of verifying `d` drafts, verification on graphs and eager, in turns, on
+    one engine: "eager" clears the runner's verify setting (`_verify_query_len`), which keeps
+    every verifying step off the graphs, as before they could replay them."""
     ds = [int(d) for d in args.ds.split(",")]
-    spec = {"method": "suffix", "num_speculative_tokens": max(ds)}
-    engines = {
-        "graph": shape_engine(args.shape, spec, graph_verify=True),
-        "eager": shape_engine(args.shape, spec, graph_verify=False),
-    }
-    fixed = {}
-    for name, llm in engines.items():
-        drafter = llm.llm_engine.drafter
-        assert drafter is not None
-        fixed[name] = drafter.suffix = _Fixed()  # type: ignore[assignment]
-        drafter.budget.limit = lambda rid, f=fixed[name]: f.d  # type: ignore[method-assign]
+    llm = shape_engine(args.shape, {"method": "suffix", "num_speculative_tokens": max(ds)})
+    runner = llm.llm_engine.runner
+    verify_len = {"graph": runner._verify_query_len, "eager": None}
+    drafter = llm.llm_engine.drafter
+    assert drafter is not None
+    fixed = drafter.suffix = _Fixed()  # type: ignore[assignment]
+    drafter.budget.limit = lambda rid: fixed.d  # type: ignore[method-assign]
     prompt = {"prompt_token_ids": list(range(3, 35))}
     params = SamplingParams(temperature=0.0, max_tokens=args.cost_tokens, ignore_eos=True)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -235,8 +254,9 @@ def costs(args: argparse.Namespace) -> None:
     load = os.getloadavg()[0]
     for r in range(args.rounds + 1):  # the first round warms up
         for d in ds:
-            for name, llm in engines.items():
-                fixed[name].d = d
+            for name, value in verify_len.items():
+                runner._verify_query_len = value
+                fixed.d = d
                 start = time.perf_counter()
                 llm.generate([prompt], one, use_tqdm=False)
                 prefill = time.perf_counter() - start
@@ -255,7 +275,7 @@ def costs(args: argparse.Namespace) -> None:
     )
     print("| verification | " + " | ".join(f"d={d}" for d in ds) + " |")
     print("|---|" + "---|" * len(ds))
-    for name in engines:
+    for name in verify_len:
         decode = best[(name, 0)]
         cells = [f"{best[(name, d)] * 1e3:.1f} ({best[(name, d)] / decode:.2f}x)" for d in ds]
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)

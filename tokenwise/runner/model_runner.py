@@ -28,7 +28,7 @@ from tokenwise.forward_context import set_forward_context
 from tokenwise.layer_registry import get_layers_from_config
 from tokenwise.runner import verify_rows
 from tokenwise.runner.graph_runner import CUDAGraphRunner
-from tokenwise.runner.graph_setup import default_capture_sizes, graph_setup
+from tokenwise.runner.graph_setup import default_capture_sizes, graph_rows, graph_setup
 from tokenwise.runner.input_batch import InputBatch, StepInputs
 from tokenwise.runner.kind_part import RunnerKindPart
 from tokenwise.runner.kv_cache_sizing import KVCacheSizer, cache_layers, make_kv_cache_layout
@@ -77,7 +77,7 @@ class ModelRunner:
         compilation = config.compilation
         if self._capturer_factory is not None and compilation.cudagraph_capture_sizes is None:
             compilation.cudagraph_capture_sizes = default_capture_sizes(
-                scheduler.max_num_seqs, scheduler.max_num_batched_tokens, str(config.device)
+                graph_rows(config), scheduler.max_num_batched_tokens, str(config.device)
             )
         max_capture = compilation.max_capture_size if self._capturer_factory else 0
         max_num_tokens = max(scheduler.max_num_batched_tokens, max_capture)
