@@ -158,8 +158,9 @@ def test_draft_model_verification_replays_full_graphs(
 ) -> None:
     """A draft model (the target with noise on one layer: some drafts accepted, some not)
     runs eagerly beside the target, whose uniform verify steps replay FULL graphs. With
-    `max_num_seqs=4` decode graphs stop at 4 tokens, so verify keys of 8 and 16 tokens (2 and
-    4 requests) have no decode twin and capture graphs of their own."""
+    `max_num_seqs=4` decode graphs stop at 8 rows (on CPU, `graph_rows`: a verifying step of 2
+    requests), so the verify key of 16 tokens (4 requests) has no decode twin and captures a
+    graph of its own."""
     path, prompts, refs = prompts_and_refs
     spec = {"model": noisy_draft(), "num_speculative_tokens": K, "disable_by_batch_size": 64}
     monkeypatch.setenv(selector.ENV_VAR, "triton")
@@ -177,6 +178,6 @@ def test_draft_model_verification_replays_full_graphs(
     ]
     assert full_verify and all(d.uniform and d.num_reqs == d.num_tokens // q for d in full_verify)
     entries = llm.llm_engine.runner.graph_runner.full_model.entries
-    own = {BatchDescriptor(8, 2, True), BatchDescriptor(16, 4, True)}
-    assert own <= set(entries) and BatchDescriptor(4, 1, True) not in entries
+    assert BatchDescriptor(16, 4, True) in entries and BatchDescriptor(8, 8, True) in entries
+    assert not {BatchDescriptor(4, 1, True), BatchDescriptor(8, 2, True)} & set(entries)
     assert BatchDescriptor(16, 4, True) in full_verify  # 3 requests verifying: 12 -> 16 tokens
