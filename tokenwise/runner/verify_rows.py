@@ -20,7 +20,7 @@ rows, which replays the decode graph of its token count. `write_decode_rows` wri
 into the input batch's own buffers, which the graph reads. A verifying step then costs a
 replayed decode step of `1 + d` rows (the C GEMV streams each weight once for all of them)
 instead of an eager forward: on the Qwen3-0.6B shape in fp32, eager verification of one
-draft cost 1.32x a replayed decode step (`benchmarks/spec_workloads.py --costs-only`).
+draft cost 1.32x a replayed decode step (`benchmarks/spec_forced.py --costs` compares both).
 """
 
 from __future__ import annotations
