@@ -200,7 +200,7 @@ def end_to_end(args: argparse.Namespace) -> None:
     first = next(iter(traces.values()))[0]
     for drafter in by_mode.values():  # warm-up: kernels built, graphs replayed once
         engine.drafter = drafter
-        run_once(llm, [(first[0], first[1][:8], 0.0)])
+        run_once(llm, [(first[0], first[1][:8], first[2])])
     for kind in workloads:
         load = os.getloadavg()[0]
         runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
