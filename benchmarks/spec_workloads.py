@@ -147,8 +147,9 @@ def step_costs(
     """Seconds per step of a random-weight `shape` decoding one stream while verifying `d`
     drafts every step (any tokens: a step's cost does not depend on which are accepted),
     the fastest of `rounds`; d = 0 is a plain decode step. One engine, configured for suffix
-    decoding (whose verifying steps run eagerly, as its draft counts vary), with a proposer
-    that always proposes `d`."""
+    decoding (verifying steps of up to 8 rows replay CPU graphs, larger ones run eagerly), with
+    a proposer that always proposes `d`. `spec_forced.py --costs` also times eager
+    verification beside it."""
     prompt = list(range(3, 35))
     llm = LLM(
         str(CONFIGS / shape),

@@ -7,7 +7,7 @@ on the same persistent buffers, so stale or wrongly laid-out rows give wrong tok
 replayed graph would. Drafts come from an oracle that knows HF's continuation and plants a
 wrong draft every other step, so accepted and rejected drafts (and their rollback) both occur;
 near the end drafts are cut to the tokens left, so some steps mix requests with different draft
-counts and must keep today's path (piecewise or eager).
+counts: laid out as decode rows, those replay the FULL decode graph of their token count.
 """
 
 from __future__ import annotations
@@ -135,9 +135,10 @@ def test_uniform_verify_steps_replay_full_graphs_and_keep_greedy_output(
             assert (graph, desc, query_len) == (M.FULL, want, q)
             uniform_verify += padded != tokens  # padding requests (3 requests -> 16 tokens)
         elif any(drafts) and len(set(drafts)) > 1:  # verify rows of different draft counts
-            mixed += 1
-            assert query_len == 0 and (desc is None or not desc.uniform)
-            assert graph == (M.PIECEWISE if mode == M.FULL_AND_PIECEWISE else M.NONE)
+            mixed += 1  # as decode rows: the decode graph of the padded token count
+            padded = min(s for s in SIZES if s >= tokens)
+            want = BatchDescriptor(padded, padded, True) if exact else BatchDescriptor(padded)
+            assert (graph, desc, query_len) == (M.FULL, want, 1 + max(drafts))
     assert uniform_verify > 0 and mixed > 0
     # Each verify key replays the decode graph of its size: no graph of its own was captured.
     entries = llm.llm_engine.runner.graph_runner.full_model.entries
@@ -157,8 +158,9 @@ def test_draft_model_verification_replays_full_graphs(
 ) -> None:
     """A draft model (the target with noise on one layer: some drafts accepted, some not)
     runs eagerly beside the target, whose uniform verify steps replay FULL graphs. With
-    `max_num_seqs=4` decode graphs stop at 4 tokens, so verify keys of 8 and 16 tokens (2 and
-    4 requests) have no decode twin and capture graphs of their own."""
+    `max_num_seqs=4` decode graphs stop at 8 rows (on CPU, `graph_rows`: a verifying step of 2
+    requests), so the verify key of 16 tokens (4 requests) has no decode twin and captures a
+    graph of its own."""
     path, prompts, refs = prompts_and_refs
     spec = {"model": noisy_draft(), "num_speculative_tokens": K, "disable_by_batch_size": 64}
     monkeypatch.setenv(selector.ENV_VAR, "triton")
@@ -176,6 +178,6 @@ def test_draft_model_verification_replays_full_graphs(
     ]
     assert full_verify and all(d.uniform and d.num_reqs == d.num_tokens // q for d in full_verify)
     entries = llm.llm_engine.runner.graph_runner.full_model.entries
-    own = {BatchDescriptor(8, 2, True), BatchDescriptor(16, 4, True)}
-    assert own <= set(entries) and BatchDescriptor(4, 1, True) not in entries
+    assert BatchDescriptor(16, 4, True) in entries and BatchDescriptor(8, 8, True) in entries
+    assert not {BatchDescriptor(4, 1, True), BatchDescriptor(8, 2, True)} & set(entries)
     assert BatchDescriptor(16, 4, True) in full_verify  # 3 requests verifying: 12 -> 16 tokens

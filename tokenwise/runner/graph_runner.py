@@ -41,7 +41,11 @@ from tokenwise.config import CUDAGraphMode, EngineConfig
 from tokenwise.distributed.dp_coordination import coordinate_step_across_dp
 from tokenwise.forward_context import BatchDescriptor, set_forward_context
 from tokenwise.lora.layers import LoRAState
-from tokenwise.runner.graph_setup import check_cudagraph_config, default_capture_sizes
+from tokenwise.runner.graph_setup import (
+    check_cudagraph_config,
+    default_capture_sizes,
+    graph_rows,
+)
 from tokenwise.runner.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
@@ -88,7 +92,7 @@ class CUDAGraphRunner:
         scheduler = config.scheduler
         if compilation.cudagraph_capture_sizes is None:
             compilation.cudagraph_capture_sizes = default_capture_sizes(
-                scheduler.max_num_seqs, scheduler.max_num_batched_tokens, str(config.device)
+                graph_rows(config), scheduler.max_num_batched_tokens, str(config.device)
             )
         self.capture_sizes = list(compilation.cudagraph_capture_sizes)
         max_size = compilation.max_capture_size
@@ -101,7 +105,8 @@ class CUDAGraphRunner:
                 "sliding-window attention: FULL CUDA graphs disabled, mixed-batch graphs only"
             )
         self.layer_names = list(layer_specs)
-        self.dispatcher = CUDAGraphDispatcher(compilation, scheduler.max_num_seqs)
+        # Decode graphs up to `graph_rows` rows: on CPU, verifying steps replay them too.
+        self.dispatcher = CUDAGraphDispatcher(compilation, graph_rows(config))
         # Uniform verification batches (every request 1 + k tokens) get FULL keys of their own;
         # the model runner lays such a step out as decode rows (`verify_rows.py`), so each
         # replays the decode graph of its size (`_graph_key`).

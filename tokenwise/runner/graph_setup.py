@@ -22,6 +22,7 @@ from tokenwise.compilation.cuda_graph import (
 )
 from tokenwise.compilation.piecewise import PieceWrapper
 from tokenwise.config import CUDAGraphMode, EngineConfig
+from tokenwise.runner.verify_rows import GRAPH_VERIFY_METHODS
 
 CPU_MAX_CAPTURE_SIZE = 8
 
@@ -82,6 +83,20 @@ def graph_setup(
         )
 
     return factory, wrap_piece
+
+
+def graph_rows(config: EngineConfig) -> int:
+    """The most decode rows a graph step may hold: `max_num_seqs`, or on CPU, under a proposer
+    whose verifying steps replay decode graphs (`verify_rows.GRAPH_VERIFY_METHODS`), 1 + k rows
+    a request, up to `CPU_MAX_CAPTURE_SIZE`. Without this one stream (`max_num_seqs=1`) would
+    get a graph of one row only, and every verifying step would run eagerly."""
+    seqs = config.scheduler.max_num_seqs
+    spec = config.speculative
+    if not str(config.device).startswith("cpu") or spec is None:
+        return seqs
+    if spec.method not in GRAPH_VERIFY_METHODS or spec.num_speculative_tokens is None:
+        return seqs
+    return max(seqs, min(CPU_MAX_CAPTURE_SIZE, seqs * (1 + spec.num_speculative_tokens)))
 
 
 def default_capture_sizes(

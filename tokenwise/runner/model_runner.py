@@ -29,7 +29,7 @@ from tokenwise.layer_registry import get_layers_from_config
 from tokenwise.runner import verify_rows
 from tokenwise.runner.deferred_tokens import DeferredTokens
 from tokenwise.runner.graph_runner import CUDAGraphRunner
-from tokenwise.runner.graph_setup import default_capture_sizes, graph_setup
+from tokenwise.runner.graph_setup import default_capture_sizes, graph_rows, graph_setup
 from tokenwise.runner.input_batch import InputBatch, StepInputs
 from tokenwise.runner.kind_part import RunnerKindPart
 from tokenwise.runner.kv_cache_sizing import KVCacheSizer, cache_layers, make_kv_cache_layout
@@ -79,7 +79,7 @@ class ModelRunner:
         compilation = config.compilation
         if self._capturer_factory is not None and compilation.cudagraph_capture_sizes is None:
             compilation.cudagraph_capture_sizes = default_capture_sizes(
-                scheduler.max_num_seqs, scheduler.max_num_batched_tokens, str(config.device)
+                graph_rows(config), scheduler.max_num_batched_tokens, str(config.device)
             )
         max_capture = compilation.max_capture_size if self._capturer_factory else 0
         max_num_tokens = max(scheduler.max_num_batched_tokens, max_capture)
@@ -231,8 +231,8 @@ class ModelRunner:
         has_lora = self._prepare_lora(loras, step)
         mode, desc, query_len = CUDAGraphMode.NONE, None, 0
         if self.graph_runner is not None and self.kind_part.may_replay_graphs(step):
-            query_len = verify_rows.uniform_query_len(step, self._verify_query_len)
-            mode, desc = self.graph_runner.plan(num_tokens, bool(query_len), has_lora, query_len)
+            query_len, plan_len = verify_rows.graph_query_len(step, self._verify_query_len)
+            mode, desc = self.graph_runner.plan(num_tokens, bool(plan_len), has_lora, plan_len)
             if mode == CUDAGraphMode.FULL and query_len > 1:
                 step = verify_rows.write_decode_rows(self.input_batch, step)  # the graph's rows
             if mode != CUDAGraphMode.NONE:

@@ -11,11 +11,16 @@ forward cost 2.5x a decode step's.
 
 Only the attention metadata changes: the runner still samples one row per request and token.
 
-The same layout lets a uniform verification batch (every request verifying exactly `k` drafts)
-replay a FULL CUDA graph on any device: the graph was captured over decode rows, and the
-backend's forward writes every new key and value before it attends. `uniform_query_len` says
-whether a step is one, and `write_decode_rows` writes its rows into the input batch's own
-buffers, which the graph reads.
+The same layout lets a verification batch replay a FULL graph (CUDA, or a CPU graph) on any
+device: the graph was captured over decode rows, and the backend's forward writes every new key
+and value before it attends. `graph_query_len` says whether a step is one: a uniform batch
+(every request verifying exactly `k` drafts) or, for proposers whose draft counts vary from
+step to step (suffix decoding, the per-request draft budget), any batch of decode and verify
+rows, which replays the decode graph of its token count. `write_decode_rows` writes its rows
+into the input batch's own buffers, which the graph reads. A verifying step then costs a
+replayed decode step of `1 + d` rows (the C GEMV streams each weight once for all of them)
+instead of an eager forward: on the Qwen3-0.6B shape in fp32, eager verification of one
+draft cost 1.32x a replayed decode step (`benchmarks/spec_forced.py --costs` compares both).
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ from tokenwise.runner.input_batch import InputBatch, StepInputs
 
 # Queries this long or shorter, after a context, are verification-sized.
 MAX_VERIFY_QUERY = 16
+# Proposers that run beside the target and leave its graphs alone (EAGLE and MTP read the
+# target's hidden states, which they need from an eager forward).
+GRAPH_VERIFY_METHODS = ("ngram", "suffix", "draft_model")
 
 
 def is_verify_step(step: StepInputs) -> bool:
@@ -48,11 +56,11 @@ def is_verify_step(step: StepInputs) -> bool:
 def graph_verify_len(spec: SpeculativeConfig | None, plain_decoder: bool) -> int | None:
     """1 + k when uniform verification batches get FULL graphs of their own, else None.
 
-    For proposers that run beside the target, whose graphs they leave alone (n-gram, draft
-    model; EAGLE and MTP need the target eager), over plain causal decoder attention (the
-    layers whose verification rows are decode rows).
+    For proposers that run beside the target, whose graphs they leave alone
+    (`GRAPH_VERIFY_METHODS`), over plain causal decoder attention (the layers whose
+    verification rows are decode rows).
     """
-    if spec is None or spec.method not in ("ngram", "draft_model") or not plain_decoder:
+    if spec is None or spec.method not in GRAPH_VERIFY_METHODS or not plain_decoder:
         return None
     return 1 + spec.num_speculative_tokens
 
@@ -76,6 +84,30 @@ def uniform_query_len(step: StepInputs, verify_query_len: int | None) -> int:
     ):
         return verify_query_len
     return 0
+
+
+def graph_query_len(step: StepInputs, verify_query_len: int | None) -> tuple[int, int]:
+    """How a step may replay a FULL graph: (its query length for the step record, the query
+    length to dispatch it with), (0, 0) when it is not uniform for graphs.
+
+    A uniform batch is `(q, q)` (`uniform_query_len`). With verify graphs on
+    (`verify_query_len` set), any other step whose requests each run one token plus their
+    drafts, some with drafts, is `(longest query, 1)`: laid out as one decode row per query
+    token (`write_decode_rows`) it is a decode batch of `num_tokens` rows, and replays the
+    decode graph of that size (padded). The draft budget and suffix decoding vary the draft
+    count per step and per request, so without this most verifying steps would run eagerly.
+    """
+    q = uniform_query_len(step, verify_query_len)
+    if q:
+        return q, q
+    if verify_query_len is None or not step.num_reqs or len(step.scheduled) != step.num_reqs:
+        return 0, 0
+    longest = 1
+    for s in step.scheduled:
+        if s.num_new_tokens != 1 + len(s.spec_token_ids):
+            return 0, 0
+        longest = max(longest, s.num_new_tokens)
+    return (longest, 1) if longest > 1 else (0, 0)
 
 
 def _row_layout(step: StepInputs) -> tuple[np.ndarray, np.ndarray]:
@@ -149,7 +181,9 @@ def as_decode_rows(step: StepInputs, tables: GroupTables) -> tuple[StepInputs, G
 
 __all__ = [
     "MAX_VERIFY_QUERY",
+    "GRAPH_VERIFY_METHODS",
     "as_decode_rows",
+    "graph_query_len",
     "graph_verify_len",
     "is_verify_step",
     "uniform_query_len",

@@ -18,8 +18,9 @@ code). So each request has its own budget:
   with a single draft (the cheapest verifying step), and the back-off resets once a probe
   pays.
 
-A verifying step with many drafts costs most (on the Qwen3-0.6B shape in fp32 on CPU: 1.2x a
-decode step with 1 draft, 1.7x with 4, 1.8x with 8-24), so the limit only grows on evidence.
+A verifying step with many drafts costs most (on the Qwen3-0.6B shape in fp32 on CPU, CPU time
+at one thread: 1.05x a decode step with 1 draft and 1.2x with 4-7, replaying CPU graphs; past
+7 drafts, eagerly, ~1.3x and more), so the limit only grows on evidence.
 
 Only steps that verified drafts are counted: a proposer that found nothing cost nothing.
 """
