@@ -148,6 +148,8 @@ def main() -> None:
         help="no CPU graphs: the forward's kernels are timed one by one (a replay runs them in C)",
     )
     args = parser.parse_args()
+    if args.batch < 1:
+        parser.error(f"--batch must be at least 1, got {args.batch}")
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM(
@@ -158,8 +160,6 @@ def main() -> None:
         quantization=args.quantization,
         enforce_eager=True if args.enforce_eager else None,
     )
-    if args.batch < 1:
-        parser.error(f"--batch must be at least 1, got {args.batch}")
     generator = torch.Generator().manual_seed(0)
     prompts = [
         torch.randint(3, 4000, (256,), generator=generator).tolist() for _ in range(args.batch)
