@@ -164,7 +164,6 @@ def main() -> None:
     prompts = [
         torch.randint(3, 4000, (256,), generator=generator).tolist() for _ in range(args.batch)
     ]
-    prompt = prompts[0]
     params = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)  # warm-up: kernels built, caches touched
     timers = Timers()
@@ -194,7 +193,7 @@ def main() -> None:
         print(f"| {name} | {ms:.3f} | {100 * ms / step_ms:.1f}% |")
     print(f"| **step** | {step_ms:.3f} | 100% |")
     if args.ops:
-        print_ops(llm, prompt, params, args.ops)
+        print_ops(llm, prompts, params, args.ops)
 
 
 _RUNNER_PARTS = {
@@ -207,11 +206,11 @@ _RUNNER_PARTS = {
 }
 
 
-def print_ops(llm: LLM, prompt: list[int], params: SamplingParams, top: int) -> None:
+def print_ops(llm: LLM, prompts: list[list[int]], params: SamplingParams, top: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        llm.generate([prompt], params, use_tqdm=False)
+        llm.generate(prompts, params, use_tqdm=False)
     steps = OUTPUT_LEN  # one prefill step included: the per-step figures are a little high
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events) / steps / 1e3
