@@ -14,7 +14,6 @@ import torch
 
 from tokenwise.layers.quantization import weight_only
 from tokenwise.layers.quantization.weight_only import quantize, reference_dequantize
-from tokenwise.native import build as native_build
 from tokenwise.native import qgemv as cpu_qgemv
 
 FORMATS = [(8, True), (4, True), (4, False)]
@@ -24,18 +23,12 @@ N, K = 37, 512  # 37 weight rows: blocks of rows, then single ones
 
 
 @pytest.fixture(scope="module")
-def libs(tmp_path_factory):
-    """The native build (the engine's) and the AVX2+FMA one, built in a temporary cache."""
+def libs(haswell_qgemv):
+    """The native build (the engine's) and the AVX2+FMA one (built in a temporary cache)."""
     native = cpu_qgemv.load()
     if native is None or native.tw_qgemv_isa() == 0:
         pytest.skip("no vector build of the quantized kernel here (no compiler, AVX2 or libgomp)")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TOKENWISE_CPU_MARCH", "haswell")
-        mp.setenv("TOKENWISE_KERNEL_CACHE", str(tmp_path_factory.mktemp("kernels")))
-        path = native_build.build(
-            native_build.find_compiler(), cpu_qgemv.KERNEL.source, "qgemv", cpu_qgemv.flags()
-        )
-    haswell = cpu_qgemv.open_library(path)
+    haswell = cpu_qgemv.open_library(haswell_qgemv[0])
     assert haswell.tw_qgemv_isa() == 1
     return {"native": native, "haswell": haswell}
 
