@@ -6,6 +6,9 @@
 
 #include "linear.h"
 
+/* The most rows of x one call takes (more than MAX_M go in tiles: qgemv.c's `run_tiles`). */
+#define QMAX_ROWS 64
+
 /* Element i of a float32 (`f32`) or float16 parameter array, as float32. */
 INLINE float param(const void *p, int64_t i, int f32) {
     return f32 ? ((const float *)p)[i] : f16_to_f32(((const uint16_t *)p)[i]);

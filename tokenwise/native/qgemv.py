@@ -1,7 +1,8 @@
 """The C kernels of group-quantized linear layers on CPU (`qgemv.c`), loaded through ctypes.
 
-`tw_qgemv` multiplies up to 8 rows of activations by int8 or int4 weights, widening each group
-in registers (decode: bound by reading the weights, so fewer bytes per weight is faster).
+`tw_qgemv` multiplies up to 64 rows of activations by int8 or int4 weights, widening each group
+in registers (decode: bound by reading the weights, so fewer bytes per weight is faster; above
+8 rows, tiles of rows share each block of weights read once: decode batches of 8-64 sequences).
 bfloat16 activations run on integers: by default quantized to int8 per 32 values, llama.cpp's
 arithmetic for its Q8_0 / Q4_0 dot products (`TOKENWISE_CPU_QUANT_ACTIVATIONS=int16` keeps 16
 bits instead: 1/65534 of a group's largest value rather than 1/254, and 1.3-1.8x slower on
@@ -35,7 +36,10 @@ KERNEL = build.Kernel(
     fallback="layers dequantize with torch ops",
     needs_libgomp=True,
 )
+# Rows the kernel multiplies together in registers; one call takes up to KERNEL_MAX_ROWS, in
+# tiles of rows that each read a block of weights from the cache (`run_tiles` in qgemv.c).
 MAX_ROWS = 8
+KERNEL_MAX_ROWS = 64
 ISA_NAMES = {0: "plain C", 1: "AVX2", 2: "AVX-512"}
 ACTIVATIONS_ENV = "TOKENWISE_CPU_QUANT_ACTIVATIONS"
 ACTIVATION_BITS = {"int8": 8, "int16": 16}
@@ -130,8 +134,8 @@ def qgemv(
     out_features: int,
     x_bits: int | None = None,
 ) -> torch.Tensor:
-    """`x @ dequant(W)^T + bias` for x of at most `MAX_ROWS` rows (over its last dim), x float32
-    or bfloat16 (bias of x's dtype); all tensors contiguous CPU tensors. `x_bits` (default
+    """`x @ dequant(W)^T + bias` for x of at most `KERNEL_MAX_ROWS` rows (over its last dim), x
+    float32 or bfloat16 (bias of x's dtype); all tensors contiguous CPU tensors. `x_bits` (default
     `default_x_bits(x.dtype)`) is what x is quantized to where the shapes allow: 8 (either
     dtype), 16 (bfloat16 x only), or 32 (float32 x: none, the exact float path)."""
     # Every Python step here runs once per layer per decode step: no reshape (a contiguous x

@@ -38,10 +38,15 @@ from tokenwise.layers.quantization import gpu_weight_only
 from tokenwise.native import qgemv as cpu_qgemv
 
 BITS = (8, 4)
-# Row counts above which the dense weight is rebuilt for torch's matmul, rather than the kernel
-# run over blocks of 8 rows (each block reads all weights again). Measured in
-# benchmarks/quantized_linear.py: see the module docstring there.
-KERNEL_MAX_ROWS = 32
+# Row counts, by weight bits, above which the dense weight is rebuilt for torch's matmul rather
+# than the kernel run over chunks of `cpu_qgemv.KERNEL_MAX_ROWS` rows (each chunk one call that
+# tiles its rows, every weight block read once: `qgemv.c`'s `run_tiles`). Rebuilding costs the
+# same at any row count (int4 about 2.5 ns per weight on one AVX2 core, int8 about 1), the
+# kernel grows with the rows: on the Qwen3-0.6B shape's layers, one AVX2 thread, 64 rows took
+# int4 6.1-6.4 ms through the kernel against 15.9 dequantized, int8 7.9 against 9.8
+# (benchmarks/RESULTS.md, 2026-11-28), so int4 pays up to about 512 rows, int8 to about 128.
+# Those are figures of the int8-activation path; the others stop at one call's rows.
+KERNEL_MAX_ROWS = {8: 128, 4: 512}
 
 
 def group_multiple(bits: int) -> int:
@@ -139,19 +144,24 @@ class QuantizedWeight:
         if x.device.type != "cpu":
             return gpu_weight_only.linear(self, x, bias)
         lib = cpu_qgemv.load() if x.dtype in (torch.float32, torch.bfloat16) else None
-        if lib is None or rows == 0 or rows > KERNEL_MAX_ROWS:
+        if lib is None or rows == 0:
             return F.linear(x, self._stored_dense(x.dtype), bias)
-        if rows <= cpu_qgemv.MAX_ROWS:
-            return self._kernel(lib, x, bias)
+        x_bits = cpu_qgemv.default_x_bits(x.dtype, self.gguf_file)
+        chunk = cpu_qgemv.KERNEL_MAX_ROWS
+        if rows > (KERNEL_MAX_ROWS[self.bits] if x_bits == 8 else chunk):
+            return F.linear(x, self._stored_dense(x.dtype), bias)
+        if rows <= chunk:
+            return self._kernel(lib, x, bias, x_bits)
         flat = x.reshape(rows, self.shape[1])
-        parts = [self._kernel(lib, flat[i : i + 8], bias) for i in range(0, rows, 8)]
+        parts = [
+            self._kernel(lib, flat[i : i + chunk], bias, x_bits) for i in range(0, rows, chunk)
+        ]
         return torch.cat(parts).reshape(*x.shape[:-1], self.shape[0])
 
-    def _kernel(self, lib, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _kernel(self, lib, x: torch.Tensor, bias: torch.Tensor | None, x_bits: int) -> torch.Tensor:
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
         args = (self.qweight, self.scales, self.offsets, bias, self.bits, self.group_size)
-        x_bits = cpu_qgemv.default_x_bits(x.dtype, self.gguf_file)
         return cpu_qgemv.qgemv(lib, x, *args, self.shape[0], x_bits=x_bits)
 
 
