@@ -40,7 +40,7 @@ import torch
 
 from tokenwise.engine.step_outputs import ScheduledRequest
 from tokenwise.runner.request_states import CachedRequestState
-from tokenwise.runner.sample_step import greedy_ids
+from tokenwise.runner.sample_step import greedy_ids, sample_step
 from tokenwise.sampling.params import SamplingParams
 from tokenwise.sampling.sampler import Sampler
 
@@ -233,3 +233,22 @@ class DeferredTokens:
             values = torch.cat(src).to(input_ids.dtype)
             input_ids.index_copy_(0, _index(dst, input_ids.device), values)
         return len(dst)
+
+
+def sample_or_defer(
+    deferred: DeferredTokens | None,
+    sampler: Sampler,
+    logits: torch.Tensor,
+    sampled: list[ScheduledRequest],
+    states: list[CachedRequestState],
+    vocab_size: int,
+    device: torch.device,
+) -> tuple[list[list[int]], Any, PendingTokens | None]:
+    """A step's sampling: `(token_ids, logprobs, None)` on the host as usual, or `([], None,
+    pending)` when `deferred` leaves the ids on the device and their copy in flight."""
+    if deferred is not None:
+        pending = deferred.sample(sampler, logits, sampled, states, vocab_size)
+        if pending is not None:
+            return [], None, pending
+    token_ids, logprobs = sample_step(sampler, logits, sampled, states, vocab_size, device)
+    return token_ids, logprobs, None

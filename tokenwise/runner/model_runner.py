@@ -14,9 +14,8 @@ from typing import Any
 import torch
 
 from tokenwise.attention.backends.selector import get_attn_backend
-from tokenwise.attention.layer import Attention, AttentionLayerBase
+from tokenwise.attention.layer import AttentionLayerBase
 from tokenwise.attention.metadata import AttentionMetadata
-from tokenwise.attention.utils import AttentionType
 from tokenwise.config import CUDAGraphMode, EngineConfig
 from tokenwise.distributed.dp_coordination import DPStepCounts, coordinate_step_across_dp
 from tokenwise.distributed.pp_channel import PipelineChannel
@@ -27,7 +26,7 @@ from tokenwise.engine.step_outputs import ModelRunnerOutput, ScheduledRequest, S
 from tokenwise.forward_context import set_forward_context
 from tokenwise.layer_registry import get_layers_from_config
 from tokenwise.runner import verify_rows
-from tokenwise.runner.deferred_tokens import DeferredTokens
+from tokenwise.runner.deferred_tokens import DeferredTokens, sample_or_defer
 from tokenwise.runner.graph_runner import CUDAGraphRunner
 from tokenwise.runner.graph_setup import default_capture_sizes, graph_rows, graph_setup
 from tokenwise.runner.input_batch import InputBatch, StepInputs
@@ -39,8 +38,7 @@ from tokenwise.runner.prompt_logprobs import plan_prompt_logprobs, score_prompt_
 from tokenwise.runner.recurrent_graph import attach_recurrent_inputs
 from tokenwise.runner.recurrent_states import RecurrentStates
 from tokenwise.runner.request_states import RequestStates
-from tokenwise.runner.sample_step import sample_step
-from tokenwise.runner.step_metadata import StepMetadata
+from tokenwise.runner.step_metadata import make_step_metadata
 from tokenwise.runner.target_hidden import TargetHiddenCapture
 from tokenwise.runner.ubatch_runner import Trace, run_ubatches
 from tokenwise.sampling.sampler import Sampler
@@ -104,21 +102,9 @@ class ModelRunner:
         self.hidden_capture: TargetHiddenCapture | None = None
         # Layers grouped by KV-cache spec; each group's layers share one metadata object.
         self.kv_cache_layout = make_kv_cache_layout(config, self.attn_layers)
-        # Verification steps may attend as decode rows (`verify_rows.py`): plain causal decoder
-        # attention on CPU only, where the one-call decode kernel takes them.
-        plain_decoder = all(
-            type(layer) is Attention and layer.attn_type is AttentionType.DECODER
-            for layer in self.attn_layers.values()
+        self.step_metadata, self._verify_query_len = make_step_metadata(
+            config, self.kv_cache_layout, self.attn_layers, self.device
         )
-        self.step_metadata = StepMetadata(
-            self.kv_cache_layout,
-            self.attn_layers,
-            self.block_size,
-            self.device,
-            verify_as_decode=self.device.type == "cpu" and plain_decoder,
-        )
-        # Uniform verification batches replay FULL graphs over the same decode rows (any device).
-        self._verify_query_len = verify_rows.graph_verify_len(config.speculative, plain_decoder)
         self.input_batch = InputBatch(
             max_num_reqs=max(scheduler.max_num_seqs, max_capture),
             max_num_tokens=max_num_tokens,
@@ -231,12 +217,9 @@ class ModelRunner:
         has_lora = self._prepare_lora(loras, step)
         mode, desc, query_len = CUDAGraphMode.NONE, None, 0
         if self.graph_runner is not None and self.kind_part.may_replay_graphs(step):
-            query_len, plan_len = verify_rows.graph_query_len(step, self._verify_query_len)
-            mode, desc = self.graph_runner.plan(num_tokens, bool(plan_len), has_lora, plan_len)
-            if mode == CUDAGraphMode.FULL and query_len > 1:
-                step = verify_rows.write_decode_rows(self.input_batch, step)  # the graph's rows
-            if mode != CUDAGraphMode.NONE:
-                step = self.input_batch.pad(step, desc.num_tokens)
+            step, mode, desc, query_len = verify_rows.plan_graph(
+                self.graph_runner, self.input_batch, step, has_lora, self._verify_query_len
+            )
         self.last_graph = (mode, desc if mode != CUDAGraphMode.NONE else None)
         self.last_query_len = query_len
         attn_metadata, tables = None, {}
@@ -281,18 +264,12 @@ class ModelRunner:
             return ModelRunnerOutput(
                 [], [], None, num_tokens, prompt_logprobs=prompt_lps, target_hidden=target_hidden
             )
-        vocab = self.model_config.vocab_size
-        logits = logits[:num_sample_rows]
         states = step.sampled_states
-        pending = None
-        if self.deferred is not None and capture is None:
-            pending = self.deferred.sample(self.sampler, logits, sampled, states, vocab)
-        if pending is not None:
-            token_ids, logprobs = [], None  # `pending` has them
-        else:
-            token_ids, logprobs = sample_step(
-                self.sampler, logits, sampled, states, vocab, self.device
-            )
+        token_ids, logprobs, pending = sample_or_defer(
+            self.deferred if capture is None else None, self.sampler,
+            logits[:num_sample_rows], sampled, states, self.model_config.vocab_size, self.device,
+        )  # fmt: skip
+        if pending is None:
             self.requests.record(states, token_ids)
         if state_plan is not None:
             pairs = self.recurrent.restores(step, state_plan, sampled, token_ids)

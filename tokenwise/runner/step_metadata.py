@@ -17,13 +17,16 @@ from typing import Any
 
 import torch
 
+from tokenwise.attention.layer import Attention, AttentionLayerBase
 from tokenwise.attention.metadata import AttentionMetadata, CommonMetadataBuilder
+from tokenwise.attention.utils import AttentionType
+from tokenwise.config import EngineConfig
 from tokenwise.distributed.pp_state import get_pp_size
 from tokenwise.distributed.step_message import GroupTables
 from tokenwise.kv_cache.layout import KVCacheLayout
 from tokenwise.kv_cache.specs import CrossAttentionSpec
 from tokenwise.runner.input_batch import InputBatch, StepInputs
-from tokenwise.runner.verify_rows import as_decode_rows, is_verify_step
+from tokenwise.runner.verify_rows import as_decode_rows, graph_verify_len, is_verify_step
 
 
 def metadata_groups(
@@ -122,3 +125,30 @@ class StepMetadata:
                 block_table_first_block=first,
             )
         return {name: metadata_by_group[g] for name, g in self.index_of.items()}
+
+
+def make_step_metadata(
+    config: EngineConfig,
+    layout: KVCacheLayout,
+    attn_layers: dict[str, AttentionLayerBase],
+    device: torch.device,
+) -> tuple[StepMetadata, int | None]:
+    """The runner's `StepMetadata`, and the query length of the verification batches that
+    replay FULL graphs over decode rows (None: none do; `verify_rows.graph_verify_len`).
+
+    Verification steps may attend as decode rows only over plain causal decoder attention,
+    and on CPU only, where the one-call decode kernel takes them; uniform verification batches
+    replay FULL graphs over the same decode rows on any device.
+    """
+    plain_decoder = all(
+        type(layer) is Attention and layer.attn_type is AttentionType.DECODER
+        for layer in attn_layers.values()
+    )
+    metadata = StepMetadata(
+        layout,
+        attn_layers,
+        config.cache.block_size,
+        device,
+        verify_as_decode=device.type == "cpu" and plain_decoder,
+    )
+    return metadata, graph_verify_len(config.speculative, plain_decoder)

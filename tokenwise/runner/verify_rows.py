@@ -26,11 +26,12 @@ draft cost 1.32x a replayed decode step (`benchmarks/spec_forced.py --costs` com
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import torch
 
-from tokenwise.config import SpeculativeConfig
+from tokenwise.config import CUDAGraphMode, SpeculativeConfig
 from tokenwise.distributed.step_message import GroupTables
 from tokenwise.runner.input_batch import InputBatch, StepInputs
 
@@ -189,3 +190,18 @@ __all__ = [
     "uniform_query_len",
     "write_decode_rows",
 ]
+
+
+def plan_graph(
+    graph_runner: Any, batch: InputBatch, step: StepInputs, has_lora: bool, verify_len: int | None
+) -> tuple[StepInputs, CUDAGraphMode, Any, int]:
+    """How `graph_runner` runs `step`: `(step laid out for it, mode, batch descriptor, query
+    length for the step record)`. A FULL graph over verifying rows reads them as decode rows
+    (`write_decode_rows`); any graph pads the step to its descriptor's token count."""
+    query_len, plan_len = graph_query_len(step, verify_len)
+    mode, desc = graph_runner.plan(step.num_tokens, bool(plan_len), has_lora, plan_len)
+    if mode == CUDAGraphMode.FULL and query_len > 1:
+        step = write_decode_rows(batch, step)  # the graph's rows
+    if mode != CUDAGraphMode.NONE:
+        step = batch.pad(step, desc.num_tokens)
+    return step, mode, desc, query_len
