@@ -8,8 +8,8 @@ fp32), three ways, taking turns round after round so machine noise hits them ali
 
 - `offline`: `LLMEngine` in this process, one request at a time;
 - `serve (core process)`: `tokenwise serve`, its engine in an engine-core process (the default);
-- `serve (core, nice 0)`: the same with `TOKENWISE_SERVER_NICE=0`, the API process at the
-  priority it was started with (server_priority.py: by default it yields to the core);
+- `serve (core, nice 10)`: the same with `TOKENWISE_SERVER_NICE=10`, the API process yielding
+  to its core (server_priority.py; off by default);
 - `serve (engine thread)`: `tokenwise serve` with `TOKENWISE_ENABLE_MULTIPROCESSING=0`.
 
 Each round sends every mode the same requests in turn (token-id prompts U[32,384], 128 new
@@ -37,7 +37,10 @@ KV_CACHE_MEMORY, KV_CACHE_MEMORY_BYTES = "160MiB", 160 << 20
 # Each server mode and the environment its server starts with (inherited by its processes).
 SERVERS = {
     "serve (core process)": {"TOKENWISE_ENABLE_MULTIPROCESSING": "1"},
-    "serve (core, nice 0)": {"TOKENWISE_ENABLE_MULTIPROCESSING": "1", "TOKENWISE_SERVER_NICE": "0"},
+    "serve (core, nice 10)": {
+        "TOKENWISE_ENABLE_MULTIPROCESSING": "1",
+        "TOKENWISE_SERVER_NICE": "10",
+    },
     "serve (engine thread)": {"TOKENWISE_ENABLE_MULTIPROCESSING": "0"},
 }
 

@@ -124,10 +124,10 @@ ENV_VARS: dict[str, EnvVar] = _declare(
     EnvVar(
         "TOKENWISE_SERVER_NICE",
         "int 0-19",
-        "10",
+        "0",
         "How many nice levels `tokenwise serve`'s API process lowers its own priority once its "
         "engine-core processes run, so its per-token HTTP work does not preempt their forward "
-        "pass's OpenMP threads (docs/performance.md); 0 leaves it as started.",
+        "pass's OpenMP threads (docs/performance.md); 0 (default: it cost 6% on a quiet machine) leaves it as started.",
     ),
     EnvVar(
         "TOKENWISE_SERVER_DEV_MODE",

@@ -27,7 +27,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def booting_server(model_dir: str):
     # Started first and awaited only in `client`, so `llm` loads while the server boots.
     args = ("--served-model-name", NAME, "--async-scheduling")
-    with RemoteServer(model_dir, *args, wait=False) as srv:
+    env = {"TOKENWISE_SERVER_NICE": "10"}  # off by default; on here for its test below
+    with RemoteServer(model_dir, *args, env=env, wait=False) as srv:
         yield srv
 
 
@@ -101,7 +102,7 @@ def _children(pid: int) -> list[int]:
 def test_api_process_yields_to_its_engine_core(
     booting_server: RemoteServer, client: OpenAI
 ) -> None:
-    """`TOKENWISE_SERVER_NICE` (10 by default): the API process's threads lowered, its engine
+    """`TOKENWISE_SERVER_NICE=10`: the API process's threads lowered, its engine
     core left at the priority the server was started with (server_priority.py)."""
     base = os.getpriority(os.PRIO_PROCESS, 0)
     pid = booting_server.proc.pid

@@ -30,7 +30,7 @@ gate.set()
 """
 
 
-@pytest.mark.parametrize("raw, want", [("", 10), ("0", 0), (" 19 ", 19)])
+@pytest.mark.parametrize("raw, want", [("", 0), ("10", 10), (" 19 ", 19)])
 def test_server_nice_values(monkeypatch: pytest.MonkeyPatch, raw: str, want: int) -> None:
     if raw:
         monkeypatch.setenv(NICE_ENV, raw)
